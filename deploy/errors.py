@@ -1,0 +1,80 @@
+"""Typed errors shared by the engine, the router and the wire decoder.
+
+Every error a user can cause is a ``SpecError`` subclass carrying an HTTP status and a
+stable machine-readable ``code``; the router turns them into JSON 4xx replies, the CLI
+into one-line messages. Pure module: no Ray, no FastAPI.
+"""
+
+from __future__ import annotations
+
+
+class SpecError(Exception):
+    """Base class: ``status`` is the HTTP status, ``code`` a stable string for clients."""
+
+    status: int = 400
+    code: str = "bad_request"
+
+    def __init__(self, message: str, **details):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def to_dict(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message, **self.details}}
+
+
+class InvalidRequest(SpecError):
+    status, code = 400, "invalid_request"
+
+
+class InvalidTree(InvalidRequest):
+    """The draft tree is malformed (parents, sizes, depth, token ids)."""
+
+    code = "invalid_tree"
+
+
+class InvalidSamplingParams(InvalidRequest):
+    code = "invalid_sampling_params"
+
+
+class PrefixMismatch(SpecError):
+    """The edge assumed a different verified prefix length than the session has."""
+
+    status, code = 409, "prefix_mismatch"
+
+
+class Unauthorized(SpecError):
+    status, code = 401, "unauthorized"
+
+
+class Forbidden(SpecError):
+    status, code = 403, "forbidden"
+
+
+class SessionNotFound(SpecError):
+    status, code = 404, "session_not_found"
+
+
+class SessionEvicted(SpecError):
+    """The server dropped the session's KV cache; the edge re-opens it from its history."""
+
+    status, code = 410, "session_evicted"
+
+
+class SessionFinished(SpecError):
+    status, code = 409, "session_finished"
+
+
+class Overloaded(SpecError):
+    """Load shedding: the client should retry after ``retry_after`` seconds."""
+
+    status, code = 429, "overloaded"
+
+    def __init__(self, message: str, retry_after: float = 1.0, reason: str = "queue_full", **details):
+        super().__init__(message, retry_after=retry_after, reason=reason, **details)
+        self.retry_after = retry_after
+        self.reason = reason
+
+
+class PayloadTooLarge(SpecError):
+    status, code = 413, "payload_too_large"

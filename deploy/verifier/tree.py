@@ -1,0 +1,113 @@
+"""Draft token trees: structure, validation, tree attention mask, positions.
+
+Vocabulary (used across the engine, the router and the edge agent):
+
+- **prefix**: the tokens a session has verified so far (prompt + emitted tokens). Its
+  last token, the *root*, was emitted by the previous round (first token or bonus) and
+  is not yet in the KV cache; all earlier prefix tokens are.
+- **tree**: the draft the edge sends: ``tokens[i]`` and ``parents[i]`` for nodes
+  ``i = 0..n-1``, with ``parents[i] == -1`` meaning "child of the root" and otherwise
+  ``parents[i] < i`` (nodes are listed parents-first).
+- **node depth**: 1 for children of the root; the tree's depth is its deepest node.
+- **accepted path**: the nodes the target's own samples walk through, root downwards.
+- **bonus token**: the target's sample at the last node of the accepted path (a
+  token no child matched); it becomes the next root.
+
+A tree with one chain of k nodes is classic chain speculative decoding (SpecEdge §4.1,
+SpecExec/Sequoia trees as in SpecEdge §4.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from deploy.errors import InvalidTree
+
+
+@dataclass(frozen=True)
+class TreeLimits:
+    max_nodes: int = 64
+    max_depth: int = 32
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    @classmethod
+    def chain(cls, tokens) -> "DraftTree":
+        tokens = tuple(int(t) for t in tokens)
+        return cls(tokens, tuple(range(-1, len(tokens) - 1)))
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls((), ())
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return tuple(d)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """children[0] = children of the root; children[i + 1] = children of node i."""
+        ch: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents):
+            ch[p + 1].append(i)
+        return tuple(tuple(c) for c in ch)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node`` (inclusive)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def validate(self, vocab_size: int, limits: TreeLimits = TreeLimits(), allow_empty: bool = True) -> "DraftTree":
+        n = len(self.tokens)
+        if len(self.parents) != n:
+            raise InvalidTree(f"tree has {n} tokens but {len(self.parents)} parent indices")
+        if n == 0 and not allow_empty:
+            raise InvalidTree("empty tree")
+        if n > limits.max_nodes:
+            raise InvalidTree(f"tree has {n} nodes, the limit is {limits.max_nodes}")
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            if not (0 <= t < vocab_size):
+                raise InvalidTree(f"node {i}: token id {t} is outside the vocabulary [0, {vocab_size})")
+            if not (-1 <= p < i):
+                raise InvalidTree(f"node {i}: parent {p} must be -1 (root) or an earlier node index")
+        if self.depth > limits.max_depth:
+            raise InvalidTree(f"tree depth {self.depth} exceeds the limit {limits.max_depth}")
+        return self
+
+    def attention_mask(self) -> torch.Tensor:
+        """[n + 1, n + 1] bool: row/col 0 is the root, row i + 1 is node i.
+
+        Each position attends to itself and its ancestors only (the prefix part of the
+        mask is added by the engine).
+        """
+        n = len(self)
+        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        m[0, 0] = True
+        for i, p in enumerate(self.parents):
+            m[i + 1] = m[p + 1]
+            m[i + 1, i + 1] = True
+        return m
+
+    def position_offsets(self) -> torch.Tensor:
+        """[n + 1] long: depth of each forward position (root = 0)."""
+        return torch.tensor((0,) + self.depths, dtype=torch.long)
