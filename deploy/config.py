@@ -1,0 +1,137 @@
+"""All configuration of the cloud side, typed and validated in one place.
+
+``serve run deploy.app`` uses the defaults (embedded SmolLM2 target, one verifier, a
+development tenant). ``serve run deploy/config.yaml`` passes ``args`` that validate
+against :class:`AppConfig`; the Helm chart renders the same structure into the
+RayService's ``serveConfigV2`` (and its tests parse it with this model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEV_API_KEY = "specedge-dev-key"  # only when no tenants are configured; logged as a warning
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """Which target to load (see :func:`deploy.verifier.models.load_model`)."""
+
+    model: str = Field("embedded", description="'embedded', 'tiny-random', a .gguf file, an HF dir or id")
+    tokenizer: str | None = Field(None, description="tokenizer source when it differs from the model")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    seed: int = 0
+    tiny_config: dict | None = Field(None, description="overrides for tiny-random (vocab_size, num_layers, ...)")
+    max_model_len: int | None = Field(None, ge=16)
+
+
+class VerifierConfig(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    max_batch_sessions: int = Field(16, ge=1, le=1024)
+    max_batch_tokens: int = Field(2048, ge=1)
+    batch_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long to wait to fill a batch")
+    max_tree_nodes: int = Field(64, ge=1, le=1024)
+    max_tree_depth: int = Field(32, ge=1, le=1024)
+    max_prompt_tokens: int = Field(8192, ge=1)
+    kv_budget_tokens: int = Field(262_144, ge=256, description="LRU-evict sessions above this many KV tokens")
+    max_sessions: int = Field(4096, ge=1)
+    idle_timeout_s: float = Field(600.0, gt=0)
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus_per_stage: float = Field(0.0, ge=0)
+    torch_threads: int | None = Field(None, ge=1)
+    max_ongoing_requests: int = Field(1024, ge=1)
+    chain_top_k: int = Field(64, ge=1, le=4096, description="K of the sparse target distribution on rejection")
+
+
+class TenantConfig(_Strict):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    api_key_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    api_key: str | None = Field(None, min_length=8, description="plain key (dev only); hashed on load")
+    weight: float = Field(1.0, gt=0)
+    max_sessions: int = Field(64, ge=1)
+    tokens_per_second: float = Field(0.0, ge=0, description="token-rate limit, 0 = unlimited")
+    burst_tokens: float = Field(0.0, ge=0, description="bucket size; 0 = 10 s worth of tokens")
+
+    @model_validator(mode="after")
+    def _hash_key(self):
+        if (self.api_key is None) == (self.api_key_sha256 is None):
+            raise ValueError(f"tenant {self.name!r}: give exactly one of api_key_sha256, api_key")
+        if self.api_key is not None:
+            object.__setattr__(self, "api_key_sha256", hash_api_key(self.api_key))
+            object.__setattr__(self, "api_key", None)
+        return self
+
+
+class RouterConfig(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    max_queued_requests: int = Field(2048, ge=1, description="Serve-level queue limit (then 503/429)")
+    max_pending_verifies: int = Field(512, ge=1, description="router-side shedding threshold")
+    retry_after_s: float = Field(1.0, gt=0)
+    tenants_file: str | None = None
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    request_timeout_s: float = Field(60.0, gt=0)
+
+    @field_validator("tenants")
+    @classmethod
+    def _unique(cls, v):
+        names = [t.name for t in v]
+        if len(set(names)) != len(names):
+            raise ValueError("tenant names must be unique")
+        return v
+
+    def load_tenants(self) -> list[TenantConfig]:
+        tenants = list(self.tenants)
+        if self.tenants_file:
+            data = yaml.safe_load(Path(self.tenants_file).read_text()) or {}
+            tenants += [TenantConfig(**t) for t in data.get("tenants", [])]
+        if not tenants:
+            tenants = [TenantConfig(name="dev", api_key=DEV_API_KEY, max_sessions=4096)]
+        return tenants
+
+
+class PacingConfig(_Strict):
+    """SpecEdge §4.3 pacing and the load-aware tree budget."""
+
+    min_depth: int = Field(1, ge=1)
+    max_depth: int = Field(12, ge=1)
+    default_depth: int = Field(4, ge=1)
+    tree_budgets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64])
+    default_tree_budget: int = Field(32, ge=1)
+    ema: float = Field(0.2, gt=0, le=1)
+
+
+class ServerDraftConfig(_Strict):
+    """Server-only modes (no edge draft): plain AR and server-side speculative decoding."""
+
+    enabled: bool = True
+    model: ModelConfig | None = Field(None, description="server-side drafter; default: the project's draft")
+    depth: int = Field(4, ge=1, le=32)
+
+
+class AppConfig(_Strict):
+    target: ModelConfig = Field(default_factory=ModelConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    pacing: PacingConfig = Field(default_factory=PacingConfig)
+    server_draft: ServerDraftConfig = Field(default_factory=ServerDraftConfig)
+    route_prefix: str = "/"
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "AppConfig":
+        return cls(**(yaml.safe_load(Path(path).read_text()) or {}))
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()

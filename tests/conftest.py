@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random models, the embedded SmolLM2, one Ray instance per session."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(int(os.environ.get("SPECEDGE_TEST_THREADS", "2")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from deploy.verifier.models import tiny_random_model
+
+    return tiny_random_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The real SmolLM2-135M-Instruct in fp32 (exact greedy comparisons need fp32)."""
+    from deploy.verifier.models import load_model
+
+    return load_model("embedded", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (never attaches to `ray start`)."""
+    import ray
+    from ray import serve
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield {"http_port": port}
+    serve.shutdown()
+    ray.shutdown()
