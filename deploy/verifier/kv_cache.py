@@ -48,6 +48,21 @@ class SessionKV:
             raise ValueError(f"cannot truncate KV of length {self.length} to {length}")
         self.length = length
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep entries ``[0, start)`` then ``rows`` (indices >= start, in the given order).
+
+        Used by the edge drafter to compact draft-tree KV to the accepted path.
+        """
+        if not 0 <= start <= self.length or any(not start <= r < self.length for r in rows):
+            raise ValueError(f"cannot keep rows {rows} after {start} of a KV of length {self.length}")
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+            k_sel = self.k[:, :, : self.length].index_select(2, idx)  # [L, H, r, d] (a copy)
+            v_sel = self.v[:, :, : self.length].index_select(2, idx)
+            self.k[:, :, start : start + len(rows)] = k_sel
+            self.v[:, :, start : start + len(rows)] = v_sel
+        self.length = start + len(rows)
+
     def keys(self) -> torch.Tensor:  # [L, H, length, d]
         return self.k[:, :, : self.length]
 

@@ -30,6 +30,9 @@ class BatchItem:
     position_offsets: torch.Tensor  # [t] long: position = kv length + offset
     local_mask: torch.Tensor  # [t, t] bool: which new tokens each new token sees
     logit_rows: list[int] = field(default_factory=list)  # rows whose logits are wanted
+    # [t, L] bool: which of the session's L KV entries each new token sees; None = all.
+    # The edge drafter keeps draft-tree node KV in the cache and masks it per node.
+    kv_mask: torch.Tensor | None = None
 
 
 class _PaddedKV:
@@ -86,6 +89,10 @@ class LayerRunner:
     def truncate(self, sid: str, length: int) -> None:
         self.kv[sid].truncate(length)
 
+    def keep(self, sid: str, start: int, rows: list[int]) -> None:
+        """Compact a session's KV to entries ``[0, start)`` followed by ``rows`` (each >= start)."""
+        self.kv[sid].keep(start, rows)
+
     def kv_tokens(self) -> int:
         return sum(kv.length for kv in self.kv.values())
 
@@ -113,7 +120,10 @@ class LayerRunner:
             input_ids[b, :t] = torch.tensor(it.input_ids, dtype=torch.long)
             positions[b, :t] = L + it.position_offsets
             positions[b, t:] = L
-            mask[b, 0, :t, P - L : P] = True  # the session's prefix (left-padded)
+            if it.kv_mask is None:
+                mask[b, 0, :t, P - L : P] = True  # the session's prefix (left-padded)
+            else:
+                mask[b, 0, :t, P - L : P] = it.kv_mask.to(torch.bool)
             mask[b, 0, :t, P : P + t] = it.local_mask
             mask[b, 0, t:, P + t :] = torch.eye(T - t, dtype=torch.bool)  # padding rows see themselves only
         return input_ids.to(self.device), positions.to(self.device), mask.to(self.device), P
