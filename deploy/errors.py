@@ -37,6 +37,12 @@ class InvalidSamplingParams(InvalidRequest):
     code = "invalid_sampling_params"
 
 
+class TokenizerMismatch(InvalidRequest):
+    """The edge's draft tokenizer differs from the target's (fingerprints differ)."""
+
+    code = "tokenizer_mismatch"
+
+
 class PrefixMismatch(SpecError):
     """The edge assumed a different verified prefix length than the session has."""
 

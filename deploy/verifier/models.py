@@ -229,3 +229,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 if __name__ == "__main__":  # `python -m deploy.verifier.models` prepares the embedded model
     print(ensure_embedded_model())
+
+
+def load_tokenizer(model: str = "embedded", tokenizer: str | None = None):
+    """Just the tokenizer of a model spec (the router needs text, not weights)."""
+    from transformers import AutoTokenizer
+
+    src = tokenizer or model
+    if src.startswith(TINY_PREFIX):
+        return None
+    if src in EMBEDDED_ALIASES:
+        return AutoTokenizer.from_pretrained(str(ensure_embedded_model()))
+    path = Path(src)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))

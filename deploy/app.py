@@ -1,0 +1,50 @@
+"""The Serve application: ``serve run deploy.app`` / ``serve run deploy/config.yaml``.
+
+``build_app(args)`` validates ``args`` as :class:`deploy.config.AppConfig` and binds
+the router (ingress) to the verifier deployment, whose replicas are chosen per session
+by :class:`deploy.router.affinity.SessionAffinityRouter`.
+"""
+
+from __future__ import annotations
+
+from ray.serve.config import RequestRouterConfig
+
+from deploy.config import AppConfig
+from deploy.router.affinity import SessionAffinityRouter
+from deploy.router.ingress import Router
+from deploy.verifier.deployment import Verifier
+
+
+def verifier_options(cfg: AppConfig) -> dict:
+    vc = cfg.verifier
+    opts = dict(
+        num_replicas=vc.num_replicas,
+        max_ongoing_requests=vc.max_ongoing_requests,
+        ray_actor_options={"num_cpus": vc.num_cpus,
+                           "num_gpus": vc.num_gpus_per_stage if vc.pipeline_parallel_size == 1 else 0},
+        request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter,
+                                                  request_routing_stats_period_s=1.0),
+        health_check_period_s=10,
+        graceful_shutdown_timeout_s=5,
+    )
+    if vc.pipeline_parallel_size > 1:
+        from deploy.verifier.pipeline import pipeline_bundles
+
+        opts["placement_group_bundles"] = pipeline_bundles(
+            vc.pipeline_parallel_size, device=cfg.target.device, cpus_per_stage=vc.num_cpus,
+            gpus_per_stage=vc.num_gpus_per_stage)
+        opts["placement_group_strategy"] = "PACK"
+        opts["ray_actor_options"] = {"num_cpus": 0}
+    return opts
+
+
+def build_app(args: dict | None = None):
+    cfg = AppConfig(**(args or {}))
+    data = cfg.model_dump(mode="json")
+    verifier = Verifier.options(**verifier_options(cfg)).bind(data)
+    return Router.options(
+        num_replicas=cfg.router.num_replicas,
+        max_queued_requests=cfg.router.max_queued_requests,
+        max_ongoing_requests=max(cfg.router.max_pending_verifies * 2, 100),
+        ray_actor_options={"num_cpus": 0},
+    ).bind(verifier, data)

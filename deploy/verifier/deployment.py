@@ -1,0 +1,330 @@
+"""Verifier replica: the target model, the engine, and a continuous batching loop.
+
+Thin Serve adapter over :class:`deploy.verifier.engine.VerifierEngine`. Requests of
+many sessions queue here while their edges draft (SpecEdge §4.3); a loop takes a batch
+(weighted-fair across tenants, :mod:`deploy.verifier.scheduler`), runs ONE target
+forward in a worker thread, and answers each request with its reply frame and pacing
+hints (:mod:`deploy.verifier.pacing`). Sessions live here (KV cache); the router pins
+every request of a session to this replica (:mod:`deploy.router.affinity`).
+KV memory is bounded: least-recently-used sessions are evicted, idle ones time out;
+both answer ``410 session_evicted`` so the edge re-opens from its own token history.
+
+Methods return ``(status, payload)`` rather than raising, so errors cross the Ray
+boundary as plain data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from ray import serve
+
+from deploy.config import AppConfig
+from deploy.errors import InvalidRequest, SessionEvicted, SessionNotFound, SpecError, TokenizerMismatch
+from deploy.protocol import ReplyFrame, VerifyFrame
+from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, VerifierEngine, VerifyRequest)
+from deploy.verifier.models import load_model, tokenizer_fingerprint
+from deploy.verifier.pacing import Pacer
+from deploy.verifier.sampling import SamplingParams
+from deploy.verifier.scheduler import FairScheduler, Pending
+from deploy.verifier.tree import DraftTree, TreeLimits
+
+log = logging.getLogger("ray.serve")
+
+MAX_REMEMBERED_EVICTIONS = 100_000
+
+
+def _error(e: SpecError) -> tuple[int, dict]:
+    return e.status, e.to_dict()
+
+
+class VerifierCore:
+    """Everything of the replica but Serve: usable in-process (tests, local mode)."""
+
+    def __init__(self, config: AppConfig, replica_tag: str = "local", runner=None, loaded=None):
+        self.cfg = config
+        vc = config.verifier
+        if vc.torch_threads:
+            torch.set_num_threads(vc.torch_threads)
+        t = config.target
+        self.loaded = loaded or load_model(t.model, dtype=t.dtype, device=t.device,
+                                           attn_implementation=t.attn_implementation, tokenizer=t.tokenizer,
+                                           seed=t.seed, tiny_config=t.tiny_config)
+        self.tag = replica_tag
+        self.engine = VerifierEngine(
+            self.loaded.model, eos_token_ids=self.loaded.eos_token_ids,
+            limits=TreeLimits(vc.max_tree_nodes, vc.max_tree_depth),
+            max_model_len=t.max_model_len, runner=runner, chain_top_k=vc.chain_top_k,
+            on_forward=self._on_forward)
+        p = config.pacing
+        self.pacer = Pacer(p.min_depth, p.max_depth, p.default_depth, tuple(p.tree_budgets), p.default_tree_budget,
+                           p.ema)
+        self.sched = FairScheduler(weights={tn.name: tn.weight for tn in config.router.load_tenants()})
+        self.owner: dict[str, str] = {}  # session id -> tenant
+        self.client: dict[str, tuple[float, float]] = {}  # session id -> (draft_ms, rtt_ms)
+        self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> reason
+        self.forwards: list[ForwardStats] = []  # recent forwards (bounded), for tests and metrics
+        self.busy_seconds = 0.0
+        self.started = time.monotonic()
+        self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []
+
+    # -- info ---------------------------------------------------------------------
+    def model_info(self) -> dict:
+        vc = self.cfg.verifier
+        return {"model": self.loaded.name, "vocab_size": self.loaded.vocab_size,
+                "eos_token_ids": list(self.loaded.eos_token_ids), "tokenizer_fingerprint": self.fingerprint,
+                "max_tree_nodes": vc.max_tree_nodes, "max_tree_depth": vc.max_tree_depth,
+                "max_model_len": self.engine.max_model_len}
+
+    def stats(self) -> dict:
+        a, b = self.pacer.cost.coefficients()
+        return {"replica": self.tag, "sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
+                "pending": len(self.sched) + len(self._opens), "busy_seconds": self.busy_seconds,
+                "uptime_seconds": time.monotonic() - self.started, "forward_cost_a": a, "forward_cost_b": b,
+                "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
+                "evictions": len(self.evicted)}
+
+    def _on_forward(self, st: ForwardStats) -> None:
+        self.busy_seconds += st.seconds
+        if st.kind != "prefill":
+            self.pacer.observe_forward(st.tokens, st.seconds)
+        self.forwards.append(st)
+        if len(self.forwards) > 4096:
+            del self.forwards[:2048]
+
+    # -- session bookkeeping --------------------------------------------------------
+    def _check_owner(self, sid: str, tenant: str) -> None:
+        owner = self.owner.get(sid)
+        if owner is None:
+            if sid in self.evicted:
+                raise SessionEvicted(f"session {sid!r} was evicted ({self.evicted[sid]}); re-open it with its history")
+            raise SessionNotFound(f"unknown session {sid!r} (it may have been lost in a restart); re-open it")
+        if owner != tenant:  # do not reveal that another tenant's session exists
+            raise SessionNotFound(f"unknown session {sid!r}")
+
+    def _evict(self, sid: str, reason: str) -> None:
+        self.engine.close(sid)
+        self.owner.pop(sid, None)
+        self.client.pop(sid, None)
+        self.evicted[sid] = reason
+        while len(self.evicted) > MAX_REMEMBERED_EVICTIONS:
+            self.evicted.popitem(last=False)
+
+    def _enforce_budgets(self, protect: set[str]) -> None:
+        """LRU eviction above the KV token budget or the session limit."""
+        vc = self.cfg.verifier
+        sessions = self.engine.sessions
+        if self.engine.kv_tokens() <= vc.kv_budget_tokens and len(sessions) <= vc.max_sessions:
+            return
+        for sid in sorted(sessions, key=lambda s: sessions[s].last_used):
+            if self.engine.kv_tokens() <= vc.kv_budget_tokens and len(sessions) <= vc.max_sessions:
+                break
+            if sid not in protect:
+                self._evict(sid, "kv_budget")
+
+    def sweep_idle(self) -> int:
+        now = time.monotonic()
+        pending = {p.session_id for q in self.sched._queues.values() for p in q}
+        idle = [sid for sid, s in self.engine.sessions.items()
+                if now - s.last_used > self.cfg.verifier.idle_timeout_s and sid not in pending]
+        for sid in idle:
+            self._evict(sid, "idle_timeout")
+        return len(idle)
+
+    # -- requests ---------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop())
+
+    async def open_session(self, tenant: str, body: dict) -> tuple[int, dict]:
+        try:
+            prompt = [int(t) for t in body["prompt_ids"]]
+            generated = tuple(int(t) for t in body.get("generated_ids") or ())
+            if len(prompt) + len(generated) > self.cfg.verifier.max_prompt_tokens:
+                raise InvalidRequest(f"prompt + history exceed {self.cfg.verifier.max_prompt_tokens} tokens")
+            params = SamplingParams.from_dict(body.get("sampling")).validate(self.loaded.vocab_size)
+            fp = (body.get("client") or {}).get("tokenizer_fingerprint")
+            if fp and fp != self.fingerprint:
+                raise TokenizerMismatch(f"tokenizer mismatch: the edge's tokenizer {fp} differs from the "
+                                        f"target's {self.fingerprint}")
+        except SpecError as e:
+            return _error(e)
+        except (KeyError, TypeError, ValueError) as e:
+            return _error(InvalidRequest(f"malformed open request: {e}"))
+        sid = f"{self.tag}.{uuid.uuid4().hex}"
+        fut = asyncio.get_running_loop().create_future()
+        self._ensure_loop()
+        self._opens.append((OpenRequest(sid, prompt, params, generated), tenant, fut))
+        client = body.get("client") or {}
+        self.client[sid] = (float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0))
+        self._wake.set()
+        return await fut
+
+    async def verify(self, session_id: str, tenant: str, frame: bytes) -> tuple[int, bytes | dict]:
+        try:
+            f = VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)
+            self._check_owner(session_id, tenant)
+            if f.q is None:
+                req = VerifyRequest(session_id, DraftTree(tuple(f.tokens), tuple(f.parents)), f.prefix_len)
+            else:
+                if any(p != i - 1 for i, p in enumerate(f.parents)):
+                    raise InvalidRequest("chain mode: parents must form a chain")
+                req = ChainVerifyRequest(session_id, tuple(f.tokens), tuple(f.q), f.prefix_len, f.resampled)
+        except SpecError as e:
+            return _error(e)
+        if f.draft_ms or f.rtt_ms:
+            self.client[session_id] = (f.draft_ms, f.rtt_ms)
+        fut = asyncio.get_running_loop().create_future()
+        self._ensure_loop()
+        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut), time.monotonic()))
+        self._wake.set()
+        return await fut
+
+    async def close_session(self, session_id: str, tenant: str) -> tuple[int, dict]:
+        try:
+            self._check_owner(session_id, tenant)
+        except SessionEvicted:
+            self.evicted.pop(session_id, None)
+            return 200, {"closed": session_id}
+        except SpecError as e:
+            return _error(e)
+        self.engine.close(session_id)
+        self.owner.pop(session_id, None)
+        self.client.pop(session_id, None)
+        return 200, {"closed": session_id}
+
+    # -- the batching loop -------------------------------------------------------------
+    def _hints(self, sid: str) -> tuple[int, int]:
+        n = max(len(self.engine.sessions), 1)
+        budget = self.pacer.budget_hint(n)
+        draft_ms, rtt_ms = self.client.get(sid, (0.0, 0.0))
+        return self.pacer.depth_hint(n, budget, draft_ms, rtt_ms), budget
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        vc = self.cfg.verifier
+        last_sweep = time.monotonic()
+        while True:
+            if not self._opens and not len(self.sched):
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=5.0)
+                except asyncio.TimeoutError:
+                    pass
+            if vc.batch_wait_ms > 0 and len(self.sched) < vc.max_batch_sessions:
+                await asyncio.sleep(vc.batch_wait_ms / 1000.0)  # let a few more requests join this forward
+            if time.monotonic() - last_sweep > min(5.0, vc.idle_timeout_s / 2):
+                self.sweep_idle()
+                last_sweep = time.monotonic()
+            try:
+                if self._opens:
+                    opens, self._opens = self._opens[: vc.max_batch_sessions], self._opens[vc.max_batch_sessions:]
+                    await self._run_opens(loop, opens)
+                batch = self.sched.take(vc.max_batch_sessions, vc.max_batch_tokens)
+                if batch:
+                    await self._run_verifies(loop, batch)
+            except Exception as e:  # never let one bad batch kill the loop
+                log.exception("verify loop error: %s", e)
+
+    async def _run_opens(self, loop, opens) -> None:
+        reqs = [o[0] for o in opens]
+        try:
+            results = await loop.run_in_executor(self._executor, self.engine.open, reqs)
+        except Exception as e:
+            log.exception("prefill failed")
+            for _, _, fut in opens:
+                if not fut.done():
+                    fut.set_result((500, {"error": {"code": "internal", "message": str(e)}}))
+            return
+        for (req, tenant, fut), res in zip(opens, results):
+            if isinstance(res, SpecError):
+                self.client.pop(req.sid, None)
+                fut.set_result(_error(res))
+                continue
+            self.owner[req.sid] = tenant
+            depth, budget = self._hints(req.sid)
+            fut.set_result((200, {
+                "session_id": req.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
+                "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
+                "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint, "model": self.loaded.name}))
+        self._enforce_budgets(protect={r.sid for r in reqs})
+
+    async def _run_verifies(self, loop, batch: list[Pending]) -> None:
+        trees = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], VerifyRequest)]
+        chains = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], ChainVerifyRequest)]
+
+        def run():
+            out = []
+            if trees:
+                out += list(zip([p for p, _ in trees], self.engine.verify([r for _, r in trees])))
+            if chains:
+                out += list(zip([p for p, _ in chains], self.engine.verify_chain([r for _, r in chains])))
+            return out
+
+        try:
+            results = await loop.run_in_executor(self._executor, run)
+        except Exception as e:
+            log.exception("verify forward failed")
+            for p in batch:
+                if not p.payload[1].done():
+                    p.payload[1].set_result((500, {"error": {"code": "internal", "message": str(e)}}))
+            return
+        for p, res in results:
+            fut = p.payload[1]
+            if isinstance(res, SpecError):
+                fut.set_result(_error(res))
+                continue
+            req = p.payload[0]
+            n_nodes = len(req.tree) if isinstance(req, VerifyRequest) else len(req.tokens)
+            emitted = len(res.tokens) if hasattr(res, "tokens") else res.num_accepted + (res.bonus is not None)
+            self.pacer.observe_round(n_nodes, emitted)
+            depth, budget = self._hints(p.session_id)
+            if hasattr(res, "accepted"):
+                frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
+                                   depth, budget)
+            else:
+                rejected = res.bonus is None and not res.finished
+                frame = ReplyFrame(list(range(res.num_accepted)), res.bonus, res.prefix_len, res.finished,
+                                   res.finish_reason, depth, budget, rejected, list(res.reject_top_ids),
+                                   list(res.reject_top_probs))
+            fut.set_result((200, frame.encode()))
+
+
+@serve.deployment(name="Verifier")
+class Verifier(VerifierCore):
+    """Serve deployment around :class:`VerifierCore`; the replica tag prefixes session ids."""
+
+    def __init__(self, config: dict):
+        cfg = AppConfig(**config)
+        tag = serve.get_replica_context().replica_id.unique_id
+        runner = None
+        if cfg.verifier.pipeline_parallel_size > 1:
+            from deploy.verifier.pipeline import build_runner
+
+            runner = build_runner(cfg.target, cfg.verifier.pipeline_parallel_size)
+        super().__init__(cfg, replica_tag=tag, runner=runner)
+
+    def record_routing_stats(self) -> dict:
+        return {"sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
+                "pending": len(self.sched)}
+
+    def check_health(self) -> None:
+        if self._loop_task is not None and self._loop_task.done():
+            raise RuntimeError("verify loop stopped")
+
+    async def info(self) -> dict:
+        return self.model_info()
+
+    async def get_stats(self) -> dict:
+        return self.stats()
