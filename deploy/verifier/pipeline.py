@@ -1,0 +1,455 @@
+"""Pipeline-parallel verifier: one replica's target sharded over N Ray stage actors.
+
+DESIGN.md "Sharding large targets": stage ``i`` is a Ray actor holding a
+:class:`~deploy.verifier.runner.LayerRunner` for its contiguous slice of decoder layers
+(stage 0 also the embedding, the last stage the final norm + LM head) and that slice
+of every session's KV cache. The split is computed by :mod:`deploy.verifier.layer_split`.
+
+:class:`PipelineRunner` has the runner interface :class:`~deploy.verifier.engine.VerifierEngine`
+uses (``forward``, ``commit``, ``abort``, ``drop``, ``truncate``, ``kv_tokens``,
+``kv_length``), so ``VerifierEngine(model, runner=PipelineRunner(...))`` is a sharded
+verifier. One forward chains the stages through object refs,
+``stage[i+1].forward.remote(bid, items, stage[i].forward.remote(...))``, and the driver
+waits only on the last stage. Several verify batches in flight (threads calling
+``engine.verify`` on disjoint sessions) overlap: stage actors execute calls in
+submission order, so stage i computes batch b+1 while stage i+1 computes batch b.
+Commit/rollback: every stage applies the same ``commit(batch_id, keep)`` compaction
+(rows of the root and the accepted path); ``drop``/``truncate`` go to every stage.
+Commits and drops are fire-and-forget (per-actor ordering keeps them before any later
+forward of the same session); their errors surface on the next call.
+
+Placement (Serve): the replica requests :func:`pipeline_bundles` as its
+``placement_group_bundles``. Bundle 0 holds the replica itself (engine, tree walks,
+sampling: CPU only); bundle ``i + 1`` holds stage ``i`` (its CPUs and, on GPUs, its
+own device). The replica does not share a bundle with stage 0, so the driver's
+sampling never steals stage 0's CPU and stage 0's GPU bundle stays a plain
+``{"CPU", "GPU"}`` like every other stage.
+
+GPU readiness: a stage with ``num_gpus`` sees only its own GPU, so ``device="cuda"``
+(or ``"auto"``) is that GPU. A stage loads only its own tensors from a safetensors
+checkpoint (the model is built on the meta device first), so a 70B target never has
+to fit one process; other formats (GGUF, tiny-random) load whole and drop the rest.
+Hidden states cross stages through the Ray object store (host memory); Ray compiled
+graphs with NCCL channels would keep them on the GPUs, not done here (no GPU to test).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import torch
+
+from deploy.config import ModelConfig
+from deploy.verifier.layer_split import Weighting, split_layers
+from deploy.verifier.models import (EMBEDDED_ALIASES, EMBEDDED_NAME, TINY_PREFIX, LoadedModel, _eos_ids, ensure_embedded_model,
+                                    load_model, resolve_attn, resolve_device, resolve_dtype, tiny_llama_config)
+from deploy.verifier.runner import BatchItem, LayerRunner
+
+STAGE_BUNDLE_OFFSET = 1  # bundle 0 is the replica; stage i lives in bundle i + 1
+
+
+# -- placement ------------------------------------------------------------------------
+def stage_resources(device: str = "cpu", cpus_per_stage: float = 1.0,
+                    gpus_per_stage: float | None = None) -> dict[str, float]:
+    """Ray resources of one stage: its CPUs and, on CUDA, its own GPU (1 unless given)."""
+    gpus = gpus_per_stage if gpus_per_stage is not None else (1.0 if device == "cuda" else 0.0)
+    res = {"CPU": float(cpus_per_stage), "GPU": float(gpus)}
+    res = {k: v for k, v in res.items() if v > 0}
+    if not res:
+        raise ValueError("a pipeline stage needs some CPU or GPU")
+    return res
+
+
+def pipeline_bundles(pp: int, device: str = "cpu", cpus_per_stage: float = 1.0,
+                     gpus_per_stage: float | None = None, replica_cpus: float = 1.0) -> list[dict] | None:
+    """``placement_group_bundles`` for a verifier replica with ``pp`` stages.
+
+    ``[{"CPU": replica_cpus}, stage_0, ..., stage_{pp-1}]``; ``None`` for ``pp == 1``
+    (a plain replica needs no placement group). The replica's ``ray_actor_options``
+    must ask for exactly bundle 0 (``num_cpus=replica_cpus``, no GPU).
+    """
+    if pp < 1:
+        raise ValueError("pipeline_parallel_size must be >= 1")
+    if pp == 1:
+        return None
+    if replica_cpus <= 0:
+        raise ValueError("the replica's bundle needs CPU > 0")
+    stage = stage_resources(device, cpus_per_stage, gpus_per_stage)
+    return [{"CPU": float(replica_cpus)}] + [dict(stage) for _ in range(pp)]
+
+
+def pipeline_deployment_options(pp: int, device: str = "cpu", cpus_per_stage: float = 1.0,
+                                gpus_per_stage: float | None = None, replica_cpus: float = 1.0) -> dict:
+    """Serve deployment options for a verifier replica (merge into ``.options(...)``).
+
+    ``pp == 1``: only ``ray_actor_options`` (the replica computes itself: its CPUs and,
+    on CUDA, one GPU). ``pp > 1``: the placement group of :func:`pipeline_bundles`,
+    ``PACK`` strategy (stages on as few nodes as possible; hidden states travel between
+    them), and ``ray_actor_options`` matching bundle 0.
+    """
+    if pp == 1:
+        opts = {"num_cpus": float(replica_cpus)}
+        gpus = gpus_per_stage if gpus_per_stage is not None else (1.0 if device == "cuda" else 0.0)
+        if gpus:
+            opts["num_gpus"] = float(gpus)
+        return {"ray_actor_options": opts}
+    return {"ray_actor_options": {"num_cpus": float(replica_cpus)},
+            "placement_group_bundles": pipeline_bundles(pp, device, cpus_per_stage, gpus_per_stage, replica_cpus),
+            "placement_group_strategy": "PACK"}
+
+
+# -- loading one stage ----------------------------------------------------------------
+class ModelShell:
+    """What the engine needs of a target it does not hold: its config (vocab, context)."""
+
+    def __init__(self, config, generation_config=None):
+        self.config = config
+        self.generation_config = generation_config
+
+
+def _hf_dir(model_cfg: ModelConfig) -> Path | None:
+    """The local safetensors directory of the target, if it is one."""
+    if model_cfg.model in EMBEDDED_ALIASES:
+        return ensure_embedded_model()
+    p = Path(model_cfg.model)
+    return p if p.is_dir() and any(p.glob("*.safetensors")) else None
+
+
+def target_config(model_cfg: ModelConfig):
+    """The HF config of the target without loading weights (the split needs only this)."""
+    from transformers import AutoConfig
+
+    if model_cfg.model.startswith(TINY_PREFIX):
+        cfg = dict(model_cfg.tiny_config or {})
+        if model_cfg.tokenizer is not None and "vocab_size" not in cfg:
+            return load_model(model_cfg.model, dtype="float32", tokenizer=model_cfg.tokenizer, seed=model_cfg.seed,
+                              tiny_config=model_cfg.tiny_config).model.config
+        return tiny_llama_config(**cfg)
+    path = _hf_dir(model_cfg) or Path(model_cfg.model)
+    if path.suffix == ".gguf":
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoConfig.from_pretrained(str(path))
+
+
+def _prune(model, first: int, last: int) -> None:
+    """Replace every module the stage does not own by a parameter-free placeholder."""
+    inner = model.model
+    n = len(inner.layers)
+    for i in range(n):
+        if not first <= i < last:
+            inner.layers[i] = torch.nn.Identity()
+    if first != 0:
+        inner.embed_tokens = torch.nn.Identity()
+    if last != n:
+        inner.norm = torch.nn.Identity()
+        model.lm_head = torch.nn.Identity()
+
+
+def _load_slice(path: Path, model_cfg: ModelConfig, first: int, last: int):
+    """Build the model on the meta device and load only the slice's tensors."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    device = resolve_device(model_cfg.device)
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    config = AutoConfig.from_pretrained(str(path))
+    config._attn_implementation = resolve_attn(model_cfg.attn_implementation, device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    n = config.num_hidden_layers
+    is_last = last == n
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def wanted(key: str) -> bool:
+        if key.startswith("model.layers."):
+            return first <= int(key.split(".")[2]) < last
+        if key.startswith("model.embed_tokens."):
+            return first == 0 or (is_last and tied)
+        return is_last and (key.startswith("model.norm.") or key.startswith("lm_head."))
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                if wanted(key):
+                    t = fh.get_tensor(key)
+                    state[key] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    if is_last and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied head
+    if first != 0:
+        state.pop("model.embed_tokens.weight", None)
+    model.load_state_dict(state, strict=False, assign=True)
+    _prune(model, first, last)
+    # rotary buffers are not in the checkpoint: rebuild them off the meta device
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise RuntimeError(f"checkpoint {path} lacks tensors for stage [{first}, {last}): {meta[:5]}")
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+    except OSError:
+        pass
+    return model.eval(), device, dtype
+
+
+def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bool = False) -> LoadedModel:
+    """The target with only layers ``[first, last)`` (+ embedding / head) materialised."""
+    path = _hf_dir(model_cfg)
+    if path is None:  # tiny-random, GGUF, hub id: load whole, keep the slice
+        loaded = load_model(model_cfg.model, dtype=model_cfg.dtype, device=model_cfg.device,
+                            attn_implementation=model_cfg.attn_implementation, tokenizer=model_cfg.tokenizer,
+                            seed=model_cfg.seed, tiny_config=model_cfg.tiny_config)
+        _prune(loaded.model, first, last)
+        return loaded
+    model, device, dtype = _load_slice(path, model_cfg, first, last)
+    tok = None
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        src = model_cfg.tokenizer or str(path)
+        tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model()) if src in EMBEDDED_ALIASES else src)
+    name = EMBEDDED_NAME if model_cfg.model in EMBEDDED_ALIASES else model_cfg.model
+    return LoadedModel(model, tok, name, _eos_ids(model, tok), device, dtype)
+
+
+# -- the stage actor ----------------------------------------------------------------
+class PipelineStage:
+    """One pipeline stage (run as a Ray actor): a LayerRunner over its slice + busy time."""
+
+    def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        loaded = load_stage(model_cfg, first, last, with_tokenizer=first == 0)
+        self.runner = LayerRunner(loaded.model, first, last)
+        m = loaded.model
+        self.info = LoadedModel(ModelShell(m.config, getattr(m, "generation_config", None)), loaded.tokenizer,
+                                loaded.name, loaded.eos_token_ids, str(loaded.device), loaded.dtype)
+        del loaded, m  # only the slice stays referenced (through the runner)
+        self.reset_stats()
+
+    def describe(self) -> LoadedModel:
+        """The target's metadata with a config-only model (what the replica's engine needs)."""
+        return self.info
+
+    def forward(self, batch_id: int, items: list[BatchItem], hidden: torch.Tensor | None = None):
+        t0 = time.perf_counter()
+        out = self.runner.forward(batch_id, items, hidden)
+        # results leave through the object store: host memory, whatever the device
+        out = out.cpu() if isinstance(out, torch.Tensor) else [x.cpu() for x in out]
+        self._busy += time.perf_counter() - t0
+        self._forwards += 1
+        return out
+
+    def commit(self, batch_id: int, keep: dict[str, list[int]]) -> None:
+        t0 = time.perf_counter()
+        self.runner.commit(batch_id, keep)
+        self._busy += time.perf_counter() - t0
+
+    def abort(self, batch_id: int) -> None:
+        self.runner.abort(batch_id)
+
+    def drop(self, sid: str) -> None:
+        self.runner.drop(sid)
+
+    def truncate(self, sid: str, length: int) -> None:
+        self.runner.truncate(sid, length)
+
+    def kv_tokens(self) -> int:
+        return self.runner.kv_tokens()
+
+    def session_kv(self, sid: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This stage's KV of a session: keys, values [L_stage, H, length, d] (for checks)."""
+        kv = self.runner.kv.get(sid)
+        return None if kv is None else (kv.keys().cpu().clone(), kv.values().cpu().clone())
+
+    def stats(self) -> dict:
+        return {"first": self.runner.first, "last": self.runner.last, "busy_s": self._busy,
+                "wall_s": time.perf_counter() - self._t0, "forwards": self._forwards,
+                "kv_tokens": self.runner.kv_tokens(), "device": str(self.runner.device),
+                "torch_threads": torch.get_num_threads()}
+
+    def reset_stats(self) -> None:
+        self._busy, self._forwards, self._t0 = 0.0, 0, time.perf_counter()
+
+
+# -- the driver side ------------------------------------------------------------------
+class PipelineRunner:
+    """A LayerRunner look-alike backed by ``pp`` stage actors (thread-safe).
+
+    ``bounds``: explicit stage boundaries ``[0, b1, ..., n]``; default: the balanced
+    split of :func:`~deploy.verifier.layer_split.split_layers` by ``weighting``.
+    Inside a placement group (a Serve replica with :func:`pipeline_bundles`), stage i is
+    placed in bundle ``i + 1``; outside one (tests, scripts) stages are plain actors.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, pipeline_parallel_size: int = 2, *,
+                 bounds: list[int] | None = None, weighting: Weighting = "flops",
+                 cpus_per_stage: float = 1.0, gpus_per_stage: float | None = None,
+                 torch_threads: int | None = None, use_placement_group: bool = True):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pp = pipeline_parallel_size
+        if bounds is None:
+            slices = split_layers(target_config(model_cfg), pp, weighting)
+        else:
+            if len(bounds) != pp + 1 or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+                raise ValueError(f"bounds {bounds} are not {pp} increasing stage boundaries from 0")
+            slices = list(zip(bounds[:-1], bounds[1:]))
+        self.slices = slices
+        self.model_cfg = model_cfg
+        # "auto" asks for no GPU here: the replica (bundle 0) cannot see the stages' devices
+        res = stage_resources(model_cfg.device, cpus_per_stage, gpus_per_stage)
+        threads = torch_threads or max(1, int(cpus_per_stage))
+        pg = ray.util.get_current_placement_group() if use_placement_group else None
+        if pg is not None and len(pg.bundle_specs) < pp + STAGE_BUNDLE_OFFSET:
+            raise ValueError(f"the replica's placement group has {len(pg.bundle_specs)} bundles; "
+                             f"{pp} stages need {pp + STAGE_BUNDLE_OFFSET} (see pipeline_bundles)")
+        actor_cls = ray.remote(PipelineStage)
+        self.stages = []
+        for i, (a, b) in enumerate(slices):
+            opts: dict = {"num_cpus": res.get("CPU", 0.0), "num_gpus": res.get("GPU", 0.0),
+                          "max_restarts": 0, "max_task_retries": 0}  # no retries: keeps per-actor order
+            if pg is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=i + STAGE_BUNDLE_OFFSET)
+            self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads))
+        self.loaded: LoadedModel = ray.get(self.stages[0].describe.remote())
+        ray.get([s.stats.remote() for s in self.stages])  # every stage loaded
+        self._lock = threading.Lock()
+        self._lengths: dict[str, int] = {}
+        self._batches: dict[int, list[str]] = {}
+        self._background: list = []  # refs of fire-and-forget calls (commit, drop, truncate)
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return len(self.stages)
+
+    # -- background calls ---------------------------------------------------------------
+    def _reap(self) -> None:
+        """Raise the first error of a finished fire-and-forget call (lock held)."""
+        if not self._background:
+            return
+        done, self._background = ray.wait(self._background, num_returns=len(self._background), timeout=0)
+        ray.get(done)
+
+    def _broadcast(self, method: str, *args) -> None:
+        self._background.extend(getattr(s, method).remote(*args) for s in self.stages)
+
+    def sync(self) -> None:
+        """Wait for every pending commit/drop/truncate on every stage."""
+        with self._lock:
+            refs, self._background = self._background, []
+        ray.get(refs)
+
+    # -- the LayerRunner interface -----------------------------------------------------
+    def kv_length(self, sid: str) -> int:
+        with self._lock:
+            return self._lengths.get(sid, 0)
+
+    def kv_tokens(self) -> int:
+        with self._lock:
+            return sum(self._lengths.values())
+
+    def forward(self, batch_id: int, items: list[BatchItem], hidden: torch.Tensor | None = None):
+        """Chain the stages; returns one logits tensor [len(logit_rows), vocab] per item."""
+        if hidden is not None:
+            raise ValueError("a PipelineRunner takes token ids; hidden states stay between its stages")
+        with self._lock:  # one submission order for every stage: batches cannot cross
+            self._reap()
+            if batch_id in self._batches:
+                raise ValueError(f"batch {batch_id} is already in flight")
+            self._batches[batch_id] = [it.sid for it in items]
+            items_ref = ray.put(items)
+            ref = None
+            for stage in self.stages:
+                ref = stage.forward.remote(batch_id, items_ref, ref)
+        return ray.get(ref)
+
+    def commit(self, batch_id: int, keep: dict[str, list[int]]) -> None:
+        with self._lock:
+            self._reap()
+            for sid in self._batches.pop(batch_id):
+                rows = keep.get(sid)
+                if rows:
+                    self._lengths[sid] = self._lengths.get(sid, 0) + len(rows)
+            self._broadcast("commit", batch_id, keep)
+
+    def abort(self, batch_id: int) -> None:
+        with self._lock:
+            if self._batches.pop(batch_id, None) is not None:
+                self._broadcast("abort", batch_id)
+
+    def drop(self, sid: str) -> None:
+        with self._lock:
+            self._lengths.pop(sid, None)
+            self._broadcast("drop", sid)
+
+    def truncate(self, sid: str, length: int) -> None:
+        with self._lock:
+            cur = self._lengths[sid]  # KeyError for an unknown session, as LayerRunner
+            if not 0 <= length <= cur:
+                raise ValueError(f"cannot truncate KV of length {cur} to {length}")
+            self._lengths[sid] = length
+            self._broadcast("truncate", sid, length)
+
+    # -- inspection ------------------------------------------------------------------
+    def session_kv(self, sid: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A session's KV gathered from all stages: keys, values [L, H, length, d]."""
+        self.sync()
+        parts = ray.get([s.session_kv.remote(sid) for s in self.stages])
+        if any(p is None for p in parts):
+            if all(p is None for p in parts):
+                return None
+            raise RuntimeError(f"session {sid!r} has KV on some stages only")
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def stage_stats(self) -> list[dict]:
+        """Per stage: layers, busy seconds (forward + commit compute), wall seconds, forwards."""
+        return ray.get([s.stats.remote() for s in self.stages])
+
+    def reset_stats(self) -> None:
+        ray.get([s.reset_stats.remote() for s in self.stages])
+
+    def shutdown(self) -> None:
+        for s in self.stages:
+            ray.kill(s)
+        self.stages = []
+
+
+# -- the factory the verifier deployment calls ------------------------------------------
+@dataclass
+class VerifierBackend:
+    """What a verifier replica builds its engine from.
+
+    ``loaded.model`` is the whole target for ``pp == 1`` and a config-only
+    :class:`ModelShell` otherwise; ``VerifierEngine(loaded.model, eos_token_ids=
+    loaded.eos_token_ids, runner=runner)`` works for both.
+    """
+
+    loaded: LoadedModel
+    runner: LayerRunner | PipelineRunner
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return getattr(self.runner, "pipeline_parallel_size", 1)
+
+
+def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpus_per_stage: float = 1.0,
+                 gpus_per_stage: float | None = None, torch_threads: int | None = None,
+                 weighting: Weighting = "flops") -> VerifierBackend:
+    """pp == 1: the target in this process with a plain LayerRunner (today's verifier).
+    pp > 1: a :class:`PipelineRunner` whose stages load their own slices."""
+    if pipeline_parallel_size == 1:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        loaded = load_model(model_cfg.model, dtype=model_cfg.dtype, device=model_cfg.device,
+                            attn_implementation=model_cfg.attn_implementation, tokenizer=model_cfg.tokenizer,
+                            seed=model_cfg.seed, tiny_config=model_cfg.tiny_config)
+        return VerifierBackend(loaded, LayerRunner(loaded.model))
+    runner = PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
+                            gpus_per_stage=gpus_per_stage, torch_threads=torch_threads)
+    return VerifierBackend(runner.loaded, runner)
