@@ -1,0 +1,290 @@
+"""Acceptance rules: tree walk (sample, then match) and DSSD-split chain rejection sampling.
+
+The statistical tests use a synthetic, context-dependent target over a small vocabulary
+(no model: fast, and the exact joint distribution of the next tokens is enumerable):
+the tokens emitted through verification rounds must follow the target's own sampling
+distribution (chi-square, fixed seeds). Each statistic is shown to catch a deliberately
+wrong acceptance rule, so a pass means something.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from functools import lru_cache
+
+import pytest
+import torch
+
+from deploy.verifier.acceptance import TreeAcceptance, rejection_sample_chain, residual_sample, walk_tree
+from deploy.verifier.sampling import SamplingParams, sample_from_probs, sample_token, target_probs
+from deploy.verifier.tree import DraftTree
+from tests.verifier.test_sampling import chi_square_pvalue
+
+V = 5  # vocabulary of the synthetic models
+D = 3  # emitted tokens whose joint distribution is tested (V**D = 125 cells)
+PROMPT = (1, 3)
+TRIALS = 3000
+
+
+@lru_cache(maxsize=None)
+def _noise(salt: int, ctx: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(repr((salt, ctx)).encode()))
+    return torch.randn(V, generator=g)  # [V]
+
+
+def target_logits(ctx: tuple[int, ...]) -> torch.Tensor:
+    return 1.3 * _noise(0, ctx)  # [V]
+
+
+def draft_logits(ctx: tuple[int, ...]) -> torch.Tensor:
+    """A draft that agrees with the target only partly."""
+    return 0.8 * target_logits(ctx) + 0.9 * _noise(1, ctx)  # [V]
+
+
+def draft_tree(ctx: tuple[int, ...]) -> DraftTree:
+    """The fixed tree policy: draft top-2 at the root, top-2 / top-1 below, a chain to depth 3,
+    and one arbitrary branch (possibly a duplicate sibling)."""
+    a, b = torch.topk(draft_logits(ctx), 2).indices.tolist()
+    a1, a2 = torch.topk(draft_logits(ctx + (a,)), 2).indices.tolist()
+    b1 = int(torch.argmax(draft_logits(ctx + (b,))))
+    a11 = int(torch.argmax(draft_logits(ctx + (a, a1))))
+    odd = zlib.crc32(repr(ctx).encode()) % V
+    return DraftTree((a, b, a1, a2, b1, a11, odd), (-1, -1, 0, 0, 1, 2, -1))
+
+
+def tree_logits(tree: DraftTree, ctx: tuple[int, ...]) -> torch.Tensor:
+    """[n + 1, V]: row 0 = the root's next-token logits, row i + 1 = node i's."""
+    rows = [target_logits(ctx)]
+    for i in range(len(tree)):
+        rows.append(target_logits(ctx + tuple(tree.tokens[j] for j in tree.path_to(i))))
+    return torch.stack(rows)
+
+
+def exact_joint(params: SamplingParams, d: int = D) -> dict[tuple[int, ...], float]:
+    """The target's own distribution of its next ``d`` sampled tokens after PROMPT."""
+    out = {}
+    for seq in itertools.product(range(V), repeat=d):
+        p = 1.0
+        for j in range(d):
+            p *= float(target_probs(target_logits(PROMPT + seq[:j]), params)[seq[j]])
+        out[seq] = p
+    return out
+
+
+# -- tree walk: the rule under test and wrong rules the statistic must catch ---------
+def wrong_top2(tree, logits, params, g, **_):
+    """Accept a child whenever its token is in the target's top-2 (no sampling there)."""
+    accepted, pos = [], 0
+    while True:
+        top2 = set(torch.topk(target_probs(logits[pos], params), 2).indices.tolist())
+        nxt = next((c for c in tree.children[pos] if tree.tokens[c] in top2), None)
+        if nxt is None:
+            return TreeAcceptance(tuple(accepted), sample_token(logits[pos], params, g))
+        accepted.append(nxt)
+        pos = nxt + 1
+
+
+def wrong_accept_first_child(tree, logits, params, g, **_):
+    """Accept the root's first draft token without sampling, then walk correctly below it."""
+    first = tree.children[0][0]
+    accepted, pos = [first], first + 1
+    while True:
+        tok = sample_token(logits[pos], params, g)
+        nxt = next((c for c in tree.children[pos] if tree.tokens[c] == tok), None)
+        if nxt is None:
+            return TreeAcceptance(tuple(accepted), tok)
+        accepted.append(nxt)
+        pos = nxt + 1
+
+
+def emitted_by_tree_rounds(rule, params: SamplingParams, seed: int) -> tuple[int, ...]:
+    """Verification rounds from PROMPT until D tokens are emitted; returns the first D."""
+    g = torch.Generator().manual_seed(seed)
+    ctx, out = PROMPT, []
+    while len(out) < D:
+        tree = draft_tree(ctx)
+        acc = rule(tree, tree_logits(tree, ctx), params, g)
+        emitted = [tree.tokens[a] for a in acc.accepted] + [acc.bonus]
+        out += emitted
+        ctx += tuple(emitted)
+    return tuple(out[:D])
+
+
+def pvalue_of(samples: list[tuple[int, ...]], params: SamplingParams) -> float:
+    counts: dict = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    return chi_square_pvalue(counts, exact_joint(params))
+
+
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.5, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_tree_walk_emits_the_target_distribution(params):
+    samples = [emitted_by_tree_rounds(walk_tree, params, seed) for seed in range(TRIALS)]
+    assert pvalue_of(samples, params) > 1e-3
+
+
+@pytest.mark.parametrize("rule", [wrong_top2, wrong_accept_first_child])
+def test_the_statistic_catches_a_wrong_tree_rule(rule):
+    params = SamplingParams(temperature=1.0)
+    samples = [emitted_by_tree_rounds(rule, params, seed) for seed in range(TRIALS)]
+    assert pvalue_of(samples, params) < 1e-6
+
+
+def test_trees_actually_get_accepted():
+    """The statistical test exercises deep acceptance, not only bonus tokens."""
+    params = SamplingParams(temperature=1.0)
+    lengths = []
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        tree = draft_tree(PROMPT)
+        lengths.append(len(walk_tree(tree, tree_logits(tree, PROMPT), params, g).accepted))
+    assert sum(1 for n in lengths if n >= 1) > 100 and sum(1 for n in lengths if n >= 2) > 30
+
+
+# -- chain mode: server rejection sampling + the edge's residual sample --------------
+def draft_probs(ctx, params: SamplingParams) -> torch.Tensor:
+    return target_probs(draft_logits(ctx), SamplingParams(temperature=max(params.temperature, 0.5)))  # [V]
+
+
+def emitted_by_chain_rounds(params: SamplingParams, seed: int, k: int = 2, top_k_return: int = V,
+                            mistake: str | None = None) -> tuple[int, ...]:
+    """The test plays the edge: draft k tokens from q, send q(x); resample on rejection."""
+    g_server = torch.Generator().manual_seed(seed)
+    g_edge = torch.Generator().manual_seed(10**6 + seed)
+    ctx, out = PROMPT, []
+    while len(out) < D:
+        toks, qs, q_full = [], [], []
+        for _ in range(k):
+            q = draft_probs(ctx + tuple(toks), params)
+            x = sample_from_probs(q, g_edge)
+            toks.append(x), qs.append(float(q[x])), q_full.append(q)
+        logits = torch.stack([target_logits(ctx + tuple(toks[:i])) for i in range(k + 1)])  # [k + 1, V]
+        if mistake == "always_accept":
+            acc = rejection_sample_chain(toks, [1e-9] * k, logits, params, g_server, top_k_return)
+        else:
+            acc = rejection_sample_chain(toks, qs, logits, params, g_server, top_k_return)
+        emitted = toks[: acc.num_accepted]
+        if acc.bonus is not None:
+            emitted.append(acc.bonus)
+        else:
+            q_rej = q_full[acc.num_accepted]
+            if mistake == "resample_from_p":
+                p = torch.zeros(V, dtype=torch.float64)
+                p[acc.reject_top_ids] = acc.reject_top_probs.double()
+                emitted.append(sample_from_probs(p, g_edge))
+            else:
+                emitted.append(residual_sample(acc.reject_top_ids, acc.reject_top_probs, q_rej, g_edge))
+        out += emitted
+        ctx += tuple(emitted)
+    return tuple(out[:D])
+
+
+@pytest.mark.parametrize("params, top_k_return", [
+    (SamplingParams(temperature=1.0), V),
+    (SamplingParams(temperature=0.7, top_p=0.85), V),
+    (SamplingParams(temperature=1.2, top_k=3), 3),  # sparse reply: exact since top_k <= K
+])
+def test_chain_rejection_sampling_emits_the_target_distribution(params, top_k_return):
+    samples = [emitted_by_chain_rounds(params, seed, top_k_return=top_k_return) for seed in range(TRIALS)]
+    assert pvalue_of(samples, params) > 1e-3
+
+
+@pytest.mark.parametrize("mistake", ["always_accept", "resample_from_p"])
+def test_the_statistic_catches_wrong_chain_rules(mistake):
+    params = SamplingParams(temperature=1.0)
+    samples = [emitted_by_chain_rounds(params, seed, mistake=mistake) for seed in range(TRIALS)]
+    assert pvalue_of(samples, params) < 1e-6
+
+
+# -- deterministic behaviour -----------------------------------------------------------
+def one_hot_rows(argmaxes: list[int], vocab: int = 10) -> torch.Tensor:
+    rows = torch.zeros(len(argmaxes), vocab)
+    for r, a in enumerate(argmaxes):
+        rows[r, a] = 5.0
+    return rows  # [len, vocab]
+
+
+GREEDY = SamplingParams()
+
+
+def test_greedy_walk_follows_argmax_and_stops_at_the_first_miss():
+    # root -> 0:4 -> 2:6 ; root -> 1:5 -> 3:7
+    tree = DraftTree((4, 5, 6, 7), (-1, -1, 0, 1))
+    # argmax: root 5, node0 6, node1 7, node2 -, node3 9
+    logits = one_hot_rows([5, 6, 7, 0, 9])
+    assert walk_tree(tree, logits, GREEDY, None) == TreeAcceptance((1, 3), 9)
+    logits = one_hot_rows([8, 6, 7, 0, 9])  # root miss: bonus only
+    assert walk_tree(tree, logits, GREEDY, None) == TreeAcceptance((), 8)
+    assert walk_tree(DraftTree.empty(), one_hot_rows([3]), GREEDY, None) == TreeAcceptance((), 3)
+
+
+def test_duplicate_siblings_take_the_first_match():
+    tree = DraftTree((4, 4, 6), (-1, -1, 1))
+    assert walk_tree(tree, one_hot_rows([4, 1, 6, 2]), GREEDY, None) == TreeAcceptance((0,), 1)
+
+
+def test_stop_token_and_max_emit_end_the_walk():
+    tree = DraftTree.chain([4, 5, 6])
+    logits = one_hot_rows([4, 5, 6, 7])
+    assert walk_tree(tree, logits, GREEDY, None) == TreeAcceptance((0, 1, 2), 7)
+    assert walk_tree(tree, logits, GREEDY, None, stop_ids=frozenset({5})) == TreeAcceptance((0,), 5)
+    for cap in (1, 2, 3):
+        acc = walk_tree(tree, logits, GREEDY, None, max_emit=cap)
+        assert len(acc.accepted) + 1 == cap and acc.bonus == [4, 5, 6][cap - 1]
+
+
+def test_seeded_walk_reproduces_sequential_sampling_with_one_uniform_per_token():
+    """Same seed: the walk emits exactly what sampling token by token would, drawing once per token."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    for seed in range(30):
+        g_ref = torch.Generator().manual_seed(seed)
+        seq = []
+        for _ in range(6):
+            seq.append(sample_token(target_logits(PROMPT + tuple(seq)), params, g_ref))
+        # a tree with a decoy branch first, then the true path to depth 4
+        tree = DraftTree(((seq[0] + 1) % V, *seq[:4]), (-1, -1, 1, 2, 3))
+        g = torch.Generator().manual_seed(seed)
+        acc = walk_tree(tree, tree_logits(tree, PROMPT), params, g)
+        assert [tree.tokens[a] for a in acc.accepted] + [acc.bonus] == seq[:5]
+        g_twin = torch.Generator().manual_seed(seed)
+        torch.rand(5, generator=g_twin, dtype=torch.float64)
+        assert g.get_state().equal(g_twin.get_state())
+
+
+def test_greedy_chain_accepts_matching_argmaxes():
+    logits = one_hot_rows([4, 5, 6, 7])
+    acc = rejection_sample_chain([4, 5, 6], [0.5] * 3, logits, GREEDY, None)
+    assert (acc.num_accepted, acc.bonus) == (3, 7)
+    acc = rejection_sample_chain([4, 9, 6], [0.5] * 3, logits, GREEDY, None)
+    assert (acc.num_accepted, acc.bonus) == (1, 5)  # the correction is the argmax
+
+
+def test_rejection_returns_the_sparse_target_distribution():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=1.0)
+    g = torch.Generator().manual_seed(0)
+    # q(x) = 1 for a token of target probability ~0.03: rejected with probability ~0.97
+    acc = next(a for a in (rejection_sample_chain([0], [1.0], logits, params, g, top_k_return=2)
+                           for _ in range(20)) if a.bonus is None)
+    assert acc.num_accepted == 0
+    assert acc.reject_top_ids.tolist() == [1, 3]
+    assert torch.allclose(acc.reject_top_probs, torch.softmax(logits[0], 0)[[1, 3]])
+
+
+def test_residual_sample_support():
+    g = torch.Generator().manual_seed(0)
+    ids, probs = torch.tensor([0, 1, 2]), torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.6, 0.1, 0.2, 0.1])  # residual: only token 1 has p > q
+    assert {residual_sample(ids, probs, q, g) for _ in range(50)} == {1}
+    same = torch.tensor([0.5, 0.3, 0.2, 0.0])  # p == q: fall back to p itself
+    assert {residual_sample(ids, probs, same, g) for _ in range(200)} <= {0, 1, 2}
