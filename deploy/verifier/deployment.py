@@ -326,5 +326,6 @@ class Verifier(VerifierCore):
     async def info(self) -> dict:
         return self.model_info()
 
-    async def get_stats(self) -> dict:
+    async def get_stats(self, session_id: str | None = None) -> dict:
+        """Replica statistics; ``session_id`` routes the call to that session's replica."""
         return self.stats()

@@ -1,0 +1,80 @@
+"""A test-side edge that drafts from a known continuation (an oracle) plus noise.
+
+It speaks the real HTTP protocol and re-opens evicted/lost sessions from its history,
+so serving tests can check losslessness (the final tokens equal the reference) under
+batching, affinity, eviction and replica restarts independently of the edge agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+
+from deploy.protocol import ReplyFrame, VerifyFrame
+
+
+def oracle_tree(truth: list[int], rng: random.Random, vocab: int, max_nodes: int = 24):
+    """A tree whose main chain follows ``truth`` for a random length (with typos) plus side branches."""
+    tokens, parents = [], []
+    parent = -1
+    for t in truth[: rng.randint(0, 8)]:
+        tok = t if rng.random() < 0.85 else rng.randrange(vocab)
+        tokens.append(tok)
+        parents.append(parent)
+        parent = len(tokens) - 1
+    while len(tokens) < min(max_nodes, len(tokens) + rng.randint(1, 6)):
+        tokens.append(rng.randrange(vocab))
+        parents.append(rng.randint(-1, len(tokens) - 2))
+    return tokens, parents
+
+
+async def oracle_generate(client: httpx.AsyncClient, prompt: list[int], truth: list[int], sampling: dict,
+                          vocab: int, seed: int = 0, key: str = "specedge-dev-key", on_round=None,
+                          max_reopens: int = 20) -> tuple[list[int], dict]:
+    """Generate through the server; returns (generated tokens, counters)."""
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {key}"}
+    out: list[int] = []
+    stats = {"rounds": 0, "reopens": 0, "sessions": set()}
+
+    async def open_session():
+        body = {"prompt_ids": prompt, "generated_ids": out, "sampling": sampling}
+        for _ in range(50):
+            r = await client.post("/v1/sessions", json=body, headers=headers)
+            if r.status_code in (429, 503):
+                await asyncio.sleep(0.2)
+                continue
+            r.raise_for_status()
+            d = r.json()
+            stats["sessions"].add(d["session_id"])
+            if d["first_token"] is not None:
+                out.append(d["first_token"])
+            return d
+        raise RuntimeError("could not open a session")
+
+    d = await open_session()
+    sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
+    while not finished:
+        tokens, parents = oracle_tree(truth[len(out):], rng, vocab)
+        frame = VerifyFrame(prefix_len, tokens, parents, draft_ms=5.0, rtt_ms=1.0, depth=8).encode()
+        r = await client.post(f"/v1/sessions/{sid}/verify", content=frame, headers=headers)
+        if r.status_code in (404, 410, 503):
+            stats["reopens"] += 1
+            assert stats["reopens"] <= max_reopens, r.text
+            if r.status_code == 503:
+                await asyncio.sleep(0.5)
+            d = await open_session()
+            sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
+            continue
+        assert r.status_code == 200, r.text
+        rep = ReplyFrame.decode(r.content)
+        out.extend([tokens[i] for i in rep.accepted] + ([rep.bonus] if rep.bonus is not None else []))
+        assert rep.prefix_len == len(prompt) + len(out)
+        prefix_len, finished = rep.prefix_len, rep.finished
+        stats["rounds"] += 1
+        if on_round is not None:
+            await on_round(sid, stats["rounds"])
+    await client.delete(f"/v1/sessions/{sid}", headers=headers)
+    return out, stats
