@@ -177,9 +177,10 @@ class VerifierEngine:
         """Prefill new (or re-opened) sessions in one forward; sample first tokens."""
         out: list[OpenResult | SpecError | None] = [None] * len(requests)
         todo: list[tuple[int, Session, list[int]]] = []
+        seen: set[str] = set()
         for i, r in enumerate(requests):
             try:
-                if r.sid in self.sessions:
+                if r.sid in self.sessions or r.sid in seen:  # twice in one batch would share one KV
                     raise InvalidRequest(f"session {r.sid!r} already exists")
                 if not r.prompt:
                     raise InvalidRequest("prompt must contain at least one token")
@@ -198,6 +199,7 @@ class VerifierEngine:
                             make_generator(params, skip=len(r.generated)), stop)
                 # a re-open feeds the KV with history[:-1]; its last token is the root
                 feed = history if not r.generated else history[:-1]
+                seen.add(r.sid)
                 todo.append((i, s, feed))
             except SpecError as e:
                 out[i] = e
@@ -247,6 +249,8 @@ class VerifierEngine:
                 if r.sid in seen:
                     raise InvalidRequest(f"session {r.sid!r} appears twice in one batch")
                 s = self._live(r.sid, r.prefix_len)
+                if s.awaiting_resample:
+                    raise InvalidRequest(f"session {r.sid!r} owes a chain-mode resampled token")
                 tree = r.tree.validate(self.vocab_size, self.limits)
                 if len(s.prefix) + tree.depth + 1 >= self.max_model_len:
                     raise InvalidRequest("tree would exceed the model context")
@@ -279,8 +283,11 @@ class VerifierEngine:
         """Chain drafts with rejection sampling (DSSD baseline), batched like trees."""
         out: list = [None] * len(requests)
         todo = []
+        seen: set[str] = set()
         for i, r in enumerate(requests):
             try:
+                if r.sid in seen:
+                    raise InvalidRequest(f"session {r.sid!r} appears twice in one batch")
                 s = self.get(r.sid)
                 if s.finished:
                     raise SessionFinished(f"session {r.sid!r} is finished ({s.finish_reason})")
@@ -288,6 +295,8 @@ class VerifierEngine:
                     raise InvalidRequest("chain mode needs one q(x) per draft token")
                 if any(not (0.0 < q <= 1.0) for q in r.q):
                     raise InvalidRequest("q(x) values must be in (0, 1]")
+                # validate everything before the session changes (an invalid request leaves it intact)
+                DraftTree.chain(r.tokens).validate(self.vocab_size, self.limits)
                 if s.awaiting_resample:
                     if r.resampled is None:
                         raise InvalidRequest("the previous round was rejected: send the resampled token")
@@ -295,6 +304,7 @@ class VerifierEngine:
                     if r.prefix_len != len(s.prefix) + 1:
                         raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens, expected "
                                              f"{len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + 1)
+                    seen.add(r.sid)
                     s.awaiting_resample = False
                     self._emit(s, [int(r.resampled)])
                     if s.finished:
@@ -302,8 +312,11 @@ class VerifierEngine:
                                                    finish_reason=s.finish_reason)
                         continue
                 else:
+                    if r.resampled is not None:
+                        raise InvalidRequest("no rejected round is pending: resampled must be absent")
                     self._live(r.sid, r.prefix_len)
-                tree = DraftTree.chain(r.tokens).validate(self.vocab_size, self.limits)
+                    seen.add(r.sid)
+                tree = DraftTree.chain(r.tokens)
                 k = min(len(tree), self._remaining(s) - 1)  # accepted + bonus within max_tokens
                 todo.append((i, s, list(tree.tokens[:k]), list(r.q[:k])))
             except SpecError as e:
