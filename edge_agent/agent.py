@@ -1,0 +1,401 @@
+"""The edge agent: draft locally, verify remotely, stream what the target accepts.
+
+:class:`EdgeAgent.generate` runs one generation (DESIGN.md steps 1-6): open a session,
+then rounds of *draft a tree -> send it -> (proactively draft) -> apply the reply*
+until the server says the session finished. Modes (benchmarks compare them):
+
+- ``stop-and-wait``: draft, send, wait idle for the reply.
+- ``proactive`` (SpecEdge §4.2): while the reply is in flight, keep drafting from the
+  best leaf; on complete draft alignment the next tree starts from that work.
+
+Concurrency mechanism: the verify call is an ``asyncio`` task on the event loop (network
+I/O for :class:`HttpTransport`; a worker thread for :class:`LocalTransport`'s engine).
+Every draft forward runs in the agent's own single worker thread
+(``loop.run_in_executor``); torch releases the GIL inside its kernels, so the network
+wait (or the in-process verifier) and the draft model truly overlap. Proactive drafting
+is a loop of one-forward steps that checks ``task.done()`` between steps, so a reply is
+picked up at most one draft forward after it lands.
+
+Robustness: the agent keeps the whole token history. A lost or evicted session (410
+``session_evicted``, 404 ``session_not_found``, a verify whose reply was lost, a 409
+prefix mismatch) is re-opened with ``generated_ids`` = everything emitted so far, so no
+token is lost or duplicated; 429 waits ``Retry-After`` and resends the same frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from deploy.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
+from deploy.protocol import ClientInfo, OpenSession, SessionOpened, VerifyFrame
+from deploy.verifier.sampling import SamplingParams
+from edge_agent.depth import DepthPolicy, Telemetry
+from edge_agent.drafter import Drafter
+from edge_agent.drafting import DraftSession
+from edge_agent.errors import ConnectionLost, EdgeError, TokenizerMismatch
+from edge_agent.transport import ModelInfo, Transport
+from edge_agent.tree_builder import TreeConfig
+
+MODES = ("proactive", "stop-and-wait")
+
+
+@dataclass
+class AgentConfig:
+    mode: str = "proactive"
+    depth_policy: str = "auto"  # fixed | server | flexspec | auto (see edge_agent.depth)
+    depth: int = 4  # fixed depth / default before measurements
+    max_depth: int = 12  # cap of every policy (and of the server's limit)
+    budget: int = 32  # draft-tree nodes (capped by the server's budget hint and limit)
+    topk: int = 4  # children per expanded node (1 = chain drafting)
+    max_expand: int = 8  # nodes fed per draft forward
+    proactive_max: int | None = None  # proactive chain length cap (default: max_depth)
+    max_reopens: int = 16
+    max_overload_waits: int = 32
+    ping_every: int = 16  # rounds between RTT pings (0 = only at open)
+    check_tokenizer: bool = True
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        DepthPolicy(self.depth_policy)  # validates the name
+
+
+@dataclass
+class GenerationStats:
+    """One generation, observed at the edge (vLLM spec-decode vocabulary)."""
+
+    tokens: int = 0  # generated tokens
+    seconds: float = 0.0  # open .. last token
+    ttft_s: float = 0.0  # time to the first token
+    rounds: int = 0  # verify rounds (num_drafts)
+    draft_tokens: int = 0  # nodes sent (num_draft_tokens)
+    accepted_tokens: int = 0  # accepted draft nodes (num_accepted_tokens)
+    draft_forwards: int = 0  # forwards that built the sent trees
+    proactive_forwards: int = 0
+    align_attempts: int = 0  # rounds with a proactive token in hand when the reply came
+    aligned: int = 0  # complete draft alignments
+    reused_tokens: int = 0  # proactive tokens carried into the next tree
+    reopens: int = 0
+    overload_waits: int = 0
+    depth_sum: int = 0
+    rtt_ms: list[float] = field(default_factory=list)  # network RTT samples (pings)
+    round_ms: list[float] = field(default_factory=list)  # send -> reply of each verify
+    draft_ms: list[float] = field(default_factory=list)  # each draft forward
+    finish_reason: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted draft tokens per round (the bonus not counted)."""
+        return self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per round including the bonus (vLLM: 1 + accepted / drafts)."""
+        return 1.0 + self.mean_accepted if self.rounds else 0.0
+
+    @property
+    def alignment_rate(self) -> float:
+        return self.aligned / self.align_attempts if self.align_attempts else 0.0
+
+    @staticmethod
+    def _mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    @property
+    def mean_rtt_ms(self) -> float:
+        return self._mean(self.rtt_ms)
+
+    @property
+    def mean_round_ms(self) -> float:
+        return self._mean(self.round_ms)
+
+    @property
+    def mean_draft_ms(self) -> float:
+        return self._mean(self.draft_ms)
+
+    @property
+    def mean_depth(self) -> float:
+        return self.depth_sum / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
+        d.update(tokens_per_s=self.tokens_per_s, mean_accepted=self.mean_accepted,
+                 mean_acceptance_length=self.mean_acceptance_length, alignment_rate=self.alignment_rate,
+                 mean_rtt_ms=self.mean_rtt_ms, mean_round_ms=self.mean_round_ms,
+                 mean_draft_ms=self.mean_draft_ms, mean_depth=self.mean_depth)
+        return d
+
+    def summary(self) -> str:
+        return (f"{self.tokens} tokens in {self.seconds:.2f} s, {self.tokens_per_s:.1f} tok/s, "
+                f"{self.mean_accepted:.2f} accepted/round over {self.rounds} rounds, "
+                f"alignment {100 * self.alignment_rate:.0f}% ({self.aligned}/{self.align_attempts}), "
+                f"RTT {self.mean_rtt_ms:.1f} ms, round {self.mean_round_ms:.1f} ms, "
+                f"draft {self.mean_draft_ms:.1f} ms/forward")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens (stop token included, as the target emits it)
+    text: str | None
+    stats: GenerationStats
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class TextStream:
+    """Incremental detokenization: emits text only once it is stable (no partial UTF-8)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tok, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.emitted = 0  # characters already emitted
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
+        if text.endswith("\ufffd"):
+            return ""
+        out, self.emitted = text[self.emitted:], len(text)
+        return out
+
+    def text(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=self.skip)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if hasattr(ids, "keys") and "input_ids" in ids:  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer.encode(prompt)]
+
+
+class EdgeAgent:
+    """Speculative decoding with a local draft and a remote (or in-process) verifier.
+
+    One agent runs one generation at a time (its drafter holds one KV cache); run many
+    agents for concurrency.
+    """
+
+    def __init__(self, transport: Transport, drafter: Drafter, tokenizer=None,
+                 config: AgentConfig | None = None, agent_name: str = "edge-agent/0.1"):
+        self.transport = transport
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.config = config or AgentConfig()
+        self.agent_name = agent_name
+        self.policy = DepthPolicy(self.config.depth_policy, self.config.depth, self.config.max_depth)
+        self.telemetry = Telemetry()  # persists across generations: the link and draft do not change
+        self._info: ModelInfo | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    # -- setup ---------------------------------------------------------------------------
+    async def model_info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = await self.transport.model_info()
+            self._check_compat(self._info)
+        return self._info
+
+    def _check_compat(self, info: ModelInfo) -> None:
+        if not self.config.check_tokenizer:
+            return
+        from deploy.verifier.models import tokenizer_fingerprint
+
+        mine = tokenizer_fingerprint(self.tokenizer)
+        if self.tokenizer is not None and info.tokenizer_fingerprint not in ("none", mine):
+            raise TokenizerMismatch(
+                f"the draft's tokenizer (fingerprint {mine}) differs from the target's "
+                f"({info.tokenizer_fingerprint}, model {info.model}): use a draft that shares the target's tokenizer")
+        dv = getattr(self.drafter, "vocab_size", None)
+        if dv is not None and dv != info.vocab_size and getattr(self.drafter, "vocab_map", None) is None:
+            raise TokenizerMismatch(f"the draft's vocabulary has {dv} tokens, the target's {info.vocab_size}")
+        vm = getattr(self.drafter, "vocab_map", None)
+        if vm is not None and int(vm.max()) >= info.vocab_size:
+            raise TokenizerMismatch("the draft's vocab_map points outside the target vocabulary")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _open(self, prompt: list[int], generated: list[int], params: SamplingParams,
+                    stats: GenerationStats) -> SessionOpened:
+        from deploy.verifier.models import tokenizer_fingerprint
+
+        t = self.telemetry
+        req = OpenSession(prompt_ids=prompt, generated_ids=generated, sampling=params.to_dict(),
+                          client=ClientInfo(tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+                                            draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0),
+                                            agent=self.agent_name))
+        for _ in range(self.config.max_overload_waits):
+            try:
+                return await self.transport.open(req)
+            except Overloaded as e:
+                stats.overload_waits += 1
+                await asyncio.sleep(e.retry_after)
+        raise EdgeError("the server stayed overloaded; giving up")
+
+    async def _ping(self, stats: GenerationStats) -> None:
+        try:
+            s = await self.transport.ping()
+        except (EdgeError, OSError):
+            return
+        self.telemetry.observe_rtt(s)
+        stats.rtt_ms.append(s * 1e3)
+
+    # -- generation ----------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], sampling: SamplingParams | dict | None = None, *,
+                       chat: bool = False, on_tokens: Callable[[list[int]], None] | None = None,
+                       on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        """Generate from ``prompt`` (text needs a tokenizer); returns ids, text and stats.
+
+        ``on_tokens`` gets each verified batch of token ids, ``on_text`` the new text.
+        """
+        cfg = self.config
+        info = await self.model_info()
+        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise EdgeError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_ids = encode_prompt(self.tokenizer, prompt, chat)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
+        stats = GenerationStats()
+        generated: list[int] = []
+
+        def emit(toks: list[int]) -> None:
+            if not toks:
+                return
+            generated.extend(toks)
+            if on_tokens is not None:
+                on_tokens(toks)
+            if stream is not None:
+                piece = stream.push(toks)
+                if piece and on_text is not None:
+                    on_text(piece)
+
+        t_start = time.perf_counter()
+        if self.telemetry.rtt_ms.value is None:  # the first generation measures the link first
+            await self._ping(stats)
+        sess = await self._open(prompt_ids, [], params, stats)
+        stats.ttft_s = time.perf_counter() - t_start
+        if sess.first_token is not None:
+            emit([sess.first_token])
+        finished, finish_reason = sess.finished, sess.finish_reason
+        depth_hint, budget_hint = sess.depth_hint, sess.budget_hint
+        ds = DraftSession(self.drafter, self._tree_config(info, budget_hint))
+        ds.start(prompt_ids + generated)
+        sid = sess.session_id
+        ping_task: asyncio.Task | None = None
+        try:
+            while not finished:
+                if cfg.ping_every and stats.rounds and stats.rounds % cfg.ping_every == 0 and ping_task is None:
+                    ping_task = asyncio.create_task(self._ping(stats))
+                tree_cfg = self._tree_config(info, budget_hint)
+                ds.set_config(tree_cfg)
+                npl = max(1.0, min(tree_cfg.budget / max(self.policy.depth, 1), tree_cfg.max_expand * tree_cfg.topk))
+                depth = self.policy.choose(self.telemetry, depth_hint, npl, stats.rounds)
+                remaining = params.max_tokens - len(generated)
+                depth = max(0, min(depth, remaining - 1, tree_cfg.max_depth))
+                n_fwd0 = len(ds.forward_times)
+                await self._run(ds.draft, depth)
+                tree, _order = ds.freeze(max_chain=(cfg.proactive_max or cfg.max_depth)
+                                         if cfg.mode == "proactive" else 0)
+                self._observe_drafts(ds, n_fwd0, stats)
+                stats.draft_forwards += len(ds.forward_times) - n_fwd0
+                t = self.telemetry
+                frame = VerifyFrame(prefix_len=len(prompt_ids) + len(generated), tokens=list(tree.tokens),
+                                    parents=list(tree.parents), draft_ms=t.draft_ms.get(0.0),
+                                    rtt_ms=t.rtt_ms.get(0.0), depth=ds.builder.forwards)
+                t0 = time.perf_counter()
+                task = asyncio.create_task(self._verify(sid, frame, stats))
+                if cfg.mode == "proactive":
+                    n_pro0 = len(ds.forward_times)
+                    while not task.done():
+                        if not await self._run(ds.proactive_step):
+                            break
+                    stats.proactive_forwards += len(ds.forward_times) - n_pro0
+                    self._observe_drafts(ds, n_pro0, stats)
+                try:
+                    reply = await task
+                except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
+                    if stats.reopens >= cfg.max_reopens:
+                        raise
+                    stats.reopens += 1
+                    await self._safe_close(sid)
+                    sess = await self._open(prompt_ids, list(generated), params, stats)
+                    sid = sess.session_id
+                    if sess.prefix_len != len(prompt_ids) + len(generated):
+                        raise EdgeError(f"re-opened session has prefix {sess.prefix_len}, expected "
+                                        f"{len(prompt_ids) + len(generated)}")
+                    finished, finish_reason = sess.finished, sess.finish_reason
+                    depth_hint, budget_hint = sess.depth_hint or depth_hint, sess.budget_hint or budget_hint
+                    ds.start(prompt_ids + generated)
+                    continue
+                round_ms = (time.perf_counter() - t0) * 1e3
+                if reply.prefix_len != len(prompt_ids) + len(generated) + len(reply.accepted) + (
+                        reply.bonus is not None):
+                    raise EdgeError(f"reply prefix length {reply.prefix_len} does not match the history")
+                emitted = [tree.tokens[i] for i in reply.accepted] + ([reply.bonus] if reply.bonus is not None else [])
+                al = ds.on_reply(list(reply.accepted), reply.bonus, emitted)
+                emit(emitted)
+                stats.rounds += 1
+                stats.draft_tokens += len(tree)
+                stats.accepted_tokens += len(reply.accepted)
+                stats.depth_sum += tree.depth
+                stats.round_ms.append(round_ms)
+                stats.align_attempts += al.attempted
+                stats.aligned += al.aligned
+                stats.reused_tokens += al.reused
+                self.telemetry.observe_round(tree.depth, len(reply.accepted), len(tree), round_ms)
+                depth_hint = reply.depth_hint or depth_hint
+                budget_hint = reply.budget_hint or budget_hint
+                finished, finish_reason = reply.finished, reply.finish_reason
+                if ping_task is not None and ping_task.done():
+                    ping_task = None
+        finally:
+            if ping_task is not None:
+                ping_task.cancel()
+            await self._safe_close(sid)
+        stats.tokens = len(generated)
+        stats.seconds = time.perf_counter() - t_start
+        stats.finish_reason = finish_reason
+        text = stream.text() if stream is not None else None
+        return GenerationResult(generated, text, stats, prompt_ids)
+
+    def _tree_config(self, info: ModelInfo, budget_hint: int) -> TreeConfig:
+        cfg = self.config
+        budget = min(cfg.budget, info.max_tree_nodes, budget_hint or cfg.budget)
+        return TreeConfig(budget=max(1, budget), topk=cfg.topk, max_expand=cfg.max_expand,
+                          max_depth=min(cfg.max_depth, info.max_tree_depth))
+
+    def _observe_drafts(self, ds: DraftSession, start: int, stats: GenerationStats) -> None:
+        for s in ds.forward_times[start:]:
+            self.telemetry.observe_draft(s)
+            stats.draft_ms.append(s * 1e3)
+
+    async def _verify(self, sid: str, frame: VerifyFrame, stats: GenerationStats):
+        for _ in range(self.config.max_overload_waits):
+            try:
+                return await self.transport.verify(sid, frame)
+            except Overloaded as e:  # not applied: resend the same frame later
+                stats.overload_waits += 1
+                await asyncio.sleep(e.retry_after)
+        raise EdgeError("the server stayed overloaded; giving up")
+
+    async def _safe_close(self, sid: str) -> None:
+        try:
+            await self.transport.close(sid)
+        except Exception:  # noqa: BLE001 - closing is best effort (the server evicts idle sessions)
+            pass

@@ -1,0 +1,226 @@
+"""Draft backends: what proposes the children of a draft-tree node.
+
+Two backends share one interface (:class:`Drafter`), so tree building, proactive
+drafting and depth control are the same for both (SpecEdge §4.2 "not tied to any
+specific drafting technique"):
+
+- :class:`ModelDrafter`: any Llama-family HF causal LM that shares the target's
+  tokenizer, driven by :class:`deploy.verifier.runner.LayerRunner`. It keeps its own KV
+  cache: the verified prefix, then one entry per fed tree node; each fed node sees the
+  prefix and its own ancestors only (``BatchItem.kv_mask``), so all nodes of a tree, and
+  the proactive chain behind it, live in one cache. After a verification the cache is
+  compacted to the accepted path (+ reused proactive nodes): rollback is a gather, not
+  a recompute. An optional ``vocab_map`` ([V_draft] long) maps a reduced draft head's
+  logit index to the target token id.
+- :class:`NgramDrafter`: training-free prompt lookup (match the longest suffix of the
+  context against earlier text and propose what followed), no model, no KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from deploy.verifier.runner import BatchItem, LayerRunner
+from edge_agent.tree_builder import ROOT
+
+Candidates = tuple[list[int], list[float]]  # (target token ids, log-probs), best first
+
+
+@dataclass(frozen=True)
+class ExpandRequest:
+    """One node to feed: its token, depth and the ids/tokens of its ancestors below the root."""
+
+    nid: int  # node id, ROOT for the root (= prefix[-1])
+    token: int
+    depth: int  # 0 for the root
+    ancestors: tuple[int, ...] = ()  # node ids, root's child first, excluding nid
+    path_tokens: tuple[int, ...] = ()  # tokens of ancestors + own token (empty for the root)
+
+
+class Drafter:
+    """Interface of a draft backend."""
+
+    name: str = "drafter"
+    vocab_size: int | None = None  # the input vocabulary (target ids it accepts), None = any
+
+    def expand(self, prefix: list[int], reqs: list[ExpandRequest], k: int) -> list[Candidates]:
+        """Feed ``reqs`` (one draft forward) and return each node's top-``k`` next tokens."""
+        raise NotImplementedError
+
+    def advance(self, prefix: list[int], path_ids: list[int], live_ids: list[int]) -> None:
+        """The verified prefix is now ``prefix``; the state of fed nodes ``path_ids`` (in
+        order) becomes part of it, ``live_ids`` stay as nodes of the next tree; every
+        other node is dropped."""
+
+    def reset(self) -> None:
+        """Forget all state (a new, unrelated generation)."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelDrafter(Drafter):
+    """A draft LM with tree KV and rollback (Llama-family layers via LayerRunner)."""
+
+    SID = "draft"
+
+    def __init__(self, model, vocab_map: torch.Tensor | None = None, name: str | None = None):
+        self.model = model
+        self.runner = LayerRunner(model)
+        vm = vocab_map if vocab_map is not None else getattr(model, "vocab_map", None)
+        self.vocab_map = vm.long().to(self.runner.device) if vm is not None else None  # [V_draft]
+        self.vocab_size = model.config.vocab_size
+        self.name = name or type(model).__name__
+        self.cached: list[int] = []  # prefix tokens whose KV is in the cache
+        self.slots: dict[int, int] = {}  # node id -> KV index (>= len(cached))
+        self._bids = itertools.count()
+
+    def reset(self) -> None:
+        self.runner.drop(self.SID)
+        self.cached, self.slots = [], {}
+
+    @property
+    def kv_length(self) -> int:
+        return self.runner.kv_length(self.SID)
+
+    def _truncate(self, n: int) -> None:
+        if self.kv_length > n:
+            self.runner.truncate(self.SID, n)
+        self.cached = self.cached[:n]
+        self.slots = {}
+
+    def _topk(self, logits: torch.Tensor, k: int) -> Candidates:
+        """logits: [V_draft] -> top-k (target ids, log-probs)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [V_draft]
+        vals, idx = torch.topk(lp, min(k, lp.shape[-1]))
+        if self.vocab_map is not None:
+            idx = self.vocab_map[idx]
+        return idx.tolist(), vals.tolist()
+
+    def _run(self, item: BatchItem) -> torch.Tensor:
+        bid = next(self._bids)
+        try:
+            logits = self.runner.forward(bid, [item])[0]  # [rows, V_draft]
+        except BaseException:
+            self.runner.abort(bid)
+            raise
+        self.runner.commit(bid, {self.SID: list(range(len(item.input_ids)))})
+        return logits
+
+    def expand(self, prefix: list[int], reqs: list[ExpandRequest], k: int) -> list[Candidates]:
+        if any(r.nid == ROOT for r in reqs):
+            if len(reqs) != 1:
+                raise ValueError("the root is expanded alone (no node exists below an unfed root)")
+            # the root's logits come from feeding prefix[c:]; keep at most prefix[:-1] cached
+            c = min(_common_prefix(self.cached, prefix), len(prefix) - 1)
+            self._truncate(c)
+            feed = prefix[c:]
+            t = len(feed)
+            item = BatchItem(self.SID, feed, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), [t - 1])
+            logits = self._run(item)
+            self.cached = list(prefix)
+            return [self._topk(logits[0], k)]
+        if self.cached != prefix[: len(self.cached)] or len(self.cached) != len(prefix):
+            raise RuntimeError("draft KV is not at the verified prefix; expand the root first")
+        c, L = len(self.cached), self.kv_length
+        t = len(reqs)
+        kv_mask = torch.zeros(t, L, dtype=torch.bool)  # [t, L]
+        kv_mask[:, :c] = True
+        local = torch.eye(t, dtype=torch.bool)  # [t, t]
+        row_of = {r.nid: i for i, r in enumerate(reqs)}
+        for i, r in enumerate(reqs):
+            for a in r.ancestors:
+                if a in row_of:  # an ancestor fed in this same forward
+                    local[i, row_of[a]] = True
+                else:
+                    kv_mask[i, self.slots[a]] = True
+        root_pos = len(prefix) - 1
+        offsets = torch.tensor([root_pos + r.depth - L for r in reqs], dtype=torch.long)
+        item = BatchItem(self.SID, [r.token for r in reqs], offsets, local, list(range(t)), kv_mask)
+        logits = self._run(item)
+        for i, r in enumerate(reqs):
+            self.slots[r.nid] = L + i
+        return [self._topk(logits[i], k) for i in range(t)]
+
+    def fed(self, nid: int) -> bool:
+        return nid in self.slots
+
+    def advance(self, prefix: list[int], path_ids: list[int], live_ids: list[int]) -> None:
+        c = len(self.cached)
+        if c == 0 or self.cached != prefix[:c]:
+            self._truncate(_common_prefix(self.cached, prefix))
+            return
+        path_rows = []
+        for nid in path_ids:  # the longest fed prefix of the path
+            if nid not in self.slots:
+                break
+            path_rows.append(self.slots[nid])
+        if len(path_rows) < len(path_ids):
+            live_ids = []
+        live_ids = [n for n in live_ids if n in self.slots]
+        new_c = min(c + len(path_rows), len(prefix))
+        path_rows = path_rows[: new_c - c]
+        rows = path_rows + [self.slots[n] for n in live_ids]
+        if self.kv_length:
+            self.runner.keep(self.SID, c, rows)
+        self.cached = list(prefix[:new_c])
+        self.slots = {n: new_c + j for j, n in enumerate(live_ids)}
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: propose what followed the longest earlier match of the context's suffix.
+
+    Candidates of a node are the tokens that followed the longest matching n-gram
+    (``max_n`` down to ``min_n``), ranked by count then recency, with log(count/total)
+    as their log-probability. Only the verified prefix is indexed (incrementally).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.reset()
+
+    def reset(self) -> None:
+        self.indexed: list[int] = []
+        # index[n][ngram] = {next_token: [count, last_position]}
+        self.index: dict[int, dict[tuple, dict[int, list[int]]]] = {
+            n: defaultdict(dict) for n in range(self.min_n, self.max_n + 1)}
+
+    def _index(self, prefix: list[int]) -> None:
+        if _common_prefix(self.indexed, prefix) < len(self.indexed):
+            self.reset()
+        for i in range(len(self.indexed), len(prefix)):
+            for n in range(self.min_n, self.max_n + 1):
+                if i - n < 0:
+                    break
+                entry = self.index[n][tuple(prefix[i - n : i])].setdefault(prefix[i], [0, 0])
+                entry[0] += 1
+                entry[1] = i
+        self.indexed = list(prefix)
+
+    def lookup(self, context: list[int], k: int) -> Candidates:
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            nxt = self.index[n].get(tuple(context[-n:]))
+            if nxt:
+                total = sum(c for c, _ in nxt.values())
+                ranked = sorted(nxt.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:k]
+                return [t for t, _ in ranked], [math.log(c / total) for _, (c, _) in ranked]
+        return [], []
+
+    def expand(self, prefix: list[int], reqs: list[ExpandRequest], k: int) -> list[Candidates]:
+        self._index(prefix)
+        return [self.lookup(list(prefix) + list(r.path_tokens), k) for r in reqs]
+
+    def fed(self, nid: int) -> bool:
+        return True

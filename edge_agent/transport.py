@@ -1,0 +1,344 @@
+"""How the edge reaches a verifier: over HTTP/WebSocket, or in-process.
+
+:class:`Transport` is the four calls of the protocol (:mod:`deploy.protocol`): model
+info, open (also re-open from history), verify (binary frames), close, plus a ping for
+RTT. The agent's logic is identical over both implementations:
+
+- :class:`HttpTransport`: an ``httpx.AsyncClient`` with keep-alive (a verify round is one
+  request on a warm connection: one RTT), or one WebSocket per session (``ws=True``).
+  Timeouts; retries with exponential backoff where a retry is safe (connection refused,
+  503, 429 after ``Retry-After``); a verify whose reply is lost raises
+  :class:`~edge_agent.errors.ConnectionLost` (it may or may not have been applied), and
+  the agent re-opens the session from its history instead of guessing.
+- :class:`LocalTransport`: a :class:`deploy.verifier.engine.VerifierEngine` in this
+  process (``edge-agent --local``, fast tests). Frames still go through the binary
+  codec; the engine runs in a worker thread so the event loop (and proactive drafting)
+  keep going; an optional simulated RTT; a SpecEdge §4.3 pacing hint computed from the
+  measured verify time and the edge's reported draft time and RTT; and test hooks to
+  evict sessions between rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from deploy.errors import SessionEvicted, SessionNotFound, SpecError
+from deploy.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
+from edge_agent.errors import ConnectionLost, ServerUnreachable, error_from_json
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer_fingerprint: str
+    max_tree_nodes: int
+    max_tree_depth: int
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelInfo":
+        return cls(str(d["model"]), int(d["vocab_size"]), tuple(int(e) for e in d.get("eos_token_ids", ())),
+                   str(d.get("tokenizer_fingerprint", "none")), int(d.get("max_tree_nodes", 64)),
+                   int(d.get("max_tree_depth", 32)))
+
+
+class Transport:
+    """The protocol, as async calls. Errors are :mod:`deploy.errors` / :mod:`edge_agent.errors`."""
+
+    async def model_info(self) -> ModelInfo:
+        raise NotImplementedError
+
+    async def open(self, req: OpenSession) -> SessionOpened:
+        raise NotImplementedError
+
+    async def verify(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+        raise NotImplementedError
+
+    async def close(self, sid: str) -> None:
+        raise NotImplementedError
+
+    async def ping(self) -> float:
+        """Seconds for one network round trip (no model work)."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        pass
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+
+# -- in-process ------------------------------------------------------------------------
+class LocalTransport(Transport):
+    """A verifier engine in this process, behind the same interface as the server."""
+
+    def __init__(self, engine, *, model_name: str = "local", tokenizer_fingerprint: str = "none",
+                 rtt_ms: float = 0.0, default_depth: int = 4, max_depth: int = 12, budget_hint: int = 32,
+                 before_verify: Callable[["LocalTransport", str, int], None] | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.fingerprint = tokenizer_fingerprint
+        self.rtt_ms = rtt_ms
+        self.default_depth, self.max_depth, self.budget_hint = default_depth, max_depth, budget_hint
+        self.before_verify = before_verify  # test hook: (transport, sid, round) before each verify
+        self.rounds = 0
+        self.evicted: set[str] = set()
+        self.verify_ms: float | None = None  # EMA of engine verify time (pacing)
+        self._lock = threading.Lock()  # one engine call at a time (agents may share a transport)
+
+    async def _net(self) -> None:
+        if self.rtt_ms > 0:
+            await asyncio.sleep(self.rtt_ms / 2e3)
+
+    async def _call(self, fn, *args):
+        await self._net()  # uplink
+        def run():
+            with self._lock:
+                return fn(*args)
+        out = await asyncio.to_thread(run)
+        await self._net()  # downlink
+        return out
+
+    def _depth_hint(self, draft_ms: float, rtt_ms: float) -> int:
+        """SpecEdge §4.3: depth such that edge draft time + RTT ≈ server verify time."""
+        if self.verify_ms is None or draft_ms <= 0:
+            return self.default_depth
+        d = round((self.verify_ms - rtt_ms) / draft_ms)
+        return max(1, min(self.max_depth, d))
+
+    async def model_info(self) -> ModelInfo:
+        e = self.engine
+        return ModelInfo(self.model_name, e.vocab_size, tuple(sorted(e.eos_token_ids)), self.fingerprint,
+                         e.limits.max_nodes, e.limits.max_depth)
+
+    async def open(self, req: OpenSession) -> SessionOpened:
+        from deploy.verifier.engine import OpenRequest
+        from deploy.verifier.sampling import SamplingParams
+
+        req = OpenSession.model_validate_json(req.model_dump_json())  # as it would arrive
+        sid = uuid.uuid4().hex
+        params = SamplingParams.from_dict(req.sampling)
+        (res,) = await self._call(self.engine.open, [OpenRequest(sid, list(req.prompt_ids), params,
+                                                                 tuple(req.generated_ids))])
+        if isinstance(res, SpecError):
+            raise res
+        return SessionOpened(session_id=sid, first_token=res.first_token, prefix_len=res.prefix_len,
+                             finished=res.finished, finish_reason=res.finish_reason,
+                             depth_hint=self._depth_hint(req.client.draft_ms, req.client.rtt_ms),
+                             budget_hint=self.budget_hint, tokenizer_fingerprint=self.fingerprint,
+                             model=self.model_name)
+
+    def drop_session(self, sid: str, evicted: bool = True) -> None:
+        """Test hook: the server loses the session (evicted -> 410, else -> 404)."""
+        self.engine.close(sid)
+        if evicted:
+            self.evicted.add(sid)
+
+    def _verify(self, sid: str, body: bytes) -> bytes:
+        from deploy.verifier.engine import VerifyRequest
+        from deploy.verifier.tree import DraftTree
+
+        if sid in self.evicted:
+            raise SessionEvicted(f"session {sid!r} was evicted")
+        frame = VerifyFrame.decode(body)
+        t0 = time.perf_counter()
+        (res,) = self.engine.verify([VerifyRequest(sid, DraftTree(tuple(frame.tokens), tuple(frame.parents)),
+                                                   frame.prefix_len)])
+        ms = (time.perf_counter() - t0) * 1e3
+        self.verify_ms = ms if self.verify_ms is None else 0.8 * self.verify_ms + 0.2 * ms
+        if isinstance(res, SpecError):
+            raise res
+        return ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
+                          self._depth_hint(frame.draft_ms, frame.rtt_ms), self.budget_hint).encode()
+
+    async def verify(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+        if self.before_verify is not None:
+            self.before_verify(self, sid, self.rounds)
+        self.rounds += 1
+        return ReplyFrame.decode(await self._call(self._verify, sid, frame.encode()))
+
+    async def close(self, sid: str) -> None:
+        await self._call(self.engine.close, sid)
+
+    async def ping(self) -> float:
+        t0 = time.perf_counter()
+        await self._net()
+        await self._net()
+        return time.perf_counter() - t0
+
+
+# -- over the network ------------------------------------------------------------------------
+@dataclass
+class RetryPolicy:
+    attempts: int = 4  # tries per call (first one included)
+    backoff_s: float = 0.2  # first wait; doubles each time, with jitter
+    max_backoff_s: float = 5.0
+    max_retry_after_s: float = 30.0  # the longest Retry-After we honour
+
+    def wait(self, attempt: int) -> float:
+        b = min(self.backoff_s * (2 ** attempt), self.max_backoff_s)
+        return b * (0.5 + random.random() / 2)
+
+
+@dataclass
+class HttpTransport(Transport):
+    """The real server. ``base_url`` like ``http://host:port`` (endpoints under ``/v1``)."""
+
+    base_url: str
+    api_key: str | None = None
+    ws: bool = False  # verify over a per-session WebSocket instead of POST
+    timeout_s: float = 60.0
+    connect_timeout_s: float = 5.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self):
+        import httpx
+
+        self.base_url = self.base_url.rstrip("/")
+        headers = {"User-Agent": "specedge-edge-agent/0.1"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        self._headers = headers
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers,
+            timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
+            limits=httpx.Limits(max_keepalive_connections=8, keepalive_expiry=60.0))
+        self._ws: dict[str, object] = {}
+
+    async def aclose(self) -> None:
+        for sid in list(self._ws):
+            await self._close_ws(sid)
+        await self._client.aclose()
+
+    async def _request(self, method: str, path: str, *, idempotent: bool, **kw):
+        """One HTTP call with retries; returns the response of a 2xx, raises otherwise."""
+        import httpx
+
+        last: Exception | None = None
+        for attempt in range(self.retry.attempts):
+            try:
+                r = await self._client.request(method, path, **kw)
+            except httpx.ConnectError as e:  # never reached the server: always safe to retry
+                last = ServerUnreachable(f"cannot reach {self.base_url}: {e}")
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                if isinstance(e, httpx.ConnectTimeout):
+                    last = ServerUnreachable(f"cannot reach {self.base_url}: connect timed out")
+                elif not idempotent:
+                    raise ConnectionLost(f"{method} {path}: {type(e).__name__}: {e}") from None
+                else:
+                    last = ConnectionLost(f"{method} {path}: {type(e).__name__}: {e}")
+            else:
+                if r.status_code < 400:
+                    return r
+                try:
+                    body = r.json()
+                except (json.JSONDecodeError, ValueError):
+                    body = None
+                ra = r.headers.get("Retry-After")
+                err = error_from_json(r.status_code, body, float(ra) if ra else None)
+                if r.status_code == 429 and isinstance(err, SpecError):
+                    wait = getattr(err, "retry_after", None) or (float(ra) if ra else 1.0)
+                    if attempt + 1 < self.retry.attempts and wait <= self.retry.max_retry_after_s:
+                        await asyncio.sleep(wait)
+                        last = err
+                        continue
+                    raise err
+                if r.status_code in (502, 503, 504) and attempt + 1 < self.retry.attempts:
+                    last = err
+                    await asyncio.sleep(self.retry.wait(attempt))
+                    continue
+                raise err
+            if attempt + 1 < self.retry.attempts:
+                await asyncio.sleep(self.retry.wait(attempt))
+        assert last is not None
+        raise last
+
+    async def model_info(self) -> ModelInfo:
+        r = await self._request("GET", "/v1/model", idempotent=True)
+        return ModelInfo.from_dict(r.json())
+
+    async def open(self, req: OpenSession) -> SessionOpened:
+        # not idempotent strictly, but a duplicate session is harmless (idle-evicted)
+        r = await self._request("POST", "/v1/sessions", idempotent=True, content=req.model_dump_json(),
+                                headers={"Content-Type": "application/json"})
+        return SessionOpened.model_validate(r.json())
+
+    async def verify(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+        if self.ws:
+            return await self._verify_ws(sid, frame)
+        r = await self._request("POST", f"/v1/sessions/{sid}/verify", idempotent=False, content=frame.encode(),
+                                headers={"Content-Type": "application/octet-stream"})
+        return ReplyFrame.decode(r.content)
+
+    async def close(self, sid: str) -> None:
+        await self._close_ws(sid)
+        try:
+            await self._request("DELETE", f"/v1/sessions/{sid}", idempotent=True)
+        except (SessionNotFound, SessionEvicted):
+            pass
+
+    async def ping(self) -> float:
+        t0 = time.perf_counter()
+        await self._request("GET", "/v1/health", idempotent=True)
+        return time.perf_counter() - t0
+
+    # -- WebSocket ------------------------------------------------------------------------
+    def _ws_url(self, sid: str) -> str:
+        base = self.base_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+        return f"{base}/v1/sessions/{sid}/ws"
+
+    async def _close_ws(self, sid: str) -> None:
+        conn = self._ws.pop(sid, None)
+        if conn is not None:
+            try:
+                await conn.close()
+            except Exception:  # noqa: BLE001 - closing a broken socket
+                pass
+
+    async def _verify_ws(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+        from websockets.asyncio.client import connect
+        from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+
+        conn = self._ws.get(sid)
+        if conn is None:
+            try:
+                conn = await asyncio.wait_for(
+                    connect(self._ws_url(sid), additional_headers=self._headers, max_size=1 << 22,
+                            open_timeout=self.connect_timeout_s), self.connect_timeout_s + 1)
+            except InvalidStatus as e:
+                resp = e.response
+                try:
+                    body = json.loads(bytes(resp.body or b"").decode() or "null")
+                except (ValueError, UnicodeDecodeError):
+                    body = None
+                raise error_from_json(resp.status_code, body) from None
+            except (OSError, asyncio.TimeoutError, WebSocketException) as e:
+                raise ServerUnreachable(f"cannot open a WebSocket to {self._ws_url(sid)}: {e}") from None
+            self._ws[sid] = conn
+        try:
+            await conn.send(frame.encode())
+            msg = await asyncio.wait_for(conn.recv(), self.timeout_s)
+        except (ConnectionClosed, OSError, asyncio.TimeoutError) as e:
+            await self._close_ws(sid)
+            raise ConnectionLost(f"WebSocket verify: {type(e).__name__}: {e}") from None
+        if isinstance(msg, str):  # an error arrives as a JSON text frame
+            try:
+                body = json.loads(msg)
+            except ValueError:
+                body = None
+            err = (body or {}).get("error", {}) if isinstance(body, dict) else {}
+            status = int(err.get("status", 400)) if isinstance(err, dict) else 400
+            raise error_from_json(status, body)
+        return ReplyFrame.decode(msg)
+
