@@ -1,0 +1,52 @@
+import pytest
+
+from deploy.config import TenantConfig
+from deploy.errors import Overloaded, Unauthorized
+from deploy.router.affinity import replica_of
+from deploy.router.tenants import TenantRegistry, TokenBucket
+
+
+def registry(**kw):
+    return TenantRegistry([TenantConfig(name="a", api_key="key-aaaa-1", max_sessions=2, **kw),
+                           TenantConfig(name="b", api_key="key-bbbb-1")])
+
+
+def test_authentication_by_hashed_key():
+    r = registry()
+    assert r.authenticate("Bearer key-aaaa-1").config.name == "a"
+    assert r.authenticate("bearer key-bbbb-1").config.name == "b"
+    for bad in (None, "", "key-aaaa-1", "Bearer nope", "Basic key-aaaa-1"):
+        with pytest.raises(Unauthorized):
+            r.authenticate(bad)
+    assert all(t.config.api_key is None for t in r.by_name.values())  # plain keys are not kept
+
+
+def test_session_quota():
+    r = registry()
+    a = r.by_name["a"]
+    for sid in ("s1", "s2"):
+        r.admit_session(a)
+        r.session_opened(a, sid)
+    with pytest.raises(Overloaded) as e:
+        r.admit_session(a)
+    assert e.value.reason == "tenant_sessions"
+    r.session_gone(a, "s1")
+    r.admit_session(a)
+
+
+def test_token_rate_limit_and_retry_after():
+    b = TokenBucket(rate=10.0, capacity=20.0)
+    b.spend(30, now=b.stamp)
+    assert b.wait_time(now=b.stamp) == pytest.approx(1.0, rel=1e-3)
+    assert b.wait_time(now=b.stamp + 1.01) == 0.0
+    r = registry(tokens_per_second=5.0, burst_tokens=5.0)
+    a = r.by_name["a"]
+    r.session_used(a, "s", 50)
+    with pytest.raises(Overloaded) as e:
+        r.check_rate(a)
+    assert e.value.reason == "tenant_rate" and e.value.retry_after > 5
+
+
+def test_replica_of_session_id():
+    assert replica_of("abc123.deadbeef") == "abc123"
+    assert replica_of("no-dot") is None

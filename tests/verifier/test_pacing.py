@@ -1,0 +1,52 @@
+import pytest
+
+from deploy.verifier.pacing import LinearCost, Pacer
+
+
+def test_linear_cost_recovers_line():
+    c = LinearCost(decay=1.0)
+    for x in (10, 50, 100, 200, 400):
+        c.observe(x, 0.02 + 0.001 * x)
+    a, b = c.coefficients()
+    assert a == pytest.approx(0.02, abs=1e-6) and b == pytest.approx(0.001, abs=1e-8)
+
+
+def test_depth_matches_verify_time_minus_rtt():
+    p = Pacer(min_depth=1, max_depth=12)
+    for x in (33, 66, 132, 264):
+        p.observe_forward(x, 0.010 + 0.0005 * x)  # verify(33 tokens) = 26.5 ms
+    # one session, 32-node tree: 26.5 ms verify; 5 ms RTT; 3 ms per draft forward -> ~7 forwards
+    assert p.depth_hint(1, 32, draft_ms=3.0, rtt_ms=5.0) == 7
+    # longer RTT -> shallower drafts (SpecEdge Fig. 12 trend)
+    assert p.depth_hint(1, 32, draft_ms=3.0, rtt_ms=20.0) < 7
+    assert p.depth_hint(1, 32, draft_ms=3.0, rtt_ms=500.0) == 1
+    # more sessions -> longer verify cycle -> deeper drafts fit
+    assert p.depth_hint(4, 32, draft_ms=3.0, rtt_ms=5.0) > 7
+    assert p.depth_hint(1, 32, draft_ms=0.0, rtt_ms=5.0) == p.default_depth
+
+
+def test_tree_budget_shrinks_with_load_when_compute_bound():
+    p = Pacer(budgets=(8, 16, 32, 64))
+    for x in (9, 33, 65, 130, 260, 520, 1040):
+        p.observe_forward(x, 0.005 + 0.001 * x)  # CPU-like: every token costs
+    for n, tok in ((8, 2.0), (16, 2.4), (32, 2.7), (64, 2.9)):
+        for _ in range(20):
+            p.observe_round(n, tok)
+    few, many = p.budget_hint(1), p.budget_hint(32)
+    assert few > many
+    assert many == 8
+
+
+def test_tree_budget_stays_large_when_memory_bound():
+    p = Pacer(budgets=(8, 16, 32, 64))
+    for x in (9, 33, 65, 130, 260, 520):
+        p.observe_forward(x, 0.050 + 0.000001 * x)  # GPU-like: a forward costs the same at any size
+    for n, tok in ((8, 2.0), (16, 2.4), (32, 2.7), (64, 2.9)):
+        for _ in range(20):
+            p.observe_round(n, tok)
+    assert p.budget_hint(1) == 64 and p.budget_hint(32) == 64
+
+
+def test_defaults_before_measurements():
+    p = Pacer(default_budget=32, default_depth=4)
+    assert p.budget_hint(10) == 32 and p.depth_hint(10, 32, 3.0, 10.0) == 4
