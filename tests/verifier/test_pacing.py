@@ -28,7 +28,7 @@ def test_depth_matches_verify_time_minus_rtt():
 def test_tree_budget_shrinks_with_load_when_compute_bound():
     p = Pacer(budgets=(8, 16, 32, 64))
     for x in (9, 33, 65, 130, 260, 520, 1040):
-        p.observe_forward(x, 0.005 + 0.001 * x)  # CPU-like: every token costs
+        p.observe_forward(x, 0.050 + 0.001 * x)  # CPU-like: every token costs
     for n, tok in ((8, 2.0), (16, 2.4), (32, 2.7), (64, 2.9)):
         for _ in range(20):
             p.observe_round(n, tok)
