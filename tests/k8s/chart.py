@@ -48,23 +48,24 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([helm_bin(), *args], capture_output=True, text=True, check=check, timeout=60)
 
 
-def _value_args(values: list[Path] | None, sets: dict[str, str] | None) -> list[str]:
+def _value_args(values: list[Path] | None, sets: dict[str, object] | None) -> list[str]:
+    """-f for files; --set for strings, --set-json for numbers/bools (--set turns 0.5 into "0.5")."""
     out: list[str] = []
     for v in values or []:
         out += ["-f", str(v)]
     for k, v in (sets or {}).items():
-        out += ["--set", f"{k}={v}"]
+        out += ["--set", f"{k}={v}"] if isinstance(v, str) else ["--set-json", f"{k}={json.dumps(v)}"]
     return out
 
 
-def template(values: list[Path] | None = None, sets: dict[str, str] | None = None, *,
+def template(values: list[Path] | None = None, sets: dict[str, object] | None = None, *,
              release: str = "specedge", namespace: str = "llm", kube_version: str = KUBE_VERSIONS[0],
-             check: bool = True) -> subprocess.CompletedProcess:
+             extra: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     return helm("template", release, str(CHART), "--namespace", namespace,
-                "--kube-version", kube_version, *_value_args(values, sets), check=check)
+                "--kube-version", kube_version, *_value_args(values, sets), *(extra or []), check=check)
 
 
-def render(values: list[Path] | None = None, sets: dict[str, str] | None = None, **kw) -> list[dict]:
+def render(values: list[Path] | None = None, sets: dict[str, object] | None = None, **kw) -> list[dict]:
     """The rendered manifests as dicts (empty documents dropped)."""
     out = template(values, sets, **kw).stdout
     return [d for d in yaml.safe_load_all(out) if d]

@@ -210,31 +210,50 @@ def test_gpu_worker_group_matches_verifier(values, rendered, serve_builder):
 
 
 @pytest.mark.parametrize("sets, message", [
-    ({"app.verifier.num_gpus_per_stage": "1", "app.verifier.pipeline_parallel_size": "4",
-      "gpuWorkers.gpusPerPod": "3"}, "multiple or a divisor"),
-    ({"app.verifier.num_gpus_per_stage": "1", "app.verifier.num_replicas": "3",
-      "gpuWorkers.gpusPerPod": "2"}, "do not fill whole pods"),
-    ({"serve.autoscaling.enabled": "true", "serve.autoscaling.minReplicas": "3",
-      "serve.autoscaling.maxReplicas": "2"}, "must not exceed"),
+    ({"app.verifier.num_gpus_per_stage": 1, "app.verifier.pipeline_parallel_size": 4,
+      "gpuWorkers.gpusPerPod": 3}, "multiple or a divisor"),
+    ({"app.verifier.num_gpus_per_stage": 1, "app.verifier.num_replicas": 3,
+      "gpuWorkers.gpusPerPod": 2}, "do not fill whole pods"),
+    ({"serve.autoscaling.enabled": True, "serve.autoscaling.minReplicas": 3,
+      "serve.autoscaling.maxReplicas": 2}, "must not exceed"),
+    # the values schema embeds AppConfig's JSON schema: helm refuses bad app settings
+    ({"app.verifier.pipeline_paralel_size": 2}, "additional properties 'pipeline_paralel_size' not allowed"),
+    ({"app.verifier.pipeline_parallel_size": 0}, "/app/verifier/pipeline_parallel_size"),
+    ({"app.target.dtype": "fp8"}, "/app/target/dtype"),
+    ({"tenants.entries": [{"name": "a b", "api_key": "0123456789"}]}, "/tenants/entries/0/name"),
+    ({"gpuWorker": {"gpusPerPod": 2}}, "additional properties 'gpuWorker' not allowed"),
 ])
-def test_chart_refuses_inconsistent_gpu_settings(sets, message):
+def test_chart_refuses_inconsistent_settings(sets, message):
     r = template(sets=sets, check=False)
     assert r.returncode != 0 and message in r.stderr, r.stderr
 
 
+def test_values_schema_is_generated_from_app_config():
+    """k8s/specedge/values.schema.json is k8s/values_schema.py's output for today's AppConfig."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("values_schema", CHART.parent / "values_schema.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (CHART / "values.schema.json").read_text() == mod.render(), \
+        "AppConfig changed: regenerate with `.venv/bin/python k8s/values_schema.py`"
+
+
 def test_app_typos_fail_the_drift_check():
-    """A misspelled or out-of-range AppConfig key renders fine but fails the app's model."""
-    for sets in ({"app.verifier.pipeline_paralel_size": "2"}, {"app.verifier.pipeline_parallel_size": "0"}):
-        (app,) = serve_config(one(render(sets=sets), "RayService"))["applications"]
+    """Past the values schema (--skip-schema-validation), the AppConfig check still catches them."""
+    for bad in ({"pipeline_paralel_size": 2}, {"pipeline_parallel_size": 0}):
+        ((key, val),) = bad.items()
+        r = template(sets={f"app.verifier.{key}": val}, extra=["--skip-schema-validation"])
+        (app,) = serve_config(one([d for d in yaml.safe_load_all(r.stdout) if d], "RayService"))["applications"]
         with pytest.raises(ValidationError):
             AppConfig(**app["args"])
 
 
 def test_gpu_count_scales_with_pipeline_and_replicas():
     for pp, g, n, gpp in [(1, 1, 3, 0), (2, 1, 2, 0), (4, 1, 2, 8), (2, 0.5, 2, 0), (8, 1, 1, 4)]:
-        rs = one(render(sets={"app.verifier.pipeline_parallel_size": str(pp), "app.target.device": "cuda",
-                              "app.verifier.num_gpus_per_stage": str(g), "app.verifier.num_replicas": str(n),
-                              "gpuWorkers.gpusPerPod": str(gpp)}), "RayService")
+        rs = one(render(sets={"app.verifier.pipeline_parallel_size": pp, "app.target.device": "cuda",
+                              "app.verifier.num_gpus_per_stage": g, "app.verifier.num_replicas": n,
+                              "gpuWorkers.gpusPerPod": gpp}), "RayService")
         assert worker_gpus(rs) == (gpus_per_replica({"pipeline_parallel_size": pp, "num_gpus_per_stage": g}) * n,) * 2
         assert kuberay_admission_errors(rs) == []
 
