@@ -161,6 +161,14 @@ class Router:
     async def model(self):
         return await self.info()
 
+    @api.get("/v1/stats")
+    async def replica_stats(self, request: Request):
+        """One verifier replica's counters (busy seconds, forwards, sessions); ``?session_id=``
+        picks the replica of that session. Needs any tenant key."""
+        self.tenants.authenticate(request.headers.get("authorization"))
+        sid = request.query_params.get("session_id")
+        return await self._call("get_stats", session_id=sid) if sid else await self._call("get_stats")
+
     @api.post("/v1/sessions")
     async def open_session(self, request: Request):
         tenant = self.tenants.authenticate(request.headers.get("authorization"))

@@ -71,6 +71,7 @@ class VerifierCore:
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> reason
         self.forwards: list[ForwardStats] = []  # recent forwards (bounded), for tests and metrics
         self.busy_seconds = 0.0
+        self.tokens_emitted = 0  # verified tokens returned to clients (first tokens included)
         self.started = time.monotonic()
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
@@ -88,7 +89,10 @@ class VerifierCore:
 
     def stats(self) -> dict:
         a, b = self.pacer.cost.coefficients()
+        verifies = [f for f in self.forwards if f.kind != "prefill"]
         return {"replica": self.tag, "sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
+                "forwards": len(self.forwards), "verify_forwards": len(verifies),
+                "tokens_emitted": self.tokens_emitted,
                 "pending": len(self.sched) + len(self._opens), "busy_seconds": self.busy_seconds,
                 "uptime_seconds": time.monotonic() - self.started, "forward_cost_a": a, "forward_cost_b": b,
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
@@ -253,6 +257,7 @@ class VerifierCore:
                 fut.set_result(_error(res))
                 continue
             self.owner[req.sid] = tenant
+            self.tokens_emitted += res.first_token is not None
             depth, budget = self._hints(req.sid)
             fut.set_result((200, {
                 "session_id": req.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
@@ -289,6 +294,7 @@ class VerifierCore:
             n_nodes = len(req.tree) if isinstance(req, VerifyRequest) else len(req.tokens)
             emitted = len(res.tokens) if hasattr(res, "tokens") else res.num_accepted + (res.bonus is not None)
             self.pacer.observe_round(n_nodes, emitted)
+            self.tokens_emitted += emitted
             depth, budget = self._hints(p.session_id)
             if hasattr(res, "accepted"):
                 frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
