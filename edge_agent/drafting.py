@@ -100,8 +100,8 @@ class DraftSession:
             front = [ROOT]  # nothing else exists below an unexpanded root
         if not front:
             return False
-        for nid, (toks, lps) in zip(front, self._forward([self._request(n) for n in front])):
-            self.builder.expand(nid, toks, lps)
+        results = self._forward([self._request(n) for n in front])
+        self.builder.expand_all([(nid, toks, lps) for nid, (toks, lps) in zip(front, results)])
         self.builder.forwards += 1
         return True
 

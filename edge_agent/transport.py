@@ -337,8 +337,7 @@ class HttpTransport(Transport):
                 body = json.loads(msg)
             except ValueError:
                 body = None
-            err = (body or {}).get("error", {}) if isinstance(body, dict) else {}
-            status = int(err.get("status", 400)) if isinstance(err, dict) else 400
-            raise error_from_json(status, body)
+            status = int(body.get("status", 400)) if isinstance(body, dict) else 400
+            raise error_from_json(status, body, body.get("retry_after") if isinstance(body, dict) else None)
         return ReplyFrame.decode(msg)
 

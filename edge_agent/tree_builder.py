@@ -123,6 +123,24 @@ class TreeBuilder:
         cumulative). ``ids`` reuses given node ids (proactive nodes carried over).
         Returns the ids of the new children that survived pruning.
         """
+        return self.expand_all([(nid, tokens, logprobs, ids)])
+
+    def expand_all(self, results) -> list[int]:
+        """Several expansions of one draft forward: all children compete, then one prune.
+
+        ``results``: ``(nid, tokens, logprobs[, ids])`` tuples.
+        """
+        new: list[int] = []
+        for r in results:
+            nid, tokens, logprobs = r[0], r[1], r[2]
+            ids = r[3] if len(r) > 3 else None
+            if nid not in self:
+                continue
+            new += self._add(nid, tokens, logprobs, ids)
+        self._prune()
+        return [c for c in new if c in self.nodes]
+
+    def _add(self, nid: int, tokens: list[int], logprobs: list[float], ids: list[int] | None) -> list[int]:
         parent = self.node(nid)
         parent.expanded = True
         parent.cands = (list(tokens), list(logprobs))
@@ -140,8 +158,7 @@ class TreeBuilder:
             self.nodes[cid] = child
             parent.children.append(cid)
             new.append(cid)
-        self._prune()
-        return [c for c in new if c in self.nodes]
+        return new
 
     def _prune(self) -> None:
         if len(self.nodes) <= self.config.budget:
