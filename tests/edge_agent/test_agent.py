@@ -1,0 +1,172 @@
+"""EdgeAgent end to end over LocalTransport: lossless in every mode, re-open after loss."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deploy.errors import InvalidSamplingParams
+from deploy.verifier.engine import VerifierEngine
+from deploy.verifier.models import tiny_random_model
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams
+from deploy.verifier.tree import TreeLimits
+from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.drafter import ModelDrafter, NgramDrafter
+from edge_agent.errors import TokenizerMismatch
+from edge_agent.transport import LocalTransport
+from tests.edge_agent.helpers import noisy_copy
+
+EOS = [2]
+PROMPT = [1, 5, 9, 33, 7, 100, 200, 33, 7]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_random_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return noisy_copy(target, 0.005)
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    return VerifierEngine(target, eos_token_ids=EOS, limits=TreeLimits(max_nodes=64, max_depth=16))
+
+
+def run_agent(engine, drafter, params, prompt=PROMPT, rtt_ms=0.0, before_verify=None, **cfg):
+    transport = LocalTransport(engine, rtt_ms=rtt_ms, before_verify=before_verify)
+    agent = EdgeAgent(transport, drafter, config=AgentConfig(**cfg))
+    try:
+        return asyncio.run(agent.generate(prompt, params)), transport
+    finally:
+        agent.close()
+
+
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(target):
+    return reference_decode(target, PROMPT, GREEDY, EOS)
+
+
+@pytest.mark.parametrize("mode", ["stop-and-wait", "proactive"])
+@pytest.mark.parametrize("policy", ["fixed", "server", "flexspec", "auto"])
+def test_greedy_equals_target_only_decoding_in_every_mode(engine, draft, greedy_ref, mode, policy):
+    res, _ = run_agent(engine, ModelDrafter(draft), GREEDY, rtt_ms=4.0, mode=mode, depth_policy=policy)
+    assert res.token_ids == greedy_ref
+    st = res.stats
+    assert st.tokens == len(greedy_ref) and st.rounds > 0
+    assert st.accepted_tokens > 0  # the noisy draft agrees often enough to be accepted
+    assert st.tokens == 1 + st.rounds + st.accepted_tokens  # first token + (accepted + bonus) per round
+    if mode == "stop-and-wait":
+        assert st.align_attempts == 0 and st.proactive_forwards == 0
+    else:
+        assert st.proactive_forwards > 0 and st.align_attempts > 0
+
+
+@pytest.mark.parametrize("cfg", [dict(topk=1, max_expand=1, depth=5, depth_policy="fixed"),  # chain
+                                 dict(budget=8, topk=2, depth=2, depth_policy="fixed"),
+                                 dict(budget=64, topk=8, max_expand=16, depth=8, depth_policy="fixed")])
+def test_greedy_equality_for_chains_and_tree_shapes(engine, draft, greedy_ref, cfg):
+    res, _ = run_agent(engine, ModelDrafter(draft), GREEDY, mode="proactive", **cfg)
+    assert res.token_ids == greedy_ref
+
+
+def test_truncated_draft_and_ngram_drafter_are_lossless(engine, target, greedy_ref):
+    short = noisy_copy(target, 0.0, num_layers=1)
+    res, _ = run_agent(engine, ModelDrafter(short), GREEDY, mode="proactive")
+    assert res.token_ids == greedy_ref
+    res, _ = run_agent(engine, NgramDrafter(), GREEDY, mode="proactive")
+    assert res.token_ids == greedy_ref
+
+
+def test_proactive_alignment_happens_and_reuse_is_counted(engine, draft, greedy_ref):
+    # a 30 ms simulated RTT leaves time for several proactive forwards per round
+    res, _ = run_agent(engine, ModelDrafter(draft), GREEDY, rtt_ms=30.0, mode="proactive",
+                       depth_policy="fixed", depth=2, budget=6, topk=2)
+    assert res.token_ids == greedy_ref
+    st = res.stats
+    assert st.aligned > 0 and st.reused_tokens > 0
+    assert 0 < st.alignment_rate <= 1
+    assert st.mean_rtt_ms >= 25
+
+
+def test_seeded_sampling_follows_the_target_only_sample_path(engine, target, draft):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=30, ignore_eos=True)
+    ref = reference_decode(target, PROMPT, params, EOS)
+    for mode in ("stop-and-wait", "proactive"):
+        res, _ = run_agent(engine, ModelDrafter(draft), params, mode=mode)
+        assert res.token_ids == ref
+
+
+@pytest.mark.parametrize("evicted", [True, False])
+def test_session_dropped_mid_generation_is_reopened_without_loss(engine, draft, greedy_ref, evicted):
+    dropped = []
+
+    def drop(transport: LocalTransport, sid: str, rnd: int):
+        if rnd in (2, 5, 6):  # between rounds, three times (twice in a row)
+            transport.drop_session(sid, evicted=evicted)
+            dropped.append(sid)
+
+    for mode in ("stop-and-wait", "proactive"):
+        dropped.clear()
+        res, tr = run_agent(engine, ModelDrafter(draft), GREEDY, before_verify=drop, mode=mode)
+        assert res.token_ids == greedy_ref
+        assert res.stats.reopens == 3 and len(set(dropped)) == 3
+        assert not (set(engine.sessions) & set(dropped))
+
+
+def test_seeded_sampling_survives_reopen(engine, target, draft):
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
+    ref = reference_decode(target, PROMPT, params, EOS)
+    res, _ = run_agent(engine, ModelDrafter(draft), params,
+                       before_verify=lambda t, sid, r: t.drop_session(sid) if r == 3 else None)
+    assert res.token_ids == ref and res.stats.reopens == 1
+
+
+def test_stop_tokens_max_tokens_and_first_token_finish(engine, target, draft, greedy_ref):
+    stop = greedy_ref[7]
+    params = SamplingParams(max_tokens=40, stop_token_ids=(stop,), ignore_eos=True)
+    res, _ = run_agent(engine, ModelDrafter(draft), params)
+    assert res.token_ids == greedy_ref[: greedy_ref.index(stop) + 1]
+    assert res.stats.finish_reason == "stop"
+    for n in (1, 2, 3):
+        res, _ = run_agent(engine, ModelDrafter(draft), SamplingParams(max_tokens=n, ignore_eos=True))
+        assert res.token_ids == greedy_ref[:n] and res.stats.finish_reason == "length"
+    assert not engine.sessions  # every session was closed
+
+
+def test_bad_params_and_vocab_mismatch_are_clear_errors(engine, target):
+    with pytest.raises(InvalidSamplingParams):
+        run_agent(engine, NgramDrafter(), SamplingParams(top_p=0.0))
+    wrong = tiny_random_model(seed=3, vocab_size=300)
+    with pytest.raises(TokenizerMismatch, match="vocabulary"):
+        run_agent(engine, ModelDrafter(wrong), GREEDY)
+
+
+@pytest.mark.slow
+def test_embedded_model_greedy_through_the_agent(embedded):
+    """The real SmolLM2 target (fp32) with a 4-layer copy as the draft, chat prompt."""
+    from edge_agent.agent import encode_prompt
+
+    tok = embedded.tokenizer
+    prompt = encode_prompt(tok, "Name three primary colors.", chat=True)
+    params = SamplingParams(max_tokens=24)
+    ref = reference_decode(embedded.model, prompt, params, embedded.eos_token_ids)
+    eng = VerifierEngine(embedded.model, eos_token_ids=embedded.eos_token_ids)
+    from deploy.verifier.models import tokenizer_fingerprint
+
+    for drafter, mode in ((NgramDrafter(), "stop-and-wait"),
+                          (ModelDrafter(noisy_copy(embedded.model, 0.0, num_layers=4)), "proactive")):
+        transport = LocalTransport(eng, model_name="embedded", tokenizer_fingerprint=tokenizer_fingerprint(tok))
+        agent = EdgeAgent(transport, drafter, tokenizer=tok, config=AgentConfig(mode=mode, budget=16))
+        pieces = []
+        res = asyncio.run(agent.generate(prompt, params, on_text=pieces.append))
+        agent.close()
+        assert res.token_ids == ref
+        assert "".join(pieces) == res.text == tok.decode(ref, skip_special_tokens=True)
