@@ -1,0 +1,1 @@
+"""Reproducible performance tables and builds (SpecEdge-style benchmarks)."""
