@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,18 +237,22 @@ class PipelineStage:
         return self.info
 
     def forward(self, batch_id: int, items: list[BatchItem], hidden: torch.Tensor | None = None):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = self.runner.forward(batch_id, items, hidden)
         # results leave through the object store: host memory, whatever the device
         out = out.cpu() if isinstance(out, torch.Tensor) else [x.cpu() for x in out]
-        self._busy += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._busy += t1 - t0
+        self._cpu += time.process_time() - c0
         self._forwards += 1
+        self._intervals.append((t0, t1))
         return out
 
     def commit(self, batch_id: int, keep: dict[str, list[int]]) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.runner.commit(batch_id, keep)
         self._busy += time.perf_counter() - t0
+        self._cpu += time.process_time() - c0
 
     def abort(self, batch_id: int) -> None:
         self.runner.abort(batch_id)
@@ -267,13 +272,21 @@ class PipelineStage:
         return None if kv is None else (kv.keys().cpu().clone(), kv.values().cpu().clone())
 
     def stats(self) -> dict:
-        return {"first": self.runner.first, "last": self.runner.last, "busy_s": self._busy,
+        """busy_s: wall seconds inside forward/commit; cpu_s: CPU seconds of this process
+        (all its torch threads) during them; wall_s: seconds since the last reset."""
+        return {"first": self.runner.first, "last": self.runner.last, "busy_s": self._busy, "cpu_s": self._cpu,
                 "wall_s": time.perf_counter() - self._t0, "forwards": self._forwards,
                 "kv_tokens": self.runner.kv_tokens(), "device": str(self.runner.device),
                 "torch_threads": torch.get_num_threads()}
 
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) of the recent forwards, ``time.perf_counter`` (CLOCK_MONOTONIC on Linux:
+        comparable across the stage processes of one machine)."""
+        return list(self._intervals)
+
     def reset_stats(self) -> None:
-        self._busy, self._forwards, self._t0 = 0.0, 0, time.perf_counter()
+        self._busy, self._cpu, self._forwards, self._t0 = 0.0, 0.0, 0, time.perf_counter()
+        self._intervals: deque[tuple[float, float]] = deque(maxlen=100_000)
 
 
 # -- the driver side ------------------------------------------------------------------
@@ -410,6 +423,10 @@ class PipelineRunner:
     def stage_stats(self) -> list[dict]:
         """Per stage: layers, busy seconds (forward + commit compute), wall seconds, forwards."""
         return ray.get([s.stats.remote() for s in self.stages])
+
+    def busy_intervals(self) -> list[list[tuple[float, float]]]:
+        """Per stage, (start, end) of its recent forwards (for overlap/bubble analysis)."""
+        return ray.get([s.busy_intervals.remote() for s in self.stages])
 
     def reset_stats(self) -> None:
         ray.get([s.reset_stats.remote() for s in self.stages])
