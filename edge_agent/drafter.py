@@ -224,3 +224,12 @@ class NgramDrafter(Drafter):
 
     def fed(self, nid: int) -> bool:
         return True
+
+
+class NullDrafter(Drafter):
+    """Proposes nothing: every round is one plain decoding step (the AR baseline)."""
+
+    name = "none"
+
+    def expand(self, prefix: list[int], reqs: list[ExpandRequest], k: int) -> list[Candidates]:
+        return [([], []) for _ in reqs]

@@ -1,0 +1,239 @@
+"""``edge-agent``: generate text with a local draft and a remote (or in-process) verifier.
+
+    edge-agent generate --server http://host:port --api-key KEY --prompt "..." [--chat]
+    edge-agent generate --local --target embedded --draft ngram --prompt "..."
+    edge-agent info --server http://host:port
+
+Text streams to stdout as the server verifies it; a one-line summary (tokens, tokens/s,
+accepted tokens per round, alignment rate, RTT) ends the run on stderr, or everything
+as one JSON object on stdout with ``--json``. Exit status 2 = a usage/connection/auth
+/compatibility problem, explained in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from edge_agent.agent import MODES, AgentConfig, EdgeAgent
+from edge_agent.depth import POLICIES
+
+DRAFT_HELP = ("draft model: 'ngram' (prompt lookup, no model), 'embedded-draft' (the project's trained draft "
+              "for SmolLM2), 'embedded' (SmolLM2 itself), 'tiny-random' (random tiny Llama, tests), "
+              "'none' (no draft: plain decoding), an HF directory, a .gguf file, or a draft artifact "
+              "(.safetensors with vocab_map)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edge-agent", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def server_opts(sp):
+        sp.add_argument("--server", help="server base URL, e.g. http://127.0.0.1:8000")
+        sp.add_argument("--api-key", default=os.environ.get("SPECEDGE_API_KEY"),
+                        help="tenant API key (default: $SPECEDGE_API_KEY)")
+        sp.add_argument("--ws", action="store_true", help="verify over a WebSocket instead of HTTP POST")
+        sp.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds")
+
+    info = sub.add_parser("info", help="show the server's model and limits")
+    server_opts(info)
+
+    g = sub.add_parser("generate", help="generate text")
+    server_opts(g)
+    g.add_argument("--local", action="store_true", help="run the verifier in this process (no server)")
+    g.add_argument("--target", default="embedded", help="--local: target model spec (see load_model)")
+    g.add_argument("--rtt-ms", type=float, default=0.0, help="--local: simulated network RTT")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids (no tokenizer needed)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--draft", default="ngram", help=DRAFT_HELP)
+    g.add_argument("--draft-seed", type=int, default=0, help="seed of a tiny-random draft")
+    g.add_argument("--tokenizer", help="tokenizer spec (default: the draft's, else the embedded one)")
+    g.add_argument("--device", default="auto", help="draft device: auto, cpu, cuda, mps")
+    g.add_argument("--dtype", default="auto", help="draft (and --local target) dtype: auto, float32, bfloat16")
+    g.add_argument("--mode", choices=MODES, default="proactive")
+    g.add_argument("--depth-policy", choices=POLICIES, default="auto")
+    g.add_argument("--depth", type=int, default=4, help="fixed depth / default before measurements")
+    g.add_argument("--max-depth", type=int, default=12)
+    g.add_argument("--budget", type=int, default=32, help="draft-tree nodes")
+    g.add_argument("--topk", type=int, default=4, help="children per expanded node (1 = chain)")
+    g.add_argument("--max-expand", type=int, default=8, help="nodes expanded per draft forward")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, ids, stats) and nothing else")
+    return p
+
+
+def _ids(s: str) -> list[int]:
+    return [int(x) for x in s.replace(" ", "").split(",") if x]
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+
+    from deploy.verifier.models import EMBEDDED_ALIASES, ensure_embedded_model
+
+    if spec in ("none", ""):
+        return None
+    path = ensure_embedded_model() if spec in EMBEDDED_ALIASES else spec
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_drafter(spec: str, *, device: str, dtype: str, seed: int, vocab_size: int | None):
+    """(drafter, tokenizer or None) for a ``--draft`` spec."""
+    from deploy.verifier.models import EMBEDDED_ALIASES, TINY_PREFIX, load_model
+    from edge_agent.drafter import ModelDrafter, NgramDrafter, NullDrafter
+
+    if spec == "ngram":
+        return NgramDrafter(), None
+    if spec == "none":
+        return NullDrafter(), None
+    if spec == "embedded-draft" or spec.endswith(".safetensors"):
+        try:
+            from edge_agent.draft_model import load_draft
+        except ImportError as e:
+            raise SystemExit(f"error: the embedded draft is not available in this installation ({e})")
+        try:
+            model = load_draft(None, spec, dtype=dtype, device=device)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: draft artifact not found: {e}")
+        return ModelDrafter(model, name=spec), load_tokenizer("embedded")
+    if spec.startswith(TINY_PREFIX):
+        cfg = {"vocab_size": vocab_size} if vocab_size else None
+        lm = load_model(spec, dtype="float32" if dtype == "auto" else dtype, device=device, seed=seed,
+                        tiny_config=cfg)
+        return ModelDrafter(lm.model, name=lm.name), None
+    if spec not in EMBEDDED_ALIASES and not os.path.exists(spec):
+        raise SystemExit(f"error: draft {spec!r} is neither a known name nor an existing path ({DRAFT_HELP})")
+    lm = load_model(spec, dtype=dtype, device=device)
+    return ModelDrafter(lm.model, name=lm.name), lm.tokenizer
+
+
+def _sampling(a) -> dict:
+    return {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
+            "max_tokens": a.max_tokens, "stop_token_ids": _ids(a.stop_ids), "ignore_eos": a.ignore_eos}
+
+
+def _transport(a):
+    from edge_agent.transport import HttpTransport
+
+    if not a.server:
+        raise SystemExit("error: give --server URL (or --local to run the verifier in this process)")
+    return HttpTransport(a.server, api_key=a.api_key, ws=a.ws, timeout_s=a.timeout)
+
+
+def _local_transport(a):
+    from deploy.verifier.engine import VerifierEngine
+    from deploy.verifier.models import load_model, tokenizer_fingerprint
+    from deploy.verifier.tree import TreeLimits
+    from edge_agent.transport import LocalTransport
+
+    lm = load_model(a.target, dtype=a.dtype, device="cpu")
+    engine = VerifierEngine(lm.model, eos_token_ids=lm.eos_token_ids, limits=TreeLimits(max_nodes=max(64, a.budget)))
+    return LocalTransport(engine, model_name=lm.name, tokenizer_fingerprint=tokenizer_fingerprint(lm.tokenizer),
+                          rtt_ms=a.rtt_ms, max_depth=a.max_depth), lm.tokenizer
+
+
+async def _info(a) -> int:
+    async with _transport(a) as t:
+        info = await t.model_info()
+    print(json.dumps(info.__dict__, indent=2))
+    return 0
+
+
+async def _generate(a) -> int:
+    from deploy.verifier.models import tokenizer_fingerprint
+
+    local_tok = None
+    if a.local:
+        transport, local_tok = _local_transport(a)
+    else:
+        transport = _transport(a)
+    async with transport:
+        info = await transport.model_info()
+        drafter, tok = load_drafter(a.draft, device=a.device, dtype=a.dtype, seed=a.draft_seed,
+                                    vocab_size=info.vocab_size)
+        if a.tokenizer:
+            tok = load_tokenizer(a.tokenizer)
+        elif tok is None:
+            tok = local_tok
+        if tok is None and info.tokenizer_fingerprint != "none":
+            tok = load_tokenizer("embedded")
+        if tok is not None and info.tokenizer_fingerprint != "none" and tokenizer_fingerprint(tok) != \
+                info.tokenizer_fingerprint:
+            from edge_agent.errors import TokenizerMismatch
+
+            raise TokenizerMismatch(
+                f"the edge tokenizer (fingerprint {tokenizer_fingerprint(tok)}) is not the target's "
+                f"({info.tokenizer_fingerprint}, model {info.model}); pass --tokenizer or a draft sharing it")
+        if a.prompt is not None and tok is None:
+            raise SystemExit("error: the target has no tokenizer; use --prompt-ids")
+        prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
+        cfg = AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
+                          budget=a.budget, topk=a.topk, max_expand=a.max_expand)
+        agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
+
+        def out(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        def out_ids(ids: list[int]) -> None:
+            out(" ".join(str(i) for i in ids) + " ")
+
+        try:
+            res = await agent.generate(prompt, _sampling(a), chat=a.chat,
+                                       on_text=None if a.json else out,
+                                       on_tokens=None if (a.json or tok is not None) else out_ids)
+        finally:
+            agent.close()
+    if a.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": len(res.prompt_ids),
+                          "stats": res.stats.to_dict(), "draft": a.draft, "mode": a.mode,
+                          "depth_policy": a.depth_policy, "model": info.model}))
+    else:
+        sys.stdout.write("\n")
+        print(res.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deploy.errors import Forbidden, Overloaded, SpecError, Unauthorized
+    from edge_agent.errors import ConnectionLost, EdgeError, ServerUnreachable, TokenizerMismatch
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    a = build_parser().parse_args(argv)
+    try:
+        return asyncio.run(_info(a) if a.command == "info" else _generate(a))
+    except ServerUnreachable as e:
+        print(f"error: cannot reach the server at {a.server}: is it running and is the URL right? ({e})",
+              file=sys.stderr)
+    except Unauthorized:
+        print("error: the server rejected the API key (401 unauthorized): pass --api-key or set SPECEDGE_API_KEY",
+              file=sys.stderr)
+    except Forbidden as e:
+        print(f"error: forbidden (403): {e.message}", file=sys.stderr)
+    except TokenizerMismatch as e:
+        print(f"error: tokenizer mismatch: {e}", file=sys.stderr)
+    except Overloaded as e:
+        print(f"error: the server is overloaded (429), retry after {e.retry_after:.0f} s", file=sys.stderr)
+    except SpecError as e:
+        print(f"error: the server answered {e.status} {e.code}: {e.message}", file=sys.stderr)
+    except (ConnectionLost, EdgeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

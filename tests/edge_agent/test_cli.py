@@ -1,0 +1,67 @@
+"""The ``edge-agent`` command: --local generation, JSON summary, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deploy.verifier.models import tiny_random_model
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams
+from edge_agent.cli import main
+from tests.conftest import free_port
+
+PROMPT = [1, 5, 9, 33, 7]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tiny_random_model(seed=0)
+    return reference_decode(model, PROMPT, SamplingParams(max_tokens=24, ignore_eos=True), [2])
+
+
+@pytest.mark.parametrize("draft,mode", [("tiny-random", "proactive"), ("ngram", "stop-and-wait"),
+                                        ("none", "proactive")])
+def test_local_generate_json_matches_reference(capsys, reference, draft, mode):
+    rc = main(["generate", "--local", "--target", "tiny-random", "--dtype", "float32", "--draft", draft,
+               "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "24", "--ignore-eos",
+               "--mode", mode, "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == reference
+    st = out["stats"]
+    assert st["tokens"] == 24 and st["finish_reason"] == "length"
+    for key in ("tokens_per_s", "mean_accepted", "alignment_rate", "mean_rtt_ms", "rounds"):
+        assert key in st
+    if draft == "tiny-random":  # the same weights as the target: every drafted level is accepted
+        assert st["accepted_tokens"] > 0 and st["mean_accepted"] >= 1
+    if draft == "none":
+        assert st["accepted_tokens"] == 0 and st["rounds"] == 23
+
+
+def test_local_generate_streams_and_ends_with_a_summary(capsys, reference):
+    rc = main(["generate", "--local", "--target", "tiny-random", "--dtype", "float32", "--draft", "tiny-random",
+               "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "24", "--ignore-eos"])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert [int(x) for x in cap.out.split()] == reference
+    summary = cap.err.strip().splitlines()[-1]
+    assert "24 tokens" in summary and "tok/s" in summary and "accepted/round" in summary
+    assert "alignment" in summary and "RTT" in summary
+
+
+def test_unreachable_server_is_one_clear_line(capsys):
+    port = free_port()  # nothing listens there
+    rc = main(["generate", "--server", f"http://127.0.0.1:{port}", "--prompt-ids", "1,2,3", "--draft", "ngram"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the server" in err and str(port) in err
+
+
+def test_usage_errors():
+    with pytest.raises(SystemExit, match="give --server"):
+        main(["generate", "--prompt-ids", "1,2", "--draft", "ngram"])
+    with pytest.raises(SystemExit, match="neither a known name nor an existing path"):
+        main(["generate", "--local", "--target", "tiny-random", "--draft", "/no/such/draft",
+              "--prompt-ids", "1,2"])
