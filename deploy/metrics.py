@@ -1,0 +1,456 @@
+"""Prometheus metrics of the cloud side, in vLLM's three layers: stats -> aggregator -> exporter.
+
+- **Stats** are plain dataclasses of what one event observed: :class:`RoundStats` (one
+  verify round of one session), :class:`EdgeTelemetry` (what the edge reported in its
+  ``VerifyFrame``), :class:`VerifierState` (a snapshot of a replica), and the engine's own
+  ``ForwardStats`` (one target forward).
+- **Aggregators** (:class:`VerifierMetrics`, :class:`RouterMetrics`) turn stats into
+  metric updates with bounded labels: tenant (from config), mode (``tree`` | ``chain``),
+  forward kind, error code, shedding reason, accepted position (< :data:`MAX_POSITIONS`).
+  Never session ids.
+- **Exporters** apply the updates: :class:`RayServeExporter` (``ray.serve.metrics``, so the
+  metrics leave through Ray's metrics export port with a ``ray_`` prefix and Serve's
+  ``application``/``deployment``/``replica`` labels) and :class:`PrometheusClientExporter`
+  (``prometheus_client``; the edge agent and the unit tests).
+
+Spec-decode counters follow vLLM's names (``num_drafts``, ``num_draft_tokens``,
+``num_accepted_tokens``, ``num_accepted_tokens_per_pos``): a *draft* is one verify round,
+*draft tokens* the tree nodes sent, *accepted tokens* the draft nodes on the accepted path
+(the bonus token not counted), so the mean acceptance length is
+``1 + num_accepted_tokens / num_drafts`` (SpecEdge §5 reports the same quantity as
+tokens per verification). Trees make ``accepted / draft_tokens`` small by construction
+(one path out of a tree is accepted): compare acceptance *lengths*, not rates, across
+tree and chain modes.
+
+Every metric is declared once in :data:`METRICS`; dashboards and alert rules are checked
+against this table (``tests/test_dashboards.py``) and against a real Prometheus
+(``tests/test_prometheus_integration.py``). No Ray import at module level.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, Sequence
+
+log = logging.getLogger("ray.serve")
+
+MAX_POSITIONS = 32  # accepted-token positions broken out (the default max tree depth); deeper ones are not
+MAX_TRACKED_SESSIONS = 65_536  # per-session last-reply times kept for the inter-token latency
+
+_LATENCY_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_WAIT_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SESSIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_DEPTH = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+_NODES = (0.5, 1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)  # le=0.5: empty trees (server-only AR)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: ``name`` without the exporter's prefix (Ray adds ``ray_``)."""
+
+    name: str
+    kind: str  # "counter" | "histogram" | "gauge"
+    description: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    component: str = "verifier"  # "verifier" | "router" | "edge": who exports it
+
+    def exposed(self, prefix: str = "ray_") -> str:
+        """The name Prometheus sees (counters get ``_total``; histograms add ``_bucket/_sum/_count``)."""
+        return prefix + self.name + ("_total" if self.kind == "counter" else "")
+
+
+def _c(name, desc, labels=(), component="verifier"):
+    return MetricSpec("specedge_" + name, "counter", desc, tuple(labels), (), component)
+
+
+def _h(name, desc, buckets, labels=(), component="verifier"):
+    return MetricSpec("specedge_" + name, "histogram", desc, tuple(labels), tuple(buckets), component)
+
+
+def _g(name, desc, labels=(), component="verifier"):
+    return MetricSpec("specedge_" + name, "gauge", desc, tuple(labels), (), component)
+
+
+TM = ("tenant", "mode")
+METRICS: dict[str, MetricSpec] = {m.name: m for m in [
+    # -- spec decode (vLLM names), per tenant and mode -------------------------------------
+    _c("spec_decode_num_drafts", "Verify rounds (one draft tree or chain each).", TM),
+    _c("spec_decode_num_draft_tokens", "Draft tokens (tree nodes) sent for verification.", TM),
+    _c("spec_decode_num_accepted_tokens", "Draft tokens accepted (the bonus token not counted).", TM),
+    _c("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position on the accepted path.",
+       TM + ("position",)),
+    _c("spec_decode_num_emitted_tokens", "Tokens emitted by verify rounds (accepted + bonus).", TM),
+    _c("sessions_opened", "Sessions opened (prefilled), re-opens included.", ("tenant",)),
+    _c("prefill_tokens", "Prompt + history tokens prefilled at open.", ("tenant",)),
+    # -- the verifier's forwards and queue ----------------------------------------------------
+    _h("verify_batch_sessions", "Sessions in one target forward.", _SESSIONS, ("kind",)),
+    _h("verify_batch_tokens", "Real (unpadded) tokens in one target forward.", _TOKENS, ("kind",)),
+    _h("forward_latency_seconds", "Wall time of one target forward.", _LATENCY_S, ("kind",)),
+    _c("verifier_busy_seconds", "Seconds the replica spent in target forwards (rate = utilisation).", ("kind",)),
+    _c("forward_sessions", "Sessions summed over target forwards (exact mean batch size with the histogram count).",
+       ("kind",)),
+    _c("forward_tokens", "Real tokens summed over target forwards.", ("kind",)),
+    _c("forward_padded_tokens", "Padded tokens (B x T) of target forwards: compute spent incl. padding.",
+       ("kind",)),
+    _h("queue_wait_seconds", "Time a verify request waited before its forward started.", _WAIT_S, ("tenant",)),
+    _h("inter_token_latency_seconds",
+       "Time between two replies of a session divided by the tokens the later reply emitted.", _LATENCY_S, TM),
+    _h("draft_tree_nodes", "Draft tree (or chain) size per verify round.", _NODES, TM),
+    # -- edge telemetry from each VerifyFrame -------------------------------------------------
+    _h("edge_rtt_seconds", "Edge-measured network round trip, as reported in verify frames.", _LATENCY_S,
+       ("tenant",)),
+    _h("edge_draft_forward_seconds", "Edge-measured time of one draft forward, as reported.", _LATENCY_S,
+       ("tenant",)),
+    _h("edge_draft_depth", "Draft forwards (depth) the edge chose for a tree.", _DEPTH, ("tenant",)),
+    # -- replica state ------------------------------------------------------------------------
+    _g("open_sessions", "Sessions held by this replica.", ("tenant",)),
+    _g("kv_tokens_in_use", "KV-cache tokens held by this replica's sessions."),
+    _g("kv_tokens_capacity", "KV-cache token budget of this replica (LRU eviction above it)."),
+    _g("pending_requests", "Requests queued for this replica's next forwards."),
+    _c("evictions", "Sessions evicted (KV budget or idle timeout).", ("reason",)),
+    _g("pacing_depth_hint", "Mean draft depth hinted to edges since the last update (SpecEdge 4.3)."),
+    _g("pacing_budget_hint", "Mean tree budget (nodes) hinted to edges since the last update."),
+    _g("forward_cost_fixed_seconds", "Fitted fixed cost a of a forward, t = a + b * tokens."),
+    _g("forward_cost_per_token_seconds", "Fitted marginal cost b per token of a forward."),
+    # -- router ---------------------------------------------------------------------------------
+    _h("router_verify_latency_seconds", "End-to-end verify latency at the router (successful rounds).",
+       _LATENCY_S, ("tenant",), component="router"),
+    _g("router_inflight_requests", "Requests the router has in flight to verifiers.", component="router"),
+    _c("router_errors", "Errors answered to clients, by HTTP status and error code.", ("status", "code"),
+       component="router"),
+    _c("router_shed_requests", "Requests shed with 429/503 + Retry-After, by reason.", ("reason",),
+       component="router"),
+]}
+
+
+def never_raises(fn):
+    """Metrics must never break serving: log the first failure of each method, then stay quiet."""
+    failed = []
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            if not failed:
+                failed.append(True)
+                log.exception("metrics: %s failed (further failures are not logged)", fn.__qualname__)
+            return None
+
+    return wrapper
+
+
+# -- exporters -------------------------------------------------------------------------------------
+class Exporter(Protocol):
+    def inc(self, name: str, value: float, labels: dict[str, str]) -> None: ...
+
+    def observe(self, name: str, value: float, labels: dict[str, str]) -> None: ...
+
+    def set(self, name: str, value: float, labels: dict[str, str]) -> None: ...
+
+
+class RayServeExporter:
+    """``ray.serve.metrics`` Counter/Histogram/Gauge, created in the replica that exports them."""
+
+    def __init__(self, specs: Iterable[MetricSpec]):
+        from ray.serve import metrics as rsm
+
+        cls = {"counter": rsm.Counter, "gauge": rsm.Gauge}
+        self._m: dict[str, Any] = {}
+        for s in specs:
+            if s.kind == "histogram":
+                self._m[s.name] = rsm.Histogram(s.name, description=s.description, boundaries=list(s.buckets),
+                                                tag_keys=s.labels or None)
+            else:
+                self._m[s.name] = cls[s.kind](s.name, description=s.description, tag_keys=s.labels or None)
+
+    def inc(self, name, value, labels):
+        if value:
+            self._m[name].inc(value, tags=labels)
+
+    def observe(self, name, value, labels):
+        self._m[name].observe(value, tags=labels)
+
+    def set(self, name, value, labels):
+        self._m[name].set(value, tags=labels)
+
+
+class PrometheusClientExporter:
+    """``prometheus_client`` metrics in ``registry`` (a fresh one by default)."""
+
+    def __init__(self, specs: Iterable[MetricSpec], registry=None):
+        import prometheus_client as pc
+
+        self.registry = registry if registry is not None else pc.CollectorRegistry()
+        self._m: dict[str, Any] = {}
+        for s in specs:
+            if s.kind == "counter":  # prometheus_client appends _total itself
+                m = pc.Counter(s.name, s.description, s.labels, registry=self.registry)
+            elif s.kind == "histogram":
+                m = pc.Histogram(s.name, s.description, s.labels, buckets=s.buckets, registry=self.registry)
+            else:
+                m = pc.Gauge(s.name, s.description, s.labels, registry=self.registry)
+            self._m[s.name] = m
+
+    def _child(self, name, labels):
+        m = self._m[name]
+        return m.labels(**labels) if labels else m
+
+    def inc(self, name, value, labels):
+        self._child(name, labels).inc(value)
+
+    def observe(self, name, value, labels):
+        self._child(name, labels).observe(value)
+
+    def set(self, name, value, labels):
+        self._child(name, labels).set(value)
+
+
+def specs_for(component: str) -> list[MetricSpec]:
+    return [s for s in METRICS.values() if s.component == component]
+
+
+def default_exporter(component: str) -> Exporter:
+    """:class:`RayServeExporter` inside a Serve replica, else a private prometheus_client registry
+    (in-process use of the verifier core: tests, local transports)."""
+    specs = specs_for(component)
+    try:
+        from ray.serve import context
+    except ImportError:
+        return PrometheusClientExporter(specs)
+    if context._get_internal_replica_context() is not None:
+        try:
+            return RayServeExporter(specs)
+        except Exception:  # noqa: BLE001 - a metrics problem must not stop the replica
+            log.exception("metrics: Ray Serve metrics unavailable; keeping them in-process only")
+    return PrometheusClientExporter(specs)
+
+
+# -- stats -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoundStats:
+    """One verify round of one session."""
+
+    tenant: str
+    mode: str  # "tree" | "chain"
+    draft_tokens: int
+    accepted: int  # draft tokens on the accepted path
+    emitted: int  # tokens this round adds to the output
+    finished: bool
+
+    @classmethod
+    def of(cls, tenant: str, req, res) -> "RoundStats":
+        """From the engine's ``VerifyRequest``/``VerifyResult`` or ``ChainVerifyRequest``/``ChainVerifyResult``."""
+        if hasattr(req, "tree"):
+            return cls(tenant, "tree", len(req.tree), len(res.accepted), len(res.tokens), res.finished)
+        # chain: a rejected round emits no bonus; the residual sample it owes arrives with the next frame
+        emitted = res.num_accepted + (res.bonus is not None) + (req.resampled is not None)
+        return cls(tenant, "chain", len(req.tokens), res.num_accepted, emitted, res.finished)
+
+
+@dataclass(frozen=True)
+class EdgeTelemetry:
+    """What an edge reports in each ``VerifyFrame`` (0 = not measured yet)."""
+
+    tenant: str
+    draft_ms: float
+    rtt_ms: float
+    depth: int
+
+    @classmethod
+    def of(cls, tenant: str, frame) -> "EdgeTelemetry":
+        return cls(tenant, float(frame.draft_ms), float(frame.rtt_ms), int(frame.depth))
+
+
+@dataclass(frozen=True)
+class VerifierState:
+    """A snapshot of one verifier replica."""
+
+    sessions_by_tenant: dict[str, int]
+    kv_tokens: int
+    kv_capacity: int
+    pending: int
+    cost_fixed_s: float
+    cost_per_token_s: float
+
+    @classmethod
+    def of(cls, core) -> "VerifierState":
+        """Read a :class:`deploy.verifier.deployment.VerifierCore` (attributes only, no calls into Serve)."""
+        by_tenant: dict[str, int] = {}
+        for tenant in list(core.owner.values()):
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
+        a, b = core.pacer.cost.coefficients()
+        return cls(by_tenant, core.engine.kv_tokens(), core.cfg.verifier.kv_budget_tokens,
+                   len(core.sched) + len(core._opens), a, b)
+
+
+# -- aggregators -----------------------------------------------------------------------------------
+@dataclass
+class VerifierMetrics:
+    """Turns a verifier replica's stats into metric updates (bounded labels only)."""
+
+    exporter: Exporter
+    tenants: Sequence[str] = ()
+    refresh_s: float = 1.0
+    clock: Any = time.monotonic
+    _last_reply: "OrderedDict[str, float]" = field(default_factory=OrderedDict)
+    _seen_tenants: set[str] = field(default_factory=set)
+    _last_refresh: float = float("-inf")
+    _hints: list[int] = field(default_factory=lambda: [0, 0, 0])  # depth sum, budget sum, rounds
+
+    @classmethod
+    def create(cls, tenants: Sequence[str] = ()) -> "VerifierMetrics":
+        """Ray Serve metrics inside a replica; a private prometheus_client registry elsewhere."""
+        return cls(default_exporter("verifier"), tuple(tenants))
+
+    def __post_init__(self):
+        self._seen_tenants.update(self.tenants)
+
+    # events ------------------------------------------------------------------------
+    @never_raises
+    def on_forward(self, st) -> None:
+        """One target forward (``deploy.verifier.engine.ForwardStats``)."""
+        e, kind = self.exporter, {"kind": st.kind}
+        e.observe("specedge_verify_batch_sessions", st.sessions, kind)
+        e.observe("specedge_verify_batch_tokens", st.tokens, kind)
+        e.observe("specedge_forward_latency_seconds", st.seconds, kind)
+        e.inc("specedge_verifier_busy_seconds", st.seconds, kind)
+        e.inc("specedge_forward_sessions", st.sessions, kind)
+        e.inc("specedge_forward_tokens", st.tokens, kind)
+        e.inc("specedge_forward_padded_tokens", st.padded_tokens, kind)
+
+    @never_raises
+    def on_batch_start(self, batch: Iterable) -> None:
+        """Queue wait of each request (``scheduler.Pending``) as its forward starts."""
+        now = self.clock()
+        for p in batch:
+            self.exporter.observe("specedge_queue_wait_seconds", max(now - p.enqueued_at, 0.0), {"tenant": p.tenant})
+
+    @never_raises
+    def on_frame(self, tenant: str, frame) -> None:
+        self.record_edge(EdgeTelemetry.of(tenant, frame))
+
+    def record_edge(self, t: EdgeTelemetry) -> None:
+        lab = {"tenant": t.tenant}
+        if t.rtt_ms > 0:
+            self.exporter.observe("specedge_edge_rtt_seconds", t.rtt_ms / 1e3, lab)
+        if t.draft_ms > 0:
+            self.exporter.observe("specedge_edge_draft_forward_seconds", t.draft_ms / 1e3, lab)
+        if t.depth > 0:
+            self.exporter.observe("specedge_edge_draft_depth", t.depth, lab)
+
+    @never_raises
+    def on_open(self, tenant: str, sid: str, prefix_len: int) -> None:
+        self._seen_tenants.add(tenant)
+        self.exporter.inc("specedge_sessions_opened", 1, {"tenant": tenant})
+        self.exporter.inc("specedge_prefill_tokens", prefix_len, {"tenant": tenant})
+        self._touch(sid, self.clock())  # the open reply carries the first token
+
+    @never_raises
+    def on_round(self, tenant: str, sid: str, req, res, depth_hint: int = 0, budget_hint: int = 0) -> None:
+        self.record_round(RoundStats.of(tenant, req, res), sid)
+        h = self._hints
+        h[0] += depth_hint
+        h[1] += budget_hint
+        h[2] += 1
+
+    def record_round(self, r: RoundStats, sid: str | None = None) -> None:
+        e, lab = self.exporter, {"tenant": r.tenant, "mode": r.mode}
+        e.inc("specedge_spec_decode_num_drafts", 1, lab)
+        e.inc("specedge_spec_decode_num_draft_tokens", r.draft_tokens, lab)
+        e.inc("specedge_spec_decode_num_accepted_tokens", r.accepted, lab)
+        e.inc("specedge_spec_decode_num_emitted_tokens", r.emitted, lab)
+        for pos in range(min(r.accepted, MAX_POSITIONS)):
+            e.inc("specedge_spec_decode_num_accepted_tokens_per_pos", 1, {**lab, "position": str(pos)})
+        e.observe("specedge_draft_tree_nodes", r.draft_tokens, lab)
+        if sid is None:
+            return
+        now = self.clock()
+        last = self._last_reply.get(sid)
+        if last is not None and r.emitted > 0:
+            e.observe("specedge_inter_token_latency_seconds", (now - last) / r.emitted, lab)
+        if r.finished:
+            self._last_reply.pop(sid, None)
+        else:
+            self._touch(sid, now)
+
+    @never_raises
+    def on_evict(self, sid: str, reason: str) -> None:
+        self._last_reply.pop(sid, None)
+        self.exporter.inc("specedge_evictions", 1, {"reason": reason})
+
+    def _touch(self, sid: str, now: float) -> None:
+        self._last_reply[sid] = now
+        self._last_reply.move_to_end(sid)
+        while len(self._last_reply) > MAX_TRACKED_SESSIONS:
+            self._last_reply.popitem(last=False)
+
+    # gauges ----------------------------------------------------------------------------
+    @never_raises
+    def refresh(self, core, force: bool = False) -> VerifierState | None:
+        """Update the gauges from ``core`` at most every ``refresh_s`` (the batch loop calls it)."""
+        now = self.clock()
+        if not force and now - self._last_refresh < self.refresh_s:
+            return None
+        self._last_refresh = now
+        state = VerifierState.of(core)
+        self.record_state(state)
+        return state
+
+    def record_state(self, s: VerifierState) -> None:
+        e = self.exporter
+        self._seen_tenants.update(s.sessions_by_tenant)
+        for t in sorted(self._seen_tenants):
+            e.set("specedge_open_sessions", s.sessions_by_tenant.get(t, 0), {"tenant": t})
+        e.set("specedge_kv_tokens_in_use", s.kv_tokens, {})
+        e.set("specedge_kv_tokens_capacity", s.kv_capacity, {})
+        e.set("specedge_pending_requests", s.pending, {})
+        e.set("specedge_forward_cost_fixed_seconds", s.cost_fixed_s, {})
+        e.set("specedge_forward_cost_per_token_seconds", s.cost_per_token_s, {})
+        depth, budget, n = self._hints
+        if n:
+            e.set("specedge_pacing_depth_hint", depth / n, {})
+            e.set("specedge_pacing_budget_hint", budget / n, {})
+            self._hints = [0, 0, 0]
+
+
+@dataclass
+class RouterMetrics:
+    """The router's view: end-to-end verify latency, errors by status/code, shedding by reason."""
+
+    exporter: Exporter
+
+    @classmethod
+    def create(cls) -> "RouterMetrics":
+        return cls(default_exporter("router"))
+
+    @never_raises
+    def on_verify(self, tenant: str, seconds: float, inflight: int) -> None:
+        self.exporter.observe("specedge_router_verify_latency_seconds", seconds, {"tenant": tenant})
+        self.exporter.set("specedge_router_inflight_requests", inflight, {})
+
+    @never_raises
+    def on_error(self, e) -> None:
+        """A ``deploy.errors.SpecError`` about to be answered (HTTP or WebSocket)."""
+        status = int(getattr(e, "status", 500))
+        self.exporter.inc("specedge_router_errors", 1, {"status": str(status), "code": str(getattr(e, "code", "error"))})
+        reason = getattr(e, "reason", None)
+        if status in (429, 503) and reason:
+            self.exporter.inc("specedge_router_shed_requests", 1, {"reason": str(reason)})
+
+
+_router: RouterMetrics | None = None
+
+
+def router_metrics() -> RouterMetrics:
+    """The router replica's metrics (one per process: the FastAPI error handler is module-level)."""
+    global _router
+    if _router is None:
+        _router = RouterMetrics.create()
+    return _router
