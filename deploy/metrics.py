@@ -103,11 +103,11 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
        "Time between two replies of a session divided by the tokens the later reply emitted.", _LATENCY_S, TM),
     _h("draft_tree_nodes", "Draft tree (or chain) size per verify round.", _NODES, TM),
     # -- edge telemetry from each VerifyFrame -------------------------------------------------
-    _h("edge_rtt_seconds", "Edge-measured network round trip, as reported in verify frames.", _LATENCY_S,
+    _h("edge_reported_rtt_seconds", "Edge-measured network round trip, as reported in verify frames.", _LATENCY_S,
        ("tenant",)),
-    _h("edge_draft_forward_seconds", "Edge-measured time of one draft forward, as reported.", _LATENCY_S,
+    _h("edge_reported_draft_forward_seconds", "Edge-measured time of one draft forward, as reported.", _LATENCY_S,
        ("tenant",)),
-    _h("edge_draft_depth", "Draft forwards (depth) the edge chose for a tree.", _DEPTH, ("tenant",)),
+    _h("edge_reported_draft_depth", "Draft forwards (depth) the edge chose for a tree.", _DEPTH, ("tenant",)),
     # -- replica state ------------------------------------------------------------------------
     _g("open_sessions", "Sessions held by this replica.", ("tenant",)),
     _g("kv_tokens_in_use", "KV-cache tokens held by this replica's sessions."),
@@ -339,11 +339,11 @@ class VerifierMetrics:
     def record_edge(self, t: EdgeTelemetry) -> None:
         lab = {"tenant": t.tenant}
         if t.rtt_ms > 0:
-            self.exporter.observe("specedge_edge_rtt_seconds", t.rtt_ms / 1e3, lab)
+            self.exporter.observe("specedge_edge_reported_rtt_seconds", t.rtt_ms / 1e3, lab)
         if t.draft_ms > 0:
-            self.exporter.observe("specedge_edge_draft_forward_seconds", t.draft_ms / 1e3, lab)
+            self.exporter.observe("specedge_edge_reported_draft_forward_seconds", t.draft_ms / 1e3, lab)
         if t.depth > 0:
-            self.exporter.observe("specedge_edge_draft_depth", t.depth, lab)
+            self.exporter.observe("specedge_edge_reported_draft_depth", t.depth, lab)
 
     @never_raises
     def on_open(self, tenant: str, sid: str, prefix_len: int) -> None:

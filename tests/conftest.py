@@ -40,10 +40,12 @@ def ray_session():
     import ray
     from ray import serve
 
+    metrics_port = free_port()  # Ray's Prometheus export port (tests/test_prometheus_integration.py scrapes it)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             configure_logging=False)
+             configure_logging=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})  # metrics reach the port within ~1 s
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield {"http_port": port}
+    yield {"http_port": port, "metrics_port": metrics_port}
     serve.shutdown()
     ray.shutdown()

@@ -12,6 +12,7 @@ the replica that holds the session's KV.
 import asyncio
 import json
 import logging
+import time
 import uuid
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
@@ -22,6 +23,7 @@ from ray.exceptions import RayActorError, RayError
 
 from deploy.config import DEV_API_KEY, AppConfig
 from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, SessionNotFound, SpecError
+from deploy.metrics import router_metrics
 from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai
 from deploy.router.tenants import TenantRegistry, TenantState
@@ -32,6 +34,7 @@ api = FastAPI(title="specedge", description="Edge-drafted, cloud-verified specul
 
 @api.exception_handler(SpecError)
 async def _spec_error(_request: Request, e: SpecError):
+    router_metrics().on_error(e)
     headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if isinstance(e, Overloaded) else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
@@ -64,6 +67,7 @@ class Router:
         self.tenants = TenantRegistry(tenants, rc.retry_after_s, self.cfg.verifier.idle_timeout_s)
         self.verifier = verifier
         self.inflight = 0
+        self.metrics = router_metrics()
         self._info: dict | None = None
         self._tokenizer = None
         self._tokenizer_loaded = False
@@ -131,6 +135,7 @@ class Router:
         return payload
 
     async def verify(self, tenant: TenantState, sid: str, frame: bytes) -> bytes:
+        t0 = time.perf_counter()
         self.tenants.check_rate(tenant)
         self._admit()
         VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)  # reject garbage before queueing
@@ -144,6 +149,7 @@ class Router:
         _raise_for(status, payload)
         reply = ReplyFrame.decode(payload)
         self.tenants.session_used(tenant, sid, len(reply.accepted) + (reply.bonus is not None))
+        self.metrics.on_verify(tenant.config.name, time.perf_counter() - t0, self.inflight)
         return payload
 
     async def close(self, tenant: TenantState, sid: str) -> dict:
@@ -194,6 +200,7 @@ class Router:
                 f"Bearer {websocket.query_params['api_key']}" if "api_key" in websocket.query_params else None)
             tenant = self.tenants.authenticate(auth)
         except SpecError as e:
+            router_metrics().on_error(e)
             await websocket.send_text(json.dumps({"status": e.status, **e.to_dict()}))
             await websocket.close(code=4401)
             return
@@ -210,6 +217,7 @@ class Router:
                         raise PayloadTooLarge("frame too large")
                     await websocket.send_bytes(await self.verify(tenant, sid, data))
                 except SpecError as e:
+                    router_metrics().on_error(e)
                     payload = {"status": e.status, **e.to_dict()}
                     if isinstance(e, Overloaded):
                         payload["retry_after"] = e.retry_after

@@ -27,6 +27,7 @@ from ray import serve
 
 from deploy.config import AppConfig
 from deploy.errors import InvalidRequest, SessionEvicted, SessionNotFound, SpecError, TokenizerMismatch
+from deploy.metrics import VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, VerifierEngine, VerifyRequest)
 from deploy.verifier.models import load_model, tokenizer_fingerprint
@@ -66,6 +67,7 @@ class VerifierCore:
         self.pacer = Pacer(p.min_depth, p.max_depth, p.default_depth, tuple(p.tree_budgets), p.default_tree_budget,
                            p.ema)
         self.sched = FairScheduler(weights={tn.name: tn.weight for tn in config.router.load_tenants()})
+        self.metrics = VerifierMetrics.create([tn.name for tn in config.router.load_tenants()])
         self.owner: dict[str, str] = {}  # session id -> tenant
         self.client: dict[str, tuple[float, float]] = {}  # session id -> (draft_ms, rtt_ms)
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> reason
@@ -103,6 +105,7 @@ class VerifierCore:
         if st.kind != "prefill":
             self.pacer.observe_forward(st.tokens, st.seconds)
         self.forwards.append(st)
+        self.metrics.on_forward(st)
         if len(self.forwards) > 4096:
             del self.forwards[:2048]
 
@@ -121,6 +124,7 @@ class VerifierCore:
         self.owner.pop(sid, None)
         self.client.pop(sid, None)
         self.evicted[sid] = reason
+        self.metrics.on_evict(sid, reason)
         while len(self.evicted) > MAX_REMEMBERED_EVICTIONS:
             self.evicted.popitem(last=False)
 
@@ -189,6 +193,7 @@ class VerifierCore:
             return _error(e)
         if f.draft_ms or f.rtt_ms:
             self.client[session_id] = (f.draft_ms, f.rtt_ms)
+        self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
         self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut), time.monotonic()))
@@ -231,6 +236,7 @@ class VerifierCore:
             if time.monotonic() - last_sweep > min(5.0, vc.idle_timeout_s / 2):
                 self.sweep_idle()
                 last_sweep = time.monotonic()
+            self.metrics.refresh(self)
             try:
                 if self._opens:
                     opens, self._opens = self._opens[: vc.max_batch_sessions], self._opens[vc.max_batch_sessions:]
@@ -257,6 +263,7 @@ class VerifierCore:
                 fut.set_result(_error(res))
                 continue
             self.owner[req.sid] = tenant
+            self.metrics.on_open(tenant, req.sid, res.prefix_len)
             self.tokens_emitted += res.first_token is not None
             depth, budget = self._hints(req.sid)
             fut.set_result((200, {
@@ -268,6 +275,7 @@ class VerifierCore:
     async def _run_verifies(self, loop, batch: list[Pending]) -> None:
         trees = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], VerifyRequest)]
         chains = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], ChainVerifyRequest)]
+        self.metrics.on_batch_start(batch)
 
         def run():
             out = []
@@ -296,6 +304,7 @@ class VerifierCore:
             self.pacer.observe_round(n_nodes, emitted)
             self.tokens_emitted += emitted
             depth, budget = self._hints(p.session_id)
+            self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget)
             if hasattr(res, "accepted"):
                 frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
                                    depth, budget)
