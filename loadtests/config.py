@@ -1,0 +1,173 @@
+"""Load-test configuration: the app under test, the simulated users, the scenarios.
+
+One :class:`LoadTestConfig` holds both sides, so the simulated users take their tenants
+and API keys from the very ``app.router.tenants`` the server is built with
+(:func:`deploy.app.build_app` gets ``app`` verbatim). A YAML file of this shape can be
+passed with ``--config``; the named scenarios below are built in.
+
+Targets: ``tiny`` is a 2-layer random-weight Llama (vocabulary 512, fp32) so that thousands
+of users are meaningful on 2 CPU cores: the verifier still runs real batched tree forwards
+with real KV caches, only each forward is cheap. ``embedded`` is the real
+SmolLM2-135M-Instruct (bf16). The report names the target it ran against.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deploy.config import AppConfig
+
+TARGETS: dict[str, dict] = {
+    "tiny": {"model": "tiny-random", "dtype": "float32", "seed": 0},
+    # ~30x the compute of "tiny" per token (hidden 256, 4 layers; 4.2M parameters): a verifier that
+    # is the bottleneck rather than the HTTP proxy, so that fair scheduling decides who is served
+    "tiny-wide": {"model": "tiny-random", "dtype": "float32", "seed": 0,
+                  "tiny_config": {"hidden_size": 256, "num_layers": 4, "intermediate_size": 1024}},
+    "embedded": {"model": "embedded", "dtype": "bfloat16"},
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UserModel(_Strict):
+    """How one simulated edge agent behaves (SpecEdge §4.3: its cycle is draft time + RTT)."""
+
+    draft_ms: float = Field(20.0, ge=0, description="simulated time per draft forward (Jetson-class draft)")
+    rtt_ms: float = Field(40.0, ge=0, description="simulated network round trip")
+    jitter: float = Field(0.2, ge=0, le=1, description="uniform +- fraction on draft_ms and rtt_ms")
+    alpha: float = Field(0.7, ge=0, le=1, description="P(draft top-1 = target token) per tree level")
+    sibling_alpha: float = Field(0.3, ge=0, le=1, description="P(top-2 sibling = target token | top-1 wrong)")
+    depth: int | None = Field(None, ge=1, description="draft forwards per tree; None: the server's depth hint")
+    nodes: int | None = Field(None, ge=1, description="tree nodes; None: the server's tree-budget hint")
+    max_tokens: int = Field(64, ge=1, description="tokens per generation")
+    idle_s: tuple[float, float] = Field((2.0, 8.0), description="pause between generations (uniform range)")
+    max_retries: int = Field(30, ge=1, description="429/503 retries per request before it counts as an error")
+    network_timeout_s: float = Field(30.0, gt=0, description="a request slower than this is an error")
+
+
+class TenantLoad(_Strict):
+    """Which share of the simulated users belongs to a tenant (the scheduling weight is the app's)."""
+
+    users: float = Field(1.0, gt=0, description="relative share of the simulated users")
+
+
+class WorkloadConfig(_Strict):
+    prompts: int = Field(48, ge=1, description="size of the prompt pool")
+    prompt_len: tuple[int, int] = Field((8, 48), description="prompt lengths (uniform range, tokens)")
+    seed: int = 0
+
+
+class LoadTestConfig(_Strict):
+    name: str = "custom"
+    description: str = ""
+    target: str = Field("tiny", description="a key of TARGETS, recorded in the report")
+    app: dict = Field(default_factory=dict, description="AppConfig args for build_app (tenants included)")
+    user: UserModel = Field(default_factory=UserModel)
+    tenants: dict[str, TenantLoad] = Field(default_factory=dict,
+                                           description="user shares; default: every app tenant, equal shares")
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+    kill_verifier_at_s: float | None = Field(None, description="kill one verifier replica this long after start")
+    fairness: bool = Field(False, description="check per-tenant token share against weights")
+    warmup_s: float = Field(3.0, ge=0, description="excluded from steady-state figures after all users spawned")
+
+    @model_validator(mode="after")
+    def _check(self):
+        cfg = self.app_config()
+        keys = {t.get("name"): t for t in self.app.get("router", {}).get("tenants", [])}
+        for t in self.tenants:
+            if t not in keys:
+                raise ValueError(f"user share for unknown tenant {t!r}")
+        if cfg.router.tenants_file and not keys:
+            raise ValueError("the load test needs plain API keys: list tenants in app.router.tenants")
+        for name, t in keys.items():
+            if "api_key" not in t:
+                raise ValueError(f"tenant {name!r}: the load test needs its plain api_key")
+        return self
+
+    def app_config(self) -> AppConfig:
+        return AppConfig(**self.app)
+
+    def tenant_keys(self) -> dict[str, str]:
+        """Tenant name -> plain API key, from the app config (the dev key when none is configured)."""
+        tenants = self.app.get("router", {}).get("tenants", [])
+        if not tenants:
+            from deploy.config import DEV_API_KEY
+
+            return {"dev": DEV_API_KEY}
+        return {t["name"]: t["api_key"] for t in tenants}
+
+    def tenant_weights(self) -> dict[str, float]:
+        return {t.name: t.weight for t in self.app_config().router.load_tenants()}
+
+    def user_shares(self) -> dict[str, float]:
+        keys = self.tenant_keys()
+        shares = {n: t.users for n, t in self.tenants.items()} or {n: 1.0 for n in keys}
+        total = sum(shares.values())
+        return {n: s / total for n, s in shares.items()}
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "LoadTestConfig":
+        return cls(**(yaml.safe_load(Path(path).read_text()) or {}))
+
+
+def _tenant(name: str, weight: float, users: int = 100_000) -> dict:
+    # quotas far above any user count: scenarios measure the verifier, not the quota
+    return {"name": name, "api_key": f"loadtest-{name}-key", "weight": weight, "max_sessions": users}
+
+
+def _app(target: str, **verifier) -> dict:
+    v = {"num_replicas": 1, "max_batch_sessions": 32, "batch_wait_ms": 2.0, "torch_threads": 1,
+         "max_tree_nodes": 64, "num_cpus": 0.5}
+    v.update(verifier)
+    return {"target": copy.deepcopy(TARGETS[target]), "verifier": v,
+            "router": {"max_pending_verifies": 512, "tenants": [_tenant("default", 1.0)]},
+            "server_draft": {"enabled": False}}
+
+
+Scenario = Literal["ramp", "tenants", "burst", "kill", "smoke"]
+SCENARIOS: tuple[str, ...] = ("ramp", "tenants", "burst", "kill", "smoke")
+
+
+def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
+    """The built-in scenarios (the issue's list), for ``--scenario``."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; choose from {sorted(TARGETS)}")
+    app = _app(target)
+    if name == "ramp":
+        return LoadTestConfig(name=name, target=target, app=app,
+                              description="ramp to N users of one tenant; defaults of a production config")
+    if name in ("tenants", "smoke"):
+        # weights matter only when the verifier is the bottleneck: one session per forward on a target
+        # with real compute per token (on 2 cores the HTTP proxy saturates before a "tiny" verifier does),
+        # many users with a short think time
+        if target == "tiny":
+            target = "tiny-wide"
+        app = _app(target, max_batch_sessions=1, batch_wait_ms=0.0)
+        app["router"]["tenants"] = [_tenant("gold", 3.0), _tenant("bronze", 1.0)]
+        app["router"]["max_pending_verifies"] = 4096  # no router-side shedding: the verifier's queue decides
+        user = UserModel(draft_ms=2.0, rtt_ms=2.0, depth=4, nodes=16, max_tokens=32, idle_s=(0.0, 0.05))
+        desc = ("mixed tenants gold (weight 3) and bronze (weight 1), equal user counts, verifier saturated "
+                "(max_batch_sessions=2): tokens served must split 3:1")
+        return LoadTestConfig(name=name, target=target, app=app, user=user, fairness=True, description=desc,
+                              warmup_s=2.0 if name == "smoke" else 3.0)
+    if name == "burst":
+        # far more users than the verifier holds, a short router queue: excess load must be shed with 429 fast
+        app = _app(target, max_batch_sessions=8)
+        app["router"]["max_pending_verifies"] = 32
+        user = UserModel(draft_ms=2.0, rtt_ms=2.0, idle_s=(0.0, 0.2), max_tokens=32)
+        return LoadTestConfig(name=name, target=target, app=app, user=user,
+                              description="burst above capacity: the router sheds with 429 + Retry-After")
+    if name == "kill":
+        app = _app(target, num_replicas=2)
+        user = UserModel(idle_s=(0.2, 1.0))
+        return LoadTestConfig(name=name, target=target, app=app, user=user, kill_verifier_at_s=20.0,
+                              description="two verifier replicas, one killed mid-run: its sessions re-open "
+                                          "with their history on the other (or the restarted) replica")
+    raise ValueError(f"unknown scenario {name!r}; choose from {SCENARIOS}")

@@ -1,0 +1,287 @@
+"""Locust user: a simulated edge agent without a draft model (SpecEdge §4, §4.3).
+
+Each user belongs to a tenant (API key from the app's own config) and loops over
+generations: open a session (``POST /v1/sessions``), then verify rounds until the server
+says the generation finished, then close (``DELETE``), then idle. A round drafts a
+synthetic tree from the target's known greedy continuation (:mod:`loadtests.synthetic_tree`),
+waits the simulated draft time (depth x draft_ms) plus the RTT, and posts the binary
+:class:`deploy.protocol.VerifyFrame` carrying that draft time and RTT, so the server's
+pacing sees what a real edge would report; it follows the server's depth and tree-budget
+hints unless the config fixes them. Protocol outcomes a real edge handles are not errors:
+429 and 503 are retried after ``Retry-After``; 404/410 re-open the session with
+``generated_ids``. Every verified token is checked against the target's continuation.
+
+Run only as its own process(es) (``python -m loadtests.run`` does): gevent's monkey
+patching and Ray in one process hang. Needs ``--loadtest-config FILE`` (written by
+:func:`loadtests.workload.write_user_config`) and writes its counters to
+``--loadtest-out FILE`` when the process quits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections import defaultdict
+
+import gevent
+from locust import FastHttpUser, between, events, task
+
+from deploy.protocol import ReplyFrame, VerifyFrame
+from loadtests.synthetic_tree import AcceptanceModel, expected_accepted, synthetic_tree
+
+CFG: dict = {}
+STOPPING = False
+
+
+class Counters:
+    """What this Locust process saw, per tenant, plus per-second token buckets."""
+
+    FIELDS = ("generations", "finished", "opens", "reopens", "closes", "superseded", "verifies", "tokens",
+              "accepted", "drafted", "hits", "expected", "accept_mismatch", "diverged", "shed", "unavailable",
+              "errors", "unclosed")
+
+    def __init__(self):
+        self.tenant = defaultdict(lambda: dict.fromkeys(self.FIELDS, 0))
+        self.shed_reasons = defaultdict(int)
+        self.error_kinds = defaultdict(int)
+        self.tokens_by_second = defaultdict(lambda: defaultdict(int))  # epoch second -> tenant -> tokens
+        self.verify_ms = defaultdict(list)  # tenant -> latencies of successful verifies
+        self.verify_at = defaultdict(list)  # tenant -> epoch seconds of those verifies
+        self.shed_ms: list[float] = []
+
+    def add(self, tenant: str, field: str, n: float = 1) -> None:
+        self.tenant[tenant][field] += n
+
+    def dump(self) -> dict:
+        return {"pid": os.getpid(), "tenants": {t: dict(v) for t, v in self.tenant.items()},
+                "shed_reasons": dict(self.shed_reasons), "error_kinds": dict(self.error_kinds),
+                "tokens_by_second": {str(s): dict(v) for s, v in self.tokens_by_second.items()},
+                "verify_ms": {t: [round(x, 2) for x in v] for t, v in self.verify_ms.items()},
+                "verify_at": {t: [round(x, 2) for x in v] for t, v in self.verify_at.items()},
+                "shed_ms": [round(x, 2) for x in self.shed_ms]}
+
+
+STATS = Counters()
+_assigned: dict[str, int] = defaultdict(int)
+_user_seq = 0
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser):
+    parser.add_argument("--loadtest-config", type=str, default="", help="user config JSON from loadtests.run")
+    parser.add_argument("--loadtest-out", type=str, default="", help="where this process writes its counters")
+
+
+@events.init.add_listener
+def _init(environment, **_):
+    opts = environment.parsed_options
+    if opts is None or not opts.loadtest_config:
+        raise SystemExit("loadtests/locustfile.py needs --loadtest-config (run it through python -m loadtests.run)")
+    CFG.update(json.loads(open(opts.loadtest_config).read()))
+    u = CFG["user"]
+    EdgeUser.network_timeout = EdgeUser.connection_timeout = float(u["network_timeout_s"])
+    lo, hi = u["idle_s"]
+    EdgeUser.wait_time = between(lo, hi)
+
+
+@events.test_stopping.add_listener
+def _stopping(**_):
+    global STOPPING
+    STOPPING = True  # users close their sessions after the request in flight
+
+
+@events.quitting.add_listener
+def _write(environment, **_):
+    out = environment.parsed_options.loadtest_out if environment.parsed_options else ""
+    if out:
+        path = out if not os.environ.get("LOCUST_PROCESSES_CHILD") else f"{out}.{os.getpid()}"
+        with open(path, "w") as f:
+            json.dump(STATS.dump(), f)
+
+
+def _pick_tenant() -> str:
+    """Smooth assignment of users to tenants by their configured shares."""
+    shares = CFG["shares"]
+    t = min(shares, key=lambda n: (_assigned[n] + 1) / shares[n])
+    _assigned[t] += 1
+    return t
+
+
+class Failed(Exception):
+    pass
+
+
+class EdgeUser(FastHttpUser):
+    wait_time = between(2.0, 8.0)  # replaced from the config at init
+
+    def on_start(self):
+        global _user_seq
+        _user_seq += 1
+        self.tenant = _pick_tenant()
+        self.headers = {"Authorization": f"Bearer {CFG['keys'][self.tenant]}"}
+        self.rng = random.Random(_user_seq * 7919 + os.getpid())
+        u = CFG["user"]
+        self.model = AcceptanceModel(u["alpha"], u["sibling_alpha"])
+        wl = CFG["workload"]
+        self.vocab = wl["vocab_size"]
+
+    # -- one HTTP exchange, named by outcome in Locust's stats --------------------------------
+    def _request(self, method: str, path: str, name: str, **kw):
+        """Returns (status, body bytes, headers, ms); 429/503/404/410 are protocol outcomes, not failures."""
+        t0 = time.perf_counter()
+        with self.client.request(method, path, name=name, headers=self.headers, catch_response=True, **kw) as r:
+            ms = (time.perf_counter() - t0) * 1000
+            status = r.status_code or 0
+            body = r.content or b""
+            if status in (429, 503, 404, 410):
+                r.request_meta["name"] = f"{name} {status}"
+                r.success()
+            elif status == 200:
+                r.success()
+            else:
+                r.failure(f"HTTP {status}: {body[:200]!r}" if status else f"connection error: {r.error}")
+            return status, body, r.headers or {}, ms
+
+    def _backoff(self, status: int, body: bytes, headers, ms: float) -> None:
+        s = STATS
+        reason = "unavailable"
+        try:
+            reason = json.loads(body).get("error", {}).get("reason") or json.loads(body)["error"]["code"]
+        except (ValueError, KeyError, AttributeError, TypeError):
+            pass
+        if status == 429:
+            s.add(self.tenant, "shed")
+            s.shed_ms.append(ms)
+            s.shed_reasons[reason] += 1
+        else:
+            s.add(self.tenant, "unavailable")
+        try:
+            wait = float(headers.get("Retry-After") or headers.get("retry-after") or 1.0)
+        except ValueError:
+            wait = 1.0
+        gevent.sleep(min(wait, 5.0) * self.rng.uniform(0.5, 1.5) if not STOPPING else 0.0)
+
+    def _error(self, kind: str) -> None:
+        STATS.add(self.tenant, "errors")
+        STATS.error_kinds[kind] += 1
+
+    def _open(self, prompt: list[int], generated: list[int]) -> dict | None:
+        body = json.dumps({"prompt_ids": prompt, "generated_ids": generated, "sampling": {
+            "max_tokens": CFG["user"]["max_tokens"]}, "client": {"draft_ms": CFG["user"]["draft_ms"],
+                                                                 "rtt_ms": CFG["user"]["rtt_ms"],
+                                                                 "agent": "loadtest"}})
+        for _ in range(CFG["user"]["max_retries"]):
+            if STOPPING:
+                return None
+            status, data, headers, ms = self._request("POST", "/v1/sessions", "open", data=body.encode())
+            if status == 200:
+                STATS.add(self.tenant, "opens")
+                return json.loads(data)
+            if status in (429, 503):
+                self._backoff(status, data, headers, ms)
+                continue
+            self._error(f"open HTTP {status}")
+            return None
+        self._error("open: retries exhausted")
+        return None
+
+    def _close(self, sid: str) -> None:
+        status, _, _, _ = self._request("DELETE", f"/v1/sessions/{sid}", "close")
+        if status == 200:
+            STATS.add(self.tenant, "closes")
+        else:
+            STATS.add(self.tenant, "unclosed")
+            self._error(f"close HTTP {status}")
+
+    # -- one generation -----------------------------------------------------------------------
+    @task
+    def generation(self):
+        if STOPPING:
+            return
+        u, wl, s = CFG["user"], CFG["workload"], STATS
+        i = self.rng.randrange(len(wl["prompts"]))
+        prompt, truth = wl["prompts"][i], wl["truths"][i]
+        out: list[int] = []
+        s.add(self.tenant, "generations")
+        d = self._open(prompt, out)
+        if d is None:
+            return
+        sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
+        depth_hint, budget_hint = d["depth_hint"], d["budget_hint"]
+        diverged = False
+        if d["first_token"] is not None:
+            out.append(d["first_token"])
+            self._count_tokens(1)
+            if out[0] != truth[0]:
+                diverged = True
+                s.add(self.tenant, "diverged")
+        retries = 0
+        while not finished and not STOPPING:
+            depth = u["depth"] or max(1, depth_hint)
+            nodes = min(u["nodes"] or max(1, budget_hint), CFG["max_tree_nodes"])
+            depth = min(depth, nodes, CFG["max_tree_depth"])
+            rest = truth[len(out):] if not diverged else []
+            tokens, parents, hits = synthetic_tree(rest, self.model, depth, nodes, self.vocab, self.rng)
+            draft_ms = depth * u["draft_ms"] * self.rng.uniform(1 - u["jitter"], 1 + u["jitter"])
+            rtt_ms = u["rtt_ms"] * self.rng.uniform(1 - u["jitter"], 1 + u["jitter"])
+            gevent.sleep((draft_ms + rtt_ms) / 1000.0)  # the edge drafts, then the frame travels
+            frame = VerifyFrame(prefix_len, tokens, parents, draft_ms=u["draft_ms"], rtt_ms=rtt_ms,
+                                depth=depth).encode()
+            while True:
+                status, data, headers, ms = self._request("POST", f"/v1/sessions/{sid}/verify", "verify",
+                                                          data=frame)
+                if status in (429, 503) and retries < u["max_retries"] and not STOPPING:
+                    retries += 1
+                    self._backoff(status, data, headers, ms)
+                    continue
+                break
+            if status == 200:
+                retries = 0
+                rep = ReplyFrame.decode(data)
+                new = [tokens[j] for j in rep.accepted] + ([rep.bonus] if rep.bonus is not None else [])
+                if not diverged:
+                    if len(rest) > depth and len(rep.accepted) != hits:  # (max_tokens may cut the last round)
+                        s.add(self.tenant, "accept_mismatch")
+                    if new != truth[len(out):len(out) + len(new)]:
+                        diverged = True  # the server's tokens left the target's greedy continuation
+                        s.add(self.tenant, "diverged")
+                out.extend(new)
+                now = time.time()
+                s.add(self.tenant, "verifies")
+                s.add(self.tenant, "accepted", len(rep.accepted))
+                s.add(self.tenant, "drafted", len(tokens))
+                s.add(self.tenant, "hits", hits)
+                s.add(self.tenant, "expected", expected_accepted(self.model, depth, len(rest)))
+                s.verify_ms[self.tenant].append(ms)
+                s.verify_at[self.tenant].append(now)
+                self._count_tokens(len(new))
+                prefix_len, finished = rep.prefix_len, rep.finished
+                depth_hint, budget_hint = rep.depth_hint or depth_hint, rep.budget_hint or budget_hint
+                continue
+            if status in (404, 410):  # evicted or lost with its replica: re-open from our own history
+                s.add(self.tenant, "superseded")
+                s.add(self.tenant, "reopens")
+                d = self._open(prompt, out)
+                if d is None:
+                    return
+                sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
+                if d["first_token"] is not None:  # a re-open samples the next token like a round's bonus
+                    if not diverged and d["first_token"] != (truth[len(out)] if len(out) < len(truth) else None):
+                        diverged = True
+                        s.add(self.tenant, "diverged")
+                    out.append(d["first_token"])
+                    self._count_tokens(1)
+                continue
+            if STOPPING and status in (429, 503):
+                break
+            self._error(f"verify HTTP {status}" if status else "verify: connection error")
+            break
+        if finished:
+            s.add(self.tenant, "finished")
+        self._close(sid)
+
+    def _count_tokens(self, n: int) -> None:
+        STATS.add(self.tenant, "tokens", n)
+        STATS.tokens_by_second[int(time.time())][self.tenant] += n

@@ -1,0 +1,413 @@
+"""The load-test report: Locust's CSVs + the users' counters + the verifier's samples.
+
+Figures (``summary.json``, ``report.md``, PNG plots):
+
+- requests/s (all HTTP requests) and verify rounds/s; verify latency p50/p95/p99 over the
+  whole run (Locust's) and over the steady-state window (all users spawned, after a
+  warm-up; from the users' own records);
+- tokens/s served (first tokens + accepted + bonus tokens, as the users received them);
+- the 429 rate (shed answers / all requests) and how fast the 429s came back; 503s
+  (verifier restarting) and re-opens (404/410) separately; errors = everything else
+  (other statuses, connection errors, timeouts, retries exhausted);
+- sessions: opened, closed, superseded by a re-open, left unclosed;
+- per tenant: tokens served in the steady-state window, its share vs. its weight's share
+  (weights only matter while the verifier is saturated: the verifier's queue is sampled);
+- acceptance: accepted nodes per round measured vs. the acceptance model's expectation,
+  rounds where the server accepted other than the model made correct, and sessions whose
+  tokens left the target's greedy continuation (a losslessness check under load).
+
+Checks (``--check``, the smoke test): zero errors, every session closed, and with
+``fairness`` each tenant's share within 20% of its weight's share under saturation.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import platform
+from collections import defaultdict
+from pathlib import Path
+
+from loadtests.config import LoadTestConfig
+
+SHARE_TOLERANCE = 0.20
+HELD_P99_MS = 1000.0
+HELD_MAX_SHED = 0.01
+
+
+def _float(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = max(0, min(len(v) - 1, int(round(q / 100.0 * len(v) + 0.5)) - 1))
+    return v[k]
+
+
+def read_locust_stats(path: Path) -> dict[str, dict]:
+    """``<prefix>_stats.csv`` rows by Name (``Aggregated`` included)."""
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        return {row["Name"]: row for row in csv.DictReader(f)}
+
+
+def read_locust_history(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def merge_counters(paths: list[Path]) -> dict:
+    """Sum the counters of every Locust process."""
+    tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int),
+              "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
+              "verify_at": defaultdict(list), "shed_ms": [], "processes": 0}
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        merged["processes"] += 1
+        for t, c in d["tenants"].items():
+            for k, v in c.items():
+                tenants[t][k] += v
+        for key in ("shed_reasons", "error_kinds"):
+            for k, v in d[key].items():
+                merged[key][k] += v
+        for s, per in d["tokens_by_second"].items():
+            for t, v in per.items():
+                merged["tokens_by_second"][int(s)][t] += v
+        for key in ("verify_ms", "verify_at"):
+            for t, v in d[key].items():
+                merged[key][t].extend(v)
+        merged["shed_ms"].extend(d["shed_ms"])
+    merged["tenants"] = {t: dict(c) for t, c in tenants.items()}
+    return merged
+
+
+def steady_window(history: list[dict], users: int, warmup_s: float, fallback: tuple[float, float]):
+    """(start, end) epoch seconds: all users spawned + warm-up, until the last full-load sample."""
+    full = [int(r["Timestamp"]) for r in history if r.get("Name") == "Aggregated"
+            and r.get("User Count") and int(r["User Count"]) >= users]
+    if len(full) >= 2:  # the last seconds are the stop: users close their sessions, queues drain
+        return full[0] + warmup_s, float(full[-1]) - 2.0
+    return fallback
+
+
+def server_summary(stats_path: Path | None, window: tuple[float, float], max_batch: int) -> dict:
+    """Verifier queue length, batch size and busy fraction inside the window (per replica)."""
+    if stats_path is None or not Path(stats_path).exists():
+        return {"available": False}
+    data = json.loads(Path(stats_path).read_text())
+    lo, hi = window
+    inside = [s for s in data["samples"] if lo <= s["t"] <= hi]
+    by_replica: dict[str, list[dict]] = defaultdict(list)
+    for s in data["samples"]:
+        by_replica[s["replica"]].append(s)
+    busy = []
+    for rs in by_replica.values():
+        w = [s for s in rs if lo <= s["t"] <= hi]
+        if len(w) >= 2 and w[-1]["uptime_seconds"] > w[0]["uptime_seconds"]:
+            busy.append((w[-1]["busy_seconds"] - w[0]["busy_seconds"]) /
+                        (w[-1]["uptime_seconds"] - w[0]["uptime_seconds"]))
+    pending = [s["pending"] for s in inside]
+    backlogged = sum(1 for p in pending if p >= max_batch) / len(pending) if pending else float("nan")
+    mean_pending = sum(pending) / len(pending) if pending else float("nan")
+    return {"available": True, "samples": len(inside), "replicas_seen": len(by_replica),
+            "mean_pending": mean_pending,
+            "mean_batch_sessions": (sum(s["mean_batch"] for s in inside) / len(inside)) if inside else float("nan"),
+            "busy_fraction": (sum(busy) / len(busy)) if busy else float("nan"),
+            "backlogged_fraction": backlogged,  # samples with a full batch waiting
+            "saturated": bool(pending) and mean_pending >= max_batch,
+            "events": data.get("events", [])}
+
+
+def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | None) -> dict:
+    stats = read_locust_stats(out / "locust_stats.csv")
+    history = read_locust_history(out / "locust_stats_history.csv")
+    counters = merge_counters(sorted(glob.glob(str(out / "counters.json*"))))
+    users, rate = meta["users"], meta["spawn_rate"]
+    t0 = meta["locust_started"]
+    fallback = (t0 + users / max(rate, 1e-9) + cfg.warmup_s + 2, meta["locust_ended"] - 2)
+    window = steady_window(history, users, cfg.warmup_s, fallback)
+    wlen = max(window[1] - window[0], 1e-9)
+    agg, ver = stats.get("Aggregated", {}), stats.get("verify", {})
+    total_requests = _float(agg.get("Request Count"))
+    run_s = max(meta["locust_ended"] - t0, 1e-9)
+    vc = cfg.app_config().verifier
+    rc = cfg.app_config().router
+
+    tc = counters["tenants"]
+    tot = lambda k: sum(c.get(k, 0) for c in tc.values())  # noqa: E731
+    shed, errors, unavailable = tot("shed"), tot("errors"), tot("unavailable")
+    locust_failures = _float(agg.get("Failure Count"))
+    opens, closes, superseded = tot("opens"), tot("closes"), tot("superseded")
+
+    # per-tenant steady-state tokens and share vs. weight
+    weights = cfg.tenant_weights()
+    shares = cfg.user_shares()
+    tok_win: dict[str, float] = defaultdict(float)
+    for s, per in counters["tokens_by_second"].items():
+        if window[0] <= s < window[1]:
+            for t, v in per.items():
+                tok_win[t] += v
+    active = [t for t in shares if shares[t] > 0]
+    wsum = sum(weights.get(t, 1.0) for t in active)
+    tsum = sum(tok_win.values()) or 1e-9
+    per_tenant = {}
+    for t in active:
+        c = tc.get(t, {})
+        lat = [ms for ms, at in zip(counters["verify_ms"].get(t, []), counters["verify_at"].get(t, []))
+               if window[0] <= at < window[1]]
+        expected = weights.get(t, 1.0) / wsum
+        share = tok_win.get(t, 0.0) / tsum
+        per_tenant[t] = {"weight": weights.get(t, 1.0), "user_share": shares[t], "weight_share": expected,
+                         "tokens_window": tok_win.get(t, 0.0), "tokens_per_s": tok_win.get(t, 0.0) / wlen,
+                         "token_share": share, "share_over_weight": share / expected if expected else float("nan"),
+                         "verify_p50_ms": percentile(lat, 50), "verify_p99_ms": percentile(lat, 99),
+                         "tokens_total": c.get("tokens", 0), "shed": c.get("shed", 0), "errors": c.get("errors", 0)}
+
+    all_lat = [ms for t in counters["verify_ms"] for ms, at in zip(counters["verify_ms"][t], counters["verify_at"][t])
+               if window[0] <= at < window[1]]
+    verifies = tot("verifies")
+    srv = server_summary(server_stats, window, vc.max_batch_sessions)
+    summary = {
+        "scenario": cfg.name, "description": cfg.description, "target": cfg.target,
+        "server_model": meta.get("server_model", {}).get("model"),
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "note": "CPU shared with other engineers' jobs: absolute figures are noisy"},
+        "limits": {"verifier_replicas": vc.num_replicas, "max_batch_sessions": vc.max_batch_sessions,
+                   "max_batch_tokens": vc.max_batch_tokens, "batch_wait_ms": vc.batch_wait_ms,
+                   "max_tree_nodes": vc.max_tree_nodes, "torch_threads": vc.torch_threads,
+                   "router_max_pending_verifies": rc.max_pending_verifies,
+                   "tenant_max_sessions": {t.name: t.max_sessions for t in rc.load_tenants()}},
+        "user_model": cfg.user.model_dump(mode="json"),
+        "run": {k: meta[k] for k in ("users", "spawn_rate", "duration_s", "processes", "host", "started_app")},
+        "window_s": [round(window[0] - t0, 1), round(window[1] - t0, 1)],
+        "requests_per_s": total_requests / run_s,
+        "verify_per_s": _float(ver.get("Requests/s")),
+        "verify_per_s_window": len(all_lat) / wlen,
+        "verify_ms": {"p50": _float(ver.get("50%")), "p95": _float(ver.get("95%")), "p99": _float(ver.get("99%"))},
+        "verify_ms_window": {"p50": percentile(all_lat, 50), "p95": percentile(all_lat, 95),
+                             "p99": percentile(all_lat, 99)},
+        "tokens_per_s": tot("tokens") / run_s,
+        "tokens_per_s_window": sum(tok_win.values()) / wlen,
+        "rate_429": shed / total_requests if total_requests else 0.0,
+        "shed_429": shed, "shed_reasons": dict(counters["shed_reasons"]),
+        "shed_ms": {"p50": percentile(counters["shed_ms"], 50), "p99": percentile(counters["shed_ms"], 99)},
+        "unavailable_503": unavailable, "reopens": tot("reopens"),
+        "errors": errors, "locust_failures": locust_failures, "error_kinds": dict(counters["error_kinds"]),
+        "sessions": {"generations": tot("generations"), "finished": tot("finished"), "opened": opens,
+                     "closed": closes, "superseded": superseded, "unclosed": opens - closes - superseded},
+        "acceptance": {"rounds": verifies, "drafted_per_round": tot("drafted") / verifies if verifies else 0.0,
+                       "accepted_per_round": tot("accepted") / verifies if verifies else 0.0,
+                       "model_expected_per_round": tot("expected") / verifies if verifies else 0.0,
+                       "rounds_accepted_other_than_model": tot("accept_mismatch"),
+                       "diverged_sessions": tot("diverged")},
+        "tenants": per_tenant, "server": srv, "locust_processes": counters["processes"],
+        "kill_sent_at_s": (meta["kill_sent_at"] - t0) if meta.get("kill_sent_at") else None,
+    }
+    summary["checks"] = checks(summary, cfg)
+    return summary
+
+
+def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
+    out = [
+        {"name": "no errors other than 429", "ok": s["errors"] == 0 and s["locust_failures"] == 0,
+         "detail": f"errors={s['errors']:g} locust_failures={s['locust_failures']:g} {s['error_kinds']}"},
+        {"name": "every session closed", "ok": s["sessions"]["unclosed"] == 0 and s["sessions"]["opened"] > 0,
+         "detail": json.dumps(s["sessions"])},
+        {"name": "output lossless under load", "ok": s["acceptance"]["diverged_sessions"] == 0,
+         "detail": f"diverged sessions={s['acceptance']['diverged_sessions']:g} (greedy fp32 target)"},
+    ]
+    if cfg.fairness:
+        srv = s["server"]
+        sat = srv.get("saturated", True) if srv.get("available") else True
+        out.append({"name": "verifier saturated (weights apply)", "ok": bool(sat),
+                    "detail": f"mean verifier queue {srv.get('mean_pending', float('nan')):.1f} vs batch limit "
+                              f"{s['limits']['max_batch_sessions']}, a full batch waiting in "
+                              f"{srv.get('backlogged_fraction', float('nan')):.0%} of the samples"})
+        bad = {t: round(v["share_over_weight"], 3) for t, v in s["tenants"].items()
+               if not abs(v["share_over_weight"] - 1.0) <= SHARE_TOLERANCE}
+        out.append({"name": f"per-tenant token share within {SHARE_TOLERANCE:.0%} of weight share",
+                    "ok": not bad and len(s["tenants"]) > 1,
+                    "detail": ", ".join(f"{t}: share {v['token_share']:.3f} vs weight {v['weight_share']:.3f}"
+                                        for t, v in s["tenants"].items())})
+    if cfg.kill_verifier_at_s is not None:
+        kills = [e for e in s["server"].get("events", []) if e.get("event") == "kill_verifier" and e.get("actor")]
+        out.append({"name": "a verifier replica was killed and its sessions re-opened",
+                    "ok": bool(kills) and s["reopens"] > 0,
+                    "detail": f"kills={len(kills)} reopens={s['reopens']:g} 503s={s['unavailable_503']:g}"})
+    return out
+
+
+def held(s: dict) -> bool:
+    """The deployment "holds" the users: p99 verify < 1 s, no errors, at most 1% shed."""
+    return (s["verify_ms_window"]["p99"] < HELD_P99_MS and s["errors"] == 0 and s["locust_failures"] == 0
+            and s["rate_429"] <= HELD_MAX_SHED)
+
+
+def _f(x, nd=1) -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "n/a"
+    return f"{x:,.{nd}f}"
+
+
+def markdown(s: dict) -> str:
+    lim, um, run = s["limits"], s["user_model"], s["run"]
+    lines = [
+        f"# Load test: {s['scenario']}",
+        "",
+        s["description"],
+        "",
+        f"- **Target**: `{s['target']}` ({s['server_model']}); **machine**: {s['machine']['cores']} cores "
+        f"({s['machine']['platform']}), {s['machine']['note']}.",
+        f"- **Limits**: {lim['verifier_replicas']} verifier replica(s), max_batch_sessions "
+        f"{lim['max_batch_sessions']}, max_batch_tokens {lim['max_batch_tokens']}, batch_wait_ms "
+        f"{lim['batch_wait_ms']}, max_tree_nodes {lim['max_tree_nodes']}, torch threads {lim['torch_threads']}, "
+        f"router max_pending_verifies {lim['router_max_pending_verifies']}.",
+        f"- **Users**: {run['users']} (spawn {run['spawn_rate']:g}/s, {run['duration_s']:g} s, "
+        f"{s['locust_processes']} Locust process(es), app {'started by the run' if run['started_app'] else 'at ' + run['host']}); "
+        f"draft {um['draft_ms']:g} ms/forward, RTT {um['rtt_ms']:g} ms (±{um['jitter']:.0%}), "
+        f"acceptance alpha={um['alpha']:g} sibling={um['sibling_alpha']:g}, depth "
+        f"{um['depth'] or 'server hint'}, nodes {um['nodes'] or 'server hint'}, {um['max_tokens']} tokens per "
+        f"generation, idle {um['idle_s'][0]:g}-{um['idle_s'][1]:g} s between generations.",
+        f"- **Steady-state window**: {s['window_s'][0]:g}-{s['window_s'][1]:g} s after Locust started.",
+        "",
+        "| metric | whole run | steady state |",
+        "|---|---|---|",
+        f"| requests/s (all) | {_f(s['requests_per_s'])} | |",
+        f"| verify rounds/s | {_f(s['verify_per_s'])} | {_f(s['verify_per_s_window'])} |",
+        f"| verify latency p50 / p95 / p99 (ms) | {_f(s['verify_ms']['p50'], 0)} / {_f(s['verify_ms']['p95'], 0)} / "
+        f"{_f(s['verify_ms']['p99'], 0)} | {_f(s['verify_ms_window']['p50'], 0)} / "
+        f"{_f(s['verify_ms_window']['p95'], 0)} / {_f(s['verify_ms_window']['p99'], 0)} |",
+        f"| tokens/s served | {_f(s['tokens_per_s'])} | {_f(s['tokens_per_s_window'])} |",
+        f"| 429 rate | {s['rate_429']:.2%} ({s['shed_429']:g}: {s['shed_reasons']}) | |",
+        f"| 429 latency p50 / p99 (ms) | {_f(s['shed_ms']['p50'], 0)} / {_f(s['shed_ms']['p99'], 0)} | |",
+        f"| 503 (verifier restarting) / re-opens | {s['unavailable_503']:g} / {s['reopens']:g} | |",
+        f"| errors (non-429) | {s['errors'] + s['locust_failures']:g} {s['error_kinds'] or ''} | |",
+        f"| sessions opened / closed / superseded / unclosed | {s['sessions']['opened']:g} / "
+        f"{s['sessions']['closed']:g} / {s['sessions']['superseded']:g} / {s['sessions']['unclosed']:g} | |",
+        f"| accepted nodes per round: measured / model | {_f(s['acceptance']['accepted_per_round'], 2)} / "
+        f"{_f(s['acceptance']['model_expected_per_round'], 2)} ({_f(s['acceptance']['drafted_per_round'], 1)} "
+        f"drafted) | |",
+        f"| rounds accepted other than the model / diverged sessions | "
+        f"{s['acceptance']['rounds_accepted_other_than_model']:g} / {s['acceptance']['diverged_sessions']:g} | |",
+    ]
+    srv = s["server"]
+    if srv.get("available"):
+        lines.append(f"| verifier queue (mean) / batch sessions (mean) / busy | | {_f(srv['mean_pending'])} / "
+                     f"{_f(srv['mean_batch_sessions'])} / {_f(100 * srv['busy_fraction'], 0)}% |")
+    lines += ["", "## Tenants (steady state)", "",
+              "| tenant | weight | users | tokens/s | token share | weight share | share / weight | "
+              "verify p50 / p99 (ms) | 429 |", "|---|---|---|---|---|---|---|---|---|"]
+    for t, v in s["tenants"].items():
+        lines.append(f"| {t} | {v['weight']:g} | {v['user_share']:.0%} | {_f(v['tokens_per_s'])} | "
+                     f"{v['token_share']:.3f} | {v['weight_share']:.3f} | {v['share_over_weight']:.2f} | "
+                     f"{_f(v['verify_p50_ms'], 0)} / {_f(v['verify_p99_ms'], 0)} | {v['shed']:g} |")
+    lines += ["", "## Checks", ""]
+    lines += [f"- {'PASS' if c['ok'] else 'FAIL'}: {c['name']} ({c['detail']})" for c in s["checks"]]
+    lines += ["", "Plots: `throughput.png`, `latency.png`, `tenant_share.png`. Locust CSVs: `locust_*.csv`.", ""]
+    return "\n".join(lines)
+
+
+def plots(out: Path, s: dict, history: list[dict], counters: dict, t0: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = [r for r in history if r.get("Name") == "Aggregated"]
+    ver = [r for r in history if r.get("Name") == "verify"]
+    secs = sorted(counters["tokens_by_second"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for t in s["tenants"]:
+        ax.plot([x - t0 for x in secs], [counters["tokens_by_second"][x].get(t, 0) for x in secs], label=f"{t} tokens/s")
+    if agg:
+        ax2 = ax.twinx()
+        ax2.plot([int(r["Timestamp"]) - t0 for r in agg], [int(r["User Count"]) for r in agg], "k--", label="users")
+        ax2.set_ylabel("users")
+    for lo_hi in (s["window_s"],):
+        ax.axvspan(lo_hi[0], lo_hi[1], color="grey", alpha=0.1, label="steady state")
+    ax.set_xlabel("s since start")
+    ax.set_ylabel("tokens/s served")
+    ax.set_title(f"{s['scenario']}: {s['run']['users']} users, {s['target']} target")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    rows = ver or agg
+    for q in ("50%", "95%", "99%"):
+        ax.plot([int(r["Timestamp"]) - t0 for r in rows], [_float(r[q]) for r in rows], label=f"verify {q}")
+    ax.set_yscale("log")
+    ax.set_xlabel("s since start")
+    ax.set_ylabel("ms (Locust, 10 s window)")
+    ax.set_title("verify latency")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "latency.png", dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(s["tenants"])
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [s["tenants"][n]["token_share"] for n in names], 0.4, label="token share")
+    ax.bar([x + 0.2 for x in xs], [s["tenants"][n]["weight_share"] for n in names], 0.4, label="weight share")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("share")
+    ax.set_title("per-tenant share (steady state)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "tenant_share.png", dpi=90)
+    plt.close(fig)
+
+
+def write_report(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | None) -> dict:
+    s = summarize(out, cfg, meta, server_stats)
+    (out / "summary.json").write_text(json.dumps(s, indent=2, default=str))
+    (out / "report.md").write_text(markdown(s))
+    try:
+        plots(out, s, read_locust_history(out / "locust_stats_history.csv"),
+              merge_counters(sorted(glob.glob(str(out / "counters.json*")))), meta["locust_started"])
+    except ImportError:  # matplotlib is a dev extra
+        pass
+    return s
+
+
+def console_line(s: dict) -> str:
+    w = s["verify_ms_window"]
+    return (f"[loadtests] {s['run']['users']} users: {s['requests_per_s']:.0f} req/s, verify p50/p95/p99 "
+            f"{_f(w['p50'], 0)}/{_f(w['p95'], 0)}/{_f(w['p99'], 0)} ms, {s['tokens_per_s_window']:.0f} tokens/s, "
+            f"429 {s['rate_429']:.1%}, errors {s['errors'] + s['locust_failures']:g}, unclosed "
+            f"{s['sessions']['unclosed']:g}, checks "
+            f"{'PASS' if all(c['ok'] for c in s['checks']) else 'FAIL'}")
+
+
+def write_sweep(out: Path, cfg: LoadTestConfig, results: list[dict]) -> None:
+    lines = [f"# Sweep: {cfg.name} on the {cfg.target} target", "",
+             f"Held = steady-state p99 verify < {HELD_P99_MS:.0f} ms, no errors, at most {HELD_MAX_SHED:.0%} shed "
+             f"(429). {results[0]['machine']['cores']} cores, CPU shared: figures are noisy.", "",
+             "| users | req/s | verify/s | verify p50 / p95 / p99 (ms) | tokens/s | 429 rate | errors | held |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in results:
+        w = s["verify_ms_window"]
+        lines.append(f"| {s['run']['users']} | {_f(s['requests_per_s'])} | {_f(s['verify_per_s_window'])} | "
+                     f"{_f(w['p50'], 0)} / {_f(w['p95'], 0)} / {_f(w['p99'], 0)} | {_f(s['tokens_per_s_window'])} | "
+                     f"{s['rate_429']:.2%} | {s['errors'] + s['locust_failures']:g} | {'yes' if held(s) else 'no'} |")
+    ok = [s["run"]["users"] for s in results if held(s)]
+    lines += ["", f"Largest user count held: {max(ok) if ok else 'none of those tried'}.", ""]
+    (out / "sweep.md").write_text("\n".join(lines))
+    (out / "sweep.json").write_text(json.dumps([{"users": s["run"]["users"], "held": held(s), **{
+        k: s[k] for k in ("requests_per_s", "verify_per_s_window", "verify_ms_window", "tokens_per_s_window",
+                          "rate_429", "errors")}} for s in results], indent=2))

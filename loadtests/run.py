@@ -1,0 +1,223 @@
+"""One command: start (or target) the app, run Locust headless, write the report.
+
+    python -m loadtests.run --users 1000 --spawn-rate 100 --duration 60s [--scenario ramp]
+    python -m loadtests.run --scenario tenants --users 200 --duration 40s
+    python -m loadtests.run --host http://127.0.0.1:8123 --scenario smoke ...   # an app already serving
+    python -m loadtests.run --users 100,200,400 --duration 60s              # a sweep: largest count held
+
+Processes: this one computes the workload (target continuations) with a local copy of the
+target, starts ``python -m loadtests.server`` (local Ray + Serve on a free loopback port)
+unless ``--host`` is given, then runs ``locust`` as its own process(es), never inside the
+Ray process (gevent + Ray hang), and stops the server by PID at the end. Output in
+``--out`` (default ``.cache/loadtests/<scenario>-<time>``): Locust's CSVs, the users'
+counters, the verifier's samples, ``summary.json``, ``report.md`` and PNG plots.
+With ``--host``, the app must have been built from the same scenario (``--print-app-config``
+prints its ``build_app`` args), since the users take tenants and keys from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtests import report
+from loadtests.config import SCENARIOS, TARGETS, LoadTestConfig, scenario
+from loadtests.workload import build_workload, write_user_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_duration(text: str) -> float:
+    """Locust-style durations: ``90``, ``60s``, ``2m``, ``1m30s``."""
+    text = text.strip()
+    if text.replace(".", "", 1).isdigit():
+        return float(text)
+    total, num = 0.0, ""
+    for ch in text:
+        if ch.isdigit() or ch == ".":
+            num += ch
+        elif ch in "hms" and num:
+            total += float(num) * {"h": 3600, "m": 60, "s": 1}[ch]
+            num = ""
+        else:
+            raise argparse.ArgumentTypeError(f"bad duration {text!r} (use e.g. 60s, 2m, 1m30s)")
+    if num:
+        raise argparse.ArgumentTypeError(f"bad duration {text!r}: a number without unit at the end")
+    return total
+
+
+def _child_env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def start_server(cfg: LoadTestConfig, out: Path, timeout: float = 240.0) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    app_file = out / "app_config.json"
+    app_file.write_text(json.dumps(cfg.app))
+    log = open(out / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "loadtests.server", "--config", str(app_file), "--port",
+                             str(port), "--stats-out", str(out / "server_stats.json")], cwd=REPO,
+                            env=_child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the app process exited (code {proc.returncode}); see {out / 'server.log'}:\n"
+                               + (out / "server.log").read_text()[-3000:])
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"the app did not become healthy in {timeout:.0f} s; see {out / 'server.log'}")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM to the PID we started (it shuts Serve and its own local Ray down), then its group."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group is the one start_new_session gave it
+        proc.wait(timeout=10)
+
+
+def model_info(url: str, key: str) -> dict:
+    r = httpx.get(f"{url}/v1/model", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
+def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, duration: float, out: Path,
+               users_file: Path, processes: int, server: subprocess.Popen | None, stop_timeout: float) -> dict:
+    """One headless Locust run; returns timing facts for the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
+           "-u", str(users), "-r", str(spawn_rate), "-t", f"{int(round(duration))}s", "--host", url,
+           "--csv", str(out / "locust"), "--csv-full-history", "--only-summary", "--loglevel", "WARNING",
+           "--stop-timeout", str(int(stop_timeout)), "--exit-code-on-error", "0",
+           "--loadtest-config", str(users_file),
+           "--loadtest-out", str(out / "counters.json")]
+    if processes > 1:
+        cmd += ["--processes", str(processes)]
+    env = _child_env()
+    if processes > 1:
+        env["LOCUST_PROCESSES_CHILD"] = "1"
+    t0 = time.time()
+    with open(out / "locust.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        killed_at = None
+        limit = duration + stop_timeout + 120
+        while proc.poll() is None:
+            el = time.time() - t0
+            if (killed_at is None and cfg.kill_verifier_at_s is not None and server is not None
+                    and el >= cfg.kill_verifier_at_s):
+                server.send_signal(signal.SIGUSR1)
+                killed_at = time.time()
+            if el > limit:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=30)
+                break
+            time.sleep(0.2)
+    return {"locust_started": t0, "locust_ended": time.time(), "locust_rc": proc.returncode,
+            "kill_sent_at": killed_at}
+
+
+def parse_users(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=parse_users, default=[100], help="simulated users; a comma list sweeps")
+    ap.add_argument("--spawn-rate", type=float, default=100.0, help="users started per second")
+    ap.add_argument("--duration", type=parse_duration, default=60.0, help="run time per user count (60s, 2m)")
+    ap.add_argument("--scenario", choices=SCENARIOS, default="ramp")
+    ap.add_argument("--target", choices=sorted(TARGETS), default="tiny")
+    ap.add_argument("--config", help="a LoadTestConfig YAML instead of a built-in scenario")
+    ap.add_argument("--host", help="target an app already serving (built from the same config)")
+    ap.add_argument("--out", help="output folder (default .cache/loadtests/<scenario>-<time>)")
+    ap.add_argument("--processes", type=int, default=1, help="Locust processes (--processes of locust)")
+    ap.add_argument("--stop-timeout", type=float, default=20.0, help="seconds users get to close their sessions")
+    ap.add_argument("--kill-at", type=float, help="kill scenario: seconds into the run (default: the scenario's)")
+    ap.add_argument("--print-app-config", action="store_true", help="print the app's build_app args and exit")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless the report's checks pass")
+    args = ap.parse_args(argv)
+
+    cfg = LoadTestConfig.from_yaml(args.config) if args.config else scenario(args.scenario, args.target)
+    if args.kill_at is not None:
+        cfg = cfg.model_copy(update={"kill_verifier_at_s": args.kill_at})
+    if args.print_app_config:
+        print(json.dumps(cfg.app, indent=2))
+        return 0
+    out = Path(args.out) if args.out else REPO / ".cache" / "loadtests" / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest_config.json").write_text(cfg.model_dump_json(indent=2))
+    print(f"[loadtests] {cfg.name} on the {cfg.target} target: computing the workload ...", flush=True)
+    workload = build_workload(cfg)
+    write_user_config(cfg, workload, out / "users.json")
+
+    server = None
+    try:
+        if args.host:
+            url = args.host.rstrip("/")
+        else:
+            t0 = time.time()
+            server, url = start_server(cfg, out)
+            print(f"[loadtests] app up at {url} in {time.time() - t0:.1f} s (pid {server.pid})", flush=True)
+        info = model_info(url, next(iter(cfg.tenant_keys().values())))
+        if info.get("vocab_size") != workload["vocab_size"] or info.get("model") != workload["model"]:
+            print(f"[loadtests] WARNING: the server's target {info} differs from the workload's "
+                  f"{workload['model']}; acceptance will not follow the model", flush=True)
+        results = []
+        for users in args.users:
+            sub = out if len(args.users) == 1 else out / f"users-{users}"
+            print(f"[loadtests] {users} users, spawn rate {args.spawn_rate:g}/s, {args.duration:g} s ...",
+                  flush=True)
+            timing = run_locust(cfg, url, users, args.spawn_rate, args.duration, sub, out / "users.json",
+                                args.processes, server, args.stop_timeout)
+            if server is not None and server.poll() is not None:
+                print("[loadtests] WARNING: the app process died during the run", flush=True)
+            meta = {"users": users, "spawn_rate": args.spawn_rate, "duration_s": args.duration,
+                    "processes": args.processes, "host": url, "started_app": server is not None,
+                    "server_model": info, **timing}
+            summary = report.write_report(sub, cfg, meta, out / "server_stats.json" if server else None)
+            results.append(summary)
+            print(report.console_line(summary), flush=True)
+        if len(results) > 1:
+            report.write_sweep(out, cfg, results)
+    finally:
+        if server is not None:
+            stop_server(server)
+    print(f"[loadtests] report: {out / ('report.md' if len(args.users) == 1 else 'sweep.md')}", flush=True)
+    if args.check:
+        failed = [c for s in results for c in s["checks"] if not c["ok"]]
+        for c in failed:
+            print(f"[loadtests] CHECK FAILED: {c['name']}: {c['detail']}", flush=True)
+        return 1 if failed else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The app under test in its own process: a local Ray, Serve on a loopback port, ``build_app``.
+
+``python -m loadtests.run`` starts this (never Locust and Ray in one process: gevent's
+monkey patching hangs Ray) and stops it by PID with SIGTERM. While it serves it samples
+the verifier's own statistics once a second (queue length, batch sizes, busy time) into
+``--stats-out``, so the report can tell whether the verifier was saturated. SIGUSR1 kills
+one verifier replica (the fault scenario); Serve starts a replacement, and the sessions
+it held re-open from their edges' history.
+
+    python -m loadtests.server --config app.json --port 8123 --stats-out server.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+APP_NAME = "specedge"
+
+
+def _kill_one_verifier(ray) -> str | None:
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if "Verifier" in a["name"] and "SERVE_REPLICA" in a["name"]:
+            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
+            return a["name"]
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="JSON file with the AppConfig args")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--stats-out", required=True)
+    ap.add_argument("--num-cpus", type=int, default=4, help="Ray's logical CPUs (replicas reserve num_cpus each)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    app_args = json.loads(Path(args.config).read_text())
+    stop = {"flag": False}
+    kill = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
+    signal.signal(signal.SIGUSR1, lambda *_: kill.update(flag=True))
+
+    ray.init(address="local", include_dashboard=False, num_cpus=args.num_cpus, log_to_driver=False,
+             configure_logging=False, _node_ip_address="127.0.0.1")
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+    handle = serve.get_deployment_handle("Verifier", APP_NAME)
+    print(f"[loadtests.server] serving on http://127.0.0.1:{args.port} (pid {os.getpid()})", flush=True)
+
+    samples: list[dict] = []
+    events: list[dict] = []
+    out = Path(args.stats_out)
+
+    def flush() -> None:
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"samples": samples, "events": events}))
+        tmp.replace(out)
+
+    try:
+        while not stop["flag"]:
+            if kill["flag"]:
+                kill["flag"] = False
+                name = _kill_one_verifier(ray)
+                events.append({"t": time.time(), "event": "kill_verifier", "actor": name})
+                print(f"[loadtests.server] killed verifier replica {name}", flush=True)
+            try:
+                st = handle.get_stats.remote().result(timeout_s=5)
+                bs = st.pop("batch_sizes", [])[-256:]
+                st["t"] = time.time()
+                st["mean_batch"] = sum(bs) / len(bs) if bs else 0.0
+                samples.append(st)
+            except Exception as e:  # a replica down mid-kill: keep sampling
+                events.append({"t": time.time(), "event": "stats_error", "error": type(e).__name__})
+            flush()
+            time.sleep(1.0)
+    finally:
+        flush()
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
