@@ -31,6 +31,17 @@ checkpoint (the model is built on the meta device first), so a 70B target never 
 to fit one process; other formats (GGUF, tiny-random) load whole and drop the rest.
 Hidden states cross stages through the Ray object store (host memory); Ray compiled
 graphs with NCCL channels would keep them on the GPUs, not done here (no GPU to test).
+
+Exactness: every stage runs the unsharded LayerRunner's ops on the same padded shapes
+and hidden states cross unchanged, so the logits are bit-identical to the unsharded
+verifier on CPU, provided each stage uses as many torch threads as the unsharded
+process: the CPU GEMM splits a small matrix's rows among threads and computes tail rows
+with another kernel (1 vs 2 threads differ by ~1e-6 in fp32).
+
+Tensor parallelism inside a stage is not implemented: a row-parallel linear sums
+partial products across ranks in another order, which breaks bit-identity with the
+unsharded verifier, and on CPU (gloo) two all-reduces per layer cost more than they
+save; pipeline stages alone already span N devices.
 """
 
 from __future__ import annotations
@@ -38,7 +49,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -58,6 +68,8 @@ def stage_resources(device: str = "cpu", cpus_per_stage: float = 1.0,
                     gpus_per_stage: float | None = None) -> dict[str, float]:
     """Ray resources of one stage: its CPUs and, on CUDA, its own GPU (1 unless given)."""
     gpus = gpus_per_stage if gpus_per_stage is not None else (1.0 if device == "cuda" else 0.0)
+    if device == "cuda" and gpus <= 0:
+        raise ValueError("device 'cuda' needs gpus_per_stage > 0 (each stage owns its GPU)")
     res = {"CPU": float(cpus_per_stage), "GPU": float(gpus)}
     res = {k: v for k, v in res.items() if v > 0}
     if not res:
@@ -277,7 +289,9 @@ class PipelineStage:
         return {"first": self.runner.first, "last": self.runner.last, "busy_s": self._busy, "cpu_s": self._cpu,
                 "wall_s": time.perf_counter() - self._t0, "forwards": self._forwards,
                 "kv_tokens": self.runner.kv_tokens(), "device": str(self.runner.device),
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(),
+                "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
+                "resources": ray.get_runtime_context().get_assigned_resources()}
 
     def busy_intervals(self) -> list[tuple[float, float]]:
         """(start, end) of the recent forwards, ``time.perf_counter`` (CLOCK_MONOTONIC on Linux:
@@ -296,12 +310,16 @@ class PipelineRunner:
     ``bounds``: explicit stage boundaries ``[0, b1, ..., n]``; default: the balanced
     split of :func:`~deploy.verifier.layer_split.split_layers` by ``weighting``.
     Inside a placement group (a Serve replica with :func:`pipeline_bundles`), stage i is
-    placed in bundle ``i + 1``; outside one (tests, scripts) stages are plain actors.
+    placed in bundle ``i + 1`` and, unless ``cpus_per_stage``/``gpus_per_stage`` are
+    given, takes that bundle's CPUs and GPUs; outside one (tests, scripts) stages are
+    plain actors with 1 CPU (and 1 GPU for ``device="cuda"``) by default.
+    ``torch_threads`` per stage defaults to its whole CPUs. ``loaded`` is the target's
+    metadata with a config-only model (:class:`ModelShell`) for the engine.
     """
 
     def __init__(self, model_cfg: ModelConfig, pipeline_parallel_size: int = 2, *,
                  bounds: list[int] | None = None, weighting: Weighting = "flops",
-                 cpus_per_stage: float = 1.0, gpus_per_stage: float | None = None,
+                 cpus_per_stage: float | None = None, gpus_per_stage: float | None = None,
                  torch_threads: int | None = None, use_placement_group: bool = True):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -314,9 +332,6 @@ class PipelineRunner:
             slices = list(zip(bounds[:-1], bounds[1:]))
         self.slices = slices
         self.model_cfg = model_cfg
-        # "auto" asks for no GPU here: the replica (bundle 0) cannot see the stages' devices
-        res = stage_resources(model_cfg.device, cpus_per_stage, gpus_per_stage)
-        threads = torch_threads or max(1, int(cpus_per_stage))
         pg = ray.util.get_current_placement_group() if use_placement_group else None
         if pg is not None and len(pg.bundle_specs) < pp + STAGE_BUNDLE_OFFSET:
             raise ValueError(f"the replica's placement group has {len(pg.bundle_specs)} bundles; "
@@ -324,6 +339,12 @@ class PipelineRunner:
         actor_cls = ray.remote(PipelineStage)
         self.stages = []
         for i, (a, b) in enumerate(slices):
+            if pg is not None and cpus_per_stage is None and gpus_per_stage is None:
+                res = dict(pg.bundle_specs[i + STAGE_BUNDLE_OFFSET])  # the whole bundle is the stage's
+            else:  # "auto" asks for no GPU: the replica cannot see which devices stages would get
+                res = stage_resources(model_cfg.device, 1.0 if cpus_per_stage is None else cpus_per_stage,
+                                      gpus_per_stage)
+            threads = torch_threads or max(1, int(res.get("CPU", 1)))
             opts: dict = {"num_cpus": res.get("CPU", 0.0), "num_gpus": res.get("GPU", 0.0),
                           "max_restarts": 0, "max_task_retries": 0}  # no retries: keeps per-actor order
             if pg is not None:
@@ -438,35 +459,25 @@ class PipelineRunner:
 
 
 # -- the factory the verifier deployment calls ------------------------------------------
-@dataclass
-class VerifierBackend:
-    """What a verifier replica builds its engine from.
-
-    ``loaded.model`` is the whole target for ``pp == 1`` and a config-only
-    :class:`ModelShell` otherwise; ``VerifierEngine(loaded.model, eos_token_ids=
-    loaded.eos_token_ids, runner=runner)`` works for both.
-    """
-
-    loaded: LoadedModel
-    runner: LayerRunner | PipelineRunner
-
-    @property
-    def pipeline_parallel_size(self) -> int:
-        return getattr(self.runner, "pipeline_parallel_size", 1)
-
-
-def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpus_per_stage: float = 1.0,
+def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpus_per_stage: float | None = None,
                  gpus_per_stage: float | None = None, torch_threads: int | None = None,
-                 weighting: Weighting = "flops") -> VerifierBackend:
-    """pp == 1: the target in this process with a plain LayerRunner (today's verifier).
-    pp > 1: a :class:`PipelineRunner` whose stages load their own slices."""
+                 weighting: Weighting = "flops") -> LayerRunner | PipelineRunner:
+    """The runner of a verifier replica; ``runner.loaded`` is what its engine is built from.
+
+    pp == 1: the whole target in this process and a plain LayerRunner (today's
+    verifier; ``loaded.model`` is the model). pp > 1: a :class:`PipelineRunner` whose
+    stages load their own slices (``loaded.model`` is a config-only :class:`ModelShell`).
+    Either way: ``VerifierEngine(runner.loaded.model, eos_token_ids=runner.loaded.eos_token_ids,
+    runner=runner)``.
+    """
     if pipeline_parallel_size == 1:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         loaded = load_model(model_cfg.model, dtype=model_cfg.dtype, device=model_cfg.device,
                             attn_implementation=model_cfg.attn_implementation, tokenizer=model_cfg.tokenizer,
                             seed=model_cfg.seed, tiny_config=model_cfg.tiny_config)
-        return VerifierBackend(loaded, LayerRunner(loaded.model))
-    runner = PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
-                            gpus_per_stage=gpus_per_stage, torch_threads=torch_threads)
-    return VerifierBackend(runner.loaded, runner)
+        runner = LayerRunner(loaded.model)
+        runner.loaded = loaded  # type: ignore[attr-defined]
+        return runner
+    return PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
+                          gpus_per_stage=gpus_per_stage, torch_threads=torch_threads)

@@ -41,6 +41,8 @@ def test_bundles_reserve_the_replica_then_one_bundle_per_stage():
     with pytest.raises(ValueError):
         stage_resources("cpu", 0)
     with pytest.raises(ValueError):
+        stage_resources("cuda", 1, 0)  # a CUDA stage without a GPU
+    with pytest.raises(ValueError):
         pipeline_bundles(0)
 
 
@@ -268,23 +270,52 @@ def test_concurrent_batches_in_flight_match_sequential(pipe, tiny6):
             eng.close(s)
 
 
+def _open_and_verify(engine: VerifierEngine) -> list:
+    out = engine.open([OpenRequest("b", [4, 5, 6, 7], SamplingParams(max_tokens=8))])
+    return out + engine.verify([VerifyRequest("b", DraftTree((9, 10, 11), (-1, -1, 0)), 5)])
+
+
 @pytest.mark.ray
-def test_build_runner_single_stage_and_pipeline(ray_session):
-    from deploy.verifier.pipeline import PipelineRunner, build_runner
+def test_build_runner_inside_a_replicas_placement_group(ray_session):
+    """A stand-in replica in bundle 0 of pipeline_bundles' group builds a 2-stage runner:
+    stage i takes bundle i + 1 (its resources), and the engine matches build_runner(pp=1)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from deploy.verifier.pipeline import build_runner
 
     one = build_runner(TINY, 1)
-    assert isinstance(one.runner, LayerRunner) and one.pipeline_parallel_size == 1
-    two = build_runner(TINY, 2, cpus_per_stage=0.5, torch_threads=STAGE_THREADS)
+    assert isinstance(one, LayerRunner) and not isinstance(one.loaded.model, ModelShell)
+    want = _open_and_verify(VerifierEngine(one.loaded.model, eos_token_ids=one.loaded.eos_token_ids, runner=one))
+
+    pg = placement_group(pipeline_bundles(2, "cpu", cpus_per_stage=0.5, replica_cpus=0.25), strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+
+    @ray.remote(num_cpus=0.25)
+    class Replica:  # what the Serve replica does; Serve places it in bundle 0
+        def run(self):
+            runner = build_runner(TINY, 2, torch_threads=STAGE_THREADS)
+            engine = VerifierEngine(runner.loaded.model, eos_token_ids=runner.loaded.eos_token_ids, runner=runner)
+            try:
+                return (ray.util.get_current_placement_group().id.hex(), runner.pipeline_parallel_size,
+                        isinstance(runner.loaded.model, ModelShell), runner.stage_stats(), _open_and_verify(engine))
+            finally:
+                runner.shutdown()
+
+    rep = Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0)).remote()
     try:
-        assert isinstance(two.runner, PipelineRunner) and two.pipeline_parallel_size == 2
-        e1 = VerifierEngine(one.loaded.model, eos_token_ids=one.loaded.eos_token_ids, runner=one.runner)
-        e2 = VerifierEngine(two.loaded.model, eos_token_ids=two.loaded.eos_token_ids, runner=two.runner)
-        req = [OpenRequest("b", [4, 5, 6, 7], SamplingParams(max_tokens=8))]
-        assert e1.open(req) == e2.open(req)
-        tree = DraftTree((9, 10, 11), (-1, -1, 0))
-        assert e1.verify([VerifyRequest("b", tree, 5)]) == e2.verify([VerifyRequest("b", tree, 5)])
+        pg_id, pp, shell, stats, got = ray.get(rep.run.remote(), timeout=180)
     finally:
-        two.runner.shutdown()
+        ray.kill(rep)
+        remove_placement_group(pg)
+    assert pg_id == pg.id.hex() and pp == 2 and shell
+    assert [s["placement_group_id"] for s in stats] == [pg.id.hex()] * 2
+    # each stage took its own 0.5-CPU bundle (two stages would not fit one bundle)
+    assert [s["resources"] for s in stats] == [{"CPU": 0.5}] * 2
+    assert [s["torch_threads"] for s in stats] == [STAGE_THREADS] * 2
+    assert got == want
 
 
 # -- slicing a real checkpoint (no Ray) --------------------------------------------------
