@@ -25,6 +25,7 @@ token is lost or duplicated; 429 waits ``Retry-After`` and resends the same fram
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -53,7 +54,7 @@ class AgentConfig:
     topk: int = 4  # children per expanded node (1 = chain drafting)
     max_expand: int = 8  # nodes fed per draft forward
     proactive_max: int | None = None  # proactive chain length cap (default: max_depth)
-    max_reopens: int = 16
+    max_reopens: int = 16  # consecutive re-opens without a verified round before giving up
     max_overload_waits: int = 32
     ping_every: int = 16  # rounds between RTT pings (0 = only at open)
     check_tokenizer: bool = True
@@ -234,7 +235,9 @@ class EdgeAgent:
 
         t = self.telemetry
         req = OpenSession(prompt_ids=prompt, generated_ids=generated, sampling=params.to_dict(),
-                          client=ClientInfo(tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+                          # without a tokenizer the edge cannot vouch for one (ids-only clients)
+                          client=ClientInfo(tokenizer_fingerprint=(tokenizer_fingerprint(self.tokenizer)
+                                                                   if self.tokenizer is not None else None),
                                             draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0),
                                             agent=self.agent_name))
         for _ in range(self.config.max_overload_waits):
@@ -298,6 +301,7 @@ class EdgeAgent:
         ds.start(prompt_ids + generated)
         sid = sess.session_id
         ping_task: asyncio.Task | None = None
+        stalled = 0
         try:
             while not finished:
                 if cfg.ping_every and stats.rounds and stats.rounds % cfg.ping_every == 0 and ping_task is None:
@@ -330,10 +334,13 @@ class EdgeAgent:
                 try:
                     reply = await task
                 except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
-                    if stats.reopens >= cfg.max_reopens:
+                    stalled += 1  # re-opens since the last verified round
+                    if stalled > cfg.max_reopens:
                         raise
                     stats.reopens += 1
                     await self._safe_close(sid)
+                    if stalled > 1:  # evicted again before any progress: back off (a thrashing KV budget)
+                        await asyncio.sleep(min(0.05 * 2 ** (stalled - 2), 2.0) * (0.5 + random.random()))
                     sess = await self._open(prompt_ids, list(generated), params, stats)
                     sid = sess.session_id
                     if sess.prefix_len != len(prompt_ids) + len(generated):
@@ -344,6 +351,7 @@ class EdgeAgent:
                     ds.start(prompt_ids + generated)
                     continue
                 round_ms = (time.perf_counter() - t0) * 1e3
+                stalled = 0
                 if reply.prefix_len != len(prompt_ids) + len(generated) + len(reply.accepted) + (
                         reply.bonus is not None):
                     raise EdgeError(f"reply prefix length {reply.prefix_len} does not match the history")

@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     except Overloaded as e:
         print(f"error: the server is overloaded (429), retry after {e.retry_after:.0f} s", file=sys.stderr)
     except SpecError as e:
+        if e.code == "tokenizer_mismatch":
+            print(f"error: tokenizer mismatch: {e.message}", file=sys.stderr)
+            return 2
         print(f"error: the server answered {e.status} {e.code}: {e.message}", file=sys.stderr)
     except (ConnectionLost, EdgeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,123 @@
+"""The edge agent through the real Serve app (HTTP keep-alive and WebSocket), tiny target."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from ray import serve
+
+from deploy.app import build_app
+from deploy.errors import Unauthorized
+from deploy.verifier.models import tiny_random_model
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams
+from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.cli import main as cli_main
+from edge_agent.drafter import ModelDrafter, NgramDrafter
+from edge_agent.transport import HttpTransport, Transport
+from tests.edge_agent.helpers import noisy_copy
+
+pytestmark = pytest.mark.ray
+
+KEY = "edge-key-12345"
+APP = "edgeagent"
+GREEDY = {"max_tokens": 32, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_random_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return noisy_copy(target, 0.005)
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    # a small KV budget: several concurrent sessions force LRU evictions (410 -> re-open)
+    args = {"target": {"model": "tiny-random", "dtype": "float32"},
+            "verifier": {"num_replicas": 1, "kv_budget_tokens": 256, "batch_wait_ms": 2},
+            "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 64}]}}
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
+    serve.delete(APP)
+
+
+def prompts(n: int, seed: int = 5, lo: int = 20, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+async def generate(url, drafter, prompt, ws=False, transport: Transport | None = None, **cfg):
+    t = transport or HttpTransport(url, api_key=KEY, ws=ws, timeout_s=60)
+    agent = EdgeAgent(t, drafter, config=AgentConfig(**cfg))
+    try:
+        return await agent.generate(prompt, GREEDY)
+    finally:
+        agent.close()
+        await t.aclose()
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["http", "ws"])
+@pytest.mark.parametrize("mode", ["stop-and-wait", "proactive"])
+def test_greedy_through_the_server_equals_reference(server, target, draft, ws, mode):
+    (prompt,) = prompts(1, seed=11)
+    ref = reference_decode(target, prompt, SamplingParams(**GREEDY))
+    res = asyncio.run(generate(server, ModelDrafter(draft), prompt, ws=ws, mode=mode))
+    assert res.token_ids == ref
+    st = res.stats
+    assert st.reopens == 0 and st.accepted_tokens > 0 and st.mean_rtt_ms > 0
+    assert st.rounds > 0 and st.mean_round_ms > 0
+
+
+def test_evictions_under_load_are_reopened_without_loss(server, target, draft):
+    ps = prompts(8, lo=50, hi=70)
+    refs = [reference_decode(target, p, SamplingParams(**GREEDY)) for p in ps]
+
+    async def main():
+        return await asyncio.gather(*[
+            generate(server, ModelDrafter(draft) if i % 2 else NgramDrafter(), p, ws=bool(i % 3 == 0),
+                     mode="proactive" if i % 2 else "stop-and-wait")
+            for i, p in enumerate(ps)])
+
+    results = asyncio.run(main())
+    for res, ref in zip(results, refs):
+        assert res.token_ids == ref
+    # 8 sessions of 50-100 KV tokens against a budget of 256: the server must have evicted some
+    assert sum(r.stats.reopens for r in results) >= 1
+
+
+class DeletingTransport(HttpTransport):
+    """The real HTTP transport; the session is deleted server-side before round 3 (a lost session)."""
+
+    rounds = 0
+
+    async def verify(self, sid, frame):
+        self.rounds += 1
+        if self.rounds == 3:
+            await HttpTransport.close(self, sid)
+        return await super().verify(sid, frame)
+
+
+def test_session_lost_on_the_server_is_reopened(server, target, draft):
+    (prompt,) = prompts(1, seed=12)
+    ref = reference_decode(target, prompt, SamplingParams(**GREEDY))
+    t = DeletingTransport(server, api_key=KEY)
+    res = asyncio.run(generate(server, ModelDrafter(draft), prompt, transport=t, mode="proactive"))
+    assert res.token_ids == ref and res.stats.reopens == 1
+
+
+def test_wrong_key_is_a_clear_error(server, capsys):
+    with pytest.raises(Unauthorized):
+        asyncio.run(generate(server, NgramDrafter(), [1, 2, 3],
+                             transport=HttpTransport(server, api_key="not-the-key")))
+    rc = cli_main(["generate", "--server", server, "--api-key", "not-the-key", "--prompt-ids", "1,2,3",
+                   "--draft", "ngram"])
+    assert rc == 2 and "rejected the API key" in capsys.readouterr().err
+    rc = cli_main(["generate", "--server", server, "--api-key", KEY, "--prompt-ids", "5,6,7", "--draft", "ngram",
+                   "--max-tokens", "8", "--json"])
+    assert rc == 0
