@@ -252,8 +252,10 @@ class VerifierEngine:
                 if s.awaiting_resample:
                     raise InvalidRequest(f"session {r.sid!r} owes a chain-mode resampled token")
                 tree = r.tree.validate(self.vocab_size, self.limits)
-                if len(s.prefix) + tree.depth + 1 >= self.max_model_len:
-                    raise InvalidRequest("tree would exceed the model context")
+                # the deepest node sits at position len(prefix) - 1 + depth (the root at len(prefix) - 1)
+                if len(s.prefix) - 1 + tree.depth >= self.max_model_len:
+                    raise InvalidRequest(f"tree of depth {tree.depth} would exceed the model context of "
+                                         f"{self.max_model_len} (prefix {len(s.prefix)})")
                 seen.add(r.sid)
                 todo.append((i, s, tree))
             except SpecError as e:
