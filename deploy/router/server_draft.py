@@ -1,15 +1,39 @@
 """Server-side drafters for clients without a draft model (server-only speculative decoding).
 
-Prompt lookup (training-free n-gram drafting, as in vLLM's ``ngram`` speculator): find
-the most recent earlier occurrence of the history's last ``n`` tokens and propose what
-followed it as a chain. Costs no model forward, so the server's verify batches carry
-the only compute. Pure module.
+Two drafters, chosen by ``AppConfig.server_draft`` (:func:`get_server_drafter`):
+
+- :class:`PromptLookupDrafter` (``server_draft.model`` unset, or ``model: prompt-lookup``):
+  training-free n-gram drafting, as in vLLM's ``ngram`` speculator: find the most recent
+  earlier occurrence of the history's last ``n`` tokens and propose what followed it as
+  a chain. Costs no model forward, so the server's verify batches carry the only compute.
+- :class:`ModelServerDrafter` (``server_draft.model`` names a model: ``embedded-draft``,
+  a draft artifact ``*.safetensors``, ``tiny-random``, an HF dir): the edge agent's own
+  tree drafter (:class:`edge_agent.drafting.DraftSession` over
+  :class:`edge_agent.drafter.ModelDrafter`, SpecExec/Sequoia-style trees, SpecEdge §4.2
+  "initial drafting") run *on the server*: ``server_draft.depth`` draft forwards per
+  round, stop-and-wait (no proactive drafting: the server has nothing to overlap with).
+  This is SpecEdge §5's server-only baseline ("tree-based speculative decoding entirely
+  on the server"): the draft model's forwards are server compute.
+
+Cost accounting of the model drafter: every draft forward runs in one dedicated worker
+thread (OS thread name ``srv-draft``, set with ``prctl``) and :meth:`ModelServerDrafter.stats`
+sums its wall-clock seconds. The benchmarks add the thread's CPU time (read from
+``/proc/<router pid>/task/<tid>/stat``) to the verifier's busy time, so the server-only
+SD baseline pays for its drafting. Pure module apart from that thread.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
 from deploy.config import AppConfig
 from deploy.verifier.tree import DraftTree
+
+DRAFT_THREAD_NAME = "srv-draft"  # what /proc/<pid>/task/<tid>/comm shows for the drafting thread
+PROMPT_LOOKUP_NAMES = ("prompt-lookup", "ngram")
 
 
 class PromptLookupDrafter:
@@ -29,11 +53,118 @@ class PromptLookupDrafter:
         return DraftTree.empty()
 
 
-_DRAFTERS: dict[int, PromptLookupDrafter] = {}
+def _name_thread(name: str) -> None:
+    """Give the calling OS thread a name visible in /proc (Linux; a no-op elsewhere)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
-def get_server_drafter(cfg: AppConfig) -> PromptLookupDrafter:
-    key = cfg.server_draft.depth
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelServerDrafter:
+    """The edge's tree drafter on the server: one draft KV cache per live generation.
+
+    The router calls :meth:`draft` with a generation's whole history each round; the
+    drafter finds the draft session whose cached prefix this history extends (its last
+    round's history plus the tokens just emitted), so only the new tokens are fed. At
+    most ``max_sessions`` caches live (least recently used dropped).
+    """
+
+    def __init__(self, model, depth: int = 4, topk: int = 4, max_expand: int = 8, max_sessions: int = 64,
+                 max_depth: int = 32):
+        self.model = model
+        self.depth, self.topk, self.max_expand, self.max_depth = depth, topk, max_expand, max_depth
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[int, object] = OrderedDict()  # key -> DraftSession (LRU order)
+        self._keys = iter(range(1 << 62))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=DRAFT_THREAD_NAME,
+                                        initializer=_name_thread, initargs=(DRAFT_THREAD_NAME,))
+        self._lock = threading.Lock()
+        self.busy_seconds = 0.0  # wall-clock seconds inside draft forwards (all sessions)
+        self.forwards = 0
+        self.rounds = 0
+
+    def stats(self) -> dict:
+        return {"busy_seconds": self.busy_seconds, "forwards": self.forwards, "rounds": self.rounds,
+                "sessions": len(self._sessions), "depth": self.depth}
+
+    def _session_for(self, history: list[int]):
+        from edge_agent.drafter import ModelDrafter
+        from edge_agent.drafting import DraftSession
+
+        best, best_len = None, 0
+        for key, ds in self._sessions.items():
+            n = _common_prefix(ds.prefix, history)
+            if n == len(ds.prefix) and n > best_len:  # this history extends that session's
+                best, best_len = key, n
+        if best is not None:
+            self._sessions.move_to_end(best)
+            return self._sessions[best]
+        while len(self._sessions) >= self.max_sessions:
+            self._sessions.popitem(last=False)
+        ds = DraftSession(ModelDrafter(self.model, name="server-draft"))
+        self._sessions[next(self._keys)] = ds
+        return ds
+
+    def _draft(self, history: list[int], budget: int) -> DraftTree:
+        from edge_agent.tree_builder import TreeConfig
+
+        t0 = time.perf_counter()
+        with self._lock:
+            ds = self._session_for(history)
+            n0 = len(ds.forward_times)
+            cfg = TreeConfig(budget=max(1, budget), topk=self.topk, max_expand=self.max_expand,
+                             max_depth=self.max_depth)
+            ds.start(list(history), cfg)
+            ds.draft(self.depth)
+            tree, _order = ds.freeze(0)
+            self.forwards += len(ds.forward_times) - n0
+            del ds.forward_times[:]
+            self.rounds += 1
+            self.busy_seconds += time.perf_counter() - t0
+        return tree
+
+    def draft(self, history: list[int], budget: int) -> DraftTree:
+        return self._pool.submit(self._draft, list(history), budget).result()
+
+
+def load_server_drafter(cfg: AppConfig):
+    """Build the drafter ``cfg.server_draft`` describes (see the module docstring)."""
+    sd = cfg.server_draft
+    mc = sd.model
+    if mc is None or mc.model in PROMPT_LOOKUP_NAMES:
+        return PromptLookupDrafter(depth=sd.depth)
+    from deploy.verifier.models import load_model
+
+    if mc.model == "embedded-draft" or mc.model.endswith(".safetensors"):
+        from edge_agent.draft_model import load_draft
+
+        target = cfg.target.model if not cfg.target.model.startswith("tiny") else None
+        model = load_draft(target, mc.model, dtype=mc.dtype, device=mc.device)
+    else:
+        tok = mc.tokenizer if mc.tokenizer is not None else None
+        model = load_model(mc.model, dtype=mc.dtype, device=mc.device, attn_implementation=mc.attn_implementation,
+                           tokenizer=tok, seed=mc.seed, tiny_config=mc.tiny_config).model
+    return ModelServerDrafter(model, depth=sd.depth, max_depth=cfg.verifier.max_tree_depth)
+
+
+_DRAFTERS: dict[str, object] = {}
+
+
+def get_server_drafter(cfg: AppConfig):
+    """The process-wide drafter for this config (loaded once)."""
+    key = cfg.server_draft.model_dump_json()
     if key not in _DRAFTERS:
-        _DRAFTERS[key] = PromptLookupDrafter(depth=cfg.server_draft.depth)
+        _DRAFTERS[key] = load_server_drafter(cfg)
     return _DRAFTERS[key]

@@ -1,0 +1,209 @@
+"""The edge side of a benchmark: many edge agents (or thin server-only clients) in one process.
+
+Started by :mod:`benchmarks.run` under ``taskset -c 1`` with ``torch.set_num_threads(1)``:
+the whole edge population shares one core, as the verifier has the other. It reads one
+JSON command per line on stdin and answers ``RESULT <json>`` on stdout:
+
+- ``{"op": "init", "draft": ..., "tokenizer": bool}`` loads the draft once
+  (``embedded-draft`` via :func:`edge_agent.draft_model.load_draft`, ``ngram``, or an
+  ``load_model`` spec such as ``tiny-random`` with ``"seed"``).
+- ``{"op": "run", "mode": ..., "url": ..., "sessions": S, "prompts": [[ids]...], ...}``
+  runs ``S`` concurrent sessions as asyncio tasks, each working through its share of the
+  prompts one generation after another. Edge modes: one :class:`edge_agent.agent.EdgeAgent`
+  per session, each with its own draft KV cache and its own draft thread (so up to ``S``
+  draft forwards compete for the one core: draft times are reported as measured).
+  Server modes: a streaming ``/v1/completions`` client (``mode: ar|sd``), no draft.
+
+Everything is greedy with ``ignore_eos`` and a fixed ``max_tokens``, so every mode
+generates the same number of tokens per prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+EDGE_MODES = {  # benchmark mode -> (agent mode, depth policy)
+    "edge_stop_wait": ("stop-and-wait", "fixed"),
+    "edge_proactive": ("proactive", "fixed"),
+    "edge_full": ("proactive", "server"),
+}
+SERVER_MODES = {"server_ar": "ar", "server_sd": "sd"}
+
+
+class Edge:
+    def __init__(self):
+        self.draft_model = None
+        self.draft_kind = None
+        self.tokenizer = None
+
+    def init(self, cmd: dict) -> dict:
+        torch.set_num_threads(int(cmd.get("threads", 1)))
+        kind = cmd["draft"]
+        if cmd.get("tokenizer"):
+            from deploy.verifier.models import load_tokenizer
+
+            self.tokenizer = load_tokenizer("embedded")
+        if kind == "ngram":
+            self.draft_model = None
+        elif kind == "embedded-draft" or kind.endswith(".safetensors"):
+            from edge_agent.draft_model import load_draft
+
+            self.draft_model = load_draft(None, kind, dtype=cmd.get("dtype", "auto"))
+        else:
+            from deploy.verifier.models import load_model
+
+            self.draft_model = load_model(kind, dtype=cmd.get("dtype", "auto"), seed=int(cmd.get("seed", 0)),
+                                          tiny_config=cmd.get("tiny_config")).model
+        self.draft_kind = kind
+        return {"draft": kind, "threads": torch.get_num_threads(), "affinity": sorted(os.sched_getaffinity(0))}
+
+    def drafter(self):
+        from edge_agent.drafter import ModelDrafter, NgramDrafter
+
+        return NgramDrafter() if self.draft_model is None else ModelDrafter(self.draft_model, name=self.draft_kind)
+
+    # -- edge agents ----------------------------------------------------------------------
+    async def _edge_session(self, cmd: dict, prompts: list[list[int]], out: list):
+        from edge_agent.agent import AgentConfig, EdgeAgent
+        from edge_agent.transport import HttpTransport
+
+        mode, policy = EDGE_MODES[cmd["mode"]]
+        acfg = AgentConfig(mode=mode, depth_policy=policy, depth=int(cmd["depth"]),
+                           max_depth=int(cmd.get("max_depth", 12)), budget=int(cmd.get("budget", 32)),
+                           topk=int(cmd.get("topk", 4)), max_expand=int(cmd.get("max_expand", 8)),
+                           check_tokenizer=self.tokenizer is not None)
+        async with HttpTransport(cmd["url"], api_key=cmd["api_key"], timeout_s=300.0) as tr:
+            agent = EdgeAgent(tr, self.drafter(), self.tokenizer, acfg)
+            try:
+                for ids in prompts:
+                    arrivals: list[tuple[float, int]] = []
+                    t0 = time.perf_counter()
+                    res = await agent.generate(ids, {"temperature": 0.0, "max_tokens": int(cmd["max_tokens"]),
+                                                     "ignore_eos": True},
+                                               on_tokens=lambda toks: arrivals.append((time.perf_counter(),
+                                                                                       len(toks))))
+                    s = res.stats
+                    out.append({"tokens": s.tokens, "seconds": time.perf_counter() - t0, "ttft_s": s.ttft_s,
+                                "arrivals": arrivals, "rounds": s.rounds, "draft_tokens": s.draft_tokens,
+                                "accepted": s.accepted_tokens, "aligned": s.aligned,
+                                "align_attempts": s.align_attempts, "depth_sum": s.depth_sum,
+                                "draft_forwards": s.draft_forwards, "proactive_forwards": s.proactive_forwards,
+                                "draft_ms": s.draft_ms, "rtt_ms": s.rtt_ms, "reopens": s.reopens})
+            finally:
+                agent.close()
+
+    # -- server-only thin clients -----------------------------------------------------------
+    async def _server_session(self, cmd: dict, prompts: list[list[int]], out: list):
+        import httpx
+
+        body_mode = SERVER_MODES[cmd["mode"]]
+        headers = {"Authorization": f"Bearer {cmd['api_key']}"}
+        async with httpx.AsyncClient(base_url=cmd["url"], headers=headers, timeout=300.0) as client:
+            for ids in prompts:
+                body = {"prompt": ids, "max_tokens": int(cmd["max_tokens"]), "temperature": 0.0,
+                        "ignore_eos": True, "mode": body_mode, "stream": True}
+                chunks: list[tuple[float, str]] = []
+                t0 = time.perf_counter()
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"/v1/completions -> {r.status_code}: {(await r.aread())[:300]!r}")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        d = json.loads(line[6:])
+                        if "error" in d:
+                            raise RuntimeError(f"stream error: {d['error']}")
+                        chunks.append((time.perf_counter(), d["choices"][0].get("text", "")))
+                n = int(cmd["max_tokens"])  # ignore_eos: every generation is max_tokens long
+                out.append(dict(self._server_counts(chunks, n, body_mode), seconds=time.perf_counter() - t0,
+                                ttft_s=chunks[0][0] - t0 if chunks else float("nan")))
+
+    def _server_counts(self, chunks: list[tuple[float, str]], n: int, mode: str) -> dict:
+        """Tokens per SSE chunk. One chunk per verify round (the first is the opening token);
+        AR rounds carry one token each; SD chunk sizes are estimated from the chunk text's
+        token count, scaled so that they add up to the known total (exact totals, estimated split)."""
+        if not chunks:
+            return {"tokens": 0, "arrivals": [], "rounds": 0}
+        rest = chunks[1:]
+        if mode == "ar" or self.tokenizer is None:
+            w = [1.0] * len(rest)
+        else:
+            w = [max(1.0, float(len(self.tokenizer.encode(t, add_special_tokens=False)))) for _, t in rest]
+        scale = (n - 1) / sum(w) if w else 0.0
+        arrivals = [(chunks[0][0], 1)] + [(t, wi * scale) for (t, _), wi in zip(rest, w)]
+        rounds = (n - 1) if mode == "ar" else len(rest)
+        return {"tokens": n, "arrivals": arrivals, "rounds": rounds}
+
+    # -- one configuration ------------------------------------------------------------------
+    async def run(self, cmd: dict) -> dict:
+        prompts = cmd["prompts"]
+        S = int(cmd["sessions"])
+        shares = [prompts[i::S] for i in range(S)]
+        out: list[dict] = []
+        worker = self._server_session if cmd["mode"] in SERVER_MODES else self._edge_session
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(cmd, share, out) for share in shares if share))
+        wall = time.perf_counter() - t0
+        return aggregate(out, cmd["mode"], wall, int(cmd.get("depth", 0)))
+
+
+def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
+    from benchmarks.metrics import itl_samples
+
+    itl = [s for g in gens for s in itl_samples(g["arrivals"])]
+    tokens = sum(g["tokens"] for g in gens)
+    rounds = sum(g["rounds"] for g in gens)
+    agg = {"generations": len(gens), "tokens": tokens, "wall_s": wall_s, "itl": itl,
+           "user_tokens_per_s": sum(g["tokens"] / g["seconds"] for g in gens) / max(len(gens), 1),
+           "ttft_ms_mean": 1e3 * sum(g["ttft_s"] for g in gens) / max(len(gens), 1),
+           # the opening token comes with the prefill, not a verify round
+           "tokens_per_verify": (tokens - len(gens)) / rounds if rounds else float("nan")}
+    if mode in EDGE_MODES:
+        att = sum(g["align_attempts"] for g in gens)
+        dms = [x for g in gens for x in g["draft_ms"]]
+        agg.update(
+            alignment_rate=sum(g["aligned"] for g in gens) / att if att else float("nan"),
+            depth_mean=sum(g["depth_sum"] for g in gens) / rounds if rounds else float("nan"),
+            draft_ms_mean=sum(dms) / len(dms) if dms else float("nan"),
+            draft_forwards_per_round=sum(g["draft_forwards"] for g in gens) / rounds if rounds else float("nan"),
+            proactive_forwards=sum(g["proactive_forwards"] for g in gens),
+            reopens=sum(g["reopens"] for g in gens),
+            up_payload_bytes=sum(20 * g["rounds"] + 6 * g["draft_tokens"] for g in gens),
+            down_payload_bytes=sum(24 * g["rounds"] + 2 * g["accepted"] for g in gens),
+            rtt_ms_measured=(sum(x for g in gens for x in g["rtt_ms"])
+                             / max(1, sum(len(g["rtt_ms"]) for g in gens))))
+    elif mode == "server_sd":
+        agg.update(depth_mean=float(depth))
+    return agg
+
+
+def main() -> None:
+    edge = Edge()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "init":
+                res = edge.init(cmd)
+            elif cmd["op"] == "run":
+                res = asyncio.run(edge.run(cmd))
+            elif cmd["op"] == "exit":
+                break
+            else:
+                raise ValueError(f"unknown op {cmd['op']!r}")
+            print("RESULT " + json.dumps({"ok": True, **res}), flush=True)
+        except Exception as e:  # noqa: BLE001 - reported to the orchestrator, which fails the run
+            print("RESULT " + json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}",
+                                          "traceback": traceback.format_exc()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

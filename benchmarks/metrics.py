@@ -1,0 +1,119 @@
+"""Benchmark figures from raw observations: ITL percentiles, server cost, cost efficiency.
+
+Definitions (SpecEdge §5 "Baseline and metrics", adapted to one CPU core per side):
+
+- **server throughput**: verified tokens (the verifier's ``tokens_emitted``, first tokens
+  included) per second of *verifier busy time* (seconds inside target forwards, plus, for
+  the server-only SD baseline, the server-side drafter's CPU seconds), and per wall
+  second of the measurement window.
+  On a shared machine the busy time (wall clock inside forwards) also counts time the
+  core was taken by other processes; ``server_tokens_per_cpu_s`` divides by the CPU seconds
+  the verifier process (and the server-side drafter thread) actually got, from /proc.
+- **inter-token latency** as the user sees it: tokens arrive in batches (one per verify
+  round); a batch of ``n`` tokens that lands ``g`` seconds after the previous one counts
+  as ``n`` samples of ``g / n`` (so the mean is exactly the time per output token after
+  the first); percentiles are weighted by those counts.
+- **cost efficiency** (SpecEdge: "generated tokens per dollar"): server throughput per
+  wall second x 3600 / (server $/h + edges x edge $/h). Prices as SpecEdge's: A100 40GB
+  $4.05/h for the server, RTX 4090 $0.35/h per edge device (one per edge session; the
+  server-only modes have none).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SERVER_USD_PER_H = 4.05  # A100 40GB (SpecEdge §5)
+EDGE_USD_PER_H = 0.35  # RTX 4090 from an edge cloud provider, per edge device (SpecEdge §5)
+
+
+def itl_samples(arrivals: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    """``arrivals`` = (time s, tokens) per delivered batch, the first being the first token(s).
+
+    -> (seconds per token, weight = tokens) for every batch after the first.
+    """
+    out = []
+    for (t0, _), (t1, n) in zip(arrivals, arrivals[1:]):
+        if n > 0:
+            out.append(((t1 - t0) / n, float(n)))
+    return out
+
+
+def weighted_percentile(samples: list[tuple[float, float]], q: float) -> float:
+    """The smallest value whose cumulative weight reaches ``q`` (0..100) of the total."""
+    if not samples:
+        return float("nan")
+    xs = sorted(samples)
+    total = sum(w for _, w in xs)
+    target = q / 100.0 * total
+    acc = 0.0
+    for x, w in xs:
+        acc += w
+        if acc >= target - 1e-12:
+            return x
+    return xs[-1][0]
+
+
+def weighted_mean(samples: list[tuple[float, float]]) -> float:
+    total = sum(w for _, w in samples)
+    return sum(x * w for x, w in samples) / total if total else float("nan")
+
+
+def cost_efficiency_ktok_per_usd(tokens_per_s: float, edges: int, server_usd_h: float = SERVER_USD_PER_H,
+                                 edge_usd_h: float = EDGE_USD_PER_H) -> float:
+    """Thousands of generated tokens per dollar (SpecEdge Table 1)."""
+    usd_per_s = (server_usd_h + edges * edge_usd_h) / 3600.0
+    return tokens_per_s / usd_per_s / 1000.0 if usd_per_s > 0 else float("nan")
+
+
+@dataclass
+class Window:
+    """What changed on the server and the wire during one configuration's run."""
+
+    wall_s: float
+    verifier_busy_s: float
+    server_draft_cpu_s: float  # server-side drafter thread (server_sd only; 0 otherwise)
+    tokens_emitted: int
+    up_bytes: int
+    down_bytes: int
+    verifier_cpu_s: float = float("nan")  # CPU seconds of the verifier replica process (/proc)
+
+
+def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_priced: int) -> dict:
+    """One table row from the server window and the edge process's aggregate ``edge``."""
+    busy = w.verifier_busy_s + w.server_draft_cpu_s
+    gen = max(int(edge.get("tokens", 0)), 1)
+    samples = [tuple(s) for s in edge.get("itl", [])]
+    tps_wall = w.tokens_emitted / w.wall_s if w.wall_s > 0 else float("nan")
+
+    def ms(x: float) -> float:
+        return x * 1e3 if not math.isnan(x) else x
+
+    return {
+        "mode": mode, "rtt_ms": rtt_ms, "sessions": sessions,
+        "generations": edge.get("generations", 0), "tokens": edge.get("tokens", 0),
+        "server_tokens_per_busy_s": w.tokens_emitted / busy if busy > 0 else float("nan"),
+        "server_tokens_per_s": tps_wall,
+        "user_tokens_per_s": edge.get("user_tokens_per_s", float("nan")),
+        "itl_ms_mean": ms(weighted_mean(samples)),
+        "itl_ms_p50": ms(weighted_percentile(samples, 50)),
+        "itl_ms_p99": ms(weighted_percentile(samples, 99)),
+        "ttft_ms_mean": edge.get("ttft_ms_mean", float("nan")),
+        "tokens_per_verify": edge.get("tokens_per_verify", float("nan")),
+        "alignment_rate": edge.get("alignment_rate", float("nan")),
+        "draft_depth_mean": edge.get("depth_mean", float("nan")),
+        "draft_ms_per_forward": edge.get("draft_ms_mean", float("nan")),
+        "draft_forwards_per_round": edge.get("draft_forwards_per_round", float("nan")),
+        "server_tokens_per_cpu_s": (w.tokens_emitted / (w.verifier_cpu_s + w.server_draft_cpu_s)
+                                    if w.verifier_cpu_s + w.server_draft_cpu_s > 0 else float("nan")),
+        "verifier_busy_s": w.verifier_busy_s, "server_draft_cpu_s": w.server_draft_cpu_s,
+        "verifier_cpu_s": w.verifier_cpu_s,
+        "verifier_utilisation": w.verifier_busy_s / w.wall_s if w.wall_s > 0 else float("nan"),
+        "wall_s": w.wall_s,
+        "uplink_bytes_per_token": w.up_bytes / gen, "downlink_bytes_per_token": w.down_bytes / gen,
+        "uplink_payload_bytes_per_token": edge.get("up_payload_bytes", float("nan")) / gen,
+        "downlink_payload_bytes_per_token": edge.get("down_payload_bytes", float("nan")) / gen,
+        "cost_eff_ktok_per_usd": cost_efficiency_ktok_per_usd(tps_wall, edges_priced),
+        "edges_priced": edges_priced,
+    }

@@ -1,0 +1,696 @@
+"""The benchmark suite: server-only vs edge-drafted decoding on the real served stack.
+
+``python -m benchmarks.run --quick|--full [--smoke]`` measures, side by side in one run:
+
+============== =======================================================================
+mode           what runs
+============== =======================================================================
+server_ar      server-only autoregressive (``/v1/completions`` ``mode: ar``: an empty
+               tree per round, batched with everyone else's verifies)
+server_sd      server-only speculative decoding (``mode: sd``): the same tree drafter as
+               the edge, on the *server* core, at the best fixed depth (calibrated)
+edge_stop_wait edge agent, stop-and-wait, fixed depth
+edge_proactive edge agent, proactive drafting (SpecEdge §4.2), fixed depth
+edge_full      edge agent, proactive + pipeline-aware scheduling (SpecEdge §4.3: the
+               verifier interleaves sessions and paces each edge's depth)
+============== =======================================================================
+
+over an RTT sweep (at a fixed number of sessions) and a concurrency sweep (at a fixed
+RTT). Processes (all started here, stopped by PID):
+
+- the Serve app (:mod:`benchmarks.serve_proc`) under ``taskset -c 0``: Ray with one CPU,
+  the verifier with one torch thread; the router (and the server-side drafter) live on
+  the same core;
+- one edge process (:mod:`benchmarks.edge_proc`) under ``taskset -c 1`` with one torch
+  thread: every edge session of a configuration is an asyncio task in it, each agent
+  with its own draft thread, so draft forwards of concurrent sessions share that core
+  (their draft time is reported as measured, not scaled to any device);
+- a WAN proxy (:mod:`benchmarks.wan_proxy`) per configuration between the two (RTT/2 each
+  way, optional bandwidth cap); it runs unpinned and does almost no work.
+
+Server cost = verifier busy seconds (``GET /v1/stats``) + the server-side drafter's CPU
+seconds for ``server_sd`` (its ``srv-draft`` thread in the router process, from /proc).
+Figures: see :mod:`benchmarks.metrics`. Output in ``benchmarks/results/``: ``<run>.json``,
+``<run>.parquet``, ``<run>.md`` and PNG plots; ``--full`` also writes ``latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MODES = ("server_ar", "server_sd", "edge_stop_wait", "edge_proactive", "edge_full")
+API_KEY = "bench-key-0000"
+SERVER_CORE, EDGE_CORE = 0, 1
+LATEST_KEYS = ("mode", "rtt_ms", "sessions", "server_tokens_per_busy_s", "server_tokens_per_s", "itl_ms_mean",
+               "itl_ms_p99", "tokens_per_verify", "alignment_rate", "uplink_bytes_per_token",
+               "downlink_bytes_per_token")
+
+
+@dataclass
+class Plan:
+    name: str
+    target: str  # "embedded" | "tiny-random"
+    draft: str  # "auto" | "embedded-draft" | "ngram" | a load_model spec
+    rtts: list[float]
+    rtt_sessions: int  # sessions during the RTT sweep
+    sessions: list[int]
+    sessions_rtt: float  # RTT during the concurrency sweep
+    prompts: int  # prompts per configuration (at least one per session)
+    max_tokens: int
+    depth: int | None  # fixed depth; None = calibrate
+    calib_depths: list[int] = field(default_factory=lambda: [2, 3, 4, 6])
+    calib_prompts: int = 3
+    calib_tokens: int = 48
+    budget: int = 32
+    topk: int = 4
+    mbps: float = 0.0
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    warmup_tokens: int = 8
+
+    def configs(self) -> list[tuple[float, int]]:
+        out = [(r, self.rtt_sessions) for r in self.rtts]
+        out += [(self.sessions_rtt, s) for s in self.sessions if (self.sessions_rtt, s) not in out]
+        return out
+
+
+PLANS = {
+    # a wiring check for `make test`: tiny random target, one prompt per configuration
+    "smoke": Plan("smoke", "tiny-random", "tiny-random", rtts=[15], rtt_sessions=2, sessions=[2],
+                  sessions_rtt=15, prompts=1, max_tokens=12, depth=2, warmup_tokens=0),
+    "quick": Plan("quick", "embedded", "auto", rtts=[0, 50], rtt_sessions=2, sessions=[1, 2], sessions_rtt=50,
+                  prompts=2, max_tokens=32, depth=3),
+    "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
+                 sessions_rtt=15, prompts=16, max_tokens=64, depth=None),
+}
+
+
+# -- helpers -------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pinned(cmd: list[str], core: int | None, nice: int) -> list[str]:
+    out = list(cmd)
+    if core is not None and shutil.which("taskset"):
+        out = ["taskset", "-c", str(core)] + out
+    if nice:
+        out = ["nice", "-n", str(nice)] + out
+    return out
+
+
+def child_env() -> dict:
+    # Ray renices its workers to +15 by default: the verifier would then lose its core to any
+    # other process while the edge process runs at normal priority. Both sides get the same.
+    return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0",
+                RAY_worker_niceness="0", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OMP_NUM_THREADS="1")
+
+
+def resolve_draft(draft: str) -> str:
+    if draft != "auto":
+        return draft
+    from edge_agent.draft_model import artifact_available
+
+    return "embedded-draft" if artifact_available() else "ngram"
+
+
+# -- /proc accounting ------------------------------------------------------------------------
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    try:
+        raw = open(path).read()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()  # fields after "pid (comm)"; [0] is the state
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            f = _stat_fields(f"/proc/{d}/stat")
+            if f:
+                children.setdefault(int(f[1]), []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def tree_cpu_s(root: int) -> float:
+    """utime + stime of a process and its live descendants."""
+    total = 0
+    for p in descendants(root):
+        f = _stat_fields(f"/proc/{p}/stat")
+        if f:
+            total += int(f[11]) + int(f[12])
+    return total / CLK
+
+
+def process_cpu_s(root: int, cmdline_part: str) -> float:
+    """CPU seconds of the processes in ``root``'s tree whose command line contains ``cmdline_part``."""
+    total = 0
+    for p in descendants(root):
+        try:
+            if cmdline_part not in open(f"/proc/{p}/cmdline").read():
+                continue
+        except OSError:
+            continue
+        f = _stat_fields(f"/proc/{p}/stat")
+        if f:
+            total += int(f[11]) + int(f[12])
+    return total / CLK
+
+
+def thread_cpu_s(root: int, comm: str) -> float:
+    """CPU seconds of every thread named ``comm`` in ``root``'s process tree."""
+    total = 0
+    for p in descendants(root):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                if open(f"/proc/{p}/task/{t}/comm").read().strip() != comm:
+                    continue
+            except OSError:
+                continue
+            f = _stat_fields(f"/proc/{p}/task/{t}/stat")
+            if f:
+                total += int(f[11]) + int(f[12])
+    return total / CLK
+
+
+def cpu_busy() -> dict[str, float]:
+    """Busy seconds per CPU since boot (/proc/stat), for the noise report."""
+    out = {}
+    for line in open("/proc/stat"):
+        if line.startswith("cpu") and line[3].isdigit():
+            v = [int(x) for x in line.split()[1:]]
+            out[line.split()[0]] = (sum(v) - v[3] - v[4]) / CLK  # minus idle and iowait
+    return out
+
+
+class LoadSampler(threading.Thread):
+    def __init__(self, period: float = 5.0):
+        super().__init__(daemon=True)
+        self.period, self.samples, self._stop = period, [], threading.Event()
+
+    def run(self):
+        while not self._stop.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._stop.wait(self.period)
+
+    def stop(self):
+        self._stop.set()
+
+
+# -- processes -------------------------------------------------------------------------------
+class Proc:
+    """A child process we started (own process group), stopped by its PID."""
+
+    def __init__(self, cmd: list[str], logfile: Path, stdin=None, stdout=None):
+        self.logf = open(logfile, "w")
+        self.p = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdin=stdin,
+                                  stdout=stdout if stdout is not None else self.logf, stderr=self.logf,
+                                  text=True, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.p.poll() is None:
+            try:
+                os.kill(self.p.pid, signal.SIGTERM)
+                self.p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)  # the group we created for it
+                self.p.wait()
+            except ProcessLookupError:
+                pass
+        self.logf.close()
+
+
+class Server:
+    def __init__(self, cfg: dict, workdir: Path, nice: int):
+        self.port = free_port()
+        cfg_path = workdir / "app_config.json"
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+        cmd = [sys.executable, "-m", "benchmarks.serve_proc", "--config", str(cfg_path), "--port", str(self.port)]
+        self.log = workdir / "serve.log"
+        self.proc = Proc(pinned(cmd, SERVER_CORE, nice), self.log, stdout=subprocess.PIPE)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 600.0) -> str:
+        import httpx
+
+        deadline = time.time() + timeout
+        line = self.proc.p.stdout.readline()  # blocks until READY (or EOF on failure)
+        if not line.startswith("READY"):
+            raise RuntimeError(f"the Serve app did not start; see {self.log}:\n{self.log.read_text()[-3000:]}")
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/v1/health", timeout=5).status_code == 200:
+                    return line.strip()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("the Serve app never became healthy")
+
+    def stats(self) -> dict:
+        import httpx
+
+        r = httpx.get(f"{self.url}/v1/stats", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        r.raise_for_status()
+        return r.json()
+
+    def verifier_cpu_s(self) -> float:
+        return process_cpu_s(self.proc.pid, "ServeReplica:specedge:Verifier")
+
+    def draft_cpu_s(self) -> float:
+        from deploy.router.server_draft import DRAFT_THREAD_NAME
+
+        return thread_cpu_s(self.proc.pid, DRAFT_THREAD_NAME)
+
+
+class EdgeWorker:
+    def __init__(self, workdir: Path, nice: int):
+        cmd = [sys.executable, "-m", "benchmarks.edge_proc"]
+        self.proc = Proc(pinned(cmd, EDGE_CORE, nice), workdir / "edge.log", stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE)
+
+    def call(self, cmd: dict) -> dict:
+        self.proc.p.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.p.stdin.flush()
+        while True:
+            line = self.proc.p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the edge process died; see {self.proc.logf.name}")
+            if line.startswith("RESULT "):
+                res = json.loads(line[7:])
+                if not res.get("ok"):
+                    raise RuntimeError(f"edge process: {res.get('error')}\n{res.get('traceback', '')}")
+                return res
+
+    def stop(self) -> None:
+        try:
+            self.proc.p.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self.proc.p.stdin.flush()
+            self.proc.p.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            pass
+        self.proc.stop()
+
+
+class Proxy:
+    def __init__(self, target_port: int, rtt_ms: float, mbps: float, workdir: Path):
+        self.stats_file = workdir / f"proxy_{int(rtt_ms)}.json"
+        cmd = [sys.executable, "-m", "benchmarks.wan_proxy", "--target-port", str(target_port), "--rtt-ms",
+               str(rtt_ms), "--mbps", str(mbps), "--stats-file", str(self.stats_file)]
+        self.proc = Proc(cmd, workdir / "proxy.log", stdout=subprocess.PIPE)
+        line = self.proc.p.stdout.readline()
+        if not line.startswith("LISTENING"):
+            raise RuntimeError("the WAN proxy did not start")
+        self.url = f"http://127.0.0.1:{int(line.split()[1])}"
+
+    def counters(self) -> dict:
+        for _ in range(50):
+            try:
+                return json.loads(self.stats_file.read_text())
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        return {"up_bytes": 0, "down_bytes": 0}
+
+    def stop(self) -> dict:
+        self.proc.stop()
+        return self.counters()
+
+
+# -- prompts -----------------------------------------------------------------------------------
+def prompt_ids(plan: Plan, n: int) -> tuple[list[list[int]], list[str]]:
+    from benchmarks.prompts import mixed
+
+    ps = mixed(n)
+    if plan.target.startswith("tiny"):  # no tokenizer: bytes as token ids (vocabulary 512)
+        return [list(p.text.encode()[:48]) for p in ps], [f"{p.dataset}:{p.id}" for p in ps]
+    from deploy.verifier.models import load_tokenizer
+    from edge_agent.agent import encode_prompt
+
+    tok = load_tokenizer("embedded")
+    return [encode_prompt(tok, p.text, chat=p.chat) for p in ps], [f"{p.dataset}:{p.id}" for p in ps]
+
+
+# -- calibration of the best fixed depth ---------------------------------------------------------
+def calibrate(args) -> None:
+    """In-process, on the server core: tokens per second of server time (target verify +
+    server-side draft) for each candidate depth, stop-and-wait; prints the JSON result."""
+    import asyncio
+
+    import torch
+
+    from deploy.verifier.engine import VerifierEngine
+    from deploy.verifier.models import load_model
+    from edge_agent.agent import AgentConfig, EdgeAgent
+    from edge_agent.transport import LocalTransport
+
+    torch.set_num_threads(1)
+    spec = json.loads(args.spec)
+    lm = load_model(spec["target"], dtype="auto")
+    busy = [0.0]
+    engine = VerifierEngine(lm.model, eos_token_ids=lm.eos_token_ids,
+                            on_forward=lambda st: busy.__setitem__(0, busy[0] + st.seconds))
+    edge = __import__("benchmarks.edge_proc", fromlist=["Edge"]).Edge()
+    edge.init({"draft": spec["draft"], "tokenizer": False})
+    results = {}
+
+    async def one(depth: int) -> dict:
+        tr = LocalTransport(engine)
+        agent = EdgeAgent(tr, edge.drafter(), None, AgentConfig(mode="stop-and-wait", depth_policy="fixed",
+                                                                depth=depth, budget=spec["budget"],
+                                                                topk=spec["topk"], check_tokenizer=False))
+        toks = draft_s = 0.0
+        rounds = 0
+        b0 = busy[0]
+        for ids in spec["prompts"]:
+            res = await agent.generate(ids, {"temperature": 0.0, "max_tokens": spec["max_tokens"],
+                                             "ignore_eos": True})
+            toks += res.stats.tokens
+            rounds += res.stats.rounds
+            draft_s += sum(res.stats.draft_ms) / 1e3
+        agent.close()
+        server_s = busy[0] - b0 + (draft_s if spec["draft"] != "ngram" else 0.0)
+        return {"tokens": toks, "rounds": rounds, "verify_s": busy[0] - b0, "draft_s": draft_s,
+                "tokens_per_server_s": toks / server_s, "tokens_per_round": (toks - len(spec["prompts"])) / rounds}
+
+    for d in spec["depths"]:
+        results[d] = asyncio.run(one(d))
+    best = max(results, key=lambda d: results[d]["tokens_per_server_s"])
+    print("RESULT " + json.dumps({"best": best, "by_depth": results}), flush=True)
+
+
+def run_calibration(plan: Plan, draft: str, prompts: list[list[int]], workdir: Path, nice: int) -> dict:
+    spec = {"target": plan.target, "draft": draft, "depths": plan.calib_depths, "budget": plan.budget,
+            "topk": plan.topk, "max_tokens": plan.calib_tokens, "prompts": prompts[: plan.calib_prompts]}
+    cmd = pinned([sys.executable, "-m", "benchmarks.run", "_calibrate", "--spec", json.dumps(spec)], SERVER_CORE,
+                 nice)
+    out = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=1800)
+    (workdir / "calibrate.log").write_text(out.stdout + out.stderr)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"calibration failed:\n{out.stderr[-3000:]}")
+
+
+# -- the run -----------------------------------------------------------------------------------
+def app_config(plan: Plan, draft: str, depth: int) -> dict:
+    target = {"model": plan.target, "dtype": "auto"}
+    if draft == "ngram":
+        sd_model = {"model": "prompt-lookup"}
+    elif plan.target.startswith("tiny"):
+        sd_model = {"model": draft, "dtype": "auto"}
+    else:
+        sd_model = {"model": draft, "dtype": "auto"}
+    return {
+        "target": target,
+        "verifier": {"num_replicas": 1, "num_cpus": 1, "torch_threads": 1, "max_batch_sessions": 16,
+                     "batch_wait_ms": 2, "max_tree_nodes": 64, "idle_timeout_s": 600},
+        "router": {"tenants": [{"name": "bench", "api_key": API_KEY, "max_sessions": 1024}]},
+        "server_draft": {"model": sd_model, "depth": depth},
+    }
+
+
+def run_config(server: Server, edge: EdgeWorker, plan: Plan, mode: str, rtt: float, sessions: int,
+               prompts: list[list[int]], depth: int, workdir: Path, max_tokens: int) -> tuple[dict, dict]:
+    from benchmarks.metrics import Window
+
+    proxy = Proxy(server.port, rtt, plan.mbps, workdir)
+    try:
+        s0, d0, v0, p0 = server.stats(), server.draft_cpu_s(), server.verifier_cpu_s(), proxy.counters()
+        c0, o0, t0 = cpu_busy(), tree_cpu_s(os.getpid()), time.perf_counter()
+        l0 = os.getloadavg()[0]
+        res = edge.call({"op": "run", "mode": mode, "url": proxy.url, "api_key": API_KEY, "sessions": sessions,
+                         "prompts": prompts, "max_tokens": max_tokens, "depth": depth, "budget": plan.budget,
+                         "topk": plan.topk})
+        wall = time.perf_counter() - t0
+        s1, d1, v1 = server.stats(), server.draft_cpu_s(), server.verifier_cpu_s()
+        c1, o1 = cpu_busy(), tree_cpu_s(os.getpid())
+        p1 = proxy.counters()
+    finally:
+        p_end = proxy.stop()
+    p1 = p_end if p_end.get("up_bytes", 0) >= p1.get("up_bytes", 0) else p1
+    w = Window(wall_s=wall, verifier_busy_s=s1["busy_seconds"] - s0["busy_seconds"],
+               server_draft_cpu_s=(d1 - d0) if mode == "server_sd" else 0.0,
+               tokens_emitted=s1["tokens_emitted"] - s0["tokens_emitted"], verifier_cpu_s=v1 - v0,
+               up_bytes=p1["up_bytes"] - p0.get("up_bytes", 0), down_bytes=p1["down_bytes"] - p0.get("down_bytes", 0))
+    all_busy = sum(c1.values()) - sum(c0.values())
+    noise = {"loadavg_1m": [l0, os.getloadavg()[0]],
+             "cpu_busy_share": {k: (c1[k] - c0[k]) / wall for k in c1},
+             "foreign_cpu_s": max(0.0, all_busy - (o1 - o0)), "own_cpu_s": o1 - o0,
+             "foreign_cpu_share": max(0.0, all_busy - (o1 - o0)) / (len(c1) * wall)}
+    return res, {"window": asdict(w), "noise": noise}
+
+
+def fmt(x, nd=1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+TABLE_COLS = [("mode", "mode", 0), ("rtt_ms", "RTT ms", 0), ("sessions", "sess", 0),
+              ("server_tokens_per_busy_s", "tok/busy-s", 1), ("server_tokens_per_cpu_s", "tok/cpu-s", 1),
+              ("server_tokens_per_s", "tok/wall-s", 1),
+              ("itl_ms_mean", "ITL mean", 1), ("itl_ms_p50", "ITL p50", 1), ("itl_ms_p99", "ITL p99", 1),
+              ("tokens_per_verify", "tok/verify", 2), ("alignment_rate", "align", 2),
+              ("draft_depth_mean", "depth", 1), ("draft_ms_per_forward", "draft ms/fwd", 1),
+              ("verifier_utilisation", "util", 2), ("uplink_bytes_per_token", "up B/tok", 0),
+              ("downlink_bytes_per_token", "down B/tok", 0), ("cost_eff_ktok_per_usd", "ktok/$", 1)]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(h for _, h, _ in TABLE_COLS) + " |"
+    sep = "|" + "|".join("---" for _ in TABLE_COLS) + "|"
+    body = ["| " + " | ".join(fmt(r.get(k), nd) if nd else fmt(r.get(k) if not isinstance(r.get(k), float)
+                                                                  else round(r.get(k)), 0)
+                              for k, _, nd in TABLE_COLS) + " |" for r in rows]
+    return "\n".join([head, sep] + body)
+
+
+def ratios(rows: list[dict], rtt: float, sessions: int) -> dict:
+    """Headline ratios at one (RTT, sessions) point: edge_full vs the server-only baselines."""
+    at = {r["mode"]: r for r in rows if r["rtt_ms"] == rtt and r["sessions"] == sessions}
+    out = {}
+    full = at.get("edge_full")
+    for base in ("server_ar", "server_sd"):
+        b = at.get(base)
+        if full and b:
+            out[f"edge_full_vs_{base}"] = {
+                "server_tokens_per_busy_s": full["server_tokens_per_busy_s"] / b["server_tokens_per_busy_s"],
+                "server_tokens_per_s": full["server_tokens_per_s"] / b["server_tokens_per_s"],
+                "itl_ms_mean_change": full["itl_ms_mean"] / b["itl_ms_mean"] - 1.0,
+                "cost_eff": full["cost_eff_ktok_per_usd"] / b["cost_eff_ktok_per_usd"]}
+    return out
+
+
+def write_results(run_id: str, conditions: dict, rows: list[dict], extras: list[dict], out_dir: Path,
+                  latest: bool) -> dict[str, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from benchmarks.plots import plot_all
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    doc = {"conditions": conditions, "rows": rows, "details": extras}
+    paths["json"] = out_dir / f"{run_id}.json"
+    paths["json"].write_text(json.dumps(doc, indent=1, default=float))
+    paths["parquet"] = out_dir / f"{run_id}.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), paths["parquet"])
+    paths["md"] = out_dir / f"{run_id}.md"
+    paths["md"].write_text(f"# Benchmark {run_id}\n\n```json\n{json.dumps(conditions, indent=1)}\n```\n\n"
+                           + markdown_table(rows) + "\n")
+    paths.update(plot_all(rows, out_dir, run_id))
+    if latest:
+        slim = [{k: r[k] for k in r} for r in rows]
+        paths["latest"] = out_dir / "latest.json"
+        paths["latest"].write_text(json.dumps({"conditions": conditions, "rows": slim}, indent=1) + "\n")
+    return paths
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_calibrate":
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--spec", required=True)
+        calibrate(ap.parse_args(argv[1:]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="a few minutes: 2 RTTs, 1-2 sessions, short outputs")
+    g.add_argument("--full", action="store_true", help="the published table (~45-60 min)")
+    ap.add_argument("--smoke", action="store_true", help="tiny random target, 1 prompt per config (tests)")
+    ap.add_argument("--draft", default=None, help="auto | embedded-draft | ngram | a load_model spec")
+    ap.add_argument("--depth", type=int, default=None, help="fixed depth (skip calibration)")
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--rtts", default=None, help="comma-separated RTT sweep (ms)")
+    ap.add_argument("--sessions", default=None, help="comma-separated concurrency sweep")
+    ap.add_argument("--modes", default=None)
+    ap.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (0 = none)")
+    ap.add_argument("--nice", type=int, default=0, help="run every process under nice -n N")
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--no-latest", action="store_true", help="--full: do not overwrite latest.json")
+    args = ap.parse_args(argv)
+    name = "smoke" if args.smoke else "full" if args.full else "quick"
+    base = PLANS[name]
+    plan = Plan(**{**asdict(base)})
+    if args.draft:
+        plan.draft = args.draft
+    if args.depth:
+        plan.depth = args.depth
+    if args.prompts:
+        plan.prompts = args.prompts
+    if args.max_tokens:
+        plan.max_tokens = args.max_tokens
+    if args.rtts:
+        plan.rtts = [float(x) for x in args.rtts.split(",")]
+    if args.sessions:
+        plan.sessions = [int(x) for x in args.sessions.split(",")]
+    if args.modes:
+        plan.modes = [m for m in args.modes.split(",") if m]
+        bad = set(plan.modes) - set(MODES)
+        if bad:
+            ap.error(f"unknown modes {sorted(bad)}; choose from {MODES}")
+    if args.mbps is not None:
+        plan.mbps = args.mbps
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    t_start = time.time()
+    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{name}"
+    out_dir = Path(args.out_dir)
+    workdir = REPO / ".cache" / "bench" / run_id
+    workdir.mkdir(parents=True, exist_ok=True)
+    sampler = LoadSampler()
+    sampler.start()
+    draft = resolve_draft(plan.draft)
+    max_s = max(plan.configs(), key=lambda c: c[1])[1]
+    n_prompts = max(plan.prompts, max_s)
+    prompts, prompt_names = prompt_ids(plan, n_prompts)
+    log(f"plan {name}: target={plan.target} draft={draft} configs={plan.configs()} modes={plan.modes} "
+        f"prompts/config=max({plan.prompts}, sessions) max_tokens={plan.max_tokens}; logs in {workdir}")
+
+    calib = None
+    depth = plan.depth
+    if depth is None:
+        log(f"calibrating the best fixed depth over {plan.calib_depths} on core {SERVER_CORE} ...")
+        calib = run_calibration(plan, draft, prompts, workdir, args.nice)
+        depth = int(calib["best"])
+        log(f"best fixed depth {depth}: " + ", ".join(
+            f"d={d}: {v['tokens_per_server_s']:.1f} tok/server-s, {v['tokens_per_round']:.2f} tok/round"
+            for d, v in calib["by_depth"].items()))
+
+    server = Server(app_config(plan, draft, depth), workdir, args.nice)
+    edge = None
+    rows, extras = [], []
+    try:
+        edge = EdgeWorker(workdir, args.nice)
+        init = edge.call({"op": "init", "draft": draft, "tokenizer": not plan.target.startswith("tiny"),
+                          "threads": 1})
+        log(f"edge process ready: {init}")
+        ready = server.wait_ready()
+        log(f"Serve app ready on port {server.port} ({ready})")
+        # warm-up: every mode once (code paths, allocator, server-side draft load); not measured
+        if plan.warmup_tokens:
+            for mode in plan.modes:
+                run_config(server, edge, plan, mode, 0.0, 1, prompts[:1], depth, workdir, plan.warmup_tokens)
+            log("warm-up done")
+        from benchmarks.metrics import row
+
+        for rtt, sessions in plan.configs():
+            n = max(plan.prompts, sessions)
+            n -= n % sessions
+            ps = prompts[:n]
+            for mode in plan.modes:
+                res, extra = run_config(server, edge, plan, mode, rtt, sessions, ps, depth, workdir,
+                                        plan.max_tokens)
+                from benchmarks.metrics import Window
+
+                r = row(mode, rtt, sessions, Window(**extra["window"]), res,
+                        edges_priced=sessions if mode.startswith("edge") else 0)
+                rows.append(r)
+                extras.append({"mode": mode, "rtt_ms": rtt, "sessions": sessions, **extra,
+                               **{k: v for k, v in res.items() if k not in ("itl", "ok")}})
+                log(f"{mode:15s} rtt={rtt:5.0f} S={sessions:2d}: {r['server_tokens_per_busy_s']:.1f} tok/busy-s, "
+                    f"{r['server_tokens_per_s']:.1f} tok/s, ITL {r['itl_ms_mean']:.1f}/{r['itl_ms_p99']:.1f} ms, "
+                    f"{r['tokens_per_verify']:.2f} tok/verify, util {r['verifier_utilisation']:.2f}, "
+                    f"load {extra['noise']['loadavg_1m'][1]:.1f}")
+    finally:
+        if edge is not None:
+            edge.stop()
+        server.proc.stop(timeout=90)
+        sampler.stop()
+
+    draft_note = {"embedded-draft": "the project's trained draft (edge_agent/artifacts/embedded-draft)",
+                  "ngram": "n-gram prompt lookup (no trained draft artifact was available)"}.get(draft, draft)
+    conditions = {
+        "run": run_id, "plan": name, "target": plan.target + (" (SmolLM2-135M-Instruct, bf16)"
+                                                              if plan.target == "embedded" else ""),
+        "draft": draft, "draft_note": draft_note,
+        "server_side_drafter": "prompt lookup (chain)" if draft == "ngram" else f"{draft} tree drafter on core 0",
+        "fixed_depth": depth, "depth_calibration": calib, "tree_budget": plan.budget, "topk": plan.topk,
+        "rtt_sweep_ms": plan.rtts, "rtt_sweep_sessions": plan.rtt_sessions, "sessions_sweep": plan.sessions,
+        "sessions_sweep_rtt_ms": plan.sessions_rtt, "bandwidth_mbps": plan.mbps or "unlimited",
+        "prompts_per_config": f"max({plan.prompts}, sessions), alternating MT-Bench turn 1 / HumanEval",
+        "prompt_ids": prompt_names, "max_tokens": plan.max_tokens, "sampling": "greedy, ignore_eos",
+        "cores": f"verifier+router on core {SERVER_CORE} (taskset, 1 torch thread); edge agents on core "
+                 f"{EDGE_CORE} (taskset, 1 torch thread, one asyncio task + one draft thread per session); "
+                 "WAN proxy unpinned",
+        "server_cost": "verifier busy seconds (+ server-side drafter thread CPU seconds for server_sd)",
+        "itl": "a batch of n tokens after a gap g counts n samples of g/n; server modes: SSE chunk per round",
+        "bytes": "TCP payload through the WAN proxy (HTTP headers included), per generated token",
+        "prices_usd_per_h": {"server (A100 40GB)": 4.05, "edge (RTX 4090), per edge session": 0.35},
+        "machine": {"cpus": os.cpu_count(), "loadavg_1m_samples": {
+            "min": min(sampler.samples, default=0), "mean": sum(sampler.samples) / max(len(sampler.samples), 1),
+            "max": max(sampler.samples, default=0)}},
+        "wall_minutes": (time.time() - t_start) / 60,
+        "headline": {f"rtt{int(r)}_s{s}": ratios(rows, r, s) for r, s in plan.configs()},
+    }
+    paths = write_results(run_id, conditions, rows, extras, out_dir,
+                          latest=(name == "full" and not args.no_latest))
+    print()
+    print(markdown_table(rows))
+    print()
+    log("wrote " + ", ".join(str(p) for p in paths.values()))
+    log(f"done in {(time.time() - t_start) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

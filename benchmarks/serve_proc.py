@@ -1,0 +1,49 @@
+"""The server side of a benchmark: the Serve app in its own process, on its own core.
+
+Started by :mod:`benchmarks.run` as ``taskset -c 0 python -m benchmarks.serve_proc
+--config cfg.json --port P``. A local Ray with one CPU (``ray.init(address="local",
+num_cpus=1)``; every Ray process it spawns inherits the core-0 affinity), Serve's HTTP
+proxy on 127.0.0.1:P, ``deploy.app.build_app(cfg)`` deployed, then it blocks until
+SIGTERM/SIGINT and shuts Serve and Ray down. Prints ``READY`` once the app is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", required=True, help="AppConfig as a JSON file")
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args(argv)
+    cfg = json.loads(open(args.config).read())
+
+    import ray
+    from ray import serve
+
+    from deploy.app import build_app
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _node_ip_address="127.0.0.1")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        serve.run(build_app(cfg), name="specedge", route_prefix="/")
+        print(f"READY affinity={sorted(os.sched_getaffinity(0))}", flush=True)
+        stop.wait()
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

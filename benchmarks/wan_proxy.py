@@ -1,0 +1,163 @@
+"""A user-space WAN emulator: a delaying TCP proxy (the kernel here has no ``netem``).
+
+Every byte that crosses the proxy is held back ``rtt_ms / 2`` in each direction
+(propagation), and, with a bandwidth cap, also serialised at ``mbps`` per direction
+(transmission: a chunk of ``n`` bytes occupies the link for ``8 n / rate`` seconds, so
+back-to-back chunks queue behind each other). Order within a connection is kept.
+It counts the bytes that cross it per direction (TCP payload, i.e. HTTP headers
+included), which is what the benchmarks report as uplink/downlink bytes.
+
+Loopback only: it listens on 127.0.0.1 and forwards to a 127.0.0.1 port.
+
+``python -m benchmarks.wan_proxy --target-port 8123 --rtt-ms 50 [--mbps 10] [--port 0]
+[--stats-file F]`` prints ``LISTENING <port>`` once ready and keeps ``F`` updated with
+``{"up_bytes", "down_bytes", "connections"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class Link:
+    """One direction of the emulated WAN: delay + optional rate limit."""
+
+    delay_s: float
+    rate_bytes_s: float = 0.0  # 0 = unlimited
+    busy_until: float = 0.0  # when the transmitter is free again (monotonic)
+    bytes: int = 0
+
+    def departure(self, now: float, n: int) -> float:
+        """When a chunk of ``n`` bytes read at ``now`` arrives at the far end."""
+        self.bytes += n
+        if self.rate_bytes_s > 0:
+            start = max(now, self.busy_until)
+            self.busy_until = start + n / self.rate_bytes_s
+            return self.busy_until + self.delay_s
+        return now + self.delay_s
+
+
+@dataclass
+class WanProxy:
+    target_port: int
+    rtt_ms: float = 0.0
+    mbps: float = 0.0  # per direction; 0 = unlimited
+    port: int = 0
+    connections: int = 0
+    up: Link = field(init=False)
+    down: Link = field(init=False)
+
+    def __post_init__(self):
+        rate = self.mbps * 1e6 / 8 if self.mbps > 0 else 0.0
+        # one shared link per direction: concurrent connections compete for its bandwidth
+        self.up = Link(self.rtt_ms / 2e3, rate)
+        self.down = Link(self.rtt_ms / 2e3, rate)
+        self._server: asyncio.AbstractServer | None = None
+
+    def stats(self) -> dict:
+        return {"up_bytes": self.up.bytes, "down_bytes": self.down.bytes, "connections": self.connections,
+                "rtt_ms": self.rtt_ms, "mbps": self.mbps}
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, LOOPBACK, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver():
+            while True:
+                due, data = await queue.get()
+                wait = due - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if data is None:
+                    break
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+
+        task = asyncio.create_task(deliver())
+        try:
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                queue.put_nowait((link.departure(loop.time(), len(data)), data))
+        except (ConnectionError, OSError):
+            pass
+        queue.put_nowait((loop.time() + link.delay_s, None))  # the FIN travels with the same delay
+        try:
+            await task
+        except (ConnectionError, OSError):
+            pass
+
+    async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            s_reader, s_writer = await asyncio.open_connection(LOOPBACK, self.target_port)
+        except OSError:
+            c_writer.close()
+            return
+        try:
+            await asyncio.gather(self._pump(c_reader, s_writer, self.up), self._pump(s_reader, c_writer, self.down))
+        finally:
+            for w in (s_writer, c_writer):
+                w.close()
+
+
+async def _serve(args) -> None:
+    proxy = WanProxy(args.target_port, args.rtt_ms, args.mbps, args.port)
+    port = await proxy.start()
+    print(f"LISTENING {port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def dump():
+        if args.stats_file:
+            tmp = Path(args.stats_file + ".tmp")
+            tmp.write_text(json.dumps(dict(proxy.stats(), time=time.time())))
+            os.replace(tmp, args.stats_file)
+
+    while not stop.is_set():
+        dump()
+        try:
+            await asyncio.wait_for(stop.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
+    dump()
+    await proxy.close()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target-port", type=int, required=True)
+    ap.add_argument("--rtt-ms", type=float, default=0.0)
+    ap.add_argument("--mbps", type=float, default=0.0, help="bandwidth cap per direction (0 = none)")
+    ap.add_argument("--port", type=int, default=0, help="listen port (0 = a free one)")
+    ap.add_argument("--stats-file", default=None)
+    asyncio.run(_serve(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

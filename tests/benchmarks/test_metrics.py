@@ -1,0 +1,41 @@
+"""ITL samples/percentiles and SpecEdge's cost efficiency."""
+
+import math
+
+import pytest
+
+from benchmarks.metrics import (Window, cost_efficiency_ktok_per_usd, itl_samples, row, weighted_mean,
+                                weighted_percentile)
+
+
+def test_itl_batch_of_n_tokens_counts_n_samples_of_gap_over_n():
+    arrivals = [(0.0, 1), (0.1, 1), (0.4, 3), (0.5, 1)]
+    s = itl_samples(arrivals)
+    assert s == [(pytest.approx(0.1), 1.0), (pytest.approx(0.1), 3.0), (pytest.approx(0.1), 1.0)]
+    # the mean is the time per output token after the first
+    assert weighted_mean(s) == pytest.approx(0.5 / 5)
+
+
+def test_weighted_percentiles():
+    s = [(1.0, 98.0), (10.0, 1.0), (100.0, 1.0)]
+    assert weighted_percentile(s, 50) == 1.0
+    assert weighted_percentile(s, 99) == 10.0
+    assert weighted_percentile(s, 100) == 100.0
+    assert math.isnan(weighted_percentile([], 50))
+
+
+def test_cost_efficiency_reproduces_specedge_table_1():
+    # Math row: server-only 32.84 tok/s -> 29.19 ktok/$; SpecEdge 72.93 tok/s with 2 edge GPUs -> 55.28
+    assert cost_efficiency_ktok_per_usd(32.84, 0) == pytest.approx(29.19, abs=0.01)
+    assert cost_efficiency_ktok_per_usd(72.93, 2) == pytest.approx(55.28, abs=0.01)
+
+
+def test_row_counts_server_draft_time_as_server_cost():
+    w = Window(wall_s=10.0, verifier_busy_s=2.0, server_draft_cpu_s=2.0, tokens_emitted=100, up_bytes=1000,
+               down_bytes=500)
+    r = row("server_sd", 15.0, 1, w, {"tokens": 100, "itl": [(0.1, 99.0)], "tokens_per_verify": 2.0}, 0)
+    assert r["server_tokens_per_busy_s"] == pytest.approx(25.0)
+    assert r["server_tokens_per_s"] == pytest.approx(10.0)
+    assert r["verifier_utilisation"] == pytest.approx(0.2)
+    assert r["uplink_bytes_per_token"] == 10 and r["downlink_bytes_per_token"] == 5
+    assert r["itl_ms_mean"] == pytest.approx(100.0)

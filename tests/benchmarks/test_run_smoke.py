@@ -1,0 +1,40 @@
+"""Smoke test of the whole suite: `python -m benchmarks.run --quick --smoke` on a tiny random target.
+
+Real processes (Serve app on core 0, edge process on core 1, WAN proxy), one short
+generation per session and configuration. Asserts only that every mode ran and that the
+JSON, Parquet and plots were written; nothing about speed.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from benchmarks.run import LATEST_KEYS, MODES
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.ray
+def test_quick_smoke_run_writes_every_mode(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--smoke", "--out-dir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    runs = list(tmp_path.glob("*-smoke.json"))
+    assert len(runs) == 1
+    doc = json.loads(runs[0].read_text())
+    assert {r["mode"] for r in doc["rows"]} == set(MODES)
+    for r in doc["rows"]:
+        assert set(LATEST_KEYS) <= set(r)
+        assert r["tokens"] > 0 and r["server_tokens_per_busy_s"] > 0
+    assert doc["conditions"]["target"].startswith("tiny-random")
+    table = pq.read_table(runs[0].with_suffix(".parquet"))
+    assert table.num_rows == len(doc["rows"]) and set(table.column("mode").to_pylist()) == set(MODES)
+    assert runs[0].with_suffix(".md").read_text().count("| server_ar |") >= 1
+    for suffix in ("_rtt.png", "_modes.png"):
+        png = tmp_path / (runs[0].stem + suffix)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "latest.json").exists()  # only --full writes it
