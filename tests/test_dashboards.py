@@ -23,7 +23,7 @@ RULES = DASH / "alerts.yml"
 # Ray Serve's built-in metrics the dashboards and alerts may use besides the app's own
 SERVE_BUILTINS = {"ray_serve_num_http_requests_total", "ray_serve_num_http_error_requests_total"}
 # what Grafana substitutes at query time, replaced by fixed values to run the expressions directly
-GRAFANA_VARS = {"$__rate_interval": "30s", "$__interval": "5s", "$__range": "5m", "$application": ".*",
+GRAFANA_VARS = {"$__rate_interval": "2m", "$__interval": "5s", "$__range": "5m", "$application": ".*",
                 "$tenant": ".*", "$replica": ".*"}
 
 

@@ -1,0 +1,314 @@
+"""The Serve app's metrics through a real Prometheus server (Debian package, own config, own port).
+
+Starts the app (tiny random target) on the shared Ray instance, a Prometheus process that
+scrapes Ray's metrics export port (and an edge agent's exporter) with the shipped alert
+rules, drives traffic over the real protocol (oracle edges, an EdgeAgent, a shed request,
+an idle eviction), then asks Prometheus' HTTP API: every metric exists with plausible
+values that agree with what the clients saw, and every PromQL expression of the dashboards
+and alert rules executes (with data where data must exist). Prometheus is killed by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import httpx
+import pytest
+import yaml
+from ray import serve
+
+from deploy.app import build_app
+from deploy.metrics import METRICS
+from deploy.verifier.models import tiny_random_model
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams
+from edge_agent.metrics import EDGE_METRICS, EdgeMetrics
+from tests.conftest import free_port
+from tests.router.oracle_edge import oracle_generate
+from tests.test_dashboards import (DASH, RULES, board_exprs, label_values_to_promql, load_boards, rule_exprs,
+                                   substitute, variable_queries)
+
+pytestmark = pytest.mark.ray
+
+APP = "obs"
+VOCAB = 512
+TENANTS = [{"name": "alpha", "api_key": "alpha-key-123", "max_sessions": 64},
+           {"name": "tiny", "api_key": "tiny-key-1234", "max_sessions": 1}]
+ARGS = {"target": {"model": "tiny-random", "dtype": "float32"},
+        "verifier": {"batch_wait_ms": 5, "idle_timeout_s": 1.0, "kv_budget_tokens": 100_000},
+        "router": {"tenants": TENANTS}}
+SEL = f'application="{APP}"'
+# dashboard panels that may legitimately show nothing after this test's traffic (none so far)
+MAY_BE_EMPTY: set[str] = set()
+
+
+class Prometheus:
+    def __init__(self, url: str):
+        self.url = url
+
+    def get(self, path: str, **params) -> dict:
+        q = urllib.parse.urlencode(params)
+        with urllib.request.urlopen(f"{self.url}{path}?{q}", timeout=10) as r:
+            data = json.loads(r.read())
+        assert data["status"] == "success", data
+        return data["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        d = self.get("/api/v1/query", query=expr)
+        return d["result"] if d["resultType"] == "vector" else [{"value": d["result"]}]
+
+    def value(self, expr: str) -> float | None:
+        r = self.query(expr)
+        assert len(r) <= 1, (expr, r)
+        return float(r[0]["value"][1]) if r else None
+
+    def wait(self, expr: str, ok, timeout: float = 40.0) -> float | None:
+        deadline = time.monotonic() + timeout
+        v = None
+        while time.monotonic() < deadline:
+            v = self.value(expr)
+            if v is not None and ok(v):
+                return v
+            time.sleep(0.5)
+        raise AssertionError(f"{expr} = {v} after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def app_url(ray_session):
+    serve.run(build_app(ARGS), name=APP, route_prefix=f"/{APP}")
+    yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def edge_metrics():
+    em = EdgeMetrics()
+    port = em.serve(0)
+    yield em, port
+    em.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(ray_session, edge_metrics, tmp_path_factory):
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is missing: run dashboards/install_prometheus.sh (as root)"
+    tmp = tmp_path_factory.mktemp("prometheus")
+    # the shipped config, with Ray's file service discovery swapped for this test's metrics port
+    cfg = yaml.safe_load((DASH / "prometheus.yml").read_text())
+    cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"}
+    cfg["rule_files"] = [str(RULES)]
+    (ray_job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "ray"]
+    del ray_job["file_sd_configs"]
+    ray_job["static_configs"] = [{"targets": [f"127.0.0.1:{ray_session['metrics_port']}"]}]
+    cfg["scrape_configs"].append({"job_name": "specedge-edge",
+                                  "static_configs": [{"targets": [f"127.0.0.1:{edge_metrics[1]}"]}]})
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    log = open(tmp / "prometheus.log", "w")
+    proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        prom = Prometheus(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp / "prometheus.log").read_text()
+                time.sleep(0.2)
+        prom.wait('count(up{job="ray"} == 1)', lambda v: v == 1, timeout=20)
+        yield prom
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def traffic(app_url, prometheus, edge_metrics):
+    """Real protocol traffic; returns what the clients observed."""
+    model = tiny_random_model(seed=0)
+    prompts = [[7 + i, 40 + 3 * i, 99, 5 + i, 300 - i] for i in range(4)]
+    refs = [reference_decode(model, p, SamplingParams(max_tokens=24)) for p in prompts]
+
+    async def main():
+        obs = {"rounds": 0, "emitted": 0}
+        async with httpx.AsyncClient(base_url=app_url, timeout=60) as c:
+            alpha = {"Authorization": "Bearer alpha-key-123"}
+            tiny = {"Authorization": "Bearer tiny-key-1234"}
+            r = await c.post("/v1/sessions", json={"prompt_ids": [1, 2, 3]}, headers={"Authorization": "Bearer x"})
+            assert r.status_code == 401
+            idle = await c.post("/v1/sessions", json={"prompt_ids": [3, 4, 5]}, headers=alpha)  # evicted idle
+            assert idle.status_code == 200
+            held = await c.post("/v1/sessions", json={"prompt_ids": [9, 9, 9]}, headers=tiny)
+            shed = await c.post("/v1/sessions", json={"prompt_ids": [9, 9, 8]}, headers=tiny)
+            assert shed.status_code == 429 and shed.json()["error"]["reason"] == "tenant_sessions"
+            await c.delete(f"/v1/sessions/{held.json()['session_id']}", headers=tiny)
+            runs = [oracle_generate(c, p, ref, {"max_tokens": 24}, VOCAB, seed=i, key="alpha-key-123")
+                    for i, (p, ref) in enumerate(zip(prompts, refs))]
+            runs.append(oracle_generate(c, prompts[0], refs[0], {"max_tokens": 24}, VOCAB, seed=9,
+                                        key="tiny-key-1234"))
+            for (out, st), ref in zip(await asyncio.gather(*runs), refs + refs[:1]):
+                assert out == ref and st["reopens"] == 0
+                obs["rounds"] += st["rounds"]
+                obs["emitted"] += len(out) - 1  # the first token comes with the open
+        return obs
+
+    t0 = time.monotonic()
+    obs = asyncio.run(main())
+    obs["agent"] = asyncio.run(_edge_agent_generation(app_url, model, edge_metrics[0]))
+    print(f"traffic: {obs['rounds']} oracle rounds + {obs['agent'].rounds} agent rounds in {time.monotonic() - t0:.1f} s")
+    return obs
+
+
+async def _edge_agent_generation(app_url: str, model, em: EdgeMetrics):
+    from edge_agent.agent import AgentConfig, EdgeAgent
+    from edge_agent.drafter import ModelDrafter
+    from edge_agent.transport import HttpTransport
+
+    transport = HttpTransport(app_url, api_key="alpha-key-123")
+    agent = EdgeAgent(transport, ModelDrafter(model), config=AgentConfig(mode="stop-and-wait", budget=8, ping_every=4))
+    try:
+        res = await agent.generate([11, 12, 13, 14], SamplingParams(max_tokens=16, ignore_eos=True))
+    finally:
+        agent.close()
+        await transport.aclose()
+    em.observe(res.stats)
+    return res.stats
+
+
+def test_metrics_reach_prometheus_with_plausible_values(prometheus, traffic):
+    p = prometheus
+    agent = traffic["agent"]
+    rounds = traffic["rounds"] + agent.rounds
+    emitted = traffic["emitted"] + agent.tokens - 1
+
+    def total(name: str, extra: str = "") -> float | None:
+        return p.value(f"sum({name}{{{SEL}{extra}}})")
+
+    # Ray flushes every second and Prometheus scrapes every second: wait for the last rounds to land
+    p.wait(f"sum(ray_specedge_spec_decode_num_drafts_total{{{SEL}}})", lambda v: v == rounds)
+    assert total("ray_specedge_spec_decode_num_emitted_tokens_total") == emitted
+    drafted = total("ray_specedge_spec_decode_num_draft_tokens_total")
+    accepted = total("ray_specedge_spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= drafted
+    assert emitted - rounds <= accepted <= emitted  # every round emits its accepted tokens + (usually) a bonus
+    mal = p.value(f"1 + sum(rate(ray_specedge_spec_decode_num_accepted_tokens_total{{{SEL}}}[1m])) / "
+                  f"sum(rate(ray_specedge_spec_decode_num_drafts_total{{{SEL}}}[1m]))")
+    assert 1.0 < mal <= 1 + 8  # the oracle's chains are at most 8 long
+    per_pos = {int(r["metric"]["position"]): float(r["value"][1]) for r in p.query(
+        f"sum by (position) (ray_specedge_spec_decode_num_accepted_tokens_per_pos_total{{{SEL}}})")}
+    assert sum(per_pos.values()) == accepted
+    assert all(per_pos[i] >= per_pos.get(i + 1, 0) for i in per_pos)  # position i+1 needs position i
+    tenants = {r["metric"]["tenant"] for r in p.query(f"ray_specedge_spec_decode_num_drafts_total{{{SEL}}}")}
+    assert tenants == {"alpha", "tiny"}
+
+    # batches: every forward carries >= 1 session and >= as many tokens as sessions
+    fwd = total("ray_specedge_verify_batch_sessions_count", ', kind="verify"')
+    sess = total("ray_specedge_forward_sessions_total", ', kind="verify"')
+    toks = total("ray_specedge_forward_tokens_total", ', kind="verify"')
+    assert 1 <= fwd <= rounds and fwd <= sess == rounds and toks >= sess
+    assert total("ray_specedge_forward_padded_tokens_total", ', kind="verify"') >= toks
+    assert total("ray_specedge_verify_batch_tokens_count", ', kind="verify"') == fwd
+    assert total("ray_specedge_verify_batch_sessions_bucket", ', kind="verify", le="0.5"') is None
+    assert total("ray_specedge_verify_batch_sessions_count", ', kind="prefill"') >= 1
+    lat = p.value(f'histogram_quantile(0.5, sum by (le) (ray_specedge_forward_latency_seconds_bucket{{{SEL}}}))')
+    assert 0 < lat < 5
+    busy = total("ray_specedge_verifier_busy_seconds_total")
+    assert 0 < busy < 120
+
+    # latencies per round: queue wait and router e2e latency once per round, ITL per round
+    assert total("ray_specedge_queue_wait_seconds_count") == rounds
+    assert total("ray_specedge_router_verify_latency_seconds_count") == rounds
+    itl = p.value(f"histogram_quantile(0.9, sum by (le) (ray_specedge_inter_token_latency_seconds_bucket{{{SEL}}}))")
+    assert 0 < itl < 10
+    assert 0 < total("ray_specedge_inter_token_latency_seconds_count") <= rounds
+
+    # edge telemetry as reported in the frames: oracle edges send rtt 1 ms, draft 5 ms, depth 8
+    assert total("ray_specedge_edge_reported_rtt_seconds_count") >= rounds - agent.rounds
+    assert total("ray_specedge_edge_reported_rtt_seconds_bucket", ', le="0.001"') >= traffic["rounds"]
+    assert total("ray_specedge_edge_reported_draft_forward_seconds_bucket", ', le="0.005"') >= traffic["rounds"]
+    depth = p.value(f"histogram_quantile(0.5, sum by (le) (ray_specedge_edge_reported_draft_depth_bucket{{{SEL}}}))")
+    assert 6 <= depth <= 8
+
+    # gauges: sessions per tenant (all closed or evicted by now), KV, pacing, cost model
+    p.wait(f"sum(ray_specedge_evictions_total{{{SEL}, reason=\"idle_timeout\"}})", lambda v: v >= 1)
+    open_sessions = {r["metric"]["tenant"]: float(r["value"][1])
+                     for r in p.query(f"sum by (tenant) (ray_specedge_open_sessions{{{SEL}}})")}
+    assert set(open_sessions) == {"alpha", "tiny"} and all(v >= 0 for v in open_sessions.values())
+    assert total("ray_specedge_kv_tokens_capacity") == ARGS["verifier"]["kv_budget_tokens"]
+    assert 0 <= total("ray_specedge_kv_tokens_in_use") <= ARGS["verifier"]["kv_budget_tokens"]
+    assert total("ray_specedge_pending_requests") >= 0
+    assert 1 <= p.value(f"max(ray_specedge_pacing_depth_hint{{{SEL}}})") <= 12
+    assert 8 <= p.value(f"max(ray_specedge_pacing_budget_hint{{{SEL}}})") <= 64
+    cost_b, cost_a = total("ray_specedge_forward_cost_per_token_seconds"), total("ray_specedge_forward_cost_fixed_seconds")
+    assert cost_a >= 0 and cost_b >= 0 and cost_a + cost_b > 0  # t = a + b * tokens was fitted
+    assert total("ray_specedge_sessions_opened_total") >= 5 + 2
+    assert total("ray_specedge_prefill_tokens_total") >= 5 * 5
+
+    # router: shedding and errors by reason/status; Ray Serve's own HTTP metrics next to them
+    assert total("ray_specedge_router_shed_requests_total", ', reason="tenant_sessions"') == 1
+    assert total("ray_specedge_router_errors_total", ', status="401"') == 1
+    assert total("ray_specedge_router_errors_total", ', status="429"') == 1
+    assert total("ray_specedge_router_inflight_requests") >= 0
+    assert total("ray_serve_num_http_requests_total", ', status_code="200"') >= rounds
+
+    # every metric of deploy.metrics exists (the table is the contract the dashboards use)
+    for spec in METRICS.values():
+        name = spec.exposed() + ("_count" if spec.kind == "histogram" else "")
+        assert p.query(f"{name}{{{SEL}}}"), f"{name} missing in Prometheus"
+
+    # the edge agent's own exporter, scraped as its own job
+    p.wait('sum(specedge_edge_spec_decode_num_drafts_total{job="specedge-edge"})', lambda v: v == agent.rounds)
+    assert p.value("sum(specedge_edge_generated_tokens_total)") == agent.tokens
+    assert p.value("sum(specedge_edge_spec_decode_num_accepted_tokens_total)") <= \
+        p.value("sum(specedge_edge_spec_decode_num_draft_tokens_total)")
+    for spec in EDGE_METRICS.values():
+        name = spec.exposed("") + ("_count" if spec.kind == "histogram" else "")
+        assert p.query(name), f"{name} missing"
+
+
+def test_every_dashboard_and_alert_expression_runs(prometheus, traffic):
+    p = prometheus
+    p.wait(f"sum(ray_specedge_spec_decode_num_drafts_total{{{SEL}}})", lambda v: v > 0)
+    todo = []
+    for board_name, board in load_boards().items():
+        for q in variable_queries(board):
+            expr, label = label_values_to_promql(q)
+            values = {r["metric"].get(label) for r in p.query(expr)}
+            assert APP in values or label != "application", (q, values)
+            assert values, f"{board_name}: variable query {q} lists nothing"
+        todo += [(f"{board_name}: {title}: {expr}", substitute(expr).replace('application=~".*"', SEL))
+                 for title, expr in board_exprs(board) if title not in MAY_BE_EMPTY]
+    deadline = time.monotonic() + 15  # a counter born late (the idle eviction) needs two scrapes for rate()
+    while True:
+        todo = [(name, q) for name, q in todo if not any(r["value"][1] != "NaN" for r in p.query(q))]
+        if not todo or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not todo, "panels without data:\n" + "\n".join(name for name, _ in todo)
+    for name, expr in rule_exprs():
+        p.query(expr)  # raises unless Prometheus accepts and evaluates it
+    # the rule files were loaded and evaluated without error
+    deadline = time.monotonic() + 10
+    while True:
+        groups = p.get("/api/v1/rules")["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules):
+            break
+        assert time.monotonic() < deadline, rules
+        time.sleep(0.5)
+    assert {r["name"] for r in rules} == {n for n, _ in rule_exprs()}
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
