@@ -184,3 +184,14 @@ def test_promtool_check_config():
     out = subprocess.run([_promtool(), "check", "config", str(DASH / "prometheus.yml")], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_promtool_alert_unit_tests_fire_every_alert():
+    """dashboards/alerts_test.yml: every alert fires on series showing its condition (and not on healthy ones)."""
+    tests = yaml.safe_load((DASH / "alerts_test.yml").read_text())
+    fired = {c["alertname"] for t in tests["tests"] for c in t["alert_rule_test"] if c["exp_alerts"]}
+    alerts = {n for n, _ in rule_exprs()}
+    assert fired == alerts, f"alerts without a firing test: {alerts - fired}"
+    out = subprocess.run([_promtool(), "test", "rules", str(DASH / "alerts_test.yml")], capture_output=True,
+                         text=True, timeout=120, cwd=DASH)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
