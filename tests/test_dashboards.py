@@ -195,3 +195,15 @@ def test_promtool_alert_unit_tests_fire_every_alert():
     out = subprocess.run([_promtool(), "test", "rules", str(DASH / "alerts_test.yml")], capture_output=True,
                          text=True, timeout=120, cwd=DASH)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+
+
+def test_readme_documents_every_metric():
+    from edge_agent.metrics import EDGE_METRICS
+
+    text = (DASH / "README.md").read_text()
+    for s in METRICS.values():
+        assert f"`{s.exposed()}`" in text, s.name
+    for s in EDGE_METRICS.values():
+        assert f"`{s.exposed('')}`" in text, s.name
+    for name, _ in rule_exprs():
+        assert name in text
