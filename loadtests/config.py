@@ -152,7 +152,7 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
         app = _app(target, max_batch_sessions=1, batch_wait_ms=0.0)
         app["router"]["tenants"] = [_tenant("gold", 3.0), _tenant("bronze", 1.0)]
         app["router"]["max_pending_verifies"] = 4096  # no router-side shedding: the verifier's queue decides
-        user = UserModel(draft_ms=2.0, rtt_ms=2.0, depth=4, nodes=16, max_tokens=32, idle_s=(0.0, 0.05))
+        user = UserModel(draft_ms=2.0, rtt_ms=2.0, depth=4, nodes=32, max_tokens=32, idle_s=(0.0, 0.05))
         desc = ("mixed tenants gold (weight 3) and bronze (weight 1), equal user counts, verifier saturated "
                 "(max_batch_sessions=2): tokens served must split 3:1")
         return LoadTestConfig(name=name, target=target, app=app, user=user, fairness=True, description=desc,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import math
 import os
 import platform
 from collections import defaultdict
@@ -49,7 +50,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     v = sorted(values)
-    k = max(0, min(len(v) - 1, int(round(q / 100.0 * len(v) + 0.5)) - 1))
+    k = max(0, min(len(v) - 1, math.ceil(q / 100.0 * len(v)) - 1))
     return v[k]
 
 
@@ -131,6 +132,19 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
             "events": data.get("events", [])}
 
 
+def backlogged_seconds(stats_path: Path | None, max_batch: int) -> set[int] | None:
+    """Epoch seconds during which every verifier sample (and those of the seconds before and after)
+    had a full batch waiting: the times when weighted-fair scheduling decides who is served.
+    None: no samples."""
+    if stats_path is None or not Path(stats_path).exists():
+        return None
+    by_sec: dict[int, list[int]] = defaultdict(list)
+    for smp in json.loads(Path(stats_path).read_text())["samples"]:
+        by_sec[int(smp["t"])].append(smp["pending"])
+    full = {s for s, p in by_sec.items() if p and min(p) >= max(2 * max_batch, 4)}
+    return {s for s in full if s - 1 in full and s + 1 in full}  # responses reach users a little later
+
+
 def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | None) -> dict:
     stats = read_locust_stats(out / "locust_stats.csv")
     history = read_locust_history(out / "locust_stats_history.csv")
@@ -141,7 +155,7 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
     window = steady_window(history, users, cfg.warmup_s, fallback)
     wlen = max(window[1] - window[0], 1e-9)
     agg, ver = stats.get("Aggregated", {}), stats.get("verify", {})
-    total_requests = _float(agg.get("Request Count"))
+    total_requests = _float(agg.get("Request Count", 0))
     run_s = max(meta["locust_ended"] - t0, 1e-9)
     vc = cfg.app_config().verifier
     rc = cfg.app_config().router
@@ -149,29 +163,36 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
     tc = counters["tenants"]
     tot = lambda k: sum(c.get(k, 0) for c in tc.values())  # noqa: E731
     shed, errors, unavailable = tot("shed"), tot("errors"), tot("unavailable")
-    locust_failures = _float(agg.get("Failure Count"))
+    locust_failures = _float(agg.get("Failure Count", 0))
     opens, closes, superseded = tot("opens"), tot("closes"), tot("superseded")
 
     # per-tenant steady-state tokens and share vs. weight
     weights = cfg.tenant_weights()
     shares = cfg.user_shares()
     tok_win: dict[str, float] = defaultdict(float)
+    tok_sat: dict[str, float] = defaultdict(float)  # only seconds with the verifier backlogged
+    sat = backlogged_seconds(server_stats, vc.max_batch_sessions)
     for s, per in counters["tokens_by_second"].items():
         if window[0] <= s < window[1]:
             for t, v in per.items():
                 tok_win[t] += v
+                if sat is None or s in sat:
+                    tok_sat[t] += v
+    sat_secs = len([s for s in (sat or ()) if window[0] <= s < window[1]]) if sat is not None else None
     active = [t for t in shares if shares[t] > 0]
     wsum = sum(weights.get(t, 1.0) for t in active)
     tsum = sum(tok_win.values()) or 1e-9
+    ssum = sum(tok_sat.values()) or 1e-9
     per_tenant = {}
     for t in active:
         c = tc.get(t, {})
         lat = [ms for ms, at in zip(counters["verify_ms"].get(t, []), counters["verify_at"].get(t, []))
                if window[0] <= at < window[1]]
         expected = weights.get(t, 1.0) / wsum
-        share = tok_win.get(t, 0.0) / tsum
+        share = tok_sat.get(t, 0.0) / ssum
         per_tenant[t] = {"weight": weights.get(t, 1.0), "user_share": shares[t], "weight_share": expected,
                          "tokens_window": tok_win.get(t, 0.0), "tokens_per_s": tok_win.get(t, 0.0) / wlen,
+                         "token_share_window": tok_win.get(t, 0.0) / tsum,
                          "token_share": share, "share_over_weight": share / expected if expected else float("nan"),
                          "verify_p50_ms": percentile(lat, 50), "verify_p99_ms": percentile(lat, 99),
                          "tokens_total": c.get("tokens", 0), "shed": c.get("shed", 0), "errors": c.get("errors", 0)}
@@ -193,7 +214,8 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "user_model": cfg.user.model_dump(mode="json"),
         "run": {k: meta[k] for k in ("users", "spawn_rate", "duration_s", "processes", "host", "started_app")},
         "window_s": [round(window[0] - t0, 1), round(window[1] - t0, 1)],
-        "requests_per_s": total_requests / run_s,
+        "backlogged_seconds": sat_secs,  # of the window, the seconds the share is computed over
+        "requests_per_s": _float(agg.get("Requests/s", total_requests / run_s)),
         "verify_per_s": _float(ver.get("Requests/s")),
         "verify_per_s_window": len(all_lat) / wlen,
         "verify_ms": {"p50": _float(ver.get("50%")), "p95": _float(ver.get("95%")), "p99": _float(ver.get("99%"))},
@@ -238,10 +260,12 @@ def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
                               f"{srv.get('backlogged_fraction', float('nan')):.0%} of the samples"})
         bad = {t: round(v["share_over_weight"], 3) for t, v in s["tenants"].items()
                if not abs(v["share_over_weight"] - 1.0) <= SHARE_TOLERANCE}
+        nsat = s.get("backlogged_seconds")
         out.append({"name": f"per-tenant token share within {SHARE_TOLERANCE:.0%} of weight share",
-                    "ok": not bad and len(s["tenants"]) > 1,
+                    "ok": not bad and len(s["tenants"]) > 1 and (nsat is None or nsat >= 5),
                     "detail": ", ".join(f"{t}: share {v['token_share']:.3f} vs weight {v['weight_share']:.3f}"
-                                        for t, v in s["tenants"].items())})
+                                        for t, v in s["tenants"].items())
+                              + (f" over {nsat} backlogged s" if nsat is not None else "")})
     if cfg.kill_verifier_at_s is not None:
         kills = [e for e in s["server"].get("events", []) if e.get("event") == "kill_verifier" and e.get("actor")]
         out.append({"name": "a verifier replica was killed and its sessions re-opened",
@@ -307,11 +331,18 @@ def markdown(s: dict) -> str:
     if srv.get("available"):
         lines.append(f"| verifier queue (mean) / batch sessions (mean) / busy | | {_f(srv['mean_pending'])} / "
                      f"{_f(srv['mean_batch_sessions'])} / {_f(100 * srv['busy_fraction'], 0)}% |")
+    nsat = s.get("backlogged_seconds")
     lines += ["", "## Tenants (steady state)", "",
-              "| tenant | weight | users | tokens/s | token share | weight share | share / weight | "
-              "verify p50 / p99 (ms) | 429 |", "|---|---|---|---|---|---|---|---|---|"]
+              "Token share = tokens served to the tenant / all tokens served, over the seconds of the window "
+              "in which the verifier had a full batch waiting in every sample (also the second before and after)"
+              + (f" ({nsat} s)" if nsat is not None else " (no verifier samples: the whole window)")
+              + "; weights decide only then.", "",
+              "| tenant | weight | users | tokens/s | token share (whole window) | token share (backlogged) | "
+              "weight share | share / weight | verify p50 / p99 (ms) | 429 |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for t, v in s["tenants"].items():
         lines.append(f"| {t} | {v['weight']:g} | {v['user_share']:.0%} | {_f(v['tokens_per_s'])} | "
+                     f"{v['token_share_window']:.3f} | "
                      f"{v['token_share']:.3f} | {v['weight_share']:.3f} | {v['share_over_weight']:.2f} | "
                      f"{_f(v['verify_p50_ms'], 0)} / {_f(v['verify_p99_ms'], 0)} | {v['shed']:g} |")
     lines += ["", "## Checks", ""]
@@ -336,8 +367,10 @@ def plots(out: Path, s: dict, history: list[dict], counters: dict, t0: float) ->
         ax2 = ax.twinx()
         ax2.plot([int(r["Timestamp"]) - t0 for r in agg], [int(r["User Count"]) for r in agg], "k--", label="users")
         ax2.set_ylabel("users")
-    for lo_hi in (s["window_s"],):
-        ax.axvspan(lo_hi[0], lo_hi[1], color="grey", alpha=0.1, label="steady state")
+    ax.axvspan(s["window_s"][0], s["window_s"][1], color="grey", alpha=0.1, label="steady state")
+    for e in s["server"].get("events", []):
+        if e.get("event") == "kill_verifier":
+            ax.axvline(e["t"] - t0, color="red", label="verifier replica killed")
     ax.set_xlabel("s since start")
     ax.set_ylabel("tokens/s served")
     ax.set_title(f"{s['scenario']}: {s['run']['users']} users, {s['target']} target")

@@ -1,0 +1,105 @@
+"""Report arithmetic and checks on hand-made Locust output (no Locust, no Ray)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from loadtests.config import LoadTestConfig, scenario
+from loadtests.report import held, merge_counters, percentile, steady_window, summarize
+from loadtests.run import parse_duration
+
+T0 = 1_000_000.0
+
+
+def test_percentile_nearest_rank():
+    v = list(range(1, 101))
+    assert percentile(v, 50) == 50
+    assert percentile(v, 99) == 99
+    assert percentile(v, 100) == 100
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) != percentile([], 50)  # NaN
+
+
+@pytest.mark.parametrize("text,seconds", [("60s", 60), ("2m", 120), ("1m30s", 90), ("45", 45), ("1h", 3600)])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["abc", "10x", "5m3"])
+def test_parse_duration_rejects(bad):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_duration(bad)
+
+
+def test_steady_window_starts_after_spawn_and_warmup():
+    hist = [{"Name": "Aggregated", "Timestamp": str(int(T0) + i), "User Count": str(min(10 * i, 40))}
+            for i in range(20)]
+    lo, hi = steady_window(hist, 40, 2.0, (0, 0))
+    assert lo == T0 + 4 + 2.0 and hi == T0 + 19 - 2.0
+    assert steady_window([], 40, 2.0, (1.0, 2.0)) == (1.0, 2.0)
+
+
+def _counters(path, tenants: dict[str, dict], per_second: dict[str, int]):
+    fields = {"generations": 10, "finished": 10, "opens": 10, "reopens": 0, "closes": 10, "superseded": 0,
+              "verifies": 100, "tokens": 300, "accepted": 200, "drafted": 1600, "hits": 200, "expected": 210.0,
+              "accept_mismatch": 0, "diverged": 0, "shed": 0, "unavailable": 0, "errors": 0, "unclosed": 0}
+    data = {"pid": 1, "tenants": {t: {**fields, **over} for t, over in tenants.items()}, "shed_reasons": {},
+            "error_kinds": {}, "tokens_by_second": {str(int(T0) + s): dict(per_second) for s in range(5, 30)},
+            "verify_ms": {t: [10.0] * 50 + [900.0] for t in tenants},
+            "verify_at": {t: [T0 + 10] * 51 for t in tenants}, "shed_ms": []}
+    path.write_text(json.dumps(data))
+
+
+def _meta():
+    return {"users": 40, "spawn_rate": 40, "duration_s": 30, "processes": 1, "host": "http://x",
+            "started_app": False, "locust_started": T0, "locust_ended": T0 + 30, "kill_sent_at": None}
+
+
+def test_fair_shares_pass_and_unfair_shares_fail(tmp_path):
+    cfg = scenario("smoke")
+    _counters(tmp_path / "counters.json", {"gold": {}, "bronze": {}}, {"gold": 75, "bronze": 25})
+    s = summarize(tmp_path, cfg, _meta(), None)
+    assert s["tenants"]["gold"]["token_share"] == pytest.approx(0.75)
+    assert s["tenants"]["bronze"]["share_over_weight"] == pytest.approx(1.0)
+    assert all(c["ok"] for c in s["checks"]), s["checks"]
+    assert s["verify_ms_window"]["p99"] == 900.0 and s["verify_ms_window"]["p50"] == 10.0
+
+    _counters(tmp_path / "counters.json", {"gold": {}, "bronze": {}}, {"gold": 50, "bronze": 50})
+    s = summarize(tmp_path, cfg, _meta(), None)
+    bad = [c["name"] for c in s["checks"] if not c["ok"]]
+    assert bad == ["per-tenant token share within 20% of weight share"]
+
+
+def test_errors_and_unclosed_sessions_fail_the_checks(tmp_path):
+    cfg = LoadTestConfig(name="x", app=scenario("ramp").app)
+    _counters(tmp_path / "counters.json", {"default": {"closes": 9, "errors": 1}}, {"default": 10})
+    s = summarize(tmp_path, cfg, _meta(), None)
+    failed = {c["name"] for c in s["checks"] if not c["ok"]}
+    assert failed == {"no errors other than 429", "every session closed"}
+    assert s["sessions"]["unclosed"] == 1
+    assert not held(s)
+
+
+def test_counters_of_several_processes_add_up(tmp_path):
+    _counters(tmp_path / "a.json", {"default": {}}, {"default": 3})
+    _counters(tmp_path / "b.json", {"default": {"tokens": 5}}, {"default": 4})
+    m = merge_counters([tmp_path / "a.json", tmp_path / "b.json"])
+    assert m["processes"] == 2
+    assert m["tenants"]["default"]["tokens"] == 305
+    assert m["tokens_by_second"][int(T0) + 5]["default"] == 7
+    assert len(m["verify_ms"]["default"]) == 102
+
+
+def test_the_users_take_keys_from_the_app_config():
+    cfg = scenario("tenants")
+    keys = cfg.tenant_keys()
+    from deploy.config import hash_api_key
+
+    hashed = {t.name: t.api_key_sha256 for t in cfg.app_config().router.load_tenants()}
+    assert {n: hash_api_key(k) for n, k in keys.items()} == hashed
+    assert cfg.tenant_weights() == {"gold": 3.0, "bronze": 1.0}
+    with pytest.raises(ValueError):
+        LoadTestConfig(app={"router": {"tenants": [{"name": "a", "api_key_sha256": "0" * 64}]}})
