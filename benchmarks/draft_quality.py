@@ -53,25 +53,31 @@ def mtbench_questions(cache: Path) -> list[dict]:
 
 
 @torch.inference_mode()
-def forward_ms(model, kv_len: int, new: int, repeats: int) -> float:
-    """Median ms of a forward of ``new`` tokens behind a ``kv_len``-token KV cache (batch 1)."""
+def forward_ms(models: dict, kv_len: int, new: int, repeats: int) -> dict[str, float]:
+    """Median ms of a forward of ``new`` tokens behind a ``kv_len``-token KV cache (batch 1).
+
+    The models' forwards are interleaved, so that a shared machine's load hits them alike.
+    """
     from transformers import DynamicCache
 
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 40000, (1, kv_len), generator=g)
     x = torch.randint(100, 40000, (1, new), generator=g)
-    cache = DynamicCache()
-    model(input_ids=ctx, past_key_values=cache, use_cache=True)
     pos = torch.arange(kv_len, kv_len + new)[None]
-    times = []
+    caches = {}
+    for name, m in models.items():
+        caches[name] = DynamicCache()
+        m(input_ids=ctx, past_key_values=caches[name], use_cache=True)
+    times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(repeats + 2):
-        t0 = time.perf_counter()
-        model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
-        dt = time.perf_counter() - t0
-        cache.crop(-new)  # drop the timed tokens again
-        if i >= 2:  # warm-up
-            times.append(dt * 1e3)
-    return statistics.median(times)
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            m(input_ids=x, position_ids=pos, past_key_values=caches[name], use_cache=True)
+            dt = time.perf_counter() - t0
+            caches[name].crop(-new)  # drop the timed tokens again
+            if i >= 2:  # warm-up
+                times[name].append(dt * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # -- agreement --------------------------------------------------------------------------
@@ -246,7 +252,7 @@ def main(argv=None) -> None:
     from edge_agent.draft_model import load_draft
 
     skip = set(filter(None, args.skip.split(",")))
-    report: dict = {"artifact": str(args.artifact), "threads": args.threads}
+    report: dict = {"artifact": str(args.artifact), "threads": args.threads, "loadavg_start": os.getloadavg()}
     draft = load_draft(artifact=args.artifact, dtype=args.draft_dtype)
     meta = getattr(draft, "draft_meta", {})
     report["draft"] = {k: meta.get(k) for k in ("source_layers", "draft_vocab_size", "train_tokens", "heldout")}
@@ -255,8 +261,8 @@ def main(argv=None) -> None:
         draft_bf16 = load_draft(artifact=args.artifact, dtype="bfloat16")
         cost = {}
         for new in (1, 32):
-            t_ms = forward_ms(target_bf16, 256, new, args.repeats)
-            d_ms = forward_ms(draft_bf16, 256, new, args.repeats)
+            ms = forward_ms({"target": target_bf16, "draft": draft_bf16}, 256, new, args.repeats)
+            t_ms, d_ms = ms["target"], ms["draft"]
             cost[f"kv256_new{new}"] = {"target_ms": t_ms, "draft_ms": d_ms, "ratio": d_ms / t_ms}
             print(f"cost kv=256 new={new}: target {t_ms:.1f} ms, draft {d_ms:.1f} ms, ratio {d_ms / t_ms:.3f}",
                   flush=True)
@@ -279,6 +285,7 @@ def main(argv=None) -> None:
         report["tree_acceptance"] = acc
         print(f"tree acceptance ({args.nodes} nodes): {acc['mean_tokens_per_round']:.2f} tokens/round, "
               f"{acc['draft_forwards_per_round']:.1f} draft forwards/round", flush=True)
+    report["loadavg_end"] = os.getloadavg()  # a shared machine's load skews every time above
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -341,6 +341,7 @@ def stage_train(args) -> None:
                 state[k.replace(f"model.layers.{src}.", f"model.layers.{i}.")] = v
     state["model.norm.weight"] = sd["model.norm.weight"]
     draft = build_draft(target.config, sd["model.embed_tokens.weight"], vocab_map, len(layers), state)
+    tok = lm.tokenizer
     del target, lm, sd
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -395,7 +396,7 @@ def stage_train(args) -> None:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
-            run_loss += float(loss) * n
+            run_loss += float(loss.detach()) * n
             run_acc += a
             run_n += n
             if step % 25 == 0:
@@ -406,7 +407,6 @@ def stage_train(args) -> None:
     ev = evaluate()
     print(f"held-out after {step} steps, {epoch} epochs: {ev}", flush=True)
     draft.eval()
-    tok = load_model("embedded", dtype="float32").tokenizer
     meta = {
         "alias": "embedded-draft", "target": "SmolLM2-135M-Instruct", "tokenizer_fingerprint": tokenizer_fingerprint(tok),
         "source_layers": layers, "train_tokens": n_train, "heldout_tokens": n_held, "steps": step,

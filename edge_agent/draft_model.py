@@ -101,6 +101,12 @@ def save_artifact(model, path: str | Path, meta: dict, dtype: torch.dtype = torc
     return path
 
 
+def artifact_available(artifact: str | Path | None = None) -> bool:
+    """Whether the artifact (default: the committed ``embedded-draft``) and its meta exist."""
+    path = resolve_artifact(artifact)
+    return path.exists() and path.with_suffix(".json").exists()
+
+
 def resolve_artifact(artifact: str | Path | None) -> Path:
     if artifact is None:
         artifact = "embedded-draft"
@@ -140,7 +146,7 @@ def load_draft(target_dir_or_gguf: str | Path | None = None, artifact: str | Pat
     """
     from safetensors.torch import load_file
 
-    from deploy.verifier.models import resolve_device, resolve_dtype, tokenizer_fingerprint  # noqa: F401
+    from deploy.verifier.models import resolve_device, resolve_dtype
 
     path = resolve_artifact(artifact)
     tensors = load_file(str(path))
