@@ -1,0 +1,37 @@
+"""The edge agent: local draft model, tree + proactive drafting, adaptive depth, client, CLI.
+
+Python API::
+
+    from edge_agent import EdgeAgent, AgentConfig, HttpTransport, ModelDrafter
+    agent = EdgeAgent(HttpTransport(url, api_key=key), ModelDrafter(draft_model), tokenizer)
+    result = await agent.generate("Hello", {"max_tokens": 64})
+
+Modules: :mod:`~edge_agent.tree_builder` (SpecExec/Sequoia tree by cumulative
+log-prob), :mod:`~edge_agent.drafter` (model drafter with tree KV, n-gram drafter),
+:mod:`~edge_agent.drafting` (proactive drafting and reuse, SpecEdge §4.2),
+:mod:`~edge_agent.depth` (server pacing §4.3 + FlexSpec §IV-B),
+:mod:`~edge_agent.transport` (HTTP/WebSocket and in-process), :mod:`~edge_agent.agent`,
+:mod:`~edge_agent.cli`. Installs with ``pip install '.[edge]'`` (no Ray, no Serve).
+"""
+
+from __future__ import annotations
+
+_EXPORTS = {
+    "EdgeAgent": "edge_agent.agent", "AgentConfig": "edge_agent.agent", "GenerationResult": "edge_agent.agent",
+    "GenerationStats": "edge_agent.agent", "ModelDrafter": "edge_agent.drafter",
+    "NgramDrafter": "edge_agent.drafter", "NullDrafter": "edge_agent.drafter",
+    "HttpTransport": "edge_agent.transport", "LocalTransport": "edge_agent.transport",
+    "Transport": "edge_agent.transport", "TreeConfig": "edge_agent.tree_builder",
+    "DepthPolicy": "edge_agent.depth",
+}
+
+
+def __getattr__(name: str):  # lazy: `import edge_agent` stays cheap (no torch until needed)
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'edge_agent' has no attribute {name!r}")
+
+
+__all__ = list(_EXPORTS)
