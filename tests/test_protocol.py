@@ -1,0 +1,150 @@
+"""Wire protocol: binary VerifyFrame / ReplyFrame round trips and a decoder fuzz (any bytes give
+a typed 4xx error, never another exception); JSON session bodies."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from deploy.errors import InvalidRequest, PayloadTooLarge
+from deploy.protocol import (MAGIC, MAX_NODES_WIRE, VERSION, OpenSession, ReplyFrame, SessionOpened,
+                             VerifyFrame)
+
+f32 = st.floats(0, 1e6, allow_nan=False, width=32)
+
+
+@st.composite
+def verify_frames(draw) -> VerifyFrame:
+    n = draw(st.integers(0, 24))
+    chain = draw(st.booleans())
+    return VerifyFrame(
+        prefix_len=draw(st.integers(0, 2**32 - 1)),
+        tokens=draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n)),
+        parents=draw(st.lists(st.integers(-(2**15), 2**15 - 1), min_size=n, max_size=n)),
+        draft_ms=draw(f32), rtt_ms=draw(f32), depth=draw(st.integers(0, 65535)),
+        q=draw(st.lists(st.floats(0, 1, width=32), min_size=n, max_size=n)) if chain else None,
+        resampled=draw(st.none() | st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(verify_frames())
+def test_verify_frame_round_trip(frame):
+    data = frame.encode()
+    assert len(data) == 20 + 6 * len(frame.tokens) + (4 * len(frame.tokens) if frame.q is not None else 0) + (
+        4 if frame.resampled is not None else 0)
+    assert VerifyFrame.decode(data) == frame
+
+
+def test_uplink_size_is_a_few_bytes_per_node():
+    frame = VerifyFrame(prefix_len=100, tokens=list(range(32)), parents=[-1] + list(range(31)))
+    assert len(frame.encode()) == 20 + 6 * 32
+
+
+@st.composite
+def reply_frames(draw) -> ReplyFrame:
+    k = draw(st.integers(0, 16))
+    return ReplyFrame(
+        accepted=draw(st.lists(st.integers(0, 65535), max_size=24)),
+        bonus=draw(st.none() | st.integers(0, 2**32 - 1)),
+        prefix_len=draw(st.integers(0, 2**32 - 1)),
+        finished=draw(st.booleans()), finish_reason=draw(st.sampled_from([None, "stop", "length"])),
+        depth_hint=draw(st.integers(0, 255)), budget_hint=draw(st.integers(0, 65535)),
+        rejected=draw(st.booleans()),
+        reject_top_ids=draw(st.lists(st.integers(0, 2**32 - 1), min_size=k, max_size=k)),
+        reject_top_probs=draw(st.lists(st.floats(0, 1, width=32), min_size=k, max_size=k)),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(reply_frames())
+def test_reply_frame_round_trip(frame):
+    assert ReplyFrame.decode(frame.encode()) == frame
+
+
+def decode_or_typed_error(data: bytes) -> None:
+    try:
+        frame = VerifyFrame.decode(data)
+    except (InvalidRequest, PayloadTooLarge) as e:
+        assert 400 <= e.status < 500 and e.message
+        return
+    # whatever decodes is well formed and encodes back to the same bytes
+    assert len(frame.tokens) == len(frame.parents) <= MAX_NODES_WIRE
+    assert frame.encode() == data
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.binary(max_size=300))
+def test_decoder_fuzz_arbitrary_bytes(data):
+    decode_or_typed_error(data)
+
+
+@settings(max_examples=400, deadline=None)
+@given(verify_frames(), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=4),
+       st.integers(-8, 8))
+def test_decoder_fuzz_mutated_valid_frames(frame, flips, resize):
+    """Valid headers with corrupted bytes and wrong lengths reach the decoder's deeper checks."""
+    data = bytearray(frame.encode())
+    for pos, byte in flips:
+        data[pos % len(data)] = byte
+    if resize > 0:
+        data += bytes(resize)
+    elif resize < 0:
+        del data[resize:]
+    decode_or_typed_error(bytes(data))
+
+
+def head(n: int, flags: int = 0, magic: int = MAGIC, version: int = VERSION, draft_ms: float = 1.0) -> bytes:
+    return struct.pack("<HBBIHHff", magic, version, flags, 10, n, 0, draft_ms, 0.0)
+
+
+@pytest.mark.parametrize("data, err, fragment", [
+    (b"", InvalidRequest, "too short"),
+    (head(0)[:-1], InvalidRequest, "too short"),
+    (head(0, magic=0x1234), InvalidRequest, "protocol"),
+    (head(0, version=2), InvalidRequest, "protocol"),
+    (head(0, flags=8), InvalidRequest, "flags"),
+    (head(1), InvalidRequest, "implies"),  # header says 1 node, no body
+    (head(0) + b"\0", InvalidRequest, "implies"),
+    (head(MAX_NODES_WIRE + 1), PayloadTooLarge, "limit"),
+    (head(0, draft_ms=float("nan")), InvalidRequest, "finite"),
+    (head(0, draft_ms=float("inf")), InvalidRequest, "finite"),
+    (head(0, draft_ms=-1.0), InvalidRequest, "non-negative"),
+])
+def test_decoder_rejections(data, err, fragment):
+    with pytest.raises(err) as e:
+        VerifyFrame.decode(data)
+    assert fragment in e.value.message
+    assert type(e.value) is err  # the exact class, so the router maps it to the right status
+
+
+def test_decoder_rejects_non_bytes_and_oversized_trees_by_limit():
+    with pytest.raises(InvalidRequest):
+        VerifyFrame.decode("not bytes")  # type: ignore[arg-type]
+    frame = VerifyFrame(prefix_len=1, tokens=[1] * 10, parents=[-1] * 10)
+    with pytest.raises(PayloadTooLarge):
+        VerifyFrame.decode(frame.encode(), max_nodes=9)
+    assert VerifyFrame.decode(memoryview(frame.encode())) == frame
+
+
+def test_reply_decoder_rejects_malformed_frames():
+    good = ReplyFrame(accepted=[1, 2], bonus=5, prefix_len=9).encode()
+    for bad in (b"", good[:-1], good + b"\0", b"\0\0" + good[2:]):
+        with pytest.raises(InvalidRequest):
+            ReplyFrame.decode(bad)
+
+
+def test_json_bodies_validate():
+    o = OpenSession(prompt_ids=[1, 2], sampling={"temperature": 0.5})
+    assert o.mode == "tree" and o.client.draft_ms == 0.0 and o.generated_ids == []
+    for bad in ({"prompt_ids": []}, {"prompt_ids": [1], "mode": "beam"}, {"prompt_ids": [1], "extra": 1},
+                {"prompt_ids": [1], "client": {"rtt_ms": -1}}, {"prompt_ids": [1], "client": {"agent": "x" * 129}}):
+        with pytest.raises(ValidationError):
+            OpenSession(**bad)
+    s = SessionOpened(session_id="s", first_token=3, prefix_len=4, finished=False, depth_hint=4, budget_hint=32,
+                      tokenizer_fingerprint="abc", model="m")
+    assert SessionOpened.model_validate_json(s.model_dump_json()) == s
