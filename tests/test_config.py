@@ -1,0 +1,138 @@
+"""Configuration: defaults, validation of bad values, tenant key hashing, duplicates, YAML files."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deploy.config import (DEV_API_KEY, AppConfig, ModelConfig, PacingConfig, RouterConfig, ServerDraftConfig,
+                           TenantConfig, VerifierConfig, hash_api_key)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_valid_and_documented():
+    c = AppConfig()
+    assert c.target.model == "embedded" and c.target.dtype == "auto"
+    assert c.verifier.max_tree_nodes == 64 and c.verifier.pipeline_parallel_size == 1
+    assert c.route_prefix == "/"
+    # a round trip through a plain dict (what `serve run` passes as args) is lossless
+    assert AppConfig(**c.model_dump()) == c
+    for model in (ModelConfig, VerifierConfig, RouterConfig, PacingConfig, TenantConfig):
+        assert model.model_fields, model
+
+
+@pytest.mark.parametrize("section, values", [
+    ("target", {"dtype": "float64"}),
+    ("target", {"device": "tpu"}),
+    ("target", {"attn_implementation": "flash"}),
+    ("target", {"max_model_len": 8}),
+    ("verifier", {"num_replicas": 0}),
+    ("verifier", {"max_batch_sessions": 0}),
+    ("verifier", {"max_batch_sessions": 5000}),
+    ("verifier", {"batch_wait_ms": -1}),
+    ("verifier", {"max_tree_nodes": 0}),
+    ("verifier", {"max_tree_depth": 2000}),
+    ("verifier", {"kv_budget_tokens": 10}),
+    ("verifier", {"idle_timeout_s": 0}),
+    ("verifier", {"pipeline_parallel_size": 0}),
+    ("verifier", {"chain_top_k": 0}),
+    ("verifier", {"max_batch_sessions": "many"}),
+    ("verifier", {"unknown_knob": 1}),  # typos are errors, not silently ignored
+    ("router", {"max_body_bytes": 100}),
+    ("router", {"retry_after_s": 0}),
+    ("pacing", {"min_depth": 0}),
+    ("pacing", {"ema": 0}),
+    ("pacing", {"ema": 1.5}),
+    ("server_draft", {"depth": 0}),
+    ("server_draft", {"depth": 33}),
+])
+def test_bad_values_are_rejected(section, values):
+    with pytest.raises(ValidationError):
+        AppConfig(**{section: values})
+
+
+def test_unknown_top_level_key_is_rejected():
+    with pytest.raises(ValidationError):
+        AppConfig(targets={})
+
+
+def test_plain_api_keys_are_hashed_and_dropped():
+    t = TenantConfig(name="acme", api_key="a-long-secret")
+    assert t.api_key is None
+    assert t.api_key_sha256 == hashlib.sha256(b"a-long-secret").hexdigest() == hash_api_key("a-long-secret")
+    assert "a-long-secret" not in t.model_dump_json()
+    h = hash_api_key("other-secret")
+    assert TenantConfig(name="b", api_key_sha256=h).api_key_sha256 == h
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"name": "acme"},  # no key at all
+    {"name": "acme", "api_key": "a-long-secret", "api_key_sha256": "0" * 64},  # both
+    {"name": "acme", "api_key": "short"},
+    {"name": "acme", "api_key_sha256": "xyz"},
+    {"name": "acme", "api_key_sha256": "A" * 64},  # hex digests are lower case
+    {"name": "", "api_key": "a-long-secret"},
+    {"name": "bad name", "api_key": "a-long-secret"},
+    {"name": "x" * 65, "api_key": "a-long-secret"},
+    {"name": "acme", "api_key": "a-long-secret", "weight": 0},
+    {"name": "acme", "api_key": "a-long-secret", "max_sessions": 0},
+    {"name": "acme", "api_key": "a-long-secret", "tokens_per_second": -1},
+])
+def test_bad_tenants_are_rejected(kwargs):
+    with pytest.raises(ValidationError):
+        TenantConfig(**kwargs)
+
+
+def test_duplicate_tenant_names_are_rejected():
+    with pytest.raises(ValidationError, match="unique"):
+        RouterConfig(tenants=[{"name": "a", "api_key": "key-one-xx"}, {"name": "a", "api_key": "key-two-xx"}])
+
+
+def test_tenants_file_and_dev_fallback(tmp_path):
+    assert [(t.name, t.api_key_sha256) for t in RouterConfig().load_tenants()] == [("dev", hash_api_key(DEV_API_KEY))]
+    f = tmp_path / "tenants.yaml"
+    f.write_text(yaml.safe_dump({"tenants": [{"name": "file-tenant", "api_key": "file-secret-1", "weight": 2}]}))
+    r = RouterConfig(tenants_file=str(f), tenants=[{"name": "inline", "api_key": "inline-secret"}])
+    tenants = r.load_tenants()
+    assert [t.name for t in tenants] == ["inline", "file-tenant"]
+    assert tenants[1].weight == 2 and tenants[1].api_key is None
+    f.write_text(yaml.safe_dump({"tenants": [{"name": "bad", "api_key": "x"}]}))
+    with pytest.raises(ValidationError):
+        RouterConfig(tenants_file=str(f)).load_tenants()
+
+
+def test_from_yaml(tmp_path):
+    f = tmp_path / "app.yaml"
+    f.write_text(yaml.safe_dump({"target": {"model": "tiny-random", "dtype": "float32"},
+                                 "verifier": {"max_tree_nodes": 32}}))
+    c = AppConfig.from_yaml(f)
+    assert c.target.model == "tiny-random" and c.verifier.max_tree_nodes == 32
+    f.write_text("")
+    assert AppConfig.from_yaml(f) == AppConfig()
+    f.write_text(yaml.safe_dump({"verifier": {"max_tree_nodes": -1}}))
+    with pytest.raises(ValidationError):
+        AppConfig.from_yaml(f)
+
+
+def test_shipped_serve_config_validates():
+    """`serve run deploy/config.yaml`: every application's args are a valid AppConfig."""
+    path = REPO / "deploy" / "config.yaml"
+    if not path.exists():
+        pytest.skip("deploy/config.yaml not present in this checkout")
+    data = yaml.safe_load(path.read_text())
+    apps = data["applications"]
+    assert apps and all(a["import_path"] == "deploy:build_app" for a in apps)
+    for app in apps:
+        AppConfig(**(app.get("args") or {}))
+
+
+def test_server_draft_model_is_a_model_config():
+    c = ServerDraftConfig(model={"model": "tiny-random", "seed": 3})
+    assert isinstance(c.model, ModelConfig) and c.model.seed == 3
+    with pytest.raises(ValidationError):
+        ServerDraftConfig(model={"model": "x", "bogus": 1})
