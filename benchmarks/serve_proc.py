@@ -3,7 +3,7 @@
 Started by :mod:`benchmarks.run` as ``taskset -c 0 python -m benchmarks.serve_proc
 --config cfg.json --port P``. A local Ray with one CPU (``ray.init(address="local",
 num_cpus=1)``; every Ray process it spawns inherits the core-0 affinity), Serve's HTTP
-proxy on 127.0.0.1:P, ``deploy.app.build_app(cfg)`` deployed, then it blocks until
+proxy on 127.0.0.1:P, ``deploy.application.build_app(cfg)`` deployed, then it blocks until
 SIGTERM/SIGINT and shuts Serve and Ray down. Prints ``READY`` once the app is up.
 """
 
@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     import ray
     from ray import serve
 
-    from deploy.app import build_app
+    from deploy.application import build_app
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -2,7 +2,7 @@
 
 One :class:`LoadTestConfig` holds both sides, so the simulated users take their tenants
 and API keys from the very ``app.router.tenants`` the server is built with
-(:func:`deploy.app.build_app` gets ``app`` verbatim). A YAML file of this shape can be
+(:func:`deploy.application.build_app` gets ``app`` verbatim). A YAML file of this shape can be
 passed with ``--config``; the named scenarios below are built in.
 
 Targets: ``tiny`` is a 2-layer random-weight Llama (vocabulary 512, fp32) so that thousands

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from deploy.app import build_app
+    from deploy.application import build_app
 
     app_args = json.loads(Path(args.config).read_text())
     stop = {"flag": False}

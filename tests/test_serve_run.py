@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from deploy.app import build_app
+from deploy.application import build_app
 from deploy.config import AppConfig
 from deploy.protocol import ReplyFrame, VerifyFrame
 

@@ -323,12 +323,15 @@ class Verifier(VerifierCore):
     def __init__(self, config: dict):
         cfg = AppConfig(**config)
         tag = serve.get_replica_context().replica_id.unique_id
-        runner = None
-        if cfg.verifier.pipeline_parallel_size > 1:
+        runner = loaded = None
+        vc = cfg.verifier
+        if vc.pipeline_parallel_size > 1:  # stages load their own layer slices; the replica holds no weights
             from deploy.verifier.pipeline import build_runner
 
-            runner = build_runner(cfg.target, cfg.verifier.pipeline_parallel_size)
-        super().__init__(cfg, replica_tag=tag, runner=runner)
+            runner = build_runner(cfg.target, vc.pipeline_parallel_size, cpus_per_stage=vc.num_cpus,
+                                  gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads)
+            loaded = runner.loaded
+        super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)
 
     def record_routing_stats(self) -> dict:
         return {"sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),

@@ -8,7 +8,7 @@ import random
 import pytest
 from ray import serve
 
-from deploy.app import build_app
+from deploy.application import build_app
 from deploy.errors import Unauthorized
 from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode

@@ -131,7 +131,7 @@ def serve_builder():
     """Ray Serve's own builder (what `serve build`/`serve deploy` run on an import path)."""
     from ray.serve._private.build_app import build_app as serve_build
 
-    from deploy.app import build_app
+    from deploy.application import build_app
 
     def build(app_cfg: dict):
         return serve_build(build_app(app_cfg["args"]), name=app_cfg["name"])

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
 
-from deploy.app import build_app
+from deploy.application import build_app
 from deploy.protocol import VerifyFrame
 from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
