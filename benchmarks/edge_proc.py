@@ -32,7 +32,9 @@ import torch
 EDGE_MODES = {  # benchmark mode -> (agent mode, depth policy)
     "edge_stop_wait": ("stop-and-wait", "fixed"),
     "edge_proactive": ("proactive", "fixed"),
-    "edge_full": ("proactive", "server"),
+    # pipeline-aware: the verifier's pacing hint bounds the depth (SpecEdge §4.3), FlexSpec's
+    # rule picks below it from measured acceptance and RTT (the agent's default policy, "auto")
+    "edge_full": ("proactive", "auto"),
 }
 SERVER_MODES = {"server_ar": "ar", "server_sd": "sd"}
 

@@ -26,8 +26,9 @@ def plot_all(rows: list[dict], out_dir: Path, run_id: str) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
     paths = {}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     for ax, (y, label) in zip(axes, [("server_tokens_per_busy_s", "tokens / verifier-busy second"),
+                                     ("server_tokens_per_cpu_s", "tokens / server CPU second"),
                                      ("server_tokens_per_s", "tokens / wall second"),
                                      ("itl_ms_mean", "mean inter-token latency (ms)")]):
         for mode, (xs, ys) in _series(rows, "rtt_ms", "sessions", y).items():

@@ -91,10 +91,12 @@ PLANS = {
     # a wiring check for `make test`: tiny random target, one prompt per configuration
     "smoke": Plan("smoke", "tiny-random", "tiny-random", rtts=[15], rtt_sessions=2, sessions=[2],
                   sessions_rtt=15, prompts=1, max_tokens=12, depth=2, warmup_tokens=0),
-    "quick": Plan("quick", "embedded", "auto", rtts=[0, 50], rtt_sessions=2, sessions=[1, 2], sessions_rtt=50,
-                  prompts=2, max_tokens=32, depth=3),
+    "quick": Plan("quick", "embedded", "auto", rtts=[0, 50], rtt_sessions=1, sessions=[1, 2], sessions_rtt=50,
+                  prompts=2, max_tokens=24, depth=3),
+    # sized for ~40-60 min on the shared 2-core machine (30 configurations)
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
-                 sessions_rtt=15, prompts=16, max_tokens=64, depth=None),
+                 sessions_rtt=15, prompts=6, max_tokens=32, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
+                 calib_tokens=32),
 }
 
 
@@ -600,8 +602,7 @@ def main(argv=None) -> int:
     sampler = LoadSampler()
     sampler.start()
     draft = resolve_draft(plan.draft)
-    max_s = max(plan.configs(), key=lambda c: c[1])[1]
-    n_prompts = max(plan.prompts, max_s)
+    n_prompts = max(s * math.ceil(plan.prompts / s) for _, s in plan.configs())
     prompts, prompt_names = prompt_ids(plan, n_prompts)
     log(f"plan {name}: target={plan.target} draft={draft} configs={plan.configs()} modes={plan.modes} "
         f"prompts/config=max({plan.prompts}, sessions) max_tokens={plan.max_tokens}; logs in {workdir}")
@@ -634,8 +635,7 @@ def main(argv=None) -> int:
         from benchmarks.metrics import row
 
         for rtt, sessions in plan.configs():
-            n = max(plan.prompts, sessions)
-            n -= n % sessions
+            n = sessions * math.ceil(plan.prompts / sessions)  # the same share for every session
             ps = prompts[:n]
             for mode in plan.modes:
                 res, extra = run_config(server, edge, plan, mode, rtt, sessions, ps, depth, workdir,
@@ -667,7 +667,8 @@ def main(argv=None) -> int:
         "fixed_depth": depth, "depth_calibration": calib, "tree_budget": plan.budget, "topk": plan.topk,
         "rtt_sweep_ms": plan.rtts, "rtt_sweep_sessions": plan.rtt_sessions, "sessions_sweep": plan.sessions,
         "sessions_sweep_rtt_ms": plan.sessions_rtt, "bandwidth_mbps": plan.mbps or "unlimited",
-        "prompts_per_config": f"max({plan.prompts}, sessions), alternating MT-Bench turn 1 / HumanEval",
+        "prompts_per_config": f"{plan.prompts} rounded up to a multiple of the sessions, alternating MT-Bench "
+                              "turn 1 / HumanEval (the first ones of each set)",
         "prompt_ids": prompt_names, "max_tokens": plan.max_tokens, "sampling": "greedy, ignore_eos",
         "cores": f"verifier+router on core {SERVER_CORE} (taskset, 1 torch thread); edge agents on core "
                  f"{EDGE_CORE} (taskset, 1 torch thread, one asyncio task + one draft thread per session); "
