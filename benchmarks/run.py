@@ -95,8 +95,8 @@ PLANS = {
                   prompts=2, max_tokens=24, depth=3),
     # sized for ~40-60 min on the shared 2-core machine (30 configurations)
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
-                 sessions_rtt=15, prompts=6, max_tokens=32, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
-                 calib_tokens=32),
+                 sessions_rtt=15, prompts=4, max_tokens=24, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
+                 calib_tokens=24),
 }
 
 
@@ -620,6 +620,7 @@ def main(argv=None) -> int:
     server = Server(app_config(plan, draft, depth), workdir, args.nice)
     edge = None
     rows, extras = [], []
+    complete, failure = False, None
     try:
         edge = EdgeWorker(workdir, args.nice)
         init = edge.call({"op": "init", "draft": draft, "tokenizer": not plan.target.startswith("tiny"),
@@ -647,10 +648,15 @@ def main(argv=None) -> int:
                 rows.append(r)
                 extras.append({"mode": mode, "rtt_ms": rtt, "sessions": sessions, **extra,
                                **{k: v for k, v in res.items() if k not in ("itl", "ok")}})
+                (workdir / "rows.partial.json").write_text(json.dumps(rows, default=float))
                 log(f"{mode:15s} rtt={rtt:5.0f} S={sessions:2d}: {r['server_tokens_per_busy_s']:.1f} tok/busy-s, "
                     f"{r['server_tokens_per_s']:.1f} tok/s, ITL {r['itl_ms_mean']:.1f}/{r['itl_ms_p99']:.1f} ms, "
                     f"{r['tokens_per_verify']:.2f} tok/verify, util {r['verifier_utilisation']:.2f}, "
                     f"load {extra['noise']['loadavg_1m'][1]:.1f}")
+        complete = True
+    except (Exception, KeyboardInterrupt) as e:  # keep what was measured; no latest.json
+        failure = e
+        log(f"run stopped early ({type(e).__name__}: {e}); writing the {len(rows)} rows measured so far")
     finally:
         if edge is not None:
             edge.stop()
@@ -660,7 +666,7 @@ def main(argv=None) -> int:
     draft_note = {"embedded-draft": "the project's trained draft (edge_agent/artifacts/embedded-draft)",
                   "ngram": "n-gram prompt lookup (no trained draft artifact was available)"}.get(draft, draft)
     conditions = {
-        "run": run_id, "plan": name, "target": plan.target + (" (SmolLM2-135M-Instruct, bf16)"
+        "run": run_id, "plan": name, "complete": complete, "target": plan.target + (" (SmolLM2-135M-Instruct, bf16)"
                                                               if plan.target == "embedded" else ""),
         "draft": draft, "draft_note": draft_note,
         "server_side_drafter": "prompt lookup (chain)" if draft == "ngram" else f"{draft} tree drafter on core 0",
@@ -684,12 +690,14 @@ def main(argv=None) -> int:
         "headline": {f"rtt{int(r)}_s{s}": ratios(rows, r, s) for r, s in plan.configs()},
     }
     paths = write_results(run_id, conditions, rows, extras, out_dir,
-                          latest=(name == "full" and not args.no_latest))
+                          latest=(name == "full" and not args.no_latest and complete))
     print()
     print(markdown_table(rows))
     print()
     log("wrote " + ", ".join(str(p) for p in paths.values()))
     log(f"done in {(time.time() - t_start) / 60:.1f} min")
+    if failure is not None:
+        raise SystemExit(f"incomplete run: {failure!r}")
     return 0
 
 
