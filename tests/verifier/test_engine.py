@@ -32,10 +32,10 @@ LOGIT_TOL = 1e-3  # fp32: tree forwards vs one-token forwards, far below typical
 
 # -- helpers shared with the embedded-model tests ----------------------------------------
 def random_tree(rng: random.Random, truth: list[int], vocab: int, max_size: int = 64, max_depth: int = 12,
-                allow_empty: bool = True) -> DraftTree:
+                allow_empty: bool = True, min_size: int | None = None) -> DraftTree:
     """A random tree (size <= max_size, depth <= a random cap <= max_depth) that usually holds a
     prefix of ``truth`` (the target's own continuation) along one random path, among random branches."""
-    size = rng.randint(0 if allow_empty else 1, max_size)
+    size = rng.randint(min_size if min_size is not None else (0 if allow_empty else 1), max_size)
     cap = rng.randint(1, max_depth)
     parents: list[int] = []
     depths: list[int] = []
