@@ -28,19 +28,21 @@ KEY = "specedge-dev-key"
 PROMPT = "Explain in three sentences why the sky is blue."
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> dict:
+    """Wait until the router answers and the verifier behind it has loaded the target."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             sys.exit(f"serve run exited early (code {proc.returncode}); last log lines:\n"
                      + log.read_text()[-3000:])
         try:
-            if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
-                return
+            r = httpx.get(f"{url}/v1/model", timeout=30)
+            if r.status_code == 200:
+                return r.json()
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    sys.exit(f"the server did not become healthy in {timeout:.0f} s; see {log}")
+    sys.exit(f"the server did not become ready in {timeout:.0f} s; see {log}")
 
 
 def _draft_choice() -> str:
@@ -72,9 +74,8 @@ def main(argv=None) -> int:
         proc = subprocess.Popen([str(BIN / "serve"), "run", "deploy.app"], cwd=REPO, env=env, stdout=logf,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_healthy(url, proc, log)
-        print(f"[demo] server healthy after {time.time() - t0:.1f} s: {httpx.get(f'{url}/v1/model').json()}",
-              flush=True)
+        info = _wait_ready(url, proc, log)
+        print(f"[demo] server ready after {time.time() - t0:.1f} s: {info}", flush=True)
         draft = _draft_choice()
         cmd = [str(BIN / "edge-agent"), "generate", "--server", url, "--api-key", KEY, "--chat",
                "--draft", draft, "--max-tokens", str(args.max_tokens), "--prompt", args.prompt]
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
             return rc
         print("\n[demo] the same prompt, server-only autoregressive decoding (/v1/chat/completions):", flush=True)
         t1 = time.time()
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=300, headers={"Authorization": f"Bearer {KEY}"},
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=600, headers={"Authorization": f"Bearer {KEY}"},
                        json={"messages": [{"role": "user", "content": args.prompt}], "temperature": 0,
                              "max_tokens": args.max_tokens})
         r.raise_for_status()

@@ -247,6 +247,7 @@ class Router:
         ids, finish, stats = [], None, {}
         async for new, finish, stats in gen:
             ids.extend(new)
+        stats = {**stats, "token_ids": ids}
         text = tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
         return oai.completion_response(info["model"], text, ids, len(prompt), finish, chat, stats)
 

@@ -28,7 +28,7 @@ def parse_completion(body: dict, tokenizer, chat: bool) -> tuple[list[int], dict
         if tokenizer is None:
             raise InvalidRequest("this deployment's target has no tokenizer; use /v1/sessions with token ids")
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
     else:
         prompt = body.get("prompt")
