@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -131,7 +130,6 @@ def _app(target: str, **verifier) -> dict:
             "server_draft": {"enabled": False}}
 
 
-Scenario = Literal["ramp", "tenants", "burst", "kill", "smoke"]
 SCENARIOS: tuple[str, ...] = ("ramp", "tenants", "burst", "kill", "smoke")
 
 

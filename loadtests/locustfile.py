@@ -14,7 +14,7 @@ hints unless the config fixes them. Protocol outcomes a real edge handles are no
 Run only as its own process(es) (``python -m loadtests.run`` does): gevent's monkey
 patching and Ray in one process hang. Needs ``--loadtest-config FILE`` (written by
 :func:`loadtests.workload.write_user_config`) and writes its counters to
-``--loadtest-out FILE`` when the process quits.
+``--loadtest-out FILE.<pid>`` when the process quits.
 """
 
 from __future__ import annotations
@@ -96,8 +96,7 @@ def _stopping(**_):
 def _write(environment, **_):
     out = environment.parsed_options.loadtest_out if environment.parsed_options else ""
     if out:
-        path = out if not os.environ.get("LOCUST_PROCESSES_CHILD") else f"{out}.{os.getpid()}"
-        with open(path, "w") as f:
+        with open(f"{out}.{os.getpid()}", "w") as f:  # one file per process (--processes forks several)
             json.dump(STATS.dump(), f)
 
 
@@ -107,10 +106,6 @@ def _pick_tenant() -> str:
     t = min(shares, key=lambda n: (_assigned[n] + 1) / shares[n])
     _assigned[t] += 1
     return t
-
-
-class Failed(Exception):
-    pass
 
 
 class EdgeUser(FastHttpUser):
@@ -253,7 +248,7 @@ class EdgeUser(FastHttpUser):
                 s.add(self.tenant, "accepted", len(rep.accepted))
                 s.add(self.tenant, "drafted", len(tokens))
                 s.add(self.tenant, "hits", hits)
-                s.add(self.tenant, "expected", expected_accepted(self.model, depth, len(rest)))
+                s.add(self.tenant, "expected", expected_accepted(self.model, depth, len(rest), nodes))
                 s.verify_ms[self.tenant].append(ms)
                 s.verify_at[self.tenant].append(now)
                 self._count_tokens(len(new))

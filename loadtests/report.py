@@ -300,7 +300,8 @@ def markdown(s: dict) -> str:
         f"{lim['batch_wait_ms']}, max_tree_nodes {lim['max_tree_nodes']}, torch threads {lim['torch_threads']}, "
         f"router max_pending_verifies {lim['router_max_pending_verifies']}.",
         f"- **Users**: {run['users']} (spawn {run['spawn_rate']:g}/s, {run['duration_s']:g} s, "
-        f"{s['locust_processes']} Locust process(es), app {'started by the run' if run['started_app'] else 'at ' + run['host']}); "
+        f"{s['locust_processes']} Locust process(es), app "
+        f"{'started by the run' if run['started_app'] else 'at ' + run['host']}); "
         f"draft {um['draft_ms']:g} ms/forward, RTT {um['rtt_ms']:g} ms (±{um['jitter']:.0%}), "
         f"acceptance alpha={um['alpha']:g} sibling={um['sibling_alpha']:g}, depth "
         f"{um['depth'] or 'server hint'}, nodes {um['nodes'] or 'server hint'}, {um['max_tokens']} tokens per "
@@ -362,7 +363,8 @@ def plots(out: Path, s: dict, history: list[dict], counters: dict, t0: float) ->
     secs = sorted(counters["tokens_by_second"])
     fig, ax = plt.subplots(figsize=(8, 4))
     for t in s["tenants"]:
-        ax.plot([x - t0 for x in secs], [counters["tokens_by_second"][x].get(t, 0) for x in secs], label=f"{t} tokens/s")
+        ax.plot([x - t0 for x in secs], [counters["tokens_by_second"][x].get(t, 0) for x in secs],
+                label=f"{t} tokens/s")
     if agg:
         ax2 = ax.twinx()
         ax2.plot([int(r["Timestamp"]) - t0 for r in agg], [int(r["User Count"]) for r in agg], "k--", label="users")

@@ -110,7 +110,7 @@ def model_info(url: str, key: str) -> dict:
 
 
 def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, duration: float, out: Path,
-               users_file: Path, processes: int, server: subprocess.Popen | None, stop_timeout: float) -> dict:
+               users_file: Path, server: subprocess.Popen | None, stop_timeout: float) -> dict:
     """One headless Locust run; returns timing facts for the report."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
@@ -119,11 +119,7 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
            "--stop-timeout", str(int(stop_timeout)), "--exit-code-on-error", "0",
            "--loadtest-config", str(users_file),
            "--loadtest-out", str(out / "counters.json")]
-    if processes > 1:
-        cmd += ["--processes", str(processes)]
     env = _child_env()
-    if processes > 1:
-        env["LOCUST_PROCESSES_CHILD"] = "1"
     t0 = time.time()
     with open(out / "locust.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -158,14 +154,16 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="a LoadTestConfig YAML instead of a built-in scenario")
     ap.add_argument("--host", help="target an app already serving (built from the same config)")
     ap.add_argument("--out", help="output folder (default .cache/loadtests/<scenario>-<time>)")
-    ap.add_argument("--processes", type=int, default=1, help="Locust processes (--processes of locust)")
-    ap.add_argument("--stop-timeout", type=float, default=20.0, help="seconds users get to close their sessions")
+    ap.add_argument("--stop-timeout", type=float, default=None,
+                    help="seconds users get to close their sessions (default: the request timeout + 10 s)")
     ap.add_argument("--kill-at", type=float, help="kill scenario: seconds into the run (default: the scenario's)")
     ap.add_argument("--print-app-config", action="store_true", help="print the app's build_app args and exit")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the report's checks pass")
     args = ap.parse_args(argv)
 
     cfg = LoadTestConfig.from_yaml(args.config) if args.config else scenario(args.scenario, args.target)
+    if args.stop_timeout is None:  # a user waiting on a request when the run ends still closes its session
+        args.stop_timeout = cfg.user.network_timeout_s + 10.0
     if args.kill_at is not None:
         cfg = cfg.model_copy(update={"kill_verifier_at_s": args.kill_at})
     if args.print_app_config:
@@ -195,12 +193,12 @@ def main(argv=None) -> int:
             sub = out if len(args.users) == 1 else out / f"users-{users}"
             print(f"[loadtests] {users} users, spawn rate {args.spawn_rate:g}/s, {args.duration:g} s ...",
                   flush=True)
-            timing = run_locust(cfg, url, users, args.spawn_rate, args.duration, sub, out / "users.json",
-                                args.processes, server, args.stop_timeout)
+            timing = run_locust(cfg, url, users, args.spawn_rate, args.duration, sub, out / "users.json", server,
+                                args.stop_timeout)
             if server is not None and server.poll() is not None:
                 print("[loadtests] WARNING: the app process died during the run", flush=True)
             meta = {"users": users, "spawn_rate": args.spawn_rate, "duration_s": args.duration,
-                    "processes": args.processes, "host": url, "started_app": server is not None,
+                    "processes": 1, "host": url, "started_app": server is not None,
                     "server_model": info, **timing}
             summary = report.write_report(sub, cfg, meta, out / "server_stats.json" if server else None)
             results.append(summary)

@@ -43,11 +43,32 @@ class AcceptanceModel:
         return self.alpha + (1.0 - self.alpha) * self.sibling_alpha
 
 
-def expected_accepted(model: AcceptanceModel, depth: int, truth_left: int | None = None) -> float:
-    """E[accepted nodes] of one tree of ``depth`` levels: ``sum_{i=1..D} p^i``."""
+def expected_accepted(model: AcceptanceModel, depth: int, truth_left: int | None = None,
+                      budget: int | None = None) -> float:
+    """E[accepted nodes] of one tree of ``depth`` levels: ``sum_{i=1..D} p^i``.
+
+    With a node ``budget``, a second guess needs a spare node (``budget - depth`` of them),
+    so levels past the spare nodes hit with ``alpha`` alone; computed exactly over the
+    number of spare nodes used so far.
+    """
     d = depth if truth_left is None else min(depth, truth_left)
-    p = model.level_hit
-    return sum(p ** i for i in range(1, d + 1))
+    if budget is None:
+        p = model.level_hit
+        return sum(p ** i for i in range(1, d + 1))
+    d = min(d, budget)
+    spare = budget - min(depth, budget)
+    a, s = model.alpha, model.sibling_alpha
+    dist = {spare: 1.0}  # spare nodes left -> P(still on the target's path)
+    total = 0.0
+    for _ in range(d):
+        nxt: dict[int, float] = {}
+        for left, pr in dist.items():
+            nxt[left] = nxt.get(left, 0.0) + pr * a
+            if left > 0:
+                nxt[left - 1] = nxt.get(left - 1, 0.0) + pr * (1 - a) * s
+        dist = nxt
+        total += sum(dist.values())
+    return total
 
 
 def _wrong(truth_tok: int | None, vocab: int, rng: random.Random, low: int) -> int:

@@ -74,3 +74,17 @@ def test_bad_probabilities_are_rejected():
         AcceptanceModel(1.5, 0.0)
     with pytest.raises(ValueError):
         AcceptanceModel(0.5, -0.1)
+
+
+@pytest.mark.parametrize("alpha,sibling,depth,budget", [(0.7, 0.3, 8, 8), (0.7, 0.3, 6, 8), (0.5, 0.8, 5, 7),
+                                                        (0.9, 0.5, 4, 64)])
+def test_expected_accepted_with_a_node_budget_matches_simulation(alpha, sibling, depth, budget):
+    rng = random.Random(3)
+    model = AcceptanceModel(alpha, sibling)
+    truth = list(range(10, 60))
+    n = 4000
+    mean = sum(synthetic_tree(truth, model, depth, budget, VOCAB, rng)[2] for _ in range(n)) / n
+    want = expected_accepted(model, depth, budget=budget)
+    assert abs(mean - want) < 4 * depth / n ** 0.5, (mean, want)
+    if budget == depth:  # no spare node for a second guess
+        assert want == pytest.approx(expected_accepted(AcceptanceModel(alpha, 0.0), depth))
