@@ -17,7 +17,7 @@ Spec-decode counters follow vLLM's names (``num_drafts``, ``num_draft_tokens``,
 ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``): a *draft* is one verify round,
 *draft tokens* the tree nodes sent, *accepted tokens* the draft nodes on the accepted path
 (the bonus token not counted), so the mean acceptance length is
-``1 + num_accepted_tokens / num_drafts`` (SpecEdge §5 reports the same quantity as
+``1 + num_accepted_tokens / num_drafts`` (SpecEdge Table 1 and Fig. 9 report it as generated
 tokens per verification). Trees make ``accepted / draft_tokens`` small by construction
 (one path out of a tree is accepted): compare acceptance *lengths*, not rates, across
 tree and chain modes.
