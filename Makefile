@@ -7,7 +7,7 @@ TORCH   := torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model demo test test-fast bench bench-quick clean
+.PHONY: install model prometheus demo test test-fast bench bench-quick loadtest clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -26,10 +26,14 @@ model: install
 demo: model
 	$(BIN)/python -m deploy.demo
 
-test: model
-	$(BIN)/python -m pytest -q -x --timeout=900 -p no:cacheprovider tests
+# Prometheus (Debian package) for the metrics integration test and promtool rule checks; no-op if present
+prometheus:
+	bash dashboards/install_prometheus.sh
 
-test-fast: install
+test: model prometheus
+	$(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider --durations=15 tests
+
+test-fast: install prometheus
 	$(BIN)/python -m pytest -q -m "not slow and not ray" tests
 
 bench-quick: model
@@ -37,6 +41,9 @@ bench-quick: model
 
 bench: model
 	$(BIN)/python -m benchmarks.run --full
+
+loadtest: model
+	$(BIN)/python -m loadtests.run --users 1000 --spawn-rate 100 --duration 60s
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -81,9 +81,11 @@ def main(argv=None) -> int:
                "--draft", draft, "--max-tokens", str(args.max_tokens), "--prompt", args.prompt]
         print(f"[demo] edge agent (draft: {draft}, proactive drafting, server-paced depth):\n$ "
               + " ".join(cmd[1:]), flush=True)
-        rc = subprocess.call(cmd, env=env)
-        if rc != 0:
-            return rc
+        edge = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        print(edge.stdout, end="", flush=True)
+        if edge.returncode != 0:
+            return edge.returncode
+        edge_text = edge.stdout.rsplit("\n", 2)[0].strip()  # the last line is the summary
         print("\n[demo] the same prompt, server-only autoregressive decoding (/v1/chat/completions):", flush=True)
         t1 = time.time()
         r = httpx.post(f"{url}/v1/chat/completions", timeout=600, headers={"Authorization": f"Bearer {KEY}"},
@@ -96,8 +98,16 @@ def main(argv=None) -> int:
         n = d["usage"]["completion_tokens"]
         print(f"[server-only AR] {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s, "
               f"{d['specedge'].get('tokens_per_round', 1.0):.2f} tokens per verify round")
-        print("[demo] greedy output is identical by construction: the server verifies every token against the "
-              "target (see README, 'Guarantees').")
+        server_text = d["choices"][0]["message"]["content"].strip()
+        same = next((i for i, (a, b) in enumerate(zip(edge_text, server_text)) if a != b),
+                    None if len(edge_text) == len(server_text) else min(len(edge_text), len(server_text)))
+        if same is None:
+            print("[demo] edge-drafted and server-only outputs are identical.")
+        else:
+            print(f"[demo] the two outputs agree for {same} characters, then differ: the server runs in bfloat16, "
+                  "where a multi-token tree forward and a one-token forward can round to a different argmax at a "
+                  "near-tie. Each token is still the target's own choice; in float32 the outputs are token-for-token "
+                  "identical (README, 'Guarantees').")
         return 0
     finally:
         print("[demo] stopping the server ...", flush=True)
