@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, ids, stats) and nothing else")
+    g.add_argument("--metrics-port", type=int, help="expose Prometheus metrics on 127.0.0.1:PORT (edge_agent.metrics)")
+    g.add_argument("--metrics-linger", type=float, default=0.0,
+                   help="seconds to keep serving metrics after the generation (for a scrape)")
     return p
 
 
@@ -181,6 +184,13 @@ async def _generate(a) -> int:
         cfg = AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
                           budget=a.budget, topk=a.topk, max_expand=a.max_expand)
         agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
+        metrics = None
+        if a.metrics_port is not None:
+            from edge_agent.metrics import EdgeMetrics
+
+            metrics = EdgeMetrics()
+            port = metrics.serve(a.metrics_port)
+            print(f"[edge-agent] metrics on http://127.0.0.1:{port}/metrics", file=sys.stderr)
 
         def out(piece: str) -> None:
             sys.stdout.write(piece)
@@ -195,6 +205,10 @@ async def _generate(a) -> int:
                                        on_tokens=None if (a.json or tok is not None) else out_ids)
         finally:
             agent.close()
+        if metrics is not None:
+            metrics.observe(res.stats)
+            await asyncio.sleep(a.metrics_linger)
+            metrics.close()
     if a.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": len(res.prompt_ids),
                           "stats": res.stats.to_dict(), "draft": a.draft, "mode": a.mode,

@@ -65,3 +65,33 @@ def test_usage_errors():
     with pytest.raises(SystemExit, match="neither a known name nor an existing path"):
         main(["generate", "--local", "--target", "tiny-random", "--draft", "/no/such/draft",
               "--prompt-ids", "1,2"])
+
+
+def test_metrics_port_exposes_edge_metrics(capsys):
+    import threading
+    import time
+    import urllib.request
+
+    port = free_port()
+    scraped = {}
+
+    def scrape():  # while the command lingers after the generation
+        for _ in range(200):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+                    text = r.read().decode()
+                if "specedge_edge_generated_tokens_total 12.0" in text:
+                    scraped["text"] = text
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    t = threading.Thread(target=scrape)
+    t.start()
+    rc = main(["generate", "--local", "--target", "tiny-random", "--dtype", "float32", "--draft", "tiny-random",
+               "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "12", "--ignore-eos", "--json",
+               "--metrics-port", str(port), "--metrics-linger", "3"])
+    t.join()
+    assert rc == 0
+    assert "specedge_edge_spec_decode_num_drafts_total" in scraped["text"]
