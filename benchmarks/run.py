@@ -95,7 +95,7 @@ PLANS = {
                   prompts=2, max_tokens=24, depth=3),
     # sized for ~40-60 min on the shared 2-core machine (30 configurations)
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
-                 sessions_rtt=15, prompts=4, max_tokens=24, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
+                 sessions_rtt=15, prompts=6, max_tokens=32, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
                  calib_tokens=24),
 }
 
@@ -515,6 +515,7 @@ def ratios(rows: list[dict], rtt: float, sessions: int) -> dict:
         if full and b:
             out[f"edge_full_vs_{base}"] = {
                 "server_tokens_per_busy_s": full["server_tokens_per_busy_s"] / b["server_tokens_per_busy_s"],
+                "server_tokens_per_cpu_s": full["server_tokens_per_cpu_s"] / b["server_tokens_per_cpu_s"],
                 "server_tokens_per_s": full["server_tokens_per_s"] / b["server_tokens_per_s"],
                 "itl_ms_mean_change": full["itl_ms_mean"] / b["itl_ms_mean"] - 1.0,
                 "cost_eff": full["cost_eff_ktok_per_usd"] / b["cost_eff_ktok_per_usd"]}
@@ -546,8 +547,47 @@ def write_results(run_id: str, conditions: dict, rows: list[dict], extras: list[
     return paths
 
 
+README_MARK = "## Latest full run"
+
+
+def readme_section(doc: dict) -> str:
+    """The README's table of a run: its conditions, the table, and the headline ratios."""
+    c = doc["conditions"]
+    noise = c.get("machine", {}).get("loadavg_1m_samples", {})
+    lines = [README_MARK, "",
+             f"Run `{c['run']}` ({c['wall_minutes']:.0f} min): target {c['target']}; draft: {c['draft_note']}; "
+             f"server-side drafter of `server_sd`: {c['server_side_drafter']}; fixed depth {c['fixed_depth']} "
+             f"(calibrated: best tokens per server second, stop-and-wait, over {list((c.get('depth_calibration') or {}).get('by_depth', {}))}); "
+             f"tree budget {c['tree_budget']} nodes, top-{c['topk']}; {c['max_tokens']} new tokens per prompt "
+             f"({c['sampling']}); prompts per configuration: {c['prompts_per_config']}; RTT sweep "
+             f"{c['rtt_sweep_ms']} ms at {c['rtt_sweep_sessions']} sessions, sessions sweep {c['sessions_sweep']} "
+             f"at {c['sessions_sweep_rtt_ms']} ms; bandwidth {c['bandwidth_mbps']}. Cores: {c['cores']}. "
+             f"Machine load (1-min load average on 2 cores, other engineers' jobs): min {noise.get('min', 0):.0f}, "
+             f"mean {noise.get('mean', 0):.0f}, max {noise.get('max', 0):.0f}.", "",
+             markdown_table(doc["rows"]), ""]
+    for key, v in (c.get("headline") or {}).items():
+        for name, r in v.items():
+            lines.append(f"- {key} {name}: server tokens/busy-s x{r['server_tokens_per_busy_s']:.2f}, "
+                         f"tokens/cpu-s x{r.get('server_tokens_per_cpu_s', float('nan')):.2f}, "
+                         f"tokens/wall-s x{r['server_tokens_per_s']:.2f}, ITL {100 * r['itl_ms_mean_change']:+.0f}%, "
+                         f"cost efficiency x{r['cost_eff']:.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def render_readme(results_json: Path, readme: Path = RESULTS / "README.md") -> None:
+    text = readme.read_text()
+    head = text.split(README_MARK)[0].rstrip() + "\n\n"
+    tail = ""
+    if "## Discussion" in text:
+        tail = "\n## Discussion" + text.split("## Discussion", 1)[1]
+    readme.write_text(head + readme_section(json.loads(results_json.read_text())) + tail)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_readme":
+        render_readme(Path(argv[1]))
+        return 0
     if argv and argv[0] == "_calibrate":
         ap = argparse.ArgumentParser()
         ap.add_argument("--spec", required=True)
