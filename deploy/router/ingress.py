@@ -285,7 +285,9 @@ class Router:
             finish = opened.get("finish_reason") if opened["finished"] else None
             yield [opened["first_token"]], finish, {}
             while finish is None:
-                tree = drafter.draft(history, opened.get("budget_hint") or 8) if drafter else None
+                # a model drafter computes: keep it off the router's event loop
+                tree = (await asyncio.to_thread(drafter.draft, list(history), opened.get("budget_hint") or 8)
+                        if drafter else None)
                 tokens, parents = (list(tree.tokens), list(tree.parents)) if tree else ([], [])
                 frame = VerifyFrame(prefix_len, tokens, parents).encode()
                 reply = ReplyFrame.decode(await self.verify(tenant, sid, frame))

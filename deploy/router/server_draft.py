@@ -64,14 +64,6 @@ def _name_thread(name: str) -> None:
         pass
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class ModelServerDrafter:
     """The edge's tree drafter on the server: one draft KV cache per live generation.
 
@@ -100,7 +92,7 @@ class ModelServerDrafter:
                 "sessions": len(self._sessions), "depth": self.depth}
 
     def _session_for(self, history: list[int]):
-        from edge_agent.drafter import ModelDrafter
+        from edge_agent.drafter import ModelDrafter, _common_prefix
         from edge_agent.drafting import DraftSession
 
         best, best_len = None, 0
