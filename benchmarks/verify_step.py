@@ -11,7 +11,7 @@ embedded SmolLM2-135M-Instruct on CPU:
   runner's own overhead;
 - ``round`` columns time a whole ``engine.verify`` call (forward + tree walk + KV commit).
 
-Median of ``--runs`` after ``--warmup`` runs. ``python -m benchmarks.verify_step`` prints a
+Median of ``--runs`` after ``--warmup`` runs, cases measured round-robin. ``python -m benchmarks.verify_step`` prints a
 markdown table and writes JSON to ``benchmarks/results/verify_step.json``.
 """
 
@@ -55,18 +55,15 @@ def draft_shaped_tree(n: int, rng: random.Random, vocab: int, branching=(4, 3, 2
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def median_ms(fn, runs: int, warmup: int) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), times
+def _ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def bench_dtype(dtype: str, batches: list[int], nodes: int, prefix: int, runs: int, warmup: int) -> list[dict]:
+    """All cases of one dtype, measured round-robin (one run of each case per repetition), so a
+    burst of load from other processes spreads over the cases instead of spoiling one of them."""
     from transformers import DynamicCache
 
     from deploy.verifier.models import load_model
@@ -74,48 +71,65 @@ def bench_dtype(dtype: str, batches: list[int], nodes: int, prefix: int, runs: i
     lm = load_model("embedded", dtype=dtype, device="cpu")
     model, vocab = lm.model, lm.model.config.vocab_size
     rng = random.Random(0)
-    rows = []
+    cases: list[tuple[dict, object, object]] = []  # (row, forward fn, whole-round fn or None)
 
     # target-only decode step through HF itself (batch 1, prefix tokens in a DynamicCache)
     prompt = [rng.randrange(vocab) for _ in range(prefix)]
+    cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([prompt]), past_key_values=cache)
 
-        def hf_step():
-            model(input_ids=torch.tensor([[prompt[-1]]]), past_key_values=cache)
-            cache.crop(-1)  # stay at the same length
+    @torch.inference_mode()
+    def hf_step():
+        model(input_ids=torch.tensor([[prompt[-1]]]), past_key_values=cache)
+        cache.crop(-1)  # stay at the same length
 
-        med, times = median_ms(hf_step, runs, warmup)
-    rows.append(dict(dtype=dtype, mode="hf decode", batch=1, nodes=0, prefix=prefix, new_tokens=1,
-                     forward_ms=med, round_ms=None, runs_ms=times))
+    cases.append((dict(dtype=dtype, mode="hf decode", batch=1, nodes=0, prefix=prefix, new_tokens=1), hf_step, None))
 
+    engines = []
     for B in batches:
         eng = VerifierEngine(model, eos_token_ids=(), limits=TreeLimits(max_nodes=max(64, nodes), max_depth=64))
-        sids = [f"b{B}-{i}" for i in range(B)]
-        # prefix lengths ~prefix (+-8) so the batch needs KV padding, as in real traffic
-        eng.open([OpenRequest(sid, [rng.randrange(vocab) for _ in range(prefix - 1 + rng.randint(-8, 8))],
-                              SamplingParams(max_tokens=1 << 16, ignore_eos=True)) for sid in sids])
+        engines.append(eng)
         for mode, n in (("verify", nodes), ("decode", 0)):
+            sids = [f"{mode}-b{B}-{i}" for i in range(B)]
+            # prefix lengths ~prefix (+-8) so the batch needs KV padding, as in real traffic
+            eng.open([OpenRequest(sid, [rng.randrange(vocab) for _ in range(prefix - 1 + rng.randint(-8, 8))],
+                                  SamplingParams(max_tokens=1 << 16, ignore_eos=True)) for sid in sids])
             trees = [draft_shaped_tree(n, rng, vocab) for _ in sids]
-            items = [BatchItem(sid, [eng.sessions[sid].prefix[-1], *t.tokens], t.position_offsets(),
-                               t.attention_mask(), list(range(len(t) + 1))) for sid, t in zip(sids, trees)]
 
-            def forward():
+            def forward(eng=eng, sids=sids, trees=trees):
+                items = [BatchItem(sid, [eng.sessions[sid].prefix[-1], *t.tokens], t.position_offsets(),
+                                   t.attention_mask(), list(range(len(t) + 1))) for sid, t in zip(sids, trees)]
                 eng.runner.forward(-1, items)
                 eng.runner.abort(-1)
 
-            def round_():
+            def round_(eng=eng, sids=sids, trees=trees):
                 eng.verify([VerifyRequest(sid, t, len(eng.sessions[sid].prefix)) for sid, t in zip(sids, trees)])
 
-            fwd, fwd_times = median_ms(forward, runs, warmup)
-            rnd, _ = median_ms(round_, runs, warmup)
-            rows.append(dict(dtype=dtype, mode=mode, batch=B, nodes=n, prefix=prefix,
-                             new_tokens=sum(len(t) + 1 for t in trees), forward_ms=fwd, round_ms=rnd,
-                             runs_ms=fwd_times,
-                             prefix_after=statistics.mean(len(eng.sessions[s].prefix) for s in sids)))
-        for sid in sids:
-            eng.close(sid)
+            row = dict(dtype=dtype, mode=mode, batch=B, nodes=n, prefix=prefix,
+                       new_tokens=sum(len(t) + 1 for t in trees), sids=sids, engine=len(engines) - 1)
+            cases.append((row, forward, round_))
+
+    for _ in range(warmup):
+        for _row, fwd, rnd in cases:
+            fwd()
+            if rnd is not None:
+                rnd()
+    fwd_times: list[list[float]] = [[] for _ in cases]
+    rnd_times: list[list[float]] = [[] for _ in cases]
+    for _ in range(runs):
+        for i, (_row, fwd, rnd) in enumerate(cases):
+            fwd_times[i].append(_ms(fwd))
+            if rnd is not None:
+                rnd_times[i].append(_ms(rnd))
+    rows = []
+    for (row, _f, _r), ft, rt in zip(cases, fwd_times, rnd_times):
+        sids = row.pop("sids", None)
+        eng_i = row.pop("engine", None)
+        row.update(forward_ms=statistics.median(ft), round_ms=statistics.median(rt) if rt else None, runs_ms=ft)
+        if sids is not None:
+            row["prefix_after"] = statistics.mean(len(engines[eng_i].sessions[s].prefix) for s in sids)
+        rows.append(row)
     decode = {(r["dtype"], r["batch"]): r["forward_ms"] for r in rows if r["mode"] == "decode"}
     for r in rows:
         d = decode.get((r["dtype"], r["batch"]))
@@ -128,17 +142,19 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def markdown(rows: list[dict], cond: dict) -> str:
-    head = ("| dtype | mode | batch | nodes/session | new tokens | forward ms (median) | round ms (median) "
-            "| forward ms/session | x decode (same batch) |\n|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| dtype | mode | batch | nodes/session | new tokens | forward ms (median) | forward ms (min) "
+            "| round ms (median) | forward ms/session | x decode (same batch) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['dtype']} | {r['mode']} | {r['batch']} | {r['nodes']} | {r['new_tokens']} "
-        f"| {r['forward_ms']:.1f} | {_fmt(r['round_ms'], '.1f')} | {r['forward_ms'] / r['batch']:.1f} "
-        f"| {_fmt(r['vs_decode_same_batch'], '.2f')} |\n"
+        f"| {r['forward_ms']:.1f} | {min(r['runs_ms']):.1f} | {_fmt(r['round_ms'], '.1f')} "
+        f"| {r['forward_ms'] / r['batch']:.1f} | {_fmt(r['vs_decode_same_batch'], '.2f')} |\n"
         for r in rows)
     notes = (f"\nConditions: {cond['model']}, CPU ({cond['cpu']}), torch {cond['torch']} with "
              f"{cond['threads']} intra-op threads, prefix ~{cond['prefix']} tokens (+-8 per session), "
              f"{cond['nodes']}-node draft-shaped trees, median of {cond['runs']} runs after {cond['warmup']} "
-             f"warm-up; load average {cond['loadavg_start']} -> {cond['loadavg_end']} (2-core machine).\n")
+             f"warm-up; load average {cond['loadavg_start']} -> {cond['loadavg_end']} (2-core machine; "
+             f"on a shared machine the min is the less disturbed figure).\n")
     return head + body + notes
 
 
