@@ -190,13 +190,14 @@ def stage_gen(args) -> None:
             ids = ids[:8] + ids[-(max_prompt - 8):]
         enc.append((ids, temp))
     done = len(glob.glob(str(work / "data" / "shard_*.pt")))
-    start = done * args.gen_batch
+    # resuming: skip the (prompt, temperature) jobs earlier shards already hold
+    have = {(tuple(s["prompt"]), s["temp"]) for s in load_shards(work)}
     gen = torch.Generator().manual_seed(args.seed + done)
     t0 = time.time()
     ntok = 0
     B = args.gen_batch
     # batches of similar prompt length (sorted within windows of 8 batches) waste less padding
-    order = list(range(start, len(enc)))
+    order = [i for i in range(len(enc)) if (tuple(enc[i][0]), enc[i][1]) not in have]
     batches = []
     for w in range(0, len(order), 8 * B):
         win = sorted(order[w:w + 8 * B], key=lambda i: len(enc[i][0]))
@@ -385,7 +386,7 @@ def stage_train(args) -> None:
                 break
             # cosine decay over the time budget (fraction of wall time spent), short warm-up
             frac = el / budget
-            lr = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:
                 g["lr"] = lr
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
@@ -436,8 +437,9 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", default="0,10,20,29", help="target layers the draft starts from")
     ap.add_argument("--vocab", type=int, default=16384, help="draft head vocabulary V'")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--heldout-frac", type=float, default=0.04)
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast training")
     ap.add_argument("--threads", type=int, default=2)
