@@ -215,6 +215,10 @@ def stage_gen(args) -> None:
         el = time.time() - t0
         print(f"gen batch {bi} prompts {len(batch)} tokens {ntok} {ntok / el:.0f} tok/s {el / 60:.1f} min", flush=True)
     print(f"gen done: {ntok} tokens in {(time.time() - t0) / 60:.1f} min", flush=True)
+    with open(work / "gen_log.jsonl", "a") as f:  # the artifact's meta reports every generation run
+        f.write(json.dumps({"response_tokens": ntok, "minutes": round((time.time() - t0) / 60, 1),
+                            "gen_batch": B, "gen_minutes": args.gen_minutes, "threads": args.threads,
+                            "loadavg_end": os.getloadavg()}) + "\n")
 
 
 # -- data -------------------------------------------------------------------------------
@@ -413,8 +417,11 @@ def stage_train(args) -> None:
         "source_layers": layers, "train_tokens": n_train, "heldout_tokens": n_held, "steps": step,
         "epochs_started": epoch, "train_minutes": round((time.time() - t0) / 60, 1), "lr": args.lr,
         "heldout": ev, "heldout_vocab_coverage": cover / max(1, n_held),
-        "build": "python -m benchmarks.train_draft " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
-                                                            sorted(vars(args).items()) if k not in ("stage",)),
+        "generation": [json.loads(x) for x in (work / "gen_log.jsonl").read_text().splitlines()]
+        if (work / "gen_log.jsonl").exists() else [],
+        "build": "python -m benchmarks.train_draft --stage train " + " ".join(
+            (f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}") if isinstance(v, bool)
+            else f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items()) if k != "stage"),
     }
     path = save_artifact(draft, args.out, meta)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
