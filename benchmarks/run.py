@@ -136,6 +136,20 @@ def resolve_draft(draft: str) -> str:
     return "embedded-draft" if artifact_available() else "ngram"
 
 
+def draft_meta(draft: str) -> dict | None:
+    """What the draft artifact says about itself (training data, held-out agreement)."""
+    if draft != "embedded-draft" and not draft.endswith(".safetensors"):
+        return None
+    from edge_agent.draft_model import resolve_artifact
+
+    meta = resolve_artifact(draft).with_suffix(".json")
+    if not meta.exists():
+        return None
+    d = json.loads(meta.read_text())
+    return {k: d.get(k) for k in ("source_layers", "train_tokens", "steps", "train_minutes", "heldout",
+                                  "draft_vocab_size")}
+
+
 # -- /proc accounting ------------------------------------------------------------------------
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -708,7 +722,7 @@ def main(argv=None) -> int:
     conditions = {
         "run": run_id, "plan": name, "complete": complete, "target": plan.target + (" (SmolLM2-135M-Instruct, bf16)"
                                                               if plan.target == "embedded" else ""),
-        "draft": draft, "draft_note": draft_note,
+        "draft": draft, "draft_note": draft_note, "draft_meta": draft_meta(draft),
         "server_side_drafter": "prompt lookup (chain)" if draft == "ngram" else f"{draft} tree drafter on core 0",
         "fixed_depth": depth, "depth_calibration": calib, "tree_budget": plan.budget, "topk": plan.topk,
         "rtt_sweep_ms": plan.rtts, "rtt_sweep_sessions": plan.rtt_sessions, "sessions_sweep": plan.sessions,
