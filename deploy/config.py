@@ -86,9 +86,7 @@ class RouterConfig(_Strict):
     @field_validator("tenants")
     @classmethod
     def _unique(cls, v):
-        names = [t.name for t in v]
-        if len(set(names)) != len(names):
-            raise ValueError("tenant names must be unique")
+        _check_unique(v)
         return v
 
     def load_tenants(self) -> list[TenantConfig]:
@@ -98,18 +96,28 @@ class RouterConfig(_Strict):
             tenants += [TenantConfig(**t) for t in data.get("tenants", [])]
         if not tenants:
             tenants = [TenantConfig(name="dev", api_key=DEV_API_KEY, max_sessions=4096)]
+        _check_unique(tenants)
         return tenants
 
 
 class PacingConfig(_Strict):
-    """SpecEdge §4.3 pacing and the load-aware tree budget."""
+    """SpecEdge §4.3 pacing and the load-aware tree budget (budgets above
+    ``verifier.max_tree_nodes`` are clipped to it)."""
 
     min_depth: int = Field(1, ge=1)
     max_depth: int = Field(12, ge=1)
     default_depth: int = Field(4, ge=1)
-    tree_budgets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64])
+    tree_budgets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=1)
     default_tree_budget: int = Field(32, ge=1)
     ema: float = Field(0.2, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        if not self.min_depth <= self.default_depth <= self.max_depth:
+            raise ValueError("pacing needs min_depth <= default_depth <= max_depth")
+        if any(b < 1 for b in self.tree_budgets) or sorted(set(self.tree_budgets)) != self.tree_budgets:
+            raise ValueError("tree_budgets must be positive, increasing and distinct")
+        return self
 
 
 class ServerDraftConfig(_Strict):
@@ -131,6 +139,15 @@ class AppConfig(_Strict):
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":
         return cls(**(yaml.safe_load(Path(path).read_text()) or {}))
+
+
+def _check_unique(tenants: list[TenantConfig]) -> None:
+    names = [t.name for t in tenants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tenant names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    keys = [t.api_key_sha256 for t in tenants]
+    if len(set(keys)) != len(keys):
+        raise ValueError("two tenants share one API key")
 
 
 def hash_api_key(key: str) -> str:

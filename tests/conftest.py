@@ -10,7 +10,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(int(os.environ.get("SPECEDGE_TEST_THREADS", "2")))
+# one thread: on a shared 2-core machine two threads per test process thrash (10-40x slower)
+torch.set_num_threads(int(os.environ.get("SPECEDGE_TEST_THREADS", "1")))
 
 
 def free_port() -> int:

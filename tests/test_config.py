@@ -136,3 +136,23 @@ def test_server_draft_model_is_a_model_config():
     assert isinstance(c.model, ModelConfig) and c.model.seed == 3
     with pytest.raises(ValidationError):
         ServerDraftConfig(model={"model": "x", "bogus": 1})
+
+
+def test_tenant_names_and_keys_unique_across_file_and_inline(tmp_path):
+    from deploy.config import RouterConfig
+
+    f = tmp_path / "tenants.yaml"
+    f.write_text(yaml.safe_dump({"tenants": [{"name": "a", "api_key": "file-key-0001"}]}))
+    with pytest.raises(ValueError, match="unique"):
+        RouterConfig(tenants=[{"name": "a", "api_key": "inline-key-01"}], tenants_file=str(f)).load_tenants()
+    with pytest.raises(ValueError, match="API key"):
+        RouterConfig(tenants=[{"name": "b", "api_key": "file-key-0001"}], tenants_file=str(f)).load_tenants()
+    with pytest.raises(ValidationError):
+        RouterConfig(tenants=[{"name": "x", "api_key": "same-key-0001"}, {"name": "y", "api_key": "same-key-0001"}])
+
+
+@pytest.mark.parametrize("pacing", [{"min_depth": 5, "max_depth": 3}, {"default_depth": 20},
+                                    {"tree_budgets": [0, 8]}, {"tree_budgets": [32, 8]}, {"tree_budgets": []}])
+def test_pacing_ranges(pacing):
+    with pytest.raises(ValidationError):
+        AppConfig(pacing=pacing)

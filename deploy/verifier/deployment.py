@@ -64,8 +64,9 @@ class VerifierCore:
             max_model_len=t.max_model_len, runner=runner, chain_top_k=vc.chain_top_k,
             on_forward=self._on_forward)
         p = config.pacing
-        self.pacer = Pacer(p.min_depth, p.max_depth, p.default_depth, tuple(p.tree_budgets), p.default_tree_budget,
-                           p.ema)
+        budgets = tuple(b for b in p.tree_budgets if b <= vc.max_tree_nodes) or (vc.max_tree_nodes,)
+        self.pacer = Pacer(p.min_depth, min(p.max_depth, vc.max_tree_depth), p.default_depth, budgets,
+                           min(p.default_tree_budget, vc.max_tree_nodes), p.ema)
         self.sched = FairScheduler(weights={tn.name: tn.weight for tn in config.router.load_tenants()})
         self.metrics = VerifierMetrics.create([tn.name for tn in config.router.load_tenants()])
         self.owner: dict[str, str] = {}  # session id -> tenant

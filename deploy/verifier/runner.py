@@ -162,11 +162,11 @@ class LayerRunner:
         if not self.is_last:
             return h
         h = self.norm(h)
-        out = []
-        for b, it in enumerate(items):
-            rows = torch.tensor(it.logit_rows, dtype=torch.long, device=self.device)
-            out.append(self.lm_head(h[b, rows]).float())
-        return out
+        # one LM-head matmul over the wanted rows of every item, then split per item
+        b_idx = torch.tensor([b for b, it in enumerate(items) for _ in it.logit_rows], dtype=torch.long)
+        r_idx = torch.tensor([r for it in items for r in it.logit_rows], dtype=torch.long)
+        logits = self.lm_head(h[b_idx.to(self.device), r_idx.to(self.device)]).float()  # [sum rows, V]
+        return list(torch.split(logits, [len(it.logit_rows) for it in items]))
 
     def commit(self, batch_id: int, keep: dict[str, list[int]]) -> None:
         """Append the KV of the kept forward rows to each session; drop the rest.
