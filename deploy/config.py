@@ -124,7 +124,7 @@ class ServerDraftConfig(_Strict):
     """Server-only modes (no edge draft): plain AR and server-side speculative decoding."""
 
     enabled: bool = True
-    model: ModelConfig | None = Field(None, description="server-side drafter; default: the project's draft")
+    model: ModelConfig | None = Field(None, description="server-side draft model (e.g. embedded-draft); unset: prompt lookup")
     depth: int = Field(4, ge=1, le=32)
 
 
