@@ -143,7 +143,7 @@ class VerifierCore:
 
     def sweep_idle(self) -> int:
         now = time.monotonic()
-        pending = {p.session_id for q in self.sched._queues.values() for p in q}
+        pending = self.sched.pending_sessions()
         idle = [sid for sid, s in self.engine.sessions.items()
                 if now - s.last_used > self.cfg.verifier.idle_timeout_s and sid not in pending]
         for sid in idle:
@@ -300,13 +300,16 @@ class VerifierCore:
                 fut.set_result(_error(res))
                 continue
             req = p.payload[0]
-            n_nodes = len(req.tree) if isinstance(req, VerifyRequest) else len(req.tokens)
-            emitted = len(res.tokens) if hasattr(res, "tokens") else res.num_accepted + (res.bonus is not None)
+            tree_mode = isinstance(req, VerifyRequest)
+            if tree_mode:
+                n_nodes, emitted = len(req.tree), len(res.tokens)
+            else:  # chain mode: a rejected round has no bonus (the edge resamples from the residual)
+                n_nodes, emitted = len(req.tokens), res.num_accepted + (res.bonus is not None)
             self.pacer.observe_round(n_nodes, emitted)
             self.tokens_emitted += emitted
             depth, budget = self._hints(p.session_id)
             self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget)
-            if hasattr(res, "accepted"):
+            if tree_mode:
                 frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
                                    depth, budget)
             else:

@@ -266,19 +266,17 @@ class VerifierEngine:
                            tree.attention_mask(), list(range(len(tree) + 1))) for _, s, tree in todo]
         bid, logits = self._forward("verify", items)
         keep: dict[str, list[int]] = {}
+        walks = []
         for (i, s, tree), lg in zip(todo, logits):
             acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
-            keep[s.sid] = [0] + [a + 1 for a in acc.accepted]
-            emitted = [tree.tokens[a] for a in acc.accepted] + [acc.bonus]
+            keep[s.sid] = [0] + [a + 1 for a in acc.accepted]  # the root and the accepted path
+            walks.append((i, s, acc, [tree.tokens[a] for a in acc.accepted] + [acc.bonus]))
+        self.runner.commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
+        for i, s, acc, emitted in walks:
             s.last_used = time.monotonic()
-            out[i] = (s, acc, emitted)
-        self.runner.commit(bid, keep)
-        for i, v in enumerate(out):
-            if isinstance(v, tuple):
-                s, acc, emitted = v
-                self._emit(s, emitted)
-                out[i] = VerifyResult(s.sid, acc.accepted, acc.bonus, tuple(emitted), len(s.prefix),
-                                      s.finished, s.finish_reason)
+            self._emit(s, emitted)
+            out[i] = VerifyResult(s.sid, acc.accepted, acc.bonus, tuple(emitted), len(s.prefix),
+                                  s.finished, s.finish_reason)
         return out  # type: ignore[return-value]
 
     def verify_chain(self, requests: list[ChainVerifyRequest]) -> list[ChainVerifyResult | SpecError]:

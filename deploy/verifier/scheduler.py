@@ -41,6 +41,9 @@ class FairScheduler:
             self._vtime[p.tenant] = max(self._vtime.get(p.tenant, 0.0), floor)
         q.append(p)
 
+    def pending_sessions(self) -> set[str]:
+        return {p.session_id for q in self._queues.values() for p in q}
+
     def pending_by_tenant(self) -> dict[str, int]:
         return {t: len(q) for t, q in self._queues.items() if q}
 

@@ -214,3 +214,33 @@ def test_openai_completions_server_only_modes(two_replicas, reference_model, mod
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and len(lines) >= 3
         assert c.post("/v1/completions", json={"prompt": "text needs a tokenizer"}).status_code == 400
+
+
+def test_chain_mode_over_http_greedy_matches_reference(two_replicas, reference_model):
+    """DSSD-style chain frames (q(x) per token) through the real app; greedy rejections
+    come back with the target's token as the bonus."""
+    from deploy.protocol import ReplyFrame
+
+    p = prompts(1, seed=21)[0]
+    ref = reference_decode(reference_model, p, SamplingParams(max_tokens=20))
+    rng = random.Random(0)
+    h = {"Authorization": "Bearer beta-key-1234"}
+    with httpx.Client(base_url=two_replicas, timeout=30, headers=h) as c:
+        d = c.post("/v1/sessions", json={"prompt_ids": p, "mode": "chain", "sampling": {"max_tokens": 20}}).json()
+        sid, n, out = d["session_id"], d["prefix_len"], [d["first_token"]]
+        rounds = 0
+        while True:
+            truth = ref[len(out): len(out) + 4]
+            chain = [t if rng.random() < 0.7 else rng.randrange(VOCAB) for t in truth]
+            frame = VerifyFrame(n, chain, list(range(-1, len(chain) - 1)), q=[0.5] * len(chain)).encode()
+            r = c.post(f"/v1/sessions/{sid}/verify", content=frame)
+            assert r.status_code == 200, r.text
+            rep = ReplyFrame.decode(r.content)
+            assert not rep.rejected  # greedy: the server returns the correction itself
+            out += chain[: len(rep.accepted)] + [rep.bonus]
+            n, rounds = rep.prefix_len, rounds + 1
+            if rep.finished:
+                break
+        assert out == ref and rounds < 20
+        bad = VerifyFrame(n, [5, 6], [-1, 0], q=[0.5, 2.0]).encode()  # q outside (0, 1]
+        assert c.post(f"/v1/sessions/{sid}/verify", content=bad).status_code in (400, 409)
