@@ -22,7 +22,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayError
 
 from deploy.config import DEV_API_KEY, AppConfig
-from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, SessionNotFound, SpecError
+from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, SpecError
 from deploy.metrics import router_metrics
 from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai

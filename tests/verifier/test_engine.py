@@ -160,15 +160,6 @@ def compare_logits(multi: torch.Tensor, single: torch.Tensor, tol: float = LOGIT
 
 
 # -- fixtures --------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add overhead (and spin badly on a shared CPU)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def engine(tiny_model):
     return VerifierEngine(tiny_model, eos_token_ids=(EOS,))

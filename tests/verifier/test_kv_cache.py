@@ -19,14 +19,6 @@ EOS = 2
 KV_TOL = 1e-5  # fp32: the same KV through different forward shapes
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_append_grows_and_keeps_content():
     kv = SessionKV(num_layers=2, kv_heads=3, head_dim=4, dtype=torch.float32, capacity=2)
     chunks = [torch.randn(2, 3, t, 4) for t in (1, 2, 5, 1)]

@@ -12,14 +12,6 @@ from deploy.verifier.sampling import SamplingParams, make_generator, sample_toke
 EOS = 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos=EOS) -> list[int]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos,
