@@ -128,8 +128,6 @@ class TreeDrafter:
         self.forwards = 0
 
     def _forward(self, item, keep: list[int] | None):
-        from deploy.verifier.runner import BatchItem  # noqa: F401
-
         self.bid += 1
         self.forwards += 1
         lg = self.runner.forward(self.bid, [item])[0]  # [rows, V']

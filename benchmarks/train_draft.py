@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 # -- prompts -----------------------------------------------------------------------
 
@@ -380,7 +379,6 @@ def stage_train(args) -> None:
     epoch = 0
     done = False
     run_loss, run_acc, run_n = 0.0, 0, 0
-    est_steps = None
     while not done:
         batches = make_batches(train, inv, args.max_len, args.batch_tokens, rng)
         for inp, tid, tpr, msk in batches:
