@@ -23,16 +23,6 @@ PROMPT = [1, 5, 9, 33, 7, 100, 200, 33, 7]
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_random_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return noisy_copy(target, 0.005)
-
-
-@pytest.fixture(scope="module")
 def engine(target):
     return VerifierEngine(target, eos_token_ids=EOS, limits=TreeLimits(max_nodes=64, max_depth=16))
 

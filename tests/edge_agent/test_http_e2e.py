@@ -10,30 +10,18 @@ from ray import serve
 
 from deploy.application import build_app
 from deploy.errors import Unauthorized
-from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.cli import main as cli_main
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.transport import HttpTransport, Transport
-from tests.edge_agent.helpers import noisy_copy
 
 pytestmark = pytest.mark.ray
 
 KEY = "edge-key-12345"
 APP = "edgeagent"
 GREEDY = {"max_tokens": 32, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_random_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return noisy_copy(target, 0.005)
 
 
 @pytest.fixture(scope="module")
