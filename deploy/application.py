@@ -45,6 +45,6 @@ def build_app(args: dict | None = None):
     return Router.options(
         num_replicas=cfg.router.num_replicas,
         max_queued_requests=cfg.router.max_queued_requests,
-        max_ongoing_requests=max(cfg.router.max_pending_verifies * 2, 100),
+        max_ongoing_requests=max(cfg.router.max_ongoing_requests, cfg.router.max_pending_verifies + 64),
         ray_actor_options={"num_cpus": 0},
     ).bind(verifier, data)

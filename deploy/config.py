@@ -76,8 +76,16 @@ class TenantConfig(_Strict):
 class RouterConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     max_queued_requests: int = Field(2048, ge=1, description="Serve-level queue limit (then 503/429)")
-    max_pending_verifies: int = Field(512, ge=1, description="router-side shedding threshold")
-    retry_after_s: float = Field(1.0, gt=0)
+    max_ongoing_requests: int = Field(
+        4096, ge=1, description="concurrent requests per router replica; keep it above the client count, or "
+                                "Serve's proxy queues the excess and retries it with backoff (seconds late)")
+    max_pending_verifies: int = Field(512, ge=1, description="router-side shedding: ceiling on requests in "
+                                                             "flight to the verifiers")
+    max_queued_batches: int | None = Field(
+        3, ge=0, description="shed (429) once this many full batches per verifier replica wait behind the "
+                             "running ones (deploy/router/admission.py); null: only max_pending_verifies")
+    retry_after_s: float = Field(1.0, gt=0, description="Retry-After while shedding is rare")
+    max_retry_after_s: float = Field(30.0, gt=0, description="Retry-After ceiling under sustained overload")
     tenants_file: str | None = None
     tenants: list[TenantConfig] = Field(default_factory=list)
     max_body_bytes: int = Field(1 << 20, ge=1024)

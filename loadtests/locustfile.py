@@ -33,6 +33,7 @@ from loadtests.synthetic_tree import AcceptanceModel, expected_accepted, synthet
 
 CFG: dict = {}
 STOPPING = False
+MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured, as the edge agent (edge_agent/transport.py)
 
 
 class Counters:
@@ -156,7 +157,7 @@ class EdgeUser(FastHttpUser):
             wait = float(headers.get("Retry-After") or headers.get("retry-after") or 1.0)
         except ValueError:
             wait = 1.0
-        gevent.sleep(min(wait, 5.0) * self.rng.uniform(0.5, 1.5) if not STOPPING else 0.0)
+        gevent.sleep(min(wait, MAX_RETRY_AFTER_S) * self.rng.uniform(0.5, 1.5) if not STOPPING else 0.0)
 
     def _error(self, kind: str) -> None:
         STATS.add(self.tenant, "errors")

@@ -205,11 +205,13 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "scenario": cfg.name, "description": cfg.description, "target": cfg.target,
         "server_model": meta.get("server_model", {}).get("model"),
         "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "note": "CPU shared with other engineers' jobs: absolute figures are noisy"},
+                    "note": "load average {:.1f} / {:.1f} / {:.1f} (1/5/15 min) when the report was written"
+                            .format(*os.getloadavg())},
         "limits": {"verifier_replicas": vc.num_replicas, "max_batch_sessions": vc.max_batch_sessions,
                    "max_batch_tokens": vc.max_batch_tokens, "batch_wait_ms": vc.batch_wait_ms,
                    "max_tree_nodes": vc.max_tree_nodes, "torch_threads": vc.torch_threads,
                    "router_max_pending_verifies": rc.max_pending_verifies,
+                   "router_max_queued_batches": rc.max_queued_batches,
                    "tenant_max_sessions": {t.name: t.max_sessions for t in rc.load_tenants()}},
         "user_model": cfg.user.model_dump(mode="json"),
         "run": {k: meta[k] for k in ("users", "spawn_rate", "duration_s", "processes", "host", "started_app")},
@@ -266,6 +268,11 @@ def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
                     "detail": ", ".join(f"{t}: share {v['token_share']:.3f} vs weight {v['weight_share']:.3f}"
                                         for t, v in s["tenants"].items())
                               + (f" over {nsat} backlogged s" if nsat is not None else "")})
+    if cfg.max_shed_p99_ms is not None:
+        p99 = s["shed_ms"]["p99"]
+        out.append({"name": f"429s answered within {cfg.max_shed_p99_ms:.0f} ms (p99)",
+                    "ok": s["shed_429"] > 0 and p99 is not None and p99 <= cfg.max_shed_p99_ms,
+                    "detail": f"429s={s['shed_429']:g} p50={_f(s['shed_ms']['p50'], 0)} ms p99={_f(p99, 0)} ms"})
     if cfg.kill_verifier_at_s is not None:
         kills = [e for e in s["server"].get("events", []) if e.get("event") == "kill_verifier" and e.get("actor")]
         out.append({"name": "a verifier replica was killed and its sessions re-opened",
@@ -298,7 +305,8 @@ def markdown(s: dict) -> str:
         f"- **Limits**: {lim['verifier_replicas']} verifier replica(s), max_batch_sessions "
         f"{lim['max_batch_sessions']}, max_batch_tokens {lim['max_batch_tokens']}, batch_wait_ms "
         f"{lim['batch_wait_ms']}, max_tree_nodes {lim['max_tree_nodes']}, torch threads {lim['torch_threads']}, "
-        f"router max_pending_verifies {lim['router_max_pending_verifies']}.",
+        f"router max_pending_verifies {lim['router_max_pending_verifies']}, max_queued_batches "
+        f"{lim.get('router_max_queued_batches')}.",
         f"- **Users**: {run['users']} (spawn {run['spawn_rate']:g}/s, {run['duration_s']:g} s, "
         f"{s['locust_processes']} Locust process(es), app "
         f"{'started by the run' if run['started_app'] else 'at ' + run['host']}); "

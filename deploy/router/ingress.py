@@ -26,6 +26,7 @@ from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, SpecError
 from deploy.metrics import router_metrics
 from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai
+from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.tenants import TenantRegistry, TenantState
 
 log = logging.getLogger("ray.serve")
@@ -66,7 +67,11 @@ class Router:
                         "or router.tenants_file for production", DEV_API_KEY)
         self.tenants = TenantRegistry(tenants, rc.retry_after_s, self.cfg.verifier.idle_timeout_s)
         self.verifier = verifier
-        self.inflight = 0
+        vc = self.cfg.verifier
+        limit = inflight_limit(rc.max_pending_verifies, rc.max_queued_batches, vc.max_batch_sessions,
+                               vc.num_replicas, vc.pipeline_parallel_size, rc.num_replicas)
+        self.admission = AdmissionControl(limit, weights={t.name: t.weight for t in tenants},
+                                          retry_after_s=rc.retry_after_s, max_retry_after_s=rc.max_retry_after_s)
         self.metrics = router_metrics()
         self._info: dict | None = None
         self._tokenizer = None
@@ -82,10 +87,14 @@ class Router:
             raise Unavailable("the verifier is restarting; retry shortly", retry_after=1.0,
                               reason="verifier_unavailable") from None
 
-    def _admit(self) -> None:
-        if self.inflight >= self.cfg.router.max_pending_verifies:
-            raise Overloaded(f"{self.inflight} requests are queued; the verifier is saturated",
-                             retry_after=self.cfg.router.retry_after_s, reason="queue_full")
+    async def _admitted_call(self, kind: str, method: str, tenant: str, **kwargs):
+        """A verifier call under admission control (429 before it queues; see ``admission.py``)."""
+        self.admission.check(tenant, kind)
+        self.admission.started(tenant)
+        try:
+            return await self._call(method, tenant=tenant, **kwargs)
+        finally:
+            self.admission.finished(tenant)
 
     async def info(self) -> dict:
         if self._info is None:
@@ -122,12 +131,8 @@ class Router:
         except ValidationError as e:
             raise InvalidRequest(f"invalid open request: {e.errors(include_url=False)[:3]}") from None
         self.tenants.admit_session(tenant)
-        self._admit()
-        self.inflight += 1
-        try:
-            status, payload = await self._call("open_session", tenant=tenant.config.name, body=req.model_dump())
-        finally:
-            self.inflight -= 1
+        status, payload = await self._admitted_call("open", "open_session", tenant=tenant.config.name,
+                                                    body=req.model_dump())
         _raise_for(status, payload)
         self.tenants.session_opened(tenant, payload["session_id"])
         if payload.get("first_token") is not None:
@@ -137,19 +142,15 @@ class Router:
     async def verify(self, tenant: TenantState, sid: str, frame: bytes) -> bytes:
         t0 = time.perf_counter()
         self.tenants.check_rate(tenant)
-        self._admit()
         VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)  # reject garbage before queueing
-        self.inflight += 1
-        try:
-            status, payload = await self._call("verify", session_id=sid, tenant=tenant.config.name, frame=frame)
-        finally:
-            self.inflight -= 1
+        status, payload = await self._admitted_call("verify", "verify", session_id=sid, tenant=tenant.config.name,
+                                                    frame=frame)
         if status in (404, 410):
             self.tenants.session_gone(tenant, sid)
         _raise_for(status, payload)
         reply = ReplyFrame.decode(payload)
         self.tenants.session_used(tenant, sid, len(reply.accepted) + (reply.bonus is not None))
-        self.metrics.on_verify(tenant.config.name, time.perf_counter() - t0, self.inflight)
+        self.metrics.on_verify(tenant.config.name, time.perf_counter() - t0, self.admission.inflight)
         return payload
 
     async def close(self, tenant: TenantState, sid: str) -> dict:
@@ -170,10 +171,11 @@ class Router:
     @api.get("/v1/stats")
     async def replica_stats(self, request: Request):
         """One verifier replica's counters (busy seconds, forwards, sessions); ``?session_id=``
-        picks the replica of that session. Needs any tenant key."""
+        picks the replica of that session; plus this router's admission state. Needs any tenant key."""
         self.tenants.authenticate(request.headers.get("authorization"))
         sid = request.query_params.get("session_id")
-        return await self._call("get_stats", session_id=sid) if sid else await self._call("get_stats")
+        stats = await self._call("get_stats", session_id=sid) if sid else await self._call("get_stats")
+        return {**stats, "router_admission": self.admission.snapshot()}
 
     @api.post("/v1/sessions")
     async def open_session(self, request: Request):

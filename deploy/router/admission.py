@@ -1,0 +1,111 @@
+"""Router-side admission control: shed with 429 *before* a request queues.
+
+A closed population of edge agents (each with one request outstanding) makes every queue
+in front of a saturated verifier grow to the population size, and then every answer, a 429
+included, takes population / throughput seconds. So the router bounds what it sends:
+
+1. **A cap in batches.** At most ``limit`` requests are in flight to the verifiers, where
+   ``limit`` is one running batch plus ``max_queued_batches`` waiting ones per verifier
+   replica (``max_batch_sessions`` each), so a verify waits at most that many batch times
+   whatever the model's speed; ``max_pending_verifies`` is a ceiling in requests. A request
+   over the cap is answered 429 at once, without queueing.
+2. **Weighted fairness at the cap.** The verifier's weighted-fair scheduler only sees what
+   the router lets through, so at the cap a tenant still gets in while it has fewer than
+   its weight's share of ``limit`` in flight (shares over the tenants with requests in
+   flight); the total stays below ``2 * limit``.
+3. **Running sessions first.** A new session (its prefill) is admitted only while fewer
+   than ``limit / 2`` requests are in flight.
+4. **Adaptive Retry-After.** While more than a quarter of a window's requests are shed it
+   grows x1.5 (up to ``max_retry_after_s``), and it decays back to ``retry_after_s`` once
+   shedding stops, so compliant clients (the edge agent, the load-test user) come back
+   spread over a period that matches the excess instead of re-queueing every second.
+
+Pure module (no Ray, no FastAPI): the Serve router calls :meth:`check`, :meth:`started`
+and :meth:`finished` around each verifier call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from deploy.errors import Overloaded
+
+
+def inflight_limit(max_pending: int, max_queued_batches: int | None, batch_sessions: int, verifier_replicas: int,
+                   batches_running: int = 1, router_replicas: int = 1) -> int:
+    """Requests one router lets in flight: running + queued batches over all verifier replicas
+    (``batches_running`` > 1 with pipeline stages), capped by ``max_pending``, split over routers."""
+    limit = max_pending
+    if max_queued_batches is not None:
+        limit = min(limit, (batches_running + max_queued_batches) * batch_sessions * verifier_replicas)
+    return max(1, limit // router_replicas)
+
+
+@dataclass
+class AdmissionControl:
+    limit: int  # requests in flight to the verifiers before shedding starts
+    weights: dict[str, float] = field(default_factory=dict)  # tenant -> scheduling weight
+    retry_after_s: float = 1.0  # the Retry-After while shedding is rare
+    max_retry_after_s: float = 30.0
+    window_s: float = 1.0
+    inflight: int = 0
+    retry_after: float = field(init=False)
+    by_tenant: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _window_start: float | None = None
+    _admitted: int = 0
+    _shed: int = 0
+
+    def __post_init__(self):
+        self.limit = max(1, self.limit)
+        self.retry_after = self.retry_after_s
+
+    # -- decisions ------------------------------------------------------------------------
+    def check(self, tenant: str, kind: str = "verify", now: float | None = None) -> None:
+        """Raise :class:`Overloaded` (429) if a ``kind`` request ("verify" or "open") of
+        ``tenant`` must be shed; otherwise count it as admitted."""
+        self._roll(time.monotonic() if now is None else now)
+        if kind == "open" and self.inflight >= max(1, self.limit // 2):
+            self._refuse(f"the verifier is busy ({self.inflight} requests in flight); running sessions go "
+                         "first", "new_sessions_paused")
+        if self.inflight >= self.limit and self.by_tenant[tenant] >= self.fair_share(tenant):
+            self._refuse(f"{self.inflight} requests are in flight to the verifier (limit {self.limit}); it is "
+                         "saturated", "queue_full")
+        self._admitted += 1
+
+    def fair_share(self, tenant: str) -> float:
+        """``tenant``'s share of ``limit`` by weight, among the tenants with requests in flight."""
+        active = {t for t, n in self.by_tenant.items() if n > 0} | {tenant}
+        total = sum(self.weights.get(t, 1.0) for t in active)
+        return self.limit * self.weights.get(tenant, 1.0) / total
+
+    def _refuse(self, message: str, reason: str) -> None:
+        self._shed += 1
+        raise Overloaded(message, retry_after=self.retry_after, reason=reason)
+
+    # -- observations -----------------------------------------------------------------------
+    def started(self, tenant: str) -> None:
+        self.inflight += 1
+        self.by_tenant[tenant] += 1
+
+    def finished(self, tenant: str) -> None:
+        self.inflight -= 1
+        self.by_tenant[tenant] -= 1
+
+    def _roll(self, now: float) -> None:
+        """Close the window: adapt the Retry-After to the fraction shed."""
+        if self._window_start is None:
+            self._window_start = now
+        if now - self._window_start < self.window_s:
+            return
+        total = self._admitted + self._shed
+        if total and self._shed / total > 0.25:
+            self.retry_after = min(self.max_retry_after_s, self.retry_after * 1.5)
+        elif not total or self._shed / total < 0.05:
+            self.retry_after = max(self.retry_after_s, self.retry_after * 0.7)
+        self._window_start = now
+        self._admitted = self._shed = 0
+
+    def snapshot(self) -> dict:
+        return {"inflight": self.inflight, "limit": self.limit, "retry_after_s": round(self.retry_after, 2)}

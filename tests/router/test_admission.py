@@ -1,0 +1,81 @@
+"""Admission control (deploy/router/admission.py): shed before the queue, fairly, with adaptive Retry-After."""
+
+import pytest
+
+from deploy.errors import Overloaded
+from deploy.router.admission import AdmissionControl, inflight_limit
+
+
+def _fill(ac: AdmissionControl, tenant: str, n: int, now: float = 0.0) -> None:
+    for _ in range(n):
+        ac.check(tenant, now=now)
+        ac.started(tenant)
+
+
+def test_limit_in_batches():
+    # one running + 3 queued batches of 8 on 2 replicas, under a ceiling of 512
+    assert inflight_limit(512, 3, 8, 2) == 64
+    assert inflight_limit(40, 3, 8, 2) == 40  # the ceiling in requests
+    assert inflight_limit(512, None, 8, 2) == 512  # no batch cap
+    assert inflight_limit(512, 3, 8, 1, batches_running=2) == 40  # pipeline stages run 2 batches at once
+    assert inflight_limit(512, 3, 8, 2, router_replicas=4) == 16  # each router enforces its share
+    assert inflight_limit(2, 0, 1, 1, router_replicas=4) == 1
+
+
+def test_over_the_limit_sheds_at_once_with_retry_after():
+    ac = AdmissionControl(limit=4, retry_after_s=2.0)
+    _fill(ac, "a", 4)
+    with pytest.raises(Overloaded) as e:
+        ac.check("a", now=0.0)
+    assert e.value.status == 429 and e.value.reason == "queue_full" and e.value.retry_after == 2.0
+    ac.finished("a")
+    ac.check("a", now=0.0)  # room again
+
+
+def test_new_sessions_wait_before_running_ones():
+    ac = AdmissionControl(limit=8)
+    _fill(ac, "a", 4)
+    with pytest.raises(Overloaded) as e:
+        ac.check("a", "open", now=0.0)
+    assert e.value.reason == "new_sessions_paused"
+    ac.check("a", "verify", now=0.0)  # a running session's round still gets in
+
+
+def test_weighted_share_at_the_limit():
+    ac = AdmissionControl(limit=8, weights={"gold": 3.0, "bronze": 1.0})
+    _fill(ac, "gold", 8)  # gold alone filled the limit
+    with pytest.raises(Overloaded):
+        ac.check("gold", now=0.0)
+    # bronze's share with gold active is 8 * 1/4 = 2: it gets in up to that, over the limit
+    _fill(ac, "bronze", 2)
+    with pytest.raises(Overloaded):
+        ac.check("bronze", now=0.0)
+    assert ac.fair_share("gold") == 6 and ac.fair_share("bronze") == 2
+    # gold over its share stays shed until it drops below 6 in flight
+    for _ in range(2):
+        ac.finished("gold")
+    with pytest.raises(Overloaded):
+        ac.check("gold", now=0.0)
+    ac.finished("gold")
+    ac.check("gold", now=0.0)
+    assert ac.inflight <= 2 * ac.limit
+
+
+def test_retry_after_backs_off_under_sustained_shedding_and_decays():
+    ac = AdmissionControl(limit=1, retry_after_s=1.0, max_retry_after_s=5.0, window_s=1.0)
+    t = 0.0
+    _fill(ac, "a", 1, now=t)  # the one slot stays busy
+    seen = []
+    for _ in range(8):
+        for _ in range(10):
+            with pytest.raises(Overloaded) as e:
+                ac.check("a", now=t)
+        seen.append(e.value.retry_after)
+        t += 1.1
+    assert seen[0] == 1.0 and seen == sorted(seen) and seen[-1] == 5.0  # grew, capped
+    ac.finished("a")
+    for _ in range(20):  # shedding stopped: back to the base
+        t += 1.1
+        ac.check("a", now=t)
+    assert ac.retry_after == 1.0
+    assert ac.snapshot() == {"inflight": 0, "limit": 1, "retry_after_s": 1.0}
