@@ -9,7 +9,8 @@ Figures (``summary.json``, ``report.md``, PNG plots):
 - the 429 rate (shed answers / all requests) and how fast the 429s came back; 503s
   (verifier restarting) and re-opens (404/410) separately; errors = everything else
   (other statuses, connection errors, timeouts, retries exhausted);
-- sessions: opened, closed, superseded by a re-open, left unclosed;
+- sessions: opened, closed (404/410 on close: already gone with a killed replica), superseded by a
+  re-open, left unclosed;
 - per tenant: tokens served in the steady-state window, its share vs. its weight's share
   (weights only matter while the verifier is saturated: the verifier's queue is sampled);
 - acceptance: accepted nodes per round measured vs. the acceptance model's expectation,
@@ -231,7 +232,8 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "unavailable_503": unavailable, "reopens": tot("reopens"),
         "errors": errors, "locust_failures": locust_failures, "error_kinds": dict(counters["error_kinds"]),
         "sessions": {"generations": tot("generations"), "finished": tot("finished"), "opened": opens,
-                     "closed": closes, "superseded": superseded, "unclosed": opens - closes - superseded},
+                     "closed": closes, "closed_already_gone": tot("closed_gone"), "superseded": superseded,
+                     "unclosed": opens - closes - superseded},
         "acceptance": {"rounds": verifies, "drafted_per_round": tot("drafted") / verifies if verifies else 0.0,
                        "accepted_per_round": tot("accepted") / verifies if verifies else 0.0,
                        "model_expected_per_round": tot("expected") / verifies if verifies else 0.0,
