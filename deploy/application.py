@@ -41,8 +41,10 @@ def verifier_options(cfg: AppConfig) -> dict:
 def build_app(args: dict | None = None):
     cfg = AppConfig(**(args or {}))
     data = cfg.model_dump(mode="json")
-    verifier = Verifier.options(**verifier_options(cfg)).bind(data)
+    logging = {"enable_access_log": cfg.access_log}
+    verifier = Verifier.options(**verifier_options(cfg), logging_config=logging).bind(data)
     return Router.options(
+        logging_config=logging,
         num_replicas=cfg.router.num_replicas,
         max_queued_requests=cfg.router.max_queued_requests,
         max_ongoing_requests=max(cfg.router.max_ongoing_requests, cfg.router.max_pending_verifies + 64),

@@ -143,6 +143,8 @@ class AppConfig(_Strict):
     pacing: PacingConfig = Field(default_factory=PacingConfig)
     server_draft: ServerDraftConfig = Field(default_factory=ServerDraftConfig)
     route_prefix: str = "/"
+    access_log: bool = Field(True, description="Serve's per-request access log in the router and verifier "
+                                               "replicas (one line per request; off for high request rates)")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":

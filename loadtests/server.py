@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     ray.init(address="local", include_dashboard=False, num_cpus=args.num_cpus, log_to_driver=False,
              configure_logging=False, _node_ip_address="127.0.0.1")
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port},
+                logging_config={"enable_access_log": app_args.get("access_log", True)})  # the proxy's
     serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
     handle = serve.get_deployment_handle("Verifier", APP_NAME)
     print(f"[loadtests.server] serving on http://127.0.0.1:{args.port} (pid {os.getpid()})", flush=True)
