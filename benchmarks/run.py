@@ -93,9 +93,9 @@ PLANS = {
                   sessions_rtt=15, prompts=1, max_tokens=12, depth=2, warmup_tokens=0),
     "quick": Plan("quick", "embedded", "auto", rtts=[0, 50], rtt_sessions=1, sessions=[1, 2], sessions_rtt=50,
                   prompts=2, max_tokens=24, depth=3),
-    # sized for ~40-60 min on the shared 2-core machine (30 configurations)
+    # 30 configurations: ~10 min on an idle 2-core machine (~30-60 min on a loaded one)
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
-                 sessions_rtt=15, prompts=6, max_tokens=32, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
+                 sessions_rtt=15, prompts=8, max_tokens=64, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
                  calib_tokens=24),
 }
 
@@ -576,7 +576,7 @@ def readme_section(doc: dict) -> str:
              f"({c['sampling']}); prompts per configuration: {c['prompts_per_config']}; RTT sweep "
              f"{c['rtt_sweep_ms']} ms at {c['rtt_sweep_sessions']} sessions, sessions sweep {c['sessions_sweep']} "
              f"at {c['sessions_sweep_rtt_ms']} ms; bandwidth {c['bandwidth_mbps']}. Cores: {c['cores']}. "
-             f"Machine load (1-min load average on 2 cores, other engineers' jobs): min {noise.get('min', 0):.0f}, "
+             f"Machine load (1-min load average on 2 cores): min {noise.get('min', 0):.0f}, "
              f"mean {noise.get('mean', 0):.0f}, max {noise.get('max', 0):.0f}.", "",
              markdown_table(doc["rows"]), ""]
     for key, v in (c.get("headline") or {}).items():
@@ -610,7 +610,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="a few minutes: 2 RTTs, 1-2 sessions, short outputs")
-    g.add_argument("--full", action="store_true", help="the published table (~45-60 min)")
+    g.add_argument("--full", action="store_true", help="the published table (~10 min idle, up to ~60 min loaded)")
     ap.add_argument("--smoke", action="store_true", help="tiny random target, 1 prompt per config (tests)")
     ap.add_argument("--draft", default=None, help="auto | embedded-draft | ngram | a load_model spec")
     ap.add_argument("--depth", type=int, default=None, help="fixed depth (skip calibration)")
