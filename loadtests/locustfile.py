@@ -157,7 +157,11 @@ class EdgeUser(FastHttpUser):
             wait = float(headers.get("Retry-After") or headers.get("retry-after") or 1.0)
         except ValueError:
             wait = 1.0
-        gevent.sleep(min(wait, MAX_RETRY_AFTER_S) * self.rng.uniform(0.5, 1.5) if not STOPPING else 0.0)
+        # sleep in slices: a run that ends meanwhile must not wait out a long Retry-After (the session
+        # is closed before Locust's stop timeout kills the user)
+        until = time.monotonic() + min(wait, MAX_RETRY_AFTER_S) * self.rng.uniform(0.5, 1.5)
+        while not STOPPING and time.monotonic() < until:
+            gevent.sleep(min(0.25, until - time.monotonic()))
 
     def _error(self, kind: str) -> None:
         STATS.add(self.tenant, "errors")

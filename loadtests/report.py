@@ -270,11 +270,12 @@ def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
                     "detail": ", ".join(f"{t}: share {v['token_share']:.3f} vs weight {v['weight_share']:.3f}"
                                         for t, v in s["tenants"].items())
                               + (f" over {nsat} backlogged s" if nsat is not None else "")})
-    if cfg.max_shed_p99_ms is not None:
-        p99 = s["shed_ms"]["p99"]
-        out.append({"name": f"429s answered within {cfg.max_shed_p99_ms:.0f} ms (p99)",
-                    "ok": s["shed_429"] > 0 and p99 is not None and p99 <= cfg.max_shed_p99_ms,
-                    "detail": f"429s={s['shed_429']:g} p50={_f(s['shed_ms']['p50'], 0)} ms p99={_f(p99, 0)} ms"})
+    if cfg.max_shed_ms is not None:
+        p50, p99 = s["shed_ms"]["p50"], s["shed_ms"]["p99"]
+        out.append({"name": f"429s answered fast (p50 <= {cfg.max_shed_ms[0]:.0f} ms, p99 <= "
+                            f"{cfg.max_shed_ms[1]:.0f} ms)",
+                    "ok": s["shed_429"] > 0 and p50 <= cfg.max_shed_ms[0] and p99 <= cfg.max_shed_ms[1],
+                    "detail": f"429s={s['shed_429']:g} p50={_f(p50, 0)} ms p99={_f(p99, 0)} ms"})
     if cfg.kill_verifier_at_s is not None:
         kills = [e for e in s["server"].get("events", []) if e.get("event") == "kill_verifier" and e.get("actor")]
         out.append({"name": "a verifier replica was killed and its sessions re-opened",
@@ -442,7 +443,8 @@ def console_line(s: dict) -> str:
 def write_sweep(out: Path, cfg: LoadTestConfig, results: list[dict]) -> None:
     lines = [f"# Sweep: {cfg.name} on the {cfg.target} target", "",
              f"Held = steady-state p99 verify < {HELD_P99_MS:.0f} ms, no errors, at most {HELD_MAX_SHED:.0%} shed "
-             f"(429). {results[0]['machine']['cores']} cores, CPU shared: figures are noisy.", "",
+             f"(429). {results[0]['machine']['cores']} cores; every process of the test (app, Locust) on them; "
+             f"{results[-1]['machine']['note']}.", "",
              "| users | req/s | verify/s | verify p50 / p95 / p99 (ms) | tokens/s | 429 rate | errors | held |",
              "|---|---|---|---|---|---|---|---|"]
     for s in results:
