@@ -63,6 +63,9 @@ def build_draft(target_config, embed_weight: torch.Tensor, vocab_map: torch.Tens
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu").float()
+    with torch.no_grad():  # to_empty leaves memory uninitialised: what layer_state does not set is 0 (norms 1)
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
     model.model.embed_tokens.weight = nn.Parameter(embed_weight.detach().float().clone(), requires_grad=False)
     head = nn.Linear(cfg.hidden_size, int(vocab_map.numel()), bias=True)
     head.weight = nn.Parameter(embed_weight.detach().float()[vocab_map].clone(), requires_grad=False)  # [V', D]

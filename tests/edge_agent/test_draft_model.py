@@ -19,6 +19,7 @@ def test_build_save_load_roundtrip_tiny(tmp_path, tiny_model):
     sd = tiny_model.state_dict()
     state = {k.replace("model.layers.1.", "model.layers.0."): v for k, v in sd.items()
              if k.startswith("model.layers.1.")}
+    state["model.norm.weight"] = sd["model.norm.weight"]
     draft = build_draft(cfg, embed, vocab_map, 1, state)
     with torch.no_grad():
         draft.lm_head.bias.normal_()
@@ -41,6 +42,16 @@ def test_build_save_load_roundtrip_tiny(tmp_path, tiny_model):
     loaded = load_draft(target_dir, path, dtype="float32")
     assert torch.equal(loaded.vocab_map, vocab_map)
     torch.testing.assert_close(loaded(input_ids=ids).logits, ref)  # fp32 artifact: same draft
+
+
+def test_build_sets_every_parameter(tiny_model):
+    """Parameters a partial state does not name are zeros (norms ones), never uninitialised memory."""
+    embed = tiny_model.model.embed_tokens.weight.detach()
+    draft = build_draft(tiny_model.config, embed, torch.arange(0, 64), 2, {})
+    for name, p in draft.named_parameters():
+        if name.startswith("model.layers."):
+            assert torch.all(p == (1.0 if name.endswith("norm.weight") else 0.0)), name
+    assert torch.isfinite(draft(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
 
 @pytest.mark.slow
