@@ -61,7 +61,7 @@ class Drafter:
         """Forget all state (a new, unrelated generation)."""
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -122,7 +122,7 @@ class ModelDrafter(Drafter):
             if len(reqs) != 1:
                 raise ValueError("the root is expanded alone (no node exists below an unfed root)")
             # the root's logits come from feeding prefix[c:]; keep at most prefix[:-1] cached
-            c = min(_common_prefix(self.cached, prefix), len(prefix) - 1)
+            c = min(common_prefix(self.cached, prefix), len(prefix) - 1)
             self._truncate(c)
             feed = prefix[c:]
             t = len(feed)
@@ -158,7 +158,7 @@ class ModelDrafter(Drafter):
     def advance(self, prefix: list[int], path_ids: list[int], live_ids: list[int]) -> None:
         c = len(self.cached)
         if c == 0 or self.cached != prefix[:c]:
-            self._truncate(_common_prefix(self.cached, prefix))
+            self._truncate(common_prefix(self.cached, prefix))
             return
         path_rows = []
         for nid in path_ids:  # the longest fed prefix of the path
@@ -198,7 +198,7 @@ class NgramDrafter(Drafter):
             n: defaultdict(dict) for n in range(self.min_n, self.max_n + 1)}
 
     def _index(self, prefix: list[int]) -> None:
-        if _common_prefix(self.indexed, prefix) < len(self.indexed):
+        if common_prefix(self.indexed, prefix) < len(self.indexed):
             self.reset()
         for i in range(len(self.indexed), len(prefix)):
             for n in range(self.min_n, self.max_n + 1):

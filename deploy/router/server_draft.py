@@ -92,12 +92,12 @@ class ModelServerDrafter:
                 "sessions": len(self._sessions), "depth": self.depth}
 
     def _session_for(self, history: list[int]):
-        from edge_agent.drafter import ModelDrafter, _common_prefix
+        from edge_agent.drafter import ModelDrafter, common_prefix
         from edge_agent.drafting import DraftSession
 
         best, best_len = None, 0
         for key, ds in self._sessions.items():
-            n = _common_prefix(ds.prefix, history)
+            n = common_prefix(ds.prefix, history)
             if n == len(ds.prefix) and n > best_len:  # this history extends that session's
                 best, best_len = key, n
         if best is not None:

@@ -67,8 +67,9 @@ class VerifierCore:
         budgets = tuple(b for b in p.tree_budgets if b <= vc.max_tree_nodes) or (vc.max_tree_nodes,)
         self.pacer = Pacer(p.min_depth, min(p.max_depth, vc.max_tree_depth), p.default_depth, budgets,
                            min(p.default_tree_budget, vc.max_tree_nodes), p.ema)
-        self.sched = FairScheduler(weights={tn.name: tn.weight for tn in config.router.load_tenants()})
-        self.metrics = VerifierMetrics.create([tn.name for tn in config.router.load_tenants()])
+        tenants = config.router.load_tenants()  # reads router.tenants_file, once
+        self.sched = FairScheduler(weights={tn.name: tn.weight for tn in tenants})
+        self.metrics = VerifierMetrics.create([tn.name for tn in tenants])
         self.owner: dict[str, str] = {}  # session id -> tenant
         self.client: dict[str, tuple[float, float]] = {}  # session id -> (draft_ms, rtt_ms)
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> reason
