@@ -43,7 +43,10 @@ class VerifierConfig(_Strict):
     max_tree_nodes: int = Field(64, ge=1, le=1024)
     max_tree_depth: int = Field(32, ge=1, le=1024)
     max_prompt_tokens: int = Field(8192, ge=1)
-    kv_budget_tokens: int = Field(262_144, ge=256, description="LRU-evict sessions above this many KV tokens")
+    kv_budget_tokens: int = Field(262_144, ge=256, description="LRU-evict sessions above this many KV tokens; the "
+                                                               "replica's KV pool holds this plus one batch")
+    prefill_chunk_tokens: int = Field(128, ge=1, description="prompt tokens per forward while verify rounds wait "
+                                                             "(chunked prefill); all of max_batch_tokens otherwise")
     max_sessions: int = Field(4096, ge=1)
     idle_timeout_s: float = Field(600.0, gt=0)
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
@@ -52,6 +55,11 @@ class VerifierConfig(_Strict):
     torch_threads: int | None = Field(None, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
     chain_top_k: int = Field(64, ge=1, le=4096, description="K of the sparse target distribution on rejection")
+
+    def kv_pool_tokens(self) -> int:
+        """Pool capacity: the eviction budget plus room for one full batch of new tokens
+        (every session's tree, each starting on a fresh page)."""
+        return self.kv_budget_tokens + self.max_batch_tokens + 16 * self.max_batch_sessions * 2
 
 
 class TenantConfig(_Strict):

@@ -84,3 +84,13 @@ class Overloaded(SpecError):
 
 class PayloadTooLarge(SpecError):
     status, code = 413, "payload_too_large"
+
+
+class KVCapacityExceeded(SpecError):
+    """The replica's KV pool has no free pages for this request right now (retry, or evict)."""
+
+    status, code = 503, "kv_capacity"
+
+
+class UnsupportedModel(ValueError):
+    """A target/draft architecture or config the verifier's own forward does not implement."""

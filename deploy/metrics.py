@@ -90,14 +90,12 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _c("prefill_tokens", "Prompt + history tokens prefilled at open.", ("tenant",)),
     # -- the verifier's forwards and queue ----------------------------------------------------
     _h("verify_batch_sessions", "Sessions in one target forward.", _SESSIONS, ("kind",)),
-    _h("verify_batch_tokens", "Real (unpadded) tokens in one target forward.", _TOKENS, ("kind",)),
+    _h("verify_batch_tokens", "Tokens in one target forward (packed, never padded).", _TOKENS, ("kind",)),
     _h("forward_latency_seconds", "Wall time of one target forward.", _LATENCY_S, ("kind",)),
     _c("verifier_busy_seconds", "Seconds the replica spent in target forwards (rate = utilisation).", ("kind",)),
     _c("forward_sessions", "Sessions summed over target forwards (exact mean batch size with the histogram count).",
        ("kind",)),
     _c("forward_tokens", "Real tokens summed over target forwards.", ("kind",)),
-    _c("forward_padded_tokens", "Padded tokens (B x T) of target forwards: compute spent incl. padding.",
-       ("kind",)),
     _h("queue_wait_seconds", "Time a verify request waited before its forward started.", _WAIT_S, ("tenant",)),
     _h("inter_token_latency_seconds",
        "Time between two replies of a session divided by the tokens the later reply emitted.", _LATENCY_S, TM),
@@ -287,7 +285,7 @@ class VerifierState:
             by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
         a, b = core.pacer.cost.coefficients()
         return cls(by_tenant, core.engine.kv_tokens(), core.cfg.verifier.kv_budget_tokens,
-                   len(core.sched) + len(core._opens), a, b)
+                   core.pending(), a, b)
 
 
 # -- aggregators -----------------------------------------------------------------------------------
@@ -323,7 +321,6 @@ class VerifierMetrics:
         e.inc("specedge_verifier_busy_seconds", st.seconds, kind)
         e.inc("specedge_forward_sessions", st.sessions, kind)
         e.inc("specedge_forward_tokens", st.tokens, kind)
-        e.inc("specedge_forward_padded_tokens", st.padded_tokens, kind)
 
     @never_raises
     def on_batch_start(self, batch: Iterable) -> None:

@@ -20,7 +20,7 @@ The committed artifact holds only what the target file cannot give: the trained
 layers, norm and head bias (bf16), and ``vocab_map`` (``edge_agent/artifacts/
 embedded-draft.safetensors`` + ``.json``). :func:`load_draft` assembles the full draft
 from it and the target. The result is an HF ``LlamaForCausalLM`` (so
-``deploy.verifier.runner.LayerRunner`` can drive it) whose ``lm_head`` outputs ``V'``
+``deploy.verifier.runner.ModelRunner`` can drive it) whose ``lm_head`` outputs ``V'``
 logits and which carries ``vocab_map`` (LongTensor ``[V']``) as a buffer.
 """
 

@@ -5,12 +5,13 @@ drafting and depth control are the same for both (SpecEdge §4.2 "not tied to an
 specific drafting technique"):
 
 - :class:`ModelDrafter`: any Llama-family HF causal LM that shares the target's
-  tokenizer, driven by :class:`deploy.verifier.runner.LayerRunner`. It keeps its own KV
-  cache: the verified prefix, then one entry per fed tree node; each fed node sees the
-  prefix and its own ancestors only (``BatchItem.kv_mask``), so all nodes of a tree, and
-  the proactive chain behind it, live in one cache. After a verification the cache is
-  compacted to the accepted path (+ reused proactive nodes): rollback is a gather, not
-  a recompute. An optional ``vocab_map`` ([V_draft] long) maps a reduced draft head's
+  tokenizer, run by the verifier's own forward and KV pool
+  (:class:`deploy.verifier.runner.ModelRunner`). The pool holds the verified prefix
+  (committed) and, past it, one entry per fed tree node; each fed node sees the prefix and
+  its own ancestors only (ancestor bits, :mod:`deploy.verifier.batch`), so all nodes of a
+  tree, and the proactive chain behind it, live in one cache (at most 64 fed nodes per
+  tree). After a verification the pool is compacted to the accepted path (+ reused
+  proactive nodes): rollback moves a few entries, never recomputes. An optional ``vocab_map`` ([V_draft] long) maps a reduced draft head's
   logit index to the target token id.
 - :class:`NgramDrafter`: training-free prompt lookup (match the longest suffix of the
   context against earlier text and propose what followed), no model, no KV.
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deploy.verifier.runner import BatchItem, LayerRunner
+from deploy.verifier.batch import MAX_TREE_BITS, SeqInput, chunk_input, signed64
+from deploy.verifier.runner import ModelRunner
 from edge_agent.tree_builder import ROOT
 
 Candidates = tuple[list[int], list[float]]  # (target token ids, log-probs), best first
@@ -70,19 +72,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class ModelDrafter(Drafter):
-    """A draft LM with tree KV and rollback (Llama-family layers via LayerRunner)."""
+    """A draft LM with tree KV and rollback (Llama-family, the verifier's forward)."""
 
     SID = "draft"
 
-    def __init__(self, model, vocab_map: torch.Tensor | None = None, name: str | None = None):
+    def __init__(self, model, vocab_map: torch.Tensor | None = None, name: str | None = None,
+                 max_context: int | None = None):
         self.model = model
-        self.runner = LayerRunner(model)
+        ctx = max_context or getattr(model.config, "max_position_embeddings", 8192)
+        self.runner = ModelRunner(model, kv_capacity_tokens=min(ctx, 1 << 15) + 2 * MAX_TREE_BITS)
         vm = vocab_map if vocab_map is not None else getattr(model, "vocab_map", None)
         self.vocab_map = vm.long().to(self.runner.device) if vm is not None else None  # [V_draft]
         self.vocab_size = model.config.vocab_size
         self.name = name or type(model).__name__
-        self.cached: list[int] = []  # prefix tokens whose KV is in the cache
-        self.slots: dict[int, int] = {}  # node id -> KV index (>= len(cached))
+        self.cached: list[int] = []  # prefix tokens whose KV is committed
+        self.slots: dict[int, int] = {}  # node id -> its KV position (>= len(cached), uncommitted)
         self._bids = itertools.count()
 
     def reset(self) -> None:
@@ -107,14 +111,17 @@ class ModelDrafter(Drafter):
             idx = self.vocab_map[idx]
         return idx.tolist(), vals.tolist()
 
-    def _run(self, item: BatchItem) -> torch.Tensor:
+    def _run(self, item: SeqInput, commit: bool) -> torch.Tensor:
         bid = next(self._bids)
         try:
             logits = self.runner.forward(bid, [item])[0]  # [rows, V_draft]
         except BaseException:
             self.runner.abort(bid)
             raise
-        self.runner.commit(bid, {self.SID: list(range(len(item.input_ids)))})
+        if commit:
+            self.runner.commit(bid, {self.SID: (len(item.tokens), [])})
+        else:
+            self.runner.hold(bid)  # tree nodes stay written past the committed prefix
         return logits
 
     def expand(self, prefix: list[int], reqs: list[ExpandRequest], k: int) -> list[Candidates]:
@@ -124,33 +131,31 @@ class ModelDrafter(Drafter):
             # the root's logits come from feeding prefix[c:]; keep at most prefix[:-1] cached
             c = min(common_prefix(self.cached, prefix), len(prefix) - 1)
             self._truncate(c)
-            feed = prefix[c:]
-            t = len(feed)
-            item = BatchItem(self.SID, feed, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), [t - 1])
-            logits = self._run(item)
+            logits = self._run(chunk_input(self.SID, c, prefix[c:]), commit=True)
             self.cached = list(prefix)
             return [self._topk(logits[0], k)]
         if self.cached != prefix[: len(self.cached)] or len(self.cached) != len(prefix):
             raise RuntimeError("draft KV is not at the verified prefix; expand the root first")
-        c, L = len(self.cached), self.kv_length
-        t = len(reqs)
-        kv_mask = torch.zeros(t, L, dtype=torch.bool)  # [t, L]
-        kv_mask[:, :c] = True
-        local = torch.eye(t, dtype=torch.bool)  # [t, t]
-        row_of = {r.nid: i for i, r in enumerate(reqs)}
+        c = len(self.cached)
+        nxt = max(self.slots.values(), default=c - 1) + 1
+        if nxt + len(reqs) > c + MAX_TREE_BITS:
+            raise ValueError(f"the draft tree would feed more than {MAX_TREE_BITS} nodes; lower its budget")
+        pos = {nid: p for nid, p in self.slots.items()}
         for i, r in enumerate(reqs):
-            for a in r.ancestors:
-                if a in row_of:  # an ancestor fed in this same forward
-                    local[i, row_of[a]] = True
-                else:
-                    kv_mask[i, self.slots[a]] = True
+            pos[r.nid] = nxt + i
+        bits = []
+        for r in reqs:
+            b = 0
+            for a in (*r.ancestors, r.nid):
+                b |= 1 << (pos[a] - c)
+            bits.append(signed64(b))
         root_pos = len(prefix) - 1
-        offsets = torch.tensor([root_pos + r.depth - L for r in reqs], dtype=torch.long)
-        item = BatchItem(self.SID, [r.token for r in reqs], offsets, local, list(range(t)), kv_mask)
-        logits = self._run(item)
-        for i, r in enumerate(reqs):
-            self.slots[r.nid] = L + i
-        return [self._topk(logits[i], k) for i in range(t)]
+        item = SeqInput(self.SID, [r.token for r in reqs], [root_pos + r.depth for r in reqs],
+                        [pos[r.nid] for r in reqs], [c] * len(reqs), bits, list(range(len(reqs))))
+        logits = self._run(item, commit=False)
+        for r in reqs:
+            self.slots[r.nid] = pos[r.nid]
+        return [self._topk(logits[i], k) for i in range(len(reqs))]
 
     def fed(self, nid: int) -> bool:
         return nid in self.slots
@@ -160,19 +165,18 @@ class ModelDrafter(Drafter):
         if c == 0 or self.cached != prefix[:c]:
             self._truncate(common_prefix(self.cached, prefix))
             return
-        path_rows = []
+        path_pos = []
         for nid in path_ids:  # the longest fed prefix of the path
             if nid not in self.slots:
                 break
-            path_rows.append(self.slots[nid])
-        if len(path_rows) < len(path_ids):
+            path_pos.append(self.slots[nid])
+        if len(path_pos) < len(path_ids):
             live_ids = []
         live_ids = [n for n in live_ids if n in self.slots]
-        new_c = min(c + len(path_rows), len(prefix))
-        path_rows = path_rows[: new_c - c]
-        rows = path_rows + [self.slots[n] for n in live_ids]
-        if self.kv_length:
-            self.runner.keep(self.SID, c, rows)
+        new_c = min(c + len(path_pos), len(prefix))
+        path_pos = path_pos[: new_c - c]
+        if self.SID in self.runner.pool.sessions:
+            self.runner.pool.compact(self.SID, c, path_pos + [self.slots[n] for n in live_ids], new_c)
         self.cached = list(prefix[:new_c])
         self.slots = {n: new_c + j for j, n in enumerate(live_ids)}
 

@@ -4,7 +4,10 @@ Thin Serve adapter over :class:`deploy.verifier.engine.VerifierEngine`. Requests
 many sessions queue here while their edges draft (SpecEdge §4.3); a loop takes a batch
 (weighted-fair across tenants, :mod:`deploy.verifier.scheduler`), runs ONE target
 forward in a worker thread, and answers each request with its reply frame and pacing
-hints (:mod:`deploy.verifier.pacing`). Sessions live here (KV cache); the router pins
+hints (:mod:`deploy.verifier.pacing`). New sessions are prefilled in token-budgeted chunks
+between verify batches (``verifier.prefill_chunk_tokens`` per forward while verify rounds
+wait), so a long prompt never stalls other sessions. Every engine call runs on the one
+worker thread, so a close never races a forward. Sessions live here (KV cache); the router pins
 every request of a session to this replica (:mod:`deploy.router.affinity`).
 KV memory is bounded: least-recently-used sessions are evicted, idle ones time out;
 both answer ``410 session_evicted`` so the edge re-opens from its own token history.
@@ -29,7 +32,8 @@ from deploy.config import AppConfig
 from deploy.errors import InvalidRequest, SessionEvicted, SessionNotFound, SpecError, TokenizerMismatch
 from deploy.metrics import VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, VerifierEngine, VerifyRequest)
+from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
+                                    VerifyRequest)
 from deploy.verifier.models import load_model, tokenizer_fingerprint
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.sampling import SamplingParams
@@ -43,6 +47,12 @@ MAX_REMEMBERED_EVICTIONS = 100_000
 
 def _error(e: SpecError) -> tuple[int, dict]:
     return e.status, e.to_dict()
+
+
+def _answer(fut: asyncio.Future, result) -> None:
+    """Answer a request unless its client has gone (a cancelled future)."""
+    if not fut.done():
+        fut.set_result(result)
 
 
 class VerifierCore:
@@ -62,7 +72,8 @@ class VerifierCore:
             self.loaded.model, eos_token_ids=self.loaded.eos_token_ids,
             limits=TreeLimits(vc.max_tree_nodes, vc.max_tree_depth),
             max_model_len=t.max_model_len, runner=runner, chain_top_k=vc.chain_top_k,
-            on_forward=self._on_forward)
+            on_forward=self._on_forward, kv_capacity_tokens=vc.kv_pool_tokens(),
+            max_batch_tokens=vc.max_batch_tokens)
         p = config.pacing
         budgets = tuple(b for b in p.tree_budgets if b <= vc.max_tree_nodes) or (vc.max_tree_nodes,)
         self.pacer = Pacer(p.min_depth, min(p.max_depth, vc.max_tree_depth), p.default_depth, budgets,
@@ -81,7 +92,8 @@ class VerifierCore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []
+        self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
+        self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
 
     # -- info ---------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -97,10 +109,14 @@ class VerifierCore:
         return {"replica": self.tag, "sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
                 "forwards": len(self.forwards), "verify_forwards": len(verifies),
                 "tokens_emitted": self.tokens_emitted,
-                "pending": len(self.sched) + len(self._opens), "busy_seconds": self.busy_seconds,
+                "pending": self.pending(), "busy_seconds": self.busy_seconds,
                 "uptime_seconds": time.monotonic() - self.started, "forward_cost_a": a, "forward_cost_b": b,
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
                 "evictions": len(self.evicted)}
+
+    def pending(self) -> int:
+        """Requests waiting for the engine: verify rounds and opens (queued or prefilling)."""
+        return len(self.sched) + len(self._opens) + len(self._prefilling)
 
     def _on_forward(self, st: ForwardStats) -> None:
         self.busy_seconds += st.seconds
@@ -210,7 +226,8 @@ class VerifierCore:
             return 200, {"closed": session_id}
         except SpecError as e:
             return _error(e)
-        self.engine.close(session_id)
+        # on the worker thread: never while a forward that holds this session runs
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, session_id)
         self.owner.pop(session_id, None)
         self.client.pop(session_id, None)
         return 200, {"closed": session_id}
@@ -227,7 +244,7 @@ class VerifierCore:
         vc = self.cfg.verifier
         last_sweep = time.monotonic()
         while True:
-            if not self._opens and not len(self.sched):
+            if not self._opens and not len(self.sched) and not self._prefilling:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=5.0)
@@ -241,38 +258,60 @@ class VerifierCore:
             self.metrics.refresh(self)
             try:
                 if self._opens:
-                    opens, self._opens = self._opens[: vc.max_batch_sessions], self._opens[vc.max_batch_sessions:]
-                    await self._run_opens(loop, opens)
+                    opens, self._opens = self._opens, []
+                    await self._begin_opens(loop, opens)
                 batch = self.sched.take(vc.max_batch_sessions, vc.max_batch_tokens)
                 if batch:
                     await self._run_verifies(loop, batch)
+                if self._prefilling:  # a chunk between verify batches; all of it when none wait
+                    budget = vc.prefill_chunk_tokens if len(self.sched) or batch else vc.max_batch_tokens
+                    await self._run_prefill(loop, budget)
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("verify loop error: %s", e)
 
-    async def _run_opens(self, loop, opens) -> None:
-        reqs = [o[0] for o in opens]
+    async def _begin_opens(self, loop, opens) -> None:
+        errors = await loop.run_in_executor(self._executor, self.engine.begin_open, [o[0] for o in opens])
+        for (req, tenant, fut), err in zip(opens, errors):
+            if err is not None:
+                self.client.pop(req.sid, None)
+                _answer(fut, _error(err))
+            else:
+                self._prefilling[req.sid] = (tenant, fut)
+
+    async def _run_prefill(self, loop, budget: int) -> None:
         try:
-            results = await loop.run_in_executor(self._executor, self.engine.open, reqs)
+            results = await loop.run_in_executor(self._executor, self.engine.prefill_step, budget)
+        except SpecError as e:  # the KV pool is full: the queued opens fail with a clear error
+            results = []
+            for sid in [sid for sid in self._prefilling if sid not in self.engine.prefilling]:
+                self.client.pop(sid, None)
+                _answer(self._prefilling.pop(sid)[1], _error(e))
         except Exception as e:
             log.exception("prefill failed")
-            for _, _, fut in opens:
-                if not fut.done():
-                    fut.set_result((500, {"error": {"code": "internal", "message": str(e)}}))
+            for sid in list(self._prefilling):
+                await loop.run_in_executor(self._executor, self.engine.close, sid)
+                self.client.pop(sid, None)
+                _answer(self._prefilling.pop(sid)[1], (500, {"error": {"code": "internal", "message": str(e)}}))
             return
-        for (req, tenant, fut), res in zip(opens, results):
-            if isinstance(res, SpecError):
-                self.client.pop(req.sid, None)
-                fut.set_result(_error(res))
+        for res in results:
+            tenant, fut = self._prefilling.pop(res.sid)
+            if fut.done():  # the client went away while its prompt was prefilled
+                await loop.run_in_executor(self._executor, self.engine.close, res.sid)
+                self.client.pop(res.sid, None)
                 continue
-            self.owner[req.sid] = tenant
-            self.metrics.on_open(tenant, req.sid, res.prefix_len)
-            self.tokens_emitted += res.first_token is not None
-            depth, budget = self._hints(req.sid)
-            fut.set_result((200, {
-                "session_id": req.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
-                "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
-                "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint, "model": self.loaded.name}))
-        self._enforce_budgets(protect={r.sid for r in reqs})
+            self.owner[res.sid] = tenant
+            self._answer_open(tenant, fut, res)
+        if results:
+            self._enforce_budgets(protect={r.sid for r in results})
+
+    def _answer_open(self, tenant: str, fut: asyncio.Future, res: OpenResult) -> None:
+        self.metrics.on_open(tenant, res.sid, res.prefix_len)
+        self.tokens_emitted += res.first_token is not None
+        depth, budget = self._hints(res.sid)
+        fut.set_result((200, {
+            "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
+            "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
+            "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint, "model": self.loaded.name}))
 
     async def _run_verifies(self, loop, batch: list[Pending]) -> None:
         trees = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], VerifyRequest)]
@@ -334,13 +373,14 @@ class Verifier(VerifierCore):
             from deploy.verifier.pipeline import build_runner
 
             runner = build_runner(cfg.target, vc.pipeline_parallel_size, cpus_per_stage=vc.num_cpus,
-                                  gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads)
+                                  gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads,
+                                  kv_capacity_tokens=vc.kv_pool_tokens())
             loaded = runner.loaded
         super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)
 
     def record_routing_stats(self) -> dict:
         return {"sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
-                "pending": len(self.sched)}
+                "pending": self.pending()}
 
     def check_health(self) -> None:
         if self._loop_task is not None and self._loop_task.done():

@@ -2,10 +2,21 @@
 
 Pure torch, no Ray (DESIGN.md steps 1, 4-6; SpecEdge §4.1 "disaggregated decoding"):
 the edge sends a draft tree for a session; the engine verifies trees of many sessions
-in **one** target forward (tree attention mask, positions = prefix length + depth,
-padding for uneven sizes), walks each tree by sampling the target
+in **one** target forward (every session's tokens packed on one axis, tree attention by
+ancestor bitmasks, positions = prefix length + depth, KV read and written in place in
+the pool: :mod:`deploy.verifier.runner`), walks each tree by sampling the target
 (:mod:`deploy.verifier.acceptance`), keeps the KV of the root and the accepted path,
 and replies with the accepted node indices and the bonus token.
+
+Prefill is chunked and token-budgeted: :meth:`VerifierEngine.begin_open` queues new
+sessions, :meth:`VerifierEngine.prefill_step` runs one forward over at most a given number
+of prompt tokens, so a long prompt never holds up other sessions' verify rounds (the
+replica's loop interleaves them); :meth:`VerifierEngine.open` runs a queue to the end.
+
+Batch invariance: a row's logits depend only on its own logical sequence
+(:mod:`deploy.verifier.model`), so in every dtype a session's output is the same whatever
+batches, trees and prefill chunks it went through: token for token the output of
+decoding one token at a time with this engine.
 
 Vocabulary (prefix, root, tree, node, accepted path, bonus token): see
 :mod:`deploy.verifier.tree`. Invariant: a live session's KV holds exactly
@@ -16,13 +27,15 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from deploy.errors import (InvalidRequest, PrefixMismatch, SessionFinished, SessionNotFound, SpecError)
 from deploy.verifier.acceptance import rejection_sample_chain, walk_tree
-from deploy.verifier.runner import BatchItem, LayerRunner
+from deploy.verifier.batch import SeqInput, chunk_input, tree_input
+from deploy.verifier.runner import ModelRunner
 from deploy.verifier.sampling import SamplingParams, make_generator, sample_token
 from deploy.verifier.tree import DraftTree, TreeLimits
 
@@ -109,18 +122,29 @@ class ForwardStats:
 
     kind: str  # "prefill" | "verify" | "chain"
     sessions: int
-    tokens: int  # real (unpadded) new tokens in the batch
-    padded_tokens: int  # B * T
+    tokens: int  # new tokens in the batch (packed: no padding)
     seconds: float
+
+
+@dataclass
+class _Prefill:
+    """A session being prefilled chunk by chunk."""
+
+    session: Session
+    feed: list[int]  # tokens that enter the KV (prompt, or a re-open's history[:-1])
+    generated: tuple[int, ...]
+    fed: int = 0
 
 
 class VerifierEngine:
     def __init__(self, model, *, eos_token_ids=(), limits: TreeLimits = TreeLimits(),
                  max_model_len: int | None = None, runner=None, chain_top_k: int = 64,
-                 on_forward=None):
+                 on_forward=None, kv_capacity_tokens: int = 1 << 16, max_batch_tokens: int = 2048):
         self.model = model
-        self.runner = runner if runner is not None else LayerRunner(model)
+        self.runner = runner if runner is not None else ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens)
         self.vocab_size = model.config.vocab_size
+        self.max_batch_tokens = max_batch_tokens
+        self.prefilling: OrderedDict[str, _Prefill] = OrderedDict()
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.limits = limits
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 1 << 16)
@@ -157,7 +181,7 @@ class VerifierEngine:
     def _remaining(self, s: Session) -> int:
         return min(s.params.max_tokens - s.num_generated, self.max_model_len - 1 - len(s.prefix))
 
-    def _forward(self, kind: str, items: list[BatchItem]):
+    def _forward(self, kind: str, items: list[SeqInput]):
         bid = next(self._batch_ids)
         t0 = time.perf_counter()
         try:
@@ -167,20 +191,26 @@ class VerifierEngine:
             raise
         dt = time.perf_counter() - t0
         if self.on_forward is not None:
-            T = max(len(it.input_ids) for it in items)
-            self.on_forward(ForwardStats(kind, len(items), sum(len(it.input_ids) for it in items),
-                                         T * len(items), dt))
+            self.on_forward(ForwardStats(kind, len(items), sum(len(it.tokens) for it in items), dt))
         return bid, logits
 
     # -- open / close -------------------------------------------------------------
     def open(self, requests: list[OpenRequest]) -> list[OpenResult | SpecError]:
-        """Prefill new (or re-opened) sessions in one forward; sample first tokens."""
-        out: list[OpenResult | SpecError | None] = [None] * len(requests)
-        todo: list[tuple[int, Session, list[int]]] = []
-        seen: set[str] = set()
+        """Prefill new (or re-opened) sessions to the end; sample first tokens."""
+        out: list[OpenResult | SpecError | None] = list(self.begin_open(requests))
+        index = {r.sid: i for i, r in enumerate(requests) if out[i] is None}
+        while any(sid in self.prefilling for sid in index):
+            for res in self.prefill_step(self.max_batch_tokens):
+                if res.sid in index:
+                    out[index[res.sid]] = res
+        return out  # type: ignore[return-value]
+
+    def begin_open(self, requests: list[OpenRequest]) -> list[SpecError | None]:
+        """Validate and queue sessions for prefill; an error per invalid request, else None."""
+        out: list[SpecError | None] = [None] * len(requests)
         for i, r in enumerate(requests):
             try:
-                if r.sid in self.sessions or r.sid in seen:  # twice in one batch would share one KV
+                if r.sid in self.sessions or r.sid in self.prefilling:  # twice would share one KV
                     raise InvalidRequest(f"session {r.sid!r} already exists")
                 if not r.prompt:
                     raise InvalidRequest("prompt must contain at least one token")
@@ -199,31 +229,60 @@ class VerifierEngine:
                             make_generator(params, skip=len(r.generated)), stop)
                 # a re-open feeds the KV with history[:-1]; its last token is the root
                 feed = history if not r.generated else history[:-1]
-                seen.add(r.sid)
-                todo.append((i, s, feed))
+                self.prefilling[r.sid] = _Prefill(s, feed, tuple(r.generated))
             except SpecError as e:
                 out[i] = e
-        if todo:
-            items = [BatchItem(s.sid, feed, torch.arange(len(feed)),
-                               torch.ones(len(feed), len(feed), dtype=torch.bool).tril(),
-                               [len(feed) - 1]) for _, s, feed in todo]
+        return out
+
+    def prefill_pending_tokens(self) -> int:
+        return sum(len(p.feed) - p.fed for p in self.prefilling.values())
+
+    def prefill_step(self, budget_tokens: int) -> list[OpenResult]:
+        """One forward over at most ``budget_tokens`` queued prompt tokens (first come, first
+        served); returns the sessions whose prefill completed, with their first token."""
+        items, chunks = [], []
+        left = max(1, budget_tokens)
+        for sid, p in self.prefilling.items():
+            if left <= 0:
+                break
+            n = min(len(p.feed) - p.fed, left)
+            done = p.fed + n == len(p.feed)
+            items.append(chunk_input(sid, p.fed, p.feed[p.fed: p.fed + n], [n - 1] if done else []))
+            chunks.append((p, n, done))
+            left -= n
+        if not items:
+            return []
+        try:
             bid, logits = self._forward("prefill", items)
-            self.runner.commit(bid, {s.sid: list(range(len(feed))) for _, s, feed in todo})
-            for (i, s, feed), lg in zip(todo, logits):
-                req = requests[i]
-                self.sessions[s.sid] = s
-                if req.generated:
-                    self._emit(s, list(req.generated))
-                    first = None
-                else:
-                    first = sample_token(lg[0], s.params, s.generator)
-                    self._emit(s, [first])
-                out[i] = OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason)
-        return out  # type: ignore[return-value]
+        except SpecError as e:  # the pool is full: the queued sessions fail, the rest goes on
+            for p, _n, _done in chunks:
+                self.prefilling.pop(p.session.sid, None)
+                self.runner.drop(p.session.sid)
+            raise e
+        self.runner.commit(bid, {p.session.sid: (n, []) for p, n, _ in chunks if p.session.sid in self.prefilling})
+        out = []
+        for (p, n, done), lg in zip(chunks, logits):
+            s = p.session
+            if s.sid not in self.prefilling:  # closed while its chunk ran
+                continue
+            p.fed += n
+            if not done:
+                continue
+            del self.prefilling[s.sid]
+            self.sessions[s.sid] = s
+            if p.generated:
+                self._emit(s, list(p.generated))
+                first = None
+            else:
+                first = sample_token(lg[0], s.params, s.generator)
+                self._emit(s, [first])
+            out.append(OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason))
+        return out
 
     def close(self, sid: str) -> None:
         self.runner.drop(sid)
         self.sessions.pop(sid, None)
+        self.prefilling.pop(sid, None)
 
     # -- verify -------------------------------------------------------------------
     def _live(self, sid: str, prefix_len: int) -> Session:
@@ -262,14 +321,15 @@ class VerifierEngine:
                 out[i] = e
         if not todo:
             return out  # type: ignore[return-value]
-        items = [BatchItem(s.sid, [s.prefix[-1], *tree.tokens], tree.position_offsets(),
-                           tree.attention_mask(), list(range(len(tree) + 1))) for _, s, tree in todo]
+        items = [tree_input(s.sid, len(s.prefix) - 1, s.prefix[-1], tree.tokens, tree.parents, tree.depths)
+                 for _, s, tree in todo]
         bid, logits = self._forward("verify", items)
-        keep: dict[str, list[int]] = {}
+        keep = {}
         walks = []
         for (i, s, tree), lg in zip(todo, logits):
             acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
-            keep[s.sid] = [0] + [a + 1 for a in acc.accepted]  # the root and the accepted path
+            root = len(s.prefix) - 1  # node j was written at root + 1 + j
+            keep[s.sid] = (1, [root + 1 + a for a in acc.accepted])  # the root and the accepted path
             walks.append((i, s, acc, [tree.tokens[a] for a in acc.accepted] + [acc.bonus]))
         self.runner.commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
         for i, s, acc, emitted in walks:
@@ -326,8 +386,7 @@ class VerifierEngine:
         items = []
         for _, s, toks, _q in todo:
             chain = DraftTree.chain(toks)
-            items.append(BatchItem(s.sid, [s.prefix[-1], *toks], chain.position_offsets(),
-                                   chain.attention_mask(), list(range(len(toks) + 1))))
+            items.append(tree_input(s.sid, len(s.prefix) - 1, s.prefix[-1], chain.tokens, chain.parents, chain.depths))
         bid, logits = self._forward("chain", items)
         keep = {}
         results = []
@@ -337,7 +396,7 @@ class VerifierEngine:
             cut = next((j for j, t in enumerate(accepted) if t in s.stop_ids), None)
             if cut is not None:  # a stop token among the accepted ends the session there
                 accepted, acc = accepted[: cut + 1], type(acc)(cut + 1, None)
-            keep[s.sid] = list(range(len(accepted) + 1))
+            keep[s.sid] = (1 + len(accepted), [])  # a chain's accepted nodes follow the root in place
             results.append((i, s, acc, accepted))
         self.runner.commit(bid, keep)
         for i, s, acc, accepted in results:

@@ -1,9 +1,10 @@
 """Pipeline-parallel verifier: one replica's target sharded over N Ray stage actors.
 
 DESIGN.md "Sharding large targets": stage ``i`` is a Ray actor holding a
-:class:`~deploy.verifier.runner.LayerRunner` for its contiguous slice of decoder layers
-(stage 0 also the embedding, the last stage the final norm + LM head) and that slice
-of every session's KV cache. The split is computed by :mod:`deploy.verifier.layer_split`.
+:class:`~deploy.verifier.runner.ModelRunner` for its contiguous slice of decoder layers
+(stage 0 also the embedding, the last stage the final norm + LM head) and a KV pool for
+that slice (every stage's pool receives the same reserve/commit/drop calls, so pages and
+slots agree across stages). The split is computed by :mod:`deploy.verifier.layer_split`.
 
 :class:`PipelineRunner` has the runner interface :class:`~deploy.verifier.engine.VerifierEngine`
 uses (``forward``, ``commit``, ``abort``, ``drop``, ``truncate``, ``kv_tokens``,
@@ -14,7 +15,7 @@ waits only on the last stage. Several verify batches in flight (threads calling
 ``engine.verify`` on disjoint sessions) overlap: stage actors execute calls in
 submission order, so stage i computes batch b+1 while stage i+1 computes batch b.
 Commit/rollback: every stage applies the same ``commit(batch_id, keep)`` compaction
-(rows of the root and the accepted path); ``drop``/``truncate`` go to every stage.
+(the root and the accepted path); ``drop``/``truncate`` go to every stage.
 Commits and drops are fire-and-forget (per-actor ordering keeps them before any later
 forward of the same session); their errors surface on the next call.
 
@@ -32,11 +33,11 @@ to fit one process; other formats (GGUF, tiny-random) load whole and drop the re
 Hidden states cross stages through the Ray object store (host memory); Ray compiled
 graphs with NCCL channels would keep them on the GPUs, not done here (no GPU to test).
 
-Exactness: every stage runs the unsharded LayerRunner's ops on the same padded shapes
-and hidden states cross unchanged, so the logits are bit-identical to the unsharded
-verifier on CPU, provided each stage uses as many torch threads as the unsharded
-process: the CPU GEMM splits a small matrix's rows among threads and computes tail rows
-with another kernel (1 vs 2 threads differ by ~1e-6 in fp32).
+Exactness: every stage runs the unsharded forward's ops on the same packed rows and hidden
+states cross unchanged, so the logits are bit-identical to the unsharded verifier on CPU,
+provided each stage uses as many torch threads as the unsharded process (in fp32 the CPU
+GEMM splits a small matrix's rows among threads and computes tail rows with another kernel;
+1 vs 2 threads differ by ~1e-6).
 
 Tensor parallelism inside a stage is not implemented: a row-parallel linear sums
 partial products across ranks in another order, which breaks bit-identity with the
@@ -58,7 +59,8 @@ from deploy.config import ModelConfig
 from deploy.verifier.layer_split import Weighting, split_layers
 from deploy.verifier.models import (EMBEDDED_ALIASES, EMBEDDED_NAME, TINY_PREFIX, LoadedModel, _eos_ids, ensure_embedded_model,
                                     load_model, resolve_attn, resolve_device, resolve_dtype, tiny_llama_config)
-from deploy.verifier.runner import BatchItem, LayerRunner
+from deploy.verifier.batch import SeqInput
+from deploy.verifier.runner import Keep, ModelRunner
 
 STAGE_BUNDLE_OFFSET = 1  # bundle 0 is the replica; stage i lives in bundle i + 1
 
@@ -231,13 +233,14 @@ def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bo
 
 # -- the stage actor ----------------------------------------------------------------
 class PipelineStage:
-    """One pipeline stage (run as a Ray actor): a LayerRunner over its slice + busy time."""
+    """One pipeline stage (run as a Ray actor): a ModelRunner over its slice + busy time."""
 
-    def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None):
+    def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None,
+                 kv_capacity_tokens: int = 1 << 16):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         loaded = load_stage(model_cfg, first, last, with_tokenizer=first == 0)
-        self.runner = LayerRunner(loaded.model, first, last)
+        self.runner = ModelRunner(loaded.model, first, last, kv_capacity_tokens=kv_capacity_tokens)
         m = loaded.model
         self.info = LoadedModel(ModelShell(m.config, getattr(m, "generation_config", None)), loaded.tokenizer,
                                 loaded.name, loaded.eos_token_ids, str(loaded.device), loaded.dtype)
@@ -248,7 +251,7 @@ class PipelineStage:
         """The target's metadata with a config-only model (what the replica's engine needs)."""
         return self.info
 
-    def forward(self, batch_id: int, items: list[BatchItem], hidden: torch.Tensor | None = None):
+    def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None):
         t0, c0 = time.perf_counter(), time.process_time()
         out = self.runner.forward(batch_id, items, hidden)
         # results leave through the object store: host memory, whatever the device
@@ -260,7 +263,7 @@ class PipelineStage:
         self._intervals.append((t0, t1))
         return out
 
-    def commit(self, batch_id: int, keep: dict[str, list[int]]) -> None:
+    def commit(self, batch_id: int, keep: dict[str, Keep]) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
         self.runner.commit(batch_id, keep)
         self._busy += time.perf_counter() - t0
@@ -280,8 +283,7 @@ class PipelineStage:
 
     def session_kv(self, sid: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This stage's KV of a session: keys, values [L_stage, H, length, d] (for checks)."""
-        kv = self.runner.kv.get(sid)
-        return None if kv is None else (kv.keys().cpu().clone(), kv.values().cpu().clone())
+        return self.runner.session_kv(sid)
 
     def stats(self) -> dict:
         """busy_s: wall seconds inside forward/commit; cpu_s: CPU seconds of this process
@@ -305,7 +307,7 @@ class PipelineStage:
 
 # -- the driver side ------------------------------------------------------------------
 class PipelineRunner:
-    """A LayerRunner look-alike backed by ``pp`` stage actors (thread-safe).
+    """A ModelRunner look-alike backed by ``pp`` stage actors (thread-safe).
 
     ``bounds``: explicit stage boundaries ``[0, b1, ..., n]``; default: the balanced
     split of :func:`~deploy.verifier.layer_split.split_layers` by ``weighting``.
@@ -320,7 +322,8 @@ class PipelineRunner:
     def __init__(self, model_cfg: ModelConfig, pipeline_parallel_size: int = 2, *,
                  bounds: list[int] | None = None, weighting: Weighting = "flops",
                  cpus_per_stage: float | None = None, gpus_per_stage: float | None = None,
-                 torch_threads: int | None = None, use_placement_group: bool = True):
+                 torch_threads: int | None = None, use_placement_group: bool = True,
+                 kv_capacity_tokens: int = 1 << 16):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pp = pipeline_parallel_size
@@ -350,12 +353,12 @@ class PipelineRunner:
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i + STAGE_BUNDLE_OFFSET)
-            self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads))
+            self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens))
         self.loaded: LoadedModel = ray.get(self.stages[0].describe.remote())
         ray.get([s.stats.remote() for s in self.stages])  # every stage loaded
         self._lock = threading.Lock()
         self._lengths: dict[str, int] = {}
-        self._batches: dict[int, list[str]] = {}
+        self._batches: dict[int, set[str]] = {}  # sessions of each batch in flight (minus drops)
         self._background: list = []  # refs of fire-and-forget calls (commit, drop, truncate)
 
     @property
@@ -379,7 +382,7 @@ class PipelineRunner:
             refs, self._background = self._background, []
         ray.get(refs)
 
-    # -- the LayerRunner interface -----------------------------------------------------
+    # -- the ModelRunner interface -----------------------------------------------------
     def kv_length(self, sid: str) -> int:
         with self._lock:
             return self._lengths.get(sid, 0)
@@ -388,7 +391,7 @@ class PipelineRunner:
         with self._lock:
             return sum(self._lengths.values())
 
-    def forward(self, batch_id: int, items: list[BatchItem], hidden: torch.Tensor | None = None):
+    def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None):
         """Chain the stages; returns one logits tensor [len(logit_rows), vocab] per item."""
         if hidden is not None:
             raise ValueError("a PipelineRunner takes token ids; hidden states stay between its stages")
@@ -396,20 +399,20 @@ class PipelineRunner:
             self._reap()
             if batch_id in self._batches:
                 raise ValueError(f"batch {batch_id} is already in flight")
-            self._batches[batch_id] = [it.sid for it in items]
+            self._batches[batch_id] = {it.sid for it in items}
             items_ref = ray.put(items)
             ref = None
             for stage in self.stages:
                 ref = stage.forward.remote(batch_id, items_ref, ref)
         return ray.get(ref)
 
-    def commit(self, batch_id: int, keep: dict[str, list[int]]) -> None:
+    def commit(self, batch_id: int, keep: dict[str, Keep]) -> None:
         with self._lock:
             self._reap()
             for sid in self._batches.pop(batch_id):
-                rows = keep.get(sid)
-                if rows:
-                    self._lengths[sid] = self._lengths.get(sid, 0) + len(rows)
+                if sid in keep:  # a session dropped while its forward ran has left the batch's set
+                    n_contiguous, tree_positions = keep[sid]
+                    self._lengths[sid] = self._lengths.get(sid, 0) + n_contiguous + len(tree_positions)
             self._broadcast("commit", batch_id, keep)
 
     def abort(self, batch_id: int) -> None:
@@ -420,11 +423,13 @@ class PipelineRunner:
     def drop(self, sid: str) -> None:
         with self._lock:
             self._lengths.pop(sid, None)
+            for sids in self._batches.values():
+                sids.discard(sid)
             self._broadcast("drop", sid)
 
     def truncate(self, sid: str, length: int) -> None:
         with self._lock:
-            cur = self._lengths[sid]  # KeyError for an unknown session, as LayerRunner
+            cur = self._lengths[sid]  # KeyError for an unknown session
             if not 0 <= length <= cur:
                 raise ValueError(f"cannot truncate KV of length {cur} to {length}")
             self._lengths[sid] = length
@@ -461,10 +466,10 @@ class PipelineRunner:
 # -- the factory the verifier deployment calls ------------------------------------------
 def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpus_per_stage: float | None = None,
                  gpus_per_stage: float | None = None, torch_threads: int | None = None,
-                 weighting: Weighting = "flops") -> LayerRunner | PipelineRunner:
+                 weighting: Weighting = "flops", kv_capacity_tokens: int = 1 << 16) -> ModelRunner | PipelineRunner:
     """The runner of a verifier replica; ``runner.loaded`` is what its engine is built from.
 
-    pp == 1: the whole target in this process and a plain LayerRunner (today's
+    pp == 1: the whole target in this process and a plain ModelRunner (today's
     verifier; ``loaded.model`` is the model). pp > 1: a :class:`PipelineRunner` whose
     stages load their own slices (``loaded.model`` is a config-only :class:`ModelShell`).
     Either way: ``VerifierEngine(runner.loaded.model, eos_token_ids=runner.loaded.eos_token_ids,
@@ -476,8 +481,9 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
         loaded = load_model(model_cfg.model, dtype=model_cfg.dtype, device=model_cfg.device,
                             attn_implementation=model_cfg.attn_implementation, tokenizer=model_cfg.tokenizer,
                             seed=model_cfg.seed, tiny_config=model_cfg.tiny_config)
-        runner = LayerRunner(loaded.model)
+        runner = ModelRunner(loaded.model, kv_capacity_tokens=kv_capacity_tokens)
         runner.loaded = loaded  # type: ignore[attr-defined]
         return runner
     return PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
-                          gpus_per_stage=gpus_per_stage, torch_threads=torch_threads)
+                          gpus_per_stage=gpus_per_stage, torch_threads=torch_threads,
+                          kv_capacity_tokens=kv_capacity_tokens)

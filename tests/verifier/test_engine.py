@@ -20,7 +20,7 @@ from deploy.verifier.engine import (ChainVerifyRequest, ChainVerifyResult, OpenR
                                     VerifyRequest, VerifyResult)
 from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
-from deploy.verifier.runner import BatchItem
+from deploy.verifier.batch import tree_input
 from deploy.verifier.sampling import SamplingParams, sample_from_probs, target_probs
 from deploy.verifier.tree import DraftTree, TreeLimits
 from tests.verifier.test_acceptance import wrong_top2
@@ -139,12 +139,12 @@ def single_token_logits(model, prefix: list[int], tree: DraftTree) -> torch.Tens
 
 
 def tree_forward_logits(engine: VerifierEngine, sids_trees: list[tuple[str, DraftTree]]) -> list[torch.Tensor]:
-    """The engine runner's logits for trees of several sessions in ONE padded forward (no commit)."""
-    items = [BatchItem(sid, [engine.sessions[sid].prefix[-1], *t.tokens], t.position_offsets(),
-                       t.attention_mask(), list(range(len(t) + 1))) for sid, t in sids_trees]
+    """The engine runner's logits (float32) for trees of several sessions in ONE packed forward (no commit)."""
+    items = [tree_input(sid, len(engine.sessions[sid].prefix) - 1, engine.sessions[sid].prefix[-1], t.tokens,
+                        t.parents, t.depths) for sid, t in sids_trees]
     out = engine.runner.forward(-1, items)
     engine.runner.abort(-1)
-    return out
+    return [x.float() for x in out]
 
 
 def compare_logits(multi: torch.Tensor, single: torch.Tensor, tol: float = LOGIT_TOL) -> dict:
@@ -214,12 +214,11 @@ def test_one_forward_per_verify_call_for_all_sessions(tiny_model):
     trees = [random_tree(rng, [], 512, allow_empty=False) for _ in sids]
     eng.verify([VerifyRequest(sid, t, len(eng.sessions[sid].prefix)) for sid, t in zip(sids, trees)])
     assert len(forwards) == 2 and forwards[1].kind == "verify" and forwards[1].sessions == 8
-    assert forwards[1].tokens == sum(len(t) + 1 for t in trees)
-    assert forwards[1].padded_tokens == 8 * (max(len(t) for t in trees) + 1)
+    assert forwards[1].tokens == sum(len(t) + 1 for t in trees)  # packed: no padding
 
 
 def test_tree_forward_agrees_with_one_token_forwards(tiny_model, engine):
-    """fp32: the batched, padded tree forward and one-token HF decoding differ far below argmax gaps."""
+    """fp32: the batched, packed tree forward and one-token HF decoding differ far below argmax gaps."""
     rng = random.Random(3)
     sids = ["a", "b", "c"]
     engine.open([OpenRequest(sid, random_prompt(rng, 512, 5, 60), SamplingParams(max_tokens=50)) for sid in sids])
@@ -443,7 +442,7 @@ def test_batched_verification_equals_verifying_each_alone(tiny_model):
         live = [sid for sid, s in together.sessions.items() if not s.finished]
         reqs = [VerifyRequest(sid, random_tree(rng, [], 512, 40, 8), len(together.sessions[sid].prefix))
                 for sid in live]
-        # tree logits: one padded forward for all vs one forward each
+        # tree logits: one packed forward for all vs one forward each
         multi = tree_forward_logits(together, [(r.sid, r.tree) for r in reqs])
         for r, m in zip(reqs, multi):
             single = tree_forward_logits(alone[r.sid], [(r.sid, r.tree)])[0]

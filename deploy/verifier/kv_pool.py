@@ -1,0 +1,159 @@
+"""Paged KV pool, preallocated per replica (or per pipeline stage), written and read in place.
+
+The pool holds ``num_pages`` pages of :data:`PAGE_SIZE` token slots for every local layer
+(vLLM-style paging): K as ``[L, pages, Hkv, D, PS]`` (transposed inside a page, the layout
+the tree-attention kernel reads) and V as ``[L, pages, Hkv, PS, D]``. A session owns a list
+of pages (its block table); logical position ``p`` is slot ``p % PS`` of page
+``pages[p // PS]``.
+
+Lifecycle of a round (DESIGN.md step 4): :meth:`reserve` gives a session the pages for its
+new tokens (root + tree nodes, or a prompt chunk) at logical positions ``[length, length +
+n)``; the forward writes their K/V there in place (:meth:`write`); :meth:`commit` keeps the
+first ``keep_contiguous`` of them plus the listed tree positions, moved down behind them
+(at most ``depth`` entries move), and frees pages past the new length. Rollback is free:
+rejected entries are simply past the length. Memory accounting counts committed tokens
+(:attr:`tokens`) and pages held (:attr:`pages_in_use`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deploy.errors import KVCapacityExceeded
+from deploy.verifier.native import PAGE_SIZE
+
+
+@dataclass
+class SessionPages:
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # committed logical positions
+
+
+class KVPool:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity_tokens: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.num_pages = max(1, -(-capacity_tokens // PAGE_SIZE))
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        # torch.empty: pages are committed to memory as they are first written
+        self.k = torch.empty(num_layers, self.num_pages, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device)
+        self.v = torch.empty(num_layers, self.num_pages, kv_heads, PAGE_SIZE, head_dim, dtype=dtype, device=device)
+        self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: low page ids first
+        self.sessions: dict[str, SessionPages] = {}
+
+    # -- accounting -----------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * PAGE_SIZE
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def tokens(self) -> int:
+        """Committed KV tokens of all sessions."""
+        return sum(s.length for s in self.sessions.values())
+
+    def nbytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.k.element_size()
+
+    def length(self, sid: str) -> int:
+        s = self.sessions.get(sid)
+        return s.length if s is not None else 0
+
+    def free_tokens(self) -> int:
+        return len(self._free) * PAGE_SIZE
+
+    # -- sessions -------------------------------------------------------------------
+    def reserve(self, sid: str, end: int) -> None:
+        """Pages for logical positions ``[0, end)`` of ``sid`` (the session is created if new)."""
+        s = self.sessions.setdefault(sid, SessionPages())
+        need = -(-end // PAGE_SIZE) - len(s.pages)
+        if need > len(self._free):
+            if not s.pages:
+                del self.sessions[sid]
+            raise KVCapacityExceeded(f"KV pool full: {need} more pages needed, {len(self._free)} free "
+                                     f"of {self.num_pages}")
+        for _ in range(need):
+            s.pages.append(self._free.pop())
+
+    def _trim(self, s: SessionPages, end: int | None = None) -> None:
+        keep = -(-(s.length if end is None else end) // PAGE_SIZE)
+        while len(s.pages) > keep:
+            self._free.append(s.pages.pop())
+
+    def release(self, sid: str) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            s.length = 0
+            self._trim(s)
+
+    def truncate(self, sid: str, length: int) -> None:
+        s = self.sessions[sid]
+        if not 0 <= length <= s.length:
+            raise ValueError(f"cannot truncate KV of length {s.length} to {length}")
+        s.length = length
+        self._trim(s)
+
+    def abort(self, sid: str) -> None:
+        """Drop every reserved, uncommitted position (rollback)."""
+        s = self.sessions.get(sid)
+        if s is not None:
+            self._trim(s)
+
+    def slots(self, sid: str, positions: torch.Tensor) -> torch.Tensor:
+        """Global slot ids (page * PS + offset) of logical ``positions`` [n] of ``sid``."""
+        pages = torch.tensor(self.sessions[sid].pages, dtype=torch.long)
+        return pages[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+
+    def block_table(self, sids: list[str]) -> torch.Tensor:
+        """[B, max_pages] int32 (unused entries 0)."""
+        width = max(1, max(len(self.sessions[s].pages) for s in sids))
+        bt = torch.zeros(len(sids), width, dtype=torch.int32)
+        for b, sid in enumerate(sids):
+            p = self.sessions[sid].pages
+            bt[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
+        return bt
+
+    # -- data -----------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [n, Hkv, D] -> their slots [n] of ``layer``."""
+        page, off = slots // PAGE_SIZE, slots % PAGE_SIZE
+        self.k[layer][page, :, :, off] = k
+        self.v[layer][page, :, off, :] = v
+
+    def commit(self, sid: str, keep_contiguous: int, tree_positions: list[int]) -> None:
+        """Keep ``[length, length + keep_contiguous)`` and then ``tree_positions`` (increasing,
+        beyond them), moved down behind; the session's length grows by all of them."""
+        s = self.sessions[sid]
+        start = s.length + keep_contiguous
+        self.compact(sid, start, tree_positions, start + len(tree_positions))
+
+    def compact(self, sid: str, start: int, positions: list[int], committed: int) -> None:
+        """Move ``positions`` (increasing, each >= start) to ``start, start + 1, ...``; the
+        committed length becomes ``committed`` (<= start + len(positions)); entries past it stay
+        written but uncommitted (the edge drafter keeps live tree nodes there)."""
+        s = self.sessions[sid]
+        moves = [(p, start + i) for i, p in enumerate(positions) if p != start + i]
+        if moves:
+            src = self.slots(sid, torch.tensor([m[0] for m in moves]))
+            dst = self.slots(sid, torch.tensor([m[1] for m in moves]))
+            sp, so, dp, do = src // PAGE_SIZE, src % PAGE_SIZE, dst // PAGE_SIZE, dst % PAGE_SIZE
+            self.k[:, dp, :, :, do] = self.k[:, sp, :, :, so]  # [L, n, Hkv, D] gathered, then scattered
+            self.v[:, dp, :, do, :] = self.v[:, sp, :, so, :]
+        s.length = committed
+        self._trim(s, start + len(positions))
+
+    def read(self, sid: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A session's committed KV, keys and values [L, Hkv, length, D] (a copy, for checks)."""
+        s = self.sessions.get(sid)
+        if s is None or s.length == 0:
+            shape = (self.num_layers, self.kv_heads, 0, self.head_dim)
+            return torch.empty(shape, dtype=self.k.dtype), torch.empty(shape, dtype=self.v.dtype)
+        slots = self.slots(sid, torch.arange(s.length))
+        page, off = slots // PAGE_SIZE, slots % PAGE_SIZE
+        k = self.k[:, page, :, :, off]  # [L, n, Hkv, D]
+        v = self.v[:, page, :, off, :]
+        return k.transpose(1, 2).cpu(), v.transpose(1, 2).cpu()

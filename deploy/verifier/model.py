@@ -1,0 +1,202 @@
+"""The verifier's own forward for Llama-family decoders, over a packed batch and the KV pool.
+
+Supported: Llama (incl. SmolLM and Llama-3 RoPE scaling), Mistral without a sliding
+window, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm). Weights come from the HF model
+(:func:`deploy.verifier.models.load_model`) and are re-laid out once: Q, K and V in one
+matrix, gate and up in another. A forward packs every session's new tokens on one token
+axis (no padding, :mod:`deploy.verifier.batch`), writes their K/V into the pool in place and
+reads the pool in place (:mod:`deploy.verifier.attention`); RoPE at explicit positions
+(prefix length + node depth); GQA without repeating K/V. A :class:`DecoderModel` may own a
+contiguous slice of layers (a pipeline stage): the first also embeds tokens, the last also
+owns the final norm and the LM head.
+
+Batch invariance (bf16): every op is row-wise (linear layers give the same rows whatever
+the row count on CPU: checked by ``tests/verifier/test_model.py``), and attention reduces
+each row over its own logical KV sequence in a fixed order, so a row's logits do not depend
+on the rest of its batch, its tree's shape, or padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deploy.errors import UnsupportedModel
+from deploy.verifier.attention import tree_attention, use_kernel
+from deploy.verifier.batch import PackedBatch
+from deploy.verifier.kv_pool import KVPool
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE = (None, "default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What the forward needs of a model config (validated)."""
+
+    model_type: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    rms_eps: float
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, cfg) -> "DecoderSpec":
+        mt = getattr(cfg, "model_type", None)
+        if mt not in SUPPORTED_TYPES:
+            raise UnsupportedModel(f"model type {mt!r} is not supported by the verifier's forward "
+                                   f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        sw = getattr(cfg, "sliding_window", None)
+        if sw is not None and (mt == "mistral" or getattr(cfg, "use_sliding_window", False)):
+            raise UnsupportedModel(f"{mt} with a sliding window ({sw}) is not supported: attention over the "
+                                   f"whole context would give different outputs")
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+            raise UnsupportedModel(f"{mt}: only full-attention layers are supported (layer_types "
+                                   f"{sorted(set(cfg.layer_types))})")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModel(f"activation {act!r} is not supported (SwiGLU with silu only)")
+        rope = getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if rope_type not in SUPPORTED_ROPE:
+            raise UnsupportedModel(f"RoPE scaling {rope_type!r} is not supported (it depends on the sequence "
+                                   f"length); supported: default, linear, llama3, yarn")
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        if heads % kv:
+            raise UnsupportedModel(f"{heads} attention heads are not a multiple of {kv} KV heads")
+        return cls(mt, cfg.hidden_size, heads, kv, head_dim, cfg.num_hidden_layers, float(cfg.rms_norm_eps),
+                   mt == "qwen3")
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor  # [D]
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) * d, D]
+    bqkv: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [d] (Qwen3)
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor  # [D, Hq * d]
+    bo: torch.Tensor | None
+    ln2: torch.Tensor  # [D]
+    wgu: torch.Tensor  # [2 I, D]
+    bgu: torch.Tensor | None
+    wdown: torch.Tensor  # [D, I]
+    bdown: torch.Tensor | None
+
+
+def _cat_bias(*linears) -> torch.Tensor | None:
+    bs = [lin.bias for lin in linears]
+    if all(b is None for b in bs):
+        return None
+    return torch.cat([b.detach() if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype,
+                                                                    device=lin.weight.device)
+                      for b, lin in zip(bs, linears)])
+
+
+def _layer_weights(layer) -> LayerWeights:
+    a, m = layer.self_attn, layer.mlp
+    qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    return LayerWeights(
+        layer.input_layernorm.weight.detach(),
+        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+        qn.weight.detach() if qn is not None else None, kn.weight.detach() if kn is not None else None,
+        a.o_proj.weight.detach(), a.o_proj.bias.detach() if a.o_proj.bias is not None else None,
+        layer.post_attention_layernorm.weight.detach(),
+        torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), _cat_bias(m.gate_proj, m.up_proj),
+        m.down_proj.weight.detach(), m.down_proj.bias.detach() if m.down_proj.bias is not None else None)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, scale in the model dtype. x: [..., D]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+class DecoderModel:
+    """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head)."""
+
+    def __init__(self, hf_model, first: int = 0, last: int | None = None):
+        cfg = hf_model.config
+        self.spec = spec = DecoderSpec.from_config(cfg)
+        self.config = cfg
+        inner = hf_model.model
+        self.first, self.last = first, spec.num_layers if last is None else last
+        if not 0 <= self.first < self.last <= spec.num_layers:
+            raise ValueError(f"layer slice [{first}, {last}) is outside 0..{spec.num_layers}")
+        self.is_first, self.is_last = self.first == 0, self.last == spec.num_layers
+        self.layers = [_layer_weights(inner.layers[i]) for i in range(self.first, self.last)]
+        self.embed = inner.embed_tokens.weight.detach() if self.is_first else None  # [V, D]
+        self.norm = inner.norm.weight.detach() if self.is_last else None
+        self.lm_head = hf_model.lm_head.weight.detach() if self.is_last else None  # [V', D]
+        lm_bias = getattr(hf_model.lm_head, "bias", None) if self.is_last else None
+        self.lm_bias = lm_bias.detach() if lm_bias is not None else None
+        p = self.layers[0].wqkv
+        self.dtype, self.device = p.dtype, p.device
+        rot = inner.rotary_emb
+        self.inv_freq = rot.inv_freq.detach().float().to(self.device)  # [d / 2]
+        self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
+        self.kernel = use_kernel(self.device, self.dtype)
+        self.scale = getattr(cfg, "attention_multiplier", None) or spec.head_dim ** -0.5
+
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.layers)
+
+    def new_pool(self, capacity_tokens: int) -> KVPool:
+        s = self.spec
+        return KVPool(self.num_local_layers, s.num_kv_heads, s.head_dim, capacity_tokens, self.dtype, self.device)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, d] in the model dtype (as HF: computed in float32, then cast)."""
+        freqs = positions.to(self.device).float()[:, None] * self.inv_freq[None, :]  # [N, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None, :],
+                (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :])
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+        return x * cos + rot * sin
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch, pool: KVPool, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this slice's layers; returns hidden states [N, D] (before the final norm).
+
+        The first slice embeds ``batch.input_ids``; later ones take ``hidden`` [N, D].
+        Every layer writes the batch's new K/V into ``pool`` at ``batch.slots``.
+        """
+        s = self.spec
+        N = batch.num_tokens
+        Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        h = F.embedding(batch.input_ids.to(self.device), self.embed) if self.is_first else hidden.to(self.device, self.dtype)
+        cos, sin = self._rope(batch.positions)
+        slots = batch.slots.to(self.device)
+        plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w.ln1, s.rms_eps)
+            qkv = F.linear(x, w.wqkv, w.bqkv).view(N, Hq + 2 * Hkv, d)
+            q, k, v = qkv[:, :Hq], qkv[:, Hq: Hq + Hkv], qkv[:, Hq + Hkv:]
+            if w.q_norm is not None:
+                q, k = rms_norm(q, w.q_norm, s.rms_eps), rms_norm(k, w.k_norm, s.rms_eps)
+            q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
+            pool.write(i, slots, k, v)
+            o = tree_attention(q, pool.k[i], pool.v[i], plan, self.scale, self.kernel)  # [N, Hq, d]
+            h = h + F.linear(o.reshape(N, Hq * d), w.wo, w.bo)
+            x = rms_norm(h, w.ln2, s.rms_eps)
+            g, u = F.linear(x, w.wgu, w.bgu).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(g) * u, w.wdown, w.bdown)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head for the given rows: [R, D] -> [R, V] in the model dtype."""
+        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head, self.lm_bias)
