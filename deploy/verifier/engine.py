@@ -200,7 +200,7 @@ class VerifierEngine:
         out: list[OpenResult | SpecError | None] = list(self.begin_open(requests))
         index = {r.sid: i for i, r in enumerate(requests) if out[i] is None}
         while any(sid in self.prefilling for sid in index):
-            for res in self.prefill_step(self.max_batch_tokens):
+            for res in self.prefill_step(self.max_batch_tokens, only=set(index)):
                 if res.sid in index:
                     out[index[res.sid]] = res
         return out  # type: ignore[return-value]
@@ -237,14 +237,17 @@ class VerifierEngine:
     def prefill_pending_tokens(self) -> int:
         return sum(len(p.feed) - p.fed for p in self.prefilling.values())
 
-    def prefill_step(self, budget_tokens: int) -> list[OpenResult]:
+    def prefill_step(self, budget_tokens: int, only: set[str] | None = None) -> list[OpenResult]:
         """One forward over at most ``budget_tokens`` queued prompt tokens (first come, first
-        served); returns the sessions whose prefill completed, with their first token."""
+        served; ``only``: these sessions); returns the sessions whose prefill completed, with
+        their first token."""
         items, chunks = [], []
         left = max(1, budget_tokens)
-        for sid, p in self.prefilling.items():
+        for sid, p in list(self.prefilling.items()):
             if left <= 0:
                 break
+            if only is not None and sid not in only:
+                continue
             n = min(len(p.feed) - p.fed, left)
             done = p.fed + n == len(p.feed)
             items.append(chunk_input(sid, p.fed, p.feed[p.fed: p.fed + n], [n - 1] if done else []))

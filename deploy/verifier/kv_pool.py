@@ -154,6 +154,6 @@ class KVPool:
             return torch.empty(shape, dtype=self.k.dtype), torch.empty(shape, dtype=self.v.dtype)
         slots = self.slots(sid, torch.arange(s.length))
         page, off = slots // PAGE_SIZE, slots % PAGE_SIZE
-        k = self.k[:, page, :, :, off]  # [L, n, Hkv, D]
+        k = self.k[:, page, :, :, off]  # [n, L, Hkv, D]: separated advanced indices come first
         v = self.v[:, page, :, off, :]
-        return k.transpose(1, 2).cpu(), v.transpose(1, 2).cpu()
+        return k.permute(1, 2, 0, 3).cpu(), v.permute(1, 2, 0, 3).cpu()

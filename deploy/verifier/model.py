@@ -10,10 +10,12 @@ reads the pool in place (:mod:`deploy.verifier.attention`); RoPE at explicit pos
 contiguous slice of layers (a pipeline stage): the first also embeds tokens, the last also
 owns the final norm and the LM head.
 
-Batch invariance (bf16): every op is row-wise (linear layers give the same rows whatever
-the row count on CPU: checked by ``tests/verifier/test_model.py``), and attention reduces
-each row over its own logical KV sequence in a fixed order, so a row's logits do not depend
-on the rest of its batch, its tree's shape, or padding.
+Batch invariance (bf16): every op is row-wise and attention reduces each row over its own
+logical KV sequence in a fixed order, so a row's logits do not depend on the rest of its
+batch, its tree's shape, or padding. CPU linear layers in bf16 give the same rows for every
+row count >= 2, but a single row takes another (GEMV) kernel that rounds differently for
+some shapes (K = 1536 here), so :func:`linear` never multiplies a single bf16 row (checked
+by ``tests/verifier/test_model.py``).
 """
 
 from __future__ import annotations
@@ -113,6 +115,14 @@ def _layer_weights(layer) -> LayerWeights:
         m.down_proj.weight.detach(), m.down_proj.bias.detach() if m.down_proj.bias is not None else None)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with row-count-independent rows: x [M, K] -> [M, N]; a single bf16 row on CPU
+    is computed as two (the GEMV kernel used for M = 1 rounds differently)."""
+    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return F.linear(x.expand(2, -1).contiguous(), w, b)[:1]
+    return F.linear(x, w, b)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: normalise in float32, scale in the model dtype. x: [..., D]."""
     xf = x.float()
@@ -183,20 +193,20 @@ class DecoderModel:
         plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.ln1, s.rms_eps)
-            qkv = F.linear(x, w.wqkv, w.bqkv).view(N, Hq + 2 * Hkv, d)
+            qkv = linear(x, w.wqkv, w.bqkv).view(N, Hq + 2 * Hkv, d)
             q, k, v = qkv[:, :Hq], qkv[:, Hq: Hq + Hkv], qkv[:, Hq + Hkv:]
             if w.q_norm is not None:
                 q, k = rms_norm(q, w.q_norm, s.rms_eps), rms_norm(k, w.k_norm, s.rms_eps)
             q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
             pool.write(i, slots, k, v)
             o = tree_attention(q, pool.k[i], pool.v[i], plan, self.scale, self.kernel)  # [N, Hq, d]
-            h = h + F.linear(o.reshape(N, Hq * d), w.wo, w.bo)
+            h = h + linear(o.reshape(N, Hq * d), w.wo, w.bo)
             x = rms_norm(h, w.ln2, s.rms_eps)
-            g, u = F.linear(x, w.wgu, w.bgu).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(g) * u, w.wdown, w.bdown)
+            g, u = linear(x, w.wgu, w.bgu).chunk(2, dim=-1)
+            h = h + linear(F.silu(g) * u, w.wdown, w.bdown)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head for the given rows: [R, D] -> [R, V] in the model dtype."""
-        return F.linear(rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head, self.lm_bias)
+        return linear(rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head, self.lm_bias)

@@ -171,27 +171,26 @@ def test_ngram_drafter_proposes_what_followed():
     assert tree.tokens[:1] == (3,) and tree.depth >= 3  # follows "... 1 2" -> 3 4 1 ...
 
 
-def test_runner_kv_mask_default_is_unchanged_and_keep_compacts():
-    """The additive runner features the drafter uses: kv_mask None = see everything; keep()."""
-    from deploy.verifier.runner import BatchItem, LayerRunner
+def test_uncommitted_tree_entries_are_seen_only_by_rows_that_name_them():
+    """What the drafter relies on: entries written past the committed prefix (held) are
+    invisible to rows whose bits do not name them; compaction turns a path into prefix."""
+    from deploy.verifier.batch import SeqInput, chunk_input
+    from deploy.verifier.runner import ModelRunner
 
     m = tiny_random_model(seed=0)
-    r = LayerRunner(m)
+    r = ModelRunner(m)
     ids = [3, 9, 27, 81, 243]
-    full = BatchItem("s", ids, torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril(), [4])
-    ref = r.forward(0, [full])[0]
+    ref = r.forward(0, [chunk_input("s", 0, ids)])[0].float()
     r.abort(0)
-    r.forward(1, [BatchItem("s", ids[:3], torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(), [2])])
-    r.commit(1, {"s": [0, 1, 2]})
-    # append two junk entries, then a row that masks them out must equal the plain forward
-    r.forward(2, [BatchItem("s", [400, 401], torch.zeros(2, dtype=torch.long),
-                            torch.eye(2, dtype=torch.bool), [0])])
-    r.commit(2, {"s": [0, 1]})
-    kv_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
-    out = r.forward(3, [BatchItem("s", ids[3:], torch.tensor([-2, -1]), torch.ones(2, 2, dtype=torch.bool).tril(),
-                                  [1], kv_mask)])[0]
-    r.abort(3)
+    r.forward(1, [chunk_input("s", 0, ids[:3])])
+    r.commit(1, {"s": (3, [])})
+    # two junk tree nodes at positions 3, 4, held; then ids[3:] at positions 5, 6 that skip them
+    r.forward(2, [SeqInput("s", [400, 401], [3, 3], [3, 4], [3, 3], [0b01, 0b10], [0])])
+    r.hold(2)
+    out = r.forward(3, [SeqInput("s", ids[3:], [3, 4], [5, 6], [3, 3], [0b0100, 0b1100], [1])])[0].float()
+    r.hold(3)
     assert torch.allclose(out, ref, atol=1e-5)
-    r.keep("s", 3, [])  # compaction drops the junk: a plain forward now matches too
-    out = r.forward(4, [BatchItem("s", ids[3:], torch.arange(2), torch.ones(2, 2, dtype=torch.bool).tril(), [1])])[0]
+    r.pool.compact("s", 3, [5, 6], 5)  # the path ids[3:] becomes prefix; the junk is gone
+    assert r.kv_length("s") == 5
+    out = r.forward(4, [chunk_input("s", 4, ids[4:])])[0].float()
     assert torch.allclose(out, ref, atol=1e-5)

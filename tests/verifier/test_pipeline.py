@@ -2,7 +2,7 @@
 
 The stage actors build the same tiny random model from the same seed as the driver
 (fp32); the engine under test is ``VerifierEngine(model, runner=PipelineRunner(...))``,
-the reference ``VerifierEngine(model)`` with a plain in-process LayerRunner.
+the reference ``VerifierEngine(model)`` with a plain in-process ModelRunner.
 
 Bit-identical logits need the same number of torch threads on both sides: the CPU
 GEMM splits the rows of a small matrix among threads, and a row computed by the tail
@@ -24,7 +24,8 @@ from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest, V
 from deploy.verifier.models import load_model
 from deploy.verifier.pipeline import (ModelShell, load_stage, pipeline_bundles, pipeline_deployment_options,
                                       stage_resources)
-from deploy.verifier.runner import BatchItem, LayerRunner
+from deploy.verifier.batch import chunk_input, tree_input
+from deploy.verifier.runner import ModelRunner
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.tree import DraftTree
 
@@ -112,16 +113,16 @@ def _run_sessions(engines, model, vocab, rounds: int, seed: int, sids: list[str]
     return outs
 
 
-def _assert_same_kv(ref_runner: LayerRunner, pipe, sids):
+def _assert_same_kv(ref_runner: ModelRunner, pipe, sids):
     for s in sids:
         got = pipe.session_kv(s)
-        kv = ref_runner.kv.get(s)
-        if kv is None or kv.length == 0:
+        kv = ref_runner.session_kv(s)
+        if kv is None or kv[0].shape[2] == 0:
             assert got is None or got[0].shape[2] == 0, s
             continue
         assert got is not None, s
-        assert torch.equal(got[0], kv.keys()) and torch.equal(got[1], kv.values()), s
-        assert pipe.kv_length(s) == kv.length
+        assert torch.equal(got[0], kv[0]) and torch.equal(got[1], kv[1]), s
+        assert pipe.kv_length(s) == kv[0].shape[2]
 
 
 # -- Ray-backed tests ------------------------------------------------------------------
@@ -208,26 +209,26 @@ def test_engine_results_bit_identical_to_unsharded(pipe, tiny6, sampling):
 
 @pytest.mark.ray
 def test_truncate_and_failed_forward_across_stages(pipe, tiny6):
-    ref = LayerRunner(tiny6.model)
+    ref = ModelRunner(tiny6.model)
     ids = list(range(10, 30))
-    item = BatchItem("t", ids, torch.arange(20), torch.ones(20, 20, dtype=torch.bool).tril(), [19])
+    item = chunk_input("t", 0, ids)
     for r in (ref, pipe):
         r.forward(1, [item])
-        r.commit(1, {"t": list(range(20))})
+        r.commit(1, {"t": (20, [])})
         r.truncate("t", 13)  # roll back to a shorter prefix on every stage
     _assert_same_kv(ref, pipe, ["t"])
     with pytest.raises(ValueError):
         pipe.truncate("t", 14)
     # a failing forward (token id outside the vocabulary) raises and leaves the KV untouched
-    bad = BatchItem("t", [10 ** 6], torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), [0])
+    bad = chunk_input("t", 13, [10 ** 6])
     with pytest.raises(Exception):
         pipe.forward(2, [bad])
     pipe.abort(2)
-    nxt = BatchItem("t", [5, 6, 7], torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(), [0, 1, 2])
+    nxt = tree_input("t", 13, 5, [6, 7], [-1, -1], [1, 1])  # the root and two siblings
     a, b = ref.forward(3, [nxt]), pipe.forward(3, [nxt])
     assert torch.equal(a[0], b[0])
     for r in (ref, pipe):
-        r.commit(3, {"t": [0, 2]})  # keep a non-contiguous path
+        r.commit(3, {"t": (1, [15])})  # keep the root and the second sibling (moved down)
     _assert_same_kv(ref, pipe, ["t"])
     for r in (ref, pipe):
         r.drop("t")
@@ -286,7 +287,7 @@ def test_build_runner_inside_a_replicas_placement_group(ray_session):
     from deploy.verifier.pipeline import build_runner
 
     one = build_runner(TINY, 1)
-    assert isinstance(one, LayerRunner) and not isinstance(one.loaded.model, ModelShell)
+    assert isinstance(one, ModelRunner) and not isinstance(one.loaded.model, ModelShell)
     want = _open_and_verify(VerifierEngine(one.loaded.model, eos_token_ids=one.loaded.eos_token_ids, runner=one))
 
     pg = placement_group(pipeline_bundles(2, "cpu", cpus_per_stage=0.5, replica_cpus=0.25), strategy="PACK")
@@ -322,17 +323,16 @@ def test_build_runner_inside_a_replicas_placement_group(ray_session):
 @pytest.mark.slow
 def test_stage_loads_only_its_slice_of_the_embedded_checkpoint(embedded):
     cfg = ModelConfig(model="embedded", dtype="float32", device="cpu")
-    full = LayerRunner(embedded.model)
+    full = ModelRunner(embedded.model)
     n_full = sum(p.numel() for p in embedded.model.parameters())
     s0, s1 = load_stage(cfg, 0, 19, with_tokenizer=True), load_stage(cfg, 19, 30)
     n0 = sum(p.numel() for p in s0.model.parameters())
     n1 = sum(p.numel() for p in s1.model.parameters())
     assert n0 < n_full and n1 < n_full and n0 + n1 > n_full  # tied head: the embedding on both ends
     assert s0.eos_token_ids == embedded.eos_token_ids and s0.tokenizer is not None
-    r0, r1 = LayerRunner(s0.model, 0, 19), LayerRunner(s1.model, 19, 30)
+    r0, r1 = ModelRunner(s0.model, 0, 19), ModelRunner(s1.model, 19, 30)
     ids = embedded.tokenizer("The capital of France is", return_tensors=None)["input_ids"]
-    item = BatchItem("x", ids, torch.arange(len(ids)), torch.ones(len(ids), len(ids), dtype=torch.bool).tril(),
-                     list(range(len(ids))))
+    item = chunk_input("x", 0, ids, list(range(len(ids))))
     want = full.forward(0, [item])[0]
     got = r1.forward(0, [item], r0.forward(0, [item]))[0]
     assert torch.equal(want, got)
