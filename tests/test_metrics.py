@@ -115,12 +115,12 @@ def test_inter_token_latency_uses_time_between_replies(vm):
 
 
 def test_forward_queue_edge_and_eviction(vm):
-    vm.on_forward(ForwardStats("verify", sessions=3, tokens=40, padded_tokens=60, seconds=0.05))
-    vm.on_forward(ForwardStats("prefill", sessions=1, tokens=30, padded_tokens=30, seconds=0.02))
+    vm.on_forward(ForwardStats("verify", sessions=3, tokens=40, seconds=0.05))
+    vm.on_forward(ForwardStats("prefill", sessions=1, tokens=30, seconds=0.02))
     assert val(vm, "specedge_verify_batch_sessions_sum", kind="verify") == 3
     assert val(vm, "specedge_verify_batch_tokens_sum", kind="verify") == 40
     assert val(vm, "specedge_verifier_busy_seconds_total", kind="verify") == pytest.approx(0.05)
-    assert val(vm, "specedge_forward_padded_tokens_total", kind="verify") == 60
+    assert val(vm, "specedge_forward_tokens_total", kind="verify") == 40
     assert val(vm, "specedge_forward_sessions_total", kind="prefill") == 1
 
     vm.on_batch_start([Pending("alpha", "s1", 5, None, vm.clock.t - 0.02), Pending("beta", "s2", 5, None, vm.clock.t)])

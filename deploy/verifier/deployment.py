@@ -5,8 +5,9 @@ many sessions queue here while their edges draft (SpecEdge §4.3); a loop takes 
 (weighted-fair across tenants, :mod:`deploy.verifier.scheduler`), runs ONE target
 forward in a worker thread, and answers each request with its reply frame and pacing
 hints (:mod:`deploy.verifier.pacing`). New sessions are prefilled in token-budgeted chunks
-between verify batches (``verifier.prefill_chunk_tokens`` per forward while verify rounds
-wait), so a long prompt never stalls other sessions. Every engine call runs on the one
+between verify batches: while verify rounds wait, a chunk is sized from measured costs to
+take at most ``verifier.prefill_share`` of a verify forward's time (at most
+``verifier.prefill_chunk_tokens``), so a long prompt never stalls other sessions. Every engine call runs on the one
 worker thread, so a close never races a forward. Sessions live here (KV cache); the router pins
 every request of a session to this replica (:mod:`deploy.router.affinity`).
 KV memory is bounded: least-recently-used sessions are evicted, idle ones time out;
@@ -94,6 +95,8 @@ class VerifierCore:
         self._loop_task: asyncio.Task | None = None
         self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
         self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
+        self._verify_s = 0.0  # EMA of a verify forward's seconds
+        self._prefill_token_s = 0.0  # EMA of a prefill forward's seconds per token
 
     # -- info ---------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -120,6 +123,11 @@ class VerifierCore:
 
     def _on_forward(self, st: ForwardStats) -> None:
         self.busy_seconds += st.seconds
+        if st.kind == "prefill":
+            per = st.seconds / max(st.tokens, 1)
+            self._prefill_token_s = per if not self._prefill_token_s else 0.5 * self._prefill_token_s + 0.5 * per
+        else:
+            self._verify_s = st.seconds if not self._verify_s else 0.8 * self._verify_s + 0.2 * st.seconds
         if st.kind != "prefill":
             self.pacer.observe_forward(st.tokens, st.seconds)
         self.forwards.append(st)
@@ -264,10 +272,20 @@ class VerifierCore:
                 if batch:
                     await self._run_verifies(loop, batch)
                 if self._prefilling:  # a chunk between verify batches; all of it when none wait
-                    budget = vc.prefill_chunk_tokens if len(self.sched) or batch else vc.max_batch_tokens
-                    await self._run_prefill(loop, budget)
+                    await self._run_prefill(loop, self._prefill_budget(waiting=bool(len(self.sched) or batch)))
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("verify loop error: %s", e)
+
+    def _prefill_budget(self, waiting: bool) -> int:
+        """Prompt tokens for the next prefill forward: all of a batch when no verify round
+        waits; else as many as fit in ``prefill_share`` of a verify forward's time."""
+        vc = self.cfg.verifier
+        if not waiting:
+            return vc.max_batch_tokens
+        if not (self._verify_s and self._prefill_token_s):
+            return min(vc.prefill_chunk_tokens, 32)
+        fit = int(vc.prefill_share * self._verify_s / self._prefill_token_s)
+        return max(16, min(vc.prefill_chunk_tokens, fit))
 
     async def _begin_opens(self, loop, opens) -> None:
         errors = await loop.run_in_executor(self._executor, self.engine.begin_open, [o[0] for o in opens])
