@@ -74,7 +74,7 @@ class VerifierCore:
             limits=TreeLimits(vc.max_tree_nodes, vc.max_tree_depth),
             max_model_len=t.max_model_len, runner=runner, chain_top_k=vc.chain_top_k,
             on_forward=self._on_forward, kv_capacity_tokens=vc.kv_pool_tokens(),
-            max_batch_tokens=vc.max_batch_tokens)
+            max_batch_tokens=vc.max_batch_tokens, compile=vc.compile)
         p = config.pacing
         budgets = tuple(b for b in p.tree_budgets if b <= vc.max_tree_nodes) or (vc.max_tree_nodes,)
         self.pacer = Pacer(p.min_depth, min(p.max_depth, vc.max_tree_depth), p.default_depth, budgets,
@@ -392,7 +392,7 @@ class Verifier(VerifierCore):
 
             runner = build_runner(cfg.target, vc.pipeline_parallel_size, cpus_per_stage=vc.num_cpus,
                                   gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads,
-                                  kv_capacity_tokens=vc.kv_pool_tokens())
+                                  kv_capacity_tokens=vc.kv_pool_tokens(), compile=vc.compile)
             loaded = runner.loaded
         super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)
 

@@ -139,9 +139,11 @@ class _Prefill:
 class VerifierEngine:
     def __init__(self, model, *, eos_token_ids=(), limits: TreeLimits = TreeLimits(),
                  max_model_len: int | None = None, runner=None, chain_top_k: int = 64,
-                 on_forward=None, kv_capacity_tokens: int = 1 << 16, max_batch_tokens: int = 2048):
+                 on_forward=None, kv_capacity_tokens: int = 1 << 16, max_batch_tokens: int = 2048,
+                 compile: bool = False):
         self.model = model
-        self.runner = runner if runner is not None else ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens)
+        self.runner = runner if runner is not None else ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens,
+                                                                    compile=compile)
         self.vocab_size = model.config.vocab_size
         self.max_batch_tokens = max_batch_tokens
         self.prefilling: OrderedDict[str, _Prefill] = OrderedDict()

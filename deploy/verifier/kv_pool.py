@@ -118,9 +118,14 @@ class KVPool:
         return bt
 
     # -- data -----------------------------------------------------------------------
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [n, Hkv, D] -> their slots [n] of ``layer``."""
-        page, off = slots // PAGE_SIZE, slots % PAGE_SIZE
+    @staticmethod
+    def locate(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global slots [n] -> (page, offset) [n] each (computed once per forward)."""
+        return slots // PAGE_SIZE, slots % PAGE_SIZE
+
+    def write(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [n, Hkv, D] -> their (page, offset) ``where`` of ``layer``."""
+        page, off = where
         self.k[layer][page, :, :, off] = k
         self.v[layer][page, :, off, :] = v
 

@@ -158,10 +158,48 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
+# -- the elementwise glue between the matrix multiplies and attention ----------------------
+# (plain functions so that ``compile=True`` can swap in torch.compile'd versions)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
+
+
+def qk_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+            q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float):
+    """qkv [N, Hq + 2 Hkv, d] -> q [N, Hq, d], k [N, Hkv, d] (normed if Qwen3, rotated), v."""
+    q, k, v = qkv[:, :hq], qkv[:, hq: hq + hkv], qkv[:, hq + hkv:]
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+def residual_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
+    """(h + delta, rms_norm(h + delta)): [N, D] each."""
+    h = h + delta
+    return h, rms_norm(h, w, eps)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2 I] -> silu(gate) * up [N, I]."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+class Glue:
+    """The glue functions, eager or compiled (``torch.compile``, dynamic shapes)."""
+
+    def __init__(self, compile: bool = False):
+        wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
+        self.compiled = compile
+        self.norm, self.qk_rope = wrap(rms_norm), wrap(qk_rope)
+        self.residual_norm, self.swiglu = wrap(residual_norm), wrap(swiglu)
+
+
 class DecoderModel:
     """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head)."""
 
-    def __init__(self, hf_model, first: int = 0, last: int | None = None):
+    def __init__(self, hf_model, first: int = 0, last: int | None = None, compile: bool = False):
         cfg = hf_model.config
         self.spec = spec = DecoderSpec.from_config(cfg)
         self.config = cfg
@@ -182,7 +220,22 @@ class DecoderModel:
         self.inv_freq = rot.inv_freq.detach().float().to(self.device)  # [d / 2]
         self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
         self.kernel = use_kernel(self.device, self.dtype)
-        self.scale = getattr(cfg, "attention_multiplier", None) or spec.head_dim ** -0.5
+        self.scale = spec.head_dim ** -0.5
+        self.glue = Glue(compile)
+
+    def warmup(self, row_counts=(1, 2, 17)) -> None:
+        """Run the glue on dummy rows of each count (compiles them when ``compile=True``:
+        one graph for a single row, one dynamic graph for the rest)."""
+        s, g = self.spec, self.glue
+        for n in row_counts:
+            h = torch.zeros(n, s.hidden_size, dtype=self.dtype, device=self.device)
+            w = self.layers[0]
+            cos, sin = self._rope(torch.arange(n))
+            qkv = torch.zeros(n, s.num_heads + 2 * s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+            g.qk_rope(qkv, cos, sin, s.num_heads, s.num_kv_heads, w.q_norm, w.k_norm, s.rms_eps)
+            g.residual_norm(h, h, w.ln2, s.rms_eps)
+            g.swiglu(torch.zeros(n, w.gate_up.out_features, dtype=self.dtype, device=self.device))
+            g.norm(h, w.ln1, s.rms_eps)
 
     @property
     def num_local_layers(self) -> int:
@@ -199,12 +252,6 @@ class DecoderModel:
         return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None, :],
                 (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :])
 
-    @staticmethod
-    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x.shape[-1] // 2
-        rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-        return x * cos + rot * sin
-
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, pool: KVPool, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run this slice's layers; returns hidden states [N, D] (before the final norm).
@@ -212,26 +259,25 @@ class DecoderModel:
         The first slice embeds ``batch.input_ids``; later ones take ``hidden`` [N, D].
         Every layer writes the batch's new K/V into ``pool`` at ``batch.slots``.
         """
-        s = self.spec
+        s, g = self.spec, self.glue
         N = batch.num_tokens
         Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         h = F.embedding(batch.input_ids.to(self.device), self.embed) if self.is_first else hidden.to(self.device, self.dtype)
         cos, sin = self._rope(batch.positions)
-        slots = batch.slots.to(self.device)
+        where = pool.locate(batch.slots.to(self.device))
         plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
+        x = g.norm(h, self.layers[0].ln1, s.rms_eps)
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w.ln1, s.rms_eps)
             qkv = w.qkv(x).view(N, Hq + 2 * Hkv, d)
-            q, k, v = qkv[:, :Hq], qkv[:, Hq: Hq + Hkv], qkv[:, Hq + Hkv:]
-            if w.q_norm is not None:
-                q, k = rms_norm(q, w.q_norm, s.rms_eps), rms_norm(k, w.k_norm, s.rms_eps)
-            q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
-            pool.write(i, slots, k, v)
+            q, k, v = g.qk_rope(qkv, cos, sin, Hq, Hkv, w.q_norm, w.k_norm, s.rms_eps)
+            pool.write(i, where, k, v)
             o = tree_attention(q, pool.k[i], pool.v[i], plan, self.scale, self.kernel)  # [N, Hq, d]
-            h = h + w.o(o.reshape(N, Hq * d))
-            x = rms_norm(h, w.ln2, s.rms_eps)
-            g, u = w.gate_up(x).chunk(2, dim=-1)
-            h = h + w.down(F.silu(g) * u)
+            h, x = g.residual_norm(h, w.o(o.reshape(N, Hq * d)), w.ln2, s.rms_eps)
+            down = w.down(g.swiglu(w.gate_up(x)))
+            if i + 1 < len(self.layers):  # the residual and the next layer's input norm in one step
+                h, x = g.residual_norm(h, down, self.layers[i + 1].ln1, s.rms_eps)
+            else:
+                h = h + down
         return h
 
     @torch.inference_mode()

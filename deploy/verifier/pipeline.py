@@ -236,11 +236,11 @@ class PipelineStage:
     """One pipeline stage (run as a Ray actor): a ModelRunner over its slice + busy time."""
 
     def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None,
-                 kv_capacity_tokens: int = 1 << 16):
+                 kv_capacity_tokens: int = 1 << 16, compile: bool = False):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         loaded = load_stage(model_cfg, first, last, with_tokenizer=first == 0)
-        self.runner = ModelRunner(loaded.model, first, last, kv_capacity_tokens=kv_capacity_tokens)
+        self.runner = ModelRunner(loaded.model, first, last, kv_capacity_tokens=kv_capacity_tokens, compile=compile)
         m = loaded.model
         self.info = LoadedModel(ModelShell(m.config, getattr(m, "generation_config", None)), loaded.tokenizer,
                                 loaded.name, loaded.eos_token_ids, str(loaded.device), loaded.dtype)
@@ -323,7 +323,7 @@ class PipelineRunner:
                  bounds: list[int] | None = None, weighting: Weighting = "flops",
                  cpus_per_stage: float | None = None, gpus_per_stage: float | None = None,
                  torch_threads: int | None = None, use_placement_group: bool = True,
-                 kv_capacity_tokens: int = 1 << 16):
+                 kv_capacity_tokens: int = 1 << 16, compile: bool = False):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pp = pipeline_parallel_size
@@ -353,7 +353,7 @@ class PipelineRunner:
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i + STAGE_BUNDLE_OFFSET)
-            self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens))
+            self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens, compile))
         self.loaded: LoadedModel = ray.get(self.stages[0].describe.remote())
         ray.get([s.stats.remote() for s in self.stages])  # every stage loaded
         self._lock = threading.Lock()
@@ -466,7 +466,8 @@ class PipelineRunner:
 # -- the factory the verifier deployment calls ------------------------------------------
 def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpus_per_stage: float | None = None,
                  gpus_per_stage: float | None = None, torch_threads: int | None = None,
-                 weighting: Weighting = "flops", kv_capacity_tokens: int = 1 << 16) -> ModelRunner | PipelineRunner:
+                 weighting: Weighting = "flops", kv_capacity_tokens: int = 1 << 16,
+                 compile: bool = False) -> ModelRunner | PipelineRunner:
     """The runner of a verifier replica; ``runner.loaded`` is what its engine is built from.
 
     pp == 1: the whole target in this process and a plain ModelRunner (today's
@@ -481,9 +482,9 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
         loaded = load_model(model_cfg.model, dtype=model_cfg.dtype, device=model_cfg.device,
                             attn_implementation=model_cfg.attn_implementation, tokenizer=model_cfg.tokenizer,
                             seed=model_cfg.seed, tiny_config=model_cfg.tiny_config)
-        runner = ModelRunner(loaded.model, kv_capacity_tokens=kv_capacity_tokens)
+        runner = ModelRunner(loaded.model, kv_capacity_tokens=kv_capacity_tokens, compile=compile)
         runner.loaded = loaded  # type: ignore[attr-defined]
         return runner
     return PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
                           gpus_per_stage=gpus_per_stage, torch_threads=torch_threads,
-                          kv_capacity_tokens=kv_capacity_tokens)
+                          kv_capacity_tokens=kv_capacity_tokens, compile=compile)

@@ -23,8 +23,11 @@ Keep = tuple[int, list[int]]  # (contiguous new positions kept, then these tree 
 
 
 class ModelRunner:
-    def __init__(self, model, first: int = 0, last: int | None = None, kv_capacity_tokens: int = 1 << 16):
-        self.model = model if isinstance(model, DecoderModel) else DecoderModel(model, first, last)
+    def __init__(self, model, first: int = 0, last: int | None = None, kv_capacity_tokens: int = 1 << 16,
+                 compile: bool = False):
+        self.model = model if isinstance(model, DecoderModel) else DecoderModel(model, first, last, compile)
+        if compile:
+            self.model.warmup()
         self.pool = self.model.new_pool(kv_capacity_tokens)
         self.first, self.last = self.model.first, self.model.last
         self.is_first, self.is_last = self.model.is_first, self.model.is_last

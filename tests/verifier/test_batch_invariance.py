@@ -23,9 +23,9 @@ from tests.verifier.test_engine_embedded import chat_prompt
 LIMITS = TreeLimits(max_nodes=64, max_depth=16)
 
 
-def one_token_decode(model, eos, prompt: list[int], params: SamplingParams) -> list[int]:
+def one_token_decode(model, eos, prompt: list[int], params: SamplingParams, compile: bool = False) -> list[int]:
     """The reference: the session alone, one token per forward (prefill included)."""
-    eng = VerifierEngine(model, eos_token_ids=eos, limits=LIMITS)
+    eng = VerifierEngine(model, eos_token_ids=eos, limits=LIMITS, compile=compile)
     assert eng.begin_open([OpenRequest("ref", prompt, params)]) == [None]
     while eng.prefilling:
         opened = eng.prefill_step(1)
@@ -38,11 +38,12 @@ def one_token_decode(model, eos, prompt: list[int], params: SamplingParams) -> l
 
 
 def batched_decode(model, eos, prompts: dict[str, list[int]], params: SamplingParams, truths: dict[str, list[int]],
-                   rng: random.Random, max_others: int = 16, other_len: tuple[int, int] = (1, 200)) -> dict:
+                   rng: random.Random, max_others: int = 16, other_len: tuple[int, int] = (1, 200),
+                   compile: bool = False) -> dict:
     """The sessions of ``prompts`` verified with random trees among 1..max_others other
     sessions per batch; prefill chunked at random with the others' prompts."""
     V = model.config.vocab_size
-    eng = VerifierEngine(model, eos_token_ids=eos, limits=LIMITS)
+    eng = VerifierEngine(model, eos_token_ids=eos, limits=LIMITS, compile=compile)
     n_other = rng.randint(1, max_others)
     others = {f"o{i}": random_prompt(rng, V, *other_len) for i in range(n_other)}
     ar = {sid for sid in others if rng.random() < 0.5}  # plain decoding sessions
@@ -84,6 +85,17 @@ def test_bf16_greedy_output_is_batch_invariant_on_tiny_models(seed, cfg):
     truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
     got = batched_decode(model, (), prompts, params, truths, rng)
     assert got == truths
+
+
+def test_batch_invariance_holds_with_the_compiled_forward():
+    """verifier.compile: the torch.compile'd glue (one graph for a single row, one dynamic graph
+    for the rest) keeps every row independent of its batch."""
+    model = tiny_random_model(seed=5, dtype=torch.bfloat16)
+    rng = random.Random(5)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = {f"p{i}": random_prompt(rng, 512, 1, 80) for i in range(2)}
+    truths = {sid: one_token_decode(model, (), p, params, compile=True) for sid, p in prompts.items()}
+    assert batched_decode(model, (), prompts, params, truths, rng, max_others=8, compile=True) == truths
 
 
 @pytest.mark.slow

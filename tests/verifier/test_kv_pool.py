@@ -26,9 +26,9 @@ def _fill(pool: KVPool, sid: str, start: int, n: int) -> torch.Tensor:
     """Write n entries whose values encode their logical position; returns them [n, H, d]."""
     pool.reserve(sid, start + n)
     vals = torch.arange(start, start + n, dtype=torch.float32)[:, None, None].expand(n, pool.kv_heads, pool.head_dim)
-    slots = pool.slots(sid, torch.arange(start, start + n))
+    where = pool.locate(pool.slots(sid, torch.arange(start, start + n)))
     for layer in range(pool.num_layers):
-        pool.write(layer, slots, vals + 1000 * layer, -vals)
+        pool.write(layer, where, vals + 1000 * layer, -vals)
     return vals
 
 
