@@ -112,29 +112,30 @@ class TreeDrafter:
     """Best-first tree drafting with the draft model (SpecExec-style, self-contained).
 
     The draft's KV holds ``prefix[:-1]`` like the verifier's. Each draft forward feeds the
-    root plus the tree so far (tree attention mask via :class:`LayerRunner`) and expands
+    root plus the tree so far (tree attention via :class:`ModelRunner`) and expands
     up to ``width`` best frontier candidates; candidates are the ``top_k`` children of
     every expanded node, ranked by cumulative log-prob.
     """
 
     def __init__(self, draft, nodes: int = 32, width: int = 4, top_k: int = 8):
-        from deploy.verifier.runner import LayerRunner
+        from deploy.verifier.runner import ModelRunner
 
-        self.draft, self.runner = draft, LayerRunner(draft)
+        self.draft, self.runner = draft, ModelRunner(draft)
         self.nodes, self.width, self.top_k = nodes, width, top_k
         self.vm = draft.vocab_map.cpu()
         self.committed = 0  # prefix tokens in the draft KV
         self.bid = 0
         self.forwards = 0
 
-    def _forward(self, item, keep: list[int] | None):
+    def _forward(self, item, keep: int | None):
+        """One draft forward; ``keep``: how many of its leading tokens enter the KV (None: none)."""
         self.bid += 1
         self.forwards += 1
         lg = self.runner.forward(self.bid, [item])[0]  # [rows, V']
         if keep is None:
             self.runner.abort(self.bid)
         else:
-            self.runner.commit(self.bid, {"s": keep})
+            self.runner.commit(self.bid, {"s": (keep, [])})
         return torch.log_softmax(lg.float(), -1)
 
     def _children(self, logp: torch.Tensor, base: float, parent: int, heap: list, counter: list) -> None:
@@ -145,7 +146,7 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def draft_tree(self, prefix: list[int]):
-        from deploy.verifier.runner import BatchItem
+        from deploy.verifier.batch import chunk_input, tree_input
         from deploy.verifier.tree import DraftTree
 
         if self.runner.kv_length("s") > len(prefix) - 1:  # never happens with a consistent verifier
@@ -153,8 +154,7 @@ class TreeDrafter:
         L = self.runner.kv_length("s")
         pending = prefix[L:]  # not yet in the draft KV; the last one is the root
         t = len(pending)
-        logp = self._forward(BatchItem("s", pending, torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(),
-                                       [t - 1]), keep=list(range(t - 1)))[0]
+        logp = self._forward(chunk_input("s", L, pending), keep=t - 1)[0]
         heap: list = []
         counter = [0]
         self._children(logp, 0.0, -1, heap, counter)
@@ -172,8 +172,9 @@ class TreeDrafter:
             if len(tokens) >= self.nodes:
                 break
             tree = DraftTree(tuple(tokens), tuple(parents))
-            lps = self._forward(BatchItem("s", [prefix[-1], *tokens], tree.position_offsets(), tree.attention_mask(),
-                                          [i + 1 for i in new]), keep=None)
+            item = tree_input("s", len(prefix) - 1, prefix[-1], tree.tokens, tree.parents, tree.depths)
+            item.logit_rows = [i + 1 for i in new]
+            lps = self._forward(item, keep=None)
             for row, i in enumerate(new):
                 self._children(lps[row], cum[i], i, heap, counter)
         return DraftTree(tuple(tokens), tuple(parents))

@@ -15,7 +15,7 @@ flight), and reports per stage the fraction of the window it spent computing:
   in flight, the pipeline overlap when several are.
 
 It also reports rounds and verified tokens per second, and a single-process row (the
-unsharded LayerRunner, same dtype and threads) for reference. On the 2-core dev box
+unsharded ModelRunner, same dtype and threads) for reference. On the 2-core dev box
 the absolute speed of 2 stages + driver cannot beat one process; the overlap shows in
 the utilisation (K=1: the stages take turns, ~1/pp each; K>1: both busy at once).
 

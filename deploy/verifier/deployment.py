@@ -110,6 +110,7 @@ class VerifierCore:
         a, b = self.pacer.cost.coefficients()
         verifies = [f for f in self.forwards if f.kind != "prefill"]
         return {"replica": self.tag, "sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
+                "kv_used_tokens": self.engine.kv_used_tokens(), "kv_pool_tokens": self.cfg.verifier.kv_pool_tokens(),
                 "forwards": len(self.forwards), "verify_forwards": len(verifies),
                 "tokens_emitted": self.tokens_emitted,
                 "pending": self.pending(), "busy_seconds": self.busy_seconds,
@@ -155,13 +156,13 @@ class VerifierCore:
             self.evicted.popitem(last=False)
 
     def _enforce_budgets(self, protect: set[str]) -> None:
-        """LRU eviction above the KV token budget or the session limit."""
+        """LRU eviction above the KV budget (pool pages held) or the session limit."""
         vc = self.cfg.verifier
         sessions = self.engine.sessions
-        if self.engine.kv_tokens() <= vc.kv_budget_tokens and len(sessions) <= vc.max_sessions:
+        if self.engine.kv_used_tokens() <= vc.kv_budget_tokens and len(sessions) <= vc.max_sessions:
             return
         for sid in sorted(sessions, key=lambda s: sessions[s].last_used):
-            if self.engine.kv_tokens() <= vc.kv_budget_tokens and len(sessions) <= vc.max_sessions:
+            if self.engine.kv_used_tokens() <= vc.kv_budget_tokens and len(sessions) <= vc.max_sessions:
                 break
             if sid not in protect:
                 self._evict(sid, "kv_budget")

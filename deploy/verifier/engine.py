@@ -163,7 +163,12 @@ class VerifierEngine:
         return s
 
     def kv_tokens(self) -> int:
+        """Committed KV tokens of all sessions."""
         return self.runner.kv_tokens()
+
+    def kv_used_tokens(self) -> int:
+        """KV pool capacity the sessions hold (whole pages)."""
+        return self.runner.kv_used_tokens()
 
     def _check_ids(self, ids, what: str) -> None:
         for t in ids:

@@ -60,6 +60,7 @@ from deploy.verifier.layer_split import Weighting, split_layers
 from deploy.verifier.models import (EMBEDDED_ALIASES, EMBEDDED_NAME, TINY_PREFIX, LoadedModel, _eos_ids, ensure_embedded_model,
                                     load_model, resolve_attn, resolve_device, resolve_dtype, tiny_llama_config)
 from deploy.verifier.batch import SeqInput
+from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.runner import Keep, ModelRunner
 
 STAGE_BUNDLE_OFFSET = 1  # bundle 0 is the replica; stage i lives in bundle i + 1
@@ -390,6 +391,11 @@ class PipelineRunner:
     def kv_tokens(self) -> int:
         with self._lock:
             return sum(self._lengths.values())
+
+    def kv_used_tokens(self) -> int:
+        """Whole pages held on each stage (committed lengths rounded up to pages)."""
+        with self._lock:
+            return sum(-(-n // PAGE_SIZE) * PAGE_SIZE for n in self._lengths.values())
 
     def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None):
         """Chain the stages; returns one logits tensor [len(logit_rows), vocab] per item."""

@@ -18,6 +18,7 @@ import torch
 
 from deploy.verifier.batch import SeqInput, pack
 from deploy.verifier.model import DecoderModel
+from deploy.verifier.native import PAGE_SIZE
 
 Keep = tuple[int, list[int]]  # (contiguous new positions kept, then these tree positions)
 
@@ -39,7 +40,12 @@ class ModelRunner:
         return self.pool.length(sid)
 
     def kv_tokens(self) -> int:
+        """Committed KV tokens of all sessions."""
         return self.pool.tokens
+
+    def kv_used_tokens(self) -> int:
+        """Pool capacity held: whole pages (what memory the sessions really take)."""
+        return self.pool.pages_in_use * PAGE_SIZE
 
     def drop(self, sid: str) -> None:
         self.pool.release(sid)
