@@ -45,12 +45,12 @@ class VerifierConfig(_Strict):
     max_prompt_tokens: int = Field(8192, ge=1)
     kv_budget_tokens: int = Field(262_144, ge=256, description="LRU-evict sessions above this many KV tokens; the "
                                                                "replica's KV pool holds this plus one batch")
-    prefill_chunk_tokens: int = Field(256, ge=16, description="most prompt tokens per forward while verify rounds "
+    prefill_chunk_tokens: int = Field(256, ge=1, description="most prompt tokens per forward while verify rounds "
                                                               "wait (chunked prefill); max_batch_tokens otherwise")
     compile: bool = Field(False, description="torch.compile the forward's elementwise glue (dynamic shapes; "
                                              "compiled at replica start, ~1 min on CPU). Off: it does not pay on "
                                              "CPU (README, 'The verifier engine')")
-    prefill_share: float = Field(0.5, gt=0, le=4, description="while verify rounds wait, a prefill chunk takes at "
+    prefill_share: float = Field(0.2, gt=0, le=4, description="while verify rounds wait, a prefill chunk takes at "
                                                               "most this share of a verify forward's time")
     max_sessions: int = Field(4096, ge=1)
     idle_timeout_s: float = Field(600.0, gt=0)

@@ -5,9 +5,10 @@ many sessions queue here while their edges draft (SpecEdge §4.3); a loop takes 
 (weighted-fair across tenants, :mod:`deploy.verifier.scheduler`), runs ONE target
 forward in a worker thread, and answers each request with its reply frame and pacing
 hints (:mod:`deploy.verifier.pacing`). New sessions are prefilled in token-budgeted chunks
-between verify batches: while verify rounds wait, a chunk is sized from measured costs to
-take at most ``verifier.prefill_share`` of a verify forward's time (at most
-``verifier.prefill_chunk_tokens``), so a long prompt never stalls other sessions. Every engine call runs on the one
+that ride along in the verify forwards: a chunk is sized from measured costs to add at most
+``verifier.prefill_share`` of a verify forward's time (at most
+``verifier.prefill_chunk_tokens``), so a long prompt never stalls other sessions; when no
+session is mid-round, a prefill forward takes up to ``verifier.max_batch_tokens``. Every engine call runs on the one
 worker thread, so a close never races a forward. Sessions live here (KV cache); the router pins
 every request of a session to this replica (:mod:`deploy.router.affinity`).
 KV memory is bounded: least-recently-used sessions are evicted, idle ones time out;
@@ -23,7 +24,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -44,6 +45,7 @@ from deploy.verifier.tree import DraftTree, TreeLimits
 log = logging.getLogger("ray.serve")
 
 MAX_REMEMBERED_EVICTIONS = 100_000
+MIN_PREFILL_CHUNK = 4  # prompt tokens per chunk riding along a verify forward, at least
 
 
 def _error(e: SpecError) -> tuple[int, dict]:
@@ -86,6 +88,8 @@ class VerifierCore:
         self.client: dict[str, tuple[float, float]] = {}  # session id -> (draft_ms, rtt_ms)
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> reason
         self.forwards: list[ForwardStats] = []  # recent forwards (bounded), for tests and metrics
+        # recent verify rounds: (arrival, seconds from arrival to reply), monotonic clock
+        self.round_latencies: deque[tuple[float, float]] = deque(maxlen=8192)
         self.busy_seconds = 0.0
         self.tokens_emitted = 0  # verified tokens returned to clients (first tokens included)
         self.started = time.monotonic()
@@ -96,7 +100,8 @@ class VerifierCore:
         self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
         self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
         self._verify_s = 0.0  # EMA of a verify forward's seconds
-        self._prefill_token_s = 0.0  # EMA of a prefill forward's seconds per token
+        self._last_verify = 0.0  # when the last verify batch ran (monotonic)
+        self._prefill_token_s = 0.0  # EMA of the seconds a prompt token adds to a forward
 
     # -- info ---------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -125,9 +130,10 @@ class VerifierCore:
     def _on_forward(self, st: ForwardStats) -> None:
         self.busy_seconds += st.seconds
         if st.kind == "prefill":
-            per = st.seconds / max(st.tokens, 1)
-            self._prefill_token_s = per if not self._prefill_token_s else 0.5 * self._prefill_token_s + 0.5 * per
-        else:
+            self._observe_prefill(st.seconds / max(st.tokens, 1))
+        elif st.prefill_tokens and self._verify_s:  # what the chunk added to a verify forward
+            self._observe_prefill(max(st.seconds - self._verify_s, 0.0) / st.prefill_tokens)
+        elif not st.prefill_tokens:
             self._verify_s = st.seconds if not self._verify_s else 0.8 * self._verify_s + 0.2 * st.seconds
         if st.kind != "prefill":
             self.pacer.observe_forward(st.tokens, st.seconds)
@@ -270,23 +276,43 @@ class VerifierCore:
                     opens, self._opens = self._opens, []
                     await self._begin_opens(loop, opens)
                 batch = self.sched.take(vc.max_batch_sessions, vc.max_batch_tokens)
-                if batch:
+                if batch:  # a prefill chunk rides along
                     await self._run_verifies(loop, batch)
-                if self._prefilling:  # a chunk between verify batches; all of it when none wait
-                    await self._run_prefill(loop, self._prefill_budget(waiting=bool(len(self.sched) or batch)))
+                    self._last_verify = time.monotonic()
+                elif self._prefilling:
+                    busy = time.monotonic() - self._last_verify < max(0.05, 4 * self._verify_s)
+                    if busy and await self._request_arrives(max(0.002, 2 * self._verify_s)):
+                        continue  # a verify round came back: the next chunk rides along with it
+                    # the edges are drafting (or gone): prefill in the gap
+                    await self._run_prefill(loop, self._prefill_budget() if busy else vc.max_batch_tokens)
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("verify loop error: %s", e)
 
-    def _prefill_budget(self, waiting: bool) -> int:
-        """Prompt tokens for the next prefill forward: all of a batch when no verify round
-        waits; else as many as fit in ``prefill_share`` of a verify forward's time."""
+    async def _request_arrives(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a verify request; whether one is queued."""
+        if len(self.sched):
+            return True
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+        except asyncio.TimeoutError:
+            pass
+        return bool(len(self.sched))
+
+    def _observe_prefill(self, seconds_per_token: float) -> None:
+        s = self._prefill_token_s
+        self._prefill_token_s = seconds_per_token if not s else 0.7 * s + 0.3 * seconds_per_token
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens to add to a verify forward: as many as fit in ``prefill_share`` of
+        its time (measured costs; the cost per prompt token grows with the prompt's length)."""
         vc = self.cfg.verifier
-        if not waiting:
-            return vc.max_batch_tokens
         if not (self._verify_s and self._prefill_token_s):
-            return min(vc.prefill_chunk_tokens, 32)
+            return min(vc.prefill_chunk_tokens, 16)
         fit = int(vc.prefill_share * self._verify_s / self._prefill_token_s)
-        return max(16, min(vc.prefill_chunk_tokens, fit))
+        # a chunk also has a fixed cost (its rows read the prompt's whole KV so far): at least
+        # MIN_PREFILL_CHUNK tokens, or tiny chunks would pay it over and over for little progress
+        return max(min(MIN_PREFILL_CHUNK, vc.prefill_chunk_tokens), min(vc.prefill_chunk_tokens, fit))
 
     async def _begin_opens(self, loop, opens) -> None:
         errors = await loop.run_in_executor(self._executor, self.engine.begin_open, [o[0] for o in opens])
@@ -312,6 +338,9 @@ class VerifierCore:
                 self.client.pop(sid, None)
                 _answer(self._prefilling.pop(sid)[1], (500, {"error": {"code": "internal", "message": str(e)}}))
             return
+        await self._complete_opens(loop, results)
+
+    async def _complete_opens(self, loop, results: list[OpenResult]) -> None:
         for res in results:
             tenant, fut = self._prefilling.pop(res.sid)
             if fut.done():  # the client went away while its prompt was prefilled
@@ -337,26 +366,29 @@ class VerifierCore:
         chains = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], ChainVerifyRequest)]
         self.metrics.on_batch_start(batch)
 
+        prefill = self._prefill_budget() if self._prefilling else 0
+
         def run():
             out = []
             if trees:
-                out += list(zip([p for p, _ in trees], self.engine.verify([r for _, r in trees])))
+                out += list(zip([p for p, _ in trees], self.engine.verify([r for _, r in trees], prefill)))
             if chains:
                 out += list(zip([p for p, _ in chains], self.engine.verify_chain([r for _, r in chains])))
-            return out
+                if not trees and prefill:
+                    self.engine.opened += self.engine.prefill_step(prefill)
+            return out, self.engine.take_opened()
 
         try:
-            results = await loop.run_in_executor(self._executor, run)
+            results, opened = await loop.run_in_executor(self._executor, run)
         except Exception as e:
             log.exception("verify forward failed")
             for p in batch:
-                if not p.payload[1].done():
-                    p.payload[1].set_result((500, {"error": {"code": "internal", "message": str(e)}}))
+                _answer(p.payload[1], (500, {"error": {"code": "internal", "message": str(e)}}))
             return
         for p, res in results:
             fut = p.payload[1]
             if isinstance(res, SpecError):
-                fut.set_result(_error(res))
+                _answer(fut, _error(res))
                 continue
             req = p.payload[0]
             tree_mode = isinstance(req, VerifyRequest)
@@ -376,7 +408,9 @@ class VerifierCore:
                 frame = ReplyFrame(list(range(res.num_accepted)), res.bonus, res.prefix_len, res.finished,
                                    res.finish_reason, depth, budget, rejected, list(res.reject_top_ids),
                                    list(res.reject_top_probs))
-            fut.set_result((200, frame.encode()))
+            _answer(fut, (200, frame.encode()))
+            self.round_latencies.append((p.enqueued_at, time.monotonic() - p.enqueued_at))
+        await self._complete_opens(loop, opened)
 
 
 @serve.deployment(name="Verifier")

@@ -124,6 +124,7 @@ class ForwardStats:
     sessions: int
     tokens: int  # new tokens in the batch (packed: no padding)
     seconds: float
+    prefill_tokens: int = 0  # of which prompt tokens (a prefill chunk riding along a verify forward)
 
 
 @dataclass
@@ -147,6 +148,7 @@ class VerifierEngine:
         self.vocab_size = model.config.vocab_size
         self.max_batch_tokens = max_batch_tokens
         self.prefilling: OrderedDict[str, _Prefill] = OrderedDict()
+        self.opened: list[OpenResult] = []  # completed by chunks inside verify forwards
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.limits = limits
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 1 << 16)
@@ -188,7 +190,7 @@ class VerifierEngine:
     def _remaining(self, s: Session) -> int:
         return min(s.params.max_tokens - s.num_generated, self.max_model_len - 1 - len(s.prefix))
 
-    def _forward(self, kind: str, items: list[SeqInput]):
+    def _forward(self, kind: str, items: list[SeqInput], prefill_tokens: int = 0):
         bid = next(self._batch_ids)
         t0 = time.perf_counter()
         try:
@@ -198,7 +200,8 @@ class VerifierEngine:
             raise
         dt = time.perf_counter() - t0
         if self.on_forward is not None:
-            self.on_forward(ForwardStats(kind, len(items), sum(len(it.tokens) for it in items), dt))
+            self.on_forward(ForwardStats(kind, len(items), sum(len(it.tokens) for it in items), dt,
+                                         prefill_tokens if kind != "prefill" else 0))
         return bid, logits
 
     # -- open / close -------------------------------------------------------------
@@ -248,8 +251,21 @@ class VerifierEngine:
         """One forward over at most ``budget_tokens`` queued prompt tokens (first come, first
         served; ``only``: these sessions); returns the sessions whose prefill completed, with
         their first token."""
+        items, chunks = self._prefill_items(budget_tokens, only)
+        if not items:
+            return []
+        bid, logits = self._forward_prefilling("prefill", items, chunks)
+        self.runner.commit(bid, self._prefill_keep(chunks))
+        return self._finish_prefill(chunks, logits)
+
+    def take_opened(self) -> list[OpenResult]:
+        """Opens completed by prefill chunks that rode along with verify forwards."""
+        out, self.opened = self.opened, []
+        return out
+
+    def _prefill_items(self, budget_tokens: int, only: set[str] | None = None):
         items, chunks = [], []
-        left = max(1, budget_tokens)
+        left = budget_tokens
         for sid, p in list(self.prefilling.items()):
             if left <= 0:
                 break
@@ -260,16 +276,21 @@ class VerifierEngine:
             items.append(chunk_input(sid, p.fed, p.feed[p.fed: p.fed + n], [n - 1] if done else []))
             chunks.append((p, n, done))
             left -= n
-        if not items:
-            return []
+        return items, chunks
+
+    def _forward_prefilling(self, kind: str, items: list[SeqInput], chunks):
         try:
-            bid, logits = self._forward("prefill", items)
-        except SpecError as e:  # the pool is full: the queued sessions fail, the rest goes on
+            return self._forward(kind, items, sum(n for _p, n, _d in chunks))
+        except SpecError:  # the pool is full: the sessions being prefilled fail, the rest goes on
             for p, _n, _done in chunks:
                 self.prefilling.pop(p.session.sid, None)
                 self.runner.drop(p.session.sid)
-            raise e
-        self.runner.commit(bid, {p.session.sid: (n, []) for p, n, _ in chunks if p.session.sid in self.prefilling})
+            raise
+
+    def _prefill_keep(self, chunks) -> dict:
+        return {p.session.sid: (n, []) for p, n, _ in chunks if p.session.sid in self.prefilling}
+
+    def _finish_prefill(self, chunks, logits) -> list[OpenResult]:
         out = []
         for (p, n, done), lg in zip(chunks, logits):
             s = p.session
@@ -304,11 +325,13 @@ class VerifierEngine:
                                  f"{len(s.prefix)}", server_prefix_len=len(s.prefix))
         return s
 
-    def verify(self, requests: list[VerifyRequest]) -> list[VerifyResult | SpecError]:
+    def verify(self, requests: list[VerifyRequest], prefill_tokens: int = 0) -> list[VerifyResult | SpecError]:
         """Verify the trees of many sessions in one target forward.
 
         Invalid requests get their error back and do not touch any session; the others
-        are verified together. An empty tree is one plain decoding step.
+        are verified together. An empty tree is one plain decoding step. ``prefill_tokens``:
+        up to that many queued prompt tokens ride along in the same forward (chunked
+        prefill); opens they complete are collected by :meth:`take_opened`.
         """
         out: list[VerifyResult | SpecError | None] = [None] * len(requests)
         todo: list[tuple[int, Session, DraftTree]] = []
@@ -333,8 +356,10 @@ class VerifierEngine:
             return out  # type: ignore[return-value]
         items = [tree_input(s.sid, len(s.prefix) - 1, s.prefix[-1], tree.tokens, tree.parents, tree.depths)
                  for _, s, tree in todo]
-        bid, logits = self._forward("verify", items)
-        keep = {}
+        pre_items, chunks = self._prefill_items(prefill_tokens) if prefill_tokens > 0 else ([], [])
+        bid, logits = self._forward_prefilling("verify", items + pre_items, chunks)
+        logits, pre_logits = logits[: len(items)], logits[len(items):]
+        keep = self._prefill_keep(chunks)
         walks = []
         for (i, s, tree), lg in zip(todo, logits):
             acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
@@ -342,6 +367,7 @@ class VerifierEngine:
             keep[s.sid] = (1, [root + 1 + a for a in acc.accepted])  # the root and the accepted path
             walks.append((i, s, acc, [tree.tokens[a] for a in acc.accepted] + [acc.bonus]))
         self.runner.commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
+        self.opened += self._finish_prefill(chunks, pre_logits)
         for i, s, acc, emitted in walks:
             s.last_used = time.monotonic()
             self._emit(s, emitted)

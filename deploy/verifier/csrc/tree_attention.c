@@ -144,7 +144,10 @@ static void NAME(const T *restrict q, const T *restrict kc, const T *restrict vc
 }
 
 #define DEFINE_KERNEL(NAME, T, LOAD)                                                               \
+DEFINE_ROW(NAME##_d16, T, LOAD, 16)                                                                \
+DEFINE_ROW(NAME##_d32, T, LOAD, 32)                                                                \
 DEFINE_ROW(NAME##_d64, T, LOAD, 64)                                                                \
+DEFINE_ROW(NAME##_d96, T, LOAD, 96)                                                                \
 DEFINE_ROW(NAME##_d128, T, LOAD, 128)                                                              \
 DEFINE_ROW(NAME##_dany, T, LOAD, D)                                                                \
 int NAME(const T *q, const T *kc, const T *vc, const int32_t *block_table, int bt_stride,          \
@@ -165,9 +168,16 @@ int NAME(const T *q, const T *kc, const T *vc, const int32_t *block_table, int b
                 const T *qr = q + (size_t)r * Hq * D;                                              \
                 const int32_t *bt = block_table + (size_t)row_seq[r] * bt_stride;                  \
                 float *o = out + (size_t)r * Hq * D;                                               \
-                if (D == 64) NAME##_d64(qr, kc, vc, bt, row_len[r], row_bits[r], h, nrep, Hkv, D, scale, o, scratch); \
-                else if (D == 128) NAME##_d128(qr, kc, vc, bt, row_len[r], row_bits[r], h, nrep, Hkv, D, scale, o, scratch); \
-                else NAME##_dany(qr, kc, vc, bt, row_len[r], row_bits[r], h, nrep, Hkv, D, scale, o, scratch); \
+                const int32_t len = row_len[r];                                                    \
+                const int64_t bits = row_bits[r];                                                  \
+                switch (D) { /* compile-time head_dim: accumulators stay in registers */           \
+                case 16: NAME##_d16(qr, kc, vc, bt, len, bits, h, nrep, Hkv, D, scale, o, scratch); break; \
+                case 32: NAME##_d32(qr, kc, vc, bt, len, bits, h, nrep, Hkv, D, scale, o, scratch); break; \
+                case 64: NAME##_d64(qr, kc, vc, bt, len, bits, h, nrep, Hkv, D, scale, o, scratch); break; \
+                case 96: NAME##_d96(qr, kc, vc, bt, len, bits, h, nrep, Hkv, D, scale, o, scratch); break; \
+                case 128: NAME##_d128(qr, kc, vc, bt, len, bits, h, nrep, Hkv, D, scale, o, scratch); break; \
+                default: NAME##_dany(qr, kc, vc, bt, len, bits, h, nrep, Hkv, D, scale, o, scratch); \
+                }                                                                                  \
             }                                                                                      \
             free(scratch);                                                                         \
         }                                                                                          \
