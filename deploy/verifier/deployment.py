@@ -326,11 +326,9 @@ class VerifierCore:
     async def _run_prefill(self, loop, budget: int) -> None:
         try:
             results = await loop.run_in_executor(self._executor, self.engine.prefill_step, budget)
-        except SpecError as e:  # the KV pool is full: the queued opens fail with a clear error
+        except SpecError as e:  # the KV pool is full: the opens the engine dropped fail with a clear error
             results = []
-            for sid in [sid for sid in self._prefilling if sid not in self.engine.prefilling]:
-                self.client.pop(sid, None)
-                _answer(self._prefilling.pop(sid)[1], _error(e))
+            self._fail_dropped_opens(e)
         except Exception as e:
             log.exception("prefill failed")
             for sid in list(self._prefilling):
@@ -339,6 +337,12 @@ class VerifierCore:
                 _answer(self._prefilling.pop(sid)[1], (500, {"error": {"code": "internal", "message": str(e)}}))
             return
         await self._complete_opens(loop, results)
+
+    def _fail_dropped_opens(self, e: SpecError) -> None:
+        """Answer the opens whose prefill the engine gave up (a full KV pool)."""
+        for sid in [sid for sid in self._prefilling if sid not in self.engine.prefilling]:
+            self.client.pop(sid, None)
+            _answer(self._prefilling.pop(sid)[1], _error(e))
 
     async def _complete_opens(self, loop, results: list[OpenResult]) -> None:
         for res in results:
@@ -380,6 +384,11 @@ class VerifierCore:
 
         try:
             results, opened = await loop.run_in_executor(self._executor, run)
+        except SpecError as e:  # the KV pool is full: a clear 503 for the batch and the prompts dropped
+            for p in batch:
+                _answer(p.payload[1], _error(e))
+            self._fail_dropped_opens(e)
+            return
         except Exception as e:
             log.exception("verify forward failed")
             for p in batch:
