@@ -26,3 +26,26 @@ def test_a_4096_token_prompt_does_not_stall_eight_verifying_sessions():
     # so the test bounds it at 2.5 (an unchunked prefill would be ~100x); the real model's figure is
     # `python -m benchmarks.prefill_stall`.
     assert r["ratio"] <= 2.5, r
+
+
+def test_a_full_kv_pool_fails_the_open_clearly_and_nothing_hangs():
+    import asyncio
+
+    from deploy.verifier.deployment import VerifierCore
+
+    # pool: 256 + 64 + 2 x 16 = 352 tokens (22 pages); two 300-token prompts do not both fit
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"kv_budget_tokens": 256, "max_batch_tokens": 64,
+                                            "max_batch_sessions": 1, "batch_wait_ms": 0}))
+
+    async def main():
+        body = {"prompt_ids": list(range(3, 303)), "sampling": {"max_tokens": 4}}
+        return await asyncio.wait_for(asyncio.gather(core.open_session("dev", body),
+                                                     core.open_session("dev", body)), timeout=60)
+
+    results = asyncio.run(main())
+    codes = sorted(status for status, _ in results)
+    assert 503 in codes, results
+    failed = [p for status, p in results if status == 503]
+    assert all(p["error"]["code"] == "kv_capacity" for p in failed)
+    assert not core._prefilling and not core.engine.prefilling  # nothing left waiting
