@@ -101,12 +101,16 @@ def pack(items: list[SeqInput], pool: KVPool) -> PackedBatch:
         flat_rows += [n + r for r in it.logit_rows]
         seq += [b] * len(it.tokens)
         n += len(it.tokens)
-    cat = lambda name: torch.tensor([x for it in items for x in getattr(it, name)], dtype=torch.long)  # noqa: E731
     slots = torch.cat([pool.slots(it.sid, torch.tensor(it.write_at, dtype=torch.long)) for it in items])
-    row_len = cat("row_len")
-    row_bits = cat("row_bits")
+    row_len = _flat(items, "row_len")
+    row_bits = _flat(items, "row_bits")
     extra = torch.tensor([bin(b & (2**64 - 1)).count("1") for it in items for b in it.row_bits], dtype=torch.long)
     plan = AttentionPlan(pool.block_table(sids), torch.tensor(seq, dtype=torch.int32), row_len.to(torch.int32),
                          row_bits, int((row_len + extra).max()))
-    return PackedBatch(items, cat("tokens"), cat("positions"), slots, plan, offsets,
+    return PackedBatch(items, _flat(items, "tokens"), _flat(items, "positions"), slots, plan, offsets,
                        torch.tensor(flat_rows, dtype=torch.long))
+
+
+def _flat(items: list[SeqInput], field: str) -> torch.Tensor:
+    """One per-row field of every item, concatenated: [N] long."""
+    return torch.tensor([x for it in items for x in getattr(it, field)], dtype=torch.long)
