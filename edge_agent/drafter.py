@@ -140,7 +140,7 @@ class ModelDrafter(Drafter):
         nxt = max(self.slots.values(), default=c - 1) + 1
         if nxt + len(reqs) > c + MAX_TREE_BITS:
             raise ValueError(f"the draft tree would feed more than {MAX_TREE_BITS} nodes; lower its budget")
-        pos = {nid: p for nid, p in self.slots.items()}
+        pos = dict(self.slots)
         for i, r in enumerate(reqs):
             pos[r.nid] = nxt + i
         bits = []

@@ -46,15 +46,24 @@ class AttentionPlan:
                              self.row_bits.to(device), self.max_len)
 
 
-def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and native.load() is not None
+KERNEL_MAX_HEADS_PER_KV = 8  # MAXREP in the source
+KERNEL_MAX_HEAD_DIM = 256
+
+
+def use_kernel(device: torch.device, dtype: torch.dtype, heads: int = 1, kv_heads: int = 1,
+               head_dim: int = 64) -> bool:
+    """Whether the C kernel runs this: CPU, bf16/fp32, a head layout it handles, and built here."""
+    shape_ok = (heads % kv_heads == 0 and heads // kv_heads <= KERNEL_MAX_HEADS_PER_KV and head_dim % 4 == 0
+                and head_dim <= KERNEL_MAX_HEAD_DIM)
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and shape_ok
+            and native.load() is not None)
 
 
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: AttentionPlan,
                    scale: float, kernel: bool | None = None) -> torch.Tensor:
     """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] (q's dtype)."""
     if kernel is None:
-        kernel = use_kernel(q.device, q.dtype)
+        kernel = use_kernel(q.device, q.dtype, q.shape[1], k_pages.shape[1], q.shape[2])
     if not kernel:
         return torch_attention(q, k_pages, v_pages, plan, scale)
     lib = native.load()
@@ -67,6 +76,8 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     err = fn(q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), bt.data_ptr(), bt.shape[1],
              plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.row_bits.data_ptr(), out.data_ptr(),
              N, Hq, Hkv, D, ctypes.c_float(scale), plan.max_len, torch.get_num_threads())
+    if err == 2:
+        raise ValueError(f"tree attention kernel: unsupported heads {Hq}/{Hkv} x {D} (see use_kernel)")
     if err:
         raise MemoryError("tree attention: scratch allocation failed")
     return out.to(q.dtype)

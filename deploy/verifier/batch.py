@@ -23,6 +23,7 @@ import torch
 
 from deploy.verifier.attention import AttentionPlan
 from deploy.verifier.kv_pool import KVPool
+from deploy.verifier.native import PAGE_SIZE
 
 MAX_TREE_BITS = 64  # one int64 of ancestor bits per row
 
@@ -101,12 +102,15 @@ def pack(items: list[SeqInput], pool: KVPool) -> PackedBatch:
         flat_rows += [n + r for r in it.logit_rows]
         seq += [b] * len(it.tokens)
         n += len(it.tokens)
-    slots = torch.cat([pool.slots(it.sid, torch.tensor(it.write_at, dtype=torch.long)) for it in items])
+    block_table = pool.block_table(sids)  # [B, max_pages]
+    row_seq = torch.tensor(seq, dtype=torch.long)
+    write_at = _flat(items, "write_at")
+    slots = block_table[row_seq, write_at // PAGE_SIZE].long() * PAGE_SIZE + write_at % PAGE_SIZE
     row_len = _flat(items, "row_len")
     row_bits = _flat(items, "row_bits")
     extra = torch.tensor([bin(b & (2**64 - 1)).count("1") for it in items for b in it.row_bits], dtype=torch.long)
-    plan = AttentionPlan(pool.block_table(sids), torch.tensor(seq, dtype=torch.int32), row_len.to(torch.int32),
-                         row_bits, int((row_len + extra).max()))
+    plan = AttentionPlan(block_table, row_seq.to(torch.int32), row_len.to(torch.int32), row_bits,
+                         int((row_len + extra).max()))
     return PackedBatch(items, _flat(items, "tokens"), _flat(items, "positions"), slots, plan, offsets,
                        torch.tensor(flat_rows, dtype=torch.long))
 

@@ -8,8 +8,9 @@ hints (:mod:`deploy.verifier.pacing`). New sessions are prefilled in token-budge
 that ride along in the verify forwards: a chunk is sized from measured costs to add at most
 ``verifier.prefill_share`` of a verify forward's time (at most
 ``verifier.prefill_chunk_tokens``), so a long prompt never stalls other sessions; when no
-session is mid-round, a prefill forward takes up to ``verifier.max_batch_tokens``. Every engine call runs on the one
-worker thread, so a close never races a forward. Sessions live here (KV cache); the router pins
+session is mid-round, a prefill forward takes up to ``verifier.max_batch_tokens``. Every
+engine call runs on the one worker thread, so a close never races a forward. Sessions live
+here (KV cache); the router pins
 every request of a session to this replica (:mod:`deploy.router.affinity`).
 KV memory is bounded: least-recently-used sessions are evicted, idle ones time out;
 both answer ``410 session_evicted`` so the edge re-opens from its own token history.
@@ -50,6 +51,11 @@ MIN_PREFILL_CHUNK = 4  # prompt tokens per chunk riding along a verify forward, 
 
 def _error(e: SpecError) -> tuple[int, dict]:
     return e.status, e.to_dict()
+
+
+def _ema(avg: float, x: float, weight: float) -> float:
+    """Exponential moving average; the first observation (avg == 0) starts it."""
+    return x if not avg else (1 - weight) * avg + weight * x
 
 
 def _answer(fut: asyncio.Future, result) -> None:
@@ -130,11 +136,12 @@ class VerifierCore:
     def _on_forward(self, st: ForwardStats) -> None:
         self.busy_seconds += st.seconds
         if st.kind == "prefill":
-            self._observe_prefill(st.seconds / max(st.tokens, 1))
+            self._prefill_token_s = _ema(self._prefill_token_s, st.seconds / max(st.tokens, 1), 0.3)
         elif st.prefill_tokens and self._verify_s:  # what the chunk added to a verify forward
-            self._observe_prefill(max(st.seconds - self._verify_s, 0.0) / st.prefill_tokens)
+            extra = max(st.seconds - self._verify_s, 0.0) / st.prefill_tokens
+            self._prefill_token_s = _ema(self._prefill_token_s, extra, 0.3)
         elif not st.prefill_tokens:
-            self._verify_s = st.seconds if not self._verify_s else 0.8 * self._verify_s + 0.2 * st.seconds
+            self._verify_s = _ema(self._verify_s, st.seconds, 0.2)
         if st.kind != "prefill":
             self.pacer.observe_forward(st.tokens, st.seconds)
         self.forwards.append(st)
@@ -299,10 +306,6 @@ class VerifierCore:
             pass
         return bool(len(self.sched))
 
-    def _observe_prefill(self, seconds_per_token: float) -> None:
-        s = self._prefill_token_s
-        self._prefill_token_s = seconds_per_token if not s else 0.7 * s + 0.3 * seconds_per_token
-
     def _prefill_budget(self) -> int:
         """Prompt tokens to add to a verify forward: as many as fit in ``prefill_share`` of
         its time (measured costs; the cost per prompt token grows with the prompt's length)."""
@@ -373,14 +376,14 @@ class VerifierCore:
         prefill = self._prefill_budget() if self._prefilling else 0
 
         def run():
-            out = []
-            if trees:
+            out, opened = [], []
+            if trees:  # the chunk rides along; the opens it completes wait in engine.take_opened()
                 out += list(zip([p for p, _ in trees], self.engine.verify([r for _, r in trees], prefill)))
             if chains:
                 out += list(zip([p for p, _ in chains], self.engine.verify_chain([r for _, r in chains])))
-                if not trees and prefill:
-                    self.engine.opened += self.engine.prefill_step(prefill)
-            return out, self.engine.take_opened()
+                if not trees and prefill:  # chain forwards take no chunk: a prefill step of its own
+                    opened = self.engine.prefill_step(prefill)
+            return out, self.engine.take_opened() + opened
 
         try:
             results, opened = await loop.run_in_executor(self._executor, run)

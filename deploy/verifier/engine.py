@@ -137,6 +137,11 @@ class _Prefill:
     fed: int = 0
 
 
+def _tree_item(s: Session, tree: DraftTree) -> SeqInput:
+    """A session's root (``prefix[-1]``, at the KV's end) and its tree, as one forward input."""
+    return tree_input(s.sid, len(s.prefix) - 1, s.prefix[-1], tree.tokens, tree.parents, tree.depths)
+
+
 class VerifierEngine:
     def __init__(self, model, *, eos_token_ids=(), limits: TreeLimits = TreeLimits(),
                  max_model_len: int | None = None, runner=None, chain_top_k: int = 64,
@@ -243,9 +248,6 @@ class VerifierEngine:
             except SpecError as e:
                 out[i] = e
         return out
-
-    def prefill_pending_tokens(self) -> int:
-        return sum(len(p.feed) - p.fed for p in self.prefilling.values())
 
     def prefill_step(self, budget_tokens: int, only: set[str] | None = None) -> list[OpenResult]:
         """One forward over at most ``budget_tokens`` queued prompt tokens (first come, first
@@ -354,8 +356,7 @@ class VerifierEngine:
                 out[i] = e
         if not todo:
             return out  # type: ignore[return-value]
-        items = [tree_input(s.sid, len(s.prefix) - 1, s.prefix[-1], tree.tokens, tree.parents, tree.depths)
-                 for _, s, tree in todo]
+        items = [_tree_item(s, tree) for _, s, tree in todo]
         pre_items, chunks = self._prefill_items(prefill_tokens) if prefill_tokens > 0 else ([], [])
         bid, logits = self._forward_prefilling("verify", items + pre_items, chunks)
         logits, pre_logits = logits[: len(items)], logits[len(items):]
@@ -421,8 +422,7 @@ class VerifierEngine:
             return out
         items = []
         for _, s, toks, _q in todo:
-            chain = DraftTree.chain(toks)
-            items.append(tree_input(s.sid, len(s.prefix) - 1, s.prefix[-1], chain.tokens, chain.parents, chain.depths))
+            items.append(_tree_item(s, DraftTree.chain(toks)))
         bid, logits = self._forward("chain", items)
         keep = {}
         results = []

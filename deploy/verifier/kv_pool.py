@@ -56,15 +56,9 @@ class KVPool:
         """Committed KV tokens of all sessions."""
         return sum(s.length for s in self.sessions.values())
 
-    def nbytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.k.element_size()
-
     def length(self, sid: str) -> int:
         s = self.sessions.get(sid)
         return s.length if s is not None else 0
-
-    def free_tokens(self) -> int:
-        return len(self._free) * PAGE_SIZE
 
     # -- sessions -------------------------------------------------------------------
     def reserve(self, sid: str, end: int) -> None:

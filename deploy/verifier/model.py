@@ -146,11 +146,6 @@ class Linear:
         return y[:1] if single else y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """One-off :class:`Linear` (tests, checks)."""
-    return Linear(w, b)(x)
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: normalise in float32, scale in the model dtype. x: [..., D]."""
     xf = x.float()
@@ -191,7 +186,6 @@ class Glue:
 
     def __init__(self, compile: bool = False):
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
-        self.compiled = compile
         self.norm, self.qk_rope = wrap(rms_norm), wrap(qk_rope)
         self.residual_norm, self.swiglu = wrap(residual_norm), wrap(swiglu)
 
@@ -219,7 +213,7 @@ class DecoderModel:
         rot = inner.rotary_emb
         self.inv_freq = rot.inv_freq.detach().float().to(self.device)  # [d / 2]
         self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
-        self.kernel = use_kernel(self.device, self.dtype)
+        self.kernel = use_kernel(self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.scale = spec.head_dim ** -0.5
         self.glue = Glue(compile)
 

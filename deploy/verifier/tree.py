@@ -1,4 +1,5 @@
-"""Draft token trees: structure, validation, tree attention mask, positions.
+"""Draft token trees: structure, depths, paths, validation (what each node attends, and
+its position, is packed by :mod:`deploy.verifier.batch`).
 
 Vocabulary (used across the engine, the router and the edge agent):
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-
-import torch
 
 from deploy.errors import InvalidTree
 
@@ -93,21 +92,3 @@ class DraftTree:
         if self.depth > limits.max_depth:
             raise InvalidTree(f"tree depth {self.depth} exceeds the limit {limits.max_depth}")
         return self
-
-    def attention_mask(self) -> torch.Tensor:
-        """[n + 1, n + 1] bool: row/col 0 is the root, row i + 1 is node i.
-
-        Each position attends to itself and its ancestors only (the prefix part of the
-        mask is added by the engine).
-        """
-        n = len(self)
-        m = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        m[0, 0] = True
-        for i, p in enumerate(self.parents):
-            m[i + 1] = m[p + 1]
-            m[i + 1, i + 1] = True
-        return m
-
-    def position_offsets(self) -> torch.Tensor:
-        """[n + 1] long: depth of each forward position (root = 0)."""
-        return torch.tensor((0,) + self.depths, dtype=torch.long)

@@ -8,7 +8,7 @@ import torch
 
 from deploy.errors import UnsupportedModel
 from deploy.verifier.batch import chunk_input, tree_input
-from deploy.verifier.model import DecoderModel, DecoderSpec, linear
+from deploy.verifier.model import DecoderModel, DecoderSpec, Linear
 from deploy.verifier.runner import ModelRunner
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -82,10 +82,23 @@ def test_bf16_linear_rows_do_not_depend_on_the_row_count(threads, n, k):
         g = torch.Generator().manual_seed(0)
         w = torch.randn(n, k, generator=g).bfloat16()
         x = torch.randn(600, k, generator=g).bfloat16()
-        full = linear(x, w)
+        lin = Linear(w)
+        full = lin(x)
         for m in (2, 3, 7, 16, 33, 144, 512):
-            assert torch.equal(linear(x[5: 5 + m], w), full[5: 5 + m]), m
+            assert torch.equal(lin(x[5: 5 + m]), full[5: 5 + m]), m
         for r in range(0, 600, 5):
-            assert torch.equal(linear(x[r: r + 1].clone(), w)[0], full[r]), r
+            assert torch.equal(lin(x[r: r + 1].clone())[0], full[r]), r
     finally:
         torch.set_num_threads(old)
+
+
+def test_head_layouts_the_kernel_does_not_handle_use_the_torch_attention():
+    """16 query heads per KV head is beyond the C kernel: the forward still runs (torch path)."""
+    model = _build("Llama", hidden_size=128, num_attention_heads=16, num_key_value_heads=1)
+    dm = DecoderModel(model)
+    assert not dm.kernel
+    r = ModelRunner(dm)
+    ids = torch.randint(0, 256, (12,)).tolist()
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits[0]
+    assert (r.forward(0, [chunk_input("s", 0, ids, list(range(12)))])[0] - want).abs().max() < 1e-4

@@ -1,9 +1,8 @@
-"""Draft tree structure: validation errors, tree attention mask, positions (property tests)."""
+"""Draft tree structure: validation errors, depths, paths, children (property tests)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,28 +32,12 @@ def ancestors(tree: DraftTree, i: int) -> set[int]:
 
 @settings(max_examples=200, deadline=None)
 @given(trees())
-def test_mask_each_node_sees_exactly_root_ancestors_and_itself(tree):
-    m = tree.attention_mask()  # [n + 1, n + 1]
-    n = len(tree)
-    assert m.shape == (n + 1, n + 1) and m.dtype == torch.bool
-    assert m[0].tolist() == [True] + [False] * n  # the root sees only itself
-    for i in range(n):
-        want = {0, i + 1} | {a + 1 for a in ancestors(tree, i)}
-        got = {j for j in range(n + 1) if m[i + 1, j]}
-        assert got == want, (i, tree)
-
-
-@settings(max_examples=200, deadline=None)
-@given(trees())
-def test_positions_are_depths_and_paths_are_consistent(tree):
-    pos = tree.position_offsets()  # [n + 1]
-    assert pos.dtype == torch.long and pos.shape == (len(tree) + 1,)
-    assert int(pos[0]) == 0
+def test_depths_and_paths_are_consistent(tree):
     for i in range(len(tree)):
         path = tree.path_to(i)
         assert path[-1] == i and path[0] >= 0 and tree.parents[path[0]] == -1
         assert all(tree.parents[b] == a for a, b in zip(path, path[1:]))
-        assert int(pos[i + 1]) == tree.depths[i] == len(path) == len(ancestors(tree, i)) + 1
+        assert tree.depths[i] == len(path) == len(ancestors(tree, i)) + 1
     assert tree.depth == max(tree.depths, default=0)
     # children is the inverse of parents, each node listed exactly once
     listed = sorted(c for ch in tree.children for c in ch)
@@ -84,7 +67,6 @@ def test_arbitrary_parent_arrays_are_accepted_iff_they_form_a_tree(parents):
 def test_chain_is_a_path():
     t = DraftTree.chain([5, 6, 7])
     assert t.parents == (-1, 0, 1) and t.depths == (1, 2, 3)
-    assert t.attention_mask().equal(torch.ones(4, 4, dtype=torch.bool).tril())
     assert DraftTree.chain([]) == DraftTree.empty()
 
 
