@@ -108,5 +108,8 @@ class Pacer:
         if draft_ms <= 0 or self.cost.count < 3:
             return min(self.default_depth, budget)
         verify_ms = 1000.0 * self.cost.predict(max(sessions, 1) * (budget + 1))
-        depth = int(round((verify_ms - rtt_ms) / draft_ms))
-        return max(self.min_depth, min(self.max_depth, budget, depth))
+        forwards = (verify_ms - rtt_ms) / draft_ms  # inf for a denormal draft_ms: clamped below, never int()ed
+        cap = min(self.max_depth, budget)
+        if not forwards < cap:  # also NaN
+            return max(self.min_depth, cap)
+        return max(self.min_depth, min(cap, round(forwards)))

@@ -9,6 +9,7 @@ the number of tokens already emitted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -16,9 +17,29 @@ import torch
 from deploy.errors import InvalidSamplingParams
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
+
+
+def _integer(name: str, v) -> int:
+    """``v`` as an int: an int, or a finite float with no fraction (JSON numbers); never a bool."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidSamplingParams(f"{name} must be an integer, got {v!r}")
+    if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+        raise InvalidSamplingParams(f"{name} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _number(name: str, v) -> float:
+    """``v`` as a finite float (an int or a float; never a bool, a string, inf or NaN)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InvalidSamplingParams(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """OpenAI/vLLM-style parameters. ``temperature == 0`` means greedy (argmax)."""
+    """OpenAI/vLLM-style parameters. ``temperature`` under :data:`GREEDY_BELOW` (0
+    included) means greedy (argmax)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -30,13 +51,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self, vocab_size: int, max_tokens_limit: int = 1 << 20) -> "SamplingParams":
         def bad(msg):
             raise InvalidSamplingParams(msg)
 
-        if not (0.0 <= self.temperature <= 100.0):
+        if not (0.0 <= self.temperature <= 100.0):  # NaN fails every comparison
             bad(f"temperature must be in [0, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             bad(f"top_p must be in (0, 1], got {self.top_p}")
@@ -55,26 +76,28 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
+        if d is not None and not isinstance(d, dict):
+            raise InvalidSamplingParams("sampling must be a JSON object")
         d = dict(d or {})
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known
         if unknown:
             raise InvalidSamplingParams(f"unknown sampling parameters: {sorted(unknown)}")
-        try:
-            if "stop_token_ids" in d:
-                d["stop_token_ids"] = tuple(int(t) for t in (d["stop_token_ids"] or ()))
-            for k in ("temperature", "top_p"):
-                if k in d:
-                    d[k] = float(d[k])
-            for k in ("top_k", "max_tokens"):
-                if k in d:
-                    d[k] = int(d[k])
-            if d.get("seed") is not None:
-                d["seed"] = int(d["seed"])
-            if "ignore_eos" in d:
-                d["ignore_eos"] = bool(d["ignore_eos"])
-        except (TypeError, ValueError) as e:
-            raise InvalidSamplingParams(f"malformed sampling parameters: {e}") from None
+        if "stop_token_ids" in d:
+            stops = d["stop_token_ids"] or ()
+            if not isinstance(stops, (list, tuple)) or len(stops) > 64:
+                raise InvalidSamplingParams("stop_token_ids must be a list of at most 64 token ids")
+            d["stop_token_ids"] = tuple(_integer("stop_token_ids[]", t) for t in stops)
+        for k in ("temperature", "top_p"):
+            if k in d:
+                d[k] = _number(k, d[k])
+        for k in ("top_k", "max_tokens"):
+            if k in d:
+                d[k] = _integer(k, d[k])
+        if d.get("seed") is not None:
+            d["seed"] = _integer("seed", d["seed"])
+        if "ignore_eos" in d and not isinstance(d["ignore_eos"], bool):
+            raise InvalidSamplingParams(f"ignore_eos must be true or false, got {d['ignore_eos']!r}")
         return cls(**d)
 
     def to_dict(self) -> dict:

@@ -25,6 +25,16 @@ def test_depth_matches_verify_time_minus_rtt():
     assert p.depth_hint(1, 32, draft_ms=0.0, rtt_ms=5.0) == p.default_depth
 
 
+@pytest.mark.parametrize("draft_ms", [5e-324, 1e-300, 1e-9])
+def test_denormal_draft_time_gives_the_deepest_hint_not_an_overflow(draft_ms):
+    """Issue 14 #2: int(round(inf)) raised OverflowError and hung the requests of a batch."""
+    p = Pacer(min_depth=1, max_depth=12)
+    for x in (33, 66, 132, 264):
+        p.observe_forward(x, 0.010 + 0.0005 * x)
+    assert p.depth_hint(1, 32, draft_ms=draft_ms, rtt_ms=0.0) == 12
+    assert p.depth_hint(1, 8, draft_ms=draft_ms, rtt_ms=5e-324) == 8
+
+
 def test_tree_budget_shrinks_with_load_when_compute_bound():
     p = Pacer(budgets=(8, 16, 32, 64))
     for x in (9, 33, 65, 130, 260, 520, 1040):

@@ -175,10 +175,35 @@ def test_from_dict_round_trip_and_rejections():
                        ignore_eos=True)
     assert SamplingParams.from_dict(p.to_dict()) == p
     assert SamplingParams.from_dict(None) == SamplingParams()
-    assert SamplingParams.from_dict({"temperature": "0.5", "max_tokens": "7"}) == SamplingParams(0.5, max_tokens=7)
+    assert SamplingParams.from_dict({"temperature": 0.5, "max_tokens": 7.0}) == SamplingParams(0.5, max_tokens=7)
     with pytest.raises(InvalidSamplingParams, match="unknown"):
         SamplingParams.from_dict({"temprature": 1.0})
-    with pytest.raises(InvalidSamplingParams, match="malformed"):
+    with pytest.raises(InvalidSamplingParams, match="integer"):
         SamplingParams.from_dict({"top_k": "many"})
-    with pytest.raises(InvalidSamplingParams, match="malformed"):
+    with pytest.raises(InvalidSamplingParams, match="integer"):
         SamplingParams.from_dict({"stop_token_ids": [1, None]})
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", INF), ("max_tokens", INF), ("seed", INF), ("seed", -INF), ("max_tokens", NAN), ("top_k", 2.5),
+    ("stop_token_ids", [INF]), ("stop_token_ids", 7), ("temperature", INF), ("temperature", NAN),
+    ("top_p", NAN), ("temperature", "0.5"), ("max_tokens", True), ("ignore_eos", "yes"),
+])
+def test_non_finite_or_mistyped_numbers_are_a_clean_400(field, value):
+    """Issue 14 #5: json.loads turns `Infinity` into a float; int(inf) raised OverflowError (a 500)."""
+    with pytest.raises(InvalidSamplingParams) as e:
+        SamplingParams.from_dict({field: value}).validate(vocab_size=100)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-6])
+def test_tiny_temperatures_decode_greedily(temperature):
+    """Issue 14 #6: logits / 1e-300 overflowed to inf and NaN probabilities emitted the last
+    token id at every step; a temperature under GREEDY_BELOW is greedy."""
+    p = SamplingParams(temperature=temperature, seed=1).validate(vocab_size=100)
+    assert p.greedy and make_generator(p) is None
+    logits = torch.randn(100)
+    assert sample_token(logits, p, None) == int(logits.argmax())
