@@ -75,6 +75,10 @@ class TenantConfig(_Strict):
     max_sessions: int = Field(64, ge=1)
     tokens_per_second: float = Field(0.0, ge=0, description="token-rate limit, 0 = unlimited")
     burst_tokens: float = Field(0.0, ge=0, description="bucket size; 0 = 10 s worth of tokens")
+    kv_quota_tokens: int | None = Field(None, ge=16, description="KV tokens this tenant's sessions may hold per "
+                                                                 "verifier replica (its LRU sessions are evicted "
+                                                                 "above it); null: only the replica's budget, "
+                                                                 "where a tenant over its weight's share goes first")
 
     @model_validator(mode="after")
     def _hash_key(self):

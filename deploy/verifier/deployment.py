@@ -37,7 +37,9 @@ from deploy.metrics import VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
                                     VerifyRequest)
+from deploy.verifier.eviction import Limits, SessionUse, choose_victims
 from deploy.verifier.models import load_model, tokenizer_fingerprint
+from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.scheduler import FairScheduler, Pending
@@ -58,10 +60,26 @@ def _ema(avg: float, x: float, weight: float) -> float:
     return x if not avg else (1 - weight) * avg + weight * x
 
 
+def _internal(e: Exception) -> tuple[int, dict]:
+    return 500, {"error": {"code": "internal", "message": str(e)}}
+
+
 def _answer(fut: asyncio.Future, result) -> None:
     """Answer a request unless its client has gone (a cancelled future)."""
     if not fut.done():
         fut.set_result(result)
+
+
+def _answer_each(items, reply) -> None:
+    """Answer each ``(future, item)`` with ``reply(item)``, independently: a reply that
+    raises answers its own request 500 and never touches the others (issue 14)."""
+    for fut, item in items:
+        try:
+            result = reply(item)
+        except Exception as e:
+            log.exception("answering a request failed")
+            result = _internal(e)
+        _answer(fut, result)
 
 
 class VerifierCore:
@@ -89,6 +107,9 @@ class VerifierCore:
                            min(p.default_tree_budget, vc.max_tree_nodes), p.ema)
         tenants = config.router.load_tenants()  # reads router.tenants_file, once
         self.sched = FairScheduler(weights={tn.name: tn.weight for tn in tenants})
+        self._limits = Limits(vc.kv_budget_tokens, vc.max_sessions,
+                              quotas={tn.name: tn.kv_quota_tokens for tn in tenants if tn.kv_quota_tokens},
+                              weights={tn.name: tn.weight for tn in tenants})
         self.metrics = VerifierMetrics.create([tn.name for tn in tenants])
         self.owner: dict[str, str] = {}  # session id -> tenant
         self.client: dict[str, tuple[float, float]] = {}  # session id -> (draft_ms, rtt_ms)
@@ -159,8 +180,9 @@ class VerifierCore:
         if owner != tenant:  # do not reveal that another tenant's session exists
             raise SessionNotFound(f"unknown session {sid!r}")
 
-    def _evict(self, sid: str, reason: str) -> None:
-        self.engine.close(sid)
+    async def _evict(self, sid: str, reason: str) -> None:
+        # on the worker thread, like every engine call: never beside a forward or a close
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, sid)
         self.owner.pop(sid, None)
         self.client.pop(sid, None)
         self.evicted[sid] = reason
@@ -168,25 +190,24 @@ class VerifierCore:
         while len(self.evicted) > MAX_REMEMBERED_EVICTIONS:
             self.evicted.popitem(last=False)
 
-    def _enforce_budgets(self, protect: set[str]) -> None:
-        """LRU eviction above the KV budget (pool pages held) or the session limit."""
-        vc = self.cfg.verifier
-        sessions = self.engine.sessions
-        if self.engine.kv_used_tokens() <= vc.kv_budget_tokens and len(sessions) <= vc.max_sessions:
-            return
-        for sid in sorted(sessions, key=lambda s: sessions[s].last_used):
-            if self.engine.kv_used_tokens() <= vc.kv_budget_tokens and len(sessions) <= vc.max_sessions:
-                break
-            if sid not in protect:
-                self._evict(sid, "kv_budget")
+    def _session_uses(self) -> list[SessionUse]:
+        """Each live session's KV (its committed tokens in whole pages), tenant and last use."""
+        return [SessionUse(sid, self.owner.get(sid, ""), -(-len(s.prefix) // PAGE_SIZE) * PAGE_SIZE, s.last_used)
+                for sid, s in self.engine.sessions.items()]
 
-    def sweep_idle(self) -> int:
+    async def _enforce_budgets(self, protect: set[str]) -> None:
+        """Evict above a tenant's KV quota, the replica's KV budget or its session limit
+        (:mod:`deploy.verifier.eviction`)."""
+        for sid in choose_victims(self._session_uses(), self._limits, frozenset(protect)):
+            await self._evict(sid, "kv_budget")
+
+    async def sweep_idle(self) -> int:
         now = time.monotonic()
         pending = self.sched.pending_sessions()
         idle = [sid for sid, s in self.engine.sessions.items()
                 if now - s.last_used > self.cfg.verifier.idle_timeout_s and sid not in pending]
         for sid in idle:
-            self._evict(sid, "idle_timeout")
+            await self._evict(sid, "idle_timeout")
         return len(idle)
 
     # -- requests ---------------------------------------------------------------------
@@ -208,7 +229,7 @@ class VerifierCore:
                                         f"target's {self.fingerprint}")
         except SpecError as e:
             return _error(e)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             return _error(InvalidRequest(f"malformed open request: {e}"))
         sid = f"{self.tag}.{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
@@ -275,7 +296,7 @@ class VerifierCore:
             if vc.batch_wait_ms > 0 and len(self.sched) < vc.max_batch_sessions:
                 await asyncio.sleep(vc.batch_wait_ms / 1000.0)  # let a few more requests join this forward
             if time.monotonic() - last_sweep > min(5.0, vc.idle_timeout_s / 2):
-                self.sweep_idle()
+                await self.sweep_idle()
                 last_sweep = time.monotonic()
             self.metrics.refresh(self)
             try:
@@ -318,11 +339,15 @@ class VerifierCore:
         return max(min(MIN_PREFILL_CHUNK, vc.prefill_chunk_tokens), min(vc.prefill_chunk_tokens, fit))
 
     async def _begin_opens(self, loop, opens) -> None:
-        errors = await loop.run_in_executor(self._executor, self.engine.begin_open, [o[0] for o in opens])
+        try:
+            errors = await loop.run_in_executor(self._executor, self.engine.begin_open, [o[0] for o in opens])
+        except Exception as e:
+            log.exception("queueing opens failed")
+            errors = [e] * len(opens)
         for (req, tenant, fut), err in zip(opens, errors):
             if err is not None:
                 self.client.pop(req.sid, None)
-                _answer(fut, _error(err))
+                _answer(fut, _error(err) if isinstance(err, SpecError) else _internal(err))
             else:
                 self._prefilling[req.sid] = (tenant, fut)
 
@@ -337,7 +362,7 @@ class VerifierCore:
             for sid in list(self._prefilling):
                 await loop.run_in_executor(self._executor, self.engine.close, sid)
                 self.client.pop(sid, None)
-                _answer(self._prefilling.pop(sid)[1], (500, {"error": {"code": "internal", "message": str(e)}}))
+                _answer(self._prefilling.pop(sid)[1], _internal(e))
             return
         await self._complete_opens(loop, results)
 
@@ -348,6 +373,7 @@ class VerifierCore:
             _answer(self._prefilling.pop(sid)[1], _error(e))
 
     async def _complete_opens(self, loop, results: list[OpenResult]) -> None:
+        answers = []
         for res in results:
             tenant, fut = self._prefilling.pop(res.sid)
             if fut.done():  # the client went away while its prompt was prefilled
@@ -355,18 +381,20 @@ class VerifierCore:
                 self.client.pop(res.sid, None)
                 continue
             self.owner[res.sid] = tenant
-            self._answer_open(tenant, fut, res)
-        if results:
-            self._enforce_budgets(protect={r.sid for r in results})
+            answers.append((fut, (tenant, res)))
+        if results:  # before answering: an open's reply reports the replica after its evictions
+            await self._enforce_budgets(protect={r.sid for r in results})
+        _answer_each(answers, self._open_reply)
 
-    def _answer_open(self, tenant: str, fut: asyncio.Future, res: OpenResult) -> None:
+    def _open_reply(self, item: tuple[str, OpenResult]) -> tuple[int, dict]:
+        tenant, res = item
         self.metrics.on_open(tenant, res.sid, res.prefix_len)
         self.tokens_emitted += res.first_token is not None
         depth, budget = self._hints(res.sid)
-        fut.set_result((200, {
+        return (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
             "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
-            "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint, "model": self.loaded.name}))
+            "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint, "model": self.loaded.name})
 
     async def _run_verifies(self, loop, batch: list[Pending]) -> None:
         trees = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], VerifyRequest)]
@@ -395,34 +423,36 @@ class VerifierCore:
         except Exception as e:
             log.exception("verify forward failed")
             for p in batch:
-                _answer(p.payload[1], (500, {"error": {"code": "internal", "message": str(e)}}))
+                _answer(p.payload[1], _internal(e))
             return
-        for p, res in results:
-            fut = p.payload[1]
-            if isinstance(res, SpecError):
-                _answer(fut, _error(res))
-                continue
-            req = p.payload[0]
-            tree_mode = isinstance(req, VerifyRequest)
-            if tree_mode:
-                n_nodes, emitted = len(req.tree), len(res.tokens)
-            else:  # chain mode: a rejected round has no bonus (the edge resamples from the residual)
-                n_nodes, emitted = len(req.tokens), res.num_accepted + (res.bonus is not None)
-            self.pacer.observe_round(n_nodes, emitted)
-            self.tokens_emitted += emitted
-            depth, budget = self._hints(p.session_id)
-            self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget)
-            if tree_mode:
-                frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
-                                   depth, budget)
-            else:
-                rejected = res.bonus is None and not res.finished
-                frame = ReplyFrame(list(range(res.num_accepted)), res.bonus, res.prefix_len, res.finished,
-                                   res.finish_reason, depth, budget, rejected, list(res.reject_top_ids),
-                                   list(res.reject_top_probs))
-            _answer(fut, (200, frame.encode()))
-            self.round_latencies.append((p.enqueued_at, time.monotonic() - p.enqueued_at))
+        _answer_each([(p.payload[1], (p, res)) for p, res in results], self._round_reply)
         await self._complete_opens(loop, opened)
+
+    def _round_reply(self, item) -> tuple[int, bytes | dict]:
+        """Bookkeeping and the reply frame of one verified round."""
+        p, res = item
+        if isinstance(res, SpecError):
+            return _error(res)
+        req = p.payload[0]
+        tree_mode = isinstance(req, VerifyRequest)
+        if tree_mode:
+            n_nodes, emitted = len(req.tree), len(res.tokens)
+        else:  # chain mode: a rejected round has no bonus (the edge resamples from the residual)
+            n_nodes, emitted = len(req.tokens), res.num_accepted + (res.bonus is not None)
+        self.pacer.observe_round(n_nodes, emitted)
+        self.tokens_emitted += emitted
+        depth, budget = self._hints(p.session_id)
+        self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget)
+        if tree_mode:
+            frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
+                               depth, budget)
+        else:
+            rejected = res.bonus is None and not res.finished
+            frame = ReplyFrame(list(range(res.num_accepted)), res.bonus, res.prefix_len, res.finished,
+                               res.finish_reason, depth, budget, rejected, list(res.reject_top_ids),
+                               list(res.reject_top_probs))
+        self.round_latencies.append((p.enqueued_at, time.monotonic() - p.enqueued_at))
+        return 200, frame.encode()
 
 
 @serve.deployment(name="Verifier")
