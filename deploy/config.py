@@ -29,7 +29,9 @@ class ModelConfig(_Strict):
     tokenizer: str | None = Field(None, description="tokenizer source when it differs from the model")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "eager"] = Field(
+        "auto", description="the Hugging Face attention of the loaded model (reference decoding only; the verifier "
+                            "runs its own tree attention). flash_attention_2 is refused: it ignores tree masks")
     seed: int = 0
     tiny_config: dict | None = Field(None, description="overrides for tiny-random (vocab_size, num_layers, ...)")
     max_model_len: int | None = Field(None, ge=16)
@@ -105,8 +107,11 @@ class RouterConfig(_Strict):
     max_retry_after_s: float = Field(30.0, gt=0, description="Retry-After ceiling under sustained overload")
     tenants_file: str | None = None
     tenants: list[TenantConfig] = Field(default_factory=list)
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    request_timeout_s: float = Field(60.0, gt=0)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="413 above it, checked before and while reading")
+    body_timeout_s: float = Field(10.0, gt=0, description="408 if a request body takes longer to arrive")
+    ws_idle_timeout_s: float = Field(120.0, gt=0, description="close a WebSocket with no frame for this long")
+    request_timeout_s: float = Field(300.0, gt=0, description="504 if one verifier call (an open with its "
+                                                              "prefill, a verify round) takes longer")
 
     @field_validator("tenants")
     @classmethod

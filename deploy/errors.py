@@ -86,6 +86,29 @@ class PayloadTooLarge(SpecError):
     status, code = 413, "payload_too_large"
 
 
+class RequestTimeout(SpecError):
+    """The client sent its request body too slowly (or a WebSocket stayed idle too long)."""
+
+    status, code = 408, "request_timeout"
+
+
+class KVStateLost(SpecError):
+    """Applying a batch's KV commit failed (a pipeline stage): its sessions are dropped and
+    answer ``410`` from then on, so their edges re-open them from their own history."""
+
+    status, code = 503, "kv_state_lost"
+
+    def __init__(self, message: str, sessions=()):
+        super().__init__(message)
+        self.sessions = tuple(sessions)  # not in the reply: other tenants' session ids
+
+
+class UpstreamTimeout(SpecError):
+    """The verifier did not answer within ``router.request_timeout_s``."""
+
+    status, code = 504, "timeout"
+
+
 class KVCapacityExceeded(SpecError):
     """The replica's KV pool has no free pages for this request right now (retry, or evict)."""
 
@@ -94,3 +117,9 @@ class KVCapacityExceeded(SpecError):
 
 class UnsupportedModel(ValueError):
     """A target/draft architecture or config the verifier's own forward does not implement."""
+
+
+class ModelNotFound(SpecError):
+    """An OpenAI-compatible request named a model this deployment does not serve."""
+
+    status, code = 404, "model_not_found"

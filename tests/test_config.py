@@ -30,6 +30,7 @@ def test_defaults_are_valid_and_documented():
     ("target", {"dtype": "float64"}),
     ("target", {"device": "tpu"}),
     ("target", {"attn_implementation": "flash"}),
+    ("target", {"attn_implementation": "flash_attention_2"}),  # ignores tree masks (issue 14)
     ("target", {"max_model_len": 8}),
     ("verifier", {"num_replicas": 0}),
     ("verifier", {"max_batch_sessions": 0}),

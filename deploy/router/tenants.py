@@ -45,6 +45,7 @@ class TokenBucket:
 class TenantState:
     config: TenantConfig
     sessions: dict[str, float] = field(default_factory=dict)  # session id -> last use (monotonic)
+    opening: int = 0  # opens admitted and not yet answered: they hold a quota slot too
     bucket: TokenBucket | None = None
     tokens_served: int = 0
 
@@ -77,13 +78,19 @@ class TenantRegistry:
             del t.sessions[sid]
 
     def admit_session(self, t: TenantState) -> None:
+        """Take a session slot for an open (check and take at once: concurrent opens cannot
+        all pass the check); :meth:`open_done` gives the reservation back when it is answered."""
         now = time.monotonic()
         self._expire(t, now)
-        if len(t.sessions) >= t.config.max_sessions:
-            raise Overloaded(f"tenant {t.config.name!r} has {len(t.sessions)} open sessions, its limit is "
-                             f"{t.config.max_sessions}; close one first", retry_after=self.retry_after_s,
+        if len(t.sessions) + t.opening >= t.config.max_sessions:
+            raise Overloaded(f"tenant {t.config.name!r} has {len(t.sessions) + t.opening} open sessions, its "
+                             f"limit is {t.config.max_sessions}; close one first", retry_after=self.retry_after_s,
                              reason="tenant_sessions")
         self.check_rate(t)
+        t.opening += 1
+
+    def open_done(self, t: TenantState) -> None:
+        t.opening -= 1
 
     def check_rate(self, t: TenantState) -> None:
         if t.bucket is not None:

@@ -183,6 +183,10 @@ class VerifierCore:
     async def _evict(self, sid: str, reason: str) -> None:
         # on the worker thread, like every engine call: never beside a forward or a close
         await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, sid)
+        self._forget(sid, reason)
+
+    def _forget(self, sid: str, reason: str) -> None:
+        """A session the engine no longer holds: its requests answer 410 from now on."""
         self.owner.pop(sid, None)
         self.client.pop(sid, None)
         self.evicted[sid] = reason
@@ -415,9 +419,12 @@ class VerifierCore:
 
         try:
             results, opened = await loop.run_in_executor(self._executor, run)
-        except SpecError as e:  # the KV pool is full: a clear 503 for the batch and the prompts dropped
+        except SpecError as e:  # a full KV pool or a lost commit: a clear 503 for the batch and its prompts
             for p in batch:
                 _answer(p.payload[1], _error(e))
+            for sid in getattr(e, "sessions", ()):  # KVStateLost: the engine dropped them
+                if sid in self.owner:
+                    self._forget(sid, "kv_state_lost")
             self._fail_dropped_opens(e)
             return
         except Exception as e:

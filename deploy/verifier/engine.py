@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deploy.errors import (InvalidRequest, PrefixMismatch, SessionFinished, SessionNotFound, SpecError)
+from deploy.errors import (InvalidRequest, KVStateLost, PrefixMismatch, SessionFinished, SessionNotFound,
+                           SpecError)
 from deploy.verifier.acceptance import rejection_sample_chain, walk_tree
 from deploy.verifier.batch import SeqInput, chunk_input, tree_input
 from deploy.verifier.runner import ModelRunner
@@ -209,6 +210,18 @@ class VerifierEngine:
                                          prefill_tokens if kind != "prefill" else 0))
         return bid, logits
 
+    def _commit(self, bid: int, keep: dict) -> None:
+        """Apply a batch's KV commit. If that fails (a pipeline stage), the batch's sessions'
+        KV is out of step: they are closed and the error names them (the replica answers
+        them 410 from then on, and their edges re-open from history); no other session is touched."""
+        try:
+            self.runner.commit(bid, keep)
+        except Exception as e:
+            for sid in keep:
+                self.close(sid)
+            raise KVStateLost(f"the KV commit of a batch failed ({type(e).__name__}); its sessions were "
+                              "dropped: re-open from history", sessions=keep) from e
+
     # -- open / close -------------------------------------------------------------
     def open(self, requests: list[OpenRequest]) -> list[OpenResult | SpecError]:
         """Prefill new (or re-opened) sessions to the end; sample first tokens."""
@@ -257,7 +270,7 @@ class VerifierEngine:
         if not items:
             return []
         bid, logits = self._forward_prefilling("prefill", items, chunks)
-        self.runner.commit(bid, self._prefill_keep(chunks))
+        self._commit(bid, self._prefill_keep(chunks))
         return self._finish_prefill(chunks, logits)
 
     def take_opened(self) -> list[OpenResult]:
@@ -336,7 +349,7 @@ class VerifierEngine:
         prefill); opens they complete are collected by :meth:`take_opened`.
         """
         out: list[VerifyResult | SpecError | None] = [None] * len(requests)
-        todo: list[tuple[int, Session, DraftTree]] = []
+        todo: list[tuple[int, Session, DraftTree, tuple[int, ...] | None]] = []
         seen = set()
         for i, r in enumerate(requests):
             try:
@@ -346,34 +359,35 @@ class VerifierEngine:
                 if s.awaiting_resample:
                     raise InvalidRequest(f"session {r.sid!r} owes a chain-mode resampled token")
                 tree = r.tree.validate(self.vocab_size, self.limits)
-                # the deepest node sits at position len(prefix) - 1 + depth (the root at len(prefix) - 1)
-                if len(s.prefix) - 1 + tree.depth >= self.max_model_len:
-                    raise InvalidRequest(f"tree of depth {tree.depth} would exceed the model context of "
-                                         f"{self.max_model_len} (prefix {len(s.prefix)})")
+                # a node of depth d sits at position len(prefix) - 1 + d: near the end of the
+                # context the deeper nodes are cut (the session then ends with "length")
+                room = self.max_model_len - len(s.prefix)
+                tree, kept = tree.clip(room) if tree.depth > room else (tree, None)
                 seen.add(r.sid)
-                todo.append((i, s, tree))
+                todo.append((i, s, tree, kept))
             except SpecError as e:
                 out[i] = e
         if not todo:
             return out  # type: ignore[return-value]
-        items = [_tree_item(s, tree) for _, s, tree in todo]
+        items = [_tree_item(s, tree) for _, s, tree, _kept in todo]
         pre_items, chunks = self._prefill_items(prefill_tokens) if prefill_tokens > 0 else ([], [])
         bid, logits = self._forward_prefilling("verify", items + pre_items, chunks)
         logits, pre_logits = logits[: len(items)], logits[len(items):]
         keep = self._prefill_keep(chunks)
         walks = []
-        for (i, s, tree), lg in zip(todo, logits):
+        for (i, s, tree, kept), lg in zip(todo, logits):
             acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
             root = len(s.prefix) - 1  # node j was written at root + 1 + j
             keep[s.sid] = (1, [root + 1 + a for a in acc.accepted])  # the root and the accepted path
-            walks.append((i, s, acc, [tree.tokens[a] for a in acc.accepted] + [acc.bonus]))
-        self.runner.commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
+            # the reply names nodes of the tree the edge sent
+            path = acc.accepted if kept is None else tuple(kept[a] for a in acc.accepted)
+            walks.append((i, s, acc, path, [tree.tokens[a] for a in acc.accepted] + [acc.bonus]))
+        self._commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
         self.opened += self._finish_prefill(chunks, pre_logits)
-        for i, s, acc, emitted in walks:
+        for i, s, acc, path, emitted in walks:
             s.last_used = time.monotonic()
             self._emit(s, emitted)
-            out[i] = VerifyResult(s.sid, acc.accepted, acc.bonus, tuple(emitted), len(s.prefix),
-                                  s.finished, s.finish_reason)
+            out[i] = VerifyResult(s.sid, path, acc.bonus, tuple(emitted), len(s.prefix), s.finished, s.finish_reason)
         return out  # type: ignore[return-value]
 
     def verify_chain(self, requests: list[ChainVerifyRequest]) -> list[ChainVerifyResult | SpecError]:
@@ -434,7 +448,7 @@ class VerifierEngine:
                 accepted, acc = accepted[: cut + 1], type(acc)(cut + 1, None)
             keep[s.sid] = (1 + len(accepted), [])  # a chain's accepted nodes follow the root in place
             results.append((i, s, acc, accepted))
-        self.runner.commit(bid, keep)
+        self._commit(bid, keep)
         for i, s, acc, accepted in results:
             s.last_used = time.monotonic()
             emitted = accepted + ([acc.bonus] if acc.bonus is not None else [])

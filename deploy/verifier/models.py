@@ -59,14 +59,14 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_attn(attn: str, device: str) -> str:
-    """SDPA everywhere tree masks are needed; flash-attn only when asked for and usable.
+    """The Hugging Face attention of a loaded model: SDPA unless asked for eager.
 
-    flash-attn takes no arbitrary masks, so verification with tree masks uses SDPA even
-    on CUDA; ``flash_attention_2`` is accepted only for plain causal use.
+    Verification never uses it (the verifier's own forward has tree attention); flash-attn
+    takes no arbitrary masks, so ``flash_attention_2`` is refused.
     """
-    if attn != "auto":
-        return attn
-    return "sdpa"
+    if attn == "flash_attention_2":
+        raise ValueError("attn_implementation flash_attention_2 ignores tree masks; use sdpa or eager")
+    return "sdpa" if attn == "auto" else attn
 
 
 def tiny_llama_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,

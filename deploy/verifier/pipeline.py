@@ -16,8 +16,10 @@ waits only on the last stage. Several verify batches in flight (threads calling
 submission order, so stage i computes batch b+1 while stage i+1 computes batch b.
 Commit/rollback: every stage applies the same ``commit(batch_id, keep)`` compaction
 (the root and the accepted path); ``drop``/``truncate`` go to every stage.
-Commits and drops are fire-and-forget (per-actor ordering keeps them before any later
-forward of the same session); their errors surface on the next call.
+A commit waits for every stage, so a stage that fails it fails *that* batch (the engine
+drops the batch's sessions, which re-open from their edges' history), never a later
+batch of other sessions; drops and truncates are fire-and-forget (per-actor ordering
+keeps them before any later forward of the same session) and their errors are logged.
 
 Placement (Serve): the replica requests :func:`pipeline_bundles` as its
 ``placement_group_bundles``. Bundle 0 holds the replica itself (engine, tree walks,
@@ -47,6 +49,7 @@ save; pipeline stages alone already span N devices.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -62,6 +65,8 @@ from deploy.verifier.models import (EMBEDDED_ALIASES, EMBEDDED_NAME, TINY_PREFIX
 from deploy.verifier.batch import SeqInput
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.runner import Keep, ModelRunner
+
+log = logging.getLogger("ray.serve")
 
 STAGE_BUNDLE_OFFSET = 1  # bundle 0 is the replica; stage i lives in bundle i + 1
 
@@ -368,11 +373,15 @@ class PipelineRunner:
 
     # -- background calls ---------------------------------------------------------------
     def _reap(self) -> None:
-        """Raise the first error of a finished fire-and-forget call (lock held)."""
+        """Collect finished fire-and-forget calls (lock held); log their errors."""
         if not self._background:
             return
         done, self._background = ray.wait(self._background, num_returns=len(self._background), timeout=0)
-        ray.get(done)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - a drop/truncate of a session that is gone anyway
+                log.exception("a pipeline stage's drop/truncate failed")
 
     def _broadcast(self, method: str, *args) -> None:
         self._background.extend(getattr(s, method).remote(*args) for s in self.stages)
@@ -419,7 +428,8 @@ class PipelineRunner:
                 if sid in keep:  # a session dropped while its forward ran has left the batch's set
                     n_contiguous, tree_positions = keep[sid]
                     self._lengths[sid] = self._lengths.get(sid, 0) + n_contiguous + len(tree_positions)
-            self._broadcast("commit", batch_id, keep)
+            refs = [s.commit.remote(batch_id, keep) for s in self.stages]
+        ray.get(refs)  # a failure belongs to this batch: raised here, not into the next one
 
     def abort(self, batch_id: int) -> None:
         with self._lock:

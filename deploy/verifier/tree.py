@@ -76,6 +76,15 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
+    def clip(self, max_depth: int) -> tuple["DraftTree", tuple[int, ...]]:
+        """The nodes at depth <= ``max_depth`` (a subtree: parents come first) and, for each
+        kept node, its index in this tree (near the end of the context, SpecEdge trees are
+        cut rather than refused, as chain mode clips)."""
+        kept = tuple(i for i, d in enumerate(self.depths) if d <= max_depth)
+        new_index = {old: new for new, old in enumerate(kept)}
+        parents = tuple(-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in kept)
+        return DraftTree(tuple(self.tokens[i] for i in kept), parents), kept
+
     def validate(self, vocab_size: int, limits: TreeLimits = TreeLimits(), allow_empty: bool = True) -> "DraftTree":
         n = len(self.tokens)
         if len(self.parents) != n:

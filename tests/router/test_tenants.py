@@ -27,10 +27,24 @@ def test_session_quota():
     for sid in ("s1", "s2"):
         r.admit_session(a)
         r.session_opened(a, sid)
+        r.open_done(a)
     with pytest.raises(Overloaded) as e:
         r.admit_session(a)
     assert e.value.reason == "tenant_sessions"
     r.session_gone(a, "s1")
+    r.admit_session(a)
+
+
+def test_opens_in_flight_hold_their_quota_slot():
+    """Issue 14 #7: the check and the insert were split by the verifier call, so 20
+    concurrent opens all passed a quota of 8."""
+    r = registry()
+    a = r.by_name["a"]
+    r.admit_session(a)
+    r.admit_session(a)  # two opens waiting for the verifier
+    with pytest.raises(Overloaded):
+        r.admit_session(a)
+    r.open_done(a)  # one failed: its slot is free again
     r.admit_session(a)
 
 

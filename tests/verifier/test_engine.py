@@ -526,21 +526,26 @@ def test_invalid_trees_are_typed_errors_and_leave_sessions_intact(tiny_model):
     assert isinstance(res[0], SessionFinished) and res[0].status == 409
 
 
-def test_tree_past_the_model_context_is_refused(tiny_model):
+def test_a_tree_past_the_model_context_is_clipped_and_ends_with_length(tiny_model):
+    """Issue 14: a tree crossing max_model_len got a 400 (fatal to the agent); it is cut to
+    the nodes that fit and the generation ends with "length", exactly the reference's tokens."""
     eng = VerifierEngine(tiny_model, eos_token_ids=(EOS,), max_model_len=40)
     prompt = list(range(3, 33))
-    eng.open([OpenRequest("a", prompt, SamplingParams(max_tokens=100, ignore_eos=True))])
-    snap = snapshot(eng, "a")
-    # prefix 31: the root sits at position 30, a depth-9 node at 39 (fits), depth 10 at 40 (does not)
-    res = eng.verify([VerifyRequest("a", DraftTree.chain([5] * 10), len(prompt) + 1)])
-    assert isinstance(res[0], InvalidRequest) and "context" in res[0].message
-    assert_intact(eng, "a", snap)
-    for _ in range(20):  # a depth-1 tree fits until the session ends by length at the context limit
-        s = eng.sessions["a"]
-        if s.finished:
-            break
-        assert isinstance(eng.verify([VerifyRequest("a", DraftTree.chain([5]), len(s.prefix))])[0], VerifyResult)
-    assert eng.sessions["a"].finish_reason == "length" and len(eng.sessions["a"].prefix) == 39
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    truth = reference_decode(tiny_model, prompt, SamplingParams(max_tokens=9, ignore_eos=True)) + [0] * 6
+    eng.open([OpenRequest("a", prompt, params)])
+    s = eng.sessions["a"]
+    # prefix 31: the root sits at position 30, a depth-9 node at 39 (the last that fits)
+    # a wrong chain first (nodes 0-11), then the right one (nodes 12-23): both 12 deep
+    wrong = [(t + 1) % 512 for t in truth[1:13]]
+    chain = tuple(range(-1, 11))
+    tree = DraftTree(tuple(wrong) + tuple(truth[1:13]), chain + tuple(p + 12 if p >= 0 else -1 for p in chain))
+    res = eng.verify([VerifyRequest("a", tree, len(prompt) + 1)])[0]
+    assert isinstance(res, VerifyResult) and res.finished and res.finish_reason == "length"
+    # the reply names the edge's own node indices (the right chain's, under the depth cut)
+    assert res.accepted == tuple(range(12, 12 + len(res.accepted))) and len(res.accepted) == 7
+    assert [s.prefix[len(prompt)]] + list(res.tokens) == truth[: len(s.prefix) - len(prompt)]
+    assert len(s.prefix) == 39 and eng.kv_tokens() == 0  # finished: its KV is released
 
 
 def test_invalid_open_requests(engine):
@@ -620,3 +625,32 @@ def test_reopen_from_history_continues_the_same_output(tiny_model, params):
     assert eng.runner.kv_length("a") == r.prefix_len - 1
     drive(eng, {"a": want}, rng)
     assert generated(eng, "a") == want
+
+
+def test_a_failed_kv_commit_drops_only_that_batchs_sessions(tiny_model):
+    """Issue 14: a pipeline stage's failed commit left its KV out of step and surfaced in the
+    next, unrelated batch. Now the batch that failed names its sessions (dropped, to be
+    re-opened) and a session outside it goes on exactly."""
+    from deploy.errors import KVStateLost
+    from deploy.verifier.runner import ModelRunner
+
+    class FlakyRunner(ModelRunner):
+        fail_next = False
+
+        def commit(self, batch_id, keep):
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("stage 1 died")
+            super().commit(batch_id, keep)
+
+    runner = FlakyRunner(tiny_model)
+    eng = VerifierEngine(tiny_model, eos_token_ids=(EOS,), runner=runner)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    eng.open([OpenRequest("a", [5, 6, 7], params), OpenRequest("b", [8, 9, 10], params)])
+    runner.fail_next = True
+    with pytest.raises(KVStateLost) as e:
+        eng.verify([VerifyRequest("a", DraftTree.chain([5, 6]), 4)])
+    assert e.value.sessions == ("a",) and "a" not in eng.sessions and runner.kv_length("a") == 0
+    while not eng.sessions["b"].finished:
+        eng.verify([VerifyRequest("b", DraftTree.empty(), len(eng.sessions["b"].prefix))])
+    assert eng.sessions["b"].prefix[3:] == reference_decode(tiny_model, [8, 9, 10], params)
