@@ -10,6 +10,7 @@ the replica that holds the session's KV.
 
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -22,7 +23,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayError
 
 from deploy.config import DEV_API_KEY, AppConfig
-from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, SpecError
+from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError, UpstreamTimeout
 from deploy.metrics import router_metrics
 from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai
@@ -44,6 +45,32 @@ class Unavailable(Overloaded):
     """The verifier replica is down or restarting: retry after a short wait."""
 
     status, code = 503, "unavailable"
+
+
+def _no_constants(name: str):
+    raise InvalidRequest(f"body is not valid JSON: {name} is not a JSON number")
+
+
+def _parse_json(body: bytes):
+    """Strict JSON: no NaN/Infinity (Python's json accepts them), no recursion blow-up."""
+    try:
+        return json.loads(body or b"null", parse_constant=_no_constants)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("body is not valid JSON: nested too deeply") from None
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that closes its body generator however the response ends:
+    Starlette leaves it suspended when the client goes away mid-stream, and with it the
+    server session it holds (KV, a tenant slot) until the idle timeout."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _raise_for(status: int, payload) -> None:
@@ -76,12 +103,19 @@ class Router:
         self._info: dict | None = None
         self._tokenizer = None
         self._tokenizer_loaded = False
+        self._created = int(time.time())  # the served model's "created" (OpenAI's /v1/models)
+        self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
 
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, **kwargs):
-        """Call the verifier; a dead/restarting replica becomes 503 + Retry-After."""
+        """Call the verifier; a dead/restarting replica becomes 503 + Retry-After, a call
+        over ``router.request_timeout_s`` 504 (the verifier drops the request: Serve
+        cancels it there)."""
+        timeout = self.cfg.router.request_timeout_s
         try:
-            return await getattr(self.verifier, method).remote(**kwargs)
+            return await asyncio.wait_for(getattr(self.verifier, method).remote(**kwargs), timeout)
+        except asyncio.TimeoutError:
+            raise UpstreamTimeout(f"the verifier did not answer {method} within {timeout:g} s") from None
         except (RayActorError, RayError) as e:
             log.warning("verifier call %s failed: %s", method, e)
             raise Unavailable("the verifier is restarting; retry shortly", retry_after=1.0,
@@ -110,16 +144,34 @@ class Router:
         return self._tokenizer
 
     async def _body(self, request: Request) -> bytes:
-        body = await request.body()
-        if len(body) > self.cfg.router.max_body_bytes:
-            raise PayloadTooLarge(f"body of {len(body)} bytes exceeds {self.cfg.router.max_body_bytes}")
-        return body
+        """The request body, bounded in size (413 from Content-Length, or as soon as the
+        bytes read exceed it) and in time (408 after ``router.body_timeout_s``)."""
+        rc = self.cfg.router
+        limit = rc.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and not declared.isdigit():
+            raise InvalidRequest("Content-Length must be a number of bytes")
+        if declared is not None and int(declared) > limit:
+            raise PayloadTooLarge(f"a body of {declared} bytes exceeds {limit}")
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"the body exceeds {limit} bytes")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), rc.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {rc.body_timeout_s:g} s") from None
+        return b"".join(chunks)
 
     async def _json(self, request: Request) -> dict:
-        try:
-            data = json.loads(await self._body(request) or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"body is not valid JSON: {e}") from None
+        data = _parse_json(await self._body(request))
         if not isinstance(data, dict):
             raise InvalidRequest("body must be a JSON object")
         return data
@@ -131,10 +183,13 @@ class Router:
         except ValidationError as e:
             raise InvalidRequest(f"invalid open request: {e.errors(include_url=False)[:3]}") from None
         self.tenants.admit_session(tenant)
-        status, payload = await self._admitted_call("open", "open_session", tenant=tenant.config.name,
-                                                    body=req.model_dump())
-        _raise_for(status, payload)
-        self.tenants.session_opened(tenant, payload["session_id"])
+        try:
+            status, payload = await self._admitted_call("open", "open_session", tenant=tenant.config.name,
+                                                        body=req.model_dump())
+            _raise_for(status, payload)
+            self.tenants.session_opened(tenant, payload["session_id"])
+        finally:
+            self.tenants.open_done(tenant)
         if payload.get("first_token") is not None:
             self.tenants.session_used(tenant, payload["session_id"], 1)
         return payload
@@ -208,7 +263,11 @@ class Router:
             return
         try:
             while True:
-                msg = await websocket.receive()
+                try:
+                    msg = await asyncio.wait_for(websocket.receive(), self.cfg.router.ws_idle_timeout_s)
+                except asyncio.TimeoutError:  # an idle socket holds a connection and a task: let it go
+                    await websocket.close(code=4408, reason="idle timeout")
+                    return
                 if msg.get("type") == "websocket.disconnect":
                     return
                 data = msg.get("bytes")
@@ -228,6 +287,20 @@ class Router:
             return
 
     # -- OpenAI-compatible server-only modes ------------------------------------------------
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        """OpenAI's model list: the one served model (the verifier's target). Needs a tenant key."""
+        self.tenants.authenticate(request.headers.get("authorization"))
+        return oai.model_list((await self.info())["model"], self._created)
+
+    @api.get("/v1/models/{model:path}")
+    async def model_card(self, model: str, request: Request):
+        """OpenAI's model retrieval: the served model, or 404 model_not_found."""
+        self.tenants.authenticate(request.headers.get("authorization"))
+        info = await self.info()
+        oai.check_model(model, self._model_names(info))
+        return oai.model_card(info["model"], self._created)
+
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._openai(request, chat=False)
@@ -236,37 +309,70 @@ class Router:
     async def chat_completions(self, request: Request):
         return await self._openai(request, chat=True)
 
+    def _model_names(self, info: dict) -> tuple[str, ...]:
+        """What a request's ``model`` may say: the verifier's model name or the configured one."""
+        return info["model"], self.cfg.target.model
+
     async def _openai(self, request: Request, chat: bool):
+        """/v1/completions and /v1/chat/completions (see :mod:`deploy.router.openai`).
+
+        All that can be refused is refused before a response starts (the body, the model,
+        the sampling parameters, the server session's open), so each error keeps its own
+        status; only errors after the first round go inside a stream."""
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
         body = await self._json(request)
         tok = self.tokenizer()
-        prompt, sampling, stream, mode = oai.parse_completion(body, tok, chat)
+        req = oai.parse_completion(body, tok, chat)
         info = await self.info()
-        drafter = self._server_drafter() if mode == "sd" else None
-        gen = self._server_decode(tenant, prompt, sampling, drafter)
-        if stream:
-            return StreamingResponse(self._sse(gen, tok, info["model"], chat), media_type="text/event-stream")
-        ids, finish, stats = [], None, {}
-        async for new, finish, stats in gen:
-            ids.extend(new)
-        stats = {**stats, "token_ids": ids}
-        text = tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
-        return oai.completion_response(info["model"], text, ids, len(prompt), finish, chat, stats)
+        oai.check_model(req.model, self._model_names(info))
+        oai.check_sampling(req.sampling, info["vocab_size"])
+        drafter = self._server_drafter() if req.mode == "sd" else None
+        rounds = self._server_decode(tenant, req.prompt, req.sampling, drafter)
+        await anext(rounds)  # opens the server session
+        texts = self._texts(rounds, tok, req.stop)
+        if req.stream:
+            return _ClosingStream(self._sse(texts, req, info["model"]), media_type="text/event-stream")
+        text, ids, finish, stats = "", [], None, {}
+        async for delta, finish, ids, stats in texts:
+            text += delta
+        return oai.completion_response(info["model"], text, ids, len(req.prompt), finish, chat,
+                                       {**stats, "token_ids": ids})
 
-    async def _sse(self, gen, tok, model: str, chat: bool):
-        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        ids: list[int] = []
-        sent = ""
+    async def _texts(self, rounds, tok, stops: tuple[str, ...]):
+        """The decoded text of a server decode, cut at the first ``stop`` string (OpenAI).
+
+        Yields (new text, finish reason or None, all generated ids so far, stats) per round
+        with new tokens (the text may be empty: held back, or no tokenizer); closes ``rounds``
+        (and with it the server session) as soon as a stop string ends the text, and when
+        this generator is closed or abandoned."""
+        text, ids = oai.TextStream(stops), []
         try:
-            async for new, finish, _ in gen:
+            async for new, finish, stats in rounds:
                 ids.extend(new)
-                text = tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
-                if text.endswith("\ufffd") and not finish:  # incomplete UTF-8 sequence: wait for more tokens
-                    continue
-                delta, sent = text[len(sent):], text
-                yield oai.stream_chunk(cid, model, delta, finish, chat)
+                delta, stopped = text.push(tok.decode(ids, skip_special_tokens=True) if tok is not None else "",
+                                           final=finish is not None)
+                finish = "stop" if stopped else finish
+                if new or finish:
+                    yield delta, finish, ids, stats
+                if finish:
+                    return
+        finally:
+            await rounds.aclose()
+
+    async def _sse(self, texts, req: oai.CompletionRequest, model: str):
+        """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last; with
+        ``stream_options.include_usage`` a last chunk with ``choices: []`` and the usage."""
+        cid, ids, first = oai.completion_id(req.chat), [], True
+        try:
+            async for delta, finish, ids, _ in texts:
+                yield oai.stream_chunk(cid, model, delta, finish, req.chat, role=first, with_usage=req.include_usage)
+                first = False
+            if req.include_usage:
+                yield oai.usage_chunk(cid, model, req.chat, len(req.prompt), len(ids))
         except SpecError as e:
             yield f"data: {json.dumps(e.to_dict())}\n\n"
+        finally:
+            await texts.aclose()
         yield "data: [DONE]\n\n"
 
     def _server_drafter(self):
@@ -277,13 +383,16 @@ class Router:
     async def _server_decode(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
 
-        Yields (new token ids, finish reason, stats) per round.
+        Yields (new token ids, finish reason, stats) per round; the first item, as soon as
+        the session is open, carries no tokens (a caller awaits it to answer a refused open
+        with its own status). The session is closed however the generator ends.
         """
         opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling})
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
         history = list(prompt) + [opened["first_token"]]
         rounds, drafted = 0, 0
         try:
+            yield [], None, {}
             finish = opened.get("finish_reason") if opened["finished"] else None
             yield [opened["first_token"]], finish, {}
             while finish is None:
@@ -302,7 +411,21 @@ class Router:
                 yield new, finish, {"rounds": rounds, "draft_tokens": drafted,
                                     "tokens_per_round": (len(history) - len(prompt) - 1) / max(rounds, 1)}
         finally:
-            try:
-                await self.close(tenant, sid)
-            except SpecError:
-                pass
+            await self._close_shielded(tenant, sid)
+
+    async def _close_shielded(self, tenant: TenantState, sid: str) -> None:
+        """Close a server session in a task of its own, awaited through ``asyncio.shield``: a
+        request cancelled meanwhile (the client went away) cannot interrupt it, so the session
+        frees its KV and the tenant's slot now rather than at the idle timeout. The task runs
+        outside the request's context: Serve cancels the verifier calls a cancelled request
+        made (its child requests), and would cancel the close with them."""
+        task = contextvars.Context().run(asyncio.get_running_loop().create_task, self._close_quietly(tenant, sid))
+        self._closing.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
+
+    async def _close_quietly(self, tenant: TenantState, sid: str) -> None:
+        try:
+            await self.close(tenant, sid)
+        except SpecError as e:  # already gone (evicted, timed out) or the verifier is down
+            log.info("closing server session %s: %s", sid, e.message)

@@ -1,0 +1,158 @@
+"""The OpenAI-compatible endpoints driven by the official ``openai`` client (real Ray Serve,
+tiny random target with the embedded model's tokenizer)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from tests.router.test_app import deploy
+
+pytestmark = pytest.mark.ray
+
+APP = "oai"
+KEY, ONE_KEY = "oai-key-12345", "one-key-12345"
+TENANTS = [{"name": "oai", "api_key": KEY, "max_sessions": 8},
+           {"name": "one", "api_key": ONE_KEY, "max_sessions": 1}]
+TARGET = {"model": "tiny-random", "dtype": "float32", "tokenizer": "embedded"}  # vocabulary: the tokenizer's
+CHAT = [{"role": "user", "content": "Say hello"}]
+
+
+@pytest.fixture(scope="module")
+def url(ray_session):
+    yield deploy(APP, {"target": TARGET, "router": {"tenants": TENANTS}}, ray_session)
+    serve.delete(APP)
+
+
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    with client(url) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def served(oai) -> str:
+    return oai.models.list().data[0].id
+
+
+def test_models_list_and_retrieve(url, oai, served):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [served] and served.startswith("tiny-random")
+    assert models[0].object == "model" and models[0].owned_by == "specedge" and models[0].created > 0
+    assert oai.models.retrieve(served).id == served
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4o")
+    with pytest.raises(openai.AuthenticationError):
+        client(url, "not-a-key").models.list()
+
+
+def test_chat_string_and_content_parts(oai, served):
+    r = oai.chat.completions.create(model=served, messages=CHAT, temperature=0, max_tokens=6)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say hello"}]}]
+    r2 = oai.chat.completions.create(model=served, messages=parts, temperature=0, max_tokens=6)
+    assert r2.choices[0].message.content == r.choices[0].message.content  # one part == the plain string
+    assert r2.usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_chat_stream_with_usage_matches_non_streaming(oai, served):
+    args = dict(model=served, messages=CHAT, temperature=0, max_tokens=8)
+    whole = oai.chat.completions.create(**args)
+    chunks = list(oai.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    *deltas, last = chunks
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in deltas) and deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == whole.choices[0].message.content
+    assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_stop_string_cuts_the_text(oai, served, stream):
+    args = dict(model=served, prompt="Once upon a time", temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+    full = oai.completions.create(**args).choices[0].text
+    k = next(i for i in range(len(full) // 2, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    stop = full[k:k + 2]
+    expected = full[:full.find(stop)]
+    if stream:
+        chunks = list(oai.completions.create(**args, stop=[stop], stream=True))
+        text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        r = oai.completions.create(**args, stop=stop)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+    assert text == expected and finish == "stop"
+
+
+@pytest.mark.parametrize("error,args", [
+    (openai.NotFoundError, {"model": "gpt-4o"}),
+    (openai.BadRequestError, {"logprobs": True}),
+    (openai.BadRequestError, {"n": 2}),
+    (openai.BadRequestError, {"n": "two"}),
+    (openai.BadRequestError, {"presence_penalty": 1.0}),
+    (openai.BadRequestError, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    (openai.BadRequestError, {"response_format": {"type": "json_object"}}),
+    (openai.BadRequestError, {"messages": [{"role": "user", "content": 5}]}),
+    (openai.BadRequestError, {"messages": [{"content": "no role"}]}),
+    (openai.BadRequestError, {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                         "image_url": {"url": "http://x/y.png"}}]}]}),
+    (openai.BadRequestError, {"extra_body": {"frobnicate": 1}}),
+    (openai.BadRequestError, {"max_tokens": 0}),
+    (openai.BadRequestError, {"temperature": 500, "stream": True}),  # refused before the stream starts
+    (openai.BadRequestError, {"top_p": 0, "stream": True}),
+])
+def test_unsupported_or_invalid_requests_are_4xx(oai, served, error, args):
+    args = {"model": served, "messages": CHAT, "max_tokens": 4, **args}
+    with pytest.raises(error) as e:
+        oai.chat.completions.create(**args)
+    assert e.value.status_code in (400, 404) and e.value.body["code"] in ("invalid_request", "invalid_sampling_params",
+                                                                          "model_not_found")
+
+
+def test_refused_open_answers_its_own_status_not_a_stream(url, served):
+    with client(url) as c:  # a prompt id outside the vocabulary: the verifier's open refuses it
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=served, prompt=[10 ** 6], max_tokens=4, stream=True)
+
+
+def sessions(url: str) -> int:
+    return httpx.get(url + "/v1/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()["sessions"]
+
+
+def wait_for_no_sessions(url: str, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while sessions(url) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sessions(url) == 0, "the abandoned generation still holds its server session"
+
+
+LONG = dict(prompt="Tell a long story", temperature=0, max_tokens=4000)  # ~1 min of rounds: never done in time
+
+
+def test_abandoned_stream_closes_its_session(url, served):
+    assert sessions(url) == 0
+    with client(url, ONE_KEY) as c:
+        stream = c.completions.create(model=served, **LONG, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        assert sessions(url) == 1
+        stream.close()  # the client goes away mid-generation
+        wait_for_no_sessions(url)
+        # the tenant's one slot is free again (its quota counts open sessions)
+        r = c.completions.create(model=served, prompt="Hi", max_tokens=2)
+        assert r.usage.completion_tokens >= 1
+
+
+def test_abandoned_request_closes_its_session(url, served):
+    body = {"model": served, **LONG, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and drops the connection
+        httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {ONE_KEY}"}, timeout=1.0)
+    wait_for_no_sessions(url)
+    with client(url, ONE_KEY) as c:
+        assert c.completions.create(model=served, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
