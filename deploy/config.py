@@ -62,6 +62,9 @@ class VerifierConfig(_Strict):
     torch_threads: int | None = Field(None, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
     chain_top_k: int = Field(64, ge=1, le=4096, description="K of the sparse target distribution on rejection")
+    truncate_trees: bool = Field(True, description="per batch, verify the prefix of each priority-ordered tree that "
+                                                   "maximises expected tokens per forward second "
+                                                   "(deploy/verifier/truncation.py)")
 
     def kv_pool_tokens(self) -> int:
         """Pool capacity: the eviction budget plus room for one full batch of new tokens
@@ -137,7 +140,8 @@ class PacingConfig(_Strict):
     min_depth: int = Field(1, ge=1)
     max_depth: int = Field(12, ge=1)
     default_depth: int = Field(4, ge=1)
-    tree_budgets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=1)
+    tree_budgets: list[int] = Field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64], min_length=1,
+                                    description="budget hints to choose from; 0 = no tree (plain decoding)")
     default_tree_budget: int = Field(32, ge=1)
     ema: float = Field(0.2, gt=0, le=1)
 
@@ -145,8 +149,8 @@ class PacingConfig(_Strict):
     def _ranges(self):
         if not self.min_depth <= self.default_depth <= self.max_depth:
             raise ValueError("pacing needs min_depth <= default_depth <= max_depth")
-        if any(b < 1 for b in self.tree_budgets) or sorted(set(self.tree_budgets)) != self.tree_budgets:
-            raise ValueError("tree_budgets must be positive, increasing and distinct")
+        if any(b < 0 for b in self.tree_budgets) or sorted(set(self.tree_budgets)) != self.tree_budgets:
+            raise ValueError("tree_budgets must be non-negative, increasing and distinct")
         return self
 
 

@@ -114,8 +114,9 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _c("evictions", "Sessions evicted (KV budget or idle timeout).", ("reason",)),
     _g("pacing_depth_hint", "Mean draft depth hinted to edges since the last update (SpecEdge 4.3)."),
     _g("pacing_budget_hint", "Mean tree budget (nodes) hinted to edges since the last update."),
-    _g("forward_cost_fixed_seconds", "Fitted fixed cost a of a forward, t = a + b * tokens."),
-    _g("forward_cost_per_token_seconds", "Fitted marginal cost b per token of a forward."),
+    _g("forward_cost_fixed_seconds", "Fitted fixed cost a of a forward, t = a + b * max(0, rows - knee)."),
+    _g("forward_cost_per_token_seconds", "Fitted marginal cost b per row above the knee."),
+    _g("forward_cost_knee_rows", "Rows up to which a forward costs the same (memory-bound)."),
     # -- router ---------------------------------------------------------------------------------
     _h("router_verify_latency_seconds", "End-to-end verify latency at the router (successful rounds).",
        _LATENCY_S, ("tenant",), component="router"),
@@ -276,6 +277,7 @@ class VerifierState:
     pending: int
     cost_fixed_s: float
     cost_per_token_s: float
+    cost_knee_rows: float = 0.0
 
     @classmethod
     def of(cls, core) -> "VerifierState":
@@ -283,9 +285,9 @@ class VerifierState:
         by_tenant: dict[str, int] = {}
         for tenant in list(core.owner.values()):
             by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
-        a, b = core.pacer.cost.coefficients()
+        a, b, knee = core.pacer.cost.coefficients()
         return cls(by_tenant, core.engine.kv_tokens(), core.cfg.verifier.kv_budget_tokens,
-                   core.pending(), a, b)
+                   core.pending(), a, b, knee)
 
 
 # -- aggregators -----------------------------------------------------------------------------------
@@ -410,6 +412,7 @@ class VerifierMetrics:
         e.set("specedge_pending_requests", s.pending, {})
         e.set("specedge_forward_cost_fixed_seconds", s.cost_fixed_s, {})
         e.set("specedge_forward_cost_per_token_seconds", s.cost_per_token_s, {})
+        e.set("specedge_forward_cost_knee_rows", s.cost_knee_rows, {})
         depth, budget, n = self._hints
         if n:
             e.set("specedge_pacing_depth_hint", depth / n, {})

@@ -58,6 +58,7 @@ class AgentConfig:
     max_overload_waits: int = 32
     ping_every: int = 16  # rounds between RTT pings (0 = only at open)
     check_tokenizer: bool = True
+    send_confidence: bool = True  # one byte per node (cumulative draft log-prob): the server's truncation uses it
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -74,6 +75,7 @@ class GenerationStats:
     ttft_s: float = 0.0  # time to the first token
     rounds: int = 0  # verify rounds (num_drafts)
     draft_tokens: int = 0  # nodes sent (num_draft_tokens)
+    verified_nodes: int = 0  # nodes the server verified (fewer than sent when it truncated a tree)
     accepted_tokens: int = 0  # accepted draft nodes (num_accepted_tokens)
     draft_forwards: int = 0  # forwards that built the sent trees
     proactive_forwards: int = 0
@@ -312,19 +314,22 @@ class EdgeAgent:
                 depth = self.policy.choose(self.telemetry, depth_hint, npl, stats.rounds)
                 remaining = params.max_tokens - len(generated)
                 depth = max(0, min(depth, remaining - 1, tree_cfg.max_depth))
+                if budget_hint == 0:  # the server says trees do not pay now: plain decoding
+                    depth = 0
                 n_fwd0 = len(ds.forward_times)
                 await self._run(ds.draft, depth)
-                tree, _order = ds.freeze(max_chain=(cfg.proactive_max or cfg.max_depth)
-                                         if cfg.mode == "proactive" else 0)
+                proactive = cfg.mode == "proactive" and budget_hint != 0
+                tree, order = ds.freeze(max_chain=(cfg.proactive_max or cfg.max_depth) if proactive else 0)
                 self._observe_drafts(ds, n_fwd0, stats)
                 stats.draft_forwards += len(ds.forward_times) - n_fwd0
                 t = self.telemetry
                 frame = VerifyFrame(prefix_len=len(prompt_ids) + len(generated), tokens=list(tree.tokens),
                                     parents=list(tree.parents), draft_ms=t.draft_ms.get(0.0),
-                                    rtt_ms=t.rtt_ms.get(0.0), depth=ds.builder.forwards)
+                                    rtt_ms=t.rtt_ms.get(0.0), depth=ds.builder.forwards,
+                                    conf=ds.builder.confidences(order) if cfg.send_confidence and len(tree) else None)
                 t0 = time.perf_counter()
                 task = asyncio.create_task(self._verify(sid, frame, stats))
-                if cfg.mode == "proactive":
+                if proactive:
                     n_pro0 = len(ds.forward_times)
                     while not task.done():
                         if not await self._run(ds.proactive_step):
@@ -347,7 +352,7 @@ class EdgeAgent:
                         raise EdgeError(f"re-opened session has prefix {sess.prefix_len}, expected "
                                         f"{len(prompt_ids) + len(generated)}")
                     finished, finish_reason = sess.finished, sess.finish_reason
-                    depth_hint, budget_hint = sess.depth_hint or depth_hint, sess.budget_hint or budget_hint
+                    depth_hint, budget_hint = sess.depth_hint or depth_hint, sess.budget_hint
                     ds.start(prompt_ids + generated)
                     continue
                 round_ms = (time.perf_counter() - t0) * 1e3
@@ -359,16 +364,18 @@ class EdgeAgent:
                 al = ds.on_reply(list(reply.accepted), reply.bonus, emitted)
                 emit(emitted)
                 stats.rounds += 1
+                verified = len(tree) if reply.verified is None else reply.verified  # the server may cut a prefix
                 stats.draft_tokens += len(tree)
+                stats.verified_nodes += verified
                 stats.accepted_tokens += len(reply.accepted)
                 stats.depth_sum += tree.depth
                 stats.round_ms.append(round_ms)
                 stats.align_attempts += al.attempted
                 stats.aligned += al.aligned
                 stats.reused_tokens += al.reused
-                self.telemetry.observe_round(tree.depth, len(reply.accepted), len(tree), round_ms)
+                self.telemetry.observe_round(tree.depth, len(reply.accepted), verified, round_ms)
                 depth_hint = reply.depth_hint or depth_hint
-                budget_hint = reply.budget_hint or budget_hint
+                budget_hint = reply.budget_hint
                 finished, finish_reason = reply.finished, reply.finish_reason
                 if ping_task is not None and ping_task.done():
                     ping_task = None
@@ -384,7 +391,7 @@ class EdgeAgent:
 
     def _tree_config(self, info: ModelInfo, budget_hint: int) -> TreeConfig:
         cfg = self.config
-        budget = min(cfg.budget, info.max_tree_nodes, budget_hint or cfg.budget)
+        budget = min(cfg.budget, info.max_tree_nodes, budget_hint)
         return TreeConfig(budget=max(1, budget), topk=cfg.topk, max_expand=cfg.max_expand,
                           max_depth=min(cfg.max_depth, info.max_tree_depth))
 

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from deploy.verifier.tree import DraftTree
+from deploy.verifier.truncation import encode_confidence
 
 ROOT = -1  # the root: the last verified token (prefix[-1])
 
@@ -171,12 +172,18 @@ class TreeBuilder:
 
     # -- output --------------------------------------------------------------------
     def to_tree(self) -> tuple[DraftTree, list[int]]:
-        """The wire tree (parents-first) and the node id of each tree index."""
-        order = sorted(self.nodes)  # ids grow with creation: parents come first
+        """The wire tree in priority order (best cumulative log-prob first; a parent ranks
+        before its children, see the module docstring, so every prefix is a tree and the
+        server may verify only a prefix) and the node id of each tree index."""
+        order = sorted(self.nodes, key=lambda nid: self._rank(self.nodes[nid]))
         index = {nid: i for i, nid in enumerate(order)}
         tokens = tuple(self.nodes[n].token for n in order)
         parents = tuple(-1 if self.nodes[n].parent == ROOT else index[self.nodes[n].parent] for n in order)
         return DraftTree(tokens, parents), order
+
+    def confidences(self, order: list[int]) -> list[int]:
+        """One byte per node of ``order``: its cumulative draft log-prob (the wire's ``conf``)."""
+        return [encode_confidence(self.nodes[n].logp) for n in order]
 
     def best_leaf(self) -> int:
         """The leaf with the highest cumulative log-prob (ROOT for an empty tree)."""

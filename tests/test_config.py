@@ -153,7 +153,7 @@ def test_tenant_names_and_keys_unique_across_file_and_inline(tmp_path):
 
 
 @pytest.mark.parametrize("pacing", [{"min_depth": 5, "max_depth": 3}, {"default_depth": 20},
-                                    {"tree_budgets": [0, 8]}, {"tree_budgets": [32, 8]}, {"tree_budgets": []}])
+                                    {"tree_budgets": [-1, 8]}, {"tree_budgets": [32, 8]}, {"tree_budgets": []}])
 def test_pacing_ranges(pacing):
     with pytest.raises(ValidationError):
         AppConfig(pacing=pacing)

@@ -44,6 +44,7 @@ from deploy.verifier.pacing import Pacer
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.scheduler import FairScheduler, Pending
 from deploy.verifier.tree import DraftTree, TreeLimits
+from deploy.verifier.truncation import GainCalibration, choose_prefixes, node_gains
 
 log = logging.getLogger("ray.serve")
 
@@ -129,6 +130,7 @@ class VerifierCore:
         self._verify_s = 0.0  # EMA of a verify forward's seconds
         self._last_verify = 0.0  # when the last verify batch ran (monotonic)
         self._prefill_token_s = 0.0  # EMA of the seconds a prompt token adds to a forward
+        self.calibration = GainCalibration()  # draft path probability -> observed acceptance
 
     # -- info ---------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -139,7 +141,7 @@ class VerifierCore:
                 "max_model_len": self.engine.max_model_len}
 
     def stats(self) -> dict:
-        a, b = self.pacer.cost.coefficients()
+        a, b, knee = self.pacer.cost.coefficients()
         verifies = [f for f in self.forwards if f.kind != "prefill"]
         return {"replica": self.tag, "sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
                 "kv_used_tokens": self.engine.kv_used_tokens(), "kv_pool_tokens": self.cfg.verifier.kv_pool_tokens(),
@@ -147,6 +149,7 @@ class VerifierCore:
                 "tokens_emitted": self.tokens_emitted,
                 "pending": self.pending(), "busy_seconds": self.busy_seconds,
                 "uptime_seconds": time.monotonic() - self.started, "forward_cost_a": a, "forward_cost_b": b,
+                "forward_cost_knee": knee,
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
                 "evictions": len(self.evicted)}
 
@@ -261,7 +264,8 @@ class VerifierCore:
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut), time.monotonic()))
+        gains = node_gains(f.parents, f.conf) if f.q is None else []
+        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains), time.monotonic()))
         self._wake.set()
         return await fut
 
@@ -406,6 +410,7 @@ class VerifierCore:
         self.metrics.on_batch_start(batch)
 
         prefill = self._prefill_budget() if self._prefilling else 0
+        trees = self._truncate(trees, prefill)
 
         def run():
             out, opened = [], []
@@ -435,6 +440,16 @@ class VerifierCore:
         _answer_each([(p.payload[1], (p, res)) for p, res in results], self._round_reply)
         await self._complete_opens(loop, opened)
 
+    def _truncate(self, trees: list, base_rows: int) -> list:
+        """Server-side truncation at batch time (:mod:`deploy.verifier.truncation`): each
+        tree's request gets the prefix length that maximises expected verified tokens per
+        second of this forward, by the measured cost curve and calibrated node gains."""
+        if not trees or not self.cfg.verifier.truncate_trees or self.pacer.cost.count < 3:
+            return trees
+        gains = [self.calibration.scale(p.payload[2]) for p, _ in trees]
+        take = choose_prefixes(gains, self.pacer.cost.predict, base_rows)
+        return [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n)) for (p, r), n in zip(trees, take)]
+
     def _round_reply(self, item) -> tuple[int, bytes | dict]:
         """Bookkeeping and the reply frame of one verified round."""
         p, res = item
@@ -443,7 +458,9 @@ class VerifierCore:
         req = p.payload[0]
         tree_mode = isinstance(req, VerifyRequest)
         if tree_mode:
-            n_nodes, emitted = len(req.tree), len(res.tokens)
+            n_nodes, emitted = res.verified, len(res.tokens)
+            if p.payload[2]:
+                self.calibration.observe(sum(p.payload[2][:n_nodes]), len(res.accepted))
         else:  # chain mode: a rejected round has no bonus (the edge resamples from the residual)
             n_nodes, emitted = len(req.tokens), res.num_accepted + (res.bonus is not None)
         self.pacer.observe_round(n_nodes, emitted)
@@ -452,7 +469,7 @@ class VerifierCore:
         self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget)
         if tree_mode:
             frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
-                               depth, budget)
+                               depth, budget, verified=res.verified if res.verified < len(req.tree) else None)
         else:
             rejected = res.bonus is None and not res.finished
             frame = ReplyFrame(list(range(res.num_accepted)), res.bonus, res.prefix_len, res.finished,

@@ -81,6 +81,7 @@ class VerifyRequest:
     sid: str
     tree: DraftTree
     prefix_len: int  # the prefix length the edge assumes (root included)
+    limit: int | None = None  # verify only the first ``limit`` nodes (server-side truncation)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class VerifyResult:
     prefix_len: int  # after this round
     finished: bool
     finish_reason: str | None
+    verified: int = 0  # nodes of the tree verified (all of them unless truncated)
 
 
 @dataclass(frozen=True)
@@ -349,7 +351,7 @@ class VerifierEngine:
         prefill); opens they complete are collected by :meth:`take_opened`.
         """
         out: list[VerifyResult | SpecError | None] = [None] * len(requests)
-        todo: list[tuple[int, Session, DraftTree, tuple[int, ...] | None]] = []
+        todo: list[tuple[int, Session, DraftTree, tuple[int, ...] | None, int]] = []
         seen = set()
         for i, r in enumerate(requests):
             try:
@@ -359,35 +361,39 @@ class VerifierEngine:
                 if s.awaiting_resample:
                     raise InvalidRequest(f"session {r.sid!r} owes a chain-mode resampled token")
                 tree = r.tree.validate(self.vocab_size, self.limits)
+                if r.limit is not None and 0 <= r.limit < len(tree):
+                    tree = tree.prefix(r.limit)
+                n_prefix = len(tree)
                 # a node of depth d sits at position len(prefix) - 1 + d: near the end of the
                 # context the deeper nodes are cut (the session then ends with "length")
                 room = self.max_model_len - len(s.prefix)
                 tree, kept = tree.clip(room) if tree.depth > room else (tree, None)
                 seen.add(r.sid)
-                todo.append((i, s, tree, kept))
+                todo.append((i, s, tree, kept, n_prefix))
             except SpecError as e:
                 out[i] = e
         if not todo:
             return out  # type: ignore[return-value]
-        items = [_tree_item(s, tree) for _, s, tree, _kept in todo]
+        items = [_tree_item(s, tree) for _, s, tree, _kept, _n in todo]
         pre_items, chunks = self._prefill_items(prefill_tokens) if prefill_tokens > 0 else ([], [])
         bid, logits = self._forward_prefilling("verify", items + pre_items, chunks)
         logits, pre_logits = logits[: len(items)], logits[len(items):]
         keep = self._prefill_keep(chunks)
         walks = []
-        for (i, s, tree, kept), lg in zip(todo, logits):
+        for (i, s, tree, kept, n_prefix), lg in zip(todo, logits):
             acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
             root = len(s.prefix) - 1  # node j was written at root + 1 + j
             keep[s.sid] = (1, [root + 1 + a for a in acc.accepted])  # the root and the accepted path
             # the reply names nodes of the tree the edge sent
             path = acc.accepted if kept is None else tuple(kept[a] for a in acc.accepted)
-            walks.append((i, s, acc, path, [tree.tokens[a] for a in acc.accepted] + [acc.bonus]))
+            walks.append((i, s, acc, path, [tree.tokens[a] for a in acc.accepted] + [acc.bonus], n_prefix))
         self._commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
         self.opened += self._finish_prefill(chunks, pre_logits)
-        for i, s, acc, path, emitted in walks:
+        for i, s, acc, path, emitted, verified in walks:
             s.last_used = time.monotonic()
             self._emit(s, emitted)
-            out[i] = VerifyResult(s.sid, path, acc.bonus, tuple(emitted), len(s.prefix), s.finished, s.finish_reason)
+            out[i] = VerifyResult(s.sid, path, acc.bonus, tuple(emitted), len(s.prefix), s.finished, s.finish_reason,
+                                  verified)
         return out  # type: ignore[return-value]
 
     def verify_chain(self, requests: list[ChainVerifyRequest]) -> list[ChainVerifyResult | SpecError]:

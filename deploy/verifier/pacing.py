@@ -7,58 +7,85 @@ from the verify time the replica measures and the draft time / RTT each edge rep
 
 Tree budget: verifying a tree is nearly free while the verifier is memory-bound and
 costs real compute when it is compute-bound (many sessions; any CPU). The forward time
-is modelled as ``t(tokens) = a + b * tokens`` (online least squares with exponential
-forgetting over recent forwards); with ``S`` sessions sharing the verifier and trees of
-``n`` nodes, verified tokens per second of verifier time are
-``S * E[tokens/round | n] / t(S * (n + 1))``. The hint is the budget that maximizes it,
-with ``E[tokens/round | n]`` the observed mean per budget bucket (EMA), interpolated in
-log(n) where a bucket has no data yet. Pure module.
+is measured per replica as a function of the rows in the batch, piecewise: flat while
+memory-bound, then linear, ``t(rows) = a + b * max(0, rows - knee)``
+(:class:`PiecewiseCost`, refitted over a window of recent forwards, the knee chosen by
+least squares); with ``S`` sessions sharing the verifier and trees of ``n`` nodes,
+verified tokens per second of verifier time are ``S * E[tokens/round | n] / t(S * (n + 1))``.
+The hint is the budget that maximizes it, with ``E[tokens/round | n]`` the observed mean
+per budget bucket (EMA), interpolated in log(n) where a bucket has no data yet. A budget
+of 0 ("no tree": plain decoding, no draft forwards on the edge) is one of the choices.
+The same cost curve decides, per batch, how many nodes of each tree are verified
+(:mod:`deploy.verifier.truncation`). Pure module.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 
 @dataclass
-class LinearCost:
-    """Online weighted least squares of ``t = a + b * x`` with forgetting factor."""
+class PiecewiseCost:
+    """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``, refitted every
+    ``refit_every`` observations over the last ``window`` ones. The knee is the candidate
+    (0 or an observed row count) with the least squared error; ``b >= 0``. With one row
+    count seen so far the curve is flat at its mean (bigger batches then show the slope)."""
 
-    decay: float = 0.98
-    _sw: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
+    window: int = 256
+    refit_every: int = 8
+    _obs: deque = field(default_factory=lambda: deque(maxlen=256))
+    _since_fit: int = 0
+    _fit: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a, b, knee
 
-    def observe(self, x: float, y: float) -> None:
-        d = self.decay
-        self._sw = d * self._sw + 1
-        self._sx = d * self._sx + x
-        self._sy = d * self._sy + y
-        self._sxx = d * self._sxx + x * x
-        self._sxy = d * self._sxy + x * y
+    def __post_init__(self):
+        self._obs = deque(self._obs, maxlen=self.window)
+
+    def observe(self, rows: float, seconds: float) -> None:
+        self._obs.append((float(rows), float(seconds)))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or len(self._obs) <= 3:
+            self.refit()
 
     @property
-    def count(self) -> float:
-        return self._sw
+    def count(self) -> int:
+        return len(self._obs)
 
-    def coefficients(self) -> tuple[float, float]:
-        if self._sw == 0:
-            return 0.0, 0.0
-        mx, my = self._sx / self._sw, self._sy / self._sw
-        var = self._sxx / self._sw - mx * mx
-        if var <= 1e-9 * max(1.0, mx * mx):  # one batch size seen so far: all cost per token
-            return 0.0, my / max(mx, 1.0)
-        b = max((self._sxy / self._sw - mx * my) / var, 0.0)
-        a = max(my - b * mx, 0.0)
-        return a, b
+    def refit(self) -> None:
+        self._since_fit = 0
+        obs = list(self._obs)
+        if not obs:
+            return
+        xs = sorted({x for x, _ in obs})
+        best = None
+        for knee in [0.0] + xs[:-1]:
+            fit = _hinge_fit(obs, knee)
+            if best is None or fit[0] < best[0] - 1e-15:
+                best = fit
+        self._fit = best[1:]
 
-    def predict(self, x: float) -> float:
-        a, b = self.coefficients()
-        return a + b * x
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, knee)."""
+        return self._fit
+
+    def predict(self, rows: float) -> float:
+        a, b, knee = self._fit
+        return a + b * max(0.0, rows - knee)
+
+
+def _hinge_fit(obs: list[tuple[float, float]], knee: float) -> tuple[float, float, float, float]:
+    """Least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0``: (sse, a, b, knee)."""
+    n = len(obs)
+    hs = [max(0.0, x - knee) for x, _ in obs]
+    ys = [y for _, y in obs]
+    mh, my = sum(hs) / n, sum(ys) / n
+    var = sum((h - mh) ** 2 for h in hs)
+    b = max(0.0, sum((h - mh) * (y - my) for h, y in zip(hs, ys)) / var) if var > 1e-12 else 0.0
+    a = my - b * mh
+    sse = sum((a + b * h - y) ** 2 for h, y in zip(hs, ys))
+    return sse, a, b, knee
 
 
 @dataclass
@@ -66,10 +93,10 @@ class Pacer:
     min_depth: int = 1
     max_depth: int = 12
     default_depth: int = 4
-    budgets: tuple[int, ...] = (8, 16, 32, 64)
+    budgets: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64)
     default_budget: int = 32
     ema: float = 0.2
-    cost: LinearCost = field(default_factory=LinearCost)
+    cost: PiecewiseCost = field(default_factory=PiecewiseCost)
     _tokens_per_round: dict[int, float] = field(default_factory=dict)
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
@@ -80,13 +107,15 @@ class Pacer:
         return self.budgets[min(i, len(self.budgets) - 1)]
 
     def observe_round(self, tree_nodes: int, emitted: int) -> None:
-        b = self._bucket(max(tree_nodes, 1))
+        b = self._bucket(tree_nodes)
         old = self._tokens_per_round.get(b)
         self._tokens_per_round[b] = emitted if old is None else (1 - self.ema) * old + self.ema * emitted
 
     def expected_tokens(self, n: int) -> float:
         """E[tokens per round | budget n]: observed, else interpolated in log(n)."""
-        obs = self._tokens_per_round
+        obs = {m: v for m, v in self._tokens_per_round.items() if m > 0}
+        if n <= 0:
+            return 1.0  # no tree: the bonus token only
         if n in obs:
             return obs[n]
         if not obs:
@@ -105,6 +134,8 @@ class Pacer:
 
     def depth_hint(self, sessions: int, budget: int, draft_ms: float, rtt_ms: float) -> int:
         """Draft forwards so that edge draft time + RTT ~= the verifier's cycle."""
+        if budget <= 0:
+            return 0  # no tree: no draft forwards
         if draft_ms <= 0 or self.cost.count < 3:
             return min(self.default_depth, budget)
         verify_ms = 1000.0 * self.cost.predict(max(sessions, 1) * (budget + 1))

@@ -76,6 +76,10 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
+    def prefix(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes: a tree, since parents come first (server-side truncation)."""
+        return DraftTree(self.tokens[:n], self.parents[:n])
+
     def clip(self, max_depth: int) -> tuple["DraftTree", tuple[int, ...]]:
         """The nodes at depth <= ``max_depth`` (a subtree: parents come first) and, for each
         kept node, its index in this tree (near the end of the context, SpecEdge trees are

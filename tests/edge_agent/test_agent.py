@@ -67,6 +67,22 @@ def test_greedy_equality_for_chains_and_tree_shapes(engine, draft, greedy_ref, c
     assert res.token_ids == greedy_ref
 
 
+@pytest.mark.parametrize("mode", ["stop-and-wait", "proactive"])
+def test_a_zero_budget_hint_is_plain_decoding_through_the_edge_path(engine, draft, greedy_ref, mode):
+    """Issue 15: the server may say "no tree" (budget 0); the edge then sends empty trees and
+    runs no draft forward at all, and the output is server AR's, token for token."""
+    transport = LocalTransport(engine, budget_hint=0)
+    agent = EdgeAgent(transport, ModelDrafter(draft), config=AgentConfig(mode=mode))
+    try:
+        res = asyncio.run(agent.generate(PROMPT, GREEDY))
+    finally:
+        agent.close()
+    assert res.token_ids == greedy_ref
+    st = res.stats
+    assert st.draft_tokens == 0 and st.draft_forwards == 0 and st.proactive_forwards == 0
+    assert st.rounds == len(greedy_ref) - 1  # one token per round after the first
+
+
 def test_truncated_draft_and_ngram_drafter_are_lossless(engine, target, greedy_ref):
     short = noisy_copy(target, 0.0, num_layers=1)
     res, _ = run_agent(engine, ModelDrafter(short), GREEDY, mode="proactive")

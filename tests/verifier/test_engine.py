@@ -71,9 +71,11 @@ def expected_walk(tree: DraftTree, rem: list[int]) -> tuple[int, ...]:
 
 
 def drive(engine: VerifierEngine, truths: dict[str, list[int]], rng: random.Random, *, max_size: int = 64,
-          max_depth: int = 12, check_rounds: bool = True, max_rounds: int | None = None) -> int:
+          max_depth: int = 12, check_rounds: bool = True, max_rounds: int | None = None,
+          truncate: bool = False) -> int:
     """Verify rounds with random trees in random batch compositions until every session ends
-    (or after ``max_rounds`` calls).
+    (or after ``max_rounds`` calls). ``truncate``: each request verifies only a random prefix
+    of its tree (server-side truncation).
 
     ``truths[sid]`` is the target-only output of the session; each round's accepted nodes and
     tokens are checked against it (``check_rounds``). Returns the number of verify calls.
@@ -88,15 +90,15 @@ def drive(engine: VerifierEngine, truths: dict[str, list[int]], rng: random.Rand
         for sid in batch:
             s = engine.sessions[sid]
             rem = truths[sid][s.num_generated:]
-            reqs.append(VerifyRequest(sid, random_tree(rng, rem, engine.vocab_size, max_size, max_depth),
-                                      len(s.prefix)))
+            tree = random_tree(rng, rem, engine.vocab_size, max_size, max_depth)
+            reqs.append(VerifyRequest(sid, tree, len(s.prefix), rng.randint(0, len(tree)) if truncate else None))
             rems.append(rem)
         results = engine.verify(reqs)
         calls += 1
         for req, rem, res in zip(reqs, rems, results):
             assert isinstance(res, VerifyResult), res
             if check_rounds:
-                acc = expected_walk(req.tree, rem)
+                acc = expected_walk(req.tree if req.limit is None else req.tree.prefix(req.limit), rem)
                 assert res.accepted == acc, (req, rem, res)
                 assert list(res.tokens) == rem[: len(acc) + 1]
                 assert res.bonus == rem[len(acc)]
@@ -196,7 +198,7 @@ def test_greedy_verification_equals_target_only_decoding(tiny_model, seed):
         for sid, r in zip(group, res):
             assert r.first_token == specs[sid][2][0]
         drive(eng, {sid: specs[sid][2] for sid in first}, rng, max_rounds=3)  # interleave: some rounds first
-    calls = drive(eng, {sid: specs[sid][2] for sid in sids}, rng)
+    calls = drive(eng, {sid: specs[sid][2] for sid in sids}, rng, truncate=seed % 2 == 1)
     for sid in sids:
         assert generated(eng, sid) == specs[sid][2], sid
         assert eng.runner.kv_length(sid) == 0  # finished: KV released
@@ -306,9 +308,10 @@ def stat_tree(model) -> DraftTree:
     return DraftTree((a, b, c, top[-1], aa, ab, ba, bb, aaa), (-1, -1, -1, -1, 0, 0, 1, 1, 4))
 
 
-def sample_two_tokens_via_engine(model, params: SamplingParams) -> list[tuple[int, int]]:
+def sample_two_tokens_via_engine(model, params: SamplingParams, truncate: bool = False) -> list[tuple[int, int]]:
     """STAT_SESSIONS seeded sessions share a prefix; verification rounds (all sessions in one
-    forward each) until every session emitted two tokens."""
+    forward each) until every session emitted two tokens. ``truncate``: each session's first
+    tree is verified only up to a random prefix (server-side truncation)."""
     eng = VerifierEngine(model, eos_token_ids=())
     sids = [f"x{i}" for i in range(STAT_SESSIONS)]
     opened = eng.open([OpenRequest(sid, STAT_PROMPT, SamplingParams(
@@ -316,7 +319,9 @@ def sample_two_tokens_via_engine(model, params: SamplingParams) -> list[tuple[in
         generated=(STAT_ROOT,)) for i, sid in enumerate(sids)])
     assert all(r.first_token is None for r in opened)
     tree = stat_tree(model)
-    reqs = [VerifyRequest(sid, tree, len(STAT_PROMPT) + 1) for sid in sids]
+    cut = random.Random(7)
+    reqs = [VerifyRequest(sid, tree, len(STAT_PROMPT) + 1, cut.randint(0, len(tree)) if truncate else None)
+            for sid in sids]
     while reqs:
         eng.verify(reqs)
         # later rounds: a fixed small tree (any policy is lossless); stop once two tokens exist
@@ -339,6 +344,13 @@ def test_tree_verification_samples_the_target_distribution(model_small, params):
     samples = sample_two_tokens_via_engine(model_small, params)
     joint = exact_two_token_joint(model_small, params)
     assert chi_square_pvalue(counts_of(samples), joint) > 1e-3
+
+
+def test_truncated_trees_sample_the_target_distribution(model_small):
+    """Issue 15: any prefix of a priority-ordered tree is verified exactly."""
+    params = SamplingParams(temperature=1.0)
+    samples = sample_two_tokens_via_engine(model_small, params, truncate=True)
+    assert chi_square_pvalue(counts_of(samples), exact_two_token_joint(model_small, params)) > 1e-3
 
 
 def test_engine_statistic_catches_a_wrong_acceptance_rule(model_small, monkeypatch):

@@ -1,14 +1,25 @@
 import pytest
 
-from deploy.verifier.pacing import LinearCost, Pacer
+from deploy.verifier.pacing import Pacer, PiecewiseCost
 
 
-def test_linear_cost_recovers_line():
-    c = LinearCost(decay=1.0)
+def test_piecewise_cost_recovers_a_straight_line():
+    c = PiecewiseCost()
     for x in (10, 50, 100, 200, 400):
         c.observe(x, 0.02 + 0.001 * x)
-    a, b = c.coefficients()
-    assert a == pytest.approx(0.02, abs=1e-6) and b == pytest.approx(0.001, abs=1e-8)
+    c.refit()
+    assert c.predict(300) == pytest.approx(0.32, rel=1e-6) and c.predict(10) == pytest.approx(0.03, rel=1e-6)
+
+
+def test_piecewise_cost_finds_the_memory_bound_knee():
+    """Flat up to ~32 rows, then linear (a CPU batch turning compute-bound)."""
+    c = PiecewiseCost()
+    for x in (1, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
+        c.observe(x, 0.018 + 0.0004 * max(0, x - 32))
+    c.refit()
+    a, b, knee = c.coefficients()
+    assert knee == 32 and a == pytest.approx(0.018, abs=1e-9) and b == pytest.approx(0.0004, rel=1e-6)
+    assert c.predict(8) == pytest.approx(c.predict(30)) and c.predict(200) > c.predict(100)
 
 
 def test_depth_matches_verify_time_minus_rtt():
@@ -60,3 +71,19 @@ def test_tree_budget_stays_large_when_memory_bound():
 def test_defaults_before_measurements():
     p = Pacer(default_budget=32, default_depth=4)
     assert p.budget_hint(10) == 32 and p.depth_hint(10, 32, 3.0, 10.0) == 4
+
+
+def test_a_steeper_measured_cost_curve_gives_a_smaller_budget_down_to_no_tree():
+    """Issue 15: the hint comes from the measured curve (flat, then linear) and may be 0."""
+    def pacer(slope):
+        p = Pacer()
+        for rows in (8, 16, 32, 64, 128, 256, 512, 1024):
+            p.observe_forward(rows, 0.02 + slope * max(0, rows - 16))
+        for n, tok in ((1, 1.5), (2, 1.8), (4, 2.1), (8, 2.4), (16, 2.6), (32, 2.7), (64, 2.8)):
+            for _ in range(20):
+                p.observe_round(n, tok)
+        return p
+
+    hints = [pacer(slope).budget_hint(16) for slope in (0.0, 0.00005, 0.0005, 0.005, 0.05)]
+    assert hints == sorted(hints, reverse=True) and hints[0] == 64 and hints[-1] == 0, hints
+    assert pacer(0.05).depth_hint(16, 0, draft_ms=3.0, rtt_ms=5.0) == 0

@@ -1,0 +1,110 @@
+"""Server-side tree truncation at batch time: how many nodes of each tree one forward verifies.
+
+Edges send their trees in priority order (best-first by cumulative draft log-probability,
+so every prefix of the node list is itself a tree: :meth:`edge_agent.tree_builder.TreeBuilder.to_tree`).
+When a batch is formed, the verifier knows what the edges could not: which sessions share
+this forward and what the forward costs at each size. It keeps, per session, the prefix of
+its tree that maximises expected verified tokens per second of *this* forward:
+
+    maximise  (S + sum of kept gains) / t(R0 + S + kept nodes)
+
+over kept prefixes, where ``S`` sessions each emit one token for sure (the bonus), a kept
+node's gain is its probability of being accepted (its draft path probability, calibrated
+by the replica's observed acceptance; :class:`GainCalibration`), ``t`` is the replica's
+measured forward time per row count (:class:`deploy.verifier.pacing.PiecewiseCost`) and
+``R0`` rows are already in the batch (prefill chunks). Gains along a tree's priority order
+never increase (a child's path probability is at most its parent's), so taking nodes
+globally by gain keeps every session's kept set a prefix, and the optimum over "the best K
+nodes" for K = 0..N is the optimum over prefixes. Load changes take effect in the next
+batch, not a round trip later (SpecEdge §4.3's pacing acts a round later; this is ours).
+
+Lossless: a prefix of a parents-first tree is a tree, verified exactly like any other.
+Pure module.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+CONF_SCALE = 16.0  # wire confidence: u8 = round(-log p * 16), i.e. 1/16 nat steps up to 16 nats
+DEFAULT_NODE_ALPHA = 0.6  # prior acceptance per tree level when an edge sends no confidences
+
+
+def encode_confidence(logp: float) -> int:
+    """Cumulative draft log-probability -> one byte (0 = certain, 255 = e^-16 or less)."""
+    if not logp <= 0.0:  # NaN or positive: treat as certain
+        return 0
+    return min(255, round(-logp * CONF_SCALE))
+
+
+def decode_confidence(byte: int) -> float:
+    """One byte -> path probability."""
+    return math.exp(-byte / CONF_SCALE)
+
+
+def node_gains(parents: list[int], conf: list[int] | None = None, alpha: float = DEFAULT_NODE_ALPHA) -> list[float]:
+    """Per node, in the order sent: its path probability from the edge's confidence bytes,
+    or, without them, ``alpha ** depth``; made non-increasing along the order (so taking
+    nodes by gain keeps a prefix, whatever an edge sends). Never fails on a malformed tree
+    (the engine refuses it later)."""
+    if conf is not None and len(conf) == len(parents):
+        raw = [decode_confidence(c) for c in conf]
+    else:
+        depths: list[int] = []
+        for i, p in enumerate(parents):
+            depths.append(depths[p] + 1 if 0 <= p < i else 1)
+        raw = [alpha ** d for d in depths]
+    out, cap = [], 1.0
+    for g in raw:
+        cap = min(cap, g)
+        out.append(cap)
+    return out
+
+
+@dataclass
+class GainCalibration:
+    """Scales draft path probabilities to observed acceptance: an EMA of accepted nodes
+    over predicted accepted nodes (a draft that is over-confident gets scaled down)."""
+
+    ema: float = 0.1
+    factor: float = 1.0
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        if predicted > 0.05:
+            ratio = min(4.0, max(0.05, accepted / predicted))
+            self.factor = (1 - self.ema) * self.factor + self.ema * ratio
+
+    def scale(self, gains: list[float]) -> list[float]:
+        return [min(1.0, g * self.factor) for g in gains]
+
+
+def choose_prefixes(gains: list[list[float]], cost: Callable[[int], float], base_rows: int = 0) -> list[int]:
+    """Nodes to verify per session (a prefix length each).
+
+    gains[s][j]: the expected accepted-token gain of session ``s``'s ``j``-th node, non-
+    increasing in ``j``. ``cost(rows)``: forward seconds for that many rows. ``base_rows``:
+    rows already in the forward besides the sessions' roots and nodes.
+    """
+    sessions = len(gains)
+    if sessions == 0:
+        return []
+    take = [0] * sessions
+    heap = [(-g[0], s) for s, g in enumerate(gains) if g]
+    heapq.heapify(heap)
+    rows = base_rows + sessions
+    value = float(sessions)
+    best_rate, best_take = value / max(cost(rows), 1e-9), list(take)
+    while heap:
+        neg, s = heapq.heappop(heap)
+        take[s] += 1
+        rows += 1
+        value += -neg
+        rate = value / max(cost(rows), 1e-9)
+        if rate > best_rate:
+            best_rate, best_take = rate, list(take)
+        if take[s] < len(gains[s]):
+            heapq.heappush(heap, (-gains[s][take[s]], s))
+    return best_take
