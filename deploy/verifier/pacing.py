@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 class PiecewiseCost:
     """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``, refitted every
     ``refit_every`` observations over the last ``window`` ones. The knee is the candidate
-    (0 or an observed row count) with the least squared error; ``b >= 0``. With one row
+    (0 or an observed row count) with the least squared relative error; ``b >= 0``. With one row
     count seen so far the curve is flat at its mean (bigger batches then show the slope)."""
 
     window: int = 256
@@ -76,16 +76,21 @@ class PiecewiseCost:
 
 
 def _hinge_fit(obs: list[tuple[float, float]], knee: float) -> tuple[float, float, float, float]:
-    """Least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0``: (sse, a, b, knee)."""
-    n = len(obs)
+    """Weighted least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0``, in
+    relative error (weights 1/t^2: a 16 ms forward matters as much as a 500 ms one):
+    (error, a, b, knee)."""
+    ws = [1.0 / max(y, 1e-6) ** 2 for _, y in obs]
     hs = [max(0.0, x - knee) for x, _ in obs]
     ys = [y for _, y in obs]
-    mh, my = sum(hs) / n, sum(ys) / n
-    var = sum((h - mh) ** 2 for h in hs)
-    b = max(0.0, sum((h - mh) * (y - my) for h, y in zip(hs, ys)) / var) if var > 1e-12 else 0.0
+    sw = sum(ws)
+    mh = sum(w * h for w, h in zip(ws, hs)) / sw
+    my = sum(w * y for w, y in zip(ws, ys)) / sw
+    var = sum(w * (h - mh) ** 2 for w, h in zip(ws, hs))
+    cov = sum(w * (h - mh) * (y - my) for w, h, y in zip(ws, hs, ys))
+    b = max(0.0, cov / var) if var > 1e-18 else 0.0
     a = my - b * mh
-    sse = sum((a + b * h - y) ** 2 for h, y in zip(hs, ys))
-    return sse, a, b, knee
+    err = sum(w * (a + b * h - y) ** 2 for w, h, y in zip(ws, hs, ys))
+    return err, a, b, knee
 
 
 @dataclass
