@@ -81,7 +81,10 @@ TM = ("tenant", "mode")
 METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     # -- spec decode (vLLM names), per tenant and mode -------------------------------------
     _c("spec_decode_num_drafts", "Verify rounds (one draft tree or chain each).", TM),
-    _c("spec_decode_num_draft_tokens", "Draft tokens (tree nodes) sent for verification.", TM),
+    _c("spec_decode_num_draft_tokens", "Draft tokens (tree nodes) verified (sent minus those the replica cut).",
+       TM),
+    _c("spec_decode_num_truncated_tokens", "Draft tokens sent but not verified: server-side truncation at batch "
+                                           "time (deploy/verifier/truncation.py).", TM),
     _c("spec_decode_num_accepted_tokens", "Draft tokens accepted (the bonus token not counted).", TM),
     _c("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position on the accepted path.",
        TM + ("position",)),
@@ -242,12 +245,14 @@ class RoundStats:
     accepted: int  # draft tokens on the accepted path
     emitted: int  # tokens this round adds to the output
     finished: bool
+    truncated: int = 0  # nodes sent but cut by the replica (not verified)
 
     @classmethod
     def of(cls, tenant: str, req, res) -> "RoundStats":
         """From the engine's ``VerifyRequest``/``VerifyResult`` or ``ChainVerifyRequest``/``ChainVerifyResult``."""
         if hasattr(req, "tree"):
-            return cls(tenant, "tree", len(req.tree), len(res.accepted), len(res.tokens), res.finished)
+            return cls(tenant, "tree", res.verified, len(res.accepted), len(res.tokens), res.finished,
+                       len(req.tree) - res.verified)
         # chain: a rejected round emits no bonus; the residual sample it owes arrives with the next frame
         emitted = res.num_accepted + (res.bonus is not None) + (req.resampled is not None)
         return cls(tenant, "chain", len(req.tokens), res.num_accepted, emitted, res.finished)
@@ -363,6 +368,7 @@ class VerifierMetrics:
         e, lab = self.exporter, {"tenant": r.tenant, "mode": r.mode}
         e.inc("specedge_spec_decode_num_drafts", 1, lab)
         e.inc("specedge_spec_decode_num_draft_tokens", r.draft_tokens, lab)
+        e.inc("specedge_spec_decode_num_truncated_tokens", r.truncated, lab)
         e.inc("specedge_spec_decode_num_accepted_tokens", r.accepted, lab)
         e.inc("specedge_spec_decode_num_emitted_tokens", r.emitted, lab)
         for pos in range(min(r.accepted, MAX_POSITIONS)):

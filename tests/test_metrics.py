@@ -38,10 +38,11 @@ def val(m, name, **labels):
         m.registry.get_sample_value(name, labels)
 
 
-def tree_round(tree_tokens, parents, accepted, bonus, finished=False):
+def tree_round(tree_tokens, parents, accepted, bonus, finished=False, verified=None):
     req = VerifyRequest("s1", DraftTree(tuple(tree_tokens), tuple(parents)), 10)
     toks = tuple(tree_tokens[i] for i in accepted) + ((bonus,) if bonus is not None else ())
-    res = VerifyResult("s1", tuple(accepted), bonus, toks, 10 + len(toks), finished, "stop" if finished else None)
+    res = VerifyResult("s1", tuple(accepted), bonus, toks, 10 + len(toks), finished, "stop" if finished else None,
+                       len(tree_tokens) if verified is None else verified)
     return req, res
 
 
@@ -77,6 +78,14 @@ def test_tree_round_counters_follow_vllm(vm, accepted):
         got = val(vm, "specedge_spec_decode_num_accepted_tokens_per_pos_total", position=str(pos), **lab)
         assert (got or 0) == (1 if pos < len(accepted) else 0)
     assert val(vm, "specedge_draft_tree_nodes_count", **lab) == 1
+
+
+def test_truncated_rounds_count_verified_and_cut_nodes(vm):
+    req, res = tree_round([5, 6, 7, 8, 9], [-1, 0, 0, 2, -1], [0], bonus=11, verified=2)
+    vm.on_round("alpha", "s1", req, res)
+    lab = {"tenant": "alpha", "mode": "tree"}
+    assert val(vm, "specedge_spec_decode_num_draft_tokens_total", **lab) == 2
+    assert val(vm, "specedge_spec_decode_num_truncated_tokens_total", **lab) == 3
 
 
 def test_chain_round_counts_resampled_token(vm):
