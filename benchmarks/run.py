@@ -468,18 +468,14 @@ def run_calibration(plan: Plan, draft: str, prompts: list[list[int]], workdir: P
 # -- the run -----------------------------------------------------------------------------------
 def app_config(plan: Plan, draft: str, depth: int) -> dict:
     target = {"model": plan.target, "dtype": "auto"}
-    if draft == "ngram":
-        sd_model = {"model": "prompt-lookup"}
-    elif plan.target.startswith("tiny"):
-        sd_model = {"model": draft, "dtype": "auto"}
-    else:
-        sd_model = {"model": draft, "dtype": "auto"}
+    sd_model = {"model": "prompt-lookup"} if draft == "ngram" else {"model": draft, "dtype": "auto"}
     return {
         "target": target,
         "verifier": {"num_replicas": 1, "num_cpus": 1, "torch_threads": 1, "max_batch_sessions": 16,
                      "batch_wait_ms": 2, "max_tree_nodes": 64, "idle_timeout_s": 600},
         "router": {"tenants": [{"name": "bench", "api_key": API_KEY, "max_sessions": 1024}]},
         "server_draft": {"model": sd_model, "depth": depth},
+        "access_log": False,  # per-request log lines off, as in vLLM's server (--disable-uvicorn-access-log)
     }
 
 
