@@ -99,6 +99,7 @@ class Edge:
                     s = res.stats
                     out.append({"tokens": s.tokens, "seconds": time.perf_counter() - t0, "ttft_s": s.ttft_s,
                                 "arrivals": arrivals, "rounds": s.rounds, "draft_tokens": s.draft_tokens,
+                                "verified_nodes": s.verified_nodes, "confidence": acfg.send_confidence,
                                 "accepted": s.accepted_tokens, "aligned": s.aligned,
                                 "align_attempts": s.align_attempts, "depth_sum": s.depth_sum,
                                 "draft_forwards": s.draft_forwards, "proactive_forwards": s.proactive_forwards,
@@ -228,7 +229,10 @@ def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
             draft_forwards_per_round=sum(g["draft_forwards"] for g in gens) / rounds if rounds else float("nan"),
             proactive_forwards=sum(g["proactive_forwards"] for g in gens),
             reopens=sum(g["reopens"] for g in gens),
-            up_payload_bytes=sum(20 * g["rounds"] + 6 * g["draft_tokens"] for g in gens),
+            # 6 bytes per node, 7 with the confidence byte the replica's truncation uses
+            up_payload_bytes=sum(20 * g["rounds"] + (6 + g["confidence"]) * g["draft_tokens"] for g in gens),
+            verified_nodes_per_round=sum(g["verified_nodes"] for g in gens) / rounds if rounds else float("nan"),
+            sent_nodes_per_round=sum(g["draft_tokens"] for g in gens) / rounds if rounds else float("nan"),
             down_payload_bytes=sum(24 * g["rounds"] + 2 * g["accepted"] for g in gens),
             rtt_ms_measured=(sum(x for g in gens for x in g["rtt_ms"])
                              / max(1, sum(len(g["rtt_ms"]) for g in gens))))

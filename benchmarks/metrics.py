@@ -113,6 +113,9 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         "draft_depth_mean": edge.get("depth_mean", float("nan")),
         "draft_ms_per_forward": edge.get("draft_ms_mean", float("nan")),
         "draft_forwards_per_round": edge.get("draft_forwards_per_round", float("nan")),
+        # server-side truncation: nodes sent vs nodes the replica chose to verify, per session round
+        "sent_nodes_per_round": edge.get("sent_nodes_per_round", float("nan")),
+        "verified_nodes_per_round": edge.get("verified_nodes_per_round", float("nan")),
         "server_tokens_per_cpu_s": (w.tokens_emitted / (w.verifier_cpu_s + w.server_draft_cpu_s)
                                     if w.verifier_cpu_s + w.server_draft_cpu_s > 0 else float("nan")),
         "tokens_per_server_cpu_s": (w.tokens_emitted / w.server_cpu_s if w.server_cpu_s > 0
