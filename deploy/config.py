@@ -61,7 +61,10 @@ class VerifierConfig(_Strict):
     num_gpus_per_stage: float = Field(0.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
-    chain_top_k: int = Field(64, ge=1, le=4096, description="K of the sparse target distribution on rejection")
+    chain_top_k: int = Field(64, ge=1, le=4096,
+                             description="rejection rule: most entries of p per rejection reply (all of p when its "
+                                         "support fits; else up to K head entries and K tail candidates); exact "
+                                         "for any K, only the bytes and refill round trips change")
     truncate_trees: bool = Field(True, description="per batch, verify the prefix of each priority-ordered tree that "
                                                    "maximises expected tokens per forward second "
                                                    "(deploy/verifier/truncation.py)")

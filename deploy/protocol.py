@@ -18,8 +18,31 @@ Trees go in priority order (every prefix of the node list is a tree) and may car
 confidence byte per node (``F_CONF``: the node's cumulative draft log-probability,
 :func:`deploy.verifier.truncation.encode_confidence`), 7 bytes per node in all: the server
 verifies the prefix that pays off for the batch at hand and, when it cut the tree, says how
-many nodes it verified (``R_TRUNCATED`` + u16). Chain mode (DSSD rejection sampling) adds
-q(x) as f32 per node uplink and, on a rejection only, the top-K target distribution downlink.
+many nodes it verified (``R_TRUNCATED`` + u16).
+
+Chain mode (``F_CHAIN``; DSSD/PicoSpec split rejection sampling,
+:mod:`deploy.verifier.acceptance`): parents form a chain and each node carries q(x) as f32,
+10 bytes per draft token uplink; the residual sample owed after a rejection rides in the
+next frame (``F_RESAMPLED`` + u32, which also counts in its ``prefix_len``). A reply with
+``R_REJECTED`` has no bonus; it carries, exactly enough for the edge to sample
+norm(max(0, p - q)) with its own q:
+
+- the head of p: K entries (ids u32, then probs f32; K in the header), all of p's support
+  when it fits in the replica's ``chain_top_k`` (top-k / top-p requests, peaked rows):
+  24 + 2 * accepted + 8 * K bytes, and nothing else;
+- otherwise also ``R_TAIL``: f32 tail mass (p outside the head), u16 m, m candidate ids
+  u32 and their p as f32 -- i.i.d. samples of p's tail for the edge's rejection sampler:
+  6 + 8 * m more bytes. The replica sends the fewest entries K + m for which a bound on
+  the chance that the candidates run out (from q(x) - p(x) <= TV(p, q) of the rejected
+  token) is <= 1e-3, each at most ``chain_top_k`` (64: at most 1054 bytes; measured on
+  the embedded pair ~170 bytes per rejection at T = 0.7, ~350 at T = 1.0).
+
+If they do run out, the edge sends ``F_MORE`` (with ``F_CHAIN``, no nodes, 20 bytes,
+``prefix_len`` counting the owed token) and gets a refill: ``R_REJECTED | R_TAIL`` with
+K = 0 and ``chain_top_k`` fresh candidates, with no forward (the replica kept p's tail).
+A session that owes nothing (re-opened from the edge's history) answers ``F_MORE`` with a
+whole new rejection reply for its next position. Greedy chains never see a rejection: the
+bonus is the correction. Flags a decoder does not know are errors, never ignored.
 """
 
 from __future__ import annotations
@@ -38,8 +61,10 @@ MAX_NODES_WIRE = 4096
 _REQ_HEAD = struct.Struct("<HBBIHHff")  # magic, version, flags, prefix_len, n, depth_hint, draft_ms, rtt_ms
 _REP_HEAD = struct.Struct("<HBBBBHIIBxHI")  # magic, ver, flags, finish, _, n_acc, prefix_len, bonus, depth, budget, K
 
-F_CHAIN, F_RESAMPLED, F_CONF = 1, 2, 4  # request flags
-R_FINISHED, R_HAS_BONUS, R_REJECTED, R_TRUNCATED = 1, 2, 4, 8  # reply flags
+_TAIL_HEAD = struct.Struct("<fH")  # R_TAIL: tail mass, candidates
+
+F_CHAIN, F_RESAMPLED, F_CONF, F_MORE = 1, 2, 4, 8  # request flags
+R_FINISHED, R_HAS_BONUS, R_REJECTED, R_TRUNCATED, R_TAIL = 1, 2, 4, 8, 16  # reply flags
 FINISH_CODES = {None: 0, "stop": 1, "length": 2}
 FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
 
@@ -57,11 +82,12 @@ class VerifyFrame:
     q: list[float] | None = None  # chain mode: q(x) of each draft token
     resampled: int | None = None  # chain mode: residual sample owed after a rejection
     conf: list[int] | None = None  # per node: cumulative draft log-prob as one byte (priority-ordered trees)
+    more: bool = False  # chain mode: the residual's tail candidates ran out, send more (no nodes)
 
     def encode(self) -> bytes:
         n = len(self.tokens)
         flags = (F_CHAIN if self.q is not None else 0) | (F_RESAMPLED if self.resampled is not None else 0) | (
-            F_CONF if self.conf is not None else 0)
+            F_CONF if self.conf is not None else 0) | (F_MORE if self.more else 0)
         out = [_REQ_HEAD.pack(MAGIC, VERSION, flags, self.prefix_len, n, min(self.depth, 65535),
                               float(self.draft_ms), float(self.rtt_ms))]
         out.append(struct.pack(f"<{n}I", *self.tokens))
@@ -85,8 +111,10 @@ class VerifyFrame:
         magic, ver, flags, prefix_len, n, depth, draft_ms, rtt_ms = _REQ_HEAD.unpack_from(data)
         if magic != MAGIC or ver != VERSION:
             raise InvalidRequest("not a verify frame of protocol version 1")
-        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF):
+        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE):
             raise InvalidRequest(f"unknown flags {flags:#x}")
+        if flags & F_MORE and (flags & (F_CHAIN | F_RESAMPLED | F_CONF) != F_CHAIN or n):
+            raise InvalidRequest("flags: F_MORE goes with F_CHAIN alone and no nodes")
         if n > max_nodes:
             raise PayloadTooLarge(f"tree of {n} nodes exceeds the limit {max_nodes}")
         chain, has_conf = bool(flags & F_CHAIN), bool(flags & F_CONF)
@@ -106,7 +134,7 @@ class VerifyFrame:
         for x in (draft_ms, rtt_ms):
             if not (x == x and 0.0 <= x < 1e7):  # NaN or absurd telemetry
                 raise InvalidRequest("draft_ms / rtt_ms must be finite and non-negative")
-        return cls(prefix_len, tokens, parents, draft_ms, rtt_ms, depth, q, resampled, conf)
+        return cls(prefix_len, tokens, parents, draft_ms, rtt_ms, depth, q, resampled, conf, bool(flags & F_MORE))
 
 
 @dataclass
@@ -122,15 +150,35 @@ class ReplyFrame:
     reject_top_ids: list[int] = field(default_factory=list)
     reject_top_probs: list[float] = field(default_factory=list)
     verified: int | None = None  # nodes the server verified when it cut the tree (a prefix); None: all
+    tail_mass: float = 0.0  # chain mode, R_TAIL: p's mass outside reject_top_ids
+    tail_ids: list[int] = field(default_factory=list)  # i.i.d. samples of p's tail
+    tail_probs: list[float] = field(default_factory=list)  # p of each
+
+    @property
+    def has_tail(self) -> bool:
+        return self.tail_mass > 0 or bool(self.tail_ids)
+
+    @classmethod
+    def of_chain(cls, res, depth_hint: int, budget_hint: int) -> "ReplyFrame":
+        """The reply of a :class:`~deploy.verifier.engine.ChainVerifyResult`."""
+        rejected = res.bonus is None and not res.finished
+        return cls(list(range(res.num_accepted)), res.bonus, res.prefix_len, res.finished, res.finish_reason,
+                   depth_hint, budget_hint, rejected, list(res.reject_top_ids), list(res.reject_top_probs),
+                   None, res.tail_mass, list(res.tail_ids), list(res.tail_probs))
 
     def encode(self) -> bytes:
         flags = (R_FINISHED if self.finished else 0) | (R_HAS_BONUS if self.bonus is not None else 0) | (
-            R_REJECTED if self.rejected else 0) | (R_TRUNCATED if self.verified is not None else 0)
+            R_REJECTED if self.rejected else 0) | (R_TRUNCATED if self.verified is not None else 0) | (
+            R_TAIL if self.has_tail else 0)
         k = len(self.reject_top_ids)
         head = _REP_HEAD.pack(MAGIC, VERSION, flags, FINISH_CODES[self.finish_reason], 0, len(self.accepted),
                               self.prefix_len, self.bonus or 0, min(self.depth_hint, 255),
                               min(self.budget_hint, 65535), k)
         tail = struct.pack("<H", self.verified) if self.verified is not None else b""
+        if self.has_tail:
+            m = len(self.tail_ids)
+            tail += _TAIL_HEAD.pack(self.tail_mass, m) + struct.pack(f"<{m}I", *self.tail_ids) + struct.pack(
+                f"<{m}f", *self.tail_probs)
         return b"".join([head, struct.pack(f"<{len(self.accepted)}H", *self.accepted),
                          struct.pack(f"<{k}I", *self.reject_top_ids), struct.pack(f"<{k}f", *self.reject_top_probs),
                          tail])
@@ -140,16 +188,24 @@ class ReplyFrame:
         if len(data) < _REP_HEAD.size:
             raise InvalidRequest("reply frame too short")
         magic, ver, flags, fin, _, n, prefix_len, bonus, depth, budget, k = _REP_HEAD.unpack_from(data)
-        truncated = bool(flags & R_TRUNCATED)
-        if magic != MAGIC or ver != VERSION or len(data) != _REP_HEAD.size + 2 * n + 8 * k + 2 * truncated:
+        truncated, has_tail = bool(flags & R_TRUNCATED), bool(flags & R_TAIL)
+        size = _REP_HEAD.size + 2 * n + 8 * k + 2 * truncated
+        if magic != MAGIC or ver != VERSION or flags & ~(R_FINISHED | R_HAS_BONUS | R_REJECTED | R_TRUNCATED | R_TAIL):
+            raise InvalidRequest("malformed reply frame")
+        mass, m = _TAIL_HEAD.unpack_from(data, size) if has_tail and len(data) >= size + _TAIL_HEAD.size else (0.0, 0)
+        if len(data) != size + (_TAIL_HEAD.size + 8 * m if has_tail else 0):
             raise InvalidRequest("malformed reply frame")
         off = _REP_HEAD.size
         acc = list(struct.unpack_from(f"<{n}H", data, off)); off += 2 * n
         ids = list(struct.unpack_from(f"<{k}I", data, off)); off += 4 * k
         probs = list(struct.unpack_from(f"<{k}f", data, off)); off += 4 * k
         verified = struct.unpack_from("<H", data, off)[0] if truncated else None
+        off += 2 * truncated + _TAIL_HEAD.size * has_tail
+        tail_ids = list(struct.unpack_from(f"<{m}I", data, off)); off += 4 * m
+        tail_probs = list(struct.unpack_from(f"<{m}f", data, off))
         return cls(acc, bonus if flags & R_HAS_BONUS else None, prefix_len, bool(flags & R_FINISHED),
-                   FINISH_NAMES.get(fin), depth, budget, bool(flags & R_REJECTED), ids, probs, verified)
+                   FINISH_NAMES.get(fin), depth, budget, bool(flags & R_REJECTED), ids, probs, verified,
+                   mass, tail_ids, tail_probs)
 
 
 class _Body(BaseModel):

@@ -8,6 +8,19 @@ until the server says the session finished. Modes (benchmarks compare them):
 - ``proactive`` (SpecEdge §4.2): while the reply is in flight, keep drafting from the
   best leaf; on complete draft alignment the next tree starts from that work.
 
+Verification rules (``AgentConfig.verify``):
+
+- ``match`` (default): draft trees, the server samples the target and follows matching
+  children ("sample, then match"); no draft probabilities on the wire.
+- ``rejection`` (DSSD / PicoSpec split rejection sampling): draft *chains* sampled from the
+  draft's q with q(x) per token; the server accepts x w.p. min(1, p/q), and on a rejection
+  the edge samples the replacement from the residual norm(max(0, p - q)) with its own q and
+  the reply's part of p (:class:`deploy.verifier.acceptance.ResidualSampler`; when those
+  candidates run out it asks for more, a round trip without a forward), then carries the
+  token in its next frame. Accepts far more than sample-then-match at temperature > 0;
+  greedy output is the same. Proactive drafting extends the chain while a reply is in
+  flight (:class:`edge_agent.drafting.ChainDraftSession`).
+
 Concurrency mechanism: the verify call is an ``asyncio`` task on the event loop (network
 I/O for :class:`HttpTransport`; a worker thread for :class:`LocalTransport`'s engine).
 Every draft forward runs in the agent's own single worker thread
@@ -31,17 +44,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import torch
+
 from deploy.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
-from deploy.protocol import ClientInfo, OpenSession, SessionOpened, VerifyFrame
+from deploy.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
+from deploy.verifier.acceptance import Rejection, ResidualSampler
 from deploy.verifier.sampling import SamplingParams
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.drafter import Drafter
-from edge_agent.drafting import DraftSession
+from edge_agent.drafting import ChainDraftSession, DraftSession
 from edge_agent.errors import ConnectionLost, EdgeError, TokenizerMismatch
 from edge_agent.transport import ModelInfo, Transport
 from edge_agent.tree_builder import TreeConfig
 
 MODES = ("proactive", "stop-and-wait")
+VERIFY_RULES = ("match", "rejection")  # sample-then-match trees | split rejection sampling of chains
 
 
 @dataclass
@@ -59,10 +76,13 @@ class AgentConfig:
     ping_every: int = 16  # rounds between RTT pings (0 = only at open)
     check_tokenizer: bool = True
     send_confidence: bool = True  # one byte per node (cumulative draft log-prob): the server's truncation uses it
+    verify: str = "match"  # match (trees, sample then match) | rejection (chains with q(x), DSSD split)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.verify not in VERIFY_RULES:
+            raise ValueError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")
         DepthPolicy(self.depth_policy)  # validates the name
 
 
@@ -84,6 +104,8 @@ class GenerationStats:
     reused_tokens: int = 0  # proactive tokens carried into the next tree
     reopens: int = 0
     overload_waits: int = 0
+    rejections: int = 0  # rejection rule: rounds that ended in a residual sample at the edge
+    refills: int = 0  # rejection rule: round trips for more residual candidates (no forward)
     depth_sum: int = 0
     rtt_ms: list[float] = field(default_factory=list)  # network RTT samples (pings)
     round_ms: list[float] = field(default_factory=list)  # send -> reply of each verify
@@ -298,6 +320,10 @@ class EdgeAgent:
         if sess.first_token is not None:
             emit([sess.first_token])
         finished, finish_reason = sess.finished, sess.finish_reason
+        if cfg.verify == "rejection":
+            if not finished:
+                finish_reason = await self._rejection_rounds(info, params, prompt_ids, generated, emit, stats, sess)
+            return self._result(prompt_ids, generated, stream, stats, t_start, finish_reason)
         depth_hint, budget_hint = sess.depth_hint, sess.budget_hint
         ds = DraftSession(self.drafter, self._tree_config(info, budget_hint))
         ds.start(prompt_ids + generated)
@@ -383,11 +409,191 @@ class EdgeAgent:
             if ping_task is not None:
                 ping_task.cancel()
             await self._safe_close(sid)
+        return self._result(prompt_ids, generated, stream, stats, t_start, finish_reason)
+
+    @staticmethod
+    def _result(prompt_ids, generated, stream, stats: GenerationStats, t_start: float,
+                finish_reason: str | None) -> GenerationResult:
         stats.tokens = len(generated)
         stats.seconds = time.perf_counter() - t_start
         stats.finish_reason = finish_reason
         text = stream.text() if stream is not None else None
         return GenerationResult(generated, text, stats, prompt_ids)
+
+    async def _reopen(self, sid: str, prompt_ids: list[int], generated: list[int], params: SamplingParams,
+                      stats: GenerationStats, stalled: int) -> SessionOpened:
+        """Re-open a lost session from the edge's history (backing off when it keeps failing)."""
+        stats.reopens += 1
+        await self._safe_close(sid)
+        if stalled > 1:  # evicted again before any progress: back off (a thrashing KV budget)
+            await asyncio.sleep(min(0.05 * 2 ** (stalled - 2), 2.0) * (0.5 + random.random()))
+        sess = await self._open(prompt_ids, list(generated), params, stats)
+        if sess.prefix_len != len(prompt_ids) + len(generated):
+            raise EdgeError(f"re-opened session has prefix {sess.prefix_len}, expected "
+                            f"{len(prompt_ids) + len(generated)}")
+        return sess
+
+    def _edge_generator(self, params: SamplingParams) -> torch.Generator | None:
+        """The edge's own randomness (draft samples, residual samples), independent of the
+        server's. With a seed, a run repeats exactly when its rounds do not depend on timing
+        (stop-and-wait, fixed depth); the output distribution is the target's in every case."""
+        if params.greedy:
+            return None
+        g = torch.Generator()
+        g.manual_seed((params.seed ^ 0x5EED_ED6E) if params.seed is not None else int(torch.randint(0, 2**62, ())))
+        return g
+
+    async def _rejection_rounds(self, info: ModelInfo, params: SamplingParams, prompt_ids: list[int],
+                                generated: list[int], emit, stats: GenerationStats, sess: SessionOpened) -> str | None:
+        """Rounds of the rejection rule until the session finishes; returns the finish reason.
+
+        A round: draft a chain (x_i ~ q_i), send it with q_i(x_i) and the token owed from the
+        last rejection, proactively extend the chain while waiting, apply the reply: accepted
+        tokens, then the bonus, or on a rejection a residual sample drawn here (asking for more
+        tail candidates while they run out). The owed token is emitted at once; the server
+        learns it with the next frame.
+        """
+        cfg = self.config
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(info.eos_token_ids))
+        cs = ChainDraftSession(self.drafter, info.vocab_size, params, self._edge_generator(params))
+        cs.start(prompt_ids + generated)
+        sid = sess.session_id
+        depth_hint, budget_hint = sess.depth_hint, sess.budget_hint
+        owed: int | None = None  # the residual sample the server has not seen yet (it is in ``generated``)
+        pending: ResidualSampler | None = None  # a rejection whose residual sample is not drawn yet
+        ping_task: asyncio.Task | None = None
+        stalled = 0
+        try:
+            while True:
+                if cfg.ping_every and stats.rounds and stats.rounds % cfg.ping_every == 0 and ping_task is None:
+                    ping_task = asyncio.create_task(self._ping(stats))
+                if ping_task is not None and ping_task.done():
+                    ping_task = None
+                t = self.telemetry
+                base = len(prompt_ids) + len(generated)
+                if pending is not None:  # the residual's tail candidates ran out: ask for more (no draft)
+                    frame = VerifyFrame(prefix_len=base + 1, tokens=[], parents=[], q=[], more=True,
+                                        draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0))
+                    try:
+                        reply = await self._verify(sid, frame, stats)
+                    except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
+                        stalled += 1  # re-opens since the last verified round
+                        if stalled > cfg.max_reopens:
+                            raise
+                        sess = await self._reopen(sid, prompt_ids, generated, params, stats, stalled)
+                        sid = sess.session_id  # the new session answers with a whole new rejection
+                        continue
+                    stats.refills += 1
+                    if not reply.rejected:
+                        raise EdgeError("the server answered a request for residual candidates without them")
+                    if reply.reject_top_ids:  # a re-opened session sent a whole new rejection
+                        pending.reset(_rejection(reply))
+                    else:
+                        pending.extend(_rejection(reply))
+                    tok = pending.sample()
+                    if tok is not None:
+                        pending, owed = None, tok
+                        emit([tok])
+                        cs.start(prompt_ids + generated)
+                        if self._ends(tok, stops, generated, params):
+                            return await self._send_owed(sid, base + 1, owed, stats)
+                    continue
+                remaining = params.max_tokens - len(generated)
+                npl = 1.0  # a chain: one node per level
+                depth = self.policy.choose(self.telemetry, depth_hint, npl, stats.rounds)
+                cap = min(cfg.max_depth, info.max_tree_depth, info.max_tree_nodes, cfg.budget,
+                          budget_hint or cfg.budget)
+                depth = max(0, min(depth, remaining - 1, cap))
+                if budget_hint == 0:  # the server says drafts do not pay now: plain decoding
+                    depth = 0
+                n_fwd0 = len(cs.forward_times)
+                await self._run(cs.draft, depth)
+                send = 0 if depth == 0 else min(max(depth, len(cs.chain)), remaining - 1, cap)
+                tokens, qs = cs.freeze(send)
+                self._observe_drafts(cs, n_fwd0, stats)
+                stats.draft_forwards += len(cs.forward_times) - n_fwd0
+                frame = VerifyFrame(prefix_len=base, tokens=tokens, parents=list(range(-1, len(tokens) - 1)),
+                                    q=qs, resampled=owed, draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0),
+                                    depth=cs.forwards)
+                t0 = time.perf_counter()
+                task = asyncio.create_task(self._verify(sid, frame, stats))
+                if cfg.mode == "proactive" and budget_hint != 0:
+                    n_pro0 = len(cs.forward_times)
+                    max_chain = cfg.proactive_max or cfg.max_depth
+                    while not task.done():
+                        if not await self._run(cs.proactive_step, max_chain):
+                            break
+                    stats.proactive_forwards += len(cs.forward_times) - n_pro0
+                    self._observe_drafts(cs, n_pro0, stats)
+                try:
+                    reply = await task
+                except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
+                    stalled += 1  # re-opens since the last verified round
+                    if stalled > cfg.max_reopens:
+                        raise
+                    sess = await self._reopen(sid, prompt_ids, generated, params, stats, stalled)
+                    sid, owed = sess.session_id, None  # the owed token is in the history now
+                    if sess.finished:
+                        return sess.finish_reason
+                    depth_hint, budget_hint = sess.depth_hint or depth_hint, sess.budget_hint
+                    cs.start(prompt_ids + generated)
+                    continue
+                round_ms = (time.perf_counter() - t0) * 1e3
+                stalled = 0
+                n_acc = len(reply.accepted)
+                if reply.accepted != list(range(n_acc)) or n_acc > len(tokens) or reply.prefix_len != base + n_acc + (
+                        not reply.finished or reply.bonus is not None):
+                    raise EdgeError(f"reply (prefix length {reply.prefix_len}, {n_acc} accepted) does not match "
+                                    "the chain sent")
+                owed = None
+                stats.rounds += 1
+                stats.draft_tokens += len(tokens)
+                stats.verified_nodes += len(tokens)
+                stats.accepted_tokens += n_acc
+                stats.depth_sum += len(tokens)
+                stats.round_ms.append(round_ms)
+                self.telemetry.observe_round(len(tokens), n_acc, len(tokens), round_ms)
+                depth_hint = reply.depth_hint or depth_hint
+                budget_hint = reply.budget_hint
+                if reply.rejected:
+                    stats.rejections += 1
+                    sampler = ResidualSampler(_rejection(reply), cs.q_at(n_acc), cs.generator)
+                    emit(tokens[:n_acc])
+                    cs.on_reply(n_acc, None)
+                    tok = sampler.sample()
+                    if tok is None:
+                        pending = sampler
+                        continue
+                    owed = tok
+                    emit([tok])
+                    cs.start(prompt_ids + generated)
+                    if self._ends(tok, stops, generated, params):
+                        return await self._send_owed(sid, reply.prefix_len, owed, stats)
+                    continue
+                al = cs.on_reply(n_acc, reply.bonus)
+                emit(tokens[:n_acc] + ([reply.bonus] if reply.bonus is not None else []))
+                stats.align_attempts += al.attempted
+                stats.aligned += al.aligned
+                stats.reused_tokens += al.reused
+                if reply.finished:
+                    return reply.finish_reason
+        finally:
+            if ping_task is not None:
+                ping_task.cancel()
+            await self._safe_close(sid)
+
+    @staticmethod
+    def _ends(tok: int, stops: set[int], generated: list[int], params: SamplingParams) -> bool:
+        return tok in stops or len(generated) >= params.max_tokens
+
+    async def _send_owed(self, sid: str, prefix_len: int, owed: int, stats: GenerationStats) -> str | None:
+        """The owed token ends the generation: tell the server (an empty chain), for its finish reason."""
+        try:
+            reply = await self._verify(sid, VerifyFrame(prefix_len=prefix_len, tokens=[], parents=[], q=[],
+                                                        resampled=owed), stats)
+        except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
+            return None  # the output is complete either way
+        return reply.finish_reason
 
     def _tree_config(self, info: ModelInfo, budget_hint: int) -> TreeConfig:
         cfg = self.config
@@ -395,7 +601,7 @@ class EdgeAgent:
         return TreeConfig(budget=max(1, budget), topk=cfg.topk, max_expand=cfg.max_expand,
                           max_depth=min(cfg.max_depth, info.max_tree_depth))
 
-    def _observe_drafts(self, ds: DraftSession, start: int, stats: GenerationStats) -> None:
+    def _observe_drafts(self, ds: DraftSession | ChainDraftSession, start: int, stats: GenerationStats) -> None:
         for s in ds.forward_times[start:]:
             self.telemetry.observe_draft(s)
             stats.draft_ms.append(s * 1e3)
@@ -414,3 +620,9 @@ class EdgeAgent:
             await self.transport.close(sid)
         except Exception:  # noqa: BLE001 - closing is best effort (the server evicts idle sessions)
             pass
+
+
+def _rejection(reply: ReplyFrame) -> Rejection:
+    """The edge's half of a rejection reply (:mod:`deploy.verifier.acceptance`)."""
+    return Rejection(tuple(reply.reject_top_ids), tuple(reply.reject_top_probs), reply.tail_mass,
+                     tuple(reply.tail_ids), tuple(reply.tail_probs))

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from edge_agent.agent import MODES, AgentConfig, EdgeAgent
+from edge_agent.agent import MODES, VERIFY_RULES, AgentConfig, EdgeAgent
 from edge_agent.depth import POLICIES
 
 DRAFT_HELP = ("draft model: 'ngram' (prompt lookup, no model), 'embedded-draft' (the project's trained draft "
@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--server", help="server base URL, e.g. http://127.0.0.1:8000")
         sp.add_argument("--api-key", default=os.environ.get("SPECEDGE_API_KEY"),
                         help="tenant API key (default: $SPECEDGE_API_KEY)")
-        sp.add_argument("--ws", action="store_true", help="verify over a WebSocket instead of HTTP POST")
+        sp.add_argument("--ws", action=argparse.BooleanOptionalAction, default=True,
+                        help="verify over a per-session WebSocket (default; cheaper per round) or, with --no-ws, "
+                             "HTTP POST")
         sp.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds")
 
     info = sub.add_parser("info", help="show the server's model and limits")
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="draft device: auto, cpu, cuda, mps")
     g.add_argument("--dtype", default="auto", help="draft (and --local target) dtype: auto, float32, bfloat16")
     g.add_argument("--mode", choices=MODES, default="proactive")
+    g.add_argument("--verify", choices=VERIFY_RULES, default="match",
+                   help="match: draft trees, the server samples and follows matching children (no draft "
+                        "probabilities sent); rejection: draft chains sampled from the draft with q(x) per token, "
+                        "split rejection sampling (DSSD/PicoSpec), more tokens per round at temperature > 0")
     g.add_argument("--depth-policy", choices=POLICIES, default="auto")
     g.add_argument("--depth", type=int, default=4, help="fixed depth / default before measurements")
     g.add_argument("--max-depth", type=int, default=12)
@@ -182,7 +188,7 @@ async def _generate(a) -> int:
             raise SystemExit("error: the target has no tokenizer; use --prompt-ids")
         prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
         cfg = AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
-                          budget=a.budget, topk=a.topk, max_expand=a.max_expand)
+                          budget=a.budget, topk=a.topk, max_expand=a.max_expand, verify=a.verify)
         agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
         metrics = None
         if a.metrics_port is not None:
@@ -211,7 +217,7 @@ async def _generate(a) -> int:
             metrics.close()
     if a.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": len(res.prompt_ids),
-                          "stats": res.stats.to_dict(), "draft": a.draft, "mode": a.mode,
+                          "stats": res.stats.to_dict(), "draft": a.draft, "mode": a.mode, "verify": a.verify,
                           "depth_policy": a.depth_policy, "model": info.model}))
     else:
         sys.stdout.write("\n")

@@ -54,6 +54,20 @@ class Drafter:
         """Feed ``reqs`` (one draft forward) and return each node's top-``k`` next tokens."""
         raise NotImplementedError
 
+    def next_logits(self, prefix: list[int], reqs: list[ExpandRequest], vocab_size: int) -> list[torch.Tensor | None]:
+        """Like :meth:`expand`, but each node's whole next-token distribution: [vocab_size]
+        float32 log-probabilities over the target's ids on the CPU (-inf: never proposed), or
+        None when the drafter proposes nothing there. Chain rejection sampling needs q in full."""
+        out = []
+        for toks, lps in self.expand(prefix, reqs, vocab_size):
+            if not toks:
+                out.append(None)
+                continue
+            row = torch.full((vocab_size,), float("-inf"))
+            row[torch.tensor(toks, dtype=torch.long)] = torch.tensor(lps, dtype=torch.float32)
+            out.append(torch.log_softmax(row, dim=-1))
+        return out
+
     def advance(self, prefix: list[int], path_ids: list[int], live_ids: list[int]) -> None:
         """The verified prefix is now ``prefix``; the state of fed nodes ``path_ids`` (in
         order) becomes part of it, ``live_ids`` stay as nodes of the next tree; every
@@ -125,6 +139,20 @@ class ModelDrafter(Drafter):
         return logits
 
     def expand(self, prefix: list[int], reqs: list[ExpandRequest], k: int) -> list[Candidates]:
+        logits = self._feed(prefix, reqs)
+        return [self._topk(logits[i], k) for i in range(len(reqs))]
+
+    def next_logits(self, prefix: list[int], reqs: list[ExpandRequest], vocab_size: int) -> list[torch.Tensor | None]:
+        lp = torch.log_softmax(self._feed(prefix, reqs).float(), dim=-1).cpu()  # [n, V_draft]
+        if self.vocab_map is None and lp.shape[-1] == vocab_size:
+            return list(lp)
+        full = torch.full((len(reqs), vocab_size), float("-inf"))
+        cols = self.vocab_map.cpu() if self.vocab_map is not None else torch.arange(min(lp.shape[-1], vocab_size))
+        full[:, cols] = lp[:, : len(cols)]
+        return list(full)
+
+    def _feed(self, prefix: list[int], reqs: list[ExpandRequest]) -> torch.Tensor:
+        """One draft forward over ``reqs``; their next-token logits [len(reqs), V_draft]."""
         if any(r.nid == ROOT for r in reqs):
             if len(reqs) != 1:
                 raise ValueError("the root is expanded alone (no node exists below an unfed root)")
@@ -133,7 +161,7 @@ class ModelDrafter(Drafter):
             self._truncate(c)
             logits = self._run(chunk_input(self.SID, c, prefix[c:]), commit=True)
             self.cached = list(prefix)
-            return [self._topk(logits[0], k)]
+            return logits[:1]
         if self.cached != prefix[: len(self.cached)] or len(self.cached) != len(prefix):
             raise RuntimeError("draft KV is not at the verified prefix; expand the root first")
         c = len(self.cached)
@@ -155,7 +183,7 @@ class ModelDrafter(Drafter):
         logits = self._run(item, commit=False)
         for r in reqs:
             self.slots[r.nid] = pos[r.nid]
-        return [self._topk(logits[i], k) for i in range(len(reqs))]
+        return logits
 
     def fed(self, nid: int) -> bool:
         return nid in self.slots

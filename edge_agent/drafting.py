@@ -27,6 +27,9 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from deploy.verifier.sampling import SamplingParams, sample_from_probs, target_probs
 from deploy.verifier.tree import DraftTree
 from edge_agent.drafter import Candidates, Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeBuilder, TreeConfig
@@ -192,3 +195,120 @@ class DraftSession:
             if p is None or p.id not in self.builder or p.cands is None:
                 break
             parent, cands = p.id, p.cands
+
+
+# -- chain drafts for rejection sampling ----------------------------------------------------
+@dataclass
+class _Link:
+    id: int
+    token: int
+    q: torch.Tensor  # [vocab] the draft distribution the token was sampled from
+    fed: bool = False  # its draft state is computed (the next link's q came from it)
+
+
+class ChainDraftSession:
+    """Chain drafting for split rejection sampling (Leviathan et al. 2023; DSSD §3).
+
+    Each draft token is *sampled* from the draft's distribution q processed with the
+    request's sampling parameters (greedy: its argmax), and q is kept: its value at the
+    token goes uplink, and on a rejection the whole q is the edge's half of the residual
+    norm(max(0, p - q)) (:class:`deploy.verifier.acceptance.ResidualSampler`).
+
+    Proactive drafting (SpecEdge §4.2) extends the chain past the sent tokens while the
+    reply is in flight. If every sent token is accepted and the server's bonus equals the
+    first proactive token, the rest of the proactive chain (and its draft KV) starts the
+    next chain. That is still an exact draft: each proactive token was sampled from q given
+    the tokens before it with the edge's own randomness, and whether the chain is reused
+    depends only on the first proactive token and the server's bonus, so the reused tokens
+    are distributed as a fresh chain drafted from the new prefix would be.
+    """
+
+    def __init__(self, drafter: Drafter, vocab_size: int, params: SamplingParams,
+                 generator: torch.Generator | None):
+        self.drafter, self.vocab_size, self.generator = drafter, vocab_size, generator
+        self.greedy = params.greedy
+        self.q_params = SamplingParams(temperature=1.0) if params.greedy else params  # greedy: any q, argmax drafts
+        self.ids = itertools.count()
+        self.forward_times: list[float] = []
+        self._reset([])
+
+    def start(self, prefix: list[int]) -> None:
+        """Begin drafting after ``prefix`` (the edge's whole history, owed token included)."""
+        self._reset(prefix)
+        self.drafter.advance(self.prefix, [], [])  # the draft KV keeps what it has of ``prefix``
+
+    def _reset(self, prefix: list[int]) -> None:
+        self.prefix = list(prefix)
+        self.chain: list[_Link] = []
+        self.next_q: torch.Tensor | None = None  # the distribution after the chain's last token, once fed
+        self.sent = 0
+        self.dry = False  # the drafter proposes nothing after the chain: wait for the next prefix
+        self.forwards = 0  # draft forwards of the current chain
+
+    def _feed(self) -> torch.Tensor | None:
+        """One draft forward: the distribution after the chain's last token (the root's when empty)."""
+        if self.chain:
+            last = self.chain[-1]
+            req = ExpandRequest(last.id, last.token, len(self.chain), tuple(c.id for c in self.chain[:-1]),
+                                tuple(c.token for c in self.chain))
+        else:
+            req = ExpandRequest(ROOT, self.prefix[-1], 0)
+        t0 = time.perf_counter()
+        (lp,) = self.drafter.next_logits(self.prefix, [req], self.vocab_size)
+        self.forward_times.append(time.perf_counter() - t0)
+        self.forwards += 1
+        if self.chain:
+            self.chain[-1].fed = True
+        return None if lp is None else target_probs(lp, self.q_params)  # [vocab]
+
+    def step(self) -> bool:
+        """Add one token (at most one draft forward); False when the drafter has nothing."""
+        if self.dry:
+            return False
+        if self.next_q is None:
+            self.next_q = self._feed()
+            if self.next_q is None:
+                self.dry = True
+                return False
+        q, self.next_q = self.next_q, None
+        x = int(torch.argmax(q)) if self.greedy else sample_from_probs(q, self.generator)
+        self.chain.append(_Link(next(self.ids), x, q))
+        return True
+
+    def draft(self, depth: int) -> None:
+        """Grow the chain to ``depth`` tokens (tokens carried over from proactive drafting count)."""
+        while len(self.chain) < depth and self.step():
+            pass
+
+    def freeze(self, n: int) -> tuple[list[int], list[float]]:
+        """Send the first ``n`` tokens: (tokens, q(token) of each)."""
+        self.sent = n = min(n, len(self.chain))
+        return [c.token for c in self.chain[:n]], [1.0 if self.greedy else min(1.0, float(c.q[c.token]))
+                                                    for c in self.chain[:n]]
+
+    def proactive_step(self, max_chain: int) -> bool:
+        """Extend the chain past the sent tokens by one, up to ``max_chain`` proactive tokens."""
+        return len(self.chain) - self.sent < max_chain and self.step()
+
+    def q_at(self, i: int) -> torch.Tensor:
+        """The draft distribution of sent token ``i`` (the residual's q when it is rejected)."""
+        return self.chain[i].q
+
+    def on_reply(self, num_accepted: int, last: int | None) -> Alignment:
+        """Apply a verification: ``num_accepted`` sent tokens and then ``last`` (the bonus, or
+        the resampled token; None while the edge is still sampling the residual)."""
+        emitted = [c.token for c in self.chain[:num_accepted]] + ([last] if last is not None else [])
+        attempted = len(self.chain) > self.sent
+        aligned = (attempted and last is not None and num_accepted == self.sent
+                   and self.chain[self.sent].token == last)
+        keep = self.chain[: self.sent + 1] if aligned else self.chain[:num_accepted]
+        seed = self.chain[self.sent + 1:] if aligned else []
+        path = list(itertools.takewhile(lambda c: c.fed, keep))
+        if len(path) < len(keep):  # the reused chain needs all of the accepted path in the draft KV
+            seed = []
+        self.drafter.advance(self.prefix + emitted, [c.id for c in path], [c.id for c in seed if c.fed])
+        self.prefix += emitted
+        if not seed and not (aligned and len(path) == len(keep)):
+            self.next_q = None  # it was the distribution after a dropped token
+        self.chain, self.sent, self.dry, self.forwards = seed, 0, False, 0
+        return Alignment(attempted, aligned, len(seed))

@@ -5,23 +5,26 @@ info, open (also re-open from history), verify (binary frames), close, plus a pi
 RTT. The agent's logic is identical over both implementations:
 
 - :class:`HttpTransport`: an ``httpx.AsyncClient`` with keep-alive (a verify round is one
-  request on a warm connection: one RTT), or one WebSocket per session (``ws=True``).
+  request on a warm connection: one RTT), or one WebSocket per session (``ws=True``, the
+  default: it costs the server ~0.6x the CPU per round, and falls back to POST where a
+  proxy refuses the upgrade).
   Timeouts; retries with exponential backoff where a retry is safe (connection refused,
   503, 429 after ``Retry-After``); a verify whose reply is lost raises
   :class:`~edge_agent.errors.ConnectionLost` (it may or may not have been applied), and
   the agent re-opens the session from its history instead of guessing.
 - :class:`LocalTransport`: a :class:`deploy.verifier.engine.VerifierEngine` in this
-  process (``edge-agent --local``, fast tests). Frames still go through the binary
-  codec; the engine runs in a worker thread so the event loop (and proactive drafting)
-  keep going; an optional simulated RTT; a SpecEdge §4.3 pacing hint computed from the
-  measured verify time and the edge's reported draft time and RTT; and test hooks to
-  evict sessions between rounds.
+  process (``edge-agent --local``, fast tests). Frames (trees, and chains of the rejection
+  rule) still go through the binary codec; the engine runs in a worker thread so the event
+  loop (and proactive drafting) keep going; an optional simulated RTT; a SpecEdge §4.3
+  pacing hint computed from the measured verify time and the edge's reported draft time
+  and RTT; and test hooks to evict sessions between rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import threading
 import time
@@ -32,6 +35,8 @@ from typing import Callable
 from deploy.errors import SessionEvicted, SessionNotFound, SpecError
 from deploy.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 from edge_agent.errors import ConnectionLost, ServerUnreachable, error_from_json
+
+log = logging.getLogger("edge_agent")
 
 
 @dataclass(frozen=True)
@@ -146,21 +151,32 @@ class LocalTransport(Transport):
             self.evicted.add(sid)
 
     def _verify(self, sid: str, body: bytes) -> bytes:
-        from deploy.verifier.engine import VerifyRequest
+        from deploy.errors import InvalidRequest
+        from deploy.verifier.engine import ChainVerifyRequest, VerifyRequest
         from deploy.verifier.tree import DraftTree
 
         if sid in self.evicted:
             raise SessionEvicted(f"session {sid!r} was evicted")
         frame = VerifyFrame.decode(body)
         t0 = time.perf_counter()
-        (res,) = self.engine.verify([VerifyRequest(sid, DraftTree(tuple(frame.tokens), tuple(frame.parents)),
-                                                   frame.prefix_len)])
+        if frame.q is None:  # a tree: sample, then match
+            (res,) = self.engine.verify([VerifyRequest(sid, DraftTree(tuple(frame.tokens), tuple(frame.parents)),
+                                                       frame.prefix_len)])
+        else:  # a chain with q(x): rejection sampling (the server's checks, as the replica makes them)
+            if any(p != i - 1 for i, p in enumerate(frame.parents)):
+                raise InvalidRequest("chain mode: parents must form a chain")
+            (res,) = self.engine.verify_chain([ChainVerifyRequest(sid, tuple(frame.tokens), tuple(frame.q),
+                                                                  frame.prefix_len, frame.resampled, frame.more)])
         ms = (time.perf_counter() - t0) * 1e3
-        self.verify_ms = ms if self.verify_ms is None else 0.8 * self.verify_ms + 0.2 * ms
+        if not frame.more:  # a refill of residual candidates runs no forward
+            self.verify_ms = ms if self.verify_ms is None else 0.8 * self.verify_ms + 0.2 * ms
         if isinstance(res, SpecError):
             raise res
+        depth = self._depth_hint(frame.draft_ms, frame.rtt_ms)
+        if frame.q is not None:
+            return ReplyFrame.of_chain(res, depth, self.budget_hint).encode()
         return ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
-                          self._depth_hint(frame.draft_ms, frame.rtt_ms), self.budget_hint).encode()
+                          depth, self.budget_hint).encode()
 
     async def verify(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
         if self.before_verify is not None:
@@ -197,7 +213,9 @@ class HttpTransport(Transport):
 
     base_url: str
     api_key: str | None = None
-    ws: bool = False  # verify over a per-session WebSocket instead of POST
+    # verify over a per-session WebSocket (the default: x0.58 the server CPU per round of POST, in every
+    # hop; `python -m benchmarks.request_path`); falls back to POST where the upgrade is refused
+    ws: bool = True
     timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -306,9 +324,14 @@ class HttpTransport(Transport):
             except Exception:  # noqa: BLE001 - closing a broken socket
                 pass
 
+    async def _fall_back_to_post(self, sid: str, frame: VerifyFrame, why: str) -> ReplyFrame:
+        log.warning("WebSocket upgrade refused (%s): verifying over HTTP POST from now on", why)
+        self.ws = False
+        return await self.verify(sid, frame)
+
     async def _verify_ws(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
         from websockets.asyncio.client import connect
-        from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+        from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
 
         conn = self._ws.get(sid)
         if conn is None:
@@ -322,7 +345,11 @@ class HttpTransport(Transport):
                     body = json.loads(bytes(resp.body or b"").decode() or "null")
                 except (ValueError, UnicodeDecodeError):
                     body = None
+                if not (isinstance(body, dict) and "error" in body):  # not our server's refusal: no WebSockets
+                    return await self._fall_back_to_post(sid, frame, f"HTTP {resp.status_code}")
                 raise error_from_json(resp.status_code, body) from None
+            except InvalidHandshake as e:  # an HTTP server that does not speak WebSocket here
+                return await self._fall_back_to_post(sid, frame, str(e))
             except (OSError, asyncio.TimeoutError, WebSocketException) as e:
                 raise ServerUnreachable(f"cannot open a WebSocket to {self._ws_url(sid)}: {e}") from None
             self._ws[sid] = conn

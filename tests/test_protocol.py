@@ -11,14 +11,17 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from deploy.errors import InvalidRequest, PayloadTooLarge
-from deploy.protocol import (MAGIC, MAX_NODES_WIRE, VERSION, OpenSession, ReplyFrame, SessionOpened,
-                             VerifyFrame)
+from deploy.protocol import (F_CHAIN, F_CONF, F_MORE, F_RESAMPLED, MAGIC, MAX_NODES_WIRE, VERSION, OpenSession,
+                             ReplyFrame, SessionOpened, VerifyFrame)
 
 f32 = st.floats(0, 1e6, allow_nan=False, width=32)
 
 
 @st.composite
 def verify_frames(draw) -> VerifyFrame:
+    if draw(st.integers(0, 7)) == 0:  # chain mode: more residual candidates, please
+        return VerifyFrame(prefix_len=draw(st.integers(0, 2**32 - 1)), tokens=[], parents=[], q=[], more=True,
+                           draft_ms=draw(f32), rtt_ms=draw(f32))
     n = draw(st.integers(0, 24))
     chain = draw(st.booleans())
     return VerifyFrame(
@@ -48,6 +51,7 @@ def test_uplink_size_is_a_few_bytes_per_node():
 @st.composite
 def reply_frames(draw) -> ReplyFrame:
     k = draw(st.integers(0, 16))
+    m = draw(st.integers(0, 16))
     return ReplyFrame(
         accepted=draw(st.lists(st.integers(0, 65535), max_size=24)),
         bonus=draw(st.none() | st.integers(0, 2**32 - 1)),
@@ -57,6 +61,10 @@ def reply_frames(draw) -> ReplyFrame:
         rejected=draw(st.booleans()),
         reject_top_ids=draw(st.lists(st.integers(0, 2**32 - 1), min_size=k, max_size=k)),
         reject_top_probs=draw(st.lists(st.floats(0, 1, width=32), min_size=k, max_size=k)),
+        verified=draw(st.none() | st.integers(0, 65535)),
+        tail_mass=draw(st.just(0.0) | st.floats(0.5, 1, width=32)),
+        tail_ids=draw(st.lists(st.integers(0, 2**32 - 1), min_size=m, max_size=m)),
+        tail_probs=draw(st.lists(st.floats(0, 1, width=32), min_size=m, max_size=m)),
     )
 
 
@@ -107,7 +115,11 @@ def head(n: int, flags: int = 0, magic: int = MAGIC, version: int = VERSION, dra
     (head(0)[:-1], InvalidRequest, "too short"),
     (head(0, magic=0x1234), InvalidRequest, "protocol"),
     (head(0, version=2), InvalidRequest, "protocol"),
-    (head(0, flags=8), InvalidRequest, "flags"),
+    (head(0, flags=16), InvalidRequest, "flags"),
+    (head(0, flags=F_MORE), InvalidRequest, "flags"),  # F_MORE only with F_CHAIN, alone, no nodes
+    (head(0, flags=F_MORE | F_CHAIN | F_RESAMPLED) + bytes(4), InvalidRequest, "flags"),
+    (head(0, flags=F_MORE | F_CHAIN | F_CONF), InvalidRequest, "flags"),
+    (head(1, flags=F_MORE | F_CHAIN) + bytes(10), InvalidRequest, "flags"),
     (head(1), InvalidRequest, "implies"),  # header says 1 node, no body
     (head(0) + b"\0", InvalidRequest, "implies"),
     (head(MAX_NODES_WIRE + 1), PayloadTooLarge, "limit"),
@@ -133,9 +145,28 @@ def test_decoder_rejects_non_bytes_and_oversized_trees_by_limit():
 
 def test_reply_decoder_rejects_malformed_frames():
     good = ReplyFrame(accepted=[1, 2], bonus=5, prefix_len=9).encode()
-    for bad in (b"", good[:-1], good + b"\0", b"\0\0" + good[2:]):
+    tail = ReplyFrame(accepted=[0], bonus=None, prefix_len=9, rejected=True, reject_top_ids=[3],
+                      reject_top_probs=[0.5], tail_mass=0.5, tail_ids=[7, 8], tail_probs=[0.1, 0.2]).encode()
+    unknown_flag = good[:3] + bytes([good[3] | 32]) + good[4:]
+    for bad in (b"", good[:-1], good + b"\0", b"\0\0" + good[2:], unknown_flag, tail[:-1], tail + b"\0",
+                tail[:-16]):
         with pytest.raises(InvalidRequest):
             ReplyFrame.decode(bad)
+
+
+def test_chain_wire_sizes():
+    """Issue 17: chain uplink 10 bytes per draft token (+4 for an owed token); a rejection's
+    downlink is 24 + 2 per accepted + 8 per head entry, + 6 + 8 per tail candidate."""
+    up = VerifyFrame(prefix_len=50, tokens=[1, 2, 3], parents=[-1, 0, 1], q=[0.5, 0.25, 1.0], resampled=7)
+    assert len(up.encode()) == 20 + 10 * 3 + 4 and VerifyFrame.decode(up.encode()) == up
+    more = VerifyFrame(prefix_len=51, tokens=[], parents=[], q=[], more=True)
+    assert len(more.encode()) == 20 and VerifyFrame.decode(more.encode()) == more
+    whole = ReplyFrame(accepted=[0, 1], bonus=None, prefix_len=53, rejected=True, reject_top_ids=[4, 5, 6],
+                       reject_top_probs=[0.5, 0.25, 0.25])
+    assert len(whole.encode()) == 24 + 2 * 2 + 8 * 3
+    split = ReplyFrame(accepted=[], bonus=None, prefix_len=51, rejected=True, reject_top_ids=[4],
+                       reject_top_probs=[0.5], tail_mass=0.5, tail_ids=[9, 10], tail_probs=[0.125, 0.0625])
+    assert len(split.encode()) == 24 + 8 + 6 + 8 * 2 and ReplyFrame.decode(split.encode()) == split
 
 
 def test_json_bodies_validate():

@@ -7,22 +7,42 @@ bonus token and the round ends. Every emitted token is a sample of the target at
 own prefix, so the output is the target's (greedy: identical; sampling: same
 distribution) for any tree and without draft probabilities.
 
-Chain rejection sampling (Leviathan et al. 2023; split DSSD-style, dssd.txt §3): the
-edge sends q(x_i) of each drafted token; the server accepts x_i with probability
-min(1, p(x_i) / q(x_i)). On the first rejection it returns the target distribution at
-that position (top-K sparse) and the edge samples the replacement from the residual
-norm(max(0, p - q)) with its own full q. If all k are accepted the server samples the
-bonus from p at position k + 1.
+Chain rejection sampling (Leviathan et al. 2023; split DSSD-style, dssd.txt §3,
+picospec.txt §3.3): the edge samples each draft token x_i from its draft distribution q_i
+and sends q_i(x_i); the server accepts x_i with probability min(1, p_i(x_i) / q_i(x_i)).
+If all k are accepted the server samples the bonus from p at position k + 1. On the
+first rejection the replacement must be a sample of the residual
+norm(max(0, p - q)), which needs both distributions in full: p lives on the server, q on
+the edge. The server sends a :class:`Rejection` and the edge samples the residual from
+it with its own full q (:class:`ResidualSampler`), exactly in every case:
+
+- p's support fits in ``max_entries`` (top-k / top-p requests, peaked rows): the reply
+  carries all of p; the edge computes the residual outright.
+- otherwise the reply carries a *head* (the largest entries of p, ids and values) and
+  *tail candidates*: i.i.d. samples y_j of p restricted to the rest, with p(y_j). The edge
+  runs rejection sampling from the residual with p as the proposal: a proposal is
+  accepted with probability max(0, 1 - q(y) / p(y)), so what it accepts follows
+  norm(max(0, p - q)) (per-proposal acceptance is TV(p, q)). Head proposals cost nothing
+  (the edge knows the head; their refusals are collapsed into one draw); each tail
+  proposal uses up one candidate. If the candidates run out, the session kept p's tail
+  and the edge asks for more (``more``): fresh i.i.d. samples continue the same
+  rejection sampler, so the result stays exact; the server picks the head size and the
+  number of candidates so that this happens with probability <= ``EXHAUST_P``.
+
+Greedy targets need none of this: the argmax is the correction itself.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from deploy.verifier.sampling import SamplingParams, sample_from_probs, sample_token, target_probs
 from deploy.verifier.tree import DraftTree
+
+EXHAUST_P = 1e-3  # target probability that a rejection's tail candidates run out (one more round trip)
 
 
 @dataclass(frozen=True)
@@ -59,13 +79,80 @@ def walk_tree(
         pos = nxt + 1
 
 
+# -- chain rejection sampling: the server half ----------------------------------------------
+@dataclass(frozen=True)
+class Rejection:
+    """What the edge needs after a rejection to sample norm(max(0, p - q)) exactly."""
+
+    head_ids: tuple[int, ...]  # the largest entries of p; all of its support when tail_mass == 0
+    head_probs: tuple[float, ...]
+    tail_mass: float = 0.0  # p's mass outside the head
+    tail_ids: tuple[int, ...] = ()  # i.i.d. samples of p restricted to the tail (proposals)
+    tail_probs: tuple[float, ...] = ()  # p(y) of each of them
+
+
 @dataclass(frozen=True)
 class ChainAcceptance:
     num_accepted: int
     bonus: int | None  # server-sampled when all k are accepted (greedy: also on a miss); None = edge resamples
-    # on rejection: the target distribution at the rejected position, top-K sparse
-    reject_top_ids: torch.Tensor | None = None  # [K] long
-    reject_top_probs: torch.Tensor | None = None  # [K] float32
+    rejection: Rejection | None = None  # on rejection: p at the rejected position, for the edge
+    tail: torch.Tensor | None = None  # [vocab] p with the head zeroed: kept to draw more candidates
+
+
+def draw(probs: torch.Tensor, n: int, generator: torch.Generator | None) -> list[int]:
+    """``n`` i.i.d. samples of ``probs`` ([vocab], unnormalised), one uniform each (inverse CDF)."""
+    cdf = torch.cumsum(probs.double(), dim=0)  # [vocab]
+    u = torch.rand(n, generator=generator, dtype=torch.float64) * cdf[-1]  # [n]
+    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1).tolist()
+    for j, i in enumerate(idx):
+        while probs[i] <= 0 and i > 0:  # never a zero-probability token at a rounding boundary
+            i -= 1
+        idx[j] = i
+    return idx
+
+
+def sparse_rejection(
+    p: torch.Tensor,  # [vocab] float32 on the CPU: the processed target distribution
+    gap: float,  # q(x) - p(x) of the rejected token: a lower bound on TV(p, q); <= 0 if unknown
+    max_entries: int,
+    generator: torch.Generator | None,
+) -> tuple[Rejection, torch.Tensor | None]:
+    """The downlink of a rejection, and p's tail to keep (None when all of p was sent).
+
+    With a head of n entries and tail mass t, an edge proposal is refused (or goes to the
+    tail and is refused) w.p. at most t / (t + TV) <= t / (t + gap) per tail candidate, so
+    m candidates run out w.p. <= (t / (t + gap))^m. The head size n (and m) minimise the
+    entries sent, n + m, subject to that bound <= EXHAUST_P, with n, m <= ``max_entries``;
+    if no head meets it (a tiny gap says little about TV), the fewest entries with m at the
+    cap. Either way the result is exact: running out costs a refill round trip, no more.
+    """
+    vals, ids = torch.sort(p, descending=True)
+    support = int((vals > 0).sum())
+    if support <= max_entries:  # all of p fits: the edge computes the residual outright
+        return Rejection(tuple(ids[:support].tolist()), tuple(vals[:support].tolist())), None
+    tails = torch.flip(torch.cumsum(torch.flip(vals[:support].double(), [0]), 0), [0])[: max_entries + 1]  # t_n
+    if gap > 0:
+        # (t / (t + gap))^m <= EXHAUST_P  <=>  m >= -log(EXHAUST_P) / log1p(gap / t)   [K + 1]
+        need = torch.ceil(-math.log(EXHAUST_P) / torch.log1p(gap / tails).clamp(min=1e-300))
+        m = need.clamp(1, max_entries)
+        cost = torch.arange(max_entries + 1, dtype=torch.float64) + m
+        if bool((need <= max_entries).any()):  # heads with which the bound can be met: the cheapest of them
+            cost = cost.masked_fill(need > max_entries, float("inf"))
+        n = int(max_entries - torch.argmin(torch.flip(cost, [0])))  # the largest head on ties
+        m_n = int(m[n])
+    else:  # nothing known about TV(p, q): the largest head and as many candidates
+        n, m_n = max_entries, max_entries
+    tail = p.clone()
+    tail[ids[:n]] = 0.0
+    ys = draw(tail, m_n, generator)
+    return Rejection(tuple(ids[:n].tolist()), tuple(vals[:n].tolist()), float(tail.double().sum()),
+                     tuple(ys), tuple(float(tail[y]) for y in ys)), tail
+
+
+def more_candidates(tail: torch.Tensor, n: int, generator: torch.Generator | None) -> Rejection:
+    """A refill: ``n`` fresh tail candidates of the same rejection (no head: the edge has it)."""
+    ys = draw(tail, n, generator)
+    return Rejection((), (), float(tail.double().sum()), tuple(ys), tuple(float(tail[y]) for y in ys))
 
 
 def rejection_sample_chain(
@@ -74,7 +161,7 @@ def rejection_sample_chain(
     logits: torch.Tensor,  # [k + 1, vocab]: row i predicts draft token i; row k the bonus
     params: SamplingParams,
     generator: torch.Generator | None,
-    top_k_return: int = 64,
+    max_entries: int = 64,
 ) -> ChainAcceptance:
     """Server half of DSSD-split rejection sampling (q >= p: accept w.p. p/q)."""
     for i, (x, q) in enumerate(zip(draft_tokens, draft_q)):
@@ -84,26 +171,62 @@ def rejection_sample_chain(
                 continue
             return ChainAcceptance(i, best)
         p = target_probs(logits[i], params)  # [vocab]
+        px = float(p[x])
         u = torch.rand((), generator=generator, dtype=torch.float64).item()
-        if q > 0 and u < min(1.0, float(p[x]) / q):
+        if q > 0 and u < min(1.0, px / q):
             continue
-        k = min(top_k_return, p.shape[0])
-        probs, ids = torch.topk(p, k)
-        return ChainAcceptance(i, None, ids, probs)
+        rej, tail = sparse_rejection(p.cpu(), q - px, max_entries, generator)
+        return ChainAcceptance(i, None, rej, tail)
     bonus = sample_token(logits[len(draft_tokens)], params, generator)
     return ChainAcceptance(len(draft_tokens), bonus)
 
 
-def residual_sample(
-    reject_top_ids: torch.Tensor,  # [K] long
-    reject_top_probs: torch.Tensor,  # [K] float
-    draft_probs: torch.Tensor,  # [vocab] the edge's full q at the rejected position
-    generator: torch.Generator | None,
-) -> int:
-    """Edge half: sample from norm(max(0, p - q)). Exact when p's support is in the top-K."""
-    p = torch.zeros_like(draft_probs, dtype=torch.float64)
-    p[reject_top_ids] = reject_top_probs.double()
-    residual = torch.clamp(p - draft_probs.double(), min=0.0)
-    if residual.sum() <= 0:  # p == q numerically: any sample of p is exact
-        residual = p
-    return sample_from_probs(residual, generator)
+# -- the edge half ----------------------------------------------------------------------------
+class ResidualSampler:
+    """Samples norm(max(0, p - q)) from a :class:`Rejection` and the edge's full q.
+
+    Rejection sampling with proposal p: a proposal y is accepted w.p. max(0, 1 - q(y)/p(y)).
+    The head is known, so a round either accepts a head token (w.p. Z_H / (Z_H + t), drawn
+    from the head's residual, Z_H its mass) or proposes the next tail candidate (w.p.
+    t / (Z_H + t)); refused head proposals only repeat the round and are skipped.
+    :meth:`sample` returns None when the tail candidates run out: :meth:`extend` with a
+    refill and call it again (the process is memoryless, so this stays exact).
+    """
+
+    def __init__(self, rejection: Rejection, q: torch.Tensor, generator: torch.Generator | None):
+        self.q = q.double()  # [vocab] the edge's draft distribution at the rejected position
+        self.g = generator
+        self.tail_ids: list[int] = []
+        self.tail_probs: list[float] = []
+        self.reset(rejection)
+
+    def reset(self, rejection: Rejection) -> None:
+        """Start over from a whole new rejection of the same position (a re-opened session)."""
+        self.ids = torch.tensor(rejection.head_ids, dtype=torch.long)  # [n]
+        self.p_head = torch.tensor(rejection.head_probs, dtype=torch.float64)  # [n]
+        self.r_head = torch.clamp(self.p_head - self.q[self.ids], min=0.0)  # [n] the head's residual
+        self.tail_mass = float(rejection.tail_mass)
+        self.tail_ids, self.tail_probs = list(rejection.tail_ids), list(rejection.tail_probs)
+
+    def extend(self, more: Rejection) -> None:
+        self.tail_ids += more.tail_ids
+        self.tail_probs += more.tail_probs
+
+    def sample(self) -> int | None:
+        z_head, t = float(self.r_head.sum()), self.tail_mass
+        if t <= 0.0:  # all of p is known: the residual outright (p == q numerically: p itself)
+            return int(self.ids[sample_from_probs(self.r_head if z_head > 0 else self.p_head, self.g)])
+        while True:
+            u = torch.rand((), generator=self.g, dtype=torch.float64).item()
+            if u * (z_head + t) < z_head:
+                return int(self.ids[sample_from_probs(self.r_head, self.g)])
+            if not self.tail_ids:
+                return None
+            y, py = self.tail_ids.pop(0), self.tail_probs.pop(0)
+            if torch.rand((), generator=self.g, dtype=torch.float64).item() < 1.0 - float(self.q[y]) / py:
+                return y
+
+
+def residual_sample(rejection: Rejection, q: torch.Tensor, generator: torch.Generator | None) -> int | None:
+    """Edge half in one call: a sample of norm(max(0, p - q)), or None (ask for more candidates)."""
+    return ResidualSampler(rejection, q, generator).sample()

@@ -256,7 +256,7 @@ class VerifierCore:
             else:
                 if any(p != i - 1 for i, p in enumerate(f.parents)):
                     raise InvalidRequest("chain mode: parents must form a chain")
-                req = ChainVerifyRequest(session_id, tuple(f.tokens), tuple(f.q), f.prefix_len, f.resampled)
+                req = ChainVerifyRequest(session_id, tuple(f.tokens), tuple(f.q), f.prefix_len, f.resampled, f.more)
         except SpecError as e:
             return _error(e)
         if f.draft_ms or f.rtt_ms:
@@ -463,18 +463,18 @@ class VerifierCore:
                 self.calibration.observe(sum(p.payload[2][:n_nodes]), len(res.accepted))
         else:  # chain mode: a rejected round has no bonus (the edge resamples from the residual)
             n_nodes, emitted = len(req.tokens), res.num_accepted + (res.bonus is not None)
-        self.pacer.observe_round(n_nodes, emitted)
+        refill = not tree_mode and req.more  # more residual candidates: no draft was verified
+        if not refill:
+            self.pacer.observe_round(n_nodes, emitted)
         self.tokens_emitted += emitted
         depth, budget = self._hints(p.session_id)
-        self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget)
+        if not refill:
+            self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget)
         if tree_mode:
             frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
                                depth, budget, verified=res.verified if res.verified < len(req.tree) else None)
         else:
-            rejected = res.bonus is None and not res.finished
-            frame = ReplyFrame(list(range(res.num_accepted)), res.bonus, res.prefix_len, res.finished,
-                               res.finish_reason, depth, budget, rejected, list(res.reject_top_ids),
-                               list(res.reject_top_probs))
+            frame = ReplyFrame.of_chain(res, depth, budget)
         self.round_latencies.append((p.enqueued_at, time.monotonic() - p.enqueued_at))
         return 200, frame.encode()
 

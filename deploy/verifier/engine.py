@@ -34,10 +34,11 @@ import torch
 
 from deploy.errors import (InvalidRequest, KVStateLost, PrefixMismatch, SessionFinished, SessionNotFound,
                            SpecError)
-from deploy.verifier.acceptance import rejection_sample_chain, walk_tree
+from deploy.verifier.acceptance import (ChainAcceptance, more_candidates, rejection_sample_chain,
+                                        sparse_rejection, walk_tree)
 from deploy.verifier.batch import SeqInput, chunk_input, tree_input
 from deploy.verifier.runner import ModelRunner
-from deploy.verifier.sampling import SamplingParams, make_generator, sample_token
+from deploy.verifier.sampling import SamplingParams, make_generator, sample_token, target_probs
 from deploy.verifier.tree import DraftTree, TreeLimits
 
 
@@ -52,6 +53,7 @@ class Session:
     finished: bool = False
     finish_reason: str | None = None
     awaiting_resample: bool = False  # chain mode: the edge owes the resampled token
+    residual_tail: torch.Tensor | None = None  # chain mode: [vocab] p's tail at the rejected position (refills)
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -98,17 +100,27 @@ class VerifyResult:
 
 @dataclass(frozen=True)
 class ChainVerifyRequest:
-    """DSSD-split rejection sampling: chain tokens with the draft's q(x) per token."""
+    """DSSD-split rejection sampling: chain tokens with the draft's q(x) per token.
+
+    ``more``: the edge used up a rejection's tail candidates before its residual sampler
+    accepted one and asks for fresh ones (no tokens; ``prefix_len`` counts the owed
+    token). Sent to a session that owes nothing (re-opened from history after it was
+    lost), it asks for a rejection reply for the next position instead.
+    """
 
     sid: str
     tokens: tuple[int, ...]
     q: tuple[float, ...]
     prefix_len: int
     resampled: int | None = None  # the residual sample owed after a rejection
+    more: bool = False
 
 
 @dataclass(frozen=True)
 class ChainVerifyResult:
+    """On rejection (``bonus`` None, not finished): the edge's :class:`~deploy.verifier.acceptance.Rejection`,
+    head (``reject_top_*``: all of p when ``tail_mass`` is 0) and tail candidates."""
+
     sid: str
     num_accepted: int
     bonus: int | None  # None on rejection: the edge resamples from the residual
@@ -117,6 +129,18 @@ class ChainVerifyResult:
     prefix_len: int = 0
     finished: bool = False
     finish_reason: str | None = None
+    tail_mass: float = 0.0
+    tail_ids: tuple[int, ...] = ()
+    tail_probs: tuple[float, ...] = ()
+
+    @property
+    def rejected(self) -> bool:
+        return self.bonus is None and not self.finished
+
+    @classmethod
+    def of_rejection(cls, sid: str, num_accepted: int, rej, prefix_len: int) -> "ChainVerifyResult":
+        return cls(sid, num_accepted, None, rej.head_ids, rej.head_probs, prefix_len, False, None,
+                   rej.tail_mass, rej.tail_ids, rej.tail_probs)
 
 
 @dataclass(frozen=True)
@@ -397,7 +421,13 @@ class VerifierEngine:
         return out  # type: ignore[return-value]
 
     def verify_chain(self, requests: list[ChainVerifyRequest]) -> list[ChainVerifyResult | SpecError]:
-        """Chain drafts with rejection sampling (DSSD baseline), batched like trees."""
+        """Chain drafts with rejection sampling (DSSD), batched like trees.
+
+        A rejection's reply lets the edge sample the residual exactly
+        (:mod:`deploy.verifier.acceptance`); when it sent only p's head and tail
+        candidates, the session keeps p's tail until the resampled token arrives, so that
+        ``more`` requests get fresh candidates without a forward.
+        """
         out: list = [None] * len(requests)
         todo = []
         seen: set[str] = set()
@@ -408,6 +438,14 @@ class VerifierEngine:
                 s = self.get(r.sid)
                 if s.finished:
                     raise SessionFinished(f"session {r.sid!r} is finished ({s.finish_reason})")
+                if r.more:
+                    refill = self._chain_more(s, r)
+                    seen.add(r.sid)
+                    if refill is not None:
+                        out[i] = refill
+                    else:  # re-opened: p of the next position takes a forward of the root alone
+                        todo.append((i, s, [], [], True))
+                    continue
                 if len(r.tokens) != len(r.q):
                     raise InvalidRequest("chain mode needs one q(x) per draft token")
                 if any(not (0.0 < q <= 1.0) for q in r.q):
@@ -422,7 +460,7 @@ class VerifierEngine:
                         raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens, expected "
                                              f"{len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + 1)
                     seen.add(r.sid)
-                    s.awaiting_resample = False
+                    s.awaiting_resample, s.residual_tail = False, None
                     self._emit(s, [int(r.resampled)])
                     if s.finished:
                         out[i] = ChainVerifyResult(s.sid, 0, None, prefix_len=len(s.prefix), finished=True,
@@ -435,23 +473,27 @@ class VerifierEngine:
                     seen.add(r.sid)
                 tree = DraftTree.chain(r.tokens)
                 k = min(len(tree), self._remaining(s) - 1)  # accepted + bonus within max_tokens
-                todo.append((i, s, list(tree.tokens[:k]), list(r.q[:k])))
+                todo.append((i, s, list(tree.tokens[:k]), list(r.q[:k]), False))
             except SpecError as e:
                 out[i] = e
         if not todo:
             return out
         items = []
-        for _, s, toks, _q in todo:
+        for _, s, toks, _q, _more in todo:
             items.append(_tree_item(s, DraftTree.chain(toks)))
         bid, logits = self._forward("chain", items)
         keep = {}
         results = []
-        for (i, s, toks, q), lg in zip(todo, logits):
-            acc = rejection_sample_chain(toks, q, lg, s.params, s.generator, self.chain_top_k)
+        for (i, s, toks, q, more), lg in zip(todo, logits):
+            if more:  # the edge's rejection state was lost with the session: a whole new one
+                rej, tail = sparse_rejection(target_probs(lg[0], s.params).cpu(), 0.0, self.chain_top_k, s.generator)
+                acc = ChainAcceptance(0, None, rej, tail)
+            else:
+                acc = rejection_sample_chain(toks, q, lg, s.params, s.generator, self.chain_top_k)
             accepted = toks[: acc.num_accepted]
             cut = next((j for j, t in enumerate(accepted) if t in s.stop_ids), None)
             if cut is not None:  # a stop token among the accepted ends the session there
-                accepted, acc = accepted[: cut + 1], type(acc)(cut + 1, None)
+                accepted, acc = accepted[: cut + 1], ChainAcceptance(cut + 1, None)
             keep[s.sid] = (1 + len(accepted), [])  # a chain's accepted nodes follow the root in place
             results.append((i, s, acc, accepted))
         self._commit(bid, keep)
@@ -459,12 +501,29 @@ class VerifierEngine:
             s.last_used = time.monotonic()
             emitted = accepted + ([acc.bonus] if acc.bonus is not None else [])
             self._emit(s, emitted)
-            rejected = acc.bonus is None and not s.finished
-            if rejected:
-                s.awaiting_resample = True
-            out[i] = ChainVerifyResult(
-                s.sid, acc.num_accepted, acc.bonus,
-                tuple(acc.reject_top_ids.tolist()) if rejected and acc.reject_top_ids is not None else (),
-                tuple(acc.reject_top_probs.tolist()) if rejected and acc.reject_top_probs is not None else (),
-                len(s.prefix) + (1 if rejected else 0), s.finished, s.finish_reason)
+            if acc.bonus is None and not s.finished:
+                s.awaiting_resample, s.residual_tail = True, acc.tail
+                out[i] = ChainVerifyResult.of_rejection(s.sid, acc.num_accepted, acc.rejection, len(s.prefix) + 1)
+            else:
+                out[i] = ChainVerifyResult(s.sid, acc.num_accepted, acc.bonus, prefix_len=len(s.prefix),
+                                           finished=s.finished, finish_reason=s.finish_reason)
         return out
+
+    def _chain_more(self, s: Session, r: ChainVerifyRequest) -> ChainVerifyResult | None:
+        """A ``more`` request: fresh tail candidates of the pending rejection, or None when the
+        session owes nothing (re-opened) and the next position needs a forward."""
+        if s.params.greedy:
+            raise InvalidRequest("a greedy session never resamples: nothing more to send")
+        if r.tokens or r.q or r.resampled is not None:
+            raise InvalidRequest("a request for more residual candidates carries no tokens")
+        if r.prefix_len != len(s.prefix) + 1:  # the owed token's slot counts
+            raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens with the owed token, "
+                                 f"expected {len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + s.awaiting_resample)
+        if not s.awaiting_resample:
+            self._live(s.sid, len(s.prefix))
+            return None
+        if s.residual_tail is None:
+            raise InvalidRequest("the rejection carried all of p: the edge needs nothing more")
+        s.last_used = time.monotonic()
+        rej = more_candidates(s.residual_tail, self.chain_top_k, s.generator)
+        return ChainVerifyResult.of_rejection(s.sid, 0, rej, len(s.prefix) + 1)

@@ -21,15 +21,16 @@ def reference():
     return reference_decode(model, PROMPT, SamplingParams(max_tokens=24, ignore_eos=True), [2])
 
 
-@pytest.mark.parametrize("draft,mode", [("tiny-random", "proactive"), ("ngram", "stop-and-wait"),
-                                        ("none", "proactive")])
-def test_local_generate_json_matches_reference(capsys, reference, draft, mode):
+@pytest.mark.parametrize("draft,mode,verify", [
+    ("tiny-random", "proactive", "match"), ("ngram", "stop-and-wait", "match"), ("none", "proactive", "match"),
+    ("tiny-random", "proactive", "rejection"), ("none", "stop-and-wait", "rejection")])
+def test_local_generate_json_matches_reference(capsys, reference, draft, mode, verify):
     rc = main(["generate", "--local", "--target", "tiny-random", "--dtype", "float32", "--draft", draft,
                "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "24", "--ignore-eos",
-               "--mode", mode, "--json"])
+               "--mode", mode, "--verify", verify, "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["token_ids"] == reference
+    assert out["token_ids"] == reference and out["verify"] == verify
     st = out["stats"]
     assert st["tokens"] == 24 and st["finish_reason"] == "length"
     for key in ("tokens_per_s", "mean_accepted", "alignment_rate", "mean_rtt_ms", "rounds"):

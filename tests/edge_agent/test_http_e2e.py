@@ -16,6 +16,7 @@ from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.cli import main as cli_main
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.transport import HttpTransport, Transport
+from tests.edge_agent.helpers import noisy_copy
 
 pytestmark = pytest.mark.ray
 
@@ -28,7 +29,8 @@ GREEDY = {"max_tokens": 32, "ignore_eos": True}
 def server(ray_session):
     # a small KV budget: several concurrent sessions force LRU evictions (410 -> re-open)
     args = {"target": {"model": "tiny-random", "dtype": "float32"},
-            "verifier": {"num_replicas": 1, "kv_budget_tokens": 256, "batch_wait_ms": 2},
+            # chain_top_k 2: rejection-rule replies rarely hold all of p (tail candidates, refills)
+            "verifier": {"num_replicas": 1, "kv_budget_tokens": 256, "batch_wait_ms": 2, "chain_top_k": 2},
             "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 64}]}}
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
@@ -40,11 +42,11 @@ def prompts(n: int, seed: int = 5, lo: int = 20, hi: int = 40) -> list[list[int]
     return [[rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-async def generate(url, drafter, prompt, ws=False, transport: Transport | None = None, **cfg):
+async def generate(url, drafter, prompt, ws=False, transport: Transport | None = None, sampling=None, **cfg):
     t = transport or HttpTransport(url, api_key=KEY, ws=ws, timeout_s=60)
     agent = EdgeAgent(t, drafter, config=AgentConfig(**cfg))
     try:
-        return await agent.generate(prompt, GREEDY)
+        return await agent.generate(prompt, sampling or GREEDY)
     finally:
         agent.close()
         await t.aclose()
@@ -60,6 +62,21 @@ def test_greedy_through_the_server_equals_reference(server, target, draft, ws, m
     st = res.stats
     assert st.reopens == 0 and st.accepted_tokens > 0 and st.mean_rtt_ms > 0
     assert st.rounds > 0 and st.mean_round_ms > 0
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["http", "ws"])
+def test_rejection_rule_through_the_server(server, target, draft, ws):
+    """Issue 17: chains with q(x) through the router and the replica: greedy equals the
+    reference; sampled, the edge resamples rejections and asks for more candidates."""
+    (prompt,) = prompts(1, seed=13)
+    ref = reference_decode(target, prompt, SamplingParams(**GREEDY))
+    res = asyncio.run(generate(server, ModelDrafter(draft), prompt, ws=ws, mode="proactive", verify="rejection"))
+    assert res.token_ids == ref and res.stats.accepted_tokens > 0 and res.stats.reopens == 0
+    sampled = {"temperature": 1.5, "seed": 5, "max_tokens": 40, "ignore_eos": True}
+    res = asyncio.run(generate(server, ModelDrafter(noisy_copy(target, 0.3)), prompt, ws=ws, sampling=sampled,
+                               mode="proactive", verify="rejection"))
+    st = res.stats
+    assert len(res.token_ids) == 40 and st.rejections > 3 and st.refills > 0 and st.finish_reason == "length"
 
 
 def test_evictions_under_load_are_reopened_without_loss(server, target, draft):

@@ -63,3 +63,52 @@ def test_edge_agent_imports_no_ray_or_serve():
             "bad = [m for m in ('ray', 'fastapi', 'starlette') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_websocket_is_the_default_and_falls_back_to_post_where_the_upgrade_is_refused():
+    """A proxy without WebSocket support answers the upgrade with a plain 404 page: the
+    transport then verifies over POST (and stays there)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from deploy.protocol import ReplyFrame
+    from edge_agent.transport import HttpTransport
+
+    reply = ReplyFrame([0], 7, 12).encode()
+
+    class NoWebSockets(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):  # the WebSocket upgrade
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", "22")
+            self.end_headers()
+            self.wfile.write(b"<html>not found</html>")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NoWebSockets)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def main():
+        async with HttpTransport(f"http://127.0.0.1:{server.server_address[1]}") as t:
+            assert t.ws  # the default
+            first = await t.verify("s", VerifyFrame(10, [5], [-1]))
+            assert not t.ws
+            return first, await t.verify("s", VerifyFrame(12, [5], [-1]))
+
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        server.shutdown()
+    assert first.bonus == 7 and first.accepted == [0] and second.prefix_len == 12

@@ -16,7 +16,8 @@ from functools import lru_cache
 import pytest
 import torch
 
-from deploy.verifier.acceptance import TreeAcceptance, rejection_sample_chain, residual_sample, walk_tree
+from deploy.verifier.acceptance import (Rejection, ResidualSampler, TreeAcceptance, more_candidates,
+                                        rejection_sample_chain, residual_sample, sparse_rejection, walk_tree)
 from deploy.verifier.sampling import SamplingParams, sample_from_probs, sample_token, target_probs
 from deploy.verifier.tree import DraftTree
 from tests.verifier.test_sampling import chi_square_pvalue
@@ -156,7 +157,15 @@ def draft_probs(ctx, params: SamplingParams) -> torch.Tensor:
     return target_probs(draft_logits(ctx), SamplingParams(temperature=max(params.temperature, 0.5)))  # [V]
 
 
-def emitted_by_chain_rounds(params: SamplingParams, seed: int, k: int = 2, top_k_return: int = V,
+def edge_residual(acc, q: torch.Tensor, g_edge, g_server, refill: int = 4) -> int:
+    """The edge's residual sample, asking the server half for more candidates while they run out."""
+    sampler = ResidualSampler(acc.rejection, q, g_edge)
+    while (tok := sampler.sample()) is None:
+        sampler.extend(more_candidates(acc.tail, refill, g_server))
+    return tok
+
+
+def emitted_by_chain_rounds(params: SamplingParams, seed: int, k: int = 2, max_entries: int = V,
                             mistake: str | None = None) -> tuple[int, ...]:
     """The test plays the edge: draft k tokens from q, send q(x); resample on rejection."""
     g_server = torch.Generator().manual_seed(seed)
@@ -170,32 +179,32 @@ def emitted_by_chain_rounds(params: SamplingParams, seed: int, k: int = 2, top_k
             toks.append(x), qs.append(float(q[x])), q_full.append(q)
         logits = torch.stack([target_logits(ctx + tuple(toks[:i])) for i in range(k + 1)])  # [k + 1, V]
         if mistake == "always_accept":
-            acc = rejection_sample_chain(toks, [1e-9] * k, logits, params, g_server, top_k_return)
+            acc = rejection_sample_chain(toks, [1e-9] * k, logits, params, g_server, max_entries)
         else:
-            acc = rejection_sample_chain(toks, qs, logits, params, g_server, top_k_return)
+            acc = rejection_sample_chain(toks, qs, logits, params, g_server, max_entries)
         emitted = toks[: acc.num_accepted]
         if acc.bonus is not None:
             emitted.append(acc.bonus)
         else:
             q_rej = q_full[acc.num_accepted]
             if mistake == "resample_from_p":
-                p = torch.zeros(V, dtype=torch.float64)
-                p[acc.reject_top_ids] = acc.reject_top_probs.double()
-                emitted.append(sample_from_probs(p, g_edge))
+                emitted.append(sample_from_probs(target_probs(logits[acc.num_accepted], params), g_edge))
             else:
-                emitted.append(residual_sample(acc.reject_top_ids, acc.reject_top_probs, q_rej, g_edge))
+                emitted.append(edge_residual(acc, q_rej, g_edge, g_server))
         out += emitted
         ctx += tuple(emitted)
     return tuple(out[:D])
 
 
-@pytest.mark.parametrize("params, top_k_return", [
+@pytest.mark.parametrize("params, max_entries", [
     (SamplingParams(temperature=1.0), V),
     (SamplingParams(temperature=0.7, top_p=0.85), V),
-    (SamplingParams(temperature=1.2, top_k=3), 3),  # sparse reply: exact since top_k <= K
+    (SamplingParams(temperature=1.2, top_k=3), 3),  # the reply holds all of p (top_k <= K)
+    (SamplingParams(temperature=1.5), 2),  # head + tail candidates (and refills)
+    (SamplingParams(temperature=1.5), 1),
 ])
-def test_chain_rejection_sampling_emits_the_target_distribution(params, top_k_return):
-    samples = [emitted_by_chain_rounds(params, seed, top_k_return=top_k_return) for seed in range(TRIALS)]
+def test_chain_rejection_sampling_emits_the_target_distribution(params, max_entries):
+    samples = [emitted_by_chain_rounds(params, seed, max_entries=max_entries) for seed in range(TRIALS)]
     assert pvalue_of(samples, params) > 1e-3
 
 
@@ -204,6 +213,82 @@ def test_the_statistic_catches_wrong_chain_rules(mistake):
     params = SamplingParams(temperature=1.0)
     samples = [emitted_by_chain_rounds(params, seed, mistake=mistake) for seed in range(TRIALS)]
     assert pvalue_of(samples, params) < 1e-6
+
+
+# -- the residual alone, on a vocabulary of 512 ------------------------------------------------
+VB = 512
+
+
+def flat_target_and_sharp_draft(temperature: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """p: a flat-ish target over 512 tokens (most of its mass outside any small top-K); q: a
+    sharper draft of it, so the residual max(0, p - q) lies mostly in p's tail."""
+    logits = 1.6 * torch.randn(VB, generator=torch.Generator().manual_seed(seed))  # [VB]
+    p = target_probs(logits, SamplingParams(temperature=temperature))
+    q = target_probs(logits + 0.5 * torch.randn(VB, generator=torch.Generator().manual_seed(seed + 1)),
+                     SamplingParams(temperature=0.6 * temperature))
+    return p, q  # [VB], [VB]
+
+
+def exact_residual(p: torch.Tensor, q: torch.Tensor) -> dict[int, float]:
+    r = torch.clamp(p.double() - q.double(), min=0.0)
+    return {i: float(v) for i, v in enumerate(r / r.sum())}
+
+
+def truncated_topk_residual(p, q, k, g) -> int:
+    """The old edge: the residual of the target's top-K only (mass outside it lost)."""
+    vals, ids = torch.topk(p, k)
+    sparse = torch.zeros(VB, dtype=torch.float64)
+    sparse[ids] = vals.double()
+    r = torch.clamp(sparse - q.double(), min=0.0)
+    return sample_from_probs(r if r.sum() > 0 else sparse, g)
+
+
+@pytest.mark.parametrize("temperature, k, old_fails", [(1.5, 4, True), (1.5, 64, True), (1.0, 4, True),
+                                                      (0.3, 4, False), (0.3, 64, False)])
+def test_the_residual_is_exact_when_p_does_not_fit_in_the_reply(temperature, k, old_fails):
+    """Head + tail candidates (+ refills) sample norm(max(0, p - q)) exactly, also with K = 4
+    on a flat 512-token target; the old top-K residual does not where p's tail carries the
+    residual (at T = 0.3 it is nearly all inside the top-4, so the old error is small)."""
+    p, q = flat_target_and_sharp_draft(temperature)
+    assert int((p > 0).sum()) > k  # the reply cannot hold all of p
+    g_server, g_edge, g_old = (torch.Generator().manual_seed(s) for s in (1, 2, 3))
+    gap = 0.05  # q(x) - p(x) of some rejected token: only sizes the reply
+    ours, old, refills, sent = {}, {}, 0, 0
+    for _ in range(6000):
+        rej, tail = sparse_rejection(p, gap, k, g_server)
+        sent += len(rej.head_ids) + len(rej.tail_ids)
+        sampler = ResidualSampler(rej, q, g_edge)
+        while (tok := sampler.sample()) is None:
+            refills += 1
+            sampler.extend(more_candidates(tail, k, g_server))
+        ours[tok] = ours.get(tok, 0) + 1
+        t = truncated_topk_residual(p, q, k, g_old)
+        old[t] = old.get(t, 0) + 1
+    want = exact_residual(p, q)
+    assert chi_square_pvalue(ours, want) > 1e-3
+    if old_fails:
+        assert chi_square_pvalue(old, want) < 1e-6
+    assert sent <= 6000 * 2 * k
+
+
+def test_reply_size_adapts():
+    """All of p when its support fits; a small head and few candidates for a peaked p and a
+    clear rejection; up to K of each for a flat p and a narrow one."""
+    p, _ = flat_target_and_sharp_draft(1.0)
+    g = torch.Generator().manual_seed(0)
+    top = SamplingParams(temperature=1.0, top_k=10)
+    pk = target_probs(torch.log(p), top)
+    rej, tail = sparse_rejection(pk, 0.3, 16, g)
+    assert tail is None and rej.tail_mass == 0 and len(rej.head_ids) == 10
+    assert sorted(rej.head_ids) == sorted(torch.topk(p, 10).indices.tolist())
+    peaked = target_probs(torch.log(p), SamplingParams(temperature=0.2))
+    rej, tail = sparse_rejection(peaked, 0.4, 64, g)
+    assert tail is not None and len(rej.head_ids) + len(rej.tail_ids) <= 12
+    assert abs(sum(rej.head_probs) + rej.tail_mass - 1) < 1e-5
+    assert all(y not in rej.head_ids and tail[y] > 0 and abs(py - float(peaked[y])) < 1e-9
+               for y, py in zip(rej.tail_ids, rej.tail_probs))
+    rej, _ = sparse_rejection(p, 1e-4, 64, g)
+    assert len(rej.tail_ids) == 64 and len(rej.head_ids) <= 64
 
 
 # -- deterministic behaviour -----------------------------------------------------------
@@ -271,20 +356,38 @@ def test_greedy_chain_accepts_matching_argmaxes():
 
 def test_rejection_returns_the_sparse_target_distribution():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 0.0, 0.0, 0.0]])
-    params = SamplingParams(temperature=1.0)
+    p = torch.softmax(logits[0], 0)
     g = torch.Generator().manual_seed(0)
     # q(x) = 1 for a token of target probability ~0.03: rejected with probability ~0.97
-    acc = next(a for a in (rejection_sample_chain([0], [1.0], logits, params, g, top_k_return=2)
-                           for _ in range(20)) if a.bonus is None)
-    assert acc.num_accepted == 0
-    assert acc.reject_top_ids.tolist() == [1, 3]
-    assert torch.allclose(acc.reject_top_probs, torch.softmax(logits[0], 0)[[1, 3]])
+    for params, head in [(SamplingParams(temperature=1.0, top_k=2), [1, 3]), (SamplingParams(temperature=1.0), None)]:
+        acc = next(a for a in (rejection_sample_chain([0], [1.0], logits, params, g, max_entries=2)
+                               for _ in range(20)) if a.bonus is None)
+        assert acc.num_accepted == 0
+        if head is not None:  # top_k = 2 <= K: all of p, nothing kept
+            assert list(acc.rejection.head_ids) == head and acc.rejection.tail_mass == 0 and acc.tail is None
+            assert torch.allclose(torch.tensor(acc.rejection.head_probs), p[head] / p[head].sum())
+        else:  # the head and i.i.d. candidates from the rest; the tail is kept for refills
+            rej = acc.rejection
+            assert list(rej.head_ids) == [1, 3][: len(rej.head_ids)]
+            assert abs(rej.tail_mass + sum(rej.head_probs) - 1) < 1e-6 and rej.tail_ids
+            assert all(y not in rej.head_ids for y in rej.tail_ids)
+            assert torch.allclose(torch.tensor(rej.tail_probs), p[list(rej.tail_ids)])
+            assert acc.tail is not None and float(acc.tail[list(rej.head_ids)].sum()) == 0
 
 
 def test_residual_sample_support():
     g = torch.Generator().manual_seed(0)
-    ids, probs = torch.tensor([0, 1, 2]), torch.tensor([0.5, 0.3, 0.2])
+    rej = Rejection((0, 1, 2), (0.5, 0.3, 0.2))
     q = torch.tensor([0.6, 0.1, 0.2, 0.1])  # residual: only token 1 has p > q
-    assert {residual_sample(ids, probs, q, g) for _ in range(50)} == {1}
+    assert {residual_sample(rej, q, g) for _ in range(50)} == {1}
     same = torch.tensor([0.5, 0.3, 0.2, 0.0])  # p == q: fall back to p itself
-    assert {residual_sample(ids, probs, same, g) for _ in range(200)} <= {0, 1, 2}
+    assert {residual_sample(rej, same, g) for _ in range(200)} <= {0, 1, 2}
+    # head (0, 1) and a tail candidate 3 that q covers entirely: only the head's residual or None
+    rej = Rejection((0, 1), (0.5, 0.3), 0.2, (3,), (0.2,))
+    q = torch.tensor([0.3, 0.3, 0.2, 0.2])
+    out = {residual_sample(rej, q, g) for _ in range(200)}
+    assert out <= {0, None} and 0 in out
+    sampler = ResidualSampler(Rejection((0,), (0.5,), 0.5, (), ()), torch.tensor([0.5, 0.0, 0.5]), g)
+    assert sampler.sample() is None  # no head residual, no candidate yet: ask for more
+    sampler.extend(Rejection((), (), 0.5, (1,), (0.4,)))
+    assert sampler.sample() == 1  # q(1) = 0: the candidate is accepted w.p. 1 - q/p = 1
