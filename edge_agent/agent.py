@@ -354,14 +354,7 @@ class EdgeAgent:
                                     rtt_ms=t.rtt_ms.get(0.0), depth=ds.builder.forwards,
                                     conf=ds.builder.confidences(order) if cfg.send_confidence and len(tree) else None)
                 t0 = time.perf_counter()
-                task = asyncio.create_task(self._verify(sid, frame, stats))
-                if proactive:
-                    n_pro0 = len(ds.forward_times)
-                    while not task.done():
-                        if not await self._run(ds.proactive_step):
-                            break
-                    stats.proactive_forwards += len(ds.forward_times) - n_pro0
-                    self._observe_drafts(ds, n_pro0, stats)
+                task = await self._send_and_draft(sid, frame, stats, ds, ds.proactive_step if proactive else None)
                 try:
                     reply = await task
                 except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
@@ -516,15 +509,9 @@ class EdgeAgent:
                                     q=qs, resampled=owed, draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0),
                                     depth=cs.forwards)
                 t0 = time.perf_counter()
-                task = asyncio.create_task(self._verify(sid, frame, stats))
-                if cfg.mode == "proactive" and budget_hint != 0:
-                    n_pro0 = len(cs.forward_times)
-                    max_chain = cfg.proactive_max or cfg.max_depth
-                    while not task.done():
-                        if not await self._run(cs.proactive_step, max_chain):
-                            break
-                    stats.proactive_forwards += len(cs.forward_times) - n_pro0
-                    self._observe_drafts(cs, n_pro0, stats)
+                proactive = cfg.mode == "proactive" and budget_hint != 0
+                task = await self._send_and_draft(sid, frame, stats, cs, cs.proactive_step if proactive else None,
+                                                  cfg.proactive_max or cfg.max_depth)
                 try:
                     reply = await task
                 except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
@@ -600,6 +587,20 @@ class EdgeAgent:
         budget = min(cfg.budget, info.max_tree_nodes, budget_hint)
         return TreeConfig(budget=max(1, budget), topk=cfg.topk, max_expand=cfg.max_expand,
                           max_depth=min(cfg.max_depth, info.max_tree_depth))
+
+    async def _send_and_draft(self, sid: str, frame: VerifyFrame, stats: GenerationStats, session, step=None,
+                              *args) -> asyncio.Task:
+        """Send ``frame``; while its reply is on the way, run ``step(*args)`` (proactive
+        drafting, SpecEdge §4.2) until it has nothing more to do. Returns the verify task."""
+        task = asyncio.create_task(self._verify(sid, frame, stats))
+        if step is not None:
+            n0 = len(session.forward_times)
+            while not task.done():
+                if not await self._run(step, *args):
+                    break
+            stats.proactive_forwards += len(session.forward_times) - n0
+            self._observe_drafts(session, n0, stats)
+        return task
 
     def _observe_drafts(self, ds: DraftSession | ChainDraftSession, start: int, stats: GenerationStats) -> None:
         for s in ds.forward_times[start:]:
