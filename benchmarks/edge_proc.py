@@ -119,15 +119,8 @@ class Edge:
                         "ignore_eos": True, "mode": body_mode, "stream": True}
                 chunks: list[tuple[float, str]] = []
                 t0 = time.perf_counter()
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"/v1/completions -> {r.status_code}: {(await r.aread())[:300]!r}")
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        d = json.loads(line[6:])
-                        if "error" in d:
-                            raise RuntimeError(f"stream error: {d['error']}")
+                async for d in _sse_events(client, body):
+                    if d.get("choices"):
                         chunks.append((time.perf_counter(), d["choices"][0].get("text", "")))
                 n = int(cmd["max_tokens"])  # ignore_eos: every generation is max_tokens long
                 out.append(dict(self._server_counts(chunks, n, body_mode), seconds=time.perf_counter() - t0,
@@ -145,17 +138,8 @@ class Edge:
                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
                 chunks: list[tuple[float, int | None, str]] = []
                 t0 = time.perf_counter()
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"/v1/completions -> {r.status_code}: {(await r.aread())[:300]!r}")
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        d = json.loads(line[6:])
-                        if "error" in d:
-                            raise RuntimeError(f"stream error: {d['error']}")
-                        if not d.get("choices"):
-                            continue  # the closing usage-only chunk
+                async for d in _sse_events(client, body):
+                    if d.get("choices"):  # not the closing usage-only chunk
                         used = (d.get("usage") or {}).get("completion_tokens")
                         chunks.append((time.perf_counter(), used, d["choices"][0].get("text", "")))
                 c = openai_counts(chunks)
@@ -192,6 +176,21 @@ class Edge:
         await asyncio.gather(*(worker(cmd, share, out) for share in shares if share))
         wall = time.perf_counter() - t0
         return aggregate(out, cmd["mode"], wall, int(cmd.get("depth", 0)))
+
+
+async def _sse_events(client, body: dict):
+    """POST a streaming ``/v1/completions`` request; yield each ``data:`` event's JSON object
+    (an error event, or a non-200 answer, raises)."""
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/v1/completions -> {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if "error" in d:
+                raise RuntimeError(f"stream error: {d['error']}")
+            yield d
 
 
 def openai_counts(chunks: list[tuple[float, int | None, str]]) -> dict:

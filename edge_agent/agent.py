@@ -361,15 +361,8 @@ class EdgeAgent:
                     stalled += 1  # re-opens since the last verified round
                     if stalled > cfg.max_reopens:
                         raise
-                    stats.reopens += 1
-                    await self._safe_close(sid)
-                    if stalled > 1:  # evicted again before any progress: back off (a thrashing KV budget)
-                        await asyncio.sleep(min(0.05 * 2 ** (stalled - 2), 2.0) * (0.5 + random.random()))
-                    sess = await self._open(prompt_ids, list(generated), params, stats)
+                    sess = await self._reopen(sid, prompt_ids, generated, params, stats, stalled)
                     sid = sess.session_id
-                    if sess.prefix_len != len(prompt_ids) + len(generated):
-                        raise EdgeError(f"re-opened session has prefix {sess.prefix_len}, expected "
-                                        f"{len(prompt_ids) + len(generated)}")
                     finished, finish_reason = sess.finished, sess.finish_reason
                     depth_hint, budget_hint = sess.depth_hint or depth_hint, sess.budget_hint
                     ds.start(prompt_ids + generated)
