@@ -102,7 +102,9 @@ class Pacer:
     default_budget: int = 32
     ema: float = 0.2
     cost: PiecewiseCost = field(default_factory=PiecewiseCost)
+    explore_every: int = 32  # while the hint is "no tree", every Nth hint asks for the best tree anyway
     _tokens_per_round: dict[int, float] = field(default_factory=dict)
+    _no_tree_hints: int = 0
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
@@ -134,7 +136,18 @@ class Pacer:
         if self.cost.count < 3:
             return self.default_budget
         s = max(sessions, 1)
-        best = max(self.budgets, key=lambda n: s * self.expected_tokens(n) / max(self.cost.predict(s * (n + 1)), 1e-6))
+
+        def rate(n: int) -> float:
+            return s * self.expected_tokens(n) / max(self.cost.predict(s * (n + 1)), 1e-6)
+
+        best = max(self.budgets, key=rate)
+        trees = [n for n in self.budgets if n > 0]
+        if best == 0 and trees:
+            # with no trees sent, tree acceptance is never observed again: now and then ask for
+            # the best tree, so the estimates stay current and trees come back when they pay
+            self._no_tree_hints += 1
+            if self._no_tree_hints % self.explore_every == 0:
+                return max(trees, key=rate)
         return best
 
     def depth_hint(self, sessions: int, budget: int, draft_ms: float, rtt_ms: float) -> int:

@@ -87,3 +87,16 @@ def test_a_steeper_measured_cost_curve_gives_a_smaller_budget_down_to_no_tree():
     hints = [pacer(slope).budget_hint(16) for slope in (0.0, 0.00005, 0.0005, 0.005, 0.05)]
     assert hints == sorted(hints, reverse=True) and hints[0] == 64 and hints[-1] == 0, hints
     assert pacer(0.05).depth_hint(16, 0, draft_ms=3.0, rtt_ms=5.0) == 0
+
+
+def test_a_no_tree_hint_still_asks_for_a_tree_now_and_then():
+    """Without trees, their acceptance is never observed again: every explore_every-th hint
+    while the best choice is "no tree" asks for the best tree instead."""
+    p = Pacer(explore_every=4)
+    for rows in (8, 16, 32, 64, 128):
+        p.observe_forward(rows, 0.02 + 0.05 * rows)  # trees cost far more than they bring
+    for n in p.budgets:
+        for _ in range(5):
+            p.observe_round(n, 1.0 if n == 0 else 1.1)
+    hints = [p.budget_hint(4) for _ in range(8)]
+    assert hints.count(0) == 6 and all(h > 0 for i, h in enumerate(hints) if i % 4 == 3), hints
