@@ -355,13 +355,9 @@ class EdgeAgent:
                                     conf=ds.builder.confidences(order) if cfg.send_confidence and len(tree) else None)
                 t0 = time.perf_counter()
                 task = await self._send_and_draft(sid, frame, stats, ds, ds.proactive_step if proactive else None)
-                try:
-                    reply = await task
-                except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
+                reply, sess = await self._reply_or_reopen(task, sid, stalled, prompt_ids, generated, params, stats)
+                if sess is not None:
                     stalled += 1  # re-opens since the last verified round
-                    if stalled > cfg.max_reopens:
-                        raise
-                    sess = await self._reopen(sid, prompt_ids, generated, params, stats, stalled)
                     sid = sess.session_id
                     finished, finish_reason = sess.finished, sess.finish_reason
                     depth_hint, budget_hint = sess.depth_hint or depth_hint, sess.budget_hint
@@ -405,6 +401,18 @@ class EdgeAgent:
         stats.finish_reason = finish_reason
         text = stream.text() if stream is not None else None
         return GenerationResult(generated, text, stats, prompt_ids)
+
+    async def _reply_or_reopen(self, task: asyncio.Task, sid: str, stalled: int, prompt_ids: list[int],
+                               generated: list[int], params: SamplingParams, stats: GenerationStats):
+        """(the round's reply, None), or, when the session was lost (evicted, unknown, a broken
+        connection, a prefix mismatch), (None, the session re-opened from the edge's history);
+        ``stalled`` re-opens in a row already: past ``max_reopens`` the loss is raised."""
+        try:
+            return await task, None
+        except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
+            if stalled + 1 > self.config.max_reopens:
+                raise
+            return None, await self._reopen(sid, prompt_ids, generated, params, stats, stalled + 1)
 
     async def _reopen(self, sid: str, prompt_ids: list[int], generated: list[int], params: SamplingParams,
                       stats: GenerationStats, stalled: int) -> SessionOpened:
@@ -505,13 +513,9 @@ class EdgeAgent:
                 proactive = cfg.mode == "proactive" and budget_hint != 0
                 task = await self._send_and_draft(sid, frame, stats, cs, cs.proactive_step if proactive else None,
                                                   cfg.proactive_max or cfg.max_depth)
-                try:
-                    reply = await task
-                except (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch):
+                reply, sess = await self._reply_or_reopen(task, sid, stalled, prompt_ids, generated, params, stats)
+                if sess is not None:
                     stalled += 1  # re-opens since the last verified round
-                    if stalled > cfg.max_reopens:
-                        raise
-                    sess = await self._reopen(sid, prompt_ids, generated, params, stats, stalled)
                     sid, owed = sess.session_id, None  # the owed token is in the history now
                     if sess.finished:
                         return sess.finish_reason

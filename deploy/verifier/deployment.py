@@ -264,7 +264,7 @@ class VerifierCore:
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        gains = node_gains(f.parents, f.conf) if f.q is None else []
+        gains = node_gains(f.parents, f.conf) if f.q is None and self.cfg.verifier.truncate_trees else []
         self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains), time.monotonic()))
         self._wake.set()
         return await fut
