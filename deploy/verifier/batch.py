@@ -37,6 +37,7 @@ class SeqInput:
     row_len: list[int]  # [t] contiguous logical positions each row sees
     row_bits: list[int]  # [t] tree positions row_len + j each row sees (bit j)
     logit_rows: list[int]  # rows whose logits are wanted
+    adapter: str | None = None  # the session's target version (LoRA adapter, deploy/verifier/lora.py); None: base
 
 
 def chunk_input(sid: str, start: int, tokens: list[int], logit_rows: list[int] | None = None) -> SeqInput:
@@ -80,6 +81,7 @@ class PackedBatch:
     plan: AttentionPlan
     offsets: list[int]  # first row of each item
     logit_index: torch.Tensor  # [R] long: flat rows whose logits are wanted, item by item
+    adapter_rows: list[tuple[str, torch.Tensor]] = ()  # (adapter name, its rows [M_g] long), no-adapter rows absent
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +114,16 @@ def pack(items: list[SeqInput], pool: KVPool) -> PackedBatch:
     plan = AttentionPlan(block_table, row_seq.to(torch.int32), row_len.to(torch.int32), row_bits,
                          int((row_len + extra).max()))
     return PackedBatch(items, _flat(items, "tokens"), _flat(items, "positions"), slots, plan, offsets,
-                       torch.tensor(flat_rows, dtype=torch.long))
+                       torch.tensor(flat_rows, dtype=torch.long), _adapter_rows(items, offsets))
+
+
+def _adapter_rows(items: list[SeqInput], offsets: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """Rows of each LoRA adapter in the batch (first-seen order; rows of no adapter left out)."""
+    rows: dict[str, list[int]] = {}
+    for it, off in zip(items, offsets):
+        if it.adapter is not None:
+            rows.setdefault(it.adapter, []).extend(range(off, off + len(it.tokens)))
+    return [(name, torch.tensor(r, dtype=torch.long)) for name, r in rows.items()]
 
 
 def _flat(items: list[SeqInput], field: str) -> torch.Tensor:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deploy.errors import (InvalidRequest, KVStateLost, PrefixMismatch, SessionFinished, SessionNotFound,
-                           SpecError)
+from deploy.errors import (InvalidRequest, KVStateLost, ModelNotFound, PrefixMismatch, SessionFinished,
+                           SessionNotFound, SpecError)
 from deploy.verifier.acceptance import (ChainAcceptance, more_candidates, rejection_sample_chain,
                                         sparse_rejection, walk_tree)
 from deploy.verifier.batch import SeqInput, chunk_input, tree_input
@@ -55,6 +55,7 @@ class Session:
     awaiting_resample: bool = False  # chain mode: the edge owes the resampled token
     residual_tail: torch.Tensor | None = None  # chain mode: [vocab] p's tail at the rejected position (refills)
     last_used: float = field(default_factory=time.monotonic)
+    adapter: str | None = None  # target version (LoRA adapter); None: the base
 
     @property
     def num_generated(self) -> int:
@@ -67,6 +68,7 @@ class OpenRequest:
     prompt: list[int]
     params: SamplingParams
     generated: tuple[int, ...] = ()  # re-open: tokens the session already emitted
+    adapter: str | None = None  # target version (deploy/verifier/adapters.py); None: the base
 
 
 @dataclass(frozen=True)
@@ -166,18 +168,21 @@ class _Prefill:
 
 def _tree_item(s: Session, tree: DraftTree) -> SeqInput:
     """A session's root (``prefix[-1]``, at the KV's end) and its tree, as one forward input."""
-    return tree_input(s.sid, len(s.prefix) - 1, s.prefix[-1], tree.tokens, tree.parents, tree.depths)
+    item = tree_input(s.sid, len(s.prefix) - 1, s.prefix[-1], tree.tokens, tree.parents, tree.depths)
+    item.adapter = s.adapter
+    return item
 
 
 class VerifierEngine:
     def __init__(self, model, *, eos_token_ids=(), limits: TreeLimits = TreeLimits(),
                  max_model_len: int | None = None, runner=None, chain_top_k: int = 64,
                  on_forward=None, kv_capacity_tokens: int = 1 << 16, max_batch_tokens: int = 2048,
-                 compile: bool = False):
+                 compile: bool = False, adapters=None):
         self.model = model
         self.runner = runner if runner is not None else ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens,
                                                                     compile=compile)
         self.vocab_size = model.config.vocab_size
+        self.adapters = adapters  # AdapterRegistry: LoRA target versions (None: the base only)
         self.max_batch_tokens = max_batch_tokens
         self.prefilling: OrderedDict[str, _Prefill] = OrderedDict()
         self.opened: list[OpenResult] = []  # completed by chunks inside verify forwards
@@ -228,6 +233,9 @@ class VerifierEngine:
         try:
             logits = self.runner.forward(bid, items)
         except BaseException:
+        versions = {it.adapter for it in items} - {None}
+        if versions:  # load on first use, LRU-evict others (deploy/verifier/adapters.py)
+            self.adapters.activate(versions)
             self.runner.abort(bid)
             raise
         dt = time.perf_counter() - t0
@@ -280,7 +288,8 @@ class VerifierEngine:
                 stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
                 # one uniform per emitted token: a re-open fast-forwards the generator
                 s = Session(r.sid, list(r.prompt), len(r.prompt), params,
-                            make_generator(params, skip=len(r.generated)), stop)
+                            make_generator(params, skip=len(r.generated)), stop, adapter=r.adapter)
+                self._check_version(r.adapter)
                 # a re-open feeds the KV with history[:-1]; its last token is the root
                 feed = history if not r.generated else history[:-1]
                 self.prefilling[r.sid] = _Prefill(s, feed, tuple(r.generated))
@@ -318,6 +327,7 @@ class VerifierEngine:
             chunks.append((p, n, done))
             left -= n
         return items, chunks
+            items[-1].adapter = p.session.adapter
 
     def _forward_prefilling(self, kind: str, items: list[SeqInput], chunks):
         try:
@@ -359,11 +369,28 @@ class VerifierEngine:
     # -- verify -------------------------------------------------------------------
     def _live(self, sid: str, prefix_len: int) -> Session:
         s = self.get(sid)
+    # -- target versions (LoRA adapters) ------------------------------------------------
+    def _check_version(self, name: str | None) -> None:
+        """404 ``model_not_found`` unless ``name`` is the base (None) or a served version."""
+        if name is not None:
+            if self.adapters is None:
+                raise ModelNotFound(f"target version {name!r} is not served here (no versions configured)")
+            self.adapters.check(name)
+
+    def drop_versions(self, names: set[str]) -> list[str]:
+        """Close every session (live or prefilling) of these versions; their ids."""
+        gone = [sid for sid, s in self.sessions.items() if s.adapter in names]
+        gone += [sid for sid, p in self.prefilling.items() if p.session.adapter in names]
+        for sid in gone:
+            self.close(sid)
+        return gone
+
         if s.finished:
             raise SessionFinished(f"session {sid!r} is finished ({s.finish_reason})")
         if prefix_len != len(s.prefix):
             raise PrefixMismatch(f"request assumes a prefix of {prefix_len} tokens, the session has "
                                  f"{len(s.prefix)}", server_prefix_len=len(s.prefix))
+        self._check_version(s.adapter)
         return s
 
     def verify(self, requests: list[VerifyRequest], prefill_tokens: int = 0) -> list[VerifyResult | SpecError]:

@@ -33,6 +33,7 @@ from deploy.errors import UnsupportedModel
 from deploy.verifier.attention import tree_attention, use_kernel
 from deploy.verifier.batch import PackedBatch
 from deploy.verifier.kv_pool import KVPool
+from deploy.verifier.lora import add_lora, row_groups
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE = (None, "default", "linear", "llama3", "yarn")
@@ -216,6 +217,7 @@ class DecoderModel:
         self.kernel = use_kernel(self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.scale = spec.head_dim ** -0.5
         self.glue = Glue(compile)
+        self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
 
     def warmup(self, row_counts=(1, 2, 17)) -> None:
         """Run the glue on dummy rows of each count (compiles them when ``compile=True``:
@@ -247,11 +249,15 @@ class DecoderModel:
                 (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :])
 
     @torch.inference_mode()
-    def forward(self, batch: PackedBatch, pool: KVPool, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, pool: KVPool, hidden: torch.Tensor | None = None,
+                on_layer=None) -> torch.Tensor:
         """Run this slice's layers; returns hidden states [N, D] (before the final norm).
 
         The first slice embeds ``batch.input_ids``; later ones take ``hidden`` [N, D].
         Every layer writes the batch's new K/V into ``pool`` at ``batch.slots``.
+        ``on_layer(n, h, batch)``, if given, sees the residual stream h [N, D] after each
+        layer (``n`` = layers run so far in the whole model) and must not change it
+        (exit heads, :mod:`deploy.verifier.exit_heads`).
         """
         s, g = self.spec, self.glue
         N = batch.num_tokens
@@ -261,17 +267,25 @@ class DecoderModel:
         where = pool.locate(batch.slots.to(self.device))
         plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
         x = g.norm(h, self.layers[0].ln1, s.rms_eps)
+        # rows per LoRA target version; each adds its own delta to the fused linears (lora.py)
+        lora = row_groups(batch.adapter_rows, N, self.adapters) if batch.adapter_rows else []
+
+        def lin(f: Linear, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
+            return add_lora(f(x), x, lora, self.first + i, name) if lora else f(x)
+
         for i, w in enumerate(self.layers):
-            qkv = w.qkv(x).view(N, Hq + 2 * Hkv, d)
+            qkv = lin(w.qkv, x, i, "qkv").view(N, Hq + 2 * Hkv, d)
             q, k, v = g.qk_rope(qkv, cos, sin, Hq, Hkv, w.q_norm, w.k_norm, s.rms_eps)
             pool.write(i, where, k, v)
             o = tree_attention(q, pool.k[i], pool.v[i], plan, self.scale, self.kernel)  # [N, Hq, d]
-            h, x = g.residual_norm(h, w.o(o.reshape(N, Hq * d)), w.ln2, s.rms_eps)
-            down = w.down(g.swiglu(w.gate_up(x)))
+            h, x = g.residual_norm(h, lin(w.o, o.reshape(N, Hq * d), i, "o"), w.ln2, s.rms_eps)
+            down = lin(w.down, g.swiglu(lin(w.gate_up, x, i, "gate_up")), i, "down")
             if i + 1 < len(self.layers):  # the residual and the next layer's input norm in one step
                 h, x = g.residual_norm(h, down, self.layers[i + 1].ln1, s.rms_eps)
             else:
                 h = h + down
+            if on_layer is not None:
+                on_layer(self.first + i + 1, h, batch)
         return h
 
     @torch.inference_mode()
