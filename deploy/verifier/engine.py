@@ -179,10 +179,10 @@ class VerifierEngine:
                  on_forward=None, kv_capacity_tokens: int = 1 << 16, max_batch_tokens: int = 2048,
                  compile: bool = False, adapters=None):
         self.model = model
+        self.adapters = adapters  # AdapterRegistry: LoRA target versions (None: the base only)
         self.runner = runner if runner is not None else ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens,
                                                                     compile=compile)
         self.vocab_size = model.config.vocab_size
-        self.adapters = adapters  # AdapterRegistry: LoRA target versions (None: the base only)
         self.max_batch_tokens = max_batch_tokens
         self.prefilling: OrderedDict[str, _Prefill] = OrderedDict()
         self.opened: list[OpenResult] = []  # completed by chunks inside verify forwards
@@ -230,12 +230,12 @@ class VerifierEngine:
     def _forward(self, kind: str, items: list[SeqInput], prefill_tokens: int = 0):
         bid = next(self._batch_ids)
         t0 = time.perf_counter()
-        try:
-            logits = self.runner.forward(bid, items)
-        except BaseException:
         versions = {it.adapter for it in items} - {None}
         if versions:  # load on first use, LRU-evict others (deploy/verifier/adapters.py)
             self.adapters.activate(versions)
+        try:
+            logits = self.runner.forward(bid, items)
+        except BaseException:
             self.runner.abort(bid)
             raise
         dt = time.perf_counter() - t0
@@ -286,10 +286,10 @@ class VerifierEngine:
                 if len(r.generated) > params.max_tokens:
                     raise InvalidRequest("history is longer than max_tokens")
                 stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+                self._check_version(r.adapter)
                 # one uniform per emitted token: a re-open fast-forwards the generator
                 s = Session(r.sid, list(r.prompt), len(r.prompt), params,
                             make_generator(params, skip=len(r.generated)), stop, adapter=r.adapter)
-                self._check_version(r.adapter)
                 # a re-open feeds the KV with history[:-1]; its last token is the root
                 feed = history if not r.generated else history[:-1]
                 self.prefilling[r.sid] = _Prefill(s, feed, tuple(r.generated))
@@ -324,10 +324,10 @@ class VerifierEngine:
             n = min(len(p.feed) - p.fed, left)
             done = p.fed + n == len(p.feed)
             items.append(chunk_input(sid, p.fed, p.feed[p.fed: p.fed + n], [n - 1] if done else []))
+            items[-1].adapter = p.session.adapter
             chunks.append((p, n, done))
             left -= n
         return items, chunks
-            items[-1].adapter = p.session.adapter
 
     def _forward_prefilling(self, kind: str, items: list[SeqInput], chunks):
         try:
@@ -366,9 +366,6 @@ class VerifierEngine:
         self.sessions.pop(sid, None)
         self.prefilling.pop(sid, None)
 
-    # -- verify -------------------------------------------------------------------
-    def _live(self, sid: str, prefix_len: int) -> Session:
-        s = self.get(sid)
     # -- target versions (LoRA adapters) ------------------------------------------------
     def _check_version(self, name: str | None) -> None:
         """404 ``model_not_found`` unless ``name`` is the base (None) or a served version."""
@@ -385,12 +382,15 @@ class VerifierEngine:
             self.close(sid)
         return gone
 
+    # -- verify -------------------------------------------------------------------
+    def _live(self, sid: str, prefix_len: int) -> Session:
+        s = self.get(sid)
         if s.finished:
             raise SessionFinished(f"session {sid!r} is finished ({s.finish_reason})")
+        self._check_version(s.adapter)
         if prefix_len != len(s.prefix):
             raise PrefixMismatch(f"request assumes a prefix of {prefix_len} tokens, the session has "
                                  f"{len(s.prefix)}", server_prefix_len=len(s.prefix))
-        self._check_version(s.adapter)
         return s
 
     def verify(self, requests: list[VerifyRequest], prefill_tokens: int = 0) -> list[VerifyResult | SpecError]:
