@@ -30,6 +30,35 @@ it with its own full q (:class:`ResidualSampler`), exactly in every case:
   number of candidates so that this happens with probability <= ``EXHAUST_P``.
 
 Greedy targets need none of this: the argmax is the correction itself.
+
+Tree rejection sampling (multi-draft; SpecInfer §4.2 / SpecTr, in the without-replacement
+form of Recursive Speculative Decoding, Jeon et al. 2024, and Sequoia §3.2): the edge draws
+the children c_1..c_m of a node *one after another without replacement* from a proposal q
+it chooses and sends in full (:class:`Proposal`: a sparse distribution, exactly what the
+edge sampled from). The server, which holds p, verifies the children in their wire order:
+
+    p_1 = p, q_1 = q
+    accept c_i  w.p. min(1, p_i(c_i) / q_i(c_i))              (then descend into c_i)
+    else        p_{i+1} = norm(max(0, p_i - q_i)),  q_{i+1} = norm(q_i with c_i removed)
+    all m rejected: emit a sample of p_{m+1}                  (the round's last token)
+
+Why this is exact for trees built the way the edge builds them (and which rule is not):
+given everything drawn before it, c_i is a sample of q_i (that is what drawing without
+replacement means), so the i-th step is Leviathan's rejection sampling of p_i with proposal
+q_i, whose output -- c_i if accepted, else a sample of p_{i+1} -- follows p_i; a sample of
+p_{i+1} is in turn produced exactly by step i + 1 (or drawn directly after the last child).
+By induction the token emitted at a node follows p; below an accepted child the same holds
+with that child's own p and q. This needs two properties of the tree, which the edge's
+:class:`edge_agent.sampled_tree.SampledTreeSession` keeps: (1) whether a node has an i-th
+child is decided before that child is drawn, from what was drawn earlier only (the shape
+comes from acceptance rates, never from the sampled tokens; nothing is pruned after it is
+drawn), and (2) siblings go on the wire in the order they were drawn. Hence the server
+never truncates such a tree by node value (only the depth clip at the context end, which
+depends on depth alone). The rule without the q update (SpecInfer's i.i.d.-sibling rule,
+q_{i+1} = q) is *wrong* for siblings drawn without replacement, and the SpecExec/TreeBuilder
+trees (deterministic top-k children) are not samples of any q: for those the exact
+rejection rule degenerates to "accept c_i w.p. p_i(c_i)", i.e. sample-then-match, which is
+what :func:`walk_tree` does. The tests show the statistic catches both mistakes.
 """
 
 from __future__ import annotations
@@ -230,3 +259,134 @@ class ResidualSampler:
 def residual_sample(rejection: Rejection, q: torch.Tensor, generator: torch.Generator | None) -> int | None:
     """Edge half in one call: a sample of norm(max(0, p - q)), or None (ask for more candidates)."""
     return ResidualSampler(rejection, q, generator).sample()
+
+
+# -- tree rejection sampling: multi-draft, siblings drawn without replacement ---------------------
+@dataclass(frozen=True)
+class Proposal:
+    """The distribution an edge drew one node's children from: q(x) = w_x / sum(w) on ``ids``
+    (integer weights, so edge and server hold the very same q)."""
+
+    ids: tuple[int, ...]
+    weights: tuple[int, ...]
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        q = torch.zeros(vocab, dtype=torch.float64)  # [vocab]
+        q[list(self.ids)] = torch.tensor(self.weights, dtype=torch.float64)
+        return q / q.sum()
+
+
+def check_proposals(tree: DraftTree, proposals, vocab: int) -> tuple[Proposal | None, ...]:
+    """Validate the wire's (ids, weights) per position (root, then node i) against ``tree``:
+    a position with children needs a proposal holding every child (distinct, weight >= 1);
+    a leaf carries none. Raises ValueError with the reason."""
+    if len(proposals) != len(tree) + 1:
+        raise ValueError(f"{len(proposals)} proposals for a tree of {len(tree)} nodes (need one per node + root)")
+    out: list[Proposal | None] = []
+    for pos, (kids, prop) in enumerate(zip(tree.children, proposals)):
+        ids, weights = (tuple(int(x) for x in prop[0]), tuple(int(w) for w in prop[1])) if prop else ((), ())
+        if not kids:
+            if ids:
+                raise ValueError(f"position {pos} has no children but carries a proposal")
+            out.append(None)
+            continue
+        if len(ids) != len(weights) or len(set(ids)) != len(ids):
+            raise ValueError(f"position {pos}: proposal ids must be distinct, one weight each")
+        if any(not (0 <= x < vocab) for x in ids) or any(w <= 0 for w in weights):
+            raise ValueError(f"position {pos}: proposal ids must be in the vocabulary and weights >= 1")
+        toks = [tree.tokens[c] for c in kids]
+        if len(set(toks)) != len(toks) or not set(toks) <= set(ids):
+            raise ValueError(f"position {pos}: children must be distinct tokens drawn from its proposal")
+        out.append(Proposal(ids, weights))
+    return tuple(out)
+
+
+def multi_draft_step(
+    p: torch.Tensor,  # [vocab] float64: the processed target distribution at the node
+    q: torch.Tensor,  # [vocab] float64: the proposal its children were drawn from (normalised)
+    children: list[int],  # the children's tokens, in the order they were drawn
+    generator: torch.Generator | None,
+) -> tuple[int | None, int]:
+    """One node of the recursive rule (module docstring): (index of the accepted child or
+    None, the emitted token)."""
+    r, q = p.clone(), q.clone()
+    for i, c in enumerate(children):
+        u = torch.rand((), generator=generator, dtype=torch.float64).item()
+        if u * float(q[c]) < float(r[c]):  # u < min(1, r(c) / q(c)), q(c) > 0
+            return i, c
+        nxt = torch.clamp(r - q, min=0.0)  # rejected: r(c) < q(c), so nxt sums to TV(r, q) > 0
+        z = float(nxt.sum())
+        if z > 1e-12:
+            r = nxt / z
+        else:  # r == q up to rounding: the rejection had probability ~0; drop c and go on with r
+            r[c] = 0.0
+            r = r / r.sum()
+        q[c] = 0.0  # without replacement: the next child was drawn from q without c
+        zq = float(q.sum())
+        if zq <= 0.0:
+            break
+        q = q / zq
+    return None, sample_from_probs(r, generator)
+
+
+def rejection_walk_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,  # [n + 1, vocab]: row 0 = root, row i + 1 = node i
+    proposals: tuple[Proposal | None, ...],  # per position (root, then node i): see check_proposals
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    max_emit: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
+) -> TreeAcceptance:
+    """Walk a tree of sampled siblings by multi-draft rejection sampling (module docstring);
+    ``max_emit`` / ``stop_ids`` end the walk as in :func:`walk_tree`. Greedy targets follow
+    the argmax, as :func:`walk_tree` does (a point mass accepts exactly the matching child)."""
+    if params.greedy:
+        return walk_tree(tree, logits, params, generator, max_emit, stop_ids)
+    accepted: list[int] = []
+    pos = 0
+    while True:
+        kids = tree.children[pos]
+        p = target_probs(logits[pos], params).double().cpu()  # [vocab]
+        if kids:
+            i, tok = multi_draft_step(p, proposals[pos].dense(p.shape[0]), [tree.tokens[c] for c in kids], generator)
+        else:
+            i, tok = None, sample_from_probs(p, generator)
+        if tok in stop_ids or (max_emit is not None and len(accepted) + 1 >= max_emit) or i is None:
+            return TreeAcceptance(tuple(accepted), tok)
+        accepted.append(kids[i])
+        pos = kids[i] + 1
+
+
+# -- the edge half of tree rejection sampling ----------------------------------------------------
+Q_WEIGHT_MAX = 65535  # proposal weights are u16 on the wire
+
+
+def make_proposal(
+    q: torch.Tensor,  # [vocab] the draft's processed distribution at the node
+    max_entries: int,
+    mass: float = 0.999,
+) -> Proposal:
+    """The sparse proposal the edge draws a node's children from: q's largest entries, the
+    fewest holding ``mass`` (at most ``max_entries``), as u16 weights. Any proposal is exact
+    (the server sees this very q); truncating q only moves which tokens the drafts cover --
+    the target's mass outside the support is reached through the residual."""
+    vals, ids = torch.sort(q.double(), descending=True)
+    n = int(torch.searchsorted(torch.cumsum(vals, 0), torch.tensor([mass * float(vals.sum())],
+                                                                     dtype=torch.float64)).item()) + 1
+    n = max(1, min(n, max_entries, int((vals > 0).sum())))
+    w = torch.round(vals[:n] / vals[0] * Q_WEIGHT_MAX).long()  # [n]
+    keep = w > 0
+    return Proposal(tuple(ids[:n][keep].tolist()), tuple(w[keep].tolist()))
+
+
+def draw_without_replacement(proposal: Proposal, m: int, generator: torch.Generator | None) -> list[int]:
+    """``m`` children drawn one after another from the proposal, each without the ones before
+    (at most its support): c_i ~ q_i of the module docstring, in drawing order."""
+    w = torch.tensor(proposal.weights, dtype=torch.float64)  # [support]
+    out = []
+    for _ in range(min(m, len(proposal.ids))):
+        j = sample_from_probs(w, generator)
+        out.append(proposal.ids[j])
+        w[j] = 0.0
+    return out

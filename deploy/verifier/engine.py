@@ -34,8 +34,8 @@ import torch
 
 from deploy.errors import (InvalidRequest, KVStateLost, ModelNotFound, PrefixMismatch, SessionFinished,
                            SessionNotFound, SpecError)
-from deploy.verifier.acceptance import (ChainAcceptance, more_candidates, rejection_sample_chain,
-                                        sparse_rejection, walk_tree)
+from deploy.verifier.acceptance import (ChainAcceptance, check_proposals, more_candidates, rejection_sample_chain,
+                                        rejection_walk_tree, sparse_rejection, walk_tree)
 from deploy.verifier.batch import SeqInput, chunk_input, tree_input
 from deploy.verifier.runner import ModelRunner
 from deploy.verifier.sampling import SamplingParams, make_generator, sample_token, target_probs
@@ -86,6 +86,9 @@ class VerifyRequest:
     tree: DraftTree
     prefix_len: int  # the prefix length the edge assumes (root included)
     limit: int | None = None  # verify only the first ``limit`` nodes (server-side truncation)
+    # tree rejection sampling: per position (root, then node i), the (ids, weights) its children
+    # were drawn from without replacement (acceptance.py); such trees are never truncated
+    proposals: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -402,7 +405,7 @@ class VerifierEngine:
         prefill); opens they complete are collected by :meth:`take_opened`.
         """
         out: list[VerifyResult | SpecError | None] = [None] * len(requests)
-        todo: list[tuple[int, Session, DraftTree, tuple[int, ...] | None, int]] = []
+        todo: list[tuple] = []  # (index, session, tree, kept node indices or None, nodes sent, proposals)
         seen = set()
         for i, r in enumerate(requests):
             try:
@@ -412,27 +415,40 @@ class VerifierEngine:
                 if s.awaiting_resample:
                     raise InvalidRequest(f"session {r.sid!r} owes a chain-mode resampled token")
                 tree = r.tree.validate(self.vocab_size, self.limits)
-                if r.limit is not None and 0 <= r.limit < len(tree):
+                props = None
+                if r.proposals is not None:  # a value-dependent cut would bias it: never truncated
+                    try:
+                        props = check_proposals(tree, r.proposals, self.vocab_size)
+                    except ValueError as e:
+                        raise InvalidRequest(f"tree rejection sampling: {e}") from None
+                elif r.limit is not None and 0 <= r.limit < len(tree):
                     tree = tree.prefix(r.limit)
                 n_prefix = len(tree)
                 # a node of depth d sits at position len(prefix) - 1 + d: near the end of the
                 # context the deeper nodes are cut (the session then ends with "length")
                 room = self.max_model_len - len(s.prefix)
                 tree, kept = tree.clip(room) if tree.depth > room else (tree, None)
+                if props is not None and kept is not None:  # the clip depends on depth only: still exact
+                    props = (props[0],) + tuple(None if not tree.children[j + 1] else props[k + 1]
+                                                for j, k in enumerate(kept))
                 seen.add(r.sid)
-                todo.append((i, s, tree, kept, n_prefix))
+                todo.append((i, s, tree, kept, n_prefix, props))
             except SpecError as e:
                 out[i] = e
         if not todo:
             return out  # type: ignore[return-value]
-        items = [_tree_item(s, tree) for _, s, tree, _kept, _n in todo]
+        items = [_tree_item(s, tree) for _, s, tree, _kept, _n, _p in todo]
         pre_items, chunks = self._prefill_items(prefill_tokens) if prefill_tokens > 0 else ([], [])
         bid, logits = self._forward_prefilling("verify", items + pre_items, chunks)
         logits, pre_logits = logits[: len(items)], logits[len(items):]
         keep = self._prefill_keep(chunks)
         walks = []
-        for (i, s, tree, kept, n_prefix), lg in zip(todo, logits):
-            acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
+        for (i, s, tree, kept, n_prefix, props), lg in zip(todo, logits):
+            if props is None:
+                acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
+            else:
+                acc = rejection_walk_tree(tree, lg, props, s.params, s.generator, max_emit=self._remaining(s),
+                                          stop_ids=s.stop_ids)
             root = len(s.prefix) - 1  # node j was written at root + 1 + j
             keep[s.sid] = (1, [root + 1 + a for a in acc.accepted])  # the root and the accepted path
             # the reply names nodes of the tree the edge sent

@@ -16,8 +16,11 @@ from functools import lru_cache
 import pytest
 import torch
 
-from deploy.verifier.acceptance import (Rejection, ResidualSampler, TreeAcceptance, more_candidates,
-                                        rejection_sample_chain, residual_sample, sparse_rejection, walk_tree)
+from deploy.verifier import acceptance
+from deploy.verifier.acceptance import (Proposal, Rejection, ResidualSampler, TreeAcceptance, check_proposals,
+                                        draw_without_replacement, make_proposal, more_candidates,
+                                        rejection_sample_chain, rejection_walk_tree, residual_sample,
+                                        sparse_rejection, walk_tree)
 from deploy.verifier.sampling import SamplingParams, sample_from_probs, sample_token, target_probs
 from deploy.verifier.tree import DraftTree
 from tests.verifier.test_sampling import chi_square_pvalue
@@ -213,6 +216,140 @@ def test_the_statistic_catches_wrong_chain_rules(mistake):
     params = SamplingParams(temperature=1.0)
     samples = [emitted_by_chain_rounds(params, seed, mistake=mistake) for seed in range(TRIALS)]
     assert pvalue_of(samples, params) < 1e-6
+
+
+# -- tree rejection sampling: siblings drawn without replacement from a sent proposal -------------
+SAMPLED_SHAPE = ((4, 3), (2, 2), (5, 1), (3, 1))  # (proposal entries, children) of: root, its 1st and 2nd
+# child, the 1st child's 1st child; entries < V leave some of p outside the proposal (residual only)
+
+
+@lru_cache(maxsize=None)
+def _proposal(ctx: tuple[int, ...], temperature: float, entries: int) -> Proposal:
+    return make_proposal(draft_probs(ctx, SamplingParams(temperature=temperature)), entries)
+
+
+def sampled_tree(ctx, params: SamplingParams, g, topk_children: bool = False):
+    """The edge's tree for the rejection walk: children drawn without replacement from a
+    sparse proposal of the draft (``topk_children``: the draft's top-k instead -- not samples)."""
+    tokens, parents, props = [], [], [None]
+
+    def grow(parent: int, path: tuple[int, ...], entries: int, m: int) -> list[int]:
+        prop = _proposal(ctx + path, params.temperature, entries)
+        kids = list(prop.ids[:m]) if topk_children else draw_without_replacement(prop, m, g)
+        props[parent + 1] = (prop.ids, prop.weights)
+        for t in kids:
+            tokens.append(t), parents.append(parent), props.append(None)
+        return list(range(len(tokens) - len(kids), len(tokens)))
+
+    (e0, m0), (e1, m1), (e2, m2), (e3, m3) = SAMPLED_SHAPE
+    root_kids = grow(-1, (), e0, m0)
+    a_kids = grow(root_kids[0], (tokens[root_kids[0]],), e1, m1)
+    if len(root_kids) > 1:
+        grow(root_kids[1], (tokens[root_kids[1]],), e2, m2)
+    grow(a_kids[0], (tokens[root_kids[0]], tokens[a_kids[0]]), e3, m3)
+    tree = DraftTree(tuple(tokens), tuple(parents))
+    return tree, check_proposals(tree, props, V)
+
+
+def emitted_by_sampled_tree_rounds(params: SamplingParams, seed: int, topk_children: bool = False):
+    g_server = torch.Generator().manual_seed(seed)
+    g_edge = torch.Generator().manual_seed(10**6 + seed)
+    ctx, out, depth = PROMPT, [], 0
+    while len(out) < D:
+        tree, props = sampled_tree(ctx, params, g_edge, topk_children)
+        acc = rejection_walk_tree(tree, tree_logits(tree, ctx), props, params, g_server)
+        emitted = [tree.tokens[a] for a in acc.accepted] + [acc.bonus]
+        depth = max(depth, len(acc.accepted))
+        out += emitted
+        ctx += tuple(emitted)
+    return tuple(out[:D])
+
+
+def iid_sibling_step(p, q, children, g):
+    """SpecInfer's rule for i.i.d. siblings (q never updated): wrong for siblings drawn
+    without replacement."""
+    r = p.clone()
+    for i, c in enumerate(children):
+        if torch.rand((), generator=g, dtype=torch.float64).item() * float(q[c]) < float(r[c]):
+            return i, c
+        r = torch.clamp(r - q, min=0.0)
+        r = r / r.sum()
+    return None, sample_from_probs(r, g)
+
+
+def residual_is_p_step(p, q, children, g):
+    """After a rejection, go on with p itself instead of norm(max(0, p - q))."""
+    q = q.clone()
+    for i, c in enumerate(children):
+        if torch.rand((), generator=g, dtype=torch.float64).item() * float(q[c]) < float(p[c]):
+            return i, c
+        q[c] = 0.0
+        q = q / q.sum()
+    return None, sample_from_probs(p, g)
+
+
+TREE_PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.3), SamplingParams(temperature=1.5),
+               SamplingParams(temperature=1.5, top_k=3), SamplingParams(temperature=1.0, top_p=0.8)]
+
+
+@pytest.mark.parametrize("params", TREE_PARAMS,
+                         ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_tree_rejection_sampling_emits_the_target_distribution(params):
+    samples = [emitted_by_sampled_tree_rounds(params, seed) for seed in range(TRIALS)]
+    assert pvalue_of(samples, params) > 1e-3
+
+
+@pytest.mark.parametrize("mistake", ["iid_siblings", "residual_is_p", "topk_children"])
+def test_the_statistic_catches_wrong_tree_rejection_rules(mistake, monkeypatch):
+    """Test of the test: the i.i.d.-sibling rule (no q update), p instead of the residual, and
+    the rejection rule on deterministic top-k children (not samples of q) all fail it."""
+    params = SamplingParams(temperature=1.0)
+    if mistake == "iid_siblings":
+        monkeypatch.setattr(acceptance, "multi_draft_step", iid_sibling_step)
+    if mistake == "residual_is_p":
+        monkeypatch.setattr(acceptance, "multi_draft_step", residual_is_p_step)
+    samples = [emitted_by_sampled_tree_rounds(params, seed, mistake == "topk_children") for seed in range(TRIALS)]
+    assert pvalue_of(samples, params) < 1e-6
+
+
+def test_sampled_trees_accept_deep_and_beyond_the_first_sibling():
+    """The statistic exercises later siblings and depth, not only the first child."""
+    params = SamplingParams(temperature=1.0)
+    later, deep = 0, 0
+    for seed in range(400):
+        g = torch.Generator().manual_seed(seed)
+        tree, props = sampled_tree(PROMPT, params, g)
+        acc = rejection_walk_tree(tree, tree_logits(tree, PROMPT), props, params, g)
+        later += bool(acc.accepted) and acc.accepted[0] != tree.children[0][0]
+        deep += len(acc.accepted) >= 2
+    assert later > 30 and deep > 60, (later, deep)
+
+
+def test_proposals_are_checked_against_the_tree():
+    tree = DraftTree((1, 2, 3), (-1, -1, 0))
+    good = [((1, 2, 4), (9, 5, 1)), ((3,), (7,)), None, None]
+    assert [p.ids if p else None for p in check_proposals(tree, good, V)] == [(1, 2, 4), (3,), None, None]
+    for bad in ([((1,), (9,)), ((3,), (7,)), None, None],  # child 2 not in the proposal
+                [((1, 2), (9, 0)), ((3,), (7,)), None, None],  # zero weight
+                [((1, 2), (9, 5)), ((3,), (7,)), ((0,), (1,)), None],  # a leaf with a proposal
+                [((1, 2), (9, 5)), ((3,), (7,)), None],  # one short
+                [((1, 1, 2), (9, 9, 5)), ((3,), (7,)), None, None]):  # duplicate ids
+        with pytest.raises(ValueError):
+            check_proposals(tree, bad, V)
+    with pytest.raises(ValueError):  # duplicate sibling tokens cannot be drawn without replacement
+        check_proposals(DraftTree((1, 1), (-1, -1)), [((1, 2), (3, 3)), None, None], V)
+
+
+def test_proposal_keeps_the_largest_entries_and_draws_without_replacement():
+    q = torch.tensor([0.05, 0.5, 0.3, 0.1, 0.05])
+    prop = make_proposal(q, 3)
+    assert prop.ids == (1, 2, 3) and prop.weights[0] == acceptance.Q_WEIGHT_MAX
+    assert make_proposal(q, 5, mass=0.85).ids == (1, 2, 3)  # the fewest entries holding the mass
+    g = torch.Generator().manual_seed(0)
+    draws = [tuple(draw_without_replacement(prop, 3, g)) for _ in range(3000)]
+    assert all(sorted(d) == [1, 2, 3] for d in draws)
+    firsts = {t: sum(d[0] == t for d in draws) / 3000 for t in (1, 2, 3)}
+    assert abs(firsts[1] - 0.5 / 0.9) < 0.03 and abs(firsts[3] - 0.1 / 0.9) < 0.02
 
 
 # -- the residual alone, on a vocabulary of 512 ------------------------------------------------
