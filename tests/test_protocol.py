@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from deploy.errors import InvalidRequest, PayloadTooLarge
-from deploy.protocol import (F_CHAIN, F_CONF, F_MORE, F_RESAMPLED, MAGIC, MAX_NODES_WIRE, VERSION, OpenSession,
-                             ReplyFrame, SessionOpened, VerifyFrame)
+from deploy.protocol import (F_CHAIN, F_CONF, F_MORE, F_RESAMPLED, F_TREEQ, MAGIC, MAX_NODES_WIRE, VERSION,
+                             OpenSession, ReplyFrame, SessionOpened, VerifyFrame)
 
 f32 = st.floats(0, 1e6, allow_nan=False, width=32)
 
@@ -115,7 +115,10 @@ def head(n: int, flags: int = 0, magic: int = MAGIC, version: int = VERSION, dra
     (head(0)[:-1], InvalidRequest, "too short"),
     (head(0, magic=0x1234), InvalidRequest, "protocol"),
     (head(0, version=2), InvalidRequest, "protocol"),
-    (head(0, flags=16), InvalidRequest, "flags"),
+    (head(0, flags=32), InvalidRequest, "flags"),
+    (head(0, flags=F_TREEQ | F_CHAIN) + b"\0", InvalidRequest, "flags"),  # proposals go with trees only
+    (head(0, flags=F_TREEQ), InvalidRequest, "proposals"),  # no count byte for the root
+    (head(0, flags=F_TREEQ) + b"\2" + bytes(6), InvalidRequest, "proposals"),  # 2 entries announced, 1 sent
     (head(0, flags=F_MORE), InvalidRequest, "flags"),  # F_MORE only with F_CHAIN, alone, no nodes
     (head(0, flags=F_MORE | F_CHAIN | F_RESAMPLED) + bytes(4), InvalidRequest, "flags"),
     (head(0, flags=F_MORE | F_CHAIN | F_CONF), InvalidRequest, "flags"),
@@ -167,6 +170,22 @@ def test_chain_wire_sizes():
     split = ReplyFrame(accepted=[], bonus=None, prefix_len=51, rejected=True, reject_top_ids=[4],
                        reject_top_probs=[0.5], tail_mass=0.5, tail_ids=[9, 10], tail_probs=[0.125, 0.0625])
     assert len(split.encode()) == 24 + 8 + 6 + 8 * 2 and ReplyFrame.decode(split.encode()) == split
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_tree_rejection_frames_round_trip(data):
+    """Issue 17, F_TREEQ: per position a proposal (ids u32, weights u16); 6 bytes per node, 1 per
+    position, 6 per proposal entry."""
+    n = data.draw(st.integers(0, 12))
+    props = [data.draw(st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 65535)), max_size=5))
+             for _ in range(n + 1)]
+    frame = VerifyFrame(prefix_len=9, tokens=list(range(n)), parents=[-1] * n,
+                        proposals=[(tuple(i for i, _ in p), tuple(w for _, w in p)) for p in props],
+                        conf=[3] * n if data.draw(st.booleans()) else None)
+    enc = frame.encode()
+    assert len(enc) == 20 + 6 * n + (n if frame.conf else 0) + n + 1 + 6 * sum(len(p) for p in props)
+    assert VerifyFrame.decode(enc) == frame
 
 
 def test_json_bodies_validate():
