@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deploy.config import AppConfig
+from deploy.request_path import RequestPathConfig
 
 TARGETS: dict[str, dict] = {
     "tiny": {"model": "tiny-random", "dtype": "float32", "seed": 0},
@@ -35,12 +36,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# Draft time per forward of edge device classes (ms). rtx4090: SpecEdge §5.4 measured ~11 ms per
+# forward of Qwen3-1.7B on an RTX 4090; jetson-orin: a Jetson Orin-class board with a ~0.5B draft,
+# ~3x slower (an assumption, stated as such in the report: no paper here measures one).
+DEVICE_DRAFT_MS: dict[str, float] = {"rtx4090": 11.0, "jetson-orin": 35.0}
+
+
 class UserModel(_Strict):
     """How one simulated edge agent behaves (SpecEdge §4.3: its cycle is draft time + RTT)."""
 
-    draft_ms: float = Field(20.0, ge=0, description="simulated time per draft forward (Jetson-class draft)")
-    rtt_ms: float = Field(40.0, ge=0, description="simulated network round trip")
-    jitter: float = Field(0.2, ge=0, le=1, description="uniform +- fraction on draft_ms and rtt_ms")
+    draft_ms: float = Field(20.0, ge=0, description="simulated time per draft forward (when devices is empty)")
+    devices: dict[str, float] = Field(default_factory=dict,
+                                      description="device profile (DEVICE_DRAFT_MS) -> share of the users; "
+                                                  "each user drafts at its device's ms per forward")
+    rtt_ms: float = Field(40.0, ge=0, description="simulated network round trip (the median over users)")
+    rtt_sigma: float = Field(0.0, ge=0, le=2, description="log-normal spread of the users' RTTs around rtt_ms "
+                                                          "(0: every user has rtt_ms)")
+    jitter: float = Field(0.2, ge=0, le=1, description="uniform +- fraction on draft_ms and rtt_ms per round")
+    ws_share: float = Field(0.0, ge=0, le=1, description="share of the users that verify over one WebSocket per "
+                                                         "session (the edge agent's default); the rest POST")
     alpha: float = Field(0.7, ge=0, le=1, description="P(draft top-1 = target token) per tree level")
     sibling_alpha: float = Field(0.3, ge=0, le=1, description="P(top-2 sibling = target token | top-1 wrong)")
     depth: int | None = Field(None, ge=1, description="draft forwards per tree; None: the server's depth hint")
@@ -49,6 +63,15 @@ class UserModel(_Strict):
     idle_s: tuple[float, float] = Field((2.0, 8.0), description="pause between generations (uniform range)")
     max_retries: int = Field(30, ge=1, description="429/503 retries per request before it counts as an error")
     network_timeout_s: float = Field(30.0, gt=0, description="a request slower than this is an error")
+
+    @model_validator(mode="after")
+    def _check_devices(self):
+        unknown = sorted(set(self.devices) - set(DEVICE_DRAFT_MS))
+        if unknown:
+            raise ValueError(f"unknown device profiles {unknown}; known: {sorted(DEVICE_DRAFT_MS)}")
+        if self.devices and not sum(self.devices.values()) > 0:
+            raise ValueError("device shares must sum to more than 0")
+        return self
 
 
 class TenantLoad(_Strict):
@@ -68,6 +91,8 @@ class LoadTestConfig(_Strict):
     description: str = ""
     target: str = Field("tiny", description="a key of TARGETS, recorded in the report")
     app: dict = Field(default_factory=dict, description="AppConfig args for build_app (tenants included)")
+    request_path: RequestPathConfig = Field(default_factory=RequestPathConfig,
+                                            description="how requests reach the router (Serve's ingress options)")
     user: UserModel = Field(default_factory=UserModel)
     tenants: dict[str, TenantLoad] = Field(default_factory=dict,
                                            description="user shares; default: every app tenant, equal shares")

@@ -2,12 +2,14 @@
 
 Each user belongs to a tenant (API key from the app's own config) and loops over
 generations: open a session (``POST /v1/sessions``), then verify rounds until the server
-says the generation finished, then close (``DELETE``), then idle. A round drafts a
+says the generation finished, then close (``DELETE``), then idle (think time). A round drafts a
 synthetic tree from the target's known greedy continuation (:mod:`loadtests.synthetic_tree`),
-waits the simulated draft time (depth x draft_ms) plus the RTT, and posts the binary
+waits the simulated draft time (depth x its device's ms per forward) plus its RTT (each user
+has its own, log-normal around the median, jittered per round), and sends the binary
 :class:`deploy.protocol.VerifyFrame` carrying that draft time and RTT, so the server's
 pacing sees what a real edge would report; it follows the server's depth and tree-budget
-hints unless the config fixes them. Protocol outcomes a real edge handles are not errors:
+hints unless the config fixes them. A share of the users (``ws_share``) verifies over one
+WebSocket per session, as the edge agent does by default; the rest POST each round. Protocol outcomes a real edge handles are not errors:
 429 and 503 are retried after ``Retry-After``; 404/410 re-open the session with
 ``generated_ids``. Every verified token is checked against the target's continuation.
 
@@ -26,6 +28,7 @@ import time
 from collections import defaultdict
 
 import gevent
+import websocket  # websocket-client: plain sockets, which Locust's gevent patches cooperative
 from locust import FastHttpUser, between, events, task
 
 from deploy.protocol import ReplyFrame, VerifyFrame
@@ -65,7 +68,7 @@ class Counters:
 
 
 STATS = Counters()
-_assigned: dict[str, int] = defaultdict(int)
+_assigned: dict[tuple[str, str], int] = defaultdict(int)
 _user_seq = 0
 
 
@@ -101,11 +104,12 @@ def _write(environment, **_):
             json.dump(STATS.dump(), f)
 
 
-def _pick_tenant() -> str:
-    """Smooth assignment of users to tenants by their configured shares."""
-    shares = CFG["shares"]
-    t = min(shares, key=lambda n: (_assigned[n] + 1) / shares[n])
-    _assigned[t] += 1
+def _smooth_pick(kind: str, shares: dict[str, float]) -> str:
+    """Smooth assignment of users to the keys of ``shares`` (tenants, devices, transports)."""
+    total = sum(shares.values())
+    t = min((n for n in shares if shares[n] > 0),
+            key=lambda n: (_assigned[kind, n] + 1) / (shares[n] / total))
+    _assigned[kind, t] += 1
     return t
 
 
@@ -115,11 +119,17 @@ class EdgeUser(FastHttpUser):
     def on_start(self):
         global _user_seq
         _user_seq += 1
-        self.tenant = _pick_tenant()
+        self.tenant = _smooth_pick("tenant", CFG["shares"])
         self.headers = {"Authorization": f"Bearer {CFG['keys'][self.tenant]}"}
         self.rng = random.Random(_user_seq * 7919 + os.getpid())
         u = CFG["user"]
         self.model = AcceptanceModel(u["alpha"], u["sibling_alpha"])
+        self.device = _smooth_pick("device", u["devices"]) if u["devices"] else None
+        self.draft_ms = CFG["device_draft_ms"][self.device] if self.device else u["draft_ms"]
+        self.rtt_ms = u["rtt_ms"] * self.rng.lognormvariate(0.0, u["rtt_sigma"])  # this user's network
+        self.ws = _smooth_pick("transport", {"ws": u["ws_share"], "http": 1 - u["ws_share"]}) == "ws"
+        self.sock: websocket.WebSocket | None = None
+        self.sock_sid: str | None = None
         wl = CFG["workload"]
         self.vocab = wl["vocab_size"]
 
@@ -139,6 +149,53 @@ class EdgeUser(FastHttpUser):
             else:
                 r.failure(f"HTTP {status}: {body[:200]!r}" if status else f"connection error: {r.error}")
             return status, body, r.headers or {}, ms
+
+    def _verify(self, sid: str, frame: bytes):
+        return self._verify_ws(sid, frame) if self.ws else self._request(
+            "POST", f"/v1/sessions/{sid}/verify", "verify", data=frame)
+
+    def _verify_ws(self, sid: str, frame: bytes):
+        """One round over the session's WebSocket (connected on first use, as the edge agent):
+        (status, body, headers, ms) like :meth:`_request`; a JSON text reply is an error with
+        its status, a dropped connection is status 0."""
+        t0 = time.perf_counter()
+        name, status, body, headers, exc = "ws verify", 0, b"", {}, None
+        try:
+            if self.sock_sid != sid:
+                self._close_ws()
+                url = self.host.replace("http://", "ws://", 1) + f"/v1/sessions/{sid}/ws"
+                timeout = float(CFG["user"]["network_timeout_s"])
+                self.sock = websocket.create_connection(url, header=[f"Authorization: {self.headers['Authorization']}"],
+                                                        timeout=timeout, enable_multithread=False)
+                self.sock_sid = sid
+            self.sock.send_binary(frame)
+            opcode, body = self.sock.recv_data()
+            if opcode == websocket.ABNF.OPCODE_BINARY:
+                status = 200
+            else:
+                err = json.loads(body)
+                status = int(err.get("status", 0))
+                if err.get("retry_after") is not None:
+                    headers = {"Retry-After": str(err["retry_after"])}
+                if status in (429, 503, 404, 410):
+                    name = f"ws verify {status}"
+                else:
+                    exc = RuntimeError(f"HTTP {status}: {body[:200]!r}")
+        except (websocket.WebSocketException, OSError, ValueError) as e:
+            self._close_ws()
+            exc = e
+        ms = (time.perf_counter() - t0) * 1000
+        events.request.fire(request_type="WS", name=name, response_time=ms, response_length=len(body),
+                            exception=exc, context={})
+        return status, body, headers, ms
+
+    def _close_ws(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except (websocket.WebSocketException, OSError):
+                pass
+        self.sock, self.sock_sid = None, None
 
     def _backoff(self, status: int, body: bytes, headers, ms: float) -> None:
         s = STATS
@@ -188,6 +245,7 @@ class EdgeUser(FastHttpUser):
         return None
 
     def _close(self, sid: str) -> None:
+        self._close_ws()
         status, _, _, _ = self._request("DELETE", f"/v1/sessions/{sid}", "close")
         if status == 200:
             STATS.add(self.tenant, "closes")
@@ -227,14 +285,13 @@ class EdgeUser(FastHttpUser):
             depth = min(depth, nodes, CFG["max_tree_depth"])
             rest = truth[len(out):] if not diverged else []
             tokens, parents, hits = synthetic_tree(rest, self.model, depth, nodes, self.vocab, self.rng)
-            draft_ms = depth * u["draft_ms"] * self.rng.uniform(1 - u["jitter"], 1 + u["jitter"])
-            rtt_ms = u["rtt_ms"] * self.rng.uniform(1 - u["jitter"], 1 + u["jitter"])
+            draft_ms = depth * self.draft_ms * self.rng.uniform(1 - u["jitter"], 1 + u["jitter"])
+            rtt_ms = self.rtt_ms * self.rng.uniform(1 - u["jitter"], 1 + u["jitter"])
             gevent.sleep((draft_ms + rtt_ms) / 1000.0)  # the edge drafts, then the frame travels
-            frame = VerifyFrame(prefix_len, tokens, parents, draft_ms=u["draft_ms"], rtt_ms=rtt_ms,
+            frame = VerifyFrame(prefix_len, tokens, parents, draft_ms=self.draft_ms, rtt_ms=rtt_ms,
                                 depth=depth).encode()
             while True:
-                status, data, headers, ms = self._request("POST", f"/v1/sessions/{sid}/verify", "verify",
-                                                          data=frame)
+                status, data, headers, ms = self._verify(sid, frame)
                 if status in (429, 503) and retries < u["max_retries"] and not STOPPING:
                     retries += 1
                     self._backoff(status, data, headers, ms)

@@ -155,7 +155,9 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
     fallback = (t0 + users / max(rate, 1e-9) + cfg.warmup_s + 2, meta["locust_ended"] - 2)
     window = steady_window(history, users, cfg.warmup_s, fallback)
     wlen = max(window[1] - window[0], 1e-9)
-    agg, ver = stats.get("Aggregated", {}), stats.get("verify", {})
+    agg = stats.get("Aggregated", {})
+    rounds = [stats[n] for n in ("verify", "ws verify") if n in stats]  # POSTed and WebSocket rounds
+    ver = max(rounds, key=lambda r: _float(r.get("Request Count", 0)), default={})
     total_requests = _float(agg.get("Request Count", 0))
     run_s = max(meta["locust_ended"] - t0, 1e-9)
     vc = cfg.app_config().verifier
@@ -215,11 +217,12 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
                    "router_max_queued_batches": rc.max_queued_batches,
                    "tenant_max_sessions": {t.name: t.max_sessions for t in rc.load_tenants()}},
         "user_model": cfg.user.model_dump(mode="json"),
+        "request_path": cfg.request_path.model_dump(mode="json"),
         "run": {k: meta[k] for k in ("users", "spawn_rate", "duration_s", "processes", "host", "started_app")},
         "window_s": [round(window[0] - t0, 1), round(window[1] - t0, 1)],
         "backlogged_seconds": sat_secs,  # of the window, the seconds the share is computed over
         "requests_per_s": _float(agg.get("Requests/s", total_requests / run_s)),
-        "verify_per_s": _float(ver.get("Requests/s")),
+        "verify_per_s": sum(_float(r.get("Requests/s")) for r in rounds) if rounds else float("nan"),
         "verify_per_s_window": len(all_lat) / wlen,
         "verify_ms": {"p50": _float(ver.get("50%")), "p95": _float(ver.get("95%")), "p99": _float(ver.get("99%"))},
         "verify_ms_window": {"p50": percentile(all_lat, 50), "p95": percentile(all_lat, 95),
@@ -296,6 +299,20 @@ def _f(x, nd=1) -> str:
     return f"{x:,.{nd}f}"
 
 
+def _draft(um: dict) -> str:
+    if not um.get("devices"):
+        return f"{um['draft_ms']:g} ms/forward"
+    from loadtests.config import DEVICE_DRAFT_MS
+
+    return ", ".join(f"{share:g} {d} ({DEVICE_DRAFT_MS[d]:g} ms/forward)" for d, share in um["devices"].items())
+
+
+def _path(rp: dict | None) -> str:
+    if not rp:
+        return "Serve's HTTP proxy"
+    return f"ingress {rp['ingress']}, throughput_optimized {'on' if rp['throughput_optimized'] else 'off'}"
+
+
 def markdown(s: dict) -> str:
     lim, um, run = s["limits"], s["user_model"], s["run"]
     lines = [
@@ -313,10 +330,12 @@ def markdown(s: dict) -> str:
         f"- **Users**: {run['users']} (spawn {run['spawn_rate']:g}/s, {run['duration_s']:g} s, "
         f"{s['locust_processes']} Locust process(es), app "
         f"{'started by the run' if run['started_app'] else 'at ' + run['host']}); "
-        f"draft {um['draft_ms']:g} ms/forward, RTT {um['rtt_ms']:g} ms (±{um['jitter']:.0%}), "
+        f"draft {_draft(um)}, RTT {um['rtt_ms']:g} ms median (log-normal sigma {um.get('rtt_sigma', 0):g}, "
+        f"±{um['jitter']:.0%} per round), {um.get('ws_share', 0):.0%} WebSocket users, "
         f"acceptance alpha={um['alpha']:g} sibling={um['sibling_alpha']:g}, depth "
         f"{um['depth'] or 'server hint'}, nodes {um['nodes'] or 'server hint'}, {um['max_tokens']} tokens per "
         f"generation, idle {um['idle_s'][0]:g}-{um['idle_s'][1]:g} s between generations.",
+        f"- **Request path**: {_path(s.get('request_path'))}.",
         f"- **Steady-state window**: {s['window_s'][0]:g}-{s['window_s'][1]:g} s after Locust started.",
         "",
         "| metric | whole run | steady state |",
@@ -370,7 +389,7 @@ def plots(out: Path, s: dict, history: list[dict], counters: dict, t0: float) ->
     import matplotlib.pyplot as plt
 
     agg = [r for r in history if r.get("Name") == "Aggregated"]
-    ver = [r for r in history if r.get("Name") == "verify"]
+    ver = [r for r in history if r.get("Name") == "verify"] or [r for r in history if r.get("Name") == "ws verify"]
     secs = sorted(counters["tokens_by_second"])
     fig, ax = plt.subplots(figsize=(8, 4))
     for t in s["tenants"]:

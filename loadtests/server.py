@@ -7,7 +7,11 @@ the verifier's own statistics four times a second (queue length, batch sizes, bu
 one verifier replica (the fault scenario); Serve starts a replacement, and the sessions
 it held re-open from their edges' history.
 
-    python -m loadtests.server --config app.json --port 8123 --stats-out server.json
+    python -m loadtests.server --config app.json --port 8123 --stats-out server.json \
+        [--request-path '{"ingress": "direct", "throughput_optimized": true, "direct_port": 30000}']
+
+``--request-path`` (a :class:`deploy.request_path.RequestPathConfig`) sets Serve's request-path
+options in this process's environment before Ray starts, so every Ray process inherits them.
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--stats-out", required=True)
     ap.add_argument("--num-cpus", type=int, default=4, help="Ray's logical CPUs (replicas reserve num_cpus each)")
+    ap.add_argument("--request-path", default="{}", help="RequestPathConfig as JSON (deploy/request_path.py)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from deploy.request_path import RequestPathConfig
+
+    os.environ.update(RequestPathConfig(**json.loads(args.request_path)).env())  # before Ray starts
 
     import ray
     from ray import serve

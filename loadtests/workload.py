@@ -17,7 +17,7 @@ import random
 import time
 from pathlib import Path
 
-from loadtests.config import LoadTestConfig
+from loadtests.config import DEVICE_DRAFT_MS, LoadTestConfig
 
 
 def make_prompts(cfg: LoadTestConfig, vocab: int) -> list[list[int]]:
@@ -53,5 +53,5 @@ def write_user_config(cfg: LoadTestConfig, workload: dict, path: Path) -> None:
     vc = cfg.app_config().verifier
     data = {"name": cfg.name, "user": cfg.user.model_dump(mode="json"), "keys": cfg.tenant_keys(),
             "shares": cfg.user_shares(), "workload": workload, "max_tree_nodes": vc.max_tree_nodes,
-            "max_tree_depth": vc.max_tree_depth}
+            "max_tree_depth": vc.max_tree_depth, "device_draft_ms": DEVICE_DRAFT_MS}
     path.write_text(json.dumps(data))

@@ -1,0 +1,73 @@
+"""Ray Serve's request-path options, as the environment a Ray cluster is started with.
+
+Where an edge's verify round spends server CPU before it reaches the verifier
+(``benchmarks/request_path.py`` measures each hop): Serve's HTTP proxy actor parses the
+request and forwards it to the router replica over a Ray actor call, the router calls the
+verifier over another. Ray Serve 2.60 can take hops out:
+
+- ``proxy`` (Serve's default): clients -> proxy actor -> router replica -> verifier.
+- ``direct``: the router replica (the ingress) serves HTTP/WebSocket itself on a port of
+  its own (``RAY_SERVE_ENABLE_DIRECT_INGRESS``); clients skip the proxy. The proxy still
+  runs on ``http_options.port`` for anything else.
+- ``haproxy``: Serve runs HAProxy (Debian's ``haproxy``) on ``http_options.port`` in front of
+  the ingress replicas' own ports, in place of the Python proxy (``RAY_SERVE_ENABLE_HA_PROXY``);
+  it spreads clients over router replicas, as a Kubernetes Service would.
+
+``throughput_optimized`` (``RAY_SERVE_THROUGHPUT_OPTIMIZED``) adds Serve's own bundle: gRPC
+instead of Ray object transfers between replicas, user code on the replica's event loop,
+buffered request logs, GC frozen after start-up, and direct ingress.
+
+These are read when Ray's processes import Serve, so they must be in the environment of
+the process that starts Ray (``ray start`` / ``ray.init``) — the Helm chart puts them in the
+Ray containers' env, the launchers here (:mod:`loadtests.server`, :mod:`deploy.demo`) pass
+:func:`serve_env` to their child. Session affinity is unaffected: it is the router's handle
+to the verifier that pins a session to its replica (:mod:`deploy.router.affinity`), whatever
+carried the request to the router.
+"""
+
+from __future__ import annotations
+
+import shutil
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Ingress(str, Enum):
+    proxy = "proxy"
+    direct = "direct"
+    haproxy = "haproxy"
+
+
+class RequestPathConfig(BaseModel):
+    """How requests reach the router replicas (cluster-wide: applied when Ray starts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ingress: Ingress = Field(Ingress.direct, description="proxy | direct | haproxy (see deploy/request_path.py)")
+    throughput_optimized: bool = Field(True, description="RAY_SERVE_THROUGHPUT_OPTIMIZED: gRPC between replicas, "
+                                                         "user code on the event loop, buffered logs")
+    direct_port: int = Field(30000, ge=1024, le=65000,
+                             description="first port of the ingress replicas' own HTTP servers (one per replica)")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.ingress is Ingress.haproxy and shutil.which("haproxy") is None:
+            raise ValueError("ingress: haproxy needs the haproxy binary on PATH (Debian: apt-get install haproxy)")
+        return self
+
+    def env(self) -> dict[str, str]:
+        """The environment variables for the process that starts Ray."""
+        env = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if self.throughput_optimized else "0",
+               "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0" if self.ingress is Ingress.proxy else "1",
+               "RAY_SERVE_ENABLE_HA_PROXY": "1" if self.ingress is Ingress.haproxy else "0",
+               "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(self.direct_port),
+               "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.direct_port + 1000),
+               "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(self.direct_port + 1000),
+               "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(self.direct_port + 2000)}
+        return env
+
+    def client_port(self, http_port: int) -> int:
+        """Where clients connect: the first ingress replica's own port in ``direct`` mode
+        (one router replica; more need a balancer, i.e. ``haproxy``), else Serve's HTTP port."""
+        return self.direct_port if self.ingress is Ingress.direct else http_port
