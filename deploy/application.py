@@ -38,13 +38,22 @@ def verifier_options(cfg: AppConfig) -> dict:
     return opts
 
 
+def versions_user_config(cfg: AppConfig) -> dict:
+    """The deployments' ``user_config``: the target versions. A Serve config that overrides it
+    (``applications[].deployments[].user_config`` of Verifier and Router) adds or removes
+    versions through ``reconfigure``, without restarting a replica (FlexSpec §III-B)."""
+    return {"adapters": dict(cfg.target.adapters), "max_loaded_adapters": cfg.target.max_loaded_adapters}
+
+
 def build_app(args: dict | None = None):
     cfg = AppConfig(**(args or {}))
     data = cfg.model_dump(mode="json")
     logging = {"enable_access_log": cfg.access_log}
-    verifier = Verifier.options(**verifier_options(cfg), logging_config=logging).bind(data)
+    versions = versions_user_config(cfg)
+    verifier = Verifier.options(**verifier_options(cfg), logging_config=logging, user_config=versions).bind(data)
     return Router.options(
         logging_config=logging,
+        user_config=versions,
         num_replicas=cfg.router.num_replicas,
         max_queued_requests=cfg.router.max_queued_requests,
         max_ongoing_requests=max(cfg.router.max_ongoing_requests, cfg.router.max_pending_verifies + 64),

@@ -9,6 +9,7 @@ RayService's ``serveConfigV2`` (and its tests parse it with this model).
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +36,29 @@ class ModelConfig(_Strict):
     seed: int = 0
     tiny_config: dict | None = Field(None, description="overrides for tiny-random (vocab_size, num_layers, ...)")
     max_model_len: int | None = Field(None, ge=16)
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="target versions served beside the base (FlexSpec): name -> PEFT LoRA "
+                                          "adapter directory (adapter_config.json + adapter_model.safetensors); a "
+                                          "session picks one by `model`; all versions share every batch. Changed "
+                                          "without a restart (the verifier's reconfigure)")
+    max_loaded_adapters: int = Field(4, ge=1, description="versions held in memory per replica: loaded on first "
+                                                          "use, least recently used evicted beyond this")
+
+    @field_validator("adapters")
+    @classmethod
+    def _version_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}", name):
+                raise ValueError(f"target version name {name!r}: 1-64 of A-Z a-z 0-9 _ . : - (a letter or digit first)")
+            if not path:
+                raise ValueError(f"target version {name!r}: empty adapter path")
+        return v
+
+    @model_validator(mode="after")
+    def _not_the_base(self):
+        if self.model in self.adapters:
+            raise ValueError(f"target version {self.model!r} has the base model's name")
+        return self
 
 
 class VerifierConfig(_Strict):
@@ -147,6 +171,8 @@ class PacingConfig(_Strict):
                                     description="budget hints to choose from; 0 = no tree (plain decoding)")
     default_tree_budget: int = Field(32, ge=1)
     ema: float = Field(0.2, gt=0, le=1)
+    per_version: bool = Field(True, description="each target version (target.adapters) paces its sessions by its "
+                                                "own acceptance (FlexSpec §III-C); off: one acceptance for all")
 
     @model_validator(mode="after")
     def _ranges(self):
@@ -164,6 +190,12 @@ class ServerDraftConfig(_Strict):
     model: ModelConfig | None = Field(None, description="server-side draft model (e.g. embedded-draft); unset: prompt lookup")
     depth: int = Field(4, ge=1, le=32)
 
+    @model_validator(mode="after")
+    def _no_versions(self):
+        if self.model is not None and self.model.adapters:
+            raise ValueError("server_draft.model: adapters are for the target only (the draft stays frozen)")
+        return self
+
 
 class AppConfig(_Strict):
     target: ModelConfig = Field(default_factory=ModelConfig)
@@ -174,6 +206,12 @@ class AppConfig(_Strict):
     route_prefix: str = "/"
     access_log: bool = Field(True, description="Serve's per-request access log in the router and verifier "
                                                "replicas (one line per request; off for high request rates)")
+
+    @model_validator(mode="after")
+    def _versions_need_one_stage(self):
+        if self.target.adapters and self.verifier.pipeline_parallel_size > 1:
+            raise ValueError("target.adapters (LoRA versions) need verifier.pipeline_parallel_size 1")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":

@@ -78,17 +78,18 @@ def _g(name, desc, labels=(), component="verifier"):
 
 
 TM = ("tenant", "mode")
+TMV = TM + ("version",)  # version: the target version (target.adapters name, or "base"), FlexSpec §III
 METRICS: dict[str, MetricSpec] = {m.name: m for m in [
-    # -- spec decode (vLLM names), per tenant and mode -------------------------------------
-    _c("spec_decode_num_drafts", "Verify rounds (one draft tree or chain each).", TM),
+    # -- spec decode (vLLM names), per tenant, mode and target version ----------------------
+    _c("spec_decode_num_drafts", "Verify rounds (one draft tree or chain each).", TMV),
     _c("spec_decode_num_draft_tokens", "Draft tokens (tree nodes) verified (sent minus those the replica cut).",
-       TM),
+       TMV),
     _c("spec_decode_num_truncated_tokens", "Draft tokens sent but not verified: server-side truncation at batch "
-                                           "time (deploy/verifier/truncation.py).", TM),
-    _c("spec_decode_num_accepted_tokens", "Draft tokens accepted (the bonus token not counted).", TM),
+                                           "time (deploy/verifier/truncation.py).", TMV),
+    _c("spec_decode_num_accepted_tokens", "Draft tokens accepted (the bonus token not counted).", TMV),
     _c("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position on the accepted path.",
-       TM + ("position",)),
-    _c("spec_decode_num_emitted_tokens", "Tokens emitted by verify rounds (accepted + bonus).", TM),
+       TMV + ("position",)),
+    _c("spec_decode_num_emitted_tokens", "Tokens emitted by verify rounds (accepted + bonus).", TMV),
     _c("sessions_opened", "Sessions opened (prefilled), re-opens included.", ("tenant",)),
     _c("prefill_tokens", "Prompt + history tokens prefilled at open.", ("tenant",)),
     # -- the verifier's forwards and queue ----------------------------------------------------
@@ -246,16 +247,17 @@ class RoundStats:
     emitted: int  # tokens this round adds to the output
     finished: bool
     truncated: int = 0  # nodes sent but cut by the replica (not verified)
+    version: str = "base"  # the session's target version
 
     @classmethod
-    def of(cls, tenant: str, req, res) -> "RoundStats":
+    def of(cls, tenant: str, req, res, version: str = "base") -> "RoundStats":
         """From the engine's ``VerifyRequest``/``VerifyResult`` or ``ChainVerifyRequest``/``ChainVerifyResult``."""
         if hasattr(req, "tree"):
             return cls(tenant, "tree", res.verified, len(res.accepted), len(res.tokens), res.finished,
-                       len(req.tree) - res.verified)
+                       len(req.tree) - res.verified, version)
         # chain: a rejected round emits no bonus; the residual sample it owes arrives with the next frame
         emitted = res.num_accepted + (res.bonus is not None) + (req.resampled is not None)
-        return cls(tenant, "chain", len(req.tokens), res.num_accepted, emitted, res.finished)
+        return cls(tenant, "chain", len(req.tokens), res.num_accepted, emitted, res.finished, version=version)
 
 
 @dataclass(frozen=True)
@@ -357,8 +359,9 @@ class VerifierMetrics:
         self._touch(sid, self.clock())  # the open reply carries the first token
 
     @never_raises
-    def on_round(self, tenant: str, sid: str, req, res, depth_hint: int = 0, budget_hint: int = 0) -> None:
-        self.record_round(RoundStats.of(tenant, req, res), sid)
+    def on_round(self, tenant: str, sid: str, req, res, depth_hint: int = 0, budget_hint: int = 0,
+                 version: str = "base") -> None:
+        self.record_round(RoundStats.of(tenant, req, res, version), sid)
         h = self._hints
         h[0] += depth_hint
         h[1] += budget_hint
@@ -366,13 +369,14 @@ class VerifierMetrics:
 
     def record_round(self, r: RoundStats, sid: str | None = None) -> None:
         e, lab = self.exporter, {"tenant": r.tenant, "mode": r.mode}
-        e.inc("specedge_spec_decode_num_drafts", 1, lab)
-        e.inc("specedge_spec_decode_num_draft_tokens", r.draft_tokens, lab)
-        e.inc("specedge_spec_decode_num_truncated_tokens", r.truncated, lab)
-        e.inc("specedge_spec_decode_num_accepted_tokens", r.accepted, lab)
-        e.inc("specedge_spec_decode_num_emitted_tokens", r.emitted, lab)
+        vlab = {**lab, "version": r.version}
+        e.inc("specedge_spec_decode_num_drafts", 1, vlab)
+        e.inc("specedge_spec_decode_num_draft_tokens", r.draft_tokens, vlab)
+        e.inc("specedge_spec_decode_num_truncated_tokens", r.truncated, vlab)
+        e.inc("specedge_spec_decode_num_accepted_tokens", r.accepted, vlab)
+        e.inc("specedge_spec_decode_num_emitted_tokens", r.emitted, vlab)
         for pos in range(min(r.accepted, MAX_POSITIONS)):
-            e.inc("specedge_spec_decode_num_accepted_tokens_per_pos", 1, {**lab, "position": str(pos)})
+            e.inc("specedge_spec_decode_num_accepted_tokens_per_pos", 1, {**vlab, "position": str(pos)})
         e.observe("specedge_draft_tree_nodes", r.draft_tokens, lab)
         if sid is None:
             return

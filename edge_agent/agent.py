@@ -77,6 +77,9 @@ class AgentConfig:
     check_tokenizer: bool = True
     send_confidence: bool = True  # one byte per node (cumulative draft log-prob): the server's truncation uses it
     verify: str = "match"  # match (trees, sample then match) | rejection (chains with q(x), DSSD split)
+    # the target version to verify against (FlexSpec: a LoRA fine-tune of the base; None: the base); one
+    # agent, one version, so its telemetry (and its FlexSpec depth rule) sees that version's acceptance only
+    model: str | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -258,7 +261,7 @@ class EdgeAgent:
         from deploy.verifier.models import tokenizer_fingerprint
 
         t = self.telemetry
-        req = OpenSession(prompt_ids=prompt, generated_ids=generated, sampling=params.to_dict(),
+        req = OpenSession(prompt_ids=prompt, generated_ids=generated, sampling=params.to_dict(), model=self.config.model,
                           # without a tokenizer the edge cannot vouch for one (ids-only clients)
                           client=ClientInfo(tokenizer_fingerprint=(tokenizer_fingerprint(self.tokenizer)
                                                                    if self.tokenizer is not None else None),

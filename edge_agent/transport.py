@@ -134,8 +134,9 @@ class LocalTransport(Transport):
         req = OpenSession.model_validate_json(req.model_dump_json())  # as it would arrive
         sid = uuid.uuid4().hex
         params = SamplingParams.from_dict(req.sampling)
+        version = None if req.model in (None, "base", self.model_name) else req.model  # a LoRA target version
         (res,) = await self._call(self.engine.open, [OpenRequest(sid, list(req.prompt_ids), params,
-                                                                 tuple(req.generated_ids))])
+                                                                 tuple(req.generated_ids), adapter=version)])
         if isinstance(res, SpecError):
             raise res
         return SessionOpened(session_id=sid, first_token=res.first_token, prefix_len=res.prefix_len,
@@ -159,9 +160,9 @@ class LocalTransport(Transport):
             raise SessionEvicted(f"session {sid!r} was evicted")
         frame = VerifyFrame.decode(body)
         t0 = time.perf_counter()
-        if frame.q is None:  # a tree: sample, then match (with proposals: tree rejection sampling)
+        if frame.q is None:  # a tree: sample, then match
             (res,) = self.engine.verify([VerifyRequest(sid, DraftTree(tuple(frame.tokens), tuple(frame.parents)),
-                                                       frame.prefix_len, proposals=frame.proposals)])
+                                                       frame.prefix_len)])
         else:  # a chain with q(x): rejection sampling (the server's checks, as the replica makes them)
             if any(p != i - 1 for i, p in enumerate(frame.parents)):
                 raise InvalidRequest("chain mode: parents must form a chain")

@@ -70,20 +70,33 @@ def test_tree_round_counters_follow_vllm(vm, accepted):
     req, res = tree_round(tokens, parents, accepted, bonus=11)
     vm.on_round("alpha", "s1", req, res, depth_hint=4, budget_hint=32)
     lab = {"tenant": "alpha", "mode": "tree"}
-    assert val(vm, "specedge_spec_decode_num_drafts_total", **lab) == 1
-    assert val(vm, "specedge_spec_decode_num_draft_tokens_total", **lab) == 5
-    assert val(vm, "specedge_spec_decode_num_accepted_tokens_total", **lab) == len(accepted)
-    assert val(vm, "specedge_spec_decode_num_emitted_tokens_total", **lab) == len(accepted) + 1
+    vlab = {**lab, "version": "base"}  # spec-decode counters carry the target version
+    assert val(vm, "specedge_spec_decode_num_drafts_total", **vlab) == 1
+    assert val(vm, "specedge_spec_decode_num_draft_tokens_total", **vlab) == 5
+    assert val(vm, "specedge_spec_decode_num_accepted_tokens_total", **vlab) == len(accepted)
+    assert val(vm, "specedge_spec_decode_num_emitted_tokens_total", **vlab) == len(accepted) + 1
     for pos in range(4):
-        got = val(vm, "specedge_spec_decode_num_accepted_tokens_per_pos_total", position=str(pos), **lab)
+        got = val(vm, "specedge_spec_decode_num_accepted_tokens_per_pos_total", position=str(pos), **vlab)
         assert (got or 0) == (1 if pos < len(accepted) else 0)
     assert val(vm, "specedge_draft_tree_nodes_count", **lab) == 1
+
+
+def test_spec_decode_counters_are_split_by_target_version(vm):
+    """FlexSpec §III: the frozen draft's acceptance per target version (LoRA adapter)."""
+    req, res = tree_round([5, 6, 7, 8, 9], [-1, 0, 0, 2, -1], [0, 2, 3], bonus=11)
+    vm.on_round("alpha", "s1", req, res, version="code")
+    req, res = tree_round([5, 6, 7, 8, 9], [-1, 0, 0, 2, -1], [], bonus=11)
+    vm.on_round("alpha", "s2", req, res)
+    lab = {"tenant": "alpha", "mode": "tree"}
+    assert val(vm, "specedge_spec_decode_num_accepted_tokens_total", version="code", **lab) == 3
+    assert val(vm, "specedge_spec_decode_num_accepted_tokens_total", version="base", **lab) == 0
+    assert val(vm, "specedge_spec_decode_num_drafts_total", version="code", **lab) == 1
 
 
 def test_truncated_rounds_count_verified_and_cut_nodes(vm):
     req, res = tree_round([5, 6, 7, 8, 9], [-1, 0, 0, 2, -1], [0], bonus=11, verified=2)
     vm.on_round("alpha", "s1", req, res)
-    lab = {"tenant": "alpha", "mode": "tree"}
+    lab = {"tenant": "alpha", "mode": "tree", "version": "base"}
     assert val(vm, "specedge_spec_decode_num_draft_tokens_total", **lab) == 2
     assert val(vm, "specedge_spec_decode_num_truncated_tokens_total", **lab) == 3
 
@@ -95,15 +108,16 @@ def test_chain_round_counts_resampled_token(vm):
     r = RoundStats.of("beta", req, res)
     assert (r.mode, r.draft_tokens, r.accepted, r.emitted) == ("chain", 4, 2, 3)  # 2 accepted + owed residual
     vm.record_round(r)
-    assert val(vm, "specedge_spec_decode_num_accepted_tokens_total", tenant="beta", mode="chain") == 2
+    assert val(vm, "specedge_spec_decode_num_accepted_tokens_total", tenant="beta", mode="chain",
+               version="base") == 2
 
 
 def test_accepted_positions_are_bounded(vm):
     vm.record_round(RoundStats("alpha", "chain", 100, 100, 101, False))
     assert val(vm, "specedge_spec_decode_num_accepted_tokens_per_pos_total", tenant="alpha", mode="chain",
-               position=str(MAX_POSITIONS - 1)) == 1
+               version="base", position=str(MAX_POSITIONS - 1)) == 1
     assert val(vm, "specedge_spec_decode_num_accepted_tokens_per_pos_total", tenant="alpha", mode="chain",
-               position=str(MAX_POSITIONS)) is None
+               version="base", position=str(MAX_POSITIONS)) is None
 
 
 def test_inter_token_latency_uses_time_between_replies(vm):

@@ -6,7 +6,9 @@ a call that carries ``session_id=...`` goes to that replica. If the replica is g
 (restart, scale-down) the call goes to any replica, which answers
 ``404 session_not_found`` and the edge re-opens from its token history. Calls without
 a session id (opening a session) go to the replica with the fewest sessions / KV
-tokens (from ``record_routing_stats``), ties broken at random.
+tokens (from ``record_routing_stats``), ties broken at random; an open of a target
+version (a LoRA adapter, ``model``) prefers the replicas that hold it loaded, as Ray
+Serve's model multiplexing does, and falls back to the others when those are full.
 """
 
 from __future__ import annotations
@@ -37,4 +39,17 @@ class SessionAffinityRouter(FIFOMixin, RequestRouter):
             st = r.routing_stats or {}
             return (st.get("sessions", 0) + st.get("pending", 0), st.get("kv_tokens", 0), random.random())
 
-        return [sorted(candidate_replicas, key=load)[:2]]
+        ranked = sorted(candidate_replicas, key=load)
+        version = _version_of(pending_request)
+        if version:
+            holders = [r for r in ranked if version in ((r.routing_stats or {}).get("adapters") or ())]
+            if holders and len(holders) < len(ranked):
+                return [holders[:2], [r for r in ranked if r not in holders][:2]]
+        return [ranked[:2]]
+
+
+def _version_of(pending_request: PendingRequest | None) -> str | None:
+    """The target version an open asks for (``body.model``), if any."""
+    body = pending_request.kwargs.get("body") if pending_request is not None else None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None

@@ -105,6 +105,11 @@ class Router:
         self._tokenizer_loaded = False
         self._created = int(time.time())  # the served model's "created" (OpenAI's /v1/models)
         self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
+        self._versions: list[str] = sorted(self.cfg.target.adapters)  # target versions (LoRA), see reconfigure
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's no-restart config update: the names of the target versions (``target.adapters``)."""
+        self._versions = sorted(user_config.get("adapters") or {})
 
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, **kwargs):
@@ -291,7 +296,7 @@ class Router:
     async def models(self, request: Request):
         """OpenAI's model list: the one served model (the verifier's target). Needs a tenant key."""
         self.tenants.authenticate(request.headers.get("authorization"))
-        return oai.model_list((await self.info())["model"], self._created)
+        return oai.model_list((await self.info())["model"], self._created, self._versions)
 
     @api.get("/v1/models/{model:path}")
     async def model_card(self, model: str, request: Request):
@@ -299,7 +304,7 @@ class Router:
         self.tenants.authenticate(request.headers.get("authorization"))
         info = await self.info()
         oai.check_model(model, self._model_names(info))
-        return oai.model_card(info["model"], self._created)
+        return oai.model_card(model if model in self._versions else info["model"], self._created)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -310,8 +315,9 @@ class Router:
         return await self._openai(request, chat=True)
 
     def _model_names(self, info: dict) -> tuple[str, ...]:
-        """What a request's ``model`` may say: the verifier's model name or the configured one."""
-        return info["model"], self.cfg.target.model
+        """What a request's ``model`` may say: the verifier's model name or the configured one, or a
+        target version (``target.adapters``)."""
+        return info["model"], self.cfg.target.model, *self._versions
 
     async def _openai(self, request: Request, chat: bool):
         """/v1/completions and /v1/chat/completions (see :mod:`deploy.router.openai`).
@@ -327,15 +333,17 @@ class Router:
         oai.check_model(req.model, self._model_names(info))
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = self._server_drafter() if req.mode == "sd" else None
-        rounds = self._server_decode(tenant, req.prompt, req.sampling, drafter)
+        version = req.model if req.model in self._versions else None
+        rounds = self._server_decode(tenant, req.prompt, req.sampling, drafter, version)
         await anext(rounds)  # opens the server session
         texts = self._texts(rounds, tok, req.stop)
+        served = version or info["model"]
         if req.stream:
-            return _ClosingStream(self._sse(texts, req, info["model"]), media_type="text/event-stream")
+            return _ClosingStream(self._sse(texts, req, served), media_type="text/event-stream")
         text, ids, finish, stats = "", [], None, {}
         async for delta, finish, ids, stats in texts:
             text += delta
-        return oai.completion_response(info["model"], text, ids, len(req.prompt), finish, chat,
+        return oai.completion_response(served, text, ids, len(req.prompt), finish, chat,
                                        {**stats, "token_ids": ids})
 
     async def _texts(self, rounds, tok, stops: tuple[str, ...]):
@@ -380,14 +388,15 @@ class Router:
 
         return get_server_drafter(self.cfg)
 
-    async def _server_decode(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter):
+    async def _server_decode(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter,
+                             version: str | None = None):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
 
         Yields (new token ids, finish reason, stats) per round; the first item, as soon as
         the session is open, carries no tokens (a caller awaits it to answer a refused open
         with its own status). The session is closed however the generator ends.
         """
-        opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling})
+        opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version})
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
         history = list(prompt) + [opened["first_token"]]
         rounds, drafted = 0, 0

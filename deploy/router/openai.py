@@ -253,9 +253,9 @@ def check_model(requested: str | None, served: tuple[str, ...]) -> None:
         raise ModelNotFound(f"model {requested!r} does not exist; this server serves {served[0]!r}")
 
 
-def model_list(model: str, created: int) -> dict:
-    """OpenAI's ``GET /v1/models`` answer: the one served model."""
-    return {"object": "list", "data": [model_card(model, created)]}
+def model_list(model: str, created: int, versions: tuple[str, ...] | list[str] = ()) -> dict:
+    """OpenAI's ``GET /v1/models`` answer: the served model, then its target versions (LoRA fine-tunes)."""
+    return {"object": "list", "data": [model_card(model, created)] + [model_card(v, created) for v in versions]}
 
 
 def model_card(model: str, created: int) -> dict:

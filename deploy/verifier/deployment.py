@@ -32,12 +32,14 @@ import torch
 from ray import serve
 
 from deploy.config import AppConfig
-from deploy.errors import InvalidRequest, SessionEvicted, SessionNotFound, SpecError, TokenizerMismatch
+from deploy.errors import (InvalidRequest, ModelNotFound, SessionEvicted, SessionNotFound, SpecError,
+                           TokenizerMismatch)
 from deploy.metrics import VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
                                     VerifyRequest)
 from deploy.verifier.eviction import Limits, SessionUse, choose_victims
+from deploy.verifier.versions import TargetVersions
 from deploy.verifier.models import load_model, tokenizer_fingerprint
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.pacing import Pacer
@@ -131,6 +133,8 @@ class VerifierCore:
         self._last_verify = 0.0  # when the last verify batch ran (monotonic)
         self._prefill_token_s = 0.0  # EMA of the seconds a prompt token adds to a forward
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
+        # LoRA target versions (FlexSpec): multiplexed adapters, per-version pacing (deploy/verifier/versions.py)
+        self.versions = TargetVersions(self.engine, self.loaded.name, t, p, self.pacer)
 
     # -- info ---------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -177,6 +181,9 @@ class VerifierCore:
     def _check_owner(self, sid: str, tenant: str) -> None:
         owner = self.owner.get(sid)
         if owner is None:
+            if self.evicted.get(sid, "").startswith("model_removed"):
+                raise ModelNotFound(f"session {sid!r}: its target version was removed from this server "
+                                    f"({self.evicted[sid]}); open a session of a served version")
             if sid in self.evicted:
                 raise SessionEvicted(f"session {sid!r} was evicted ({self.evicted[sid]}); re-open it with its history")
             raise SessionNotFound(f"unknown session {sid!r} (it may have been lost in a restart); re-open it")
@@ -234,6 +241,7 @@ class VerifierCore:
             if fp and fp != self.fingerprint:
                 raise TokenizerMismatch(f"tokenizer mismatch: the edge's tokenizer {fp} differs from the "
                                         f"target's {self.fingerprint}")
+            version = self.versions.resolve(body.get("model"))
         except SpecError as e:
             return _error(e)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
@@ -241,7 +249,7 @@ class VerifierCore:
         sid = f"{self.tag}.{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        self._opens.append((OpenRequest(sid, prompt, params, generated), tenant, fut))
+        self._opens.append((OpenRequest(sid, prompt, params, generated, adapter=version), tenant, fut))
         client = body.get("client") or {}
         self.client[sid] = (float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0))
         self._wake.set()
@@ -252,8 +260,7 @@ class VerifierCore:
             f = VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)
             self._check_owner(session_id, tenant)
             if f.q is None:
-                req = VerifyRequest(session_id, DraftTree(tuple(f.tokens), tuple(f.parents)), f.prefix_len,
-                                    proposals=f.proposals)  # proposals: tree rejection sampling
+                req = VerifyRequest(session_id, DraftTree(tuple(f.tokens), tuple(f.parents)), f.prefix_len)
             else:
                 if any(p != i - 1 for i, p in enumerate(f.parents)):
                     raise InvalidRequest("chain mode: parents must form a chain")
@@ -265,8 +272,7 @@ class VerifierCore:
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        gains = (node_gains(f.parents, f.conf) if f.q is None and f.proposals is None
-                 and self.cfg.verifier.truncate_trees else [])
+        gains = node_gains(f.parents, f.conf) if f.q is None and self.cfg.verifier.truncate_trees else []
         self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains), time.monotonic()))
         self._wake.set()
         return await fut
@@ -285,12 +291,33 @@ class VerifierCore:
         self.client.pop(session_id, None)
         return 200, {"closed": session_id}
 
+    async def update_versions(self, adapters: dict[str, str], max_loaded: int) -> dict:
+        """Add, remove or re-point target versions without a restart (on the worker thread,
+        between forwards). Sessions of a removed version end: their requests answer 404
+        ``model_not_found`` from then on; no other session is touched."""
+        def apply():
+            gone = self.versions.update(adapters, max_loaded)
+            return gone, self.engine.drop_versions(gone)
+
+        gone, sids = await asyncio.get_running_loop().run_in_executor(self._executor, apply)
+        for sid in sids:
+            self.client.pop(sid, None)
+            if sid in self._prefilling:
+                _answer(self._prefilling.pop(sid)[1], _error(ModelNotFound(
+                    f"the target version of this session was removed from this server ({sorted(gone)})")))
+            else:
+                self._forget(sid, "model_removed")
+        if gone:
+            log.info("target versions removed: %s (%d sessions closed)", sorted(gone), len(sids))
+        return {"versions": self.versions.names(), "removed": sorted(gone), "closed_sessions": len(sids)}
+
     # -- the batching loop -------------------------------------------------------------
     def _hints(self, sid: str) -> tuple[int, int]:
         n = max(len(self.engine.sessions), 1)
-        budget = self.pacer.budget_hint(n)
+        pacer = self.versions.pacer(sid)  # the session's version's own acceptance (FlexSpec §III-C)
+        budget = pacer.budget_hint(n)
         draft_ms, rtt_ms = self.client.get(sid, (0.0, 0.0))
-        return self.pacer.depth_hint(n, budget, draft_ms, rtt_ms), budget
+        return pacer.depth_hint(n, budget, draft_ms, rtt_ms), budget
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -404,7 +431,8 @@ class VerifierCore:
         return (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
             "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
-            "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint, "model": self.loaded.name})
+            "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint,
+            "model": self.versions.name_of(res.sid)})
 
     async def _run_verifies(self, loop, batch: list[Pending]) -> None:
         trees = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], VerifyRequest)]
@@ -448,11 +476,9 @@ class VerifierCore:
         second of this forward, by the measured cost curve and calibrated node gains."""
         if not trees or not self.cfg.verifier.truncate_trees or self.pacer.cost.count < 3:
             return trees
-        whole = [(p, r) for p, r in trees if r.proposals is not None]  # sampled trees: never cut by value
-        trees = [(p, r) for p, r in trees if r.proposals is None]
         gains = [self.calibration.scale(p.payload[2]) for p, _ in trees]
-        take = choose_prefixes(gains, self.pacer.cost.predict, base_rows + sum(len(r.tree) + 1 for _, r in whole))
-        return whole + [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n)) for (p, r), n in zip(trees, take)]
+        take = choose_prefixes(gains, self.pacer.cost.predict, base_rows)
+        return [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n)) for (p, r), n in zip(trees, take)]
 
     def _round_reply(self, item) -> tuple[int, bytes | dict]:
         """Bookkeeping and the reply frame of one verified round."""
@@ -469,11 +495,12 @@ class VerifierCore:
             n_nodes, emitted = len(req.tokens), res.num_accepted + (res.bonus is not None)
         refill = not tree_mode and req.more  # more residual candidates: no draft was verified
         if not refill:
-            self.pacer.observe_round(n_nodes, emitted)
+            self.versions.pacer(p.session_id).observe_round(n_nodes, emitted)
         self.tokens_emitted += emitted
         depth, budget = self._hints(p.session_id)
         if not refill:
-            self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget)
+            self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget,
+                                  version=self.versions.label(p.session_id))
         if tree_mode:
             frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
                                depth, budget, verified=res.verified if res.verified < len(req.tree) else None)
@@ -503,7 +530,12 @@ class Verifier(VerifierCore):
 
     def record_routing_stats(self) -> dict:
         return {"sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
-                "pending": self.pending()}
+                "pending": self.pending(), "adapters": self.versions.registry.held()}
+
+    async def reconfigure(self, user_config: dict) -> None:
+        """Serve's no-restart config update: the target versions (``target.adapters``)."""
+        await self.update_versions(user_config.get("adapters") or {},
+                                   int(user_config.get("max_loaded_adapters") or self.cfg.target.max_loaded_adapters))
 
     def check_health(self) -> None:
         if self._loop_task is not None and self._loop_task.done():

@@ -1,0 +1,52 @@
+"""The edge protocol against a verifier replica in this process (no Serve, no HTTP).
+
+:class:`ReplicaTransport` speaks to a :class:`deploy.verifier.deployment.VerifierCore` (the
+replica's real batching loop, scheduler, pacing and target versions) through the same
+calls the router makes, so agents that share one core have their rounds verified together
+in the same forwards, as behind a server. Tests and benchmarks of many sessions use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from deploy.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
+from edge_agent.errors import error_from_json
+from edge_agent.transport import ModelInfo, Transport
+
+
+class ReplicaTransport(Transport):
+    def __init__(self, core, tenant: str = "dev", rtt_ms: float = 0.0):
+        self.core, self.tenant, self.rtt_ms = core, tenant, rtt_ms
+
+    async def _net(self) -> None:
+        if self.rtt_ms > 0:
+            await asyncio.sleep(self.rtt_ms / 2e3)
+
+    async def _answer(self, call):
+        await self._net()  # uplink
+        status, payload = await call
+        await self._net()  # downlink
+        if status >= 400:
+            raise error_from_json(status, payload)
+        return payload
+
+    async def model_info(self) -> ModelInfo:
+        return ModelInfo.from_dict(self.core.model_info())
+
+    async def open(self, req: OpenSession) -> SessionOpened:
+        body = OpenSession.model_validate_json(req.model_dump_json()).model_dump()  # as it would arrive
+        return SessionOpened(**await self._answer(self.core.open_session(self.tenant, body)))
+
+    async def verify(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+        return ReplyFrame.decode(await self._answer(self.core.verify(sid, self.tenant, frame.encode())))
+
+    async def close(self, sid: str) -> None:
+        await self._answer(self.core.close_session(sid, self.tenant))
+
+    async def ping(self) -> float:
+        t0 = time.perf_counter()
+        await self._net()
+        await self._net()
+        return time.perf_counter() - t0

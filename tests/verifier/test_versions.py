@@ -1,0 +1,130 @@
+"""Target versions on a replica (deploy/verifier/versions.py, the VerifierCore batch loop, no
+Serve): edge agents of the base and two LoRA versions share one replica holding at most one
+adapter; each version's output equals its own (PEFT-merged) decoding, versions share forwards,
+adapters load and evict; removing a version answers 404 to its sessions only; each version
+paces by its own acceptance."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deploy.config import AppConfig
+from deploy.errors import ModelNotFound
+from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.models import load_model
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams
+from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.drafter import ModelDrafter
+from edge_agent.replica_transport import ReplicaTransport
+from tests.edge_agent.helpers import noisy_copy
+from tests.verifier.test_lora import ALL, make_adapter, merged
+
+pytest.importorskip("peft")
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 33, 7, 100, 200, 33, 7], [4, 8, 15, 16, 23, 42], [300, 301, 302, 7, 7, 9, 11]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("versions")
+    loaded = load_model("tiny-random", dtype="float32", seed=0)
+    paths = {"code": make_adapter(loaded.model, d / "code", 11, ALL),
+             "chat": make_adapter(loaded.model, d / "chat", 12, ["q_proj", "v_proj", "down_proj"], r=8)}
+    refs = {None: loaded.model, **{v: merged(loaded.model, p) for v, p in paths.items()}}
+    return loaded, paths, refs
+
+
+def make_core(loaded, paths, **target):
+    cfg = AppConfig(target={"model": "tiny-random", "dtype": "float32", "adapters": paths,
+                            "max_loaded_adapters": 1, **target},
+                    verifier={"batch_wait_ms": 5.0, "max_tree_nodes": 32})
+    return VerifierCore(cfg, loaded=loaded)
+
+
+async def run_agents(core, jobs, draft):
+    """One agent per (version, prompt), all at once on the one replica."""
+    agents = [EdgeAgent(ReplicaTransport(core), ModelDrafter(draft), config=AgentConfig(model=v, budget=8))
+              for v, _ in jobs]
+    try:
+        return await asyncio.gather(*[a.generate(p, GREEDY) for a, (_, p) in zip(agents, jobs)])
+    finally:
+        for a in agents:
+            a.close()
+
+
+def test_versions_share_forwards_on_one_replica_holding_one_adapter(setup):
+    loaded, paths, refs = setup
+    core = make_core(loaded, paths)
+    seen = []  # the versions each forward needed
+    activate = core.versions.registry.activate
+    core.versions.registry.activate = lambda names: (seen.append(set(names)), activate(names))[1]
+    draft = noisy_copy(loaded.model, scale=0.01)
+    jobs = [(v, p) for v in (None, "code", "chat") for p in PROMPTS[:2]]
+    results = asyncio.run(run_agents(core, jobs, draft))
+    for (v, p), res in zip(jobs, results):
+        assert res.token_ids == reference_decode(refs[v], p, GREEDY), v
+    assert len({tuple(r.token_ids) for r in results}) == len(results)
+    assert any(len(s) == 2 for s in seen)  # two versions in one forward
+    reg = core.versions.registry
+    assert reg.loads >= 2 and reg.evictions >= 1 and len(reg.held()) <= 1  # trimmed back after each forward
+    assert core.stats()["tokens_emitted"] >= sum(len(r.token_ids) for r in results)
+
+
+def test_removed_version_answers_404_and_the_others_go_on(setup):
+    loaded, paths, refs = setup
+
+    async def scenario():
+        core = make_core(loaded, paths)
+        opened = {}
+        for v in ("code", "chat", None):
+            status, payload = await core.open_session("dev", {"prompt_ids": PROMPTS[0], "model": v,
+                                                              "sampling": GREEDY.to_dict()})
+            assert status == 200 and payload["model"] == (v or loaded.name), payload
+            opened[v] = payload
+        out = await core.update_versions({"code": paths["code"]}, 1)
+        assert out == {"versions": ["code"], "removed": ["chat"], "closed_sessions": 1}
+        from deploy.protocol import VerifyFrame
+
+        status, err = await core.verify(opened["chat"]["session_id"], "dev",
+                                        VerifyFrame(opened["chat"]["prefix_len"], [], []).encode())
+        assert status == 404 and err["error"]["code"] == "model_not_found", err
+        status, err = await core.open_session("dev", {"prompt_ids": PROMPTS[0], "model": "chat"})
+        assert status == 404 and err["error"]["code"] == "model_not_found"
+        for v in ("code", None):  # untouched: they decode on, exactly
+            s = opened[v]
+            status, reply = await core.verify(s["session_id"], "dev", VerifyFrame(s["prefix_len"], [], []).encode())
+            assert status == 200
+        # and a version added back by a config update serves again
+        await core.update_versions(paths, 1)
+        status, payload = await core.open_session("dev", {"prompt_ids": PROMPTS[1], "model": "chat"})
+        assert status == 200
+
+    asyncio.run(scenario())
+
+
+def test_each_version_paces_by_its_own_acceptance(setup):
+    loaded, paths, _ = setup
+    core = make_core(loaded, paths)
+    v = core.versions
+    core.engine.sessions.clear()
+    from deploy.verifier.engine import Session
+
+    for sid, ver in (("s-base", None), ("s-code", "code")):
+        core.engine.sessions[sid] = Session(sid, [1, 2], 2, GREEDY, None, frozenset(), adapter=ver)
+    for _ in range(20):  # the base accepts a lot, "code" nothing beyond the bonus token
+        v.pacer("s-base").observe_round(32, 9)
+        v.pacer("s-code").observe_round(32, 1)
+    for rows in range(1, 200, 7):  # a forward-cost curve that makes rows cost
+        v.base_pacer.observe_forward(rows, 0.01 + 0.001 * rows)
+    assert v.pacer("s-code") is not v.base_pacer and v.pacer("s-code").cost is v.base_pacer.cost
+    assert v.pacer("s-code").budget_hint(8) < v.pacer("s-base").budget_hint(8)
+    shared = make_core(loaded, paths).versions
+    shared.per_version = False
+    shared.engine.sessions["s-code"] = Session("s-code", [1, 2], 2, GREEDY, None, frozenset(), adapter="code")
+    assert shared.pacer("s-code") is shared.base_pacer
+    with pytest.raises(ModelNotFound):
+        v.resolve("nope")
+    assert v.resolve("base") is None and v.resolve(loaded.name) is None and v.resolve("code") == "code"
