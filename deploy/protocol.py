@@ -43,6 +43,13 @@ K = 0 and ``chain_top_k`` fresh candidates, with no forward (the replica kept p'
 A session that owes nothing (re-opened from the edge's history) answers ``F_MORE`` with a
 whole new rejection reply for its next position. Greedy chains never see a rejection: the
 bonus is the correction. Flags a decoder does not know are errors, never ignored.
+
+Tree rejection sampling (``F_TREEQ``; multi-draft, :mod:`deploy.verifier.acceptance`): a tree
+whose siblings the edge drew without replacement from a proposal q, listed in drawing order,
+followed by q itself for every position: n + 1 counts (u8; root first, 0 for a leaf), then
+every entry's id (u32), then every weight (u16; q(x) = w_x / sum w). The server holds p and
+this q, so it samples every residual itself: the reply is the tree reply (no ``R_REJECTED``),
+and such trees are never truncated. 6 bytes per node + 1 per position + 6 per proposal entry.
 """
 
 from __future__ import annotations
@@ -63,10 +70,37 @@ _REP_HEAD = struct.Struct("<HBBBBHIIBxHI")  # magic, ver, flags, finish, _, n_ac
 
 _TAIL_HEAD = struct.Struct("<fH")  # R_TAIL: tail mass, candidates
 
-F_CHAIN, F_RESAMPLED, F_CONF, F_MORE = 1, 2, 4, 8  # request flags
+F_CHAIN, F_RESAMPLED, F_CONF, F_MORE, F_TREEQ = 1, 2, 4, 8, 16  # request flags
 R_FINISHED, R_HAS_BONUS, R_REJECTED, R_TRUNCATED, R_TAIL = 1, 2, 4, 8, 16  # reply flags
 FINISH_CODES = {None: 0, "stop": 1, "length": 2}
 FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
+
+
+def _encode_proposals(proposals, n: int) -> bytes:
+    """``F_TREEQ``'s bytes: counts (u8 per position), ids (u32), weights (u16)."""
+    if len(proposals) != n + 1:
+        raise ValueError(f"{len(proposals)} proposals for {n} nodes (one per node + the root)")
+    props = [(tuple(p[0]), tuple(p[1])) if p else ((), ()) for p in proposals]
+    ids = [x for p in props for x in p[0]]
+    ws = [w for p in props for w in p[1]]
+    return bytes(len(p[0]) for p in props) + struct.pack(f"<{len(ids)}I", *ids) + struct.pack(f"<{len(ws)}H", *ws)
+
+
+def _decode_proposals(data: bytes, off: int, n: int):
+    """The proposals at ``off`` (before an F_RESAMPLED tail, which F_TREEQ never has) and their size."""
+    if len(data) < off + n + 1:
+        raise InvalidRequest("verify frame too short for its proposals")
+    counts = list(data[off: off + n + 1])
+    e = sum(counts)
+    if len(data) < off + n + 1 + 6 * e:
+        raise InvalidRequest("verify frame too short for its proposals")
+    ids = struct.unpack_from(f"<{e}I", data, off + n + 1)
+    ws = struct.unpack_from(f"<{e}H", data, off + n + 1 + 4 * e)
+    out, j = [], 0
+    for c in counts:
+        out.append((tuple(ids[j: j + c]), tuple(ws[j: j + c])))
+        j += c
+    return out, n + 1 + 6 * e
 
 
 @dataclass
@@ -83,11 +117,14 @@ class VerifyFrame:
     resampled: int | None = None  # chain mode: residual sample owed after a rejection
     conf: list[int] | None = None  # per node: cumulative draft log-prob as one byte (priority-ordered trees)
     more: bool = False  # chain mode: the residual's tail candidates ran out, send more (no nodes)
+    # tree rejection sampling: per position (root, then node i) the proposal (ids, weights), () for a leaf
+    proposals: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
     def encode(self) -> bytes:
         n = len(self.tokens)
         flags = (F_CHAIN if self.q is not None else 0) | (F_RESAMPLED if self.resampled is not None else 0) | (
-            F_CONF if self.conf is not None else 0) | (F_MORE if self.more else 0)
+            F_CONF if self.conf is not None else 0) | (F_MORE if self.more else 0) | (
+            F_TREEQ if self.proposals is not None else 0)
         out = [_REQ_HEAD.pack(MAGIC, VERSION, flags, self.prefix_len, n, min(self.depth, 65535),
                               float(self.draft_ms), float(self.rtt_ms))]
         out.append(struct.pack(f"<{n}I", *self.tokens))
@@ -96,6 +133,8 @@ class VerifyFrame:
             out.append(struct.pack(f"<{n}f", *self.q))
         if self.conf is not None:
             out.append(bytes(self.conf))
+        if self.proposals is not None:
+            out.append(_encode_proposals(self.proposals, n))
         if self.resampled is not None:
             out.append(struct.pack("<I", self.resampled))
         return b"".join(out)
@@ -111,7 +150,7 @@ class VerifyFrame:
         magic, ver, flags, prefix_len, n, depth, draft_ms, rtt_ms = _REQ_HEAD.unpack_from(data)
         if magic != MAGIC or ver != VERSION:
             raise InvalidRequest("not a verify frame of protocol version 1")
-        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE):
+        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE | F_TREEQ):
             raise InvalidRequest(f"unknown flags {flags:#x}")
         if flags & F_MORE and (flags & (F_CHAIN | F_RESAMPLED | F_CONF) != F_CHAIN or n):
             raise InvalidRequest("flags: F_MORE goes with F_CHAIN alone and no nodes")
@@ -119,6 +158,12 @@ class VerifyFrame:
             raise PayloadTooLarge(f"tree of {n} nodes exceeds the limit {max_nodes}")
         chain, has_conf = bool(flags & F_CHAIN), bool(flags & F_CONF)
         want = _REQ_HEAD.size + n * (6 + (4 if chain else 0) + has_conf) + (4 if flags & F_RESAMPLED else 0)
+        proposals = None
+        if flags & F_TREEQ:
+            if flags & (F_CHAIN | F_RESAMPLED | F_MORE):
+                raise InvalidRequest("flags: F_TREEQ goes with a tree (no F_CHAIN, F_RESAMPLED or F_MORE)")
+            proposals, extra = _decode_proposals(data, want, n)
+            want += extra
         if len(data) != want:
             raise InvalidRequest(f"verify frame is {len(data)} bytes, its header implies {want}")
         off = _REQ_HEAD.size
@@ -134,7 +179,8 @@ class VerifyFrame:
         for x in (draft_ms, rtt_ms):
             if not (x == x and 0.0 <= x < 1e7):  # NaN or absurd telemetry
                 raise InvalidRequest("draft_ms / rtt_ms must be finite and non-negative")
-        return cls(prefix_len, tokens, parents, draft_ms, rtt_ms, depth, q, resampled, conf, bool(flags & F_MORE))
+        return cls(prefix_len, tokens, parents, draft_ms, rtt_ms, depth, q, resampled, conf, bool(flags & F_MORE),
+                   proposals)
 
 
 @dataclass

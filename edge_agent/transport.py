@@ -160,9 +160,9 @@ class LocalTransport(Transport):
             raise SessionEvicted(f"session {sid!r} was evicted")
         frame = VerifyFrame.decode(body)
         t0 = time.perf_counter()
-        if frame.q is None:  # a tree: sample, then match
+        if frame.q is None:  # a tree: sample, then match (with proposals: tree rejection sampling)
             (res,) = self.engine.verify([VerifyRequest(sid, DraftTree(tuple(frame.tokens), tuple(frame.parents)),
-                                                       frame.prefix_len)])
+                                                       frame.prefix_len, proposals=frame.proposals)])
         else:  # a chain with q(x): rejection sampling (the server's checks, as the replica makes them)
             if any(p != i - 1 for i, p in enumerate(frame.parents)):
                 raise InvalidRequest("chain mode: parents must form a chain")

@@ -260,7 +260,8 @@ class VerifierCore:
             f = VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)
             self._check_owner(session_id, tenant)
             if f.q is None:
-                req = VerifyRequest(session_id, DraftTree(tuple(f.tokens), tuple(f.parents)), f.prefix_len)
+                req = VerifyRequest(session_id, DraftTree(tuple(f.tokens), tuple(f.parents)), f.prefix_len,
+                                    proposals=f.proposals)  # proposals: tree rejection sampling
             else:
                 if any(p != i - 1 for i, p in enumerate(f.parents)):
                     raise InvalidRequest("chain mode: parents must form a chain")
@@ -272,7 +273,8 @@ class VerifierCore:
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        gains = node_gains(f.parents, f.conf) if f.q is None and self.cfg.verifier.truncate_trees else []
+        gains = (node_gains(f.parents, f.conf) if f.q is None and f.proposals is None
+                 and self.cfg.verifier.truncate_trees else [])
         self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains), time.monotonic()))
         self._wake.set()
         return await fut
@@ -476,9 +478,11 @@ class VerifierCore:
         second of this forward, by the measured cost curve and calibrated node gains."""
         if not trees or not self.cfg.verifier.truncate_trees or self.pacer.cost.count < 3:
             return trees
+        whole = [(p, r) for p, r in trees if r.proposals is not None]  # sampled trees: never cut by value
+        trees = [(p, r) for p, r in trees if r.proposals is None]
         gains = [self.calibration.scale(p.payload[2]) for p, _ in trees]
-        take = choose_prefixes(gains, self.pacer.cost.predict, base_rows)
-        return [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n)) for (p, r), n in zip(trees, take)]
+        take = choose_prefixes(gains, self.pacer.cost.predict, base_rows + sum(len(r.tree) + 1 for _, r in whole))
+        return whole + [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n)) for (p, r), n in zip(trees, take)]
 
     def _round_reply(self, item) -> tuple[int, bytes | dict]:
         """Bookkeeping and the reply frame of one verified round."""
