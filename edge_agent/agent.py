@@ -20,6 +20,12 @@ Verification rules (``AgentConfig.verify``):
   token in its next frame. Accepts far more than sample-then-match at temperature > 0;
   greedy output is the same. Proactive drafting extends the chain while a reply is in
   flight (:class:`edge_agent.drafting.ChainDraftSession`).
+- ``tree-rejection`` (multi-draft rejection sampling over trees): trees whose siblings are
+  drawn without replacement from a sparse proposal of q, sent with the tree; the server holds
+  p and q and samples every residual itself (:class:`edge_agent.sampled_tree.SampledTreeSession`;
+  stop-and-wait rounds). Greedy requests use ``match``.
+- ``auto``: per request, greedy -> ``match``; temperature > 0 -> the rule measured fastest on
+  this agent at that temperature (:mod:`edge_agent.verify_policy`).
 
 Concurrency mechanism: the verify call is an ``asyncio`` task on the event loop (network
 I/O for :class:`HttpTransport`; a worker thread for :class:`LocalTransport`'s engine).
@@ -55,10 +61,12 @@ from edge_agent.drafter import Drafter
 from edge_agent.drafting import ChainDraftSession, DraftSession
 from edge_agent.errors import ConnectionLost, EdgeError, TokenizerMismatch
 from edge_agent.transport import ModelInfo, Transport
+from edge_agent.sampled_tree import SampledTreeSession
 from edge_agent.tree_builder import TreeConfig
+from edge_agent.verify_policy import VerifyPolicy
 
 MODES = ("proactive", "stop-and-wait")
-VERIFY_RULES = ("match", "rejection")  # sample-then-match trees | split rejection sampling of chains
+VERIFY_RULES = ("match", "rejection", "tree-rejection", "auto")  # see the module docstring
 
 
 @dataclass
@@ -76,7 +84,7 @@ class AgentConfig:
     ping_every: int = 16  # rounds between RTT pings (0 = only at open)
     check_tokenizer: bool = True
     send_confidence: bool = True  # one byte per node (cumulative draft log-prob): the server's truncation uses it
-    verify: str = "match"  # match (trees, sample then match) | rejection (chains with q(x), DSSD split)
+    verify: str = "match"  # match | rejection (chains with q(x)) | tree-rejection (sampled trees with q) | auto
     # the target version to verify against (FlexSpec: a LoRA fine-tune of the base; None: the base); one
     # agent, one version, so its telemetry (and its FlexSpec depth rule) sees that version's acceptance only
     model: str | None = None
@@ -109,6 +117,7 @@ class GenerationStats:
     overload_waits: int = 0
     rejections: int = 0  # rejection rule: rounds that ended in a residual sample at the edge
     refills: int = 0  # rejection rule: round trips for more residual candidates (no forward)
+    verify_rule: str = ""  # the rule this generation used (match | rejection | tree-rejection)
     depth_sum: int = 0
     rtt_ms: list[float] = field(default_factory=list)  # network RTT samples (pings)
     round_ms: list[float] = field(default_factory=list)  # send -> reply of each verify
@@ -223,6 +232,7 @@ class EdgeAgent:
         self.agent_name = agent_name
         self.policy = DepthPolicy(self.config.depth_policy, self.config.depth, self.config.max_depth)
         self.telemetry = Telemetry()  # persists across generations: the link and draft do not change
+        self.verify_policy = VerifyPolicy()  # verify="auto": the rule per request, from measured speed
         self._info: ModelInfo | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
@@ -323,12 +333,20 @@ class EdgeAgent:
         if sess.first_token is not None:
             emit([sess.first_token])
         finished, finish_reason = sess.finished, sess.finish_reason
-        if cfg.verify == "rejection":
+        rule = self.verify_policy.choose(params) if cfg.verify == "auto" else cfg.verify
+        if rule == "tree-rejection" and params.greedy:
+            rule = "match"  # a point-mass target accepts the argmax's child whatever the rule: SpecExec trees
+        stats.verify_rule = rule
+        if rule == "rejection":
             if not finished:
                 finish_reason = await self._rejection_rounds(info, params, prompt_ids, generated, emit, stats, sess)
-            return self._result(prompt_ids, generated, stream, stats, t_start, finish_reason)
+            return self._done(params, prompt_ids, generated, stream, stats, t_start, finish_reason)
         depth_hint, budget_hint = sess.depth_hint, sess.budget_hint
-        ds = DraftSession(self.drafter, self._tree_config(info, budget_hint))
+        if rule == "tree-rejection":
+            ds = SampledTreeSession(self.drafter, info.vocab_size, params, self._edge_generator(params),
+                                    self._tree_config(info, budget_hint))
+        else:
+            ds = DraftSession(self.drafter, self._tree_config(info, budget_hint))
         ds.start(prompt_ids + generated)
         sid = sess.session_id
         ping_task: asyncio.Task | None = None
@@ -347,15 +365,16 @@ class EdgeAgent:
                     depth = 0
                 n_fwd0 = len(ds.forward_times)
                 await self._run(ds.draft, depth)
-                proactive = cfg.mode == "proactive" and budget_hint != 0
+                proactive = cfg.mode == "proactive" and budget_hint != 0 and rule == "match"
                 tree, order = ds.freeze(max_chain=(cfg.proactive_max or cfg.max_depth) if proactive else 0)
                 self._observe_drafts(ds, n_fwd0, stats)
                 stats.draft_forwards += len(ds.forward_times) - n_fwd0
                 t = self.telemetry
                 frame = VerifyFrame(prefix_len=len(prompt_ids) + len(generated), tokens=list(tree.tokens),
                                     parents=list(tree.parents), draft_ms=t.draft_ms.get(0.0),
-                                    rtt_ms=t.rtt_ms.get(0.0), depth=ds.builder.forwards,
-                                    conf=ds.builder.confidences(order) if cfg.send_confidence and len(tree) else None)
+                                    rtt_ms=t.rtt_ms.get(0.0), depth=ds.forwards,
+                                    conf=ds.confidences(order) if cfg.send_confidence and len(tree) else None,
+                                    proposals=ds.proposals())
                 t0 = time.perf_counter()
                 task = await self._send_and_draft(sid, frame, stats, ds, ds.proactive_step if proactive else None)
                 reply, sess = await self._reply_or_reopen(task, sid, stalled, prompt_ids, generated, params, stats)
@@ -394,7 +413,13 @@ class EdgeAgent:
             if ping_task is not None:
                 ping_task.cancel()
             await self._safe_close(sid)
-        return self._result(prompt_ids, generated, stream, stats, t_start, finish_reason)
+        return self._done(params, prompt_ids, generated, stream, stats, t_start, finish_reason)
+
+    def _done(self, params: SamplingParams, *args) -> GenerationResult:
+        """The result; the verify policy learns the rule's speed from it."""
+        res = self._result(*args)
+        self.verify_policy.observe(res.stats.verify_rule, params, res.stats.tokens, res.stats.seconds)
+        return res
 
     @staticmethod
     def _result(prompt_ids, generated, stream, stats: GenerationStats, t_start: float,

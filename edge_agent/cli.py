@@ -63,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify", choices=VERIFY_RULES, default="match",
                    help="match: draft trees, the server samples and follows matching children (no draft "
                         "probabilities sent); rejection: draft chains sampled from the draft with q(x) per token, "
-                        "split rejection sampling (DSSD/PicoSpec), more tokens per round at temperature > 0")
+                        "split rejection sampling (DSSD/PicoSpec), more tokens per round at temperature > 0; "
+                        "tree-rejection: trees whose siblings are drawn without replacement from a sparse q sent "
+                        "with the tree, the server samples every residual (multi-draft rejection sampling); "
+                        "auto: greedy -> match, sampled -> the rule measured fastest at that temperature")
     g.add_argument("--depth-policy", choices=POLICIES, default="auto")
     g.add_argument("--depth", type=int, default=4, help="fixed depth / default before measurements")
     g.add_argument("--max-depth", type=int, default=12)

@@ -124,6 +124,17 @@ class DraftSession:
         self.max_chain = max(0, min(max_chain, self.config.max_depth + 1))
         return self.sent
 
+    @property
+    def forwards(self) -> int:
+        """Draft forwards that built the current tree (its depth in SpecEdge's sense)."""
+        return self.builder.forwards
+
+    def confidences(self, order: list[int]) -> list[int]:
+        return self.builder.confidences(order)
+
+    def proposals(self) -> None:
+        return None  # sample-then-match trees carry no draft distributions
+
     # -- proactive -----------------------------------------------------------------------
     def proactive_step(self) -> bool:
         """Extend the chain below the best leaf by one token (at most one draft forward)."""

@@ -1,0 +1,133 @@
+"""Sampled trees (tree rejection sampling) at the edge, the agent's tree-rejection and auto rules.
+
+The agent runs end to end over LocalTransport with the real engine: greedy requests equal
+target-only decoding; sampled generations finish, re-open after losses and repeat exactly with a
+seed; on an 8-token vocabulary the emitted tokens follow the target's marginals (chi-square).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from deploy.verifier.engine import VerifierEngine
+from deploy.verifier.models import tiny_random_model
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams, target_probs
+from deploy.verifier.tree import TreeLimits
+from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.drafter import ModelDrafter
+from edge_agent.sampled_tree import PRIOR_RATES, plan_shape
+from edge_agent.transport import LocalTransport
+from edge_agent.verify_policy import SAMPLED_RULES, VerifyPolicy
+from tests.edge_agent.helpers import noisy_copy
+from tests.edge_agent.test_agent import EOS, PROMPT, run_agent
+from tests.verifier.test_sampling import chi_square_pvalue
+
+FIXED = dict(verify="tree-rejection", mode="stop-and-wait", depth_policy="fixed", depth=3, ping_every=0)
+
+
+@pytest.mark.parametrize("budget, depth, children, expand, size", [
+    (8, 4, 4, 8, 8), (32, 6, 4, 8, 32), (16, 3, 2, 2, 2 + 4 + 4), (5, 1, 4, 8, 4), (0, 3, 4, 8, 0), (6, 0, 4, 8, 0)])
+def test_planned_shapes_respect_the_limits(budget, depth, children, expand, size):
+    plan = plan_shape(budget, depth, children, expand, list(PRIOR_RATES))
+    assert len(plan) == size
+    depths, kids = [], {}
+    for i, p in enumerate(plan):
+        assert p < i  # parents first
+        depths.append(1 if p < 0 else depths[p] + 1)
+        kids.setdefault(p, []).append(i)
+    assert max(depths, default=0) <= depth and all(len(k) <= children for k in kids.values())
+    for lvl in range(depth):  # one draft forward per level feeds at most ``expand`` nodes
+        assert sum(1 for p in kids if (0 if p < 0 else depths[p]) == lvl) <= expand
+    assert depths == sorted(depths)  # level order: each level is fed by one forward
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    return VerifierEngine(target, eos_token_ids=EOS, limits=TreeLimits(max_nodes=64, max_depth=16))
+
+
+def test_greedy_requests_use_match_trees_and_equal_target_decoding(engine, draft, target):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = reference_decode(target, PROMPT, params, EOS)
+    for rule in ("tree-rejection", "auto"):
+        res, _ = run_agent(engine, ModelDrafter(draft), params, verify=rule)
+        assert res.token_ids == want and res.stats.verify_rule == "match"
+
+
+def test_sampled_trees_run_repeat_with_a_seed_and_survive_lost_sessions(engine, draft):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)
+    first, transport = run_agent(engine, ModelDrafter(draft), params, **FIXED)
+    st = first.stats
+    assert len(first.token_ids) == 40 and st.verify_rule == "tree-rejection" and st.finish_reason == "length"
+    assert st.accepted_tokens > 10 and st.draft_tokens > st.rounds  # trees, and they are accepted
+    again, _ = run_agent(engine, ModelDrafter(draft), params, **FIXED)
+    assert again.token_ids == first.token_ids
+
+    def drop(t: LocalTransport, sid: str, rnd: int):
+        if rnd in (1, 2, 6):
+            t.drop_session(sid, evicted=rnd != 2)
+
+    res, _ = run_agent(engine, ModelDrafter(draft), params, before_verify=drop, **FIXED)
+    assert len(res.token_ids) == 40 and res.stats.reopens == 3
+    assert not engine.sessions
+
+
+@pytest.mark.slow  # ~35 s on 2 shared cores (as the chain rule's agent test); the engine's tests are in make test
+def test_tree_rejection_through_the_agent_follows_the_target():
+    """End to end (the agent's sampled trees, proposals on the wire, the server's residuals) on an
+    8-token vocabulary: tokens 1-2 and 3-4 of 4 follow the target's marginals."""
+    v, length, n = 8, 4, 700
+    small = tiny_random_model(seed=1, vocab_size=v)
+    eng = VerifierEngine(small, eos_token_ids=())
+    prompt, t = [3, 5, 7, 1], SamplingParams(temperature=1.0)
+
+    async def main():
+        agent = EdgeAgent(LocalTransport(eng), ModelDrafter(noisy_copy(small, 0.3, seed=4)),
+                          config=AgentConfig(**{**FIXED, "depth": 2, "budget": 6}))
+        try:
+            return [await agent.generate(prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=length,
+                                                                ignore_eos=True)) for i in range(n)]
+        finally:
+            agent.close()
+
+    results = asyncio.run(main())
+    assert sum(r.stats.accepted_tokens for r in results) > 300
+    with torch.inference_mode():
+        def probs(ctx):
+            return target_probs(small(torch.tensor([ctx])).logits[0, -1], t)
+
+        for a, b in ((0, 1), (2, 3)):
+            joint = {}
+            for seq in itertools.product(range(v), repeat=b + 1):
+                pr = 1.0
+                for j in range(b + 1):
+                    pr *= float(probs(prompt + list(seq[:j]))[seq[j]])
+                joint[seq[a:]] = joint.get(seq[a:], 0.0) + pr
+            counts = {}
+            for r in results:
+                key = tuple(r.token_ids[a: b + 1])
+                counts[key] = counts.get(key, 0) + 1
+            assert chi_square_pvalue(counts, joint) > 1e-3, (a, b)
+
+
+def test_auto_policy_tries_each_rule_then_keeps_the_fastest_and_explores():
+    pol = VerifyPolicy(explore_every=4)
+    assert pol.choose(SamplingParams()) == "match"  # greedy
+    t = SamplingParams(temperature=0.7)
+    speed = {"tree-rejection": 30.0, "rejection": 50.0, "match": 20.0}
+    seen = []
+    for _ in range(12):
+        rule = pol.choose(t)
+        seen.append(rule)
+        pol.observe(rule, t, tokens=64, seconds=64 / speed[rule])
+    assert seen[:3] == list(SAMPLED_RULES)  # untried first, in order
+    later = seen[3:]
+    assert later.count("rejection") >= 6 and "tree-rejection" in later and "match" not in later
+    pol.observe("rejection", t, tokens=3, seconds=1.0)  # too short to count
+    assert pol.rates[("rejection", 0.7)] > 40
+    assert pol.choose(SamplingParams(temperature=1.3)) == SAMPLED_RULES[0]  # another temperature: unmeasured
