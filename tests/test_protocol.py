@@ -115,7 +115,7 @@ def head(n: int, flags: int = 0, magic: int = MAGIC, version: int = VERSION, dra
     (head(0)[:-1], InvalidRequest, "too short"),
     (head(0, magic=0x1234), InvalidRequest, "protocol"),
     (head(0, version=2), InvalidRequest, "protocol"),
-    (head(0, flags=32), InvalidRequest, "flags"),
+    (head(0, flags=128), InvalidRequest, "flags"),
     (head(0, flags=F_TREEQ | F_CHAIN) + b"\0", InvalidRequest, "flags"),  # proposals go with trees only
     (head(0, flags=F_TREEQ), InvalidRequest, "proposals"),  # no count byte for the root
     (head(0, flags=F_TREEQ) + b"\2" + bytes(6), InvalidRequest, "proposals"),  # 2 entries announced, 1 sent
