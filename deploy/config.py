@@ -189,6 +189,10 @@ class ServerDraftConfig(_Strict):
     enabled: bool = True
     model: ModelConfig | None = Field(None, description="server-side draft model (e.g. embedded-draft); unset: prompt lookup")
     depth: int = Field(4, ge=1, le=32)
+    sampled_rule: Literal["match", "tree-rejection"] = Field(
+        "tree-rejection", description="temperature > 0 with a draft model: sample-then-match trees, or trees "
+                                      "drawn from the draft with multi-draft rejection sampling (the edge "
+                                      "agent's tree-rejection rule, so server_sd is measured with it too)")
 
     @model_validator(mode="after")
     def _no_versions(self):

@@ -29,6 +29,7 @@ from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.tenants import TenantRegistry, TenantState
+from deploy.verifier.sampling import SamplingParams
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="specedge", description="Edge-drafted, cloud-verified speculative decoding")
@@ -398,6 +399,7 @@ class Router:
         """
         opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version})
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
+        params = SamplingParams.from_dict(sampling)  # validated by the open
         history = list(prompt) + [opened["first_token"]]
         rounds, drafted = 0, 0
         try:
@@ -406,10 +408,11 @@ class Router:
             yield [opened["first_token"]], finish, {}
             while finish is None:
                 # a model drafter computes: keep it off the router's event loop
-                tree = (await asyncio.to_thread(drafter.draft, list(history), opened.get("budget_hint") or 8)
-                        if drafter else None)
+                tree, proposals = (await asyncio.to_thread(drafter.draft_round, list(history),
+                                                           opened.get("budget_hint") or 8, params)
+                                   if drafter else (None, None))  # proposals: tree rejection sampling (T > 0)
                 tokens, parents = (list(tree.tokens), list(tree.parents)) if tree else ([], [])
-                frame = VerifyFrame(prefix_len, tokens, parents).encode()
+                frame = VerifyFrame(prefix_len, tokens, parents, proposals=proposals).encode()
                 reply = ReplyFrame.decode(await self.verify(tenant, sid, frame))
                 new = [tokens[i] for i in reply.accepted] + ([reply.bonus] if reply.bonus is not None else [])
                 history.extend(new)

@@ -13,7 +13,12 @@ Two drafters, chosen by ``AppConfig.server_draft`` (:func:`get_server_drafter`):
   "initial drafting") run *on the server*: ``server_draft.depth`` draft forwards per
   round, stop-and-wait (no proactive drafting: the server has nothing to overlap with).
   This is SpecEdge §5's server-only baseline ("tree-based speculative decoding entirely
-  on the server"): the draft model's forwards are server compute.
+  on the server"): the draft model's forwards are server compute. At temperature > 0 it uses
+  the edge agent's tree-rejection rule when ``server_draft.sampled_rule`` says so (the
+  default): trees drawn from the draft (:class:`edge_agent.sampled_tree.SampledTreeSession`),
+  verified by multi-draft rejection sampling, so the baseline gets the same rule as the edge.
+
+:meth:`draft_round` is what the router calls: (tree, proposals or None).
 
 Cost accounting of the model drafter: every draft forward runs in one dedicated worker
 thread (OS thread name ``srv-draft``, set with ``prctl``) and :meth:`ModelServerDrafter.stats`
@@ -24,10 +29,13 @@ SD baseline pays for its drafting. Pure module apart from that thread.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from deploy.config import AppConfig
 from deploy.verifier.tree import DraftTree
@@ -52,6 +60,9 @@ class PromptLookupDrafter:
                         return DraftTree.chain(cont)
         return DraftTree.empty()
 
+    def draft_round(self, history: list[int], budget: int, params=None) -> tuple[DraftTree, None]:
+        return self.draft(history, budget), None  # lookups are not samples of a q: sample-then-match
+
 
 def _name_thread(name: str) -> None:
     """Give the calling OS thread a name visible in /proc (Linux; a no-op elsewhere)."""
@@ -74,8 +85,9 @@ class ModelServerDrafter:
     """
 
     def __init__(self, model, depth: int = 4, topk: int = 4, max_expand: int = 8, max_sessions: int = 64,
-                 max_depth: int = 32):
+                 max_depth: int = 32, sampled_rule: str = "tree-rejection"):
         self.model = model
+        self.sampled_rule = sampled_rule
         self.depth, self.topk, self.max_expand, self.max_depth = depth, topk, max_expand, max_depth
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[int, object] = OrderedDict()  # key -> DraftSession (LRU order)
@@ -83,6 +95,7 @@ class ModelServerDrafter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=DRAFT_THREAD_NAME,
                                         initializer=_name_thread, initargs=(DRAFT_THREAD_NAME,))
         self._lock = threading.Lock()
+        self._generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)  # draws
         self.busy_seconds = 0.0  # wall-clock seconds inside draft forwards (all sessions)
         self.forwards = 0
         self.rounds = 0
@@ -109,7 +122,7 @@ class ModelServerDrafter:
         self._sessions[next(self._keys)] = ds
         return ds
 
-    def _draft(self, history: list[int], budget: int) -> DraftTree:
+    def _draft(self, history: list[int], budget: int, params=None) -> tuple[DraftTree, list | None]:
         from edge_agent.tree_builder import TreeConfig
 
         t0 = time.perf_counter()
@@ -119,16 +132,30 @@ class ModelServerDrafter:
             cfg = TreeConfig(budget=max(1, budget), topk=self.topk, max_expand=self.max_expand,
                              max_depth=self.max_depth)
             ds.start(list(history), cfg)
-            ds.draft(self.depth)
-            tree, _order = ds.freeze(0)
+            proposals = None
+            if params is not None and not params.greedy and self.sampled_rule == "tree-rejection":
+                from edge_agent.sampled_tree import SampledTreeSession
+
+                st = SampledTreeSession(ds.drafter, self.model.config.vocab_size, params, self._generator,
+                                        cfg, forward_times=ds.forward_times)
+                st.prefix = list(history)  # ds.start advanced the draft KV to it
+                st.draft(self.depth)
+                (tree, _order), proposals = st.freeze(), st.proposals()
+            else:
+                ds.draft(self.depth)
+                tree, _order = ds.freeze(0)
             self.forwards += len(ds.forward_times) - n0
             del ds.forward_times[:]
             self.rounds += 1
             self.busy_seconds += time.perf_counter() - t0
-        return tree
+        return tree, proposals
 
     def draft(self, history: list[int], budget: int) -> DraftTree:
-        return self._pool.submit(self._draft, list(history), budget).result()
+        return self.draft_round(history, budget)[0]
+
+    def draft_round(self, history: list[int], budget: int, params=None) -> tuple[DraftTree, list | None]:
+        """A tree for ``history`` and, for a sampled tree (temperature > 0, tree-rejection), its proposals."""
+        return self._pool.submit(self._draft, list(history), budget, params).result()
 
 
 def load_server_drafter(cfg: AppConfig):
@@ -148,7 +175,8 @@ def load_server_drafter(cfg: AppConfig):
         tok = mc.tokenizer if mc.tokenizer is not None else None
         model = load_model(mc.model, dtype=mc.dtype, device=mc.device, attn_implementation=mc.attn_implementation,
                            tokenizer=tok, seed=mc.seed, tiny_config=mc.tiny_config).model
-    return ModelServerDrafter(model, depth=sd.depth, max_depth=cfg.verifier.max_tree_depth)
+    return ModelServerDrafter(model, depth=sd.depth, max_depth=cfg.verifier.max_tree_depth,
+                              sampled_rule=sd.sampled_rule)
 
 
 _DRAFTERS: dict[str, object] = {}

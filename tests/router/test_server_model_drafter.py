@@ -64,3 +64,26 @@ def test_model_drafter_runs_in_its_named_thread(tiny_model):
     except OSError:
         pytest.skip("no /proc")
     assert comm == DRAFT_THREAD_NAME
+
+
+def test_sampled_requests_get_trees_drawn_from_the_draft_with_their_proposals(tiny_model):
+    """Issue 17, item 4: at temperature > 0 server_sd uses the edge's tree-rejection rule (sampled
+    trees + proposals, verified by multi-draft rejection sampling); greedy keeps SpecExec trees."""
+    from tests.edge_agent.helpers import noisy_copy
+
+    drafter = ModelServerDrafter(noisy_copy(tiny_model, 0.01), depth=3)
+    engine = VerifierEngine(tiny_model, eos_token_ids=())
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=24)
+    (res,) = engine.open([OpenRequest("s", [5, 9, 11, 7], params)])
+    gen, accepted = [res.first_token], 0
+    while not engine.sessions["s"].finished:
+        tree, props = drafter.draft_round([5, 9, 11, 7] + gen, 16, params)
+        assert props is not None and len(props) == len(tree) + 1 and len(tree) > 3
+        (res,) = engine.verify([VerifyRequest("s", tree, 4 + len(gen), proposals=props)])
+        gen.extend(res.tokens)
+        accepted += len(res.accepted)
+    assert len(gen) == 24 and accepted > 5
+    tree, props = drafter.draft_round([5, 9, 11, 7], 16, SamplingParams())
+    assert props is None and len(tree) > 0
+    sd = ModelServerDrafter(tiny_model, depth=2, sampled_rule="match")
+    assert sd.draft_round([5, 9, 11, 7], 16, params)[1] is None
