@@ -73,6 +73,15 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (``/proc/<pid>/statm``'s second field, in pages); 0 when gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def descendants(root: int) -> list[int]:
     """``root`` and every live process below it (one pass over /proc)."""
     children: dict[int, list[int]] = {}
@@ -161,6 +170,7 @@ def affinity(pid: int) -> list[int]:
 _REPLICA = re.compile(r"ServeReplica:[^:\s]+:([A-Za-z0-9_]+)")
 ROLE_PATTERNS = (  # (substring of the command line, role); first match wins
     ("ray::ProxyActor", "proxy"),
+    ("haproxy", "haproxy"),
     ("ray::ServeController", "controller"),
     ("raylet/raylet", "raylet"),
     ("gcs/gcs_server", "gcs"),

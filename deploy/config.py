@@ -133,6 +133,9 @@ class RouterConfig(_Strict):
     max_queued_batches: int | None = Field(
         3, ge=0, description="shed (429) once this many full batches per verifier replica wait behind the "
                              "running ones (deploy/router/admission.py); null: only max_pending_verifies")
+    latency_objective_s: float | None = Field(
+        1.0, gt=0, description="p99 latency objective for admitted verify rounds: the in-flight cap is fitted "
+                               "to it (deploy/router/admission.py); null: the static cap only")
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After while shedding is rare")
     max_retry_after_s: float = Field(30.0, gt=0, description="Retry-After ceiling under sustained overload")
     tenants_file: str | None = None

@@ -98,9 +98,13 @@ class LoadTestConfig(_Strict):
                                            description="user shares; default: every app tenant, equal shares")
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
     kill_verifier_at_s: float | None = Field(None, description="kill one verifier replica this long after start")
+    kill_verifier_every_s: float | None = Field(None, gt=0, description="and again every this many seconds")
     fairness: bool = Field(False, description="check per-tenant token share against weights")
     max_shed_ms: tuple[float, float] | None = Field(None, description="check: 429s answered within these "
                                                                    "p50 and p99 (ms)")
+    expect_shed: bool = Field(False, description="check: the run must shed (429) at all")
+    max_verify_p99_ms: float | None = Field(None, description="check: admitted verify rounds' steady p99 (ms)")
+    max_rss_growth: float | None = Field(None, description="check: router/verifier RSS growth over the window")
     warmup_s: float = Field(3.0, ge=0, description="excluded from steady-state figures after all users spawned")
 
     @model_validator(mode="after")
@@ -157,7 +161,16 @@ def _app(target: str, **verifier) -> dict:
             "server_draft": {"enabled": False}}
 
 
-SCENARIOS: tuple[str, ...] = ("ramp", "tenants", "burst", "kill", "smoke")
+SCENARIOS: tuple[str, ...] = ("ramp", "edge", "tenants", "burst", "kill", "smoke", "soak")
+
+
+def edge_user(**overrides) -> UserModel:
+    """Users that behave like the edge agent fleet: one WebSocket per session, half RTX-class and
+    half Jetson-class drafters, RTTs log-normal around 40 ms, a person's think time between
+    generations (5-30 s)."""
+    base = dict(devices={"rtx4090": 1.0, "jetson-orin": 1.0}, rtt_ms=40.0, rtt_sigma=0.5, ws_share=1.0,
+                idle_s=(5.0, 30.0))
+    return UserModel(**{**base, **overrides})
 
 
 def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
@@ -168,6 +181,16 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
     if name == "ramp":
         return LoadTestConfig(name=name, target=target, app=app,
                               description="ramp to N users of one tenant; defaults of a production config")
+    if name == "edge":
+        return LoadTestConfig(name=name, target=target, app=app, user=edge_user(), max_shed_ms=(50.0, 100.0),
+                              max_verify_p99_ms=1000.0, description="edge-agent-like users (WebSocket, device draft profiles, RTT spread, "
+                                          "think time) against a production config")
+    if name == "soak":
+        app = _app(target, num_replicas=2)
+        return LoadTestConfig(name=name, target=target, app=app, user=edge_user(idle_s=(1.0, 5.0)),
+                              kill_verifier_at_s=300.0, kill_verifier_every_s=300.0, max_rss_growth=0.05,
+                              warmup_s=120.0, description="a long run at a steady load with a "
+                              "verifier replica killed every 5 minutes: nothing lost, nothing leaks")
     if name in ("tenants", "smoke"):
         # weights matter only when the verifier is the bottleneck: one session per forward on a target
         # with real compute per token (on 2 cores the HTTP proxy saturates before a "tiny" verifier does),
@@ -189,6 +212,7 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
         app["router"]["max_pending_verifies"] = 32
         user = UserModel(draft_ms=2.0, rtt_ms=2.0, idle_s=(0.0, 0.2), max_tokens=32)
         return LoadTestConfig(name=name, target=target, app=app, user=user, max_shed_ms=(500.0, 2000.0),
+                              expect_shed=True,
                               description="burst above capacity: the router sheds with 429 + Retry-After, "
                                           "fast (p50 under 0.5 s, p99 under 2 s), and nothing times out")
     if name == "kill":

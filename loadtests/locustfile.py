@@ -161,14 +161,13 @@ class EdgeUser(FastHttpUser):
         t0 = time.perf_counter()
         name, status, body, headers, exc = "ws verify", 0, b"", {}, None
         try:
-            if self.sock_sid != sid:
+            try:
+                self._ws_for(sid).send_binary(frame)
+            except (websocket.WebSocketConnectionClosedException, BrokenPipeError, ConnectionResetError):
+                # the server closed an idle socket (uvicorn's ping went unanswered while this user
+                # slept out a Retry-After): the frame was not delivered; reconnect and send it once
                 self._close_ws()
-                url = self.host.replace("http://", "ws://", 1) + f"/v1/sessions/{sid}/ws"
-                timeout = float(CFG["user"]["network_timeout_s"])
-                self.sock = websocket.create_connection(url, header=[f"Authorization: {self.headers['Authorization']}"],
-                                                        timeout=timeout, enable_multithread=False)
-                self.sock_sid = sid
-            self.sock.send_binary(frame)
+                self._ws_for(sid).send_binary(frame)
             opcode, body = self.sock.recv_data()
             if opcode == websocket.ABNF.OPCODE_BINARY:
                 status = 200
@@ -188,6 +187,16 @@ class EdgeUser(FastHttpUser):
         events.request.fire(request_type="WS", name=name, response_time=ms, response_length=len(body),
                             exception=exc, context={})
         return status, body, headers, ms
+
+    def _ws_for(self, sid: str) -> websocket.WebSocket:
+        """The session's WebSocket, connected on first use."""
+        if self.sock_sid != sid or self.sock is None:
+            self._close_ws()
+            url = self.host.replace("http://", "ws://", 1) + f"/v1/sessions/{sid}/ws"
+            self.sock = websocket.create_connection(url, header=[f"Authorization: {self.headers['Authorization']}"],
+                                                    timeout=float(CFG["user"]["network_timeout_s"]))
+            self.sock_sid = sid
+        return self.sock
 
     def _close_ws(self) -> None:
         if self.sock is not None:

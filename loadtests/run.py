@@ -126,21 +126,22 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
     t0 = time.time()
     with open(out / "locust.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        killed_at = None
+        kills: list[float] = []
+        next_kill = cfg.kill_verifier_at_s
         limit = duration + stop_timeout + 120
         while proc.poll() is None:
             el = time.time() - t0
-            if (killed_at is None and cfg.kill_verifier_at_s is not None and server is not None
-                    and el >= cfg.kill_verifier_at_s):
+            if next_kill is not None and server is not None and el >= next_kill and el < duration:
                 server.send_signal(signal.SIGUSR1)
-                killed_at = time.time()
+                kills.append(time.time())
+                next_kill = next_kill + cfg.kill_verifier_every_s if cfg.kill_verifier_every_s else None
             if el > limit:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=30)
                 break
             time.sleep(0.2)
     return {"locust_started": t0, "locust_ended": time.time(), "locust_rc": proc.returncode,
-            "kill_sent_at": killed_at}
+            "kill_sent_at": kills[0] if kills else None, "kills_sent_at": kills}
 
 
 def parse_users(text: str) -> list[int]:

@@ -17,6 +17,7 @@ options in this process's environment before Ray starts, so every Ray process in
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
+    from benchmarks.proc_stats import CLK, CpuSnapshot, rss_bytes
     from deploy.application import build_app
 
     app_args = json.loads(Path(args.config).read_text())
@@ -73,14 +75,28 @@ def main(argv=None) -> int:
 
     samples: list[dict] = []
     events: list[dict] = []
+    procs: list[dict] = []  # every 5 s: CPU seconds so far per role, RSS per replica process
     out = Path(args.stats_out)
+    roles: dict[int, str] = {}
 
     def flush() -> None:
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"samples": samples, "events": events}))
+        tmp.write_text(json.dumps({"samples": samples, "events": events, "procs": procs}))
         tmp.replace(out)
 
-    try:
+    def sample_procs() -> None:
+        snap = CpuSnapshot.take(os.getpid(), roles)
+        roles.update(snap.roles)
+        cpu: dict[str, float] = {}
+        for pid, ticks in snap.ticks.items():
+            cpu[snap.roles[pid]] = cpu.get(snap.roles[pid], 0.0) + ticks / CLK
+        procs.append({"t": time.time(), "cpu_s_by_role": cpu, "cpu_s_total": snap.total_ticks / CLK,
+                      "rss": {str(pid): [role, rss_bytes(pid)] for pid, role in snap.roles.items()
+                              if role in ("router", "verifier", "proxy")}})
+
+    async def sample() -> None:
+        # an async loop: with RAY_SERVE_THROUGHPUT_OPTIMIZED a handle only works inside one
+        n = 0
         while not stop["flag"]:
             if kill["flag"]:
                 kill["flag"] = False
@@ -88,16 +104,22 @@ def main(argv=None) -> int:
                 events.append({"t": time.time(), "event": "kill_verifier", "actor": name})
                 print(f"[loadtests.server] killed verifier replica {name}", flush=True)
             try:
-                st = handle.get_stats.remote().result(timeout_s=5)
+                st = await asyncio.wait_for(handle.get_stats.remote(), 5)
                 bs = st.pop("batch_sizes", [])[-256:]
                 st["t"] = time.time()
                 st["mean_batch"] = sum(bs) / len(bs) if bs else 0.0
                 samples.append(st)
             except Exception as e:  # a replica down mid-kill: keep sampling
-                events.append({"t": time.time(), "event": "stats_error", "error": type(e).__name__})
-            if len(samples) % 8 == 0:
+                events.append({"t": time.time(), "event": "stats_error", "error": f"{type(e).__name__}: {e}"[:300]})
+            if n % 20 == 0:
+                sample_procs()
+            if n % 8 == 0:
                 flush()
-            time.sleep(0.25)
+            n += 1
+            await asyncio.sleep(0.25)
+
+    try:
+        asyncio.run(sample())
     finally:
         flush()
         try:

@@ -15,7 +15,15 @@ included, takes population / throughput seconds. So the router bounds what it se
    flight); the total stays below ``2 * limit``.
 3. **Running sessions first.** A new session (its prefill) is admitted only while fewer
    than ``limit / 2`` requests are in flight.
-4. **Adaptive Retry-After.** While more than a quarter of a window's requests are shed it
+4. **A latency objective.** With ``objective_s`` set, the cap follows what admitted rounds
+   actually see (a concurrency limit fitted by feedback, as TCP's AIMD or Netflix's
+   concurrency-limits): every window of ``window_s`` with enough completions, the p99 latency
+   of the admitted verifies is compared with the objective; above it the cap shrinks in
+   proportion (at most halved), well below it (and with the cap in use) it grows by a tenth,
+   never above the static cap of point 1 nor below ``min_limit``. By Little's law a round
+   waits about ``inflight / throughput``, so the cap settles where the p99 meets the objective
+   whatever the model's speed, the batch shape or the request path's own queues.
+5. **Adaptive Retry-After.** While more than a quarter of a window's requests are shed it
    grows x1.5 (up to ``max_retry_after_s``), and it decays back to ``retry_after_s`` once
    shedding stops, so compliant clients (the edge agent, the load-test user) come back
    spread over a period that matches the excess instead of re-queueing every second.
@@ -50,15 +58,23 @@ class AdmissionControl:
     retry_after_s: float = 1.0  # the Retry-After while shedding is rare
     max_retry_after_s: float = 30.0
     window_s: float = 1.0
+    objective_s: float | None = None  # p99 of admitted verify latency the cap is fitted to; None: static cap
+    min_limit: int = 4
+    min_samples: int = 20  # completions a window needs before it moves the cap
     inflight: int = 0
     retry_after: float = field(init=False)
+    max_limit: int = field(init=False)  # the static cap (point 1); an objective moves limit below it
     by_tenant: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     _window_start: float | None = None
     _admitted: int = 0
     _shed: int = 0
+    _latencies: list[float] = field(default_factory=list)  # admitted verifies finished in this window (s)
+    _peak: int = 0  # most requests in flight during this window
 
     def __post_init__(self):
         self.limit = max(1, self.limit)
+        self.max_limit = self.limit
+        self.min_limit = min(max(1, self.min_limit), self.max_limit)
         self.retry_after = self.retry_after_s
 
     # -- decisions ------------------------------------------------------------------------
@@ -88,10 +104,15 @@ class AdmissionControl:
     def started(self, tenant: str) -> None:
         self.inflight += 1
         self.by_tenant[tenant] += 1
+        self._peak = max(self._peak, self.inflight)
 
-    def finished(self, tenant: str) -> None:
+    def finished(self, tenant: str, latency_s: float | None = None) -> None:
+        """``latency_s``: how long an admitted verify took (feeds the objective; None for
+        calls that failed or are not rounds)."""
         self.inflight -= 1
         self.by_tenant[tenant] -= 1
+        if latency_s is not None and self.objective_s is not None:
+            self._latencies.append(latency_s)
 
     def _roll(self, now: float) -> None:
         """Close the window: adapt the Retry-After to the fraction shed."""
@@ -104,8 +125,24 @@ class AdmissionControl:
             self.retry_after = min(self.max_retry_after_s, self.retry_after * 1.5)
         elif not total or self._shed / total < 0.05:
             self.retry_after = max(self.retry_after_s, self.retry_after * 0.7)
+        self._fit_limit()
         self._window_start = now
         self._admitted = self._shed = 0
+        self._peak = self.inflight
+
+    def _fit_limit(self) -> None:
+        """Move the cap toward the latency objective from this window's p99 (point 4)."""
+        lat, self._latencies = self._latencies, []
+        if self.objective_s is None or len(lat) < self.min_samples:
+            return
+        lat.sort()
+        p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+        if p99 > self.objective_s:
+            shrink = max(0.5, 0.9 * self.objective_s / p99)
+            self.limit = max(self.min_limit, int(self.limit * shrink))
+        elif p99 < 0.7 * self.objective_s and self._peak >= 0.8 * self.limit:
+            self.limit = min(self.max_limit, self.limit + max(1, self.limit // 10))
 
     def snapshot(self) -> dict:
-        return {"inflight": self.inflight, "limit": self.limit, "retry_after_s": round(self.retry_after, 2)}
+        return {"inflight": self.inflight, "limit": self.limit, "max_limit": self.max_limit,
+                "objective_s": self.objective_s, "retry_after_s": round(self.retry_after, 2)}

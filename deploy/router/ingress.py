@@ -99,7 +99,8 @@ class Router:
         limit = inflight_limit(rc.max_pending_verifies, rc.max_queued_batches, vc.max_batch_sessions,
                                vc.num_replicas, vc.pipeline_parallel_size, rc.num_replicas)
         self.admission = AdmissionControl(limit, weights={t.name: t.weight for t in tenants},
-                                          retry_after_s=rc.retry_after_s, max_retry_after_s=rc.max_retry_after_s)
+                                          retry_after_s=rc.retry_after_s, max_retry_after_s=rc.max_retry_after_s,
+                                          objective_s=rc.latency_objective_s)
         self.metrics = router_metrics()
         self._info: dict | None = None
         self._tokenizer = None
@@ -131,10 +132,13 @@ class Router:
         """A verifier call under admission control (429 before it queues; see ``admission.py``)."""
         self.admission.check(tenant, kind)
         self.admission.started(tenant)
+        t0, latency = time.perf_counter(), None
         try:
-            return await self._call(method, tenant=tenant, **kwargs)
+            out = await self._call(method, tenant=tenant, **kwargs)
+            latency = time.perf_counter() - t0 if kind == "verify" else None
+            return out
         finally:
-            self.admission.finished(tenant)
+            self.admission.finished(tenant, latency)
 
     async def info(self) -> dict:
         if self._info is None:

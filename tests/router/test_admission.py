@@ -78,4 +78,56 @@ def test_retry_after_backs_off_under_sustained_shedding_and_decays():
         t += 1.1
         ac.check("a", now=t)
     assert ac.retry_after == 1.0
-    assert ac.snapshot() == {"inflight": 0, "limit": 1, "retry_after_s": 1.0}
+    assert ac.snapshot() == {"inflight": 0, "limit": 1, "max_limit": 1, "objective_s": None, "retry_after_s": 1.0}
+
+
+def _window(ac: AdmissionControl, t: float, inflight: int, latency_s: float, n: int = 50) -> float:
+    """One window: ``inflight`` requests held at once, then ``n`` verifies finishing in ``latency_s``."""
+    for _ in range(min(inflight, ac.limit)):
+        ac.check("a", now=t)
+        ac.started("a")
+    for _ in range(n):
+        ac.started("a")
+        ac.finished("a", latency_s)
+    while ac.inflight:
+        ac.finished("a")
+    return t + 1.1
+
+
+def test_latency_objective_shrinks_the_cap_when_the_p99_is_over_it():
+    ac = AdmissionControl(limit=128, objective_s=1.0, window_s=1.0)
+    t = _window(ac, 0.0, 128, 2.0)
+    ac.check("a", now=t)  # a new window closes the last one
+    assert ac.limit == 64  # p99 twice the objective: halved (at most)
+    t = _window(ac, t, 64, 1.2)
+    ac.check("a", now=t)
+    assert ac.limit == int(64 * 0.9 / 1.2)  # in proportion, with a margin
+    for _ in range(20):  # far over it for long: floored at min_limit
+        t = _window(ac, t, ac.limit, 5.0)
+        ac.check("a", now=t)
+    assert ac.limit == ac.min_limit == 4
+
+
+def test_latency_objective_grows_the_cap_back_only_while_it_is_used():
+    ac = AdmissionControl(limit=100, objective_s=1.0, window_s=1.0)
+    t = _window(ac, 0.0, 100, 3.0)
+    ac.check("a", now=t)
+    assert ac.limit == 50
+    t = _window(ac, t, 5, 0.1)  # fast, but the cap was not in use: no reason to raise it
+    ac.check("a", now=t)
+    assert ac.limit == 50
+    for _ in range(30):  # fast and the cap in use: +10% a window, up to the static cap
+        t = _window(ac, t, ac.limit, 0.1)
+        ac.check("a", now=t)
+    assert ac.limit == ac.max_limit == 100
+
+
+def test_latency_objective_needs_enough_samples_and_none_means_static():
+    ac = AdmissionControl(limit=64, objective_s=1.0, window_s=1.0)
+    t = _window(ac, 0.0, 64, 9.0, n=5)  # 5 completions: too few to judge
+    ac.check("a", now=t)
+    assert ac.limit == 64
+    static = AdmissionControl(limit=64, window_s=1.0)
+    t = _window(static, 0.0, 64, 9.0)
+    static.check("a", now=t)
+    assert static.limit == 64
