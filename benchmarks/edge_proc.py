@@ -85,14 +85,15 @@ class Edge:
         acfg = AgentConfig(mode=mode, depth_policy=policy, depth=int(cmd["depth"]),
                            max_depth=int(cmd.get("max_depth", 12)), budget=int(cmd.get("budget", 32)),
                            topk=int(cmd.get("topk", 4)), max_expand=int(cmd.get("max_expand", 8)),
-                           check_tokenizer=self.tokenizer is not None)
+                           check_tokenizer=self.tokenizer is not None, verify=cmd.get("verify") or "match")
         async with HttpTransport(cmd["url"], api_key=cmd["api_key"], timeout_s=300.0) as tr:
             agent = EdgeAgent(tr, self.drafter(), self.tokenizer, acfg)
             try:
                 for ids in prompts:
                     arrivals: list[tuple[float, int]] = []
                     t0 = time.perf_counter()
-                    res = await agent.generate(ids, {"temperature": 0.0, "max_tokens": int(cmd["max_tokens"]),
+                    res = await agent.generate(ids, {"temperature": float(cmd.get("temperature", 0.0)),
+                                                     "max_tokens": int(cmd["max_tokens"]),
                                                      "ignore_eos": True},
                                                on_tokens=lambda toks: arrivals.append((time.perf_counter(),
                                                                                        len(toks))))
@@ -103,7 +104,8 @@ class Edge:
                                 "accepted": s.accepted_tokens, "aligned": s.aligned,
                                 "align_attempts": s.align_attempts, "depth_sum": s.depth_sum,
                                 "draft_forwards": s.draft_forwards, "proactive_forwards": s.proactive_forwards,
-                                "draft_ms": s.draft_ms, "rtt_ms": s.rtt_ms, "reopens": s.reopens})
+                                "draft_ms": s.draft_ms, "rtt_ms": s.rtt_ms, "reopens": s.reopens,
+                                "rejections": s.rejections, "refills": s.refills, "verify_rule": s.verify_rule})
             finally:
                 agent.close()
 
@@ -115,7 +117,8 @@ class Edge:
         headers = {"Authorization": f"Bearer {cmd['api_key']}"}
         async with httpx.AsyncClient(base_url=cmd["url"], headers=headers, timeout=300.0) as client:
             for ids in prompts:
-                body = {"prompt": ids, "max_tokens": int(cmd["max_tokens"]), "temperature": 0.0,
+                body = {"prompt": ids, "max_tokens": int(cmd["max_tokens"]),
+                        "temperature": float(cmd.get("temperature", 0.0)),
                         "ignore_eos": True, "mode": body_mode, "stream": True}
                 chunks: list[tuple[float, str]] = []
                 t0 = time.perf_counter()

@@ -97,6 +97,8 @@ class Plan:
     mbps: float = 0.0
     modes: list[str] = field(default_factory=lambda: list(ALL_MODES))
     warmup_tokens: int = 8
+    temperature: float = 0.0  # 0: greedy; > 0: seeded sampling (issue 17's rows: 0.7 and 1.0)
+    verify: list[str] = field(default_factory=lambda: ["match"])  # the edge modes' rules (AgentConfig.verify)
 
     def configs(self) -> list[tuple[float, int]]:
         out = [(r, self.rtt_sessions) for r in self.rtts]
@@ -489,7 +491,8 @@ def peer_skip_reason(plan: Plan) -> str | None:
 
 
 def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: str, rtt: float, sessions: int,
-               prompts: list[list[int]], depth: int, workdir: Path, max_tokens: int) -> tuple[dict, dict]:
+               prompts: list[list[int]], depth: int, workdir: Path, max_tokens: int,
+               verify: str = "match") -> tuple[dict, dict]:
     from benchmarks.metrics import Window
 
     proxy = Proxy(server.port, rtt, plan.mbps, workdir)
@@ -499,7 +502,7 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
         l0 = os.getloadavg()[0]
         cmd = {"op": "run", "mode": mode, "url": proxy.url, "api_key": API_KEY, "sessions": sessions,
                "prompts": prompts, "max_tokens": max_tokens, "depth": depth, "budget": plan.budget,
-               "topk": plan.topk}
+               "topk": plan.topk, "temperature": plan.temperature, "verify": verify}
         if server.peer:
             cmd["model"] = server.model
         res = edge.call(cmd)
@@ -719,6 +722,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="leave out the vLLM rows")
     ap.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (0 = none)")
     ap.add_argument("--nice", type=int, default=0, help="run every process under nice -n N")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: greedy)")
+    ap.add_argument("--verify", default=None, help="comma-separated edge verification rules "
+                                                   "(match,rejection,tree-rejection,auto; default match)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-latest", action="store_true", help="--full: do not overwrite latest.json")
     args = ap.parse_args(argv)
@@ -744,6 +750,10 @@ def main(argv=None) -> int:
             ap.error(f"unknown modes {sorted(bad)}; choose from {ALL_MODES}")
     if args.no_peers:
         plan.modes = [m for m in plan.modes if m not in PEER_MODES]
+    if args.temperature is not None:
+        plan.temperature = args.temperature
+    if args.verify:
+        plan.verify = [v for v in args.verify.split(",") if v]
     if args.mbps is not None:
         plan.mbps = args.mbps
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -796,11 +806,15 @@ def main(argv=None) -> int:
             log("warm-up done")
         for rtt, sessions in plan.configs():
             n = sessions * math.ceil(plan.prompts / sessions)  # the same share for every session
-            for mode in modes:
+            for mode, rule in [(m, v) for m in modes for v in (plan.verify if m.startswith("edge") else [None])]:
                 res, extra = run_config(srv, edge, plan, mode, rtt, sessions, prompts[:n], depth, workdir,
-                                        plan.max_tokens)
+                                        plan.max_tokens, rule or "match")
                 r = row(mode, rtt, sessions, Window(**extra["window"]), res,
                         edges_priced=sessions if mode.startswith("edge") else 0)
+                # server_sd at T > 0 runs the server's sampled_rule (tree-rejection by default)
+                r["verify"] = rule or ("tree-rejection" if mode == "server_sd" and plan.temperature > 0 else
+                                       "match" if mode == "server_sd" else "-")
+                r["temperature"] = plan.temperature
                 rows.append(r)
                 extras.append({"mode": mode, "rtt_ms": rtt, "sessions": sessions, **extra,
                                **{k: v for k, v in res.items() if k not in ("itl", "ok")}})
@@ -861,7 +875,9 @@ def main(argv=None) -> int:
         "sessions_sweep_rtt_ms": plan.sessions_rtt, "bandwidth_mbps": plan.mbps or "unlimited",
         "prompts_per_config": f"{plan.prompts} rounded up to a multiple of the sessions, alternating MT-Bench "
                               "turn 1 / HumanEval (the first ones of each set)",
-        "prompt_ids": prompt_names, "max_tokens": plan.max_tokens, "sampling": "greedy, ignore_eos",
+        "prompt_ids": prompt_names, "max_tokens": plan.max_tokens,
+        "sampling": (f"temperature {plan.temperature}, seeded, ignore_eos; edge rules {plan.verify}"
+                     if plan.temperature > 0 else "greedy, ignore_eos"),
         "cores": f"server on core {SERVER_CORE} (taskset: every Ray/Serve process, verifier with 1 torch thread; "
                  f"the vLLM peer likewise, 1 OpenMP thread, after our server stopped); edge agents on core "
                  f"{EDGE_CORE} (taskset, 1 torch thread, one asyncio task + one draft thread per session); "
