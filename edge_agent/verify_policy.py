@@ -9,7 +9,8 @@ All rules are exact (:mod:`deploy.verifier.acceptance`); they differ in speed on
   second of the whole generation (draft forwards, uplink, verification and acceptance
   together), an EMA over generations per (rule, temperature rounded to 0.1). Rules not yet
   measured at that temperature are tried first, in :data:`SAMPLED_RULES` order (the order the
-  embedded pair's benchmark ranks them); afterwards every ``explore_every``-th request runs
+  embedded pair ranked them by tokens per verify round at T = 0.7: benchmarks/results/README.md);
+  afterwards every ``explore_every``-th request runs
   the runner-up, so a changed link, draft or prompt mix is noticed.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from deploy.verifier.sampling import SamplingParams
 
-SAMPLED_RULES = ("tree-rejection", "rejection", "match")  # untried rules are tried in this order
+SAMPLED_RULES = ("match", "rejection", "tree-rejection")  # untried rules are tried in this order
 
 
 @dataclass

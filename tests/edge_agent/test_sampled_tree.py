@@ -119,7 +119,7 @@ def test_auto_policy_tries_each_rule_then_keeps_the_fastest_and_explores():
     pol = VerifyPolicy(explore_every=4)
     assert pol.choose(SamplingParams()) == "match"  # greedy
     t = SamplingParams(temperature=0.7)
-    speed = {"tree-rejection": 30.0, "rejection": 50.0, "match": 20.0}
+    speed = {"match": 20.0, "rejection": 50.0, "tree-rejection": 30.0}
     seen = []
     for _ in range(12):
         rule = pol.choose(t)
