@@ -37,6 +37,8 @@ from loadtests.synthetic_tree import AcceptanceModel, expected_accepted, synthet
 CFG: dict = {}
 STOPPING = False
 MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured, as the edge agent (edge_agent/transport.py)
+WS_IDLE_CLOSE_S = 5.0  # a user about to sleep longer closes its WebSocket (uvicorn pings every 20 s)
+LOST = -1  # status of a WebSocket round whose connection died after the frame went out
 
 
 class Counters:
@@ -54,6 +56,8 @@ class Counters:
         self.verify_ms = defaultdict(list)  # tenant -> latencies of successful verifies
         self.verify_at = defaultdict(list)  # tenant -> epoch seconds of those verifies
         self.shed_ms: list[float] = []
+        self.shed_at: list[float] = []  # epoch seconds of those 429s
+        self.ws_lost: dict[str, int] = defaultdict(int)  # WebSocket rounds lost with their connection, by cause
 
     def add(self, tenant: str, field: str, n: float = 1) -> None:
         self.tenant[tenant][field] += n
@@ -64,7 +68,8 @@ class Counters:
                 "tokens_by_second": {str(s): dict(v) for s, v in self.tokens_by_second.items()},
                 "verify_ms": {t: [round(x, 2) for x in v] for t, v in self.verify_ms.items()},
                 "verify_at": {t: [round(x, 2) for x in v] for t, v in self.verify_at.items()},
-                "shed_ms": [round(x, 2) for x in self.shed_ms]}
+                "shed_ms": [round(x, 2) for x in self.shed_ms], "shed_at": [round(x, 2) for x in self.shed_at],
+                "ws_lost": dict(self.ws_lost)}
 
 
 STATS = Counters()
@@ -171,6 +176,8 @@ class EdgeUser(FastHttpUser):
             opcode, body = self.sock.recv_data()
             if opcode == websocket.ABNF.OPCODE_BINARY:
                 status = 200
+            elif opcode == websocket.ABNF.OPCODE_CLOSE:
+                raise websocket.WebSocketConnectionClosedException(f"closed by the server: {body[2:]!r}")
             else:
                 err = json.loads(body)
                 status = int(err.get("status", 0))
@@ -180,7 +187,13 @@ class EdgeUser(FastHttpUser):
                     name = f"ws verify {status}"
                 else:
                     exc = RuntimeError(f"HTTP {status}: {body[:200]!r}")
-        except (websocket.WebSocketException, OSError, ValueError) as e:
+        except (websocket.WebSocketException, OSError) as e:
+            # the socket died with the frame sent: whether the server applied the round is unknown,
+            # so the generation ends that session and re-opens from its own history (as the agent)
+            self._close_ws()
+            status, name = LOST, "ws verify lost"
+            STATS.ws_lost[type(e).__name__] += 1
+        except ValueError as e:  # a text reply that is not our JSON error
             self._close_ws()
             exc = e
         ms = (time.perf_counter() - t0) * 1000
@@ -216,6 +229,7 @@ class EdgeUser(FastHttpUser):
         if status == 429:
             s.add(self.tenant, "shed")
             s.shed_ms.append(ms)
+            s.shed_at.append(time.time())
             s.shed_reasons[reason] += 1
         else:
             s.add(self.tenant, "unavailable")
@@ -226,6 +240,8 @@ class EdgeUser(FastHttpUser):
         # sleep in slices: a run that ends meanwhile must not wait out a long Retry-After (the session
         # is closed before Locust's stop timeout kills the user)
         until = time.monotonic() + min(wait, MAX_RETRY_AFTER_S) * self.rng.uniform(0.5, 1.5)
+        if until - time.monotonic() > WS_IDLE_CLOSE_S:
+            self._close_ws()  # nobody answers the server's keep-alive pings meanwhile: let the socket go
         while not STOPPING and time.monotonic() < until:
             gevent.sleep(min(0.25, until - time.monotonic()))
 
@@ -331,8 +347,11 @@ class EdgeUser(FastHttpUser):
                 prefix_len, finished = rep.prefix_len, rep.finished
                 depth_hint, budget_hint = rep.depth_hint or depth_hint, rep.budget_hint or budget_hint
                 continue
-            if status in (404, 410):  # evicted or lost with its replica: re-open from our own history
-                s.add(self.tenant, "superseded")
+            if status in (404, 410, LOST):  # evicted or lost with its replica: re-open from our own history
+                if status == LOST:
+                    self._close(sid)  # the server may still hold it: close it first
+                else:
+                    s.add(self.tenant, "superseded")
                 s.add(self.tenant, "reopens")
                 d = self._open(prompt, out)
                 if d is None:

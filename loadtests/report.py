@@ -73,17 +73,17 @@ def read_locust_history(path: Path) -> list[dict]:
 def merge_counters(paths: list[Path]) -> dict:
     """Sum the counters of every Locust process."""
     tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int),
+    merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int), "ws_lost": defaultdict(int),
               "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
-              "verify_at": defaultdict(list), "shed_ms": [], "processes": 0}
+              "verify_at": defaultdict(list), "shed_ms": [], "shed_at": [], "processes": 0}
     for p in paths:
         d = json.loads(Path(p).read_text())
         merged["processes"] += 1
         for t, c in d["tenants"].items():
             for k, v in c.items():
                 tenants[t][k] += v
-        for key in ("shed_reasons", "error_kinds"):
-            for k, v in d[key].items():
+        for key in ("shed_reasons", "error_kinds", "ws_lost"):
+            for k, v in d.get(key, {}).items():
                 merged[key][k] += v
         for s, per in d["tokens_by_second"].items():
             for t, v in per.items():
@@ -92,6 +92,7 @@ def merge_counters(paths: list[Path]) -> dict:
             for t, v in d[key].items():
                 merged[key][t].extend(v)
         merged["shed_ms"].extend(d["shed_ms"])
+        merged["shed_at"].extend(d.get("shed_at", [None] * len(d["shed_ms"])))
     merged["tenants"] = {t: dict(c) for t, c in tenants.items()}
     return merged
 
@@ -232,6 +233,7 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
     all_lat = [ms for t in counters["verify_ms"] for ms, at in zip(counters["verify_ms"][t], counters["verify_at"][t])
                if window[0] <= at < window[1]]
     verifies = tot("verifies")
+    shed_win = [ms for ms, at in zip(counters["shed_ms"], counters["shed_at"]) if at and window[0] <= at < window[1]]
     srv = server_summary(server_stats, window, vc.max_batch_sessions)
     summary = {
         "scenario": cfg.name, "description": cfg.description, "target": cfg.target,
@@ -261,7 +263,8 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "rate_429": shed / total_requests if total_requests else 0.0,
         "shed_429": shed, "shed_reasons": dict(counters["shed_reasons"]),
         "shed_ms": {"p50": percentile(counters["shed_ms"], 50), "p99": percentile(counters["shed_ms"], 99)},
-        "unavailable_503": unavailable, "reopens": tot("reopens"),
+        "shed_ms_window": {"p50": percentile(shed_win, 50), "p99": percentile(shed_win, 99)},
+        "unavailable_503": unavailable, "reopens": tot("reopens"), "ws_lost": dict(counters["ws_lost"]),
         "errors": errors, "locust_failures": locust_failures, "error_kinds": dict(counters["error_kinds"]),
         "sessions": {"generations": tot("generations"), "finished": tot("finished"), "opened": opens,
                      "closed": closes, "closed_already_gone": tot("closed_gone"), "superseded": superseded,
@@ -272,6 +275,7 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
                        "rounds_accepted_other_than_model": tot("accept_mismatch"),
                        "diverged_sessions": tot("diverged")},
         "tenants": per_tenant, "server": srv, "locust_processes": counters["processes"],
+        "locust_cores": meta["locust_cpu_s"] / run_s if meta.get("locust_cpu_s") is not None else None,
         "kill_sent_at_s": (meta["kill_sent_at"] - t0) if meta.get("kill_sent_at") else None,
         "kills_sent_at_s": [round(k - t0, 1) for k in meta.get("kills_sent_at", [])],
     }
@@ -404,9 +408,13 @@ def markdown(s: dict) -> str:
         f"{_f(s['verify_ms_window']['p95'], 0)} / {_f(s['verify_ms_window']['p99'], 0)} |",
         f"| tokens/s served | {_f(s['tokens_per_s'])} | {_f(s['tokens_per_s_window'])} |",
         f"| 429 rate | {s['rate_429']:.2%} ({s['shed_429']:g}: {s['shed_reasons']}) | |",
-        f"| 429 latency p50 / p99 (ms) | {_f(s['shed_ms']['p50'], 0)} / {_f(s['shed_ms']['p99'], 0)} | |",
+        f"| 429 latency p50 / p99 (ms) | {_f(s['shed_ms']['p50'], 0)} / {_f(s['shed_ms']['p99'], 0)} | "
+        f"{_f(s['shed_ms_window']['p50'], 0)} / {_f(s['shed_ms_window']['p99'], 0)} |",
         f"| 503 (verifier restarting) / re-opens | {s['unavailable_503']:g} / {s['reopens']:g} | |",
+        f"| WebSocket rounds lost with their connection (re-opened) | {sum(s.get('ws_lost', {}).values()):g} "
+        f"{s.get('ws_lost') or ''} | |",
         f"| server cores used, by role | | {_cores(s['server'])} |",
+        f"| Locust cores used (whole run) | {_f(s.get('locust_cores'), 2)} | |",
         f"| verify rounds/s per core of each hop | | "
         f"{', '.join(f'{r} {_f(v, 0)}' for r, v in s.get('sizing', {}).items()) or 'n/a'} |",
         f"| RSS (MB) / growth over the window | | {_rss(s['server'])} |",

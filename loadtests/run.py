@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -124,6 +125,7 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
            "--loadtest-out", str(out / "counters.json")]
     env = _child_env()
     t0 = time.time()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(out / "locust.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         kills: list[float] = []
@@ -140,7 +142,10 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
                 proc.wait(timeout=30)
                 break
             time.sleep(0.2)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # Locust, reaped: was the client the bottleneck?
+    locust_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     return {"locust_started": t0, "locust_ended": time.time(), "locust_rc": proc.returncode,
+            "locust_cpu_s": locust_cpu,
             "kill_sent_at": kills[0] if kills else None, "kills_sent_at": kills}
 
 
