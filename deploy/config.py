@@ -61,6 +61,27 @@ class ModelConfig(_Strict):
         return self
 
 
+class EarlyExitConfig(_Strict):
+    """Exit heads in the verify forward (the early-exit paper; deploy/verifier/exit_heads.py):
+    edges that ask (``F_EARLY``, WebSocket) get each exit's guess of their round mid-forward."""
+
+    enabled: bool = Field(False, description="load exit heads and answer F_EARLY requests; off: such requests 400")
+    heads: str = Field("embedded", description="exit-head artifact: 'embedded' (deploy/artifacts, trained for "
+                                               "SmolLM2-135M by benchmarks/train_exit_heads.py), a .safetensors "
+                                               "path, or 'untrained' (logit-lens heads, for tests)")
+    layers: list[int] | None = Field(None, min_length=1, max_length=16,
+                                     description="exits to run (layers run before each); null: all of the "
+                                                 "artifact's ('untrained' needs them)")
+
+    @model_validator(mode="after")
+    def _layers(self):
+        if self.layers is not None and (any(x < 1 for x in self.layers) or len(set(self.layers)) != len(self.layers)):
+            raise ValueError("early_exit.layers must be distinct layer counts >= 1")
+        if self.enabled and self.heads == "untrained" and not self.layers:
+            raise ValueError("early_exit.heads 'untrained' needs early_exit.layers")
+        return self
+
+
 class VerifierConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     max_batch_sessions: int = Field(16, ge=1, le=1024)
@@ -92,6 +113,13 @@ class VerifierConfig(_Strict):
     truncate_trees: bool = Field(True, description="per batch, verify the prefix of each priority-ordered tree that "
                                                    "maximises expected tokens per forward second "
                                                    "(deploy/verifier/truncation.py)")
+    early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
+
+    @model_validator(mode="after")
+    def _early_exit_single_process(self):
+        if self.early_exit.enabled and self.pipeline_parallel_size > 1:
+            raise ValueError("verifier.early_exit needs pipeline_parallel_size 1 (pipeline stages run no exit heads)")
+        return self
 
     def kv_pool_tokens(self) -> int:
         """Pool capacity: the eviction budget plus room for one full batch of new tokens

@@ -50,6 +50,15 @@ followed by q itself for every position: n + 1 counts (u8; root first, 0 for a l
 every entry's id (u32), then every weight (u16; q(x) = w_x / sum w). The server holds p and
 this q, so it samples every residual itself: the reply is the tree reply (no ``R_REJECTED``),
 and such trees are never truncated. 6 bytes per node + 1 per position + 6 per proposal entry.
+
+Early results (``F_EARLY``, WebSocket only; the early-exit paper §3): a tree frame with this
+flag asks for an :class:`EarlyFrame` after each of the server's exit layers, *during* the
+verify forward: the path and next token that exit's walk of the tree gives, and its
+probability. Binary, its own magic (``EE``), 20 bytes + 2 per accepted node; zero or more of
+them precede the round's reply frame on the socket. The reply is the last layer's, exactly as
+without the flag (early frames are guesses for pre-drafting, never output). A server without
+exit heads answers the flag with 400; clients send it only when ``GET /v1/model`` lists
+``early_exit_layers``, so older clients and servers never meet it.
 """
 
 from __future__ import annotations
@@ -71,6 +80,9 @@ _REP_HEAD = struct.Struct("<HBBBBHIIBxHI")  # magic, ver, flags, finish, _, n_ac
 _TAIL_HEAD = struct.Struct("<fH")  # R_TAIL: tail mass, candidates
 
 F_CHAIN, F_RESAMPLED, F_CONF, F_MORE, F_TREEQ = 1, 2, 4, 8, 16  # request flags
+F_EARLY = 32  # request flag: stream early results (EarlyFrame) before the reply
+EARLY_MAGIC = 0x4545  # "EE"
+_EARLY_HEAD = struct.Struct("<HBBIHHIf")  # magic, ver, flags, prefix_len, layer, n_acc, token, confidence
 R_FINISHED, R_HAS_BONUS, R_REJECTED, R_TRUNCATED, R_TAIL = 1, 2, 4, 8, 16  # reply flags
 FINISH_CODES = {None: 0, "stop": 1, "length": 2}
 FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
@@ -119,12 +131,13 @@ class VerifyFrame:
     more: bool = False  # chain mode: the residual's tail candidates ran out, send more (no nodes)
     # tree rejection sampling: per position (root, then node i) the proposal (ids, weights), () for a leaf
     proposals: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+    early: bool = False  # F_EARLY: early results from the exit heads before the reply (trees only)
 
     def encode(self) -> bytes:
         n = len(self.tokens)
         flags = (F_CHAIN if self.q is not None else 0) | (F_RESAMPLED if self.resampled is not None else 0) | (
             F_CONF if self.conf is not None else 0) | (F_MORE if self.more else 0) | (
-            F_TREEQ if self.proposals is not None else 0)
+            F_TREEQ if self.proposals is not None else 0) | (F_EARLY if self.early else 0)
         out = [_REQ_HEAD.pack(MAGIC, VERSION, flags, self.prefix_len, n, min(self.depth, 65535),
                               float(self.draft_ms), float(self.rtt_ms))]
         out.append(struct.pack(f"<{n}I", *self.tokens))
@@ -150,8 +163,10 @@ class VerifyFrame:
         magic, ver, flags, prefix_len, n, depth, draft_ms, rtt_ms = _REQ_HEAD.unpack_from(data)
         if magic != MAGIC or ver != VERSION:
             raise InvalidRequest("not a verify frame of protocol version 1")
-        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE | F_TREEQ):
+        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE | F_TREEQ | F_EARLY):
             raise InvalidRequest(f"unknown flags {flags:#x}")
+        if flags & F_EARLY and flags & (F_CHAIN | F_RESAMPLED | F_MORE | F_TREEQ):
+            raise InvalidRequest("flags: F_EARLY goes with a plain tree (no F_CHAIN, F_RESAMPLED, F_MORE, F_TREEQ)")
         if flags & F_MORE and (flags & (F_CHAIN | F_RESAMPLED | F_CONF) != F_CHAIN or n):
             raise InvalidRequest("flags: F_MORE goes with F_CHAIN alone and no nodes")
         if n > max_nodes:
@@ -180,7 +195,7 @@ class VerifyFrame:
             if not (x == x and 0.0 <= x < 1e7):  # NaN or absurd telemetry
                 raise InvalidRequest("draft_ms / rtt_ms must be finite and non-negative")
         return cls(prefix_len, tokens, parents, draft_ms, rtt_ms, depth, q, resampled, conf, bool(flags & F_MORE),
-                   proposals)
+                   proposals, bool(flags & F_EARLY))
 
 
 @dataclass
@@ -252,6 +267,38 @@ class ReplyFrame:
         return cls(acc, bonus if flags & R_HAS_BONUS else None, prefix_len, bool(flags & R_FINISHED),
                    FINISH_NAMES.get(fin), depth, budget, bool(flags & R_REJECTED), ids, probs, verified,
                    mass, tail_ids, tail_probs)
+
+
+@dataclass
+class EarlyFrame:
+    """An exit layer's guess of the round in flight (``F_EARLY``): accepted node indices of the
+    tree sent, the next token, the exit's probability of both; ``prefix_len`` = the tree's."""
+
+    prefix_len: int
+    layer: int
+    accepted: list[int]
+    token: int
+    confidence: float
+
+    def encode(self) -> bytes:
+        n = len(self.accepted)
+        return _EARLY_HEAD.pack(EARLY_MAGIC, VERSION, 0, self.prefix_len, self.layer, n, self.token,
+                                float(self.confidence)) + struct.pack(f"<{n}H", *self.accepted)
+
+    @staticmethod
+    def is_early(data: bytes) -> bool:
+        return len(data) >= 2 and struct.unpack_from("<H", data)[0] == EARLY_MAGIC
+
+    @classmethod
+    def decode(cls, data: bytes) -> "EarlyFrame":
+        if len(data) < _EARLY_HEAD.size:
+            raise InvalidRequest("early frame too short")
+        magic, ver, flags, prefix_len, layer, n, token, conf = _EARLY_HEAD.unpack_from(data)
+        if magic != EARLY_MAGIC or ver != VERSION or flags or len(data) != _EARLY_HEAD.size + 2 * n:
+            raise InvalidRequest("malformed early frame")
+        if not (0.0 <= conf <= 1.0):
+            raise InvalidRequest("early frame confidence outside [0, 1]")
+        return cls(prefix_len, layer, list(struct.unpack_from(f"<{n}H", data, _EARLY_HEAD.size)), token, conf)
 
 
 class _Body(BaseModel):

@@ -58,7 +58,8 @@ from deploy.verifier.acceptance import Rejection, ResidualSampler
 from deploy.verifier.sampling import SamplingParams
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.drafter import Drafter
-from edge_agent.drafting import ChainDraftSession, DraftSession
+from edge_agent.drafting import Alignment, ChainDraftSession, DraftSession
+from edge_agent.predraft import PreDraftCache
 from edge_agent.errors import ConnectionLost, EdgeError, TokenizerMismatch
 from edge_agent.transport import ModelInfo, Transport
 from edge_agent.sampled_tree import SampledTreeSession
@@ -88,6 +89,9 @@ class AgentConfig:
     # the target version to verify against (FlexSpec: a LoRA fine-tune of the base; None: the base); one
     # agent, one version, so its telemetry (and its FlexSpec depth rule) sees that version's acceptance only
     model: str | None = None
+    # early-exit pre-drafting (edge_agent/predraft.py): when the server streams early results, draft the
+    # next tree from each during the round and send it at once when the reply matches (match rule only)
+    predraft: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -123,6 +127,11 @@ class GenerationStats:
     round_ms: list[float] = field(default_factory=list)  # send -> reply of each verify
     draft_ms: list[float] = field(default_factory=list)  # each draft forward
     finish_reason: str | None = None
+    early_frames: int = 0  # early results received (pre-draft cache, edge_agent/predraft.py)
+    predraft_hits: int = 0  # rounds whose next tree was pre-drafted from a matching early result
+    predraft_misses: int = 0  # rounds with early results, none matching the reply
+    predraft_forwards: int = 0  # draft forwards spent on pre-drafts
+    predraft_layer_sum: int = 0  # exit layer of each hit's early result
 
     @property
     def tokens_per_s(self) -> float:
@@ -348,6 +357,8 @@ class EdgeAgent:
         else:
             ds = DraftSession(self.drafter, self._tree_config(info, budget_hint))
         ds.start(prompt_ids + generated)
+        pc = PreDraftCache(ds) if cfg.predraft and info.early_exit_layers and rule == "match" else None
+        predrafted = 0  # forwards the next tree already has (a pre-draft cache hit)
         sid = sess.session_id
         ping_task: asyncio.Task | None = None
         stalled = 0
@@ -364,7 +375,7 @@ class EdgeAgent:
                 if budget_hint == 0:  # the server says trees do not pay now: plain decoding
                     depth = 0
                 n_fwd0 = len(ds.forward_times)
-                await self._run(ds.draft, depth)
+                await self._run(ds.draft, depth - predrafted)
                 proactive = cfg.mode == "proactive" and budget_hint != 0 and rule == "match"
                 tree, order = ds.freeze(max_chain=(cfg.proactive_max or cfg.max_depth) if proactive else 0)
                 self._observe_drafts(ds, n_fwd0, stats)
@@ -374,9 +385,14 @@ class EdgeAgent:
                                     parents=list(tree.parents), draft_ms=t.draft_ms.get(0.0),
                                     rtt_ms=t.rtt_ms.get(0.0), depth=ds.forwards,
                                     conf=ds.confidences(order) if cfg.send_confidence and len(tree) else None,
-                                    proposals=ds.proposals())
+                                    proposals=ds.proposals(), early=pc is not None)
                 t0 = time.perf_counter()
-                task = await self._send_and_draft(sid, frame, stats, ds, ds.proactive_step if proactive else None)
+                if pc is not None:  # pre-draft from early results first, proactive drafting in between
+                    pc.begin_round(frame.prefix_len, ds.builder.forwards)
+                    task = await self._send_and_predraft(sid, frame, stats, ds, pc, proactive)
+                else:
+                    task = await self._send_and_draft(sid, frame, stats, ds, ds.proactive_step if proactive else None)
+                predrafted = 0
                 reply, sess = await self._reply_or_reopen(task, sid, stalled, prompt_ids, generated, params, stats)
                 if sess is not None:
                     stalled += 1  # re-opens since the last verified round
@@ -391,7 +407,13 @@ class EdgeAgent:
                         reply.bonus is not None):
                     raise EdgeError(f"reply prefix length {reply.prefix_len} does not match the history")
                 emitted = [tree.tokens[i] for i in reply.accepted] + ([reply.bonus] if reply.bonus is not None else [])
-                al = ds.on_reply(list(reply.accepted), reply.bonus, emitted)
+                hit = pc.take(list(reply.accepted), reply.bonus) if pc is not None else None
+                if hit is not None:  # the pre-draft cache holds this outcome's next tree, drafted already
+                    al = Alignment(bool(ds.chain), False, 0)
+                    pc.install(hit)
+                    predrafted = hit.builder.forwards
+                else:  # a miss: proactive alignment or a fresh tree, as without early results
+                    al = ds.on_reply(list(reply.accepted), reply.bonus, emitted)
                 emit(emitted)
                 stats.rounds += 1
                 verified = len(tree) if reply.verified is None else reply.verified  # the server may cut a prefix
@@ -413,6 +435,10 @@ class EdgeAgent:
             if ping_task is not None:
                 ping_task.cancel()
             await self._safe_close(sid)
+            if pc is not None:
+                s = pc.stats
+                stats.early_frames, stats.predraft_hits, stats.predraft_misses = s.early_frames, s.hits, s.misses
+                stats.predraft_forwards, stats.predraft_layer_sum = s.forwards, s.layer_sum
         return self._done(params, prompt_ids, generated, stream, stats, t_start, finish_reason)
 
     def _done(self, params: SamplingParams, *args) -> GenerationResult:
@@ -627,14 +653,45 @@ class EdgeAgent:
             self._observe_drafts(session, n0, stats)
         return task
 
+    async def _send_and_predraft(self, sid: str, frame: VerifyFrame, stats: GenerationStats, ds: DraftSession,
+                                 pc: PreDraftCache, proactive: bool) -> asyncio.Task:
+        """Send ``frame`` asking for early results; while its reply is on the way, pre-draft from
+        each early result as it arrives (most confident first), and extend the proactive chain
+        when there is none to work on (the early-exit paper's Algorithm 1 over SpecEdge §4.2)."""
+        wake = asyncio.Event()
+
+        def on_early(f) -> None:
+            if pc.offer(f):
+                wake.set()
+
+        task = asyncio.create_task(self._verify(sid, frame, stats, on_early))
+        n0, p0 = len(ds.forward_times), pc.stats.forwards
+        chain = proactive
+        while not task.done():
+            wake.clear()  # before the checks: an early result from now on wakes the wait below
+            if pc.pending():
+                await self._run(pc.step)
+                continue
+            if chain:
+                chain = await self._run(ds.proactive_step)
+                continue
+            waiter = asyncio.ensure_future(wake.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        stats.proactive_forwards += len(ds.forward_times) - n0 - (pc.stats.forwards - p0)
+        self._observe_drafts(ds, n0, stats)
+        return task
+
     def _observe_drafts(self, ds: DraftSession | ChainDraftSession, start: int, stats: GenerationStats) -> None:
         for s in ds.forward_times[start:]:
             self.telemetry.observe_draft(s)
             stats.draft_ms.append(s * 1e3)
 
-    async def _verify(self, sid: str, frame: VerifyFrame, stats: GenerationStats):
+    async def _verify(self, sid: str, frame: VerifyFrame, stats: GenerationStats, on_early=None):
         for _ in range(self.config.max_overload_waits):
             try:
+                if on_early is not None:  # early results (F_EARLY) go to the pre-draft cache
+                    return await self.transport.verify(sid, frame, on_early=on_early)
                 return await self.transport.verify(sid, frame)
             except Overloaded as e:  # not applied: resend the same frame later
                 stats.overload_waits += 1

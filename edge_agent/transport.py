@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from deploy.errors import SessionEvicted, SessionNotFound, SpecError
-from deploy.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
+from deploy.protocol import EarlyFrame, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 from edge_agent.errors import ConnectionLost, ServerUnreachable, error_from_json
 
 log = logging.getLogger("edge_agent")
@@ -47,12 +47,13 @@ class ModelInfo:
     tokenizer_fingerprint: str
     max_tree_nodes: int
     max_tree_depth: int
+    early_exit_layers: tuple[int, ...] = ()  # the server streams early results (F_EARLY) from these exits
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelInfo":
         return cls(str(d["model"]), int(d["vocab_size"]), tuple(int(e) for e in d.get("eos_token_ids", ())),
                    str(d.get("tokenizer_fingerprint", "none")), int(d.get("max_tree_nodes", 64)),
-                   int(d.get("max_tree_depth", 32)))
+                   int(d.get("max_tree_depth", 32)), tuple(int(x) for x in d.get("early_exit_layers") or ()))
 
 
 class Transport:
@@ -64,7 +65,9 @@ class Transport:
     async def open(self, req: OpenSession) -> SessionOpened:
         raise NotImplementedError
 
-    async def verify(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+    async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
+        """One round. ``on_early(EarlyFrame)`` gets the early results of an ``F_EARLY`` frame as
+        they arrive, before the reply (WebSocket and in-process; none over HTTP POST)."""
         raise NotImplementedError
 
     async def close(self, sid: str) -> None:
@@ -125,7 +128,8 @@ class LocalTransport(Transport):
     async def model_info(self) -> ModelInfo:
         e = self.engine
         return ModelInfo(self.model_name, e.vocab_size, tuple(sorted(e.eos_token_ids)), self.fingerprint,
-                         e.limits.max_nodes, e.limits.max_depth)
+                         e.limits.max_nodes, e.limits.max_depth,
+                         tuple(e.exit_heads.layers) if getattr(e, "exit_heads", None) is not None else ())
 
     async def open(self, req: OpenSession) -> SessionOpened:
         from deploy.verifier.engine import OpenRequest
@@ -151,7 +155,7 @@ class LocalTransport(Transport):
         if evicted:
             self.evicted.add(sid)
 
-    def _verify(self, sid: str, body: bytes) -> bytes:
+    def _verify(self, sid: str, body: bytes, on_early=None) -> bytes:
         from deploy.errors import InvalidRequest
         from deploy.verifier.engine import ChainVerifyRequest, VerifyRequest
         from deploy.verifier.tree import DraftTree
@@ -162,7 +166,8 @@ class LocalTransport(Transport):
         t0 = time.perf_counter()
         if frame.q is None:  # a tree: sample, then match (with proposals: tree rejection sampling)
             (res,) = self.engine.verify([VerifyRequest(sid, DraftTree(tuple(frame.tokens), tuple(frame.parents)),
-                                                       frame.prefix_len, proposals=frame.proposals)])
+                                                       frame.prefix_len, proposals=frame.proposals,
+                                                       early=frame.early)], on_early=on_early if frame.early else None)
         else:  # a chain with q(x): rejection sampling (the server's checks, as the replica makes them)
             if any(p != i - 1 for i, p in enumerate(frame.parents)):
                 raise InvalidRequest("chain mode: parents must form a chain")
@@ -179,11 +184,12 @@ class LocalTransport(Transport):
         return ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
                           depth, self.budget_hint).encode()
 
-    async def verify(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+    async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
         if self.before_verify is not None:
             self.before_verify(self, sid, self.rounds)
         self.rounds += 1
-        return ReplyFrame.decode(await self._call(self._verify, sid, frame.encode()))
+        sink = _early_sink(asyncio.get_running_loop(), on_early, self.rtt_ms / 2e3) if on_early else None
+        return ReplyFrame.decode(await self._call(self._verify, sid, frame.encode(), sink))
 
     async def close(self, sid: str) -> None:
         await self._call(self.engine.close, sid)
@@ -193,6 +199,16 @@ class LocalTransport(Transport):
         await self._net()
         await self._net()
         return time.perf_counter() - t0
+
+
+def _early_sink(loop: asyncio.AbstractEventLoop, on_early, delay_s: float):
+    """The engine's ``on_early`` (worker thread, mid-forward) -> ``on_early(EarlyFrame)`` on the
+    event loop after the simulated downlink delay, through the wire codec."""
+    def sink(results) -> None:
+        for r in results:
+            f = EarlyFrame.decode(EarlyFrame(r.prefix_len, r.layer, list(r.accepted), r.token, r.confidence).encode())
+            loop.call_soon_threadsafe(loop.call_later, delay_s, on_early, f)
+    return sink
 
 
 # -- over the network ------------------------------------------------------------------------
@@ -293,9 +309,9 @@ class HttpTransport(Transport):
                                 headers={"Content-Type": "application/json"})
         return SessionOpened.model_validate(r.json())
 
-    async def verify(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+    async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
         if self.ws:
-            return await self._verify_ws(sid, frame)
+            return await self._verify_ws(sid, frame, on_early)
         r = await self._request("POST", f"/v1/sessions/{sid}/verify", idempotent=False, content=frame.encode(),
                                 headers={"Content-Type": "application/octet-stream"})
         return ReplyFrame.decode(r.content)
@@ -330,7 +346,7 @@ class HttpTransport(Transport):
         self.ws = False
         return await self.verify(sid, frame)
 
-    async def _verify_ws(self, sid: str, frame: VerifyFrame) -> ReplyFrame:
+    async def _verify_ws(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
         from websockets.asyncio.client import connect
         from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
 
@@ -357,6 +373,10 @@ class HttpTransport(Transport):
         try:
             await conn.send(frame.encode())
             msg = await asyncio.wait_for(conn.recv(), self.timeout_s)
+            while isinstance(msg, bytes) and EarlyFrame.is_early(msg):  # early results precede the reply
+                if on_early is not None:
+                    on_early(EarlyFrame.decode(msg))
+                msg = await asyncio.wait_for(conn.recv(), self.timeout_s)
         except (ConnectionClosed, OSError, asyncio.TimeoutError) as e:
             await self._close_ws(sid)
             raise ConnectionLost(f"WebSocket verify: {type(e).__name__}: {e}") from None

@@ -28,6 +28,7 @@ from deploy.metrics import router_metrics
 from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
+from deploy.router.early import stream_verify
 from deploy.router.tenants import TenantRegistry, TenantState
 from deploy.verifier.sampling import SamplingParams
 
@@ -114,12 +115,15 @@ class Router:
         self._versions = sorted(user_config.get("adapters") or {})
 
     # -- plumbing -----------------------------------------------------------------------
-    async def _call(self, method: str, **kwargs):
+    async def _call(self, method: str, stream_to=None, **kwargs):
         """Call the verifier; a dead/restarting replica becomes 503 + Retry-After, a call
         over ``router.request_timeout_s`` 504 (the verifier drops the request: Serve
-        cancels it there)."""
+        cancels it there). ``stream_to``: a streaming call whose early frames go there
+        (deploy/router/early.py)."""
         timeout = self.cfg.router.request_timeout_s
         try:
+            if stream_to is not None:
+                return await asyncio.wait_for(stream_verify(self.verifier, method, stream_to, kwargs), timeout)
             return await asyncio.wait_for(getattr(self.verifier, method).remote(**kwargs), timeout)
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"the verifier did not answer {method} within {timeout:g} s") from None
@@ -204,12 +208,14 @@ class Router:
             self.tenants.session_used(tenant, payload["session_id"], 1)
         return payload
 
-    async def verify(self, tenant: TenantState, sid: str, frame: bytes) -> bytes:
+    async def verify(self, tenant: TenantState, sid: str, frame: bytes, send_early=None) -> bytes:
+        """One verify round; ``send_early``: where the early frames of an ``F_EARLY`` frame go."""
         t0 = time.perf_counter()
         self.tenants.check_rate(tenant)
-        VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)  # reject garbage before queueing
-        status, payload = await self._admitted_call("verify", "verify", session_id=sid, tenant=tenant.config.name,
-                                                    frame=frame)
+        f = VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)  # reject garbage before queueing
+        early = {"stream_to": send_early} if send_early is not None and f.early else {}
+        status, payload = await self._admitted_call("verify", "verify_stream" if early else "verify", session_id=sid,
+                                                    tenant=tenant.config.name, frame=frame, **early)
         if status in (404, 410):
             self.tenants.session_gone(tenant, sid)
         _raise_for(status, payload)
@@ -286,7 +292,7 @@ class Router:
                         raise InvalidRequest("send verify frames as binary messages")
                     if len(data) > self.cfg.router.max_body_bytes:
                         raise PayloadTooLarge("frame too large")
-                    await websocket.send_bytes(await self.verify(tenant, sid, data))
+                    await websocket.send_bytes(await self.verify(tenant, sid, data, websocket.send_bytes))
                 except SpecError as e:
                     router_metrics().on_error(e)
                     payload = {"status": e.status, **e.to_dict()}

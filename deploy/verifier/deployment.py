@@ -38,6 +38,7 @@ from deploy.metrics import VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
                                     VerifyRequest)
+from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, SessionUse, choose_victims
 from deploy.verifier.versions import TargetVersions
 from deploy.verifier.models import load_model, tokenizer_fingerprint
@@ -104,6 +105,8 @@ class VerifierCore:
             max_model_len=t.max_model_len, runner=runner, chain_top_k=vc.chain_top_k,
             on_forward=self._on_forward, kv_capacity_tokens=vc.kv_pool_tokens(),
             max_batch_tokens=vc.max_batch_tokens, compile=vc.compile)
+        # exit heads: early results mid-forward for edges that ask (deploy/verifier/early_stream.py)
+        self.early = EarlyStreams.attach(self.engine, vc.early_exit, self.loaded.model)
         p = config.pacing
         budgets = tuple(b for b in p.tree_budgets if b <= vc.max_tree_nodes) or (vc.max_tree_nodes,)
         self.pacer = Pacer(p.min_depth, min(p.max_depth, vc.max_tree_depth), p.default_depth, budgets,
@@ -142,7 +145,7 @@ class VerifierCore:
         return {"model": self.loaded.name, "vocab_size": self.loaded.vocab_size,
                 "eos_token_ids": list(self.loaded.eos_token_ids), "tokenizer_fingerprint": self.fingerprint,
                 "max_tree_nodes": vc.max_tree_nodes, "max_tree_depth": vc.max_tree_depth,
-                "max_model_len": self.engine.max_model_len}
+                "max_model_len": self.engine.max_model_len, **self.early.info()}
 
     def stats(self) -> dict:
         a, b, knee = self.pacer.cost.coefficients()
@@ -261,7 +264,8 @@ class VerifierCore:
             self._check_owner(session_id, tenant)
             if f.q is None:
                 req = VerifyRequest(session_id, DraftTree(tuple(f.tokens), tuple(f.parents)), f.prefix_len,
-                                    proposals=f.proposals)  # proposals: tree rejection sampling
+                                    proposals=f.proposals,  # proposals: tree rejection sampling
+                                    early=self.early.accept(f))
             else:
                 if any(p != i - 1 for i, p in enumerate(f.parents)):
                     raise InvalidRequest("chain mode: parents must form a chain")
@@ -278,6 +282,12 @@ class VerifierCore:
         self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains), time.monotonic()))
         self._wake.set()
         return await fut
+
+    async def verify_stream(self, session_id: str, tenant: str, frame: bytes):
+        """:meth:`verify` as a stream: the round's early frames (``F_EARLY``) as the forward
+        reaches each exit, then ``("final", status, payload)`` (Serve streaming call)."""
+        async for item in self.early.stream(session_id, self.verify(session_id, tenant, frame)):
+            yield item
 
     async def close_session(self, session_id: str, tenant: str) -> tuple[int, dict]:
         try:
@@ -447,7 +457,8 @@ class VerifierCore:
         def run():
             out, opened = [], []
             if trees:  # the chunk rides along; the opens it completes wait in engine.take_opened()
-                out += list(zip([p for p, _ in trees], self.engine.verify([r for _, r in trees], prefill)))
+                out += list(zip([p for p, _ in trees], self.engine.verify(
+                    [r for _, r in trees], prefill, on_early=self.early.sink(loop, [r.sid for _, r in trees if r.early]))))
             if chains:
                 out += list(zip([p for p, _ in chains], self.engine.verify_chain([r for _, r in chains])))
                 if not trees and prefill:  # chain forwards take no chunk: a prefill step of its own
@@ -482,7 +493,8 @@ class VerifierCore:
         trees = [(p, r) for p, r in trees if r.proposals is None]
         gains = [self.calibration.scale(p.payload[2]) for p, _ in trees]
         take = choose_prefixes(gains, self.pacer.cost.predict, base_rows + sum(len(r.tree) + 1 for _, r in whole))
-        return whole + [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n)) for (p, r), n in zip(trees, take)]
+        return whole + [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n, early=r.early))
+                        for (p, r), n in zip(trees, take)]
 
     def _round_reply(self, item) -> tuple[int, bytes | dict]:
         """Bookkeeping and the reply frame of one verified round."""

@@ -37,6 +37,7 @@ from deploy.errors import (InvalidRequest, KVStateLost, ModelNotFound, PrefixMis
 from deploy.verifier.acceptance import (ChainAcceptance, check_proposals, more_candidates, rejection_sample_chain,
                                         rejection_walk_tree, sparse_rejection, walk_tree)
 from deploy.verifier.batch import SeqInput, chunk_input, tree_input
+from deploy.verifier.exit_heads import EarlyExit
 from deploy.verifier.runner import ModelRunner
 from deploy.verifier.sampling import SamplingParams, make_generator, sample_token, target_probs
 from deploy.verifier.tree import DraftTree, TreeLimits
@@ -86,6 +87,7 @@ class VerifyRequest:
     tree: DraftTree
     prefix_len: int  # the prefix length the edge assumes (root included)
     limit: int | None = None  # verify only the first ``limit`` nodes (server-side truncation)
+    early: bool = False  # stream early results (exit heads, deploy/verifier/exit_heads.py) to ``on_early``
     # tree rejection sampling: per position (root, then node i), the (ids, weights) its children
     # were drawn from without replacement (acceptance.py); such trees are never truncated
     proposals: tuple | None = None
@@ -196,6 +198,8 @@ class VerifierEngine:
         self.sessions: dict[str, Session] = {}
         self.on_forward = on_forward  # callback(ForwardStats)
         self._batch_ids = itertools.count()
+        self.exit_heads = None  # ExitHeads: early results mid-forward for requests with ``early``
+        self._on_layer = None  # the next forward's per-layer hook (exit heads)
 
     # -- helpers ------------------------------------------------------------------
     def get(self, sid: str) -> Session:
@@ -237,7 +241,8 @@ class VerifierEngine:
         if versions:  # load on first use, LRU-evict others (deploy/verifier/adapters.py)
             self.adapters.activate(versions)
         try:
-            logits = self.runner.forward(bid, items)
+            hook, self._on_layer = self._on_layer, None
+            logits = self.runner.forward(bid, items, **({"on_layer": hook} if hook is not None else {}))
         except BaseException:
             self.runner.abort(bid)
             raise
@@ -396,7 +401,8 @@ class VerifierEngine:
                                  f"{len(s.prefix)}", server_prefix_len=len(s.prefix))
         return s
 
-    def verify(self, requests: list[VerifyRequest], prefill_tokens: int = 0) -> list[VerifyResult | SpecError]:
+    def verify(self, requests: list[VerifyRequest], prefill_tokens: int = 0,
+               on_early=None) -> list[VerifyResult | SpecError]:
         """Verify the trees of many sessions in one target forward.
 
         Invalid requests get their error back and do not touch any session; the others
@@ -439,6 +445,8 @@ class VerifierEngine:
             return out  # type: ignore[return-value]
         items = [_tree_item(s, tree) for _, s, tree, _kept, _n, _p in todo]
         pre_items, chunks = self._prefill_items(prefill_tokens) if prefill_tokens > 0 else ([], [])
+        if on_early is not None and self.exit_heads is not None:  # exit heads walk the trees mid-forward
+            self._on_layer = EarlyExit.for_batch(self, requests, todo, on_early)
         bid, logits = self._forward_prefilling("verify", items + pre_items, chunks)
         logits, pre_logits = logits[: len(items)], logits[len(items):]
         keep = self._prefill_keep(chunks)

@@ -58,9 +58,10 @@ class ModelRunner:
         return self.pool.read(sid) if sid in self.pool.sessions else None
 
     # -- forward ------------------------------------------------------------------
-    def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None):
+    def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None, on_layer=None):
         """Hidden states [N, D] (not the last slice) or, on the last slice, one logits
-        tensor [len(logit_rows), V] per item, in the model dtype."""
+        tensor [len(logit_rows), V] per item, in the model dtype. ``on_layer``: see
+        :meth:`deploy.verifier.model.DecoderModel.forward`."""
         if batch_id in self._pending:
             raise ValueError(f"batch {batch_id} is already in flight")
         reserved: list[str] = []
@@ -70,7 +71,7 @@ class ModelRunner:
                 reserved.append(it.sid)
             batch = pack(items, self.pool)
             self._pending[batch_id] = [it.sid for it in items]
-            h = self.model.forward(batch, self.pool, hidden)
+            h = self.model.forward(batch, self.pool, hidden, on_layer)
         except BaseException:
             self._pending.pop(batch_id, None)
             for sid in reserved:

@@ -1,0 +1,98 @@
+"""Early frames from the replica's verify forward to the router (the early-exit paper §3, step 3).
+
+The forward runs on the replica's worker thread; after each exit layer the engine's hook
+(:mod:`deploy.verifier.exit_heads`) hands this module the early results of the batch's
+trees that asked for them. They are encoded (:class:`deploy.protocol.EarlyFrame`) and
+put, thread-safely, on the asyncio queue of their request, which the replica's streaming
+method (``Verifier.verify_stream``, a Serve streaming call) yields to the router while the
+forward is still running; the router writes them to the edge's WebSocket at once. The
+round's reply is the last item, unchanged. Early frames left over when the reply is ready
+are dropped: by then they are no use to the edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from deploy.config import EarlyExitConfig
+from deploy.errors import InvalidRequest
+from deploy.protocol import EarlyFrame, VerifyFrame
+from deploy.verifier.exit_heads import EarlyResult, ExitHeads
+
+
+def load_heads(cfg: EarlyExitConfig, hf_model) -> ExitHeads | None:
+    """The configured exit heads for ``hf_model`` (None when early exits are off)."""
+    if not cfg.enabled:
+        return None
+    if cfg.heads == "untrained":
+        return ExitHeads.init(hf_model, cfg.layers, rank=8)
+    return ExitHeads.load(cfg.heads, hf_model, cfg.layers)
+
+
+class EarlyStreams:
+    """Per in-flight request that asked for early results: its queue of encoded early frames."""
+
+    def __init__(self, heads: ExitHeads | None):
+        self.heads = heads
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.frames_sent = 0
+
+    @classmethod
+    def attach(cls, engine, cfg: EarlyExitConfig, hf_model) -> "EarlyStreams":
+        """Load the heads (if on) into ``engine``; early requests then get results mid-forward."""
+        from deploy.verifier.runner import ModelRunner
+
+        if cfg.enabled and not isinstance(engine.runner, ModelRunner):
+            raise ValueError("early exits need the single-process forward (pipeline stages do not run exit heads)")
+        heads = load_heads(cfg, hf_model)
+        engine.exit_heads = heads
+        return cls(heads)
+
+    def info(self) -> dict:
+        return {"early_exit_layers": list(self.heads.layers)} if self.heads is not None else {}
+
+    def accept(self, f: VerifyFrame) -> bool:
+        """Whether ``f`` asks for early results; 400 if it does and this replica has no exits."""
+        if f.early and self.heads is None:
+            raise InvalidRequest("early results (F_EARLY) are off on this server: GET /v1/model lists "
+                                 "early_exit_layers when they are on")
+        return f.early
+
+    def sink(self, loop: asyncio.AbstractEventLoop, sids) -> object | None:
+        """The engine's ``on_early`` for a batch: runs on the worker thread, mid-forward."""
+        queues = {sid: self.queues[sid] for sid in sids if sid in self.queues}
+        if not queues:
+            return None
+
+        def on_early(results: list[EarlyResult]) -> None:
+            for r in results:
+                q = queues.get(r.sid)
+                if q is not None:
+                    data = EarlyFrame(r.prefix_len, r.layer, list(r.accepted), r.token, r.confidence).encode()
+                    loop.call_soon_threadsafe(q.put_nowait, data)
+
+        return on_early
+
+    async def stream(self, sid: str, reply) -> AsyncIterator[tuple]:
+        """``("early", frame bytes)`` items while ``reply`` (the round's coroutine) runs, then
+        ``("final", status, payload)``."""
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[sid] = q
+        task = asyncio.ensure_future(reply)
+        try:
+            while not task.done():
+                get = asyncio.ensure_future(q.get())
+                done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    self.frames_sent += 1
+                    yield ("early", get.result())
+                else:
+                    get.cancel()
+            status, payload = task.result()
+            yield ("final", status, payload)
+        finally:
+            if self.queues.get(sid) is q:
+                del self.queues[sid]
+            if not task.done():
+                task.cancel()

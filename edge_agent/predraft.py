@@ -1,0 +1,184 @@
+"""The pre-draft cache (early-exit paper §3 steps 4-6, Appendix A, Algorithm 1).
+
+While a verify round is in flight the server streams early results (``F_EARLY``,
+:class:`deploy.protocol.EarlyFrame`): after an exit layer, the accepted path of the tree
+sent and the next token that exit's walk gives, with its probability. For each distinct
+guess the edge drafts the *next* tree as if that guess were the round's outcome, highest
+confidence first (the paper's priority queue), one draft forward per :meth:`step`, and
+keeps it keyed by the guess. When the final reply (last layer) arrives:
+
+- **hit**: an entry's path and token equal the reply's accepted path and bonus token; that
+  tree becomes the next round's tree at once (:meth:`install`): its draft KV stays, the
+  accepted path and the new root join the verified prefix, and only the forwards it still
+  lacks (usually none) run before it is sent;
+- **miss**: every entry is dropped and the agent goes on as without early results:
+  SpecEdge's proactive chain (complete draft alignment) or a fresh tree.
+
+Only the choice of the next draft depends on early results; every emitted token comes from
+the final reply, so the output is the target's in every case.
+
+Entries live in the draft session's one KV cache, beside the sent tree and the proactive
+chain: an entry's nodes hang below the sent tree's node at the end of its path (fed first
+when the draft had not fed it), so they see the prefix, that path and their own ancestors
+(:class:`edge_agent.drafter.ModelDrafter`'s ancestor bits; at most 64 fed nodes per round,
+shared by all of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deploy.protocol import EarlyFrame
+from deploy.verifier.batch import MAX_TREE_BITS
+from edge_agent.drafter import ExpandRequest
+from edge_agent.drafting import DraftSession
+from edge_agent.tree_builder import ROOT, TreeBuilder
+
+
+@dataclass
+class Entry:
+    """A tree drafted for one guess of the round: (accepted node indices, next token)."""
+
+    key: tuple[tuple[int, ...], int]
+    confidence: float
+    layer: int
+    path_ids: list[int]  # draft node ids of the accepted path (the sent tree's), root's child first
+    path_tokens: list[int]
+    root_id: int  # draft node id of the next token: the next tree's root
+    builder: TreeBuilder
+    done: bool = False
+
+    @property
+    def emitted(self) -> list[int]:
+        return self.path_tokens + [self.key[1]]
+
+
+@dataclass
+class PreDraftStats:
+    early_frames: int = 0
+    entries: int = 0  # distinct guesses drafted for
+    hits: int = 0  # rounds whose reply matched an entry (its tree sent at once)
+    misses: int = 0  # rounds with early results, none matching the reply
+    forwards: int = 0  # draft forwards spent on entries
+    layer_sum: int = 0  # exit layer of each hit's entry (mean early-exit layer of the hits)
+
+
+@dataclass
+class PreDraftCache:
+    """Entries of the round in flight, for one :class:`DraftSession`."""
+
+    ds: DraftSession
+    max_entries: int = 4
+    stats: PreDraftStats = field(default_factory=PreDraftStats)
+
+    def __post_init__(self):
+        self.entries: dict[tuple, Entry] = {}
+        self.prefix_len = -1  # the round in flight (its tree's prefix length)
+        self.depth = 0  # forwards per entry: the sent tree's
+
+    def begin_round(self, prefix_len: int, depth: int) -> None:
+        """A tree for ``prefix_len`` was just frozen and sent (``ds.sent`` is it)."""
+        self.entries.clear()
+        self.prefix_len, self.depth = prefix_len, max(1, depth)
+
+    # -- early results -----------------------------------------------------------------
+    def offer(self, f: EarlyFrame) -> bool:
+        """An early frame of the round in flight; True if it is a new guess worth drafting."""
+        self.stats.early_frames += 1
+        if f.prefix_len != self.prefix_len or self.ds.sent is None:
+            return False  # a late frame of an earlier round
+        key = (tuple(f.accepted), int(f.token))
+        if key in self.entries:
+            e = self.entries[key]
+            e.confidence = max(e.confidence, f.confidence)
+            return False
+        if len(self.entries) >= self.max_entries:
+            return False
+        tree, order = self.ds.sent
+        if any(not 0 <= a < len(tree) for a in f.accepted):
+            return False
+        path = [order[a] for a in f.accepted]
+        b = self.ds.builder
+        if any(p not in b for p in path) or b.path(path[-1] if path else ROOT) != path:
+            return False  # not a path of the sent tree
+        self.entries[key] = Entry(key, f.confidence, f.layer, path, [b.node(p).token for p in path],
+                                  next(self.ds.ids), TreeBuilder(self.ds.config, self.ds.ids))
+        self.stats.entries += 1
+        return True
+
+    def pending(self) -> bool:
+        return any(not e.done for e in self.entries.values())
+
+    # -- drafting ----------------------------------------------------------------------
+    def _room(self) -> int:
+        """Draft nodes that can still be fed this round (the drafter's tree bits)."""
+        d = self.ds.drafter
+        slots, cached = getattr(d, "slots", None), getattr(d, "cached", None)
+        if slots is None or cached is None:
+            return 1 << 30
+        used = (max(slots.values()) + 1 - len(cached)) if slots else 0
+        return MAX_TREE_BITS - used
+
+    def step(self) -> bool:
+        """One draft forward for the most confident entry that is not done; False if none."""
+        todo = sorted((e for e in self.entries.values() if not e.done), key=lambda e: -e.confidence)
+        if not todo:
+            return False
+        e = todo[0]
+        b, sent = e.builder, self.ds.builder
+        base = len(e.path_ids) + 1  # the entry root's depth below the current root
+        if b.forwards == 0:  # feed the entry's root (and the path nodes the draft did not feed)
+            unfed = [j for j, p in enumerate(e.path_ids) if not sent.node(p).expanded]
+            if len(unfed) + 1 > self._room():
+                e.done = True
+                return True
+            reqs = [ExpandRequest(e.path_ids[j], e.path_tokens[j], j + 1, tuple(e.path_ids[:j]),
+                                  tuple(e.path_tokens[: j + 1])) for j in unfed]
+            reqs.append(ExpandRequest(e.root_id, e.key[1], base, tuple(e.path_ids), tuple(e.emitted)))
+            out = self.ds._forward(reqs)
+            for j, cands in zip(unfed, out):
+                n = sent.node(e.path_ids[j])
+                n.cands, n.expanded = cands, True  # fed now: its KV is live (proactive drafting reads it too)
+            b.expand_all([(ROOT, out[-1][0], out[-1][1])])
+        else:
+            front = [n for n in b.frontier() if n != ROOT][: max(0, self._room())]
+            if not front:
+                e.done = True
+                return True
+            reqs = []
+            for nid in front:
+                n = b.node(nid)
+                reqs.append(ExpandRequest(nid, n.token, base + n.depth, tuple(e.path_ids + [e.root_id] + b.ancestors(nid)),
+                                          tuple(e.emitted + b.path_tokens(nid))))
+            out = self.ds._forward(reqs)
+            b.expand_all([(nid, toks, lps) for nid, (toks, lps) in zip(front, out)])
+        b.forwards += 1
+        self.stats.forwards += 1
+        if b.forwards >= self.depth:
+            e.done = True
+        return True
+
+    # -- the reply ---------------------------------------------------------------------
+    def take(self, accepted: list[int], bonus: int | None) -> Entry | None:
+        """The entry the final reply confirms, or None (a miss when there were entries)."""
+        hit = self.entries.get((tuple(accepted), bonus)) if bonus is not None else None
+        if hit is not None and hit.builder.forwards == 0:
+            hit = None  # nothing was drafted for it yet: no better than a miss
+        if hit is not None:
+            self.stats.hits += 1
+            self.stats.layer_sum += hit.layer
+        elif self.entries:
+            self.stats.misses += 1
+        self.entries.clear()
+        self.prefix_len = -1
+        return hit
+
+    def install(self, e: Entry) -> None:
+        """Make ``e``'s tree the draft session's next tree (after a hit)."""
+        ds = self.ds
+        new_prefix = ds.prefix + e.emitted
+        live = [nid for nid, n in e.builder.nodes.items() if n.expanded]
+        ds.drafter.advance(new_prefix, e.path_ids + [e.root_id], live)
+        ds.prefix = new_prefix
+        ds.builder = e.builder
+        ds.sent, ds.chain = None, []
