@@ -271,7 +271,11 @@ class EdgeUser(FastHttpUser):
 
     def _close(self, sid: str) -> None:
         self._close_ws()
-        status, _, _, _ = self._request("DELETE", f"/v1/sessions/{sid}", "close")
+        for _ in range(3):  # a replica restarting answers 503: retry after its Retry-After, as the agent
+            status, data, headers, ms = self._request("DELETE", f"/v1/sessions/{sid}", "close")
+            if status not in (429, 503):
+                break
+            self._backoff(status, data, headers, ms)
         if status == 200:
             STATS.add(self.tenant, "closes")
         elif status in (404, 410):  # already gone with its replica (or evicted): nothing left to close
