@@ -201,7 +201,9 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
         app["router"]["tenants"] = [_tenant("gold", 3.0), _tenant("bronze", 1.0)]
         # no router-side shedding: the verifier's weighted-fair queue decides
         app["router"].update(max_pending_verifies=4096, max_queued_batches=None)
-        user = UserModel(draft_ms=2.0, rtt_ms=2.0, depth=4, nodes=32, max_tokens=32, idle_s=(0.0, 0.05))
+        # the smoke run (make test) speaks both transports: half the users POST, half use WebSockets
+        user = UserModel(draft_ms=2.0, rtt_ms=2.0, depth=4, nodes=32, max_tokens=32, idle_s=(0.0, 0.05),
+                         ws_share=0.5 if name == "smoke" else 0.0)
         desc = ("mixed tenants gold (weight 3) and bronze (weight 1), equal user counts, verifier saturated "
                 "(max_batch_sessions=2): tokens served must split 3:1")
         return LoadTestConfig(name=name, target=target, app=app, user=user, fairness=True, description=desc,

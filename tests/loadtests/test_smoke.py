@@ -2,12 +2,15 @@
 
 ``python -m loadtests.run --scenario smoke`` starts its own local Ray + Serve in a child
 process (Locust must never share a process with Ray), runs 120 simulated edge users of two
-tenants (weights 3:1) for 25 s against a verifier saturated on purpose (one session per
-forward), and writes the report; this test asserts on the report's numbers. Budget: < 2 min.
+tenants (weights 3:1), half of them POSTing each round and half on one WebSocket per session,
+for 25 s against a verifier saturated on purpose (one session per forward), on the request
+path the project adopts (direct ingress, throughput-optimized Serve), and writes the report;
+this test asserts on the report's numbers. Budget: < 2 min.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -29,8 +32,11 @@ def test_smoke_run_report(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     detail = (out / "report.md").read_text()
 
-    # the run did real work through the real protocol
+    # the run did real work through the real protocol, over both transports, on the adopted request path
     assert s["acceptance"]["rounds"] > 200, detail
+    rows = {r["Name"]: int(r["Request Count"]) for r in csv.DictReader(open(out / "locust_stats.csv"))}
+    assert rows.get("verify", 0) > 50 and rows.get("ws verify", 0) > 50, rows
+    assert s["request_path"] == {"ingress": "direct", "throughput_optimized": True, "direct_port": 30000}
     assert s["tokens_per_s_window"] > 0
     # zero non-429 errors; every session closed
     assert s["errors"] == 0 and s["locust_failures"] == 0, detail
