@@ -135,6 +135,7 @@ def train(version: str, steps: int, batch: int, max_len: int, lr: float, seed: i
     for p in params:  # the artifact in bf16 (half the bytes; the verifier casts to its dtype)
         p.data = p.data.to(torch.bfloat16)
     model.save_pretrained(str(dest))
+    finish_artifact(dest)
     info = {"version": version, "base": "SmolLM2-135M-Instruct (embedded)", "targets": TARGETS, "layers": LAYERS,
             "r": 8,
             "lora_alpha": 16, "steps": steps, "batch": batch, "max_len": max_len, "lr": lr, "seed": seed,
@@ -144,6 +145,14 @@ def train(version: str, steps: int, batch: int, max_len: int, lr: float, seed: i
             else "installed wheels' METADATA long descriptions (every 8th package held out)"}
     (dest / "build.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
+
+
+def finish_artifact(dest: Path) -> None:
+    """No local paths in the artifact (PEFT records the base's directory) and no generated model card."""
+    cfg = json.loads((dest / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    (dest / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (dest / "README.md").unlink(missing_ok=True)
 
 
 def main() -> None:

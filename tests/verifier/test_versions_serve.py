@@ -1,0 +1,89 @@
+"""Target versions in the real Serve app, deployed from a Serve config (as `serve deploy` / KubeRay
+do): a config update that changes only the deployments' ``user_config`` removes a version through
+``reconfigure``, with no restart. Sessions of the base and of the kept version go on exactly (same
+replica, same KV); the removed version's session answers 404 ``model_not_found``, and so does an
+open of it; ``GET /v1/models`` lists what is served."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from ray import serve
+from ray.serve.schema import ServeDeploySchema
+
+from deploy.protocol import ReplyFrame, VerifyFrame
+from deploy.verifier.models import load_model
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams
+from tests.verifier.test_lora import ALL, make_adapter, merged
+
+pytestmark = pytest.mark.ray
+pytest.importorskip("peft")
+AUTH = {"Authorization": "Bearer specedge-dev-key"}
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+PROMPT = [5, 17, 99, 4, 250, 31]
+
+
+def serve_config(initial: dict, adapters: dict) -> ServeDeploySchema:
+    """``initial``: target.adapters of the app's args (fixed); ``adapters``: the versions served now."""
+    versions = {"adapters": adapters, "max_loaded_adapters": 1}
+    return ServeDeploySchema(applications=[{
+        "name": "versions", "route_prefix": "/versions", "import_path": "deploy.application:build_app",
+        "args": {"target": {"model": "tiny-random", "dtype": "float32", "adapters": initial,
+                            "max_loaded_adapters": 1},
+                 "verifier": {"torch_threads": 1, "num_cpus": 0}, "access_log": False},
+        # the no-restart path: only user_config changes between deploys (args stay as first deployed)
+        "deployments": [{"name": "Verifier", "user_config": versions}, {"name": "Router", "user_config": versions}],
+    }])
+
+
+def test_a_config_update_removes_a_version_without_a_restart(ray_session, tmp_path):
+    base = load_model("tiny-random", dtype="float32", seed=0).model
+    paths = {"code": make_adapter(base, tmp_path / "code", 21, ALL),
+             "chat": make_adapter(base, tmp_path / "chat", 22, ["q_proj", "v_proj"], r=8)}
+    client = serve.context._get_global_client()
+    client.deploy_apps(serve_config(paths, paths), _blocking=True)
+    url = f"http://127.0.0.1:{ray_session['http_port']}/versions"
+    try:
+        with httpx.Client(base_url=url, timeout=60, headers=AUTH) as c:
+            ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
+            assert ids[1:] == ["chat", "code"]
+            sessions, out = {}, {}
+            for v in ("code", "chat", None):
+                r = c.post("/v1/sessions", json={"prompt_ids": PROMPT, "model": v, "sampling": GREEDY.to_dict()})
+                assert r.status_code == 200, r.text
+                sessions[v] = r.json()
+                out[v] = [r.json()["first_token"]]
+
+            def step(v) -> httpx.Response:
+                s = sessions[v]
+                r = c.post(f"/v1/sessions/{s['session_id']}/verify", content=VerifyFrame(s["prefix_len"], [], []).encode())
+                if r.status_code == 200:
+                    reply = ReplyFrame.decode(r.content)
+                    s["prefix_len"] = reply.prefix_len
+                    out[v].append(reply.bonus)
+                return r
+
+            for _ in range(4):
+                for v in sessions:
+                    assert step(v).status_code == 200
+            up0, t0 = c.get("/v1/stats").json()["uptime_seconds"], time.time()
+            client.deploy_apps(serve_config(paths, {"code": paths["code"]}), _blocking=True)
+            deadline = time.time() + 60
+            while "chat" in [m["id"] for m in c.get("/v1/models").json()["data"]] and time.time() < deadline:
+                time.sleep(0.5)
+            r = step("chat")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+            r = c.post("/v1/sessions", json={"prompt_ids": PROMPT, "model": "chat"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            while len(out["code"]) < GREEDY.max_tokens:  # the same replica and KV: no restart
+                assert step("code").status_code == 200
+                assert step(None).status_code == 200
+            assert c.get("/v1/stats").json()["uptime_seconds"] >= up0 + time.time() - t0 - 1.0  # not restarted
+    finally:
+        serve.delete("versions")
+    assert out["code"] == reference_decode(merged(base, paths["code"]), PROMPT, GREEDY)
+    assert out[None] == reference_decode(base, PROMPT, GREEDY)
+    assert out["chat"] == reference_decode(merged(base, paths["chat"]), PROMPT, GREEDY)[: len(out["chat"])]
