@@ -22,6 +22,15 @@ ENV SPECEDGE_CACHE_DIR=/home/ray/.cache/specedge \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# HAProxy: the chart's default ingress (serve.requestPath.ingress: haproxy) runs it in front of the
+# router replicas (deploy/request_path.py)
+USER 0
+# (DL3008: the distribution's haproxy; its version follows the base image)
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends haproxy && rm -rf /var/lib/apt/lists/*
+# the Ray image's "ray" user
+USER 1000
+
 WORKDIR /home/ray/specedge
 
 # dependencies first (this layer survives code-only changes)

@@ -1,7 +1,9 @@
 """`make demo`: serve `deploy.app` on a local Ray, run an edge agent against it, print figures.
 
 1. ``serve run deploy.app`` in the background (its own process group; local Ray, the
-   embedded SmolLM2-135M-Instruct target, port 8000);
+   embedded SmolLM2-135M-Instruct target, port 8000), on the request path the project
+   adopts (:mod:`deploy.request_path`: throughput-optimized Serve, and the router serving
+   its own port, 30000, which the agent uses);
 2. ``edge-agent generate`` with the project's trained draft streams the answer to a chat
    prompt as the server verifies it, and prints its summary line;
 3. the same prompt once more through the server-only path (``/v1/chat/completions``,
@@ -21,6 +23,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from deploy.request_path import RequestPathConfig
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -60,14 +64,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--port", type=int, default=8000, help="serve run's HTTP port (Serve's default)")
     args = ap.parse_args(argv)
-    url = f"http://127.0.0.1:{args.port}"
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", args.port)) == 0:
-            sys.exit(f"port {args.port} is already in use; stop what runs there (or pass --port with a free one "
-                     "and a deploy config that uses it)")
+    path = RequestPathConfig()
+    url = f"http://127.0.0.1:{path.client_port(args.port)}"
+    for port in {args.port, path.client_port(args.port)}:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                sys.exit(f"port {port} is already in use; stop what runs there (or pass --port with a free one "
+                         "and a deploy config that uses it)")
     log = REPO / ".cache" / "demo-serve.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO), **path.env())
     print(f"[demo] starting `serve run deploy.app` (log: {log}) ...", flush=True)
     t0 = time.time()
     with open(log, "w") as logf:

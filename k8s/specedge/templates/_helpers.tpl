@@ -165,6 +165,13 @@ app.kubernetes.io/part-of: specedge
   value: {{ ternary "1" "0" .Values.models.hfHubOffline | quote }}
 - name: TOKENIZERS_PARALLELISM
   value: "false"
+{{- $rp := .Values.serve.requestPath }}
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: {{ ternary "1" "0" $rp.throughputOptimized | quote }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" (eq $rp.ingress "haproxy") | quote }}
+- name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+  value: {{ ternary "1" "0" (eq $rp.ingress "haproxy") | quote }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
