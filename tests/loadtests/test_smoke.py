@@ -27,7 +27,7 @@ def test_smoke_run_report(tmp_path):
     out = tmp_path / "smoke"
     cmd = [sys.executable, "-m", "loadtests.run", "--scenario", "smoke", "--users", "120", "--spawn-rate", "120",
            "--duration", "25s", "--stop-timeout", "10", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     detail = (out / "report.md").read_text()
