@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.proc_stats import CpuSnapshot, cpu_busy, group_members, thread_cpu_s, tree_cpu_s
+from deploy.request_path import Ingress, RequestPathConfig
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -242,14 +243,16 @@ class Server(_Accounting):
 
     peer = False
 
-    def __init__(self, cfg: dict, workdir: Path, nice: int):
+    def __init__(self, cfg: dict, workdir: Path, nice: int, request_path: RequestPathConfig | None = None):
         self.port = free_port()
+        path = (request_path or RequestPathConfig()).model_copy(update={"direct_port": free_port()})
         cfg_path = workdir / "app_config.json"
         cfg_path.write_text(json.dumps(cfg, indent=1))
-        cmd = [sys.executable, "-m", "benchmarks.serve_proc", "--config", str(cfg_path), "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "benchmarks.serve_proc", "--config", str(cfg_path), "--port", str(self.port),
+               "--request-path", path.model_dump_json()]
         self.log = workdir / "serve.log"
         self.proc = Proc(pinned(cmd, SERVER_CORE, nice), self.log, stdout=subprocess.PIPE)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://127.0.0.1:{path.client_port(self.port)}"  # where clients connect
 
     def wait_ready(self, timeout: float = 600.0) -> str:
         import httpx
@@ -724,6 +727,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="leave out the vLLM rows")
     ap.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (0 = none)")
     ap.add_argument("--nice", type=int, default=0, help="run every process under nice -n N")
+    ap.add_argument("--ingress", choices=[m.value for m in Ingress], default=None,
+                    help="how requests reach our router (deploy/request_path.py; default: direct)")
+    ap.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction, default=None,
+                    help="RAY_SERVE_THROUGHPUT_OPTIMIZED (default: on)")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: greedy)")
     ap.add_argument("--verify", default=None, help="comma-separated edge verification rules "
                                                    "(match,rejection,tree-rejection,auto; default match)")
@@ -794,7 +801,9 @@ def main(argv=None) -> int:
 
     from benchmarks.metrics import Window, row
 
-    server = Server(app_config(plan, draft, depth), workdir, args.nice) if ours else None
+    path = RequestPathConfig(**{k: v for k, v in (("ingress", args.ingress),
+                                                  ("throughput_optimized", args.throughput_optimized)) if v is not None})
+    server = Server(app_config(plan, draft, depth), workdir, args.nice, path) if ours else None
     edge = None
     rows, extras = [], []
     complete, failure = False, None
@@ -884,6 +893,7 @@ def main(argv=None) -> int:
                  f"the vLLM peer likewise, 1 OpenMP thread, after our server stopped); edge agents on core "
                  f"{EDGE_CORE} (taskset, 1 torch thread, one asyncio task + one draft thread per session); "
                  "WAN proxy unpinned",
+        "request_path": path.model_dump(mode="json", exclude={"direct_port"}),
         "server_cost": "verifier busy seconds (+ server-side drafter thread CPU seconds for server_sd)",
         "whole_server_cost": f"utime+stime (/proc) of every process of the server's process tree (all on core "
                              f"{SERVER_CORE}), reaped children included, over each configuration's window: Serve "

@@ -1,10 +1,12 @@
 """The server side of a benchmark: the Serve app in its own process, on its own core.
 
 Started by :mod:`benchmarks.run` as ``taskset -c 0 python -m benchmarks.serve_proc
---config cfg.json --port P``. A local Ray with one CPU (``ray.init(address="local",
-num_cpus=1)``; every Ray process it spawns inherits the core-0 affinity), Serve's HTTP
-proxy on 127.0.0.1:P, ``deploy.application.build_app(cfg)`` deployed, then it blocks until
-SIGTERM/SIGINT and shuts Serve and Ray down. Prints ``READY`` once the app is up.
+--config cfg.json --port P [--request-path JSON]``. A local Ray with one CPU
+(``ray.init(address="local", num_cpus=1)``; every Ray process it spawns inherits the core-0
+affinity), Serve's HTTP proxy on 127.0.0.1:P, ``deploy.application.build_app(cfg)`` deployed,
+then it blocks until SIGTERM/SIGINT and shuts Serve and Ray down. Prints ``READY`` once the
+app is up. ``--request-path`` (:class:`deploy.request_path.RequestPathConfig`) goes into the
+environment before Ray starts, so every Ray process runs with it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", required=True, help="AppConfig as a JSON file")
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--request-path", default="{}", help="RequestPathConfig as JSON (deploy/request_path.py)")
     args = ap.parse_args(argv)
     cfg = json.loads(open(args.config).read())
+    from deploy.request_path import RequestPathConfig
+
+    os.environ.update(RequestPathConfig(**json.loads(args.request_path)).env())  # before Ray starts
 
     import ray
     from ray import serve
