@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.proc_stats import CpuSnapshot, cpu_busy, group_members, thread_cpu_s, tree_cpu_s
-from deploy.request_path import Ingress, RequestPathConfig
+from deploy.request_path import RequestPathConfig, add_cli_options
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -727,10 +727,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="leave out the vLLM rows")
     ap.add_argument("--mbps", type=float, default=None, help="bandwidth cap per direction (0 = none)")
     ap.add_argument("--nice", type=int, default=0, help="run every process under nice -n N")
-    ap.add_argument("--ingress", choices=[m.value for m in Ingress], default=None,
-                    help="how requests reach our router (deploy/request_path.py; default: direct)")
-    ap.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction, default=None,
-                    help="RAY_SERVE_THROUGHPUT_OPTIMIZED (default: on)")
+    add_cli_options(ap)
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: greedy)")
     ap.add_argument("--verify", default=None, help="comma-separated edge verification rules "
                                                    "(match,rejection,tree-rejection,auto; default match)")
@@ -801,8 +798,7 @@ def main(argv=None) -> int:
 
     from benchmarks.metrics import Window, row
 
-    path = RequestPathConfig(**{k: v for k, v in (("ingress", args.ingress),
-                                                  ("throughput_optimized", args.throughput_optimized)) if v is not None})
+    path = RequestPathConfig().override(args.ingress, args.throughput_optimized)
     server = Server(app_config(plan, draft, depth), workdir, args.nice, path) if ours else None
     edge = None
     rows, extras = [], []

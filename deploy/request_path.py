@@ -67,7 +67,24 @@ class RequestPathConfig(BaseModel):
                "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(self.direct_port + 2000)}
         return env
 
+    def override(self, ingress: str | None = None, throughput_optimized: bool | None = None) -> "RequestPathConfig":
+        """This config with the options a command line gave (None: keep)."""
+        given = {k: v for k, v in (("ingress", ingress), ("throughput_optimized", throughput_optimized))
+                 if v is not None}
+        return RequestPathConfig(**{**self.model_dump(), **given})
+
     def client_port(self, http_port: int) -> int:
         """Where clients connect: the first ingress replica's own port in ``direct`` mode
         (one router replica; more need a balancer, i.e. ``haproxy``), else Serve's HTTP port."""
         return self.direct_port if self.ingress is Ingress.direct else http_port
+
+
+def add_cli_options(ap) -> None:
+    """``--ingress`` and ``--throughput-optimized`` for a launcher's argparse parser (None = the
+    config's own value; apply with :meth:`RequestPathConfig.override`)."""
+    import argparse
+
+    ap.add_argument("--ingress", choices=[m.value for m in Ingress], default=None,
+                    help="how requests reach the router (deploy/request_path.py; default: the config's, direct)")
+    ap.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction, default=None,
+                    help="RAY_SERVE_THROUGHPUT_OPTIMIZED on/off (default: the config's, on)")

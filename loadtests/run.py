@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from deploy.request_path import Ingress, RequestPathConfig
+from deploy.request_path import add_cli_options
 from loadtests import report
 from loadtests.config import SCENARIOS, TARGETS, LoadTestConfig, scenario
 from loadtests.workload import build_workload, write_user_config
@@ -166,10 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-timeout", type=float, default=None,
                     help="seconds users get to close their sessions (default: the request timeout + 10 s)")
     ap.add_argument("--kill-at", type=float, help="kill scenario: seconds into the run (default: the scenario's)")
-    ap.add_argument("--ingress", choices=[m.value for m in Ingress], help="how requests reach the router "
-                    "(deploy/request_path.py; default: the scenario's)")
-    ap.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction, default=None,
-                    help="RAY_SERVE_THROUGHPUT_OPTIMIZED on/off (default: the scenario's)")
+    add_cli_options(ap)
     ap.add_argument("--print-app-config", action="store_true", help="print the app's build_app args and exit")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the report's checks pass")
     args = ap.parse_args(argv)
@@ -179,10 +176,7 @@ def main(argv=None) -> int:
         args.stop_timeout = cfg.user.network_timeout_s + 10.0
     if args.kill_at is not None:
         cfg = cfg.model_copy(update={"kill_verifier_at_s": args.kill_at})
-    rp = {k: v for k, v in (("ingress", args.ingress), ("throughput_optimized", args.throughput_optimized))
-          if v is not None}
-    if rp:
-        cfg = cfg.model_copy(update={"request_path": RequestPathConfig(**{**cfg.request_path.model_dump(), **rp})})
+    cfg = cfg.model_copy(update={"request_path": cfg.request_path.override(args.ingress, args.throughput_optimized)})
     if args.print_app_config:
         print(json.dumps(cfg.app, indent=2))
         return 0
