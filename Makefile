@@ -75,6 +75,14 @@ bench-peers: $(VLLM_STAMP)
 loadtest: model
 	$(BIN)/python -m loadtests.run --scenario edge --users 1000,3000 --spawn-rate 50 --duration 120s
 
+# HAProxy (Debian package) for the haproxy ingress (deploy/request_path.py); no-op if present
+haproxy:
+	bash loadtests/install_haproxy.sh
+
+# the same users through Serve's HAProxy ingress (the Helm chart's default) instead of direct ingress
+loadtest-haproxy: model haproxy
+	$(BIN)/python -m loadtests.run --scenario edge --users 1000 --spawn-rate 50 --duration 120s --ingress haproxy
+
 # 30 minutes at a steady load with a verifier replica killed every 5 minutes; exits 1 unless nothing was
 # lost or duplicated, nothing diverged, every session closed and router/verifier RSS grew < 5% (not in make test)
 soak: model
