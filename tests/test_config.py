@@ -157,3 +157,18 @@ def test_tenant_names_and_keys_unique_across_file_and_inline(tmp_path):
 def test_pacing_ranges(pacing):
     with pytest.raises(ValidationError):
         AppConfig(pacing=pacing)
+
+
+@pytest.mark.parametrize("early", [{"enabled": True, "heads": "untrained"}, {"layers": [0]}, {"layers": [3, 3]},
+                                   {"layers": []}, {"enabled": "maybe"}, {"heads_path": "x"}])
+def test_early_exit_config_is_validated(early):
+    """Issue 19: exit layers are distinct layer counts >= 1; untrained heads need them."""
+    with pytest.raises(ValidationError):
+        AppConfig(verifier={"early_exit": early})
+
+
+def test_early_exit_needs_the_single_process_forward():
+    ok = AppConfig(verifier={"early_exit": {"enabled": True, "heads": "untrained", "layers": [1, 2]}})
+    assert ok.verifier.early_exit.layers == [1, 2] and not AppConfig().verifier.early_exit.enabled
+    with pytest.raises(ValidationError, match="pipeline"):
+        AppConfig(verifier={"pipeline_parallel_size": 2, "early_exit": {"enabled": True}})

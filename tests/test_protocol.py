@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from deploy.errors import InvalidRequest, PayloadTooLarge
-from deploy.protocol import (F_CHAIN, F_CONF, F_MORE, F_RESAMPLED, F_TREEQ, MAGIC, MAX_NODES_WIRE, VERSION,
-                             OpenSession, ReplyFrame, SessionOpened, VerifyFrame)
+from deploy.protocol import (F_CHAIN, F_CONF, F_EARLY, F_MORE, F_RESAMPLED, F_TREEQ, MAGIC, MAX_NODES_WIRE,
+                             VERSION, EarlyFrame, OpenSession, ReplyFrame, SessionOpened, VerifyFrame)
 
 f32 = st.floats(0, 1e6, allow_nan=False, width=32)
 
@@ -186,6 +186,36 @@ def test_tree_rejection_frames_round_trip(data):
     enc = frame.encode()
     assert len(enc) == 20 + 6 * n + (n if frame.conf else 0) + n + 1 + 6 * sum(len(p) for p in props)
     assert VerifyFrame.decode(enc) == frame
+
+
+@given(st.lists(st.integers(0, 65535), max_size=40), st.integers(0, 2**32 - 1), st.floats(0, 1, width=32),
+       st.integers(0, 65535), st.integers(0, 2**32 - 1))
+def test_early_frames_round_trip(accepted, token, conf, layer, prefix_len):
+    """Issue 19: 20 bytes + 2 per accepted node, its own magic (never mistaken for a reply)."""
+    f = EarlyFrame(prefix_len, layer, accepted, token, conf)
+    enc = f.encode()
+    assert len(enc) == 20 + 2 * len(accepted) and EarlyFrame.is_early(enc)
+    assert EarlyFrame.decode(enc) == f
+    assert not EarlyFrame.is_early(ReplyFrame([1], 2, 3).encode())
+    with pytest.raises(InvalidRequest):
+        ReplyFrame.decode(enc)
+    for bad in (enc[:-1] if accepted else enc[:10], enc + b"\0\0", enc[:2] + b"\x07" + enc[3:]):
+        with pytest.raises(InvalidRequest):
+            EarlyFrame.decode(bad)
+
+
+def test_the_early_flag_goes_with_plain_trees_only():
+    tree = VerifyFrame(prefix_len=4, tokens=[5, 6], parents=[-1, 0], early=True)
+    assert VerifyFrame.decode(tree.encode()).early and tree.encode()[3] & F_EARLY
+    assert not VerifyFrame.decode(VerifyFrame(prefix_len=4, tokens=[5], parents=[-1]).encode()).early
+    for other in (F_CHAIN, F_MORE, F_TREEQ, F_RESAMPLED):
+        raw = bytearray(tree.encode())
+        raw[3] |= other
+        with pytest.raises(InvalidRequest, match="F_EARLY|flags|bytes"):
+            VerifyFrame.decode(bytes(raw))
+    bad_conf = EarlyFrame(4, 1, [0], 5, 0.5).encode()[:-6] + struct.pack("<f", 1.5) + b"\0\0"
+    with pytest.raises(InvalidRequest):
+        EarlyFrame.decode(bad_conf)
 
 
 def test_json_bodies_validate():

@@ -30,7 +30,9 @@ def server(ray_session):
     # a small KV budget: several concurrent sessions force LRU evictions (410 -> re-open)
     args = {"target": {"model": "tiny-random", "dtype": "float32"},
             # chain_top_k 2: rejection-rule replies rarely hold all of p (tail candidates, refills)
-            "verifier": {"num_replicas": 1, "kv_budget_tokens": 256, "batch_wait_ms": 2, "chain_top_k": 2},
+            "verifier": {"num_replicas": 1, "kv_budget_tokens": 256, "batch_wait_ms": 2, "chain_top_k": 2,
+                         # exit heads (issue 19): dormant unless an edge sets F_EARLY
+                         "early_exit": {"enabled": True, "heads": "untrained", "layers": [1]}},
             "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 64}]}}
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
@@ -62,6 +64,22 @@ def test_greedy_through_the_server_equals_reference(server, target, draft, ws, m
     st = res.stats
     assert st.reopens == 0 and st.accepted_tokens > 0 and st.mean_rtt_ms > 0
     assert st.rounds > 0 and st.mean_round_ms > 0
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["http", "ws"])
+def test_predraft_through_the_server_equals_reference(server, target, draft, ws):
+    """Issue 19: early frames stream through the router's WebSocket mid-forward (a Serve streaming
+    call); the agent pre-drafts from them and the output is the target's. Over POST the flag is
+    served without early frames."""
+    (prompt,) = prompts(1, seed=17)
+    ref = reference_decode(target, prompt, SamplingParams(**GREEDY))
+    res = asyncio.run(generate(server, ModelDrafter(draft), prompt, ws=ws, mode="proactive", predraft=True))
+    assert res.token_ids == ref and res.stats.reopens == 0
+    st = res.stats
+    if ws:
+        assert st.early_frames >= st.rounds > 0 and st.predraft_hits + st.predraft_misses > 0
+    else:
+        assert st.early_frames == 0
 
 
 @pytest.mark.parametrize("ws", [False, True], ids=["http", "ws"])

@@ -31,8 +31,8 @@ def model4():
     return tiny_random_model(seed=3, num_layers=4)
 
 
-def early_engine(model, layers=(1, 2), ids=None) -> VerifierEngine:
-    eng = VerifierEngine(model, eos_token_ids=(EOS,))
+def early_engine(model, layers=(1, 2), ids=None, eos=(EOS,)) -> VerifierEngine:
+    eng = VerifierEngine(model, eos_token_ids=eos)
     eng.exit_heads = ExitHeads.init(model, layers, rank=8, ids=ids)
     return eng
 
@@ -163,9 +163,9 @@ def model_small():
     return tiny_random_model(seed=1, vocab_size=V_STAT, num_layers=3)
 
 
-def sample_two_tokens_with_early(model, params: SamplingParams, sessions: int = 1000):
+def sample_two_tokens_with_early(model, params: SamplingParams, sessions: int = 1500):
     """``tests/verifier/test_engine.py``'s two-token experiment with exit heads on every request."""
-    eng = early_engine(model, layers=(1, 2))
+    eng = early_engine(model, layers=(1, 2), eos=())
     sids = [f"x{i}" for i in range(sessions)]
     eng.open([OpenRequest(sid, STAT_PROMPT, SamplingParams(temperature=params.temperature, top_k=params.top_k,
                                                             top_p=params.top_p, seed=i, max_tokens=8),
@@ -202,3 +202,14 @@ def test_exit_heads_round_trip_through_an_artifact(model4, tmp_path):
         ExitHeads.load(p, tiny_random_model(seed=0, num_layers=2), layers=(1,))
     with pytest.raises(ValueError):
         ExitHeads.init(model4, (4,))
+
+
+def test_the_early_statistic_catches_a_wrong_acceptance_rule(model_small, monkeypatch):
+    """Test of the test: with early exits on, a 'child in the target's top-2' final rule fails it."""
+    from deploy.verifier import engine as engine_module
+    from tests.verifier.test_acceptance import wrong_top2
+
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95)
+    monkeypatch.setattr(engine_module, "walk_tree", wrong_top2)
+    samples = sample_two_tokens_with_early(model_small, params)
+    assert chi_square_pvalue(counts_of(samples), exact_two_token_joint(model_small, params)) < 1e-6
