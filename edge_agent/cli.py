@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--model", help="target version to verify against (a name of the server's target.adapters); "
                                    "default: the base")
+    g.add_argument("--predraft", action="store_true",
+                   help="early-exit pre-drafting: when the server has exit heads (GET /v1/model lists early_exit_layers), "
+                        "draft the next tree from its early results mid-round (WebSocket)")
     g.add_argument("--draft", default="ngram", help=DRAFT_HELP)
     g.add_argument("--draft-seed", type=int, default=0, help="seed of a tiny-random draft")
     g.add_argument("--tokenizer", help="tokenizer spec (default: the draft's, else the embedded one)")
@@ -193,7 +196,8 @@ async def _generate(a) -> int:
             raise SystemExit("error: the target has no tokenizer; use --prompt-ids")
         prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
         cfg = AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
-                          budget=a.budget, topk=a.topk, max_expand=a.max_expand, verify=a.verify, model=a.model)
+                          budget=a.budget, topk=a.topk, max_expand=a.max_expand, verify=a.verify, model=a.model,
+                          predraft=a.predraft)
         agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
         metrics = None
         if a.metrics_port is not None:
