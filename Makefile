@@ -59,6 +59,17 @@ bench-engine: model
 bench: model
 	$(BIN)/python -m benchmarks.run --full
 
+# issue 19: the embedded target's exit heads (committed in deploy/artifacts/embedded-exit-heads.*; the target
+# writes ~27K tokens of training text itself: minutes on an idle 2-core machine, ~1 h on a loaded one),
+# and edge_predraft next to edge_full (RTT 15/50 ms x 1/4 sessions) + what the exits cost in a forward
+.PHONY: exit-heads bench-predraft
+exit-heads: model
+	nice -n 10 $(BIN)/python -m benchmarks.train_exit_heads
+
+bench-predraft: model
+	$(BIN)/python -m benchmarks.exit_heads_cost
+	$(BIN)/python -m benchmarks.run --predraft --no-peers
+
 # CPU per verify round in each hop (proxy, router, verifier), HTTP vs WebSocket; tiny model, ~1 min
 bench-request-path: install
 	$(BIN)/python -m benchmarks.request_path

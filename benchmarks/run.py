@@ -121,7 +121,7 @@ PLANS = {
     # issue 19: early-exit pre-drafting next to edge_full, RTT 15 / 50 ms x 1 / 4 sessions
     "predraft": Plan("predraft", "embedded", "auto", rtts=[15, 50], rtt_sessions=1, sessions=[4], sessions_rtt=15,
                      prompts=4, max_tokens=64, depth=3, modes=["edge_full", "edge_predraft"],
-                     extra_configs=[(50, 4)]),
+                     extra_configs=[(50, 4)], exit_layers=[12, 20]),
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
                  sessions_rtt=15, prompts=8, max_tokens=64, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
                  calib_tokens=24),
