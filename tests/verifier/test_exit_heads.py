@@ -131,14 +131,18 @@ def test_an_exit_that_always_disagrees_changes_nothing(model4):
     assert early and all(r.token == bad and r.accepted == () for r in early)
 
 
-def test_seeded_sampling_with_early_exits_follows_the_reference_sample_path(model4):
+def seeded_run(model) -> tuple[list[int], list[int]]:
+    """(output with early exits on, target-only reference) of one seeded sampled session."""
     rng = random.Random(1)
-    V = model4.config.vocab_size
-    prompt = random_prompt(rng, V)
+    prompt = random_prompt(rng, model.config.vocab_size)
     params = SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=24)
-    ref = reference_decode(model4, prompt, params, (EOS,))
-    out = run_sessions(early_engine(model4), {"a": (prompt, params, ref)}, rng, [])
-    assert out["a"] == ref
+    ref = reference_decode(model, prompt, params, (EOS,))
+    return run_sessions(early_engine(model), {"a": (prompt, params, ref)}, rng, [])["a"], ref
+
+
+def test_seeded_sampling_with_early_exits_follows_the_reference_sample_path(model4):
+    out, ref = seeded_run(model4)
+    assert out == ref
 
 
 def test_the_sample_path_test_catches_an_early_walk_on_the_sessions_generator(model4, monkeypatch):
@@ -149,13 +153,8 @@ def test_the_sample_path_test_catches_an_early_walk_on_the_sessions_generator(mo
         return acc.accepted, acc.bonus, 1.0
 
     monkeypatch.setattr(eh, "early_walk", consuming)
-    rng = random.Random(1)
-    V = model4.config.vocab_size
-    prompt = random_prompt(rng, V)
-    params = SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=24)
-    ref = reference_decode(model4, prompt, params, (EOS,))
-    out = run_sessions(early_engine(model4), {"a": (prompt, params, ref)}, rng, [])
-    assert out["a"] != ref
+    out, ref = seeded_run(model4)
+    assert out != ref
 
 
 @pytest.fixture(scope="module")
