@@ -385,7 +385,7 @@ class EdgeAgent:
                                     parents=list(tree.parents), draft_ms=t.draft_ms.get(0.0),
                                     rtt_ms=t.rtt_ms.get(0.0), depth=ds.forwards,
                                     conf=ds.confidences(order) if cfg.send_confidence and len(tree) else None,
-                                    proposals=ds.proposals(), early=pc is not None)
+                                    proposals=ds.proposals(), early=pc is not None and len(tree) > 0)
                 t0 = time.perf_counter()
                 if pc is not None:  # pre-draft from early results first, proactive drafting in between
                     pc.begin_round(frame.prefix_len, ds.builder.forwards)

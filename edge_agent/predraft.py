@@ -85,8 +85,8 @@ class PreDraftCache:
     def offer(self, f: EarlyFrame) -> bool:
         """An early frame of the round in flight; True if it is a new guess worth drafting."""
         self.stats.early_frames += 1
-        if f.prefix_len != self.prefix_len or self.ds.sent is None:
-            return False  # a late frame of an earlier round
+        if f.prefix_len != self.prefix_len or self.ds.sent is None or not len(self.ds.sent[0]):
+            return False  # a late frame of an earlier round, or a plain decoding step (no tree: no pre-draft)
         key = (tuple(f.accepted), int(f.token))
         if key in self.entries:
             e = self.entries[key]
@@ -126,6 +126,9 @@ class PreDraftCache:
             return False
         e = todo[0]
         b, sent = e.builder, self.ds.builder
+        if not sent.root.expanded:  # the draft KV is not at the prefix (nothing was drafted this round)
+            e.done = True
+            return True
         base = len(e.path_ids) + 1  # the entry root's depth below the current root
         if b.forwards == 0:  # feed the entry's root (and the path nodes the draft did not feed)
             unfed = [j for j, p in enumerate(e.path_ids) if not sent.node(p).expanded]
