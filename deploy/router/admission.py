@@ -17,9 +17,11 @@ included, takes population / throughput seconds. So the router bounds what it se
    than ``limit / 2`` requests are in flight.
 4. **A latency objective.** With ``objective_s`` set, the cap follows what admitted rounds
    actually see (a concurrency limit fitted by feedback, as TCP's AIMD or Netflix's
-   concurrency-limits): every window of ``window_s`` with enough completions, the p99 latency
-   of the admitted verifies is compared with the objective; above it the cap shrinks in
-   proportion (at most halved), well below it (and with the cap in use) it grows by a tenth,
+   concurrency-limits): every window of ``window_s``, the p99 latency of the admitted verifies
+   of the last ``horizon`` windows (enough completions needed) is compared with the objective;
+   above it the cap shrinks in proportion (by at most a fifth per window, so one latency
+   spike of a shared machine does not halve it), well below it (and with the cap in use) it
+   grows by a tenth,
    never above the static cap of point 1 nor below ``min_limit``. By Little's law a round
    waits about ``inflight / throughput``, so the cap settles where the p99 meets the objective
    whatever the model's speed, the batch shape or the request path's own queues.
@@ -35,7 +37,7 @@ and :meth:`finished` around each verifier call.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from deploy.errors import Overloaded
@@ -60,7 +62,8 @@ class AdmissionControl:
     window_s: float = 1.0
     objective_s: float | None = None  # p99 of admitted verify latency the cap is fitted to; None: static cap
     min_limit: int = 4
-    min_samples: int = 20  # completions a window needs before it moves the cap
+    min_samples: int = 20  # completions the horizon needs before it moves the cap
+    horizon: int = 5  # windows whose latencies the p99 is taken over
     inflight: int = 0
     retry_after: float = field(init=False)
     max_limit: int = field(init=False)  # the static cap (point 1); an objective moves limit below it
@@ -69,6 +72,7 @@ class AdmissionControl:
     _admitted: int = 0
     _shed: int = 0
     _latencies: list[float] = field(default_factory=list)  # admitted verifies finished in this window (s)
+    _recent: deque = field(default_factory=deque)  # the latencies of the last ``horizon`` windows
     _peak: int = 0  # most requests in flight during this window
 
     def __post_init__(self):
@@ -132,13 +136,16 @@ class AdmissionControl:
 
     def _fit_limit(self) -> None:
         """Move the cap toward the latency objective from this window's p99 (point 4)."""
-        lat, self._latencies = self._latencies, []
+        self._recent.append(self._latencies)
+        self._latencies = []
+        while len(self._recent) > self.horizon:
+            self._recent.popleft()
+        lat = sorted(x for w in self._recent for x in w)
         if self.objective_s is None or len(lat) < self.min_samples:
             return
-        lat.sort()
         p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
         if p99 > self.objective_s:
-            shrink = max(0.5, 0.9 * self.objective_s / p99)
+            shrink = max(0.8, 0.9 * self.objective_s / p99)
             self.limit = max(self.min_limit, int(self.limit * shrink))
         elif p99 < 0.7 * self.objective_s and self._peak >= 0.8 * self.limit:
             self.limit = min(self.max_limit, self.limit + max(1, self.limit // 10))
