@@ -672,7 +672,7 @@ class EdgeAgent:
             if pc.pending():
                 await self._run(pc.step)
                 continue
-            if chain:
+            if chain and pc.room() > 1:  # the chain and the pre-drafts share the draft's tree bits
                 chain = await self._run(ds.proactive_step)
                 continue
             waiter = asyncio.ensure_future(wake.wait())

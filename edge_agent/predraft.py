@@ -110,7 +110,7 @@ class PreDraftCache:
         return any(not e.done for e in self.entries.values())
 
     # -- drafting ----------------------------------------------------------------------
-    def _room(self) -> int:
+    def room(self) -> int:
         """Draft nodes that can still be fed this round (the drafter's tree bits)."""
         d = self.ds.drafter
         slots, cached = getattr(d, "slots", None), getattr(d, "cached", None)
@@ -132,7 +132,7 @@ class PreDraftCache:
         base = len(e.path_ids) + 1  # the entry root's depth below the current root
         if b.forwards == 0:  # feed the entry's root (and the path nodes the draft did not feed)
             unfed = [j for j, p in enumerate(e.path_ids) if not sent.node(p).expanded]
-            if len(unfed) + 1 > self._room():
+            if len(unfed) + 1 > self.room():
                 e.done = True
                 return True
             reqs = [ExpandRequest(e.path_ids[j], e.path_tokens[j], j + 1, tuple(e.path_ids[:j]),
@@ -144,7 +144,7 @@ class PreDraftCache:
                 n.cands, n.expanded = cands, True  # fed now: its KV is live (proactive drafting reads it too)
             b.expand_all([(ROOT, out[-1][0], out[-1][1])])
         else:
-            front = [n for n in b.frontier() if n != ROOT][: max(0, self._room())]
+            front = [n for n in b.frontier() if n != ROOT][: max(0, self.room())]
             if not front:
                 e.done = True
                 return True
