@@ -88,3 +88,21 @@ def add_cli_options(ap) -> None:
                     help="how requests reach the router (deploy/request_path.py; default: the config's, direct)")
     ap.add_argument("--throughput-optimized", action=argparse.BooleanOptionalAction, default=None,
                     help="RAY_SERVE_THROUGHPUT_OPTIMIZED on/off (default: the config's, on)")
+
+
+def main(argv=None) -> int:
+    """``eval "$(python -m deploy.request_path [--ingress I] [--no-throughput-optimized])"`` before
+    ``serve run`` / ``ray start``: prints the environment as ``export`` lines."""
+    import argparse
+    import shlex
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    add_cli_options(ap)
+    args = ap.parse_args(argv)
+    for k, v in RequestPathConfig().override(args.ingress, args.throughput_optimized).env().items():
+        print(f"export {k}={shlex.quote(v)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

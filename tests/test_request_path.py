@@ -45,3 +45,11 @@ def test_override_from_a_command_line():
 def test_haproxy_needs_the_binary():
     with pytest.raises(ValidationError, match="haproxy"):
         RequestPathConfig(ingress="haproxy")
+
+
+def test_cli_prints_export_lines(capsys):
+    from deploy.request_path import main
+
+    assert main(["--ingress", "proxy", "--no-throughput-optimized"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "export RAY_SERVE_ENABLE_DIRECT_INGRESS=0" in lines and "export RAY_SERVE_THROUGHPUT_OPTIMIZED=0" in lines
