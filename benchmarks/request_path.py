@@ -38,6 +38,7 @@ from pathlib import Path
 
 from benchmarks.proc_stats import CpuSnapshot
 from benchmarks.run import API_KEY, EDGE_CORE, PLANS, REPO, RESULTS, SERVER_CORE, Server, app_config, log
+from deploy.request_path import RequestPathConfig, add_cli_options
 
 HOPS = ("proxy", "router", "verifier")  # the request path, in order
 TRANSPORTS = ("http", "ws")
@@ -171,7 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="40 rounds, 1 repeat, 1 s idle window (tests)")
     ap.add_argument("--out", default=str(RESULTS / "request_path.json"))
     ap.add_argument("--seed", type=int, default=0)
+    add_cli_options(ap)
     args = ap.parse_args(argv)
+    path = RequestPathConfig().override(args.ingress, args.throughput_optimized)
     if args.smoke:
         args.rounds, args.repeats, args.idle_s, args.warmup = 40, 1, 1.0, 3
     if args.rounds < args.sessions:
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
 
     workdir = REPO / ".cache" / "bench" / time.strftime("request_path-%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True, exist_ok=True)
-    server = Server(_server_config(args.target, args.access_log == "on"), workdir, nice=0)
+    server = Server(_server_config(args.target, args.access_log == "on"), workdir, nice=0, request_path=path)
     try:
         server.wait_ready()
         snap = CpuSnapshot.take(server.proc.pid)
@@ -222,6 +225,7 @@ def main(argv=None) -> int:
         "rounds_per_window": args.rounds, "repeats": args.repeats, "sessions": args.sessions, "warmup": args.warmup,
         "frame": f"{args.nodes}-node chain, random draft tokens ({20 + 6 * args.nodes} B uplink)",
         "access_log": args.access_log == "on", "idle_window_s": idle_wall,
+        "request_path": path.model_dump(mode="json", exclude={"direct_port"}),
         "cpu": "utime+stime from /proc per process, by role (proxy = ray::ProxyActor, router/verifier = "
                "ray::ServeReplica:specedge:Router/Verifier); net = raw minus the idle background rate x wall",
         "cores_seen": sorted({c for w in windows for c in w["cores"]}), "loadavg_1m_end": os.getloadavg()[0],
