@@ -199,8 +199,8 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
             target = "tiny-wide"
         app = _app(target, max_batch_sessions=1, batch_wait_ms=0.0)
         app["router"]["tenants"] = [_tenant("gold", 3.0), _tenant("bronze", 1.0)]
-        # no router-side shedding: the verifier's weighted-fair queue decides
-        app["router"].update(max_pending_verifies=4096, max_queued_batches=None)
+        # no router-side shedding (no cap, no latency objective): the verifier's weighted-fair queue decides
+        app["router"].update(max_pending_verifies=4096, max_queued_batches=None, latency_objective_s=None)
         # the smoke run (make test) speaks both transports: half the users POST, half use WebSockets
         user = UserModel(draft_ms=2.0, rtt_ms=2.0, depth=4, nodes=32, max_tokens=32, idle_s=(0.0, 0.05),
                          ws_share=0.5 if name == "smoke" else 0.0)

@@ -246,6 +246,9 @@ class VerifierEngine:
         except BaseException:
             self.runner.abort(bid)
             raise
+        finally:
+            if versions:  # a forward that needed more than max_loaded versions held them all: trim back
+                self.adapters.trim()
         dt = time.perf_counter() - t0
         if self.on_forward is not None:
             self.on_forward(ForwardStats(kind, len(items), sum(len(it.tokens) for it in items), dt,

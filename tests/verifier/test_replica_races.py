@@ -102,10 +102,10 @@ def test_a_reply_that_fails_answers_only_its_own_request():
     on_round = core.metrics.on_round
     victim = {}
 
-    def flaky(tenant, sid, *args):
+    def flaky(tenant, sid, *args, **kwargs):
         if sid == victim.get("sid"):
             raise RuntimeError("metrics backend down")
-        return on_round(tenant, sid, *args)
+        return on_round(tenant, sid, *args, **kwargs)
 
     core.metrics.on_round = flaky
 
