@@ -21,8 +21,7 @@ included, takes population / throughput seconds. So the router bounds what it se
    of the last ``horizon`` windows (enough completions needed) is compared with the objective;
    above it the cap shrinks in proportion (by at most a fifth per window, so one latency
    spike of a shared machine does not halve it), well below it (and with the cap in use) it
-   grows by a tenth,
-   never above the static cap of point 1 nor below ``min_limit``. By Little's law a round
+   grows by a tenth, never above the static cap of point 1 nor below ``min_limit``. By Little's law a round
    waits about ``inflight / throughput``, so the cap settles where the p99 meets the objective
    whatever the model's speed, the batch shape or the request path's own queues.
 5. **Adaptive Retry-After.** While more than a quarter of a window's requests are shed it
@@ -135,7 +134,8 @@ class AdmissionControl:
         self._peak = self.inflight
 
     def _fit_limit(self) -> None:
-        """Move the cap toward the latency objective from this window's p99 (point 4)."""
+        """Move the cap toward the latency objective from the p99 of the last ``horizon``
+        windows (point 4)."""
         self._recent.append(self._latencies)
         self._latencies = []
         while len(self._recent) > self.horizon:
