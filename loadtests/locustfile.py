@@ -9,7 +9,8 @@ has its own, log-normal around the median, jittered per round), and sends the bi
 :class:`deploy.protocol.VerifyFrame` carrying that draft time and RTT, so the server's
 pacing sees what a real edge would report; it follows the server's depth and tree-budget
 hints unless the config fixes them. A share of the users (``ws_share``) verifies over one
-WebSocket per session, as the edge agent does by default; the rest POST each round. Protocol outcomes a real edge handles are not errors:
+WebSocket per session, as the edge agent does by default; the rest POST each round.
+Protocol outcomes a real edge handles are not errors:
 429 and 503 are retried after ``Retry-After``; 404/410 re-open the session with
 ``generated_ids``. Every verified token is checked against the target's continuation.
 
@@ -162,9 +163,10 @@ class EdgeUser(FastHttpUser):
     def _verify_ws(self, sid: str, frame: bytes):
         """One round over the session's WebSocket (connected on first use, as the edge agent):
         (status, body, headers, ms) like :meth:`_request`; a JSON text reply is an error with
-        its status, a dropped connection is status 0."""
+        its status; a connection that dies after the frame went out is ``LOST``, one that cannot
+        be made is status 0 (an error)."""
         t0 = time.perf_counter()
-        name, status, body, headers, exc = "ws verify", 0, b"", {}, None
+        name, status, body, headers, exc, sent = "ws verify", 0, b"", {}, None, False
         try:
             try:
                 self._ws_for(sid).send_binary(frame)
@@ -173,6 +175,7 @@ class EdgeUser(FastHttpUser):
                 # slept out a Retry-After): the frame was not delivered; reconnect and send it once
                 self._close_ws()
                 self._ws_for(sid).send_binary(frame)
+            sent = True
             opcode, body = self.sock.recv_data()
             if opcode == websocket.ABNF.OPCODE_BINARY:
                 status = 200
@@ -188,11 +191,13 @@ class EdgeUser(FastHttpUser):
                 else:
                     exc = RuntimeError(f"HTTP {status}: {body[:200]!r}")
         except (websocket.WebSocketException, OSError) as e:
-            # the socket died with the frame sent: whether the server applied the round is unknown,
-            # so the generation ends that session and re-opens from its own history (as the agent)
             self._close_ws()
-            status, name = LOST, "ws verify lost"
-            STATS.ws_lost[type(e).__name__] += 1
+            if sent:  # whether the server applied the round is unknown: the generation ends that
+                # session and re-opens from its own history (as the agent)
+                status, name = LOST, "ws verify lost"
+                STATS.ws_lost[type(e).__name__] += 1
+            else:
+                exc = e
         except ValueError as e:  # a text reply that is not our JSON error
             self._close_ws()
             exc = e
