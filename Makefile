@@ -88,7 +88,7 @@ loadtest: model
 
 # HAProxy (Debian package) for the haproxy ingress (deploy/request_path.py); no-op if present
 haproxy:
-	bash loadtests/install_haproxy.sh
+	bash scripts/debian_install.sh haproxy haproxy
 
 # the same users through Serve's HAProxy ingress (the Helm chart's default) instead of direct ingress
 loadtest-haproxy: model haproxy
