@@ -1,7 +1,9 @@
-"""Shared pieces of the edge-agent tests: a partially-agreeing draft for the tiny target."""
+"""Shared pieces of the edge-agent tests: a partially-agreeing draft for the tiny target, and
+many seeded sampled generations through the agent for the distribution tests."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import torch
@@ -28,3 +30,22 @@ def hf_topk(model, context: list[int], k: int) -> tuple[list[int], list[float]]:
     lp = torch.log_softmax(logits.float(), dim=-1)
     v, i = torch.topk(lp, k)
     return i.tolist(), v.tolist()
+
+
+def sampled_generations(model, engine, config, prompt: list[int], n: int, length: int) -> list:
+    """``n`` generations of ``length`` tokens at temperature 1 (seeds 0..n-1, EOS ignored) by one
+    agent on ``LocalTransport(engine)`` drafting with a noisy copy of ``model``, under ``config``."""
+    from deploy.verifier.sampling import SamplingParams
+    from edge_agent.agent import EdgeAgent
+    from edge_agent.drafter import ModelDrafter
+    from edge_agent.transport import LocalTransport
+
+    async def main():
+        agent = EdgeAgent(LocalTransport(engine), ModelDrafter(noisy_copy(model, 0.3, seed=4)), config=config)
+        try:
+            return [await agent.generate(prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=length,
+                                                                ignore_eos=True)) for i in range(n)]
+        finally:
+            agent.close()
+
+    return asyncio.run(main())

@@ -17,7 +17,7 @@ from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.errors import TokenizerMismatch
 from edge_agent.transport import LocalTransport
-from tests.edge_agent.helpers import noisy_copy
+from tests.edge_agent.helpers import noisy_copy, sampled_generations
 
 EOS = [2]
 PROMPT = [1, 5, 9, 33, 7, 100, 200, 33, 7]
@@ -285,16 +285,8 @@ def test_rejection_rule_through_the_agent_samples_the_target_distribution():
     eng = VerifierEngine(small, eos_token_ids=(), chain_top_k=2)
     prompt, t = [3, 5, 7, 1], SamplingParams(temperature=1.0)
 
-    async def main():
-        agent = EdgeAgent(LocalTransport(eng), ModelDrafter(noisy_copy(small, 0.3, seed=4)),
-                          config=AgentConfig(verify="rejection", depth_policy="fixed", depth=2, ping_every=0))
-        try:
-            return [await agent.generate(prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=length,
-                                                                ignore_eos=True)) for i in range(n)]
-        finally:
-            agent.close()
-
-    results = asyncio.run(main())
+    results = sampled_generations(small, eng, AgentConfig(verify="rejection", depth_policy="fixed", depth=2,
+                                                          ping_every=0), prompt, n, length)
     assert sum(r.stats.rejections for r in results) > 500 and sum(r.stats.refills for r in results) > 20
     assert sum(r.stats.reused_tokens for r in results) > 20
     rows = {}

@@ -7,7 +7,6 @@ seed; on an 8-token vocabulary the emitted tokens follow the target's marginals 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 
 import pytest
@@ -18,12 +17,12 @@ from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams, target_probs
 from deploy.verifier.tree import TreeLimits
-from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.agent import AgentConfig
 from edge_agent.drafter import ModelDrafter
 from edge_agent.sampled_tree import PRIOR_RATES, plan_shape
 from edge_agent.transport import LocalTransport
 from edge_agent.verify_policy import SAMPLED_RULES, VerifyPolicy
-from tests.edge_agent.helpers import noisy_copy
+from tests.edge_agent.helpers import sampled_generations
 from tests.edge_agent.test_agent import EOS, PROMPT, run_agent
 from tests.verifier.test_sampling import chi_square_pvalue
 
@@ -86,16 +85,7 @@ def test_tree_rejection_through_the_agent_follows_the_target():
     eng = VerifierEngine(small, eos_token_ids=())
     prompt, t = [3, 5, 7, 1], SamplingParams(temperature=1.0)
 
-    async def main():
-        agent = EdgeAgent(LocalTransport(eng), ModelDrafter(noisy_copy(small, 0.3, seed=4)),
-                          config=AgentConfig(**{**FIXED, "depth": 2, "budget": 6}))
-        try:
-            return [await agent.generate(prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=length,
-                                                                ignore_eos=True)) for i in range(n)]
-        finally:
-            agent.close()
-
-    results = asyncio.run(main())
+    results = sampled_generations(small, eng, AgentConfig(**{**FIXED, "depth": 2, "budget": 6}), prompt, n, length)
     assert sum(r.stats.accepted_tokens for r in results) > 300
     with torch.inference_mode():
         def probs(ctx):
