@@ -11,24 +11,15 @@ import json
 import random
 
 import pytest
-import torch
 
 from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
 from deploy.verifier.exit_heads import ALIASES, ExitHeads
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from tests.verifier.test_engine import random_tree
-from tests.verifier.test_engine_embedded import chat_prompt
+from tests.verifier.test_engine_embedded import chat_prompt, one_thread  # noqa: F401 (autouse fixture)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_the_artifact_is_small_and_describes_itself():
