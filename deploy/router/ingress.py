@@ -30,7 +30,6 @@ from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.early import stream_verify
 from deploy.router.tenants import TenantRegistry, TenantState
-from deploy.verifier.sampling import SamplingParams
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="specedge", description="Edge-drafted, cloud-verified speculative decoding")
@@ -409,7 +408,11 @@ class Router:
         """
         opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version})
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
-        params = SamplingParams.from_dict(sampling)  # validated by the open
+        params = None
+        if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)
+            from deploy.verifier.sampling import SamplingParams  # torch: only where a drafter runs anyway
+
+            params = SamplingParams.from_dict(sampling)  # validated by the open
         history = list(prompt) + [opened["first_token"]]
         rounds, drafted = 0, 0
         try:
