@@ -44,6 +44,7 @@ ARGS = {"target": {"model": "tiny-random", "dtype": "float32"},
         "verifier": {"batch_wait_ms": 5, "idle_timeout_s": 2.0, "kv_budget_tokens": 100_000},
         "router": {"tenants": TENANTS}}
 SEL = f'application="{APP}"'
+EVENT_ONLY_COUNTERS = {"specedge_spec_decode_num_truncated_tokens"}
 # dashboard panels that may legitimately show nothing after this test's traffic (none so far)
 MAY_BE_EMPTY: set[str] = set()
 
@@ -262,8 +263,9 @@ def test_metrics_reach_prometheus_with_plausible_values(prometheus, traffic):
     assert total("ray_specedge_kv_tokens_capacity") == ARGS["verifier"]["kv_budget_tokens"]
     assert 0 <= total("ray_specedge_kv_tokens_in_use") <= ARGS["verifier"]["kv_budget_tokens"]
     assert total("ray_specedge_pending_requests") >= 0
-    assert 1 <= p.value(f"max(ray_specedge_pacing_depth_hint{{{SEL}}})") <= 12
-    assert 8 <= p.value(f"max(ray_specedge_pacing_budget_hint{{{SEL}}})") <= 64
+    # mean hints since the last update; a budget of 0 ("no tree", with depth 0) is a valid hint
+    depth_hint, budget_hint = (p.value(f"max(ray_specedge_pacing_{h}_hint{{{SEL}}})") for h in ("depth", "budget"))
+    assert 0 <= depth_hint <= 12 and 0 <= budget_hint <= 64 and depth_hint <= budget_hint
     cost_b, cost_a = total("ray_specedge_forward_cost_per_token_seconds"), total("ray_specedge_forward_cost_fixed_seconds")
     assert cost_a >= 0 and cost_b >= 0 and cost_a + cost_b > 0  # t = a + b * tokens was fitted
     assert total("ray_specedge_sessions_opened_total") >= 5 + 2
@@ -276,8 +278,14 @@ def test_metrics_reach_prometheus_with_plausible_values(prometheus, traffic):
     assert total("ray_specedge_router_inflight_requests") >= 0
     assert total("ray_serve_num_http_requests_total", ', status_code="200"') >= rounds
 
-    # every metric of deploy.metrics exists (the table is the contract the dashboards use)
+    # every metric of deploy.metrics exists (the table is the contract the dashboards use), except counters
+    # of events this traffic need not cause: Ray's Counter refuses inc(0), so such a series appears on the
+    # first event (server-side truncation happens only when the cost model finds a batch compute-bound)
+    truncated = total("ray_specedge_spec_decode_num_truncated_tokens_total")
+    assert truncated is None or 0 < truncated <= drafted
     for spec in METRICS.values():
+        if spec.name in EVENT_ONLY_COUNTERS:
+            continue
         name = spec.exposed() + ("_count" if spec.kind == "histogram" else "")
         assert p.query(f"{name}{{{SEL}}}"), f"{name} missing in Prometheus"
 
