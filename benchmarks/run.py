@@ -260,7 +260,8 @@ class Server(_Accounting):
                "--request-path", path.model_dump_json()]
         self.log = workdir / "serve.log"
         self.proc = Proc(pinned(cmd, SERVER_CORE, nice), self.log, stdout=subprocess.PIPE)
-        self.url = f"http://127.0.0.1:{path.client_port(self.port)}"  # where clients connect
+        self.client_port = path.client_port(self.port)  # where clients connect (the router's own port if direct)
+        self.url = f"http://127.0.0.1:{self.client_port}"
 
     def wait_ready(self, timeout: float = 600.0) -> str:
         import httpx
@@ -323,6 +324,7 @@ class VllmServer(_Accounting):
         self.log = workdir / f"{mode}.log"
         self.t0 = time.time()
         self.proc = Proc(pinned(self.cmd, SERVER_CORE, nice), self.log, env=vllm_env(SERVER_CORE))
+        self.client_port = self.port
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_s = float("nan")
 
@@ -518,7 +520,7 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
     command (e.g. ``versions``, the target version of each session: benchmarks/versions.py)."""
     from benchmarks.metrics import Window
 
-    proxy = Proxy(server.port, rtt, plan.mbps, workdir)
+    proxy = Proxy(server.client_port, rtt, plan.mbps, workdir)
     try:
         m0, p0 = server.mark(), proxy.counters()
         c0, o0, t0 = cpu_busy(), tree_cpu_s(os.getpid()), time.perf_counter()
@@ -861,7 +863,7 @@ def main(argv=None) -> int:
         if server is not None:
             try:
                 ready = server.wait_ready()
-                log(f"Serve app ready on port {server.port} ({ready})")
+                log(f"Serve app ready on port {server.client_port} ({ready})")
                 measure(server, ours)
             finally:
                 server.proc.stop(timeout=90)  # before the peer takes the core

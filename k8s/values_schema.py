@@ -73,8 +73,9 @@ def values_schema() -> dict:
                 "port": PORT,
                 "proxyLocation": {"enum": ["EveryNode", "HeadOnly", "Disabled"]},
                 "requestTimeoutS": {"type": ["number", "null"], "exclusiveMinimum": 0},
-                "requestPath": _obj({"ingress": {"enum": ["haproxy", "proxy"]}, "throughputOptimized": BOOL},
-                                    required=["ingress", "throughputOptimized"]),
+                "requestPath": _obj({"ingress": {"enum": ["haproxy", "proxy"]}, "throughputOptimized": BOOL,
+                                     "controlLoopS": {"type": "number", "exclusiveMinimum": 0, "maximum": 10}},
+                                    required=["ingress", "throughputOptimized", "controlLoopS"]),
                 "autoscaling": _obj({
                     "enabled": BOOL, "deploymentName": {"type": "string", "minLength": 1},
                     "minReplicas": {"type": "integer", "minimum": 0}, "maxReplicas": POS_INT,

@@ -37,6 +37,12 @@ def test_quick_smoke_run_writes_every_mode(tmp_path):
         assert 0 < r["tokens_per_server_cpu_s"] <= r["server_tokens_per_cpu_s"]
     for d in doc["details"]:
         assert d["server_cpu"]["cores"] == [0] and {"proxy", "router", "verifier"} <= set(d["server_cpu"]["by_role"])
+    # the adopted request path (direct ingress): edges reach the router's own port and Serve's HTTP
+    # proxy only idles (through the proxy an edge round costs the proxy about what it costs the router)
+    assert doc["conditions"]["request_path"]["ingress"] == "direct"
+    edge = [d["server_cpu"]["by_role"] for d in doc["details"] if d["mode"].startswith("edge_")]
+    proxy, router = sum(r["proxy"] for r in edge), sum(r["router"] for r in edge)
+    assert proxy < 0.5 * router, (proxy, router)
     assert doc["conditions"]["target"].startswith("tiny-random")
     assert all(v.startswith("skipped") for v in doc["conditions"]["peers"].values())
     table = pq.read_table(runs[0].with_suffix(".parquet"))

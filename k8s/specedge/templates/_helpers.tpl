@@ -172,6 +172,8 @@ app.kubernetes.io/part-of: specedge
   value: {{ ternary "1" "0" (eq $rp.ingress "haproxy") | quote }}
 - name: RAY_SERVE_ENABLE_DIRECT_INGRESS
   value: {{ ternary "1" "0" (eq $rp.ingress "haproxy") | quote }}
+- name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
+  value: {{ $rp.controlLoopS | quote }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
