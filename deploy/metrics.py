@@ -129,6 +129,12 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
        component="router"),
     _c("router_shed_requests", "Requests shed with 429/503 + Retry-After, by reason.", ("reason",),
        component="router"),
+    _h("router_shed_answer_seconds", "Server-side time of a 429 answered without a verifier call (from the "
+                                     "request reaching the router's ASGI app to the answer sent).", _WAIT_S,
+       component="router"),
+    _h("router_event_loop_lag_seconds", "How late the router's event loop runs a timer (sampled 20 times a "
+                                        "second): the wait any arriving request meets.", _WAIT_S,
+       component="router"),
 ]}
 
 
@@ -444,6 +450,14 @@ class RouterMetrics:
     def on_verify(self, tenant: str, seconds: float, inflight: int) -> None:
         self.exporter.observe("specedge_router_verify_latency_seconds", seconds, {"tenant": tenant})
         self.exporter.set("specedge_router_inflight_requests", inflight, {})
+
+    @never_raises
+    def on_shed_answered(self, seconds: float) -> None:
+        self.exporter.observe("specedge_router_shed_answer_seconds", seconds, {})
+
+    @never_raises
+    def on_loop_lag(self, seconds: float) -> None:
+        self.exporter.observe("specedge_router_event_loop_lag_seconds", seconds, {})
 
     @never_raises
     def on_error(self, e) -> None:

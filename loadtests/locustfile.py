@@ -40,6 +40,7 @@ STOPPING = False
 MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured, as the edge agent (edge_agent/transport.py)
 WS_IDLE_CLOSE_S = 5.0  # a user about to sleep longer closes its WebSocket (uvicorn pings every 20 s)
 LOST = -1  # status of a WebSocket round whose connection died after the frame went out
+LAG_PROBE_S = 0.05  # how often this process's own loop lag is sampled (a 429's client-side share)
 
 
 class Counters:
@@ -58,7 +59,9 @@ class Counters:
         self.verify_at = defaultdict(list)  # tenant -> epoch seconds of those verifies
         self.shed_ms: list[float] = []
         self.shed_at: list[float] = []  # epoch seconds of those 429s
+        self.shed_why: list[str] = []  # and their reasons
         self.ws_lost: dict[str, int] = defaultdict(int)  # WebSocket rounds lost with their connection, by cause
+        self.loop_lag: list[tuple[float, float]] = []  # (epoch s, ms) how late this process's gevent loop ran a timer
 
     def add(self, tenant: str, field: str, n: float = 1) -> None:
         self.tenant[tenant][field] += n
@@ -70,7 +73,9 @@ class Counters:
                 "verify_ms": {t: [round(x, 2) for x in v] for t, v in self.verify_ms.items()},
                 "verify_at": {t: [round(x, 2) for x in v] for t, v in self.verify_at.items()},
                 "shed_ms": [round(x, 2) for x in self.shed_ms], "shed_at": [round(x, 2) for x in self.shed_at],
-                "ws_lost": dict(self.ws_lost)}
+                "shed_why": self.shed_why,
+                "ws_lost": dict(self.ws_lost),
+                "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag]}
 
 
 STATS = Counters()
@@ -94,6 +99,20 @@ def _init(environment, **_):
     EdgeUser.network_timeout = EdgeUser.connection_timeout = float(u["network_timeout_s"])
     lo, hi = u["idle_s"]
     EdgeUser.wait_time = between(lo, hi)
+
+
+@events.test_start.add_listener
+def _start_lag_probe(**_):
+    gevent.spawn(_lag_probe)
+
+
+def _lag_probe() -> None:
+    """How late the gevent loop wakes a sleeper: the wait a reply that has arrived meets before its
+    user reads it (the client's share of every measured latency, 429s included)."""
+    while not STOPPING:
+        t0 = time.perf_counter()
+        gevent.sleep(LAG_PROBE_S)
+        STATS.loop_lag.append((time.time(), max(0.0, time.perf_counter() - t0 - LAG_PROBE_S) * 1e3))
 
 
 @events.test_stopping.add_listener
@@ -236,6 +255,7 @@ class EdgeUser(FastHttpUser):
             s.shed_ms.append(ms)
             s.shed_at.append(time.time())
             s.shed_reasons[reason] += 1
+            s.shed_why.append(reason)
         else:
             s.add(self.tenant, "unavailable")
         try:

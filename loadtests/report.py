@@ -75,7 +75,7 @@ def merge_counters(paths: list[Path]) -> dict:
     tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int), "ws_lost": defaultdict(int),
               "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
-              "verify_at": defaultdict(list), "shed_ms": [], "shed_at": [], "processes": 0}
+              "verify_at": defaultdict(list), "shed_ms": [], "shed_at": [], "shed_why": [], "loop_lag_ms": [], "processes": 0}
     for p in paths:
         d = json.loads(Path(p).read_text())
         merged["processes"] += 1
@@ -92,7 +92,9 @@ def merge_counters(paths: list[Path]) -> dict:
             for t, v in d[key].items():
                 merged[key][t].extend(v)
         merged["shed_ms"].extend(d["shed_ms"])
+        merged["loop_lag_ms"].extend(d.get("loop_lag_ms", []))
         merged["shed_at"].extend(d.get("shed_at", [None] * len(d["shed_ms"])))
+        merged["shed_why"].extend(d.get("shed_why", [None] * len(d["shed_ms"])))
     merged["tenants"] = {t: dict(c) for t, c in tenants.items()}
     return merged
 
@@ -161,6 +163,30 @@ def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:
             growth[role] = max(growth.get(role, -1.0), xs[-1][2] / xs[0][2] - 1.0)
     return {"cores_by_role": dict(sorted(cores.items())), "cores_total": (b["cpu_s_total"] - a["cpu_s_total"]) / dt,
             "rss_growth": growth, "rss_mb": rss_mb}
+
+
+def _pcts(samples: list, window: tuple[float, float]) -> dict:
+    """p50 / p99 / max (and the count) of (epoch s, ms) samples inside the window."""
+    xs = [ms for t, ms in samples if window[0] <= t < window[1]]
+    return {"n": len(xs), "p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs, default=float("nan"))}
+
+
+def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, float]) -> dict:
+    """Where a 429's time goes (steady state): what the client measured, by shed reason; the
+    router's own time per 429 (request at its ASGI app to answer sent) and its event loop's lag
+    (deploy/router/probe.py); the Locust process's own loop lag (the client's share)."""
+    client = list(zip(counters["shed_at"], counters["shed_ms"]))
+    by_reason = defaultdict(list)
+    for at, ms, why in zip(counters["shed_at"], counters["shed_ms"], counters["shed_why"]):
+        by_reason[why or "unknown"].append((at, ms))
+    probe = {}
+    if stats_path is not None and Path(stats_path).exists():
+        probe = json.loads(Path(stats_path).read_text()).get("router_probe", {})
+    return {"client_ms": _pcts([x for x in client if x[0]], window),
+            "client_ms_by_reason": {r: _pcts(v, window) for r, v in sorted(by_reason.items())},
+            "router_answer_ms": _pcts(probe.get("shed_ms", []), window),
+            "router_loop_lag_ms": _pcts(probe.get("loop_lag_ms", []), window),
+            "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window)}
 
 
 def backlogged_seconds(stats_path: Path | None, max_batch: int) -> set[int] | None:
@@ -249,7 +275,8 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
                    "tenant_max_sessions": {t.name: t.max_sessions for t in rc.load_tenants()}},
         "user_model": cfg.user.model_dump(mode="json"),
         "request_path": cfg.request_path.model_dump(mode="json"),
-        "run": {k: meta[k] for k in ("users", "spawn_rate", "duration_s", "processes", "host", "started_app")},
+        "run": {**{k: meta[k] for k in ("users", "spawn_rate", "duration_s", "processes", "host", "started_app")},
+                "worker_niceness": meta.get("worker_niceness")},
         "window_s": [round(window[0] - t0, 1), round(window[1] - t0, 1)],
         "backlogged_seconds": sat_secs,  # of the window, the seconds the share is computed over
         "requests_per_s": _float(agg.get("Requests/s", total_requests / run_s)),
@@ -264,6 +291,7 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "shed_429": shed, "shed_reasons": dict(counters["shed_reasons"]),
         "shed_ms": {"p50": percentile(counters["shed_ms"], 50), "p99": percentile(counters["shed_ms"], 99)},
         "shed_ms_window": {"p50": percentile(shed_win, 50), "p99": percentile(shed_win, 99)},
+        "shed_split": shed_split(counters, server_stats, window),
         "unavailable_503": unavailable, "reopens": tot("reopens"), "ws_lost": dict(counters["ws_lost"]),
         "errors": errors, "locust_failures": locust_failures, "error_kinds": dict(counters["error_kinds"]),
         "sessions": {"generations": tot("generations"), "finished": tot("finished"), "opened": opens,
@@ -347,6 +375,16 @@ def _f(x, nd=1) -> str:
     return f"{x:,.{nd}f}"
 
 
+def _split(sp: dict | None) -> str:
+    if not sp:
+        return "n/a"
+    pp = lambda d: f"{_f(d['p50'], 1)} / {_f(d['p99'], 1)}"  # noqa: E731
+    reasons = ", ".join(f"{r} {pp(d)}" for r, d in sp["client_ms_by_reason"].items() if d["n"])
+    return (f"{pp(sp['router_answer_ms'])}; {pp(sp['router_loop_lag_ms'])} (max {_f(sp['router_loop_lag_ms']['max'], 0)}); "
+            f"{pp(sp['locust_loop_lag_ms'])} (max {_f(sp['locust_loop_lag_ms']['max'], 0)}); client by reason: "
+            f"{reasons or 'none'}")
+
+
 def _cores(srv: dict) -> str:
     by_role = srv.get("cores_by_role")
     if not by_role:
@@ -390,7 +428,8 @@ def markdown(s: dict) -> str:
         f"{lim.get('router_max_queued_batches')}.",
         f"- **Users**: {run['users']} (spawn {run['spawn_rate']:g}/s, {run['duration_s']:g} s, "
         f"{s['locust_processes']} Locust process(es), app "
-        f"{'started by the run' if run['started_app'] else 'at ' + run['host']}); "
+        f"{'started by the run' if run['started_app'] else 'at ' + run['host']}"
+        f"{'' if run.get('worker_niceness') is None else ', its Ray workers at nice %d' % run['worker_niceness']}); "
         f"draft {_draft(um)}, RTT {um['rtt_ms']:g} ms median (log-normal sigma {um.get('rtt_sigma', 0):g}, "
         f"±{um['jitter']:.0%} per round), {um.get('ws_share', 0):.0%} WebSocket users, "
         f"acceptance alpha={um['alpha']:g} sibling={um['sibling_alpha']:g}, depth "
@@ -410,6 +449,8 @@ def markdown(s: dict) -> str:
         f"| 429 rate | {s['rate_429']:.2%} ({s['shed_429']:g}: {s['shed_reasons']}) | |",
         f"| 429 latency p50 / p99 (ms) | {_f(s['shed_ms']['p50'], 0)} / {_f(s['shed_ms']['p99'], 0)} | "
         f"{_f(s['shed_ms_window']['p50'], 0)} / {_f(s['shed_ms_window']['p99'], 0)} |",
+        f"| 429 where the time goes, p50 / p99 (ms): router's own answer; router loop lag; Locust loop lag | | "
+        f"{_split(s.get('shed_split'))} |",
         f"| 503 (verifier restarting) / re-opens | {s['unavailable_503']:g} / {s['reopens']:g} | |",
         f"| WebSocket rounds lost with their connection (re-opened) | {sum(s.get('ws_lost', {}).values()):g} "
         f"{s.get('ws_lost') or ''} | |",

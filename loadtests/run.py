@@ -69,7 +69,8 @@ def _child_env() -> dict:
     return env
 
 
-def start_server(cfg: LoadTestConfig, out: Path, timeout: float = 240.0) -> tuple[subprocess.Popen, str]:
+def start_server(cfg: LoadTestConfig, out: Path, timeout: float = 240.0,
+                 worker_niceness: int = 0) -> tuple[subprocess.Popen, str]:
     port = free_port()
     rp = cfg.request_path.model_copy(update={"direct_port": free_port()})
     app_file = out / "app_config.json"
@@ -77,7 +78,8 @@ def start_server(cfg: LoadTestConfig, out: Path, timeout: float = 240.0) -> tupl
     log = open(out / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "loadtests.server", "--config", str(app_file), "--port",
                              str(port), "--stats-out", str(out / "server_stats.json"),
-                             "--request-path", rp.model_dump_json()], cwd=REPO,
+                             "--request-path", rp.model_dump_json(), "--worker-niceness", str(worker_niceness)],
+                            cwd=REPO,
                             env=_child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{rp.client_port(port)}"
     deadline = time.time() + timeout
@@ -167,6 +169,9 @@ def main(argv=None) -> int:
                     help="seconds users get to close their sessions (default: the request timeout + 10 s)")
     ap.add_argument("--kill-at", type=float, help="kill scenario: seconds into the run (default: the scenario's)")
     add_cli_options(ap)
+    ap.add_argument("--worker-niceness", type=int, default=0,
+                    help="nice of the app's Ray workers (router, verifier); Ray's own default is 15, which "
+                         "puts them below Locust on a shared machine")
     ap.add_argument("--print-app-config", action="store_true", help="print the app's build_app args and exit")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the report's checks pass")
     args = ap.parse_args(argv)
@@ -193,7 +198,7 @@ def main(argv=None) -> int:
             url = args.host.rstrip("/")
         else:
             t0 = time.time()
-            server, url = start_server(cfg, out)
+            server, url = start_server(cfg, out, worker_niceness=args.worker_niceness)
             print(f"[loadtests] app up at {url} in {time.time() - t0:.1f} s (pid {server.pid})", flush=True)
         info = model_info(url, next(iter(cfg.tenant_keys().values())))
         if info.get("vocab_size") != workload["vocab_size"] or info.get("model") != workload["model"]:
@@ -210,6 +215,7 @@ def main(argv=None) -> int:
                 print("[loadtests] WARNING: the app process died during the run", flush=True)
             meta = {"users": users, "spawn_rate": args.spawn_rate, "duration_s": args.duration,
                     "processes": 1, "host": url, "started_app": server is not None,
+                    "worker_niceness": args.worker_niceness if server is not None else None,
                     "server_model": info, **timing}
             summary = report.write_report(sub, cfg, meta, out / "server_stats.json" if server else None)
             results.append(summary)

@@ -5,13 +5,18 @@ monkey patching hangs Ray) and stops it by PID with SIGTERM. While it serves it 
 the verifier's own statistics four times a second (queue length, batch sizes, busy time) into
 ``--stats-out``, so the report can tell whether the verifier was saturated. SIGUSR1 kills
 one verifier replica (the fault scenario); Serve starts a replacement, and the sessions
-it held re-open from their edges' history.
+it held re-open from their edges' history. Once a second it also drains the router's load
+probe (deploy/router/probe.py: event-loop lag and the server-side time of each 429).
 
     python -m loadtests.server --config app.json --port 8123 --stats-out server.json \
-        [--request-path '{"ingress": "direct", "throughput_optimized": true, "direct_port": 30000}']
+        [--request-path '{"ingress": "direct", "throughput_optimized": true, "direct_port": 30000}'] \
+        [--worker-niceness 0]
 
 ``--request-path`` (a :class:`deploy.request_path.RequestPathConfig`) sets Serve's request-path
 options in this process's environment before Ray starts, so every Ray process inherits them.
+``--worker-niceness``: Ray starts its workers (the replicas) at nice 15 unless told otherwise; on
+a machine shared with Locust (nice 0) that gives the simulated clients the CPU before the router,
+so the load test runs them at 0 by default, as ``benchmarks/run.py`` does.
 """
 
 from __future__ import annotations
@@ -44,12 +49,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stats-out", required=True)
     ap.add_argument("--num-cpus", type=int, default=4, help="Ray's logical CPUs (replicas reserve num_cpus each)")
     ap.add_argument("--request-path", default="{}", help="RequestPathConfig as JSON (deploy/request_path.py)")
+    ap.add_argument("--worker-niceness", type=int, default=0, help="nice of Ray's workers (Ray's default: 15)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from deploy.request_path import RequestPathConfig
 
     os.environ.update(RequestPathConfig(**json.loads(args.request_path)).env())  # before Ray starts
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
 
     import ray
     from ray import serve
@@ -71,17 +78,19 @@ def main(argv=None) -> int:
                 logging_config={"enable_access_log": app_args.get("access_log", True)})  # the proxy's
     serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
     handle = serve.get_deployment_handle("Verifier", APP_NAME)
+    router = serve.get_deployment_handle("Router", APP_NAME)
     print(f"[loadtests.server] serving on http://127.0.0.1:{args.port} (pid {os.getpid()})", flush=True)
 
     samples: list[dict] = []
     events: list[dict] = []
     procs: list[dict] = []  # every 5 s: CPU seconds so far per role, RSS per replica process
+    probe: dict[str, list] = {"loop_lag_ms": [], "shed_ms": []}  # the router's (epoch s, ms) samples
     out = Path(args.stats_out)
     roles: dict[int, str] = {}
 
     def flush() -> None:
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"samples": samples, "events": events, "procs": procs}))
+        tmp.write_text(json.dumps({"samples": samples, "events": events, "procs": procs, "router_probe": probe}))
         tmp.replace(out)
 
     def sample_procs() -> None:
@@ -111,6 +120,12 @@ def main(argv=None) -> int:
                 samples.append(st)
             except Exception as e:  # a replica down mid-kill: keep sampling
                 events.append({"t": time.time(), "event": "stats_error", "error": f"{type(e).__name__}: {e}"[:300]})
+            if n % 4 == 0:
+                try:
+                    for k, v in (await asyncio.wait_for(router.probe_samples.remote(), 5)).items():
+                        probe[k].extend(v)
+                except Exception as e:  # noqa: BLE001 (an overloaded router answers late: keep sampling)
+                    events.append({"t": time.time(), "event": "probe_error", "error": f"{type(e).__name__}: {e}"[:300]})
             if n % 20 == 0:
                 sample_procs()
             if n % 8 == 0:

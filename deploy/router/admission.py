@@ -84,14 +84,23 @@ class AdmissionControl:
     def check(self, tenant: str, kind: str = "verify", now: float | None = None) -> None:
         """Raise :class:`Overloaded` (429) if a ``kind`` request ("verify" or "open") of
         ``tenant`` must be shed; otherwise count it as admitted."""
+        refused = self.refusal(tenant, kind, now)
+        if refused is not None:
+            raise refused
+        self._admitted += 1
+
+    def refusal(self, tenant: str, kind: str = "verify", now: float | None = None) -> Overloaded | None:
+        """The 429 a ``kind`` request of ``tenant`` gets now (counted as shed), or None; None does
+        not admit it: the router's fast path asks this before reading a body, and a request it
+        lets through is admitted by :meth:`check` once parsed."""
         self._roll(time.monotonic() if now is None else now)
         if kind == "open" and self.inflight >= max(1, self.limit // 2):
-            self._refuse(f"the verifier is busy ({self.inflight} requests in flight); running sessions go "
-                         "first", "new_sessions_paused")
-        if self.inflight >= self.limit and self.by_tenant[tenant] >= self.fair_share(tenant):
-            self._refuse(f"{self.inflight} requests are in flight to the verifier (limit {self.limit}); it is "
-                         "saturated", "queue_full")
-        self._admitted += 1
+            return self._refuse(f"the verifier is busy ({self.inflight} requests in flight); running sessions "
+                                "go first", "new_sessions_paused")
+        if self.inflight >= self.limit and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant):
+            return self._refuse(f"{self.inflight} requests are in flight to the verifier (limit {self.limit}); "
+                                "it is saturated", "queue_full")
+        return None
 
     def fair_share(self, tenant: str) -> float:
         """``tenant``'s share of ``limit`` by weight, among the tenants with requests in flight."""
@@ -99,9 +108,9 @@ class AdmissionControl:
         total = sum(self.weights.get(t, 1.0) for t in active)
         return self.limit * self.weights.get(tenant, 1.0) / total
 
-    def _refuse(self, message: str, reason: str) -> None:
+    def _refuse(self, message: str, reason: str) -> Overloaded:
         self._shed += 1
-        raise Overloaded(message, retry_after=self.retry_after, reason=reason)
+        return Overloaded(message, retry_after=self.retry_after, reason=reason)
 
     # -- observations -----------------------------------------------------------------------
     def started(self, tenant: str) -> None:

@@ -29,10 +29,30 @@ from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.early import stream_verify
+from deploy.router.fast_shed import ShedFastPath, shed_kind
+from deploy.router.probe import LoadProbe
 from deploy.router.tenants import TenantRegistry, TenantState
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="specedge", description="Edge-drafted, cloud-verified speculative decoding")
+
+
+def _replica() -> "Router":
+    """This replica's Router instance, as Serve's own class-based routes find it (a module global
+    set in ``__init__`` would not do: Serve ships the ingress class to the replica by value)."""
+    return serve.get_replica_context().servable_object
+
+
+def _fast_decide(method: str, path: str, authorization: str | None) -> Overloaded | None:
+    return _replica().fast_shed(method, path, authorization)
+
+
+def _fast_answered(e: Overloaded, seconds: float) -> None:
+    _replica().shed_answered(e, seconds)
+
+
+# in front of FastAPI's routing: refused opens and verifies get their 429 before any parsing
+api.add_middleware(ShedFastPath, decide=_fast_decide, on_shed=_fast_answered)
 
 
 @api.exception_handler(SpecError)
@@ -46,6 +66,16 @@ class Unavailable(Overloaded):
     """The verifier replica is down or restarting: retry after a short wait."""
 
     status, code = 503, "unavailable"
+
+
+async def _within(aw, seconds: float):
+    """``await aw``, raising ``asyncio.TimeoutError`` after ``seconds``. On Python 3.11+ through
+    ``asyncio.timeout``: ``asyncio.wait_for`` runs ``aw`` in a task of its own, one more event-loop
+    hop (and task) per verifier call and per WebSocket frame on the router's busy loop."""
+    if not hasattr(asyncio, "timeout"):  # Python 3.10
+        return await asyncio.wait_for(aw, seconds)
+    async with asyncio.timeout(seconds):
+        return await aw
 
 
 def _no_constants(name: str):
@@ -108,6 +138,33 @@ class Router:
         self._created = int(time.time())  # the served model's "created" (OpenAI's /v1/models)
         self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
         self._versions: list[str] = sorted(self.cfg.target.adapters)  # target versions (LoRA), see reconfigure
+        self.probe = LoadProbe(on_lag=self.metrics.on_loop_lag)  # started by the first request (needs the loop)
+
+    def fast_shed(self, method: str, path: str, authorization: str | None) -> Overloaded | None:
+        """The fast path's question (deploy/router/fast_shed.py): the 429 for a verify or an open that
+        admission control refuses now, before routing or reading the body; None lets the request
+        through (its key unchecked: the app answers a bad one 401)."""
+        self.probe.start()
+        kind = shed_kind(method, path)
+        if kind is None:
+            return None
+        try:
+            tenant = self.tenants.authenticate(authorization)
+        except SpecError:
+            return None
+        return self.admission.refusal(tenant.config.name, kind)
+
+    def shed_answered(self, e: Overloaded, seconds: float) -> None:
+        """A 429 answered without a verifier call, ``seconds`` after it reached the app."""
+        self.metrics.on_error(e)
+        self.metrics.on_shed_answered(seconds)
+        self.probe.shed_answered(seconds)
+
+    def probe_samples(self) -> dict:
+        """Loop-lag and shed-answer samples since the last call (the load test's server process
+        drains them once a second; see deploy/router/probe.py)."""
+        self.probe.start()
+        return self.probe.drain()
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve's no-restart config update: the names of the target versions (``target.adapters``)."""
@@ -122,8 +179,8 @@ class Router:
         timeout = self.cfg.router.request_timeout_s
         try:
             if stream_to is not None:
-                return await asyncio.wait_for(stream_verify(self.verifier, method, stream_to, kwargs), timeout)
-            return await asyncio.wait_for(getattr(self.verifier, method).remote(**kwargs), timeout)
+                return await _within(stream_verify(self.verifier, method, stream_to, kwargs), timeout)
+            return await _within(getattr(self.verifier, method).remote(**kwargs), timeout)
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"the verifier did not answer {method} within {timeout:g} s") from None
         except (RayActorError, RayError) as e:
@@ -178,7 +235,7 @@ class Router:
                 chunks.append(chunk)
 
         try:
-            await asyncio.wait_for(read(), rc.body_timeout_s)
+            await _within(read(), rc.body_timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {rc.body_timeout_s:g} s") from None
         return b"".join(chunks)
@@ -266,6 +323,7 @@ class Router:
     @api.websocket("/v1/sessions/{sid}/ws")
     async def verify_ws(self, websocket: WebSocket, sid: str):
         """Pipelined rounds on one connection: binary frame in, binary reply (or JSON error) out."""
+        self.probe.start()
         await websocket.accept()
         try:
             auth = websocket.headers.get("authorization") or (
@@ -279,13 +337,14 @@ class Router:
         try:
             while True:
                 try:
-                    msg = await asyncio.wait_for(websocket.receive(), self.cfg.router.ws_idle_timeout_s)
+                    msg = await _within(websocket.receive(), self.cfg.router.ws_idle_timeout_s)
                 except asyncio.TimeoutError:  # an idle socket holds a connection and a task: let it go
                     await websocket.close(code=4408, reason="idle timeout")
                     return
                 if msg.get("type") == "websocket.disconnect":
                     return
                 data = msg.get("bytes")
+                t0 = time.perf_counter()
                 try:
                     if data is None:
                         raise InvalidRequest("send verify frames as binary messages")
@@ -293,11 +352,14 @@ class Router:
                         raise PayloadTooLarge("frame too large")
                     await websocket.send_bytes(await self.verify(tenant, sid, data, websocket.send_bytes))
                 except SpecError as e:
-                    router_metrics().on_error(e)
                     payload = {"status": e.status, **e.to_dict()}
                     if isinstance(e, Overloaded):
                         payload["retry_after"] = e.retry_after
                     await websocket.send_text(json.dumps(payload))
+                    if e.status == 429:
+                        self.shed_answered(e, time.perf_counter() - t0)
+                    else:
+                        router_metrics().on_error(e)
         except WebSocketDisconnect:
             return
 

@@ -103,3 +103,26 @@ def test_the_users_take_keys_from_the_app_config():
     assert cfg.tenant_weights() == {"gold": 3.0, "bronze": 1.0}
     with pytest.raises(ValueError):
         LoadTestConfig(app={"router": {"tenants": [{"name": "a", "api_key_sha256": "0" * 64}]}})
+
+
+def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_window(tmp_path):
+    """shed_split: client-measured 429s by reason, the router's own answer time and loop lag (the
+    server's samples), Locust's own loop lag; samples outside the steady window do not count."""
+    _counters(tmp_path / "counters.json", {"default": {"shed": 4}}, {"default": 10})
+    data = json.loads((tmp_path / "counters.json").read_text())
+    data.update(shed_ms=[5000.0, 40.0, 60.0, 300.0], shed_at=[T0 + 1, T0 + 10, T0 + 11, T0 + 12],
+                shed_why=["queue_full", "queue_full", "new_sessions_paused", "queue_full"],
+                loop_lag_ms=[[T0 + 1, 900.0], [T0 + 10, 2.0], [T0 + 11, 30.0]])
+    (tmp_path / "counters.json").write_text(json.dumps(data))
+    stats = tmp_path / "server_stats.json"
+    stats.write_text(json.dumps({"samples": [], "router_probe": {
+        "shed_ms": [[T0 + 1, 800.0], [T0 + 10, 0.4], [T0 + 12, 0.6]],
+        "loop_lag_ms": [[T0 + 2, 700.0], [T0 + 10, 1.0], [T0 + 11, 25.0]]}}))
+    s = summarize(tmp_path, scenario("edge"), _meta(), stats)  # window: 1 s spawn + 3 s warm-up + 2 s on
+    sp = s["shed_split"]
+    assert sp["client_ms"] == {"n": 3, "p50": 60.0, "p99": 300.0, "max": 300.0}
+    assert sp["client_ms_by_reason"]["queue_full"]["n"] == 2
+    assert sp["client_ms_by_reason"]["new_sessions_paused"]["p99"] == 60.0
+    assert sp["router_answer_ms"]["max"] == 0.6 and sp["router_loop_lag_ms"]["p99"] == 25.0
+    assert sp["locust_loop_lag_ms"]["n"] == 2 and sp["locust_loop_lag_ms"]["max"] == 30.0
+    assert s["shed_ms_window"]["p99"] == 300.0  # the figure the check reads is the client's

@@ -146,3 +146,23 @@ def test_latency_objective_needs_enough_samples_and_none_means_static():
     t = _window(static, 0.0, 64, 9.0)
     static.check("a", now=t)
     assert static.limit == 64
+
+
+def test_refusal_asks_without_admitting_and_counts_a_shed_once():
+    """The router's fast path asks before reading a body: a refusal is counted as shed (it drives the
+    Retry-After), an answer of None admits nothing (check admits the parsed request later)."""
+    ac = AdmissionControl(limit=4, retry_after_s=1.0)
+    _fill(ac, "a", 2)
+    assert ac.refusal("a", "verify", now=0.0) is None
+    assert ac._admitted == 2  # only _fill's checks
+    e = ac.refusal("a", "open", now=0.0)  # half the limit in flight: new sessions wait
+    assert isinstance(e, Overloaded) and e.reason == "new_sessions_paused" and ac._shed == 1
+    _fill(ac, "a", 2)
+    e = ac.refusal("a", "verify", now=0.0)
+    assert e.reason == "queue_full" and e.retry_after == 1.0 and ac._shed == 2
+    # the same decision as check, which raises it
+    with pytest.raises(Overloaded):
+        ac.check("a", now=0.0)
+    assert ac._shed == 3
+    # a window with more than a quarter shed grows the Retry-After, whichever of the two counted
+    assert ac.refusal("b", "open", now=1.5).retry_after == 1.5

@@ -1,0 +1,71 @@
+"""Shedding before FastAPI: a pure-ASGI fast path for the requests admission control refuses.
+
+A 429 is only useful if it arrives fast while the path is saturated (issue 16: p99 <= 100 ms).
+Through FastAPI a refused ``POST /v1/sessions`` was routed, its body read under a timeout task,
+parsed as JSON and validated before admission control said no. :class:`ShedFastPath` sits in
+front of the routing and asks ``decide(method, path, authorization)`` first; a refusal is
+answered at once with the router's usual error (the JSON body, ``Retry-After``), and the body
+is never read (uvicorn discards it and keeps the connection). Everything else, a request
+without a valid key included, goes on to the app unchanged.
+
+Pure module (no Ray, no FastAPI): plain ASGI.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from deploy.errors import Overloaded
+
+
+def shed_kind(method: str, path: str) -> str | None:
+    """The admission kind of a request the fast path may shed: ``POST /v1/sessions`` opens,
+    ``POST /v1/sessions/{id}/verify`` verifies; anything else None (never shed before routing)."""
+    if method != "POST":
+        return None
+    if path == "/v1/sessions":
+        return "open"
+    if path.startswith("/v1/sessions/") and path.endswith("/verify") and path.count("/") == 4 and len(path) > 20:
+        return "verify"
+    return None
+
+
+def error_response(e: Overloaded) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Status, headers and body of a shed answer, byte for byte what the app's error handler sends."""
+    body = json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    return e.status, [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
+                      (b"retry-after", str(max(1, round(e.retry_after))).encode())], body
+
+
+class ShedFastPath:
+    """ASGI middleware: ``decide(method, path, authorization) -> Overloaded | None`` before routing;
+    ``on_shed(seconds)``: the server-side time of each answer it gave (entry to the body sent)."""
+
+    def __init__(self, app, decide: Callable[[str, str, str | None], Overloaded | None],
+                 on_shed: Callable[[Overloaded, float], None] | None = None):
+        self.app = app
+        self.decide = decide
+        self.on_shed = on_shed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        auth = None
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                auth = v.decode("latin-1")
+                break
+        refused = self.decide("POST", path, auth)
+        if refused is None:
+            return await self.app(scope, receive, send)
+        status, headers, body = error_response(refused)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        if self.on_shed is not None:
+            self.on_shed(refused, time.perf_counter() - t0)

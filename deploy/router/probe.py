@@ -1,0 +1,54 @@
+"""Where a 429's time goes on the server: the router's event-loop lag and the shed answers' own time.
+
+A shed request is decided without any verifier call, so what a client waits for it beyond the
+network is (a) the router's event loop reaching the request (its lag: every other request's
+work on the same loop, and the process waiting for a core) and (b) the answer itself (from
+the request reaching the router's ASGI app to the response sent). :class:`LoadProbe` measures
+both: ``run()`` sleeps ``interval_s`` over and over on the loop and records how late it wakes
+(the lag an arriving request meets), and the router records each shed answer's time. The load
+test drains the samples once a second (``Router.probe_samples``) for its report; Prometheus
+gets the same as histograms. Pure module (no Ray, no FastAPI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+
+
+class LoadProbe:
+    """Timestamped samples (epoch s, ms) of loop lag and of shed answers, bounded in memory."""
+
+    def __init__(self, interval_s: float = 0.05, keep: int = 20_000,
+                 on_lag: Callable[[float], None] | None = None):
+        self.interval_s = interval_s
+        self.lag: deque[tuple[float, float]] = deque(maxlen=keep)
+        self.shed: deque[tuple[float, float]] = deque(maxlen=keep)
+        self.on_lag = on_lag
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the lag sampler on the running loop (once)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            lag = max(0.0, time.perf_counter() - t0 - self.interval_s)
+            self.lag.append((time.time(), lag * 1e3))
+            if self.on_lag is not None:
+                self.on_lag(lag)
+
+    def shed_answered(self, seconds: float) -> None:
+        self.shed.append((time.time(), seconds * 1e3))
+
+    def drain(self) -> dict[str, list[tuple[float, float]]]:
+        """The samples since the last drain, and forget them."""
+        out = {"loop_lag_ms": list(self.lag), "shed_ms": list(self.shed)}
+        self.lag.clear()
+        self.shed.clear()
+        return out
