@@ -86,6 +86,9 @@ class Window:
     down_bytes: int
     verifier_cpu_s: float = float("nan")  # CPU seconds of the engine process(es) (/proc)
     server_cpu_s: float = float("nan")  # CPU seconds of the whole server process tree (/proc)
+    verify_forwards: int = 0  # the verifier's verify forwards (0: not known, e.g. vLLM)
+    verify_sessions: int = 0  # session rounds in them
+    verify_rows: int = 0  # token rows in them (roots + verified nodes + prefill chunks)
 
 
 def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_priced: int) -> dict:
@@ -125,6 +128,9 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         "server_cpu_share": w.server_cpu_s / w.wall_s if w.wall_s > 0 else float("nan"),
         "verifier_utilisation": w.verifier_busy_s / w.wall_s if w.wall_s > 0 else float("nan"),
         "wall_s": w.wall_s,
+        # batching: how many session rounds (and rows) one verify forward carried on average
+        "sessions_per_forward": w.verify_sessions / w.verify_forwards if w.verify_forwards else float("nan"),
+        "rows_per_forward": w.verify_rows / w.verify_forwards if w.verify_forwards else float("nan"),
         "uplink_bytes_per_token": w.up_bytes / gen, "downlink_bytes_per_token": w.down_bytes / gen,
         "uplink_payload_bytes_per_token": edge.get("up_payload_bytes", float("nan")) / gen,
         "downlink_payload_bytes_per_token": edge.get("down_payload_bytes", float("nan")) / gen,

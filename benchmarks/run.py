@@ -62,6 +62,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks.proc_stats import CpuSnapshot, cpu_busy, group_members, thread_cpu_s, tree_cpu_s
 from deploy.request_path import RequestPathConfig, add_cli_options
@@ -104,6 +105,7 @@ class Plan:
     verify: list[str] = field(default_factory=lambda: ["match"])  # the edge modes' rules (AgentConfig.verify)
     extra_configs: list[tuple[float, int]] = field(default_factory=list)  # more (RTT, sessions) points
     exit_layers: list[int] = field(default_factory=list)  # edge_predraft's exits ([]: the artifact's)
+    app_set: dict[str, Any] = field(default_factory=dict)  # dotted app-config overrides ("verifier.batch_fill": 0)
 
     def configs(self) -> list[tuple[float, int]]:
         out = [(r, self.rtt_sessions) for r in self.rtts]
@@ -302,10 +304,13 @@ class Server(_Accounting):
     def window(self, m0: dict, m1: dict, mode: str, client: dict) -> tuple[dict, dict]:
         """(Window fields, CPU detail) of one configuration between two marks."""
         cpu = self.cpu_window(m0, m1)
-        return {"verifier_busy_s": m1["stats"]["busy_seconds"] - m0["stats"]["busy_seconds"],
+        s0, s1 = m0["stats"], m1["stats"]
+        return {"verifier_busy_s": s1["busy_seconds"] - s0["busy_seconds"],
                 "server_draft_cpu_s": (m1["draft"] - m0["draft"]) if mode == "server_sd" else 0.0,
-                "tokens_emitted": m1["stats"]["tokens_emitted"] - m0["stats"]["tokens_emitted"],
-                "verifier_cpu_s": cpu["engine_cpu_s"], "server_cpu_s": cpu["cpu_s"]}, cpu
+                "tokens_emitted": s1["tokens_emitted"] - s0["tokens_emitted"],
+                "verifier_cpu_s": cpu["engine_cpu_s"], "server_cpu_s": cpu["cpu_s"],
+                **{f"verify_{k}": s1[f"verify_{k}_total"] - s0[f"verify_{k}_total"]
+                   for k in ("forwards", "sessions", "rows")}}, cpu
 
 
 class VllmServer(_Accounting):
@@ -494,14 +499,23 @@ def app_config(plan: Plan, draft: str, depth: int) -> dict:
     sd_model = {"model": "prompt-lookup"} if draft == "ngram" else {"model": draft, "dtype": "auto"}
     # exit heads only where edge_predraft runs (dormant for every other mode: no F_EARLY, no early walk)
     early = {"early_exit": predraft_exits(plan)} if "edge_predraft" in plan.modes else {}
-    return {
+    cfg = {
         "target": target,
         "verifier": {"num_replicas": 1, "num_cpus": 1, "torch_threads": 1, "max_batch_sessions": 16,
                      "batch_wait_ms": 2, "max_tree_nodes": 64, "idle_timeout_s": 600, **early},
-        "router": {"tenants": [{"name": "bench", "api_key": API_KEY, "max_sessions": 1024}]},
+        # no router-side shedding: every mode (and vLLM, which never sheds) serves every session it is given
+        "router": {"tenants": [{"name": "bench", "api_key": API_KEY, "max_sessions": 1024}],
+                   "latency_objective_s": None},
         "server_draft": {"model": sd_model, "depth": depth},
         "access_log": False,  # per-request log lines off, as in vLLM's server (--disable-uvicorn-access-log)
     }
+    for key, value in plan.app_set.items():
+        *path, last = key.split(".")
+        node = cfg
+        for k in path:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return cfg
 
 
 def peer_skip_reason(plan: Plan) -> str | None:
@@ -565,7 +579,8 @@ TABLE_COLS = [("mode", "mode", 0), ("rtt_ms", "RTT ms", 0), ("sessions", "sess",
               ("tokens_per_verify", "tok/verify", 2), ("verified_nodes_per_round", "nodes verified", 1),
               ("alignment_rate", "align", 2),
               ("draft_depth_mean", "depth", 1), ("draft_ms_per_forward", "draft ms/fwd", 1),
-              ("verifier_utilisation", "util", 2), ("uplink_bytes_per_token", "up B/tok", 0),
+              ("verifier_utilisation", "util", 2), ("sessions_per_forward", "sess/fwd", 1),
+              ("rows_per_forward", "rows/fwd", 0), ("uplink_bytes_per_token", "up B/tok", 0),
               ("downlink_bytes_per_token", "down B/tok", 0), ("cost_eff_ktok_per_usd", "ktok/$", 1)]
 
 
@@ -753,6 +768,8 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", default=None, help="comma-separated edge verification rules "
                                                    "(match,rejection,tree-rejection,auto; default match)")
     ap.add_argument("--exit-layers", default=None, help="edge_predraft: comma-separated exits of the heads artifact")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override the app config, e.g. --set verifier.batch_fill=0 (repeatable)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-latest", action="store_true", help="--full: do not overwrite latest.json")
     args = ap.parse_args(argv)
@@ -786,6 +803,14 @@ def main(argv=None) -> int:
         plan.verify = [v for v in args.verify.split(",") if v]
     if args.mbps is not None:
         plan.mbps = args.mbps
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r}: expected KEY=JSON")
+        try:
+            plan.app_set[key] = json.loads(value)
+        except json.JSONDecodeError:
+            plan.app_set[key] = value  # a bare string
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     t_start = time.time()
@@ -906,7 +931,7 @@ def main(argv=None) -> int:
         "sessions_sweep_rtt_ms": plan.sessions_rtt, "bandwidth_mbps": plan.mbps or "unlimited",
         "prompts_per_config": f"{plan.prompts} rounded up to a multiple of the sessions, alternating MT-Bench "
                               "turn 1 / HumanEval (the first ones of each set)",
-        "prompt_ids": prompt_names, "max_tokens": plan.max_tokens,
+        "prompt_ids": prompt_names, "max_tokens": plan.max_tokens, "app_overrides": plan.app_set,
         "sampling": (f"temperature {plan.temperature}, seeded, ignore_eos; edge rules {plan.verify}"
                      if plan.temperature > 0 else "greedy, ignore_eos"),
         "cores": f"server on core {SERVER_CORE} (taskset: every Ray/Serve process, verifier with 1 torch thread; "

@@ -38,6 +38,7 @@ from deploy.metrics import VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
                                     VerifyRequest)
+from deploy.verifier.batch_fill import ArrivalModel, fill_wait
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, SessionUse, choose_victims
 from deploy.verifier.versions import TargetVersions
@@ -124,6 +125,9 @@ class VerifierCore:
         # recent verify rounds: (arrival, seconds from arrival to reply), monotonic clock
         self.round_latencies: deque[tuple[float, float]] = deque(maxlen=8192)
         self.busy_seconds = 0.0
+        self.verify_totals = [0, 0, 0]  # verify forwards, sessions and rows in them (monotonic)
+        self.arrivals = ArrivalModel()  # when each session's next round is due (batch filling)
+        self.fill_waits = 0  # forwards held for sessions due back
         self.tokens_emitted = 0  # verified tokens returned to clients (first tokens included)
         self.started = time.monotonic()
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
@@ -158,6 +162,8 @@ class VerifierCore:
                 "uptime_seconds": time.monotonic() - self.started, "forward_cost_a": a, "forward_cost_b": b,
                 "forward_cost_knee": knee,
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
+                "verify_forwards_total": self.verify_totals[0], "verify_sessions_total": self.verify_totals[1],
+                "verify_rows_total": self.verify_totals[2],
                 "evictions": len(self.evicted)}
 
     def pending(self) -> int:
@@ -175,6 +181,8 @@ class VerifierCore:
             self._verify_s = _ema(self._verify_s, st.seconds, 0.2)
         if st.kind != "prefill":
             self.pacer.observe_forward(st.tokens, st.seconds)
+            t = self.verify_totals
+            t[0], t[1], t[2] = t[0] + 1, t[1] + st.sessions, t[2] + st.tokens
         self.forwards.append(st)
         self.metrics.on_forward(st)
         if len(self.forwards) > 4096:
@@ -202,6 +210,7 @@ class VerifierCore:
         """A session the engine no longer holds: its requests answer 410 from now on."""
         self.owner.pop(sid, None)
         self.client.pop(sid, None)
+        self.arrivals.forget(sid)
         self.evicted[sid] = reason
         self.metrics.on_evict(sid, reason)
         while len(self.evicted) > MAX_REMEMBERED_EVICTIONS:
@@ -225,6 +234,7 @@ class VerifierCore:
                 if now - s.last_used > self.cfg.verifier.idle_timeout_s and sid not in pending]
         for sid in idle:
             await self._evict(sid, "idle_timeout")
+        self.arrivals.prune(self.engine.sessions)
         return len(idle)
 
     # -- requests ---------------------------------------------------------------------
@@ -279,7 +289,9 @@ class VerifierCore:
         self._ensure_loop()
         gains = (node_gains(f.parents, f.conf) if f.q is None and f.proposals is None
                  and self.cfg.verifier.truncate_trees else [])
-        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains), time.monotonic()))
+        now = time.monotonic()
+        self.arrivals.arrived(session_id, now)
+        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains), now))
         self._wake.set()
         return await fut
 
@@ -301,6 +313,7 @@ class VerifierCore:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, session_id)
         self.owner.pop(session_id, None)
         self.client.pop(session_id, None)
+        self.arrivals.forget(session_id)
         return 200, {"closed": session_id}
 
     async def update_versions(self, adapters: dict[str, str], max_loaded: int) -> dict:
@@ -344,6 +357,7 @@ class VerifierCore:
                     pass
             if vc.batch_wait_ms > 0 and len(self.sched) < vc.max_batch_sessions:
                 await asyncio.sleep(vc.batch_wait_ms / 1000.0)  # let a few more requests join this forward
+            await self._fill_batch()
             if time.monotonic() - last_sweep > min(5.0, vc.idle_timeout_s / 2):
                 await self.sweep_idle()
                 last_sweep = time.monotonic()
@@ -364,6 +378,31 @@ class VerifierCore:
                     await self._run_prefill(loop, self._prefill_budget() if busy else vc.max_batch_tokens)
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("verify loop error: %s", e)
+
+    async def _fill_batch(self) -> None:
+        """Hold the forward for the sessions due back within ``batch_fill`` x its predicted time
+        (:mod:`deploy.verifier.batch_fill`); re-decided as each arrives, never past the first deadline."""
+        vc = self.cfg.verifier
+        if vc.batch_fill <= 0 or self.pacer.cost.count < 3 or not len(self.sched):
+            return
+        deadline = None
+        while True:
+            pending = self.sched.pending_sessions()
+            rows = self.sched.pending_tokens()
+            now = time.monotonic()
+            wait = fill_wait(rows, self.arrivals.due(now, pending), rows / max(len(pending), 1),
+                             self.pacer.cost.predict, vc.batch_fill, vc.max_batch_sessions, len(pending))
+            if deadline is None:
+                deadline = now + wait
+            wait = min(wait, deadline - now)
+            if wait <= 0.0005:
+                return
+            self.fill_waits += 1
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                return
 
     async def _request_arrives(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for a verify request; whether one is queued."""
@@ -439,6 +478,8 @@ class VerifierCore:
         tenant, res = item
         self.metrics.on_open(tenant, res.sid, res.prefix_len)
         self.tokens_emitted += res.first_token is not None
+        if not res.finished:
+            self.arrivals.replied(res.sid, time.monotonic())
         depth, budget = self._hints(res.sid)
         return (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
@@ -522,7 +563,12 @@ class VerifierCore:
                                depth, budget, verified=res.verified if res.verified < len(req.tree) else None)
         else:
             frame = ReplyFrame.of_chain(res, depth, budget)
-        self.round_latencies.append((p.enqueued_at, time.monotonic() - p.enqueued_at))
+        now = time.monotonic()
+        self.round_latencies.append((p.enqueued_at, now - p.enqueued_at))
+        if res.finished or refill:
+            self.arrivals.forget(p.session_id)
+        else:
+            self.arrivals.replied(p.session_id, now)
         return 200, frame.encode()
 
 

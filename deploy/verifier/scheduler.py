@@ -44,6 +44,9 @@ class FairScheduler:
     def pending_sessions(self) -> set[str]:
         return {p.session_id for q in self._queues.values() for p in q}
 
+    def pending_tokens(self) -> int:
+        return sum(p.tokens for q in self._queues.values() for p in q)
+
     def pending_by_tenant(self) -> dict[str, int]:
         return {t: len(q) for t, q in self._queues.items() if q}
 
