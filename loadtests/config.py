@@ -161,7 +161,7 @@ def _app(target: str, **verifier) -> dict:
             "server_draft": {"enabled": False}}
 
 
-SCENARIOS: tuple[str, ...] = ("ramp", "edge", "tenants", "burst", "kill", "smoke", "soak")
+SCENARIOS: tuple[str, ...] = ("ramp", "edge", "tenants", "tenants-objective", "burst", "kill", "smoke", "soak")
 
 
 def edge_user(**overrides) -> UserModel:
@@ -191,7 +191,7 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
                               kill_verifier_at_s=300.0, kill_verifier_every_s=300.0, max_rss_growth=0.05,
                               warmup_s=120.0, description="a long run at a steady load with a "
                               "verifier replica killed every 5 minutes: nothing lost, nothing leaks")
-    if name in ("tenants", "smoke"):
+    if name in ("tenants", "tenants-objective", "smoke"):
         # weights matter only when the verifier is the bottleneck: one session per forward on a target
         # with real compute per token (on 2 cores the HTTP proxy saturates before a "tiny" verifier does),
         # many users with a short think time
@@ -199,13 +199,17 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
             target = "tiny-wide"
         app = _app(target, max_batch_sessions=1, batch_wait_ms=0.0)
         app["router"]["tenants"] = [_tenant("gold", 3.0), _tenant("bronze", 1.0)]
-        # no router-side shedding (no cap, no latency objective): the verifier's weighted-fair queue decides
+        # no router-side shedding (no cap, no latency objective): the verifier's weighted-fair queue decides;
+        # tenants-objective keeps the production latency objective (p99 1 s): the router sheds too, by weight
         app["router"].update(max_pending_verifies=4096, max_queued_batches=None, latency_objective_s=None)
+        if name == "tenants-objective":
+            del app["router"]["latency_objective_s"]
         # the smoke run (make test) speaks both transports: half the users POST, half use WebSockets
         user = UserModel(draft_ms=2.0, rtt_ms=2.0, depth=4, nodes=32, max_tokens=32, idle_s=(0.0, 0.05),
                          ws_share=0.5 if name == "smoke" else 0.0)
         desc = ("mixed tenants gold (weight 3) and bronze (weight 1), equal user counts, verifier saturated "
-                "(max_batch_sessions=2): tokens served must split 3:1")
+                "(max_batch_sessions=2): tokens served must split 3:1"
+                + (", with the router's latency objective on (p99 1 s)" if name == "tenants-objective" else ""))
         return LoadTestConfig(name=name, target=target, app=app, user=user, fairness=True, description=desc,
                               warmup_s=2.0 if name == "smoke" else 3.0)
     if name == "burst":

@@ -60,6 +60,7 @@ class Counters:
         self.shed_ms: list[float] = []
         self.shed_at: list[float] = []  # epoch seconds of those 429s
         self.shed_why: list[str] = []  # and their reasons
+        self.shed_connect_ms: list[float] = []  # of each 429's time, what went to (re)connecting its WebSocket
         self.ws_lost: dict[str, int] = defaultdict(int)  # WebSocket rounds lost with their connection, by cause
         self.loop_lag: list[tuple[float, float]] = []  # (epoch s, ms) how late this process's gevent loop ran a timer
 
@@ -73,7 +74,7 @@ class Counters:
                 "verify_ms": {t: [round(x, 2) for x in v] for t, v in self.verify_ms.items()},
                 "verify_at": {t: [round(x, 2) for x in v] for t, v in self.verify_at.items()},
                 "shed_ms": [round(x, 2) for x in self.shed_ms], "shed_at": [round(x, 2) for x in self.shed_at],
-                "shed_why": self.shed_why,
+                "shed_why": self.shed_why, "shed_connect_ms": [round(x, 2) for x in self.shed_connect_ms],
                 "ws_lost": dict(self.ws_lost),
                 "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag]}
 
@@ -155,12 +156,14 @@ class EdgeUser(FastHttpUser):
         self.ws = _smooth_pick("transport", {"ws": u["ws_share"], "http": 1 - u["ws_share"]}) == "ws"
         self.sock: websocket.WebSocket | None = None
         self.sock_sid: str | None = None
+        self.connect_ms = 0.0  # the last request's time spent connecting a WebSocket (0: none, or HTTP)
         wl = CFG["workload"]
         self.vocab = wl["vocab_size"]
 
     # -- one HTTP exchange, named by outcome in Locust's stats --------------------------------
     def _request(self, method: str, path: str, name: str, **kw):
         """Returns (status, body bytes, headers, ms); 429/503/404/410 are protocol outcomes, not failures."""
+        self.connect_ms = 0.0
         t0 = time.perf_counter()
         with self.client.request(method, path, name=name, headers=self.headers, catch_response=True, **kw) as r:
             ms = (time.perf_counter() - t0) * 1000
@@ -185,6 +188,7 @@ class EdgeUser(FastHttpUser):
         its status; a connection that dies after the frame went out is ``LOST``, one that cannot
         be made is status 0 (an error)."""
         t0 = time.perf_counter()
+        self.connect_ms = 0.0
         name, status, body, headers, exc, sent = "ws verify", 0, b"", {}, None, False
         try:
             try:
@@ -230,8 +234,10 @@ class EdgeUser(FastHttpUser):
         if self.sock_sid != sid or self.sock is None:
             self._close_ws()
             url = self.host.replace("http://", "ws://", 1) + f"/v1/sessions/{sid}/ws"
+            t0 = time.perf_counter()
             self.sock = websocket.create_connection(url, header=[f"Authorization: {self.headers['Authorization']}"],
                                                     timeout=float(CFG["user"]["network_timeout_s"]))
+            self.connect_ms += (time.perf_counter() - t0) * 1000  # inside the round's time, reported apart too
             self.sock_sid = sid
         return self.sock
 
@@ -256,6 +262,7 @@ class EdgeUser(FastHttpUser):
             s.shed_at.append(time.time())
             s.shed_reasons[reason] += 1
             s.shed_why.append(reason)
+            s.shed_connect_ms.append(self.connect_ms)
         else:
             s.add(self.tenant, "unavailable")
         try:

@@ -75,7 +75,7 @@ def merge_counters(paths: list[Path]) -> dict:
     tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int), "ws_lost": defaultdict(int),
               "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
-              "verify_at": defaultdict(list), "shed_ms": [], "shed_at": [], "shed_why": [], "loop_lag_ms": [], "processes": 0}
+              "verify_at": defaultdict(list), "shed_ms": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], "loop_lag_ms": [], "processes": 0}
     for p in paths:
         d = json.loads(Path(p).read_text())
         merged["processes"] += 1
@@ -95,6 +95,7 @@ def merge_counters(paths: list[Path]) -> dict:
         merged["loop_lag_ms"].extend(d.get("loop_lag_ms", []))
         merged["shed_at"].extend(d.get("shed_at", [None] * len(d["shed_ms"])))
         merged["shed_why"].extend(d.get("shed_why", [None] * len(d["shed_ms"])))
+        merged["shed_connect_ms"].extend(d.get("shed_connect_ms", [0.0] * len(d["shed_ms"])))
     merged["tenants"] = {t: dict(c) for t, c in tenants.items()}
     return merged
 
@@ -176,6 +177,7 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
     router's own time per 429 (request at its ASGI app to answer sent) and its event loop's lag
     (deploy/router/probe.py); the Locust process's own loop lag (the client's share)."""
     client = list(zip(counters["shed_at"], counters["shed_ms"]))
+    sent = [(at, ms - c) for at, ms, c in zip(counters["shed_at"], counters["shed_ms"], counters["shed_connect_ms"])]
     by_reason = defaultdict(list)
     for at, ms, why in zip(counters["shed_at"], counters["shed_ms"], counters["shed_why"]):
         by_reason[why or "unknown"].append((at, ms))
@@ -184,6 +186,11 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
         probe = json.loads(Path(stats_path).read_text()).get("router_probe", {})
     return {"client_ms": _pcts([x for x in client if x[0]], window),
             "client_ms_by_reason": {r: _pcts(v, window) for r, v in sorted(by_reason.items())},
+            # without the WebSocket (re)connect some rounds began with (a user that slept out a long
+            # Retry-After closed its socket): from the frame sent to the 429 read
+            "client_ms_after_connect": _pcts([x for x in sent if x[0]], window),
+            "with_connect": sum(1 for at, c in zip(counters["shed_at"], counters["shed_connect_ms"])
+                                if at and c and window[0] <= at < window[1]),
             "router_answer_ms": _pcts(probe.get("shed_ms", []), window),
             "router_loop_lag_ms": _pcts(probe.get("loop_lag_ms", []), window),
             "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window)}
@@ -380,9 +387,11 @@ def _split(sp: dict | None) -> str:
         return "n/a"
     pp = lambda d: f"{_f(d['p50'], 1)} / {_f(d['p99'], 1)}"  # noqa: E731
     reasons = ", ".join(f"{r} {pp(d)}" for r, d in sp["client_ms_by_reason"].items() if d["n"])
+    conn = (f"; without WebSocket connects ({sp['with_connect']} of the 429s included one) "
+            f"{pp(sp['client_ms_after_connect'])}" if "client_ms_after_connect" in sp else "")
     return (f"{pp(sp['router_answer_ms'])}; {pp(sp['router_loop_lag_ms'])} (max {_f(sp['router_loop_lag_ms']['max'], 0)}); "
             f"{pp(sp['locust_loop_lag_ms'])} (max {_f(sp['locust_loop_lag_ms']['max'], 0)}); client by reason: "
-            f"{reasons or 'none'}")
+            f"{reasons or 'none'}{conn}")
 
 
 def _cores(srv: dict) -> str:

@@ -14,7 +14,9 @@ included, takes population / throughput seconds. So the router bounds what it se
    its weight's share of ``limit`` in flight (shares over the tenants with requests in
    flight); the total stays below ``2 * limit``.
 3. **Running sessions first.** A new session (its prefill) is admitted only while fewer
-   than ``limit / 2`` requests are in flight.
+   than ``limit / 2`` requests are in flight, or while its tenant has fewer than its weight's
+   share of ``limit / 2`` in flight (as in point 2: a tenant under its share is not kept from
+   opening the sessions it needs to use that share).
 4. **A latency objective.** With ``objective_s`` set, the cap follows what admitted rounds
    actually see (a concurrency limit fitted by feedback, as TCP's AIMD or Netflix's
    concurrency-limits): every window of ``window_s``, the p99 latency of the admitted verifies
@@ -94,7 +96,8 @@ class AdmissionControl:
         not admit it: the router's fast path asks this before reading a body, and a request it
         lets through is admitted by :meth:`check` once parsed."""
         self._roll(time.monotonic() if now is None else now)
-        if kind == "open" and self.inflight >= max(1, self.limit // 2):
+        half = max(1, self.limit // 2)
+        if kind == "open" and self.inflight >= half and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant) / 2:
             return self._refuse(f"the verifier is busy ({self.inflight} requests in flight); running sessions "
                                 "go first", "new_sessions_paused")
         if self.inflight >= self.limit and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant):

@@ -112,6 +112,7 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
     data = json.loads((tmp_path / "counters.json").read_text())
     data.update(shed_ms=[5000.0, 40.0, 60.0, 300.0], shed_at=[T0 + 1, T0 + 10, T0 + 11, T0 + 12],
                 shed_why=["queue_full", "queue_full", "new_sessions_paused", "queue_full"],
+                shed_connect_ms=[0.0, 0.0, 0.0, 250.0],
                 loop_lag_ms=[[T0 + 1, 900.0], [T0 + 10, 2.0], [T0 + 11, 30.0]])
     (tmp_path / "counters.json").write_text(json.dumps(data))
     stats = tmp_path / "server_stats.json"
@@ -122,7 +123,16 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
     sp = s["shed_split"]
     assert sp["client_ms"] == {"n": 3, "p50": 60.0, "p99": 300.0, "max": 300.0}
     assert sp["client_ms_by_reason"]["queue_full"]["n"] == 2
+    assert sp["client_ms_after_connect"]["max"] == 60.0 and sp["with_connect"] == 1  # 300 ms, 250 of them connecting
     assert sp["client_ms_by_reason"]["new_sessions_paused"]["p99"] == 60.0
     assert sp["router_answer_ms"]["max"] == 0.6 and sp["router_loop_lag_ms"]["p99"] == 25.0
     assert sp["locust_loop_lag_ms"]["n"] == 2 and sp["locust_loop_lag_ms"]["max"] == 30.0
     assert s["shed_ms_window"]["p99"] == 300.0  # the figure the check reads is the client's
+
+
+def test_tenants_objective_is_tenants_with_the_production_latency_objective():
+    fair, slo = scenario("tenants"), scenario("tenants-objective")
+    assert fair.app_config().router.latency_objective_s is None
+    assert slo.app_config().router.latency_objective_s == 1.0 and slo.fairness
+    strip = lambda app: {**app, "router": {k: v for k, v in app["router"].items() if k != "latency_objective_s"}}  # noqa: E731
+    assert strip(slo.app) == strip(fair.app) and slo.user == fair.user

@@ -165,4 +165,22 @@ def test_refusal_asks_without_admitting_and_counts_a_shed_once():
         ac.check("a", now=0.0)
     assert ac._shed == 3
     # a window with more than a quarter shed grows the Retry-After, whichever of the two counted
-    assert ac.refusal("b", "open", now=1.5).retry_after == 1.5
+    assert ac.refusal("a", "open", now=1.5).retry_after == 1.5
+
+
+def test_a_tenant_under_its_share_still_opens_sessions_while_new_sessions_wait():
+    """New sessions wait while half the limit is in flight, except for a tenant under its weight's
+    share of that half: it needs sessions to use its share (the fairness of point 2, for opens)."""
+    ac = AdmissionControl(limit=16, weights={"gold": 3.0, "bronze": 1.0})
+    _fill(ac, "bronze", 8)  # bronze alone holds half the limit
+    with pytest.raises(Overloaded) as e:
+        ac.check("bronze", "open", now=0.0)
+    assert e.value.reason == "new_sessions_paused"
+    for _ in range(5):  # gold's share of the half is 8 * 3/4 = 6
+        ac.check("gold", "open", now=0.0)
+        ac.started("gold")
+    assert ac.fair_share("gold") / 2 == 6
+    ac.check("gold", "open", now=0.0)
+    ac.started("gold")
+    with pytest.raises(Overloaded):
+        ac.check("gold", "open", now=0.0)
