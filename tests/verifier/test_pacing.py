@@ -26,14 +26,24 @@ def test_depth_matches_verify_time_minus_rtt():
     p = Pacer(min_depth=1, max_depth=12)
     for x in (33, 66, 132, 264):
         p.observe_forward(x, 0.010 + 0.0005 * x)  # verify(33 tokens) = 26.5 ms
-    # one session, 32-node tree: 26.5 ms verify; 5 ms RTT; 3 ms per draft forward -> ~7 forwards
-    assert p.depth_hint(1, 32, draft_ms=3.0, rtt_ms=5.0) == 7
+    # two sessions, 32-node trees: 43 ms verify (66 rows); 5 ms RTT; 5 ms per draft forward -> ~8 forwards
+    assert p.depth_hint(2, 32, draft_ms=5.0, rtt_ms=5.0) == 8
     # longer RTT -> shallower drafts (SpecEdge Fig. 12 trend)
-    assert p.depth_hint(1, 32, draft_ms=3.0, rtt_ms=20.0) < 7
-    assert p.depth_hint(1, 32, draft_ms=3.0, rtt_ms=500.0) == 1
+    assert p.depth_hint(2, 32, draft_ms=5.0, rtt_ms=20.0) < 8
+    assert p.depth_hint(2, 32, draft_ms=5.0, rtt_ms=500.0) == 1
     # more sessions -> longer verify cycle -> deeper drafts fit
-    assert p.depth_hint(4, 32, draft_ms=3.0, rtt_ms=5.0) > 7
-    assert p.depth_hint(1, 32, draft_ms=0.0, rtt_ms=5.0) == p.default_depth
+    assert p.depth_hint(4, 32, draft_ms=5.0, rtt_ms=5.0) > 8
+    assert p.depth_hint(2, 32, draft_ms=0.0, rtt_ms=5.0) == p.default_depth
+
+
+def test_one_session_is_not_capped_below_its_budget():
+    """Nobody else's batch to be late for: the edge's own rule picks the depth up to the budget."""
+    p = Pacer(min_depth=1, max_depth=12)
+    for x in (33, 66, 132, 264):
+        p.observe_forward(x, 0.010 + 0.0005 * x)
+    assert p.depth_hint(1, 32, draft_ms=5.0, rtt_ms=500.0) == 12
+    assert p.depth_hint(1, 4, draft_ms=5.0, rtt_ms=5.0) == 4
+    assert p.depth_hint(1, 0, draft_ms=5.0, rtt_ms=5.0) == 0  # "no tree" still means no tree
 
 
 @pytest.mark.parametrize("draft_ms", [5e-324, 1e-300, 1e-9])
@@ -42,8 +52,8 @@ def test_denormal_draft_time_gives_the_deepest_hint_not_an_overflow(draft_ms):
     p = Pacer(min_depth=1, max_depth=12)
     for x in (33, 66, 132, 264):
         p.observe_forward(x, 0.010 + 0.0005 * x)
-    assert p.depth_hint(1, 32, draft_ms=draft_ms, rtt_ms=0.0) == 12
-    assert p.depth_hint(1, 8, draft_ms=draft_ms, rtt_ms=5e-324) == 8
+    assert p.depth_hint(2, 32, draft_ms=draft_ms, rtt_ms=0.0) == 12
+    assert p.depth_hint(2, 8, draft_ms=draft_ms, rtt_ms=5e-324) == 8
 
 
 def test_tree_budget_shrinks_with_load_when_compute_bound():
