@@ -130,7 +130,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _c("router_shed_requests", "Requests shed with 429/503 + Retry-After, by reason.", ("reason",),
        component="router"),
     _h("router_shed_answer_seconds", "Server-side time of a 429 answered without a verifier call (from the "
-                                     "request reaching the router's ASGI app to the answer sent).", _WAIT_S,
+                                     "request reaching the router's ASGI app, or its frame the WebSocket loop, "
+                                     "to the answer).", _WAIT_S,
        component="router"),
     _h("router_event_loop_lag_seconds", "How late the router's event loop runs a timer (sampled 20 times a "
                                         "second): the wait any arriving request meets.", _WAIT_S,

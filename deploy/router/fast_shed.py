@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 from deploy.errors import Overloaded
 
+RECEIVED_AT = "specedge.received_at"  # scope key: perf_counter() when a POST reached the fast path
+
 
 def shed_kind(method: str, path: str) -> str | None:
     """The admission kind of a request the fast path may shed: ``POST /v1/sessions`` opens,
@@ -63,6 +65,7 @@ class ShedFastPath:
                 break
         refused = self.decide("POST", path, auth)
         if refused is None:
+            scope[RECEIVED_AT] = t0  # the app's own 429s (quotas, rate limits) are timed from here too
             return await self.app(scope, receive, send)
         status, headers, body = error_response(refused)
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -5,7 +5,9 @@ modes in :mod:`deploy.router.openai`. Every input is validated here or by the
 verifier before it can touch a session; errors are JSON ``{"error": {code, message}}``
 with a 4xx status (429 carries ``Retry-After``). Verifier calls carry
 ``session_id=`` so :class:`deploy.router.affinity.SessionAffinityRouter` pins them to
-the replica that holds the session's KV.
+the replica that holds the session's KV. Opens and verifies that admission control refuses
+are answered before FastAPI routes them (:mod:`deploy.router.fast_shed`); the router's loop
+lag and each shed answer's time are sampled (:mod:`deploy.router.probe`).
 """
 
 
@@ -29,7 +31,7 @@ from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.early import stream_verify
-from deploy.router.fast_shed import ShedFastPath, shed_kind
+from deploy.router.fast_shed import RECEIVED_AT, ShedFastPath, shed_kind
 from deploy.router.probe import LoadProbe
 from deploy.router.tenants import TenantRegistry, TenantState
 
@@ -56,8 +58,10 @@ api.add_middleware(ShedFastPath, decide=_fast_decide, on_shed=_fast_answered)
 
 
 @api.exception_handler(SpecError)
-async def _spec_error(_request: Request, e: SpecError):
+async def _spec_error(request: Request, e: SpecError):
     router_metrics().on_error(e)
+    if e.status == 429 and RECEIVED_AT in request.scope:
+        router_metrics().on_shed_answered(time.perf_counter() - request.scope[RECEIVED_AT])
     headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if isinstance(e, Overloaded) else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 

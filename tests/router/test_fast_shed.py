@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 
 from deploy.config import TenantConfig
 from deploy.errors import SpecError
+from deploy.metrics import router_metrics
 from deploy.router.admission import AdmissionControl
 from deploy.router.fast_shed import ShedFastPath, shed_kind
 from deploy.router.ingress import _spec_error
@@ -110,8 +111,12 @@ def test_fast_path_answers_what_the_app_answers_without_reading_the_body(path, b
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
             return await c.post(path, content=body, headers={"Authorization": f"Bearer {KEY}"})
 
+    timed = lambda: router_metrics().exporter.registry.get_sample_value(  # noqa: E731
+        "specedge_router_shed_answer_seconds_count") or 0
+    before = timed()
     slow = asyncio.run(post(False))
     assert slow.status_code == 429 and app.body_reads >= 1 and not app.answered
+    assert timed() == before + 1  # the app's own 429 is timed from the fast path's entry too
     fast = asyncio.run(post(True))
     assert fast.status_code == 429 and app.body_reads == 0 and len(app.answered) == 1
     assert fast.content == slow.content and _headers(fast) == _headers(slow)
