@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import Callable
 
-from deploy.errors import Overloaded
+from deploy.errors import Overloaded, SpecError
 
 RECEIVED_AT = "specedge.received_at"  # scope key: perf_counter() when a POST reached the fast path
 
@@ -32,6 +32,19 @@ def shed_kind(method: str, path: str) -> str | None:
     if path.startswith("/v1/sessions/") and path.endswith("/verify") and path.count("/") == 4 and len(path) > 20:
         return "verify"
     return None
+
+
+def admission_refusal(method: str, path: str, authorization: str | None, tenants, admission) -> Overloaded | None:
+    """The 429 admission control gives now to a sheddable request (:func:`shed_kind`), or None: not
+    sheddable, or a key ``tenants.authenticate`` refuses (the app answers that one 401 itself)."""
+    kind = shed_kind(method, path)
+    if kind is None:
+        return None
+    try:
+        tenant = tenants.authenticate(authorization)
+    except SpecError:
+        return None
+    return admission.refusal(tenant.config.name, kind)
 
 
 def error_response(e: Overloaded) -> tuple[int, list[tuple[bytes, bytes]], bytes]:

@@ -31,7 +31,7 @@ from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
 from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.early import stream_verify
-from deploy.router.fast_shed import RECEIVED_AT, ShedFastPath, shed_kind
+from deploy.router.fast_shed import RECEIVED_AT, ShedFastPath, admission_refusal
 from deploy.router.probe import LoadProbe
 from deploy.router.tenants import TenantRegistry, TenantState
 
@@ -149,14 +149,7 @@ class Router:
         admission control refuses now, before routing or reading the body; None lets the request
         through (its key unchecked: the app answers a bad one 401)."""
         self.probe.start()
-        kind = shed_kind(method, path)
-        if kind is None:
-            return None
-        try:
-            tenant = self.tenants.authenticate(authorization)
-        except SpecError:
-            return None
-        return self.admission.refusal(tenant.config.name, kind)
+        return admission_refusal(method, path, authorization, self.tenants, self.admission)
 
     def shed_answered(self, e: Overloaded, seconds: float) -> None:
         """A 429 answered without a verifier call, ``seconds`` after it reached the app."""

@@ -22,7 +22,7 @@ from deploy.config import TenantConfig
 from deploy.errors import SpecError
 from deploy.metrics import router_metrics
 from deploy.router.admission import AdmissionControl
-from deploy.router.fast_shed import ShedFastPath, shed_kind
+from deploy.router.fast_shed import ShedFastPath, admission_refusal, shed_kind
 from deploy.router.ingress import _spec_error
 from deploy.router.probe import LoadProbe
 from deploy.router.tenants import TenantRegistry
@@ -76,14 +76,9 @@ class App:
 
     def decide(self, method, path, authorization):
         """What Router.fast_shed does."""
-        kind = shed_kind(method, path)
-        if not self.fast_on or kind is None:
+        if not self.fast_on:
             return None
-        try:
-            tenant = self.tenants.authenticate(authorization)
-        except SpecError:
-            return None
-        return self.admission.refusal(tenant.config.name, kind)
+        return admission_refusal(method, path, authorization, self.tenants, self.admission)
 
     async def __call__(self, scope, receive, send):
         async def counted():
