@@ -53,6 +53,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -729,12 +730,13 @@ def readme_section(doc: dict) -> str:
 
 
 def render_readme(results_json: Path, readme: Path = RESULTS / "README.md") -> None:
-    text = readme.read_text()
-    head = text.split(README_MARK)[0].rstrip() + "\n\n"
-    tail = ""
-    if "## Discussion" in text:
-        tail = "\n## Discussion" + text.split("## Discussion", 1)[1]
-    readme.write_text(head + readme_section(json.loads(results_json.read_text())) + tail)
+    """Replace the generated section (from ``README_MARK`` to the next level-2 heading) with this
+    run's; every hand-written section before and after it (other issues' figures, the discussion)
+    is kept whole."""
+    head, mark, rest = readme.read_text().partition(README_MARK)
+    after = re.search(r"^## ", rest, re.M) if mark else None
+    tail = "\n" + rest[after.start():] if after else ""
+    readme.write_text(head.rstrip() + "\n\n" + readme_section(json.loads(results_json.read_text())) + tail)
 
 
 def main(argv=None) -> int:

@@ -62,9 +62,11 @@ def test_table_prints_nan_as_dash_and_readme_section_renders(tmp_path):
     assert sec.startswith("## Latest full run") and "### Headline" in sec and "### All figures" in sec
     assert "edge_full_vs_vllm_ar: tokens/whole-server-cpu-s x0.90" in sec
     readme = tmp_path / "README.md"
-    readme.write_text("# R\n\nintro\n\n## Latest full run\n\nold\n\n## Discussion\n\nkept\n")
+    readme.write_text("# R\n\nintro\n\n## Latest full run\n\nold\n\n### All figures\n\nold too\n\n"
+                      "## Another issue's figures\n\nkept first\n\n## Discussion\n\nkept\n")
     doc = tmp_path / "run.json"
     doc.write_text(json.dumps({"conditions": COND, "rows": ROWS}))
     render_readme(doc, readme)
     text = readme.read_text()
-    assert text.startswith("# R\n\nintro") and "old" not in text and text.endswith("## Discussion\n\nkept\n")
+    assert text.startswith("# R\n\nintro") and "old" not in text
+    assert text.endswith("## Another issue's figures\n\nkept first\n\n## Discussion\n\nkept\n")
