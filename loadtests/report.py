@@ -193,6 +193,8 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
                                 if at and c and window[0] <= at < window[1]),
             "router_answer_ms": _pcts(probe.get("shed_ms", []), window),
             "router_loop_lag_ms": _pcts(probe.get("loop_lag_ms", []), window),
+            # the router's garbage collections (each stops its loop whole); n / window = per second
+            "router_gc_pause_ms": _pcts(probe.get("gc_pause_ms", []), window),
             "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window)}
 
 
@@ -387,10 +389,13 @@ def _split(sp: dict | None) -> str:
         return "n/a"
     pp = lambda d: f"{_f(d['p50'], 1)} / {_f(d['p99'], 1)}"  # noqa: E731
     reasons = ", ".join(f"{r} {pp(d)}" for r, d in sp["client_ms_by_reason"].items() if d["n"])
+    gcp = sp.get("router_gc_pause_ms")
+    gc_ = f"{gcp['n']} pauses, {pp(gcp)} (max {_f(gcp['max'], 0)})" if gcp and gcp["n"] else "n/a"
     conn = (f"; without WebSocket connects ({sp['with_connect']} of the 429s included one) "
             f"{pp(sp['client_ms_after_connect'])}" if "client_ms_after_connect" in sp else "")
     return (f"{pp(sp['router_answer_ms'])}; {pp(sp['router_loop_lag_ms'])} (max {_f(sp['router_loop_lag_ms']['max'], 0)}); "
-            f"{pp(sp['locust_loop_lag_ms'])} (max {_f(sp['locust_loop_lag_ms']['max'], 0)}); client by reason: "
+            f"{pp(sp['locust_loop_lag_ms'])} (max {_f(sp['locust_loop_lag_ms']['max'], 0)}); "
+            f"router GC {gc_}; client by reason: "
             f"{reasons or 'none'}{conn}")
 
 

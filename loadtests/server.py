@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     samples: list[dict] = []
     events: list[dict] = []
     procs: list[dict] = []  # every 5 s: CPU seconds so far per role, RSS per replica process
-    probe: dict[str, list] = {"loop_lag_ms": [], "shed_ms": []}  # the router's (epoch s, ms) samples
+    probe: dict[str, list] = {"loop_lag_ms": [], "shed_ms": [], "gc_pause_ms": []}  # the router's (epoch s, ms) samples
     out = Path(args.stats_out)
     roles: dict[int, str] = {}
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             if n % 4 == 0:
                 try:
                     for k, v in (await asyncio.wait_for(router.probe_samples.remote(), 5)).items():
-                        probe[k].extend(v)
+                        probe.setdefault(k, []).extend(v)
                 except Exception as e:  # noqa: BLE001 (an overloaded router answers late: keep sampling)
                     events.append({"t": time.time(), "event": "probe_error", "error": f"{type(e).__name__}: {e}"[:300]})
             if n % 20 == 0:

@@ -5,7 +5,10 @@ network is (a) the router's event loop reaching the request (its lag: every othe
 work on the same loop, and the process waiting for a core) and (b) the answer itself (from
 the request reaching the router's ASGI app to the response sent). :class:`LoadProbe` measures
 both: ``run()`` sleeps ``interval_s`` over and over on the loop and records how late it wakes
-(the lag an arriving request meets), and the router records each shed answer's time. The load
+(the lag an arriving request meets), and the router records each shed answer's time. It also
+times the interpreter's garbage collections (``gc.callbacks``): a full collection over a
+thousand sessions' objects stops the loop as a whole, which the lag alone cannot tell apart from
+queued work. The load
 test drains the samples once a second (``Router.probe_samples``) for its report; Prometheus
 gets the same as histograms. Pure module (no Ray, no FastAPI).
 """
@@ -13,6 +16,7 @@ gets the same as histograms. Pure module (no Ray, no FastAPI).
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,13 +30,22 @@ class LoadProbe:
         self.interval_s = interval_s
         self.lag: deque[tuple[float, float]] = deque(maxlen=keep)
         self.shed: deque[tuple[float, float]] = deque(maxlen=keep)
+        self.gc_pause: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, ms) per collection
         self.on_lag = on_lag
         self._task: asyncio.Task | None = None
+        self._gc_t0 = 0.0
 
     def start(self) -> None:
         """Start the lag sampler on the running loop (once)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self.run())
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_pause.append((time.time(), (time.perf_counter() - self._gc_t0) * 1e3))
 
     async def run(self) -> None:
         while True:
@@ -48,7 +61,8 @@ class LoadProbe:
 
     def drain(self) -> dict[str, list[tuple[float, float]]]:
         """The samples since the last drain, and forget them."""
-        out = {"loop_lag_ms": list(self.lag), "shed_ms": list(self.shed)}
+        out = {"loop_lag_ms": list(self.lag), "shed_ms": list(self.shed), "gc_pause_ms": list(self.gc_pause)}
         self.lag.clear()
         self.shed.clear()
+        self.gc_pause.clear()
         return out
