@@ -93,6 +93,9 @@ def test_a_wrong_exit_misses_every_round_and_the_output_is_the_targets(target, d
     assert res.token_ids == ref
     s = res.stats
     assert s.predraft_hits == 0 and s.predraft_misses > 0 and s.early_frames >= s.rounds - 1
+    # every miss falls back to proactive drafting: it drafted ahead while the round was in flight
+    # and checked that work against the reply
+    assert s.proactive_forwards > 0 and s.align_attempts >= s.predraft_misses
 
 
 def test_seeded_sampling_with_predrafts_follows_the_target_only_sample_path(target, draft):
