@@ -585,10 +585,25 @@ TABLE_COLS = [("mode", "mode", 0), ("rtt_ms", "RTT ms", 0), ("sessions", "sess",
               ("downlink_bytes_per_token", "down B/tok", 0), ("cost_eff_ktok_per_usd", "ktok/$", 1)]
 
 
+# the verification rule and temperature of a row (issue 17): shown after the mode whenever they tell
+# rows apart or differ from the defaults (greedy, sample-then-match); "-" (server_ar, peers) says nothing
+RULE_COLS = [("verify", "verify", 0, "match"), ("temperature", "T", 1, 0.0)]
+
+
+def _table_cols(rows: list[dict]) -> list[tuple[str, str, int]]:
+    extra = []
+    for k, h, nd, default in RULE_COLS:
+        seen = {r[k] for r in rows if r.get(k) not in (None, "-")}
+        if len(seen) > 1 or seen - {default}:
+            extra.append((k, h, nd))
+    return TABLE_COLS[:1] + extra + TABLE_COLS[1:]
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(h for _, h, _ in TABLE_COLS) + " |"
-    sep = "|" + "|".join("---" for _ in TABLE_COLS) + "|"
-    body = ["| " + " | ".join(fmt(r.get(k), nd) for k, _, nd in TABLE_COLS) + " |" for r in rows]
+    cols = _table_cols(rows)
+    head = "| " + " | ".join(h for _, h, _ in cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
+    body = ["| " + " | ".join(fmt(r.get(k), nd) for k, _, nd in cols) + " |" for r in rows]
     return "\n".join([head, sep] + body)
 
 

@@ -70,3 +70,21 @@ def test_table_prints_nan_as_dash_and_readme_section_renders(tmp_path):
     text = readme.read_text()
     assert text.startswith("# R\n\nintro") and "old" not in text
     assert text.endswith("## Another issue's figures\n\nkept first\n\n## Discussion\n\nkept\n")
+
+
+def test_table_has_verify_and_temperature_columns_when_rows_differ_by_them():
+    greedy = markdown_table(ROWS)  # no rule/temperature keys: the columns stay out
+    assert "| verify |" not in greedy and "| T |" not in greedy
+    same = [dict(r, verify="match" if r["mode"] != "server_ar" else "-", temperature=0.0) for r in ROWS]
+    assert markdown_table(same).splitlines()[0] == greedy.splitlines()[0]  # defaults everywhere: as before
+    rules = [dict(ROWS[1], verify=v, temperature=t) for v in ("match", "rejection", "tree-rejection")
+             for t in (0.7, 1.0)] + [dict(ROWS[0], verify="-", temperature=0.7)]
+    lines = markdown_table(rules).splitlines()
+    head = [h.strip() for h in lines[0].strip("|").split("|")]
+    assert head[:3] == ["mode", "verify", "T"]
+    cells = [[c.strip() for c in ln.strip("|").split("|")][:3] for ln in lines[2:]]
+    assert cells[0] == ["edge_full", "match", "0.7"] and cells[3] == ["edge_full", "rejection", "1.0"]
+    assert cells[-1] == ["server_ar", "-", "0.7"]
+    assert len({tuple(c) for c in cells}) == len(cells)  # every row tells its rule and temperature
+    one = markdown_table([dict(ROWS[1], verify="tree-rejection", temperature=1.0)]).splitlines()[0]
+    assert "| verify | T |" in one  # a single non-default rule is still named
