@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,14 +207,37 @@ class WalkJob:
     path: tuple[int, ...] | None  # verified node -> node of the tree the edge sent (a clipped tree), or None
 
 
+def exit_rows(heads: ExitHeads, layer: int, h: torch.Tensor, batch, picks) -> torch.Tensor | None:
+    """The exit's subset logits [R, K] (on the CPU) of the logit rows of the batch items ``picks``
+    names, in that order: ``picks`` is a list of (item index, session id); None if the batch is not
+    the one they were chosen for (a stale hook: never walk another batch's rows)."""
+    counts = [len(it.logit_rows) for it in batch.items]
+    if any(i >= len(counts) or batch.items[i].sid != sid for i, sid in picks):
+        return None
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    flat = batch.logit_index.to(h.device)
+    pick = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i, _ in picks])
+    return heads.logits(layer, h[flat[pick.to(flat.device)]]).cpu()
+
+
 class EarlyExit:
     """The per-layer hook of one verify forward: after each exit layer, the early results of
-    the trees that asked for them, handed to ``sink`` at once (mid-forward)."""
+    the trees that asked for them, handed to ``sink`` at once (mid-forward).
+
+    In one process the forward calls the hook (``__call__``); with pipeline stages the stage
+    holding an exit computes :func:`exit_rows` for :attr:`picks` and the replica's thread hands
+    them to :meth:`walk` while later stages still run (:mod:`deploy.verifier.pipeline`)."""
 
     def __init__(self, heads: ExitHeads, vocab: int, jobs: list[tuple[int, WalkJob]], sink):
         self.heads, self.vocab, self.jobs, self.sink = heads, vocab, jobs, sink  # jobs: (item index, job)
         self.layers = frozenset(heads.layers)
-        self.seconds = 0.0  # time spent in exits (measured: the cost of early results)
+        self.picks = [(i, job.sid) for i, job in jobs]  # the batch items (index, session) walked early
+        # the cost of early results, measured: exit head, walks, and encoding/queueing the frames (the
+        # sink); ``seconds`` is wall time, ``cpu_seconds`` this thread's CPU time (robust to other load)
+        self.seconds = 0.0
+        self.cpu_seconds = 0.0
 
     @classmethod
     def for_batch(cls, engine, requests, todo, sink) -> "EarlyExit | None":
@@ -236,26 +260,26 @@ class EarlyExit:
     def __call__(self, layer: int, h: torch.Tensor, batch) -> None:
         if layer not in self.layers or not self.jobs:
             return
-        import time
+        t0, c0 = time.perf_counter(), time.thread_time()
+        sub = exit_rows(self.heads, layer, h, batch, self.picks)
+        self.seconds += time.perf_counter() - t0
+        self.cpu_seconds += time.thread_time() - c0
+        if sub is not None:
+            self.walk(layer, sub)
 
-        t0 = time.perf_counter()
-        counts = [len(it.logit_rows) for it in batch.items]
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        flat = batch.logit_index.to(h.device)
-        if any(i >= len(counts) or batch.items[i].sid != job.sid for i, job in self.jobs):
-            return  # a stale hook (its forward never ran): never walk another batch's rows
-        pick = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i, _ in self.jobs])
-        sub = self.heads.logits(layer, h[flat[pick.to(flat.device)]]).cpu()  # [R, K]
+    def walk(self, layer: int, sub: torch.Tensor) -> None:
+        """Walk every job's tree with the exit's subset logits ``sub`` [R, K] (the jobs' rows in
+        order) and hand the early results to the sink."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         out, off = [], 0
-        for i, job in self.jobs:
-            n = counts[i]
+        for _, job in self.jobs:
+            n = len(job.tree) + 1  # the root row and one per node
             rows = SubsetRows(sub[off: off + n], self.heads.ids, self.vocab)
             off += n
             acc, tok, conf = early_walk(job.tree, rows, job.params, job.generator, job.max_emit, job.stop_ids)
             if job.path is not None:
                 acc = tuple(job.path[a] for a in acc)
             out.append(EarlyResult(job.sid, layer, acc, tok, conf, job.prefix_len))
-        self.seconds += time.perf_counter() - t0
         self.sink(out)
+        self.seconds += time.perf_counter() - t0
+        self.cpu_seconds += time.thread_time() - c0

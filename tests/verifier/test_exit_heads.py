@@ -97,6 +97,24 @@ def test_early_results_are_computed_mid_forward(model4):
     assert "early" not in order
 
 
+def test_the_measured_cost_of_the_exits_includes_the_sink(model4):
+    """The hook's seconds count handing the frames to the sink (the replica encodes and queues
+    them there), in wall time and in the forward thread's CPU time."""
+    import time
+
+    def spin_sink(results):  # 30 ms of this thread's CPU, then 50 ms asleep (wall only)
+        c0 = time.thread_time()
+        while time.thread_time() - c0 < 0.03:
+            pass
+        time.sleep(0.05)
+
+    eng = early_engine(model4, layers=(2,))
+    eng.open([OpenRequest("a", [5, 6, 7], SamplingParams(max_tokens=8))])
+    eng.verify([VerifyRequest("a", DraftTree((5, 6), (-1, 0)), 4, early=True)], on_early=spin_sink)
+    hook = eng.last_early
+    assert hook.seconds >= 0.08 and 0.03 <= hook.cpu_seconds < hook.seconds
+
+
 def test_early_walk_with_the_final_logits_is_the_final_walk(model4):
     """The early walk is the final walk's rule on a copy of the generator: fed the final
     logits, it gives the same path and token, and leaves the session's generator as it was."""
