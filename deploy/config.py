@@ -118,12 +118,6 @@ class VerifierConfig(_Strict):
                                                    "(deploy/verifier/truncation.py)")
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
 
-    @model_validator(mode="after")
-    def _early_exit_single_process(self):
-        if self.early_exit.enabled and self.pipeline_parallel_size > 1:
-            raise ValueError("verifier.early_exit needs pipeline_parallel_size 1 (pipeline stages run no exit heads)")
-        return self
-
     def kv_pool_tokens(self) -> int:
         """Pool capacity: the eviction budget plus room for one full batch of new tokens
         (every session's tree, each starting on a fresh page)."""

@@ -167,8 +167,8 @@ def test_early_exit_config_is_validated(early):
         AppConfig(verifier={"early_exit": early})
 
 
-def test_early_exit_needs_the_single_process_forward():
+def test_early_exit_with_one_process_or_pipeline_stages():
     ok = AppConfig(verifier={"early_exit": {"enabled": True, "heads": "untrained", "layers": [1, 2]}})
     assert ok.verifier.early_exit.layers == [1, 2] and not AppConfig().verifier.early_exit.enabled
-    with pytest.raises(ValidationError, match="pipeline"):
-        AppConfig(verifier={"pipeline_parallel_size": 2, "early_exit": {"enabled": True}})
+    pp = AppConfig(verifier={"pipeline_parallel_size": 2, "early_exit": {"enabled": True}})  # stages run the exits
+    assert pp.verifier.early_exit.enabled and pp.verifier.pipeline_parallel_size == 2

@@ -586,7 +586,8 @@ class Verifier(VerifierCore):
 
             runner = build_runner(cfg.target, vc.pipeline_parallel_size, cpus_per_stage=vc.num_cpus,
                                   gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads,
-                                  kv_capacity_tokens=vc.kv_pool_tokens(), compile=vc.compile)
+                                  kv_capacity_tokens=vc.kv_pool_tokens(), compile=vc.compile,
+                                  early_exit=vc.early_exit)  # each stage builds the heads of its exit layers
             loaded = runner.loaded
         super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)
 

@@ -1,8 +1,9 @@
 """Early frames from the replica's verify forward to the router (the early-exit paper §3, step 3).
 
 The forward runs on the replica's worker thread; after each exit layer the engine's hook
-(:mod:`deploy.verifier.exit_heads`) hands this module the early results of the batch's
-trees that asked for them. They are encoded (:class:`deploy.protocol.EarlyFrame`) and
+(:mod:`deploy.verifier.exit_heads`) hands this module the early results of the batch's trees
+that asked for them (with pipeline stages: the worker thread, as soon as the stage holding
+the exit is done, while later stages compute; :mod:`deploy.verifier.pipeline`). They are encoded (:class:`deploy.protocol.EarlyFrame`) and
 put, thread-safely, on the asyncio queue of their request, which the replica's streaming
 method (``Verifier.verify_stream``, a Serve streaming call) yields to the router while the
 forward is still running; the router writes them to the edge's WebSocket at once. The
@@ -21,13 +22,15 @@ from deploy.protocol import EarlyFrame, VerifyFrame
 from deploy.verifier.exit_heads import EarlyResult, ExitHeads
 
 
-def load_heads(cfg: EarlyExitConfig, hf_model) -> ExitHeads | None:
-    """The configured exit heads for ``hf_model`` (None when early exits are off)."""
+def load_heads(cfg: EarlyExitConfig, hf_model, layers=None) -> ExitHeads | None:
+    """The configured exit heads for ``hf_model`` (None when early exits are off); ``layers``:
+    only these of the configured exits (a pipeline stage's)."""
     if not cfg.enabled:
         return None
+    layers = cfg.layers if layers is None else layers
     if cfg.heads == "untrained":
-        return ExitHeads.init(hf_model, cfg.layers, rank=8)
-    return ExitHeads.load(cfg.heads, hf_model, cfg.layers)
+        return ExitHeads.init(hf_model, layers, rank=8)
+    return ExitHeads.load(cfg.heads, hf_model, layers)
 
 
 class EarlyStreams:
@@ -40,12 +43,18 @@ class EarlyStreams:
 
     @classmethod
     def attach(cls, engine, cfg: EarlyExitConfig, hf_model) -> "EarlyStreams":
-        """Load the heads (if on) into ``engine``; early requests then get results mid-forward."""
+        """Load the heads (if on) into ``engine``; early requests then get results mid-forward.
+        Pipeline stages hold their exits' heads themselves (built with ``early_exit``,
+        :class:`deploy.verifier.pipeline.PipelineRunner`); the engine gets their layout."""
         from deploy.verifier.runner import ModelRunner
 
-        if cfg.enabled and not isinstance(engine.runner, ModelRunner):
-            raise ValueError("early exits need the single-process forward (pipeline stages do not run exit heads)")
-        heads = load_heads(cfg, hf_model)
+        if not cfg.enabled or isinstance(engine.runner, ModelRunner):
+            heads = load_heads(cfg, hf_model)
+        else:
+            heads = getattr(engine.runner, "exit_heads", None)
+            if heads is None:
+                raise ValueError("early exits are on but the pipeline stages hold no exit heads "
+                                 "(build the runner with early_exit)")
         engine.exit_heads = heads
         return cls(heads)
 

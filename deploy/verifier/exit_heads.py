@@ -100,15 +100,24 @@ class ExitHeads:
                    dict(meta, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
                         vocab_size=cfg.vocab_size, dtype=str(dtype)))
 
+    @staticmethod
+    def _artifact(path: str | Path) -> tuple[Path, dict]:
+        p = Path(ALIASES.get(str(path), path)).with_suffix(".safetensors")
+        if not p.exists():
+            raise FileNotFoundError(f"exit heads {p} not found (build them: make exit-heads)")
+        return p, json.loads(p.with_suffix(".json").read_text())
+
+    @classmethod
+    def artifact_layers(cls, path: str | Path) -> list[int]:
+        """The exit layers an artifact (or alias) holds, without loading it."""
+        return [int(x) for x in cls._artifact(path)[1]["layers"]]
+
     @classmethod
     def load(cls, path: str | Path, hf_model, layers=None) -> "ExitHeads":
         """Load an artifact (or an alias: ``embedded``) for ``hf_model``; ``layers``: a subset of its exits."""
         from safetensors.torch import load_file
 
-        p = Path(ALIASES.get(str(path), path)).with_suffix(".safetensors")
-        if not p.exists():
-            raise FileNotFoundError(f"exit heads {p} not found (build them: make exit-heads)")
-        meta = json.loads(p.with_suffix(".json").read_text())
+        p, meta = cls._artifact(path)
         cfg = hf_model.config
         if meta["hidden_size"] != cfg.hidden_size or meta["num_layers"] != cfg.num_hidden_layers:
             raise ValueError(f"exit heads {p.name} were trained for another model ({meta['hidden_size']} hidden, "

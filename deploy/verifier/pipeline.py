@@ -41,6 +41,15 @@ provided each stage uses as many torch threads as the unsharded process (in fp32
 GEMM splits a small matrix's rows among threads and computes tail rows with another kernel;
 1 vs 2 threads differ by ~1e-6).
 
+Early exits (the early-exit paper; :mod:`deploy.verifier.exit_heads`): a stage whose slice
+holds an exit layer ``x`` (``first < x <= last``) also holds that exit's head (adapter, final
+norm, the LM head's subset rows: the stage loads the target's norm and head to build it, then
+drops the whole head unless it is the last stage). For a batch with early requests it returns
+two objects, its hidden states and the exit's subset logits of the early trees' rows; the
+replica waits for the second while later stages compute, walks the trees with it and hands
+the early frames to the replica's stream (:meth:`~deploy.verifier.exit_heads.EarlyExit.walk`).
+The final logits still come from the last stage only: the output is unchanged.
+
 Tensor parallelism inside a stage is not implemented: a row-parallel linear sums
 partial products across ranks in another order, which breaks bit-identity with the
 unsharded verifier, and on CPU (gloo) two all-reduces per layer cost more than they
@@ -53,16 +62,18 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 import torch
 
-from deploy.config import ModelConfig
+from deploy.config import EarlyExitConfig, ModelConfig
 from deploy.verifier.layer_split import Weighting, split_layers
 from deploy.verifier.models import (EMBEDDED_ALIASES, EMBEDDED_NAME, TINY_PREFIX, LoadedModel, _eos_ids, ensure_embedded_model,
                                     load_model, resolve_attn, resolve_device, resolve_dtype, tiny_llama_config)
 from deploy.verifier.batch import SeqInput
+from deploy.verifier.exit_heads import ExitHeads, exit_rows
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.runner import Keep, ModelRunner
 
@@ -156,8 +167,9 @@ def target_config(model_cfg: ModelConfig):
     return AutoConfig.from_pretrained(str(path))
 
 
-def _prune(model, first: int, last: int) -> None:
-    """Replace every module the stage does not own by a parameter-free placeholder."""
+def _prune(model, first: int, last: int, keep_head: bool = False) -> None:
+    """Replace every module the stage does not own by a parameter-free placeholder
+    (``keep_head``: keep the final norm and LM head, which exit heads are built from)."""
     inner = model.model
     n = len(inner.layers)
     for i in range(n):
@@ -165,13 +177,14 @@ def _prune(model, first: int, last: int) -> None:
             inner.layers[i] = torch.nn.Identity()
     if first != 0:
         inner.embed_tokens = torch.nn.Identity()
-    if last != n:
+    if last != n and not keep_head:
         inner.norm = torch.nn.Identity()
         model.lm_head = torch.nn.Identity()
 
 
-def _load_slice(path: Path, model_cfg: ModelConfig, first: int, last: int):
-    """Build the model on the meta device and load only the slice's tensors."""
+def _load_slice(path: Path, model_cfg: ModelConfig, first: int, last: int, keep_head: bool = False):
+    """Build the model on the meta device and load only the slice's tensors (``keep_head``:
+    also the final norm and LM head)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -183,14 +196,15 @@ def _load_slice(path: Path, model_cfg: ModelConfig, first: int, last: int):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     n = config.num_hidden_layers
     is_last = last == n
+    head = is_last or keep_head
     tied = bool(getattr(config, "tie_word_embeddings", False))
 
     def wanted(key: str) -> bool:
         if key.startswith("model.layers."):
             return first <= int(key.split(".")[2]) < last
         if key.startswith("model.embed_tokens."):
-            return first == 0 or (is_last and tied)
-        return is_last and (key.startswith("model.norm.") or key.startswith("lm_head."))
+            return first == 0 or (head and tied)
+        return head and (key.startswith("model.norm.") or key.startswith("lm_head."))
 
     state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -199,12 +213,12 @@ def _load_slice(path: Path, model_cfg: ModelConfig, first: int, last: int):
                 if wanted(key):
                     t = fh.get_tensor(key)
                     state[key] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    if is_last and "lm_head.weight" not in state:
+    if head and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied head
     if first != 0:
         state.pop("model.embed_tokens.weight", None)
     model.load_state_dict(state, strict=False, assign=True)
-    _prune(model, first, last)
+    _prune(model, first, last, keep_head)
     # rotary buffers are not in the checkpoint: rebuild them off the meta device
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
     meta = [name for name, p in model.named_parameters() if p.is_meta]
@@ -217,16 +231,18 @@ def _load_slice(path: Path, model_cfg: ModelConfig, first: int, last: int):
     return model.eval(), device, dtype
 
 
-def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bool = False) -> LoadedModel:
-    """The target with only layers ``[first, last)`` (+ embedding / head) materialised."""
+def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bool = False,
+               keep_head: bool = False) -> LoadedModel:
+    """The target with only layers ``[first, last)`` (+ embedding / head) materialised;
+    ``keep_head``: the final norm and LM head too, whatever the slice."""
     path = _hf_dir(model_cfg)
     if path is None:  # tiny-random, GGUF, hub id: load whole, keep the slice
         loaded = load_model(model_cfg.model, dtype=model_cfg.dtype, device=model_cfg.device,
                             attn_implementation=model_cfg.attn_implementation, tokenizer=model_cfg.tokenizer,
                             seed=model_cfg.seed, tiny_config=model_cfg.tiny_config)
-        _prune(loaded.model, first, last)
+        _prune(loaded.model, first, last, keep_head)
         return loaded
-    model, device, dtype = _load_slice(path, model_cfg, first, last)
+    model, device, dtype = _load_slice(path, model_cfg, first, last, keep_head)
     tok = None
     if with_tokenizer:
         from transformers import AutoTokenizer
@@ -238,14 +254,41 @@ def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bo
 
 
 # -- the stage actor ----------------------------------------------------------------
+def exit_layers(cfg: EarlyExitConfig) -> tuple[int, ...]:
+    """The exits ``cfg`` runs: its layers, or all of its artifact's."""
+    if cfg.layers is not None:
+        return tuple(sorted(cfg.layers))
+    return tuple(ExitHeads.artifact_layers(cfg.heads))
+
+
+@dataclass(frozen=True)
+class StageExits:
+    """What the replica needs of exit heads that its stages hold: the exit layers and the
+    vocabulary subset the exits' logits are over (to walk trees with them)."""
+
+    layers: tuple[int, ...]
+    ids: torch.Tensor  # [K] long
+
+
 class PipelineStage:
-    """One pipeline stage (run as a Ray actor): a ModelRunner over its slice + busy time."""
+    """One pipeline stage (run as a Ray actor): a ModelRunner over its slice + busy time,
+    and the exit heads of the exit layers inside its slice (``early_exit``)."""
 
     def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None,
-                 kv_capacity_tokens: int = 1 << 16, compile: bool = False):
+                 kv_capacity_tokens: int = 1 << 16, compile: bool = False,
+                 early_exit: EarlyExitConfig | None = None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        loaded = load_stage(model_cfg, first, last, with_tokenizer=first == 0)
+        here = ()
+        if early_exit is not None and early_exit.enabled:
+            here = tuple(x for x in exit_layers(early_exit) if first < x <= last)
+        loaded = load_stage(model_cfg, first, last, with_tokenizer=first == 0, keep_head=bool(here))
+        self.heads: ExitHeads | None = None
+        if here:
+            from deploy.verifier.early_stream import load_heads
+
+            self.heads = load_heads(early_exit, loaded.model, here)  # copies the head's subset rows
+            _prune(loaded.model, first, last)  # then the rest of the head goes (unless this is the last stage)
         self.runner = ModelRunner(loaded.model, first, last, kv_capacity_tokens=kv_capacity_tokens, compile=compile)
         m = loaded.model
         self.info = LoadedModel(ModelShell(m.config, getattr(m, "generation_config", None)), loaded.tokenizer,
@@ -257,9 +300,32 @@ class PipelineStage:
         """The target's metadata with a config-only model (what the replica's engine needs)."""
         return self.info
 
-    def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None):
+    def exit_info(self) -> tuple[tuple[int, ...], torch.Tensor | None]:
+        """The exit layers this stage holds and their vocabulary subset ids [K]."""
+        return (self.heads.layers, self.heads.ids) if self.heads is not None else ((), None)
+
+    def forward_early(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None,
+                      picks: list[tuple[int, str]]):
+        """:meth:`forward`, and the exits' subset logits [R, K] of the rows of the batch items
+        ``picks`` names (:func:`~deploy.verifier.exit_heads.exit_rows`): two return values
+        (called with ``num_returns=2``), so the replica gets the second without waiting for the
+        later stages."""
+        early = {"rows": {}, "seconds": 0.0, "cpu_seconds": 0.0}
+
+        def on_layer(n: int, h: torch.Tensor, batch) -> None:
+            if n in self.heads.layers:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                sub = exit_rows(self.heads, n, h, batch, picks)
+                if sub is not None:
+                    early["rows"][n] = sub
+                early["seconds"] += time.perf_counter() - t0
+                early["cpu_seconds"] += time.thread_time() - c0
+
+        return self.forward(batch_id, items, hidden, on_layer), early
+
+    def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None, on_layer=None):
         t0, c0 = time.perf_counter(), time.process_time()
-        out = self.runner.forward(batch_id, items, hidden)
+        out = self.runner.forward(batch_id, items, hidden, on_layer)
         # results leave through the object store: host memory, whatever the device
         out = out.cpu() if isinstance(out, torch.Tensor) else [x.cpu() for x in out]
         t1 = time.perf_counter()
@@ -329,7 +395,8 @@ class PipelineRunner:
                  bounds: list[int] | None = None, weighting: Weighting = "flops",
                  cpus_per_stage: float | None = None, gpus_per_stage: float | None = None,
                  torch_threads: int | None = None, use_placement_group: bool = True,
-                 kv_capacity_tokens: int = 1 << 16, compile: bool = False):
+                 kv_capacity_tokens: int = 1 << 16, compile: bool = False,
+                 early_exit: EarlyExitConfig | None = None):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pp = pipeline_parallel_size
@@ -359,9 +426,20 @@ class PipelineRunner:
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i + STAGE_BUNDLE_OFFSET)
-            self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens, compile))
+            self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens, compile,
+                                                                early_exit))
         self.loaded: LoadedModel = ray.get(self.stages[0].describe.remote())
         ray.get([s.stats.remote() for s in self.stages])  # every stage loaded
+        self.exit_heads: StageExits | None = None  # the exits the stages hold (the engine's ``exit_heads``)
+        self._exit_stages: dict[int, tuple[int, ...]] = {}  # stage index -> its exit layers
+        if early_exit is not None and early_exit.enabled:
+            want = exit_layers(early_exit)
+            info = ray.get([s.exit_info.remote() for s in self.stages])
+            self._exit_stages = {i: layers for i, (layers, _) in enumerate(info) if layers}
+            held = tuple(sorted(x for layers in self._exit_stages.values() for x in layers))
+            if held != want:  # an exit at or past the last layer: no stage runs it
+                raise ValueError(f"early_exit.layers {list(want)}: exits must be in 1..{slices[-1][1] - 1}")
+            self.exit_heads = StageExits(held, next(ids for _, ids in info if ids is not None))
         self._lock = threading.Lock()
         self._lengths: dict[str, int] = {}
         self._batches: dict[int, set[str]] = {}  # sessions of each batch in flight (minus drops)
@@ -406,10 +484,17 @@ class PipelineRunner:
         with self._lock:
             return sum(-(-n // PAGE_SIZE) * PAGE_SIZE for n in self._lengths.values())
 
-    def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None):
-        """Chain the stages; returns one logits tensor [len(logit_rows), vocab] per item."""
+    def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None, on_layer=None):
+        """Chain the stages; returns one logits tensor [len(logit_rows), vocab] per item.
+
+        ``on_layer``: an :class:`~deploy.verifier.exit_heads.EarlyExit` (the engine's hook for a
+        batch with early requests): each stage holding an exit also returns the exit's logits
+        of the early trees' rows, and this thread walks the trees with them as soon as that
+        stage is done, while the later stages compute."""
         if hidden is not None:
             raise ValueError("a PipelineRunner takes token ids; hidden states stay between its stages")
+        exits = self._exit_stages if on_layer is not None else {}
+        early_refs = []
         with self._lock:  # one submission order for every stage: batches cannot cross
             self._reap()
             if batch_id in self._batches:
@@ -417,8 +502,19 @@ class PipelineRunner:
             self._batches[batch_id] = {it.sid for it in items}
             items_ref = ray.put(items)
             ref = None
-            for stage in self.stages:
-                ref = stage.forward.remote(batch_id, items_ref, ref)
+            for i, stage in enumerate(self.stages):
+                if i in exits:
+                    ref, early = stage.forward_early.options(num_returns=2).remote(batch_id, items_ref, ref,
+                                                                                   on_layer.picks)
+                    early_refs.append(early)
+                else:
+                    ref = stage.forward.remote(batch_id, items_ref, ref)
+        for early in early_refs:  # stage order: each is ready when its stage is done
+            got = ray.get(early)
+            on_layer.seconds += got["seconds"]
+            on_layer.cpu_seconds += got["cpu_seconds"]
+            for layer in sorted(got["rows"]):
+                on_layer.walk(layer, got["rows"][layer])
         return ray.get(ref)
 
     def commit(self, batch_id: int, keep: dict[str, Keep]) -> None:
@@ -483,12 +579,14 @@ class PipelineRunner:
 def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpus_per_stage: float | None = None,
                  gpus_per_stage: float | None = None, torch_threads: int | None = None,
                  weighting: Weighting = "flops", kv_capacity_tokens: int = 1 << 16,
-                 compile: bool = False) -> ModelRunner | PipelineRunner:
+                 compile: bool = False, early_exit: EarlyExitConfig | None = None) -> ModelRunner | PipelineRunner:
     """The runner of a verifier replica; ``runner.loaded`` is what its engine is built from.
 
     pp == 1: the whole target in this process and a plain ModelRunner (today's
     verifier; ``loaded.model`` is the model). pp > 1: a :class:`PipelineRunner` whose
-    stages load their own slices (``loaded.model`` is a config-only :class:`ModelShell`).
+    stages load their own slices (``loaded.model`` is a config-only :class:`ModelShell`), and
+    the exit heads of ``early_exit`` in the stages that hold their layers (pp == 1: the
+    replica loads them, :meth:`deploy.verifier.early_stream.EarlyStreams.attach`).
     Either way: ``VerifierEngine(runner.loaded.model, eos_token_ids=runner.loaded.eos_token_ids,
     runner=runner)``.
     """
@@ -503,4 +601,4 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
         return runner
     return PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
                           gpus_per_stage=gpus_per_stage, torch_threads=torch_threads,
-                          kv_capacity_tokens=kv_capacity_tokens, compile=compile)
+                          kv_capacity_tokens=kv_capacity_tokens, compile=compile, early_exit=early_exit)
