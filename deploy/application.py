@@ -22,8 +22,9 @@ def verifier_options(cfg: AppConfig) -> dict:
         max_ongoing_requests=vc.max_ongoing_requests,
         ray_actor_options={"num_cpus": vc.num_cpus,
                            "num_gpus": vc.num_gpus_per_stage if vc.pipeline_parallel_size == 1 else 0},
-        request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter,
-                                                  request_routing_stats_period_s=1.0),
+        request_router_config=RequestRouterConfig(
+            request_router_class=SessionAffinityRouter, request_routing_stats_period_s=1.0,
+            request_router_kwargs={"version_margin": vc.version_affinity_margin}),
         health_check_period_s=10,
         graceful_shutdown_timeout_s=5,
     )

@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 DEV_API_KEY = "specedge-dev-key"  # only when no tenants are configured; logged as a warning
 
 
+BASE_ALIAS = "base"  # what a request's `model` may say for the base target (never a version's name)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -56,8 +59,9 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _not_the_base(self):
-        if self.model in self.adapters:
-            raise ValueError(f"target version {self.model!r} has the base model's name")
+        for name in (self.model, BASE_ALIAS):
+            if name in self.adapters:
+                raise ValueError(f"target version {name!r} has the base model's name")
         return self
 
 
@@ -109,6 +113,11 @@ class VerifierConfig(_Strict):
     num_gpus_per_stage: float = Field(0.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)
     max_ongoing_requests: int = Field(1024, ge=1)
+    version_affinity_margin: int = Field(4, ge=0, description="an open of a target version prefers the replicas "
+                                                              "holding it loaded while their load (sessions + "
+                                                              "pending) is within this many of the least-loaded "
+                                                              "replica's; beyond it, the least loaded "
+                                                              "(deploy/router/affinity.py)")
     chain_top_k: int = Field(64, ge=1, le=4096,
                              description="rejection rule: most entries of p per rejection reply (all of p when its "
                                          "support fits; else up to K head entries and K tail candidates); exact "
@@ -248,6 +257,23 @@ class AppConfig(_Strict):
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":
         return cls(**(yaml.safe_load(Path(path).read_text()) or {}))
+
+
+def versions_update(cfg: AppConfig, user_config) -> AppConfig:
+    """``cfg`` with the target versions of a Serve ``user_config`` (``{"adapters": {name: path},
+    "max_loaded_adapters": n}``, what :func:`deploy.application.versions_user_config` writes),
+    validated as the app's own config is (names, the base's names, pipeline stages). ``adapters``
+    is required, so that a user_config that forgot it cannot remove every version (``{}`` does).
+    Raises ``ValueError`` (pydantic's ``ValidationError``) with the reason."""
+    if not isinstance(user_config, dict) or "adapters" not in user_config:
+        raise ValueError("the target versions' user_config needs an 'adapters' mapping (name -> adapter "
+                         "directory; {} serves the base only)")
+    unknown = sorted(set(user_config) - {"adapters", "max_loaded_adapters"})
+    if unknown:
+        raise ValueError(f"the target versions' user_config has unknown keys {unknown} "
+                         "(adapters, max_loaded_adapters)")
+    target = {**cfg.target.model_dump(), **user_config}
+    return AppConfig.model_validate({**cfg.model_dump(), "target": target})
 
 
 def _check_unique(tenants: list[TenantConfig]) -> None:

@@ -123,3 +123,11 @@ class ModelNotFound(SpecError):
     """An OpenAI-compatible request named a model this deployment does not serve."""
 
     status, code = 404, "model_not_found"
+
+
+class VersionUnavailable(SpecError):
+    """A declared target version whose adapter cannot be served (unreadable, corrupt, or shaped
+    for another base): its opens and its sessions answer 503 with the reason, nothing else
+    changes; a config update that re-declares it with good weights serves it again."""
+
+    status, code = 503, "model_unavailable"

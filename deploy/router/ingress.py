@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 
-from deploy.config import DEV_API_KEY, AppConfig
+from deploy.config import BASE_ALIAS, DEV_API_KEY, AppConfig, versions_update
 from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError, UpstreamTimeout
 from deploy.metrics import router_metrics
 from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
@@ -142,6 +142,7 @@ class Router:
         self._created = int(time.time())  # the served model's "created" (OpenAI's /v1/models)
         self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
         self._versions: list[str] = sorted(self.cfg.target.adapters)  # target versions (LoRA), see reconfigure
+        self._versions_configured = False
         self.probe = LoadProbe(on_lag=self.metrics.on_loop_lag)  # started by the first request (needs the loop)
 
     def fast_shed(self, method: str, path: str, authorization: str | None) -> Overloaded | None:
@@ -164,8 +165,17 @@ class Router:
         return self.probe.drain()
 
     def reconfigure(self, user_config: dict) -> None:
-        """Serve's no-restart config update: the names of the target versions (``target.adapters``)."""
-        self._versions = sorted(user_config.get("adapters") or {})
+        """Serve's no-restart config update: the names of the target versions (``target.adapters``),
+        validated as the Verifier's ``reconfigure`` does (an invalid one fails the start, and is
+        refused and logged on a running replica, the names unchanged)."""
+        try:
+            self._versions = sorted(versions_update(self.cfg, user_config).target.adapters)
+        except ValueError as e:
+            if self._versions_configured:
+                log.error("target versions update refused, the listed versions are unchanged: %s", e)
+                return
+            raise
+        self._versions_configured = True
 
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, stream_to=None, **kwargs):
@@ -384,9 +394,9 @@ class Router:
         return await self._openai(request, chat=True)
 
     def _model_names(self, info: dict) -> tuple[str, ...]:
-        """What a request's ``model`` may say: the verifier's model name or the configured one, or a
-        target version (``target.adapters``)."""
-        return info["model"], self.cfg.target.model, *self._versions
+        """What a request's ``model`` may say: the base (the verifier's model name, the configured
+        one, or ``base``, as an open request may say) or a target version (``target.adapters``)."""
+        return info["model"], self.cfg.target.model, BASE_ALIAS, *self._versions
 
     async def _openai(self, request: Request, chat: bool):
         """/v1/completions and /v1/chat/completions (see :mod:`deploy.router.openai`).

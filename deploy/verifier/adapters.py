@@ -9,16 +9,27 @@ outlives its eviction) and the set is trimmed back after it. A session's KV stay
 across an eviction: a reload reads the same weights.
 
 ``update`` is the no-restart path (the deployment's ``reconfigure``): versions may be
-added, removed or re-pointed; it names the ones whose sessions must end. Pure torch, no Ray.
+added, removed or re-pointed; it names the ones whose sessions must end. A version is
+validated when it is declared (its config, then every weight's name and shape against the
+base): one that fails is kept as *unavailable* with the reason, so its opens answer 503
+``model_unavailable`` while the base and the other versions are served as declared (a
+raising ``reconfigure`` would make Serve stop the replica, every session with it). Each
+version's content fingerprint (:func:`deploy.verifier.lora.fingerprint`) is kept: an
+adapter rewritten in place counts as re-pointed at the next update, and a load that finds
+other bytes than were validated (or unreadable ones) marks the version unavailable rather
+than serving its sessions other weights. Pure torch, no Ray.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from pathlib import Path
 
-from deploy.errors import ModelNotFound, UnsupportedModel
-from deploy.verifier.lora import AdapterConfig, LoraAdapter
+from deploy.errors import ModelNotFound, SpecError, UnsupportedModel, VersionUnavailable
+from deploy.verifier.lora import LoraAdapter, check, fingerprint
+
+log = logging.getLogger("ray.serve")
 
 
 class AdapterRegistry:
@@ -27,6 +38,8 @@ class AdapterRegistry:
         whose weights live elsewhere, e.g. pipeline stages, which serves the base only)."""
         self.model = model
         self.declared: dict[str, str] = {}
+        self.fingerprints: dict[str, tuple] = {}  # name -> its files' fingerprint when validated
+        self.unavailable: dict[str, str] = {}  # declared versions that cannot be served -> why
         self.max_loaded = max_loaded
         self.loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self.loads = self.evictions = 0
@@ -34,41 +47,69 @@ class AdapterRegistry:
 
     # -- declared versions -----------------------------------------------------------
     def update(self, declared: dict[str, str], max_loaded: int) -> set[str]:
-        """Take a new set of versions (validated before anything changes); returns the names
-        whose sessions must end: removed, or re-pointed to other weights."""
+        """Take a new set of versions; returns the names whose sessions must end: removed,
+        re-pointed, or rewritten in place (another fingerprint). New and changed versions are
+        validated against the base (weights read, shapes checked); a bad one is kept as
+        unavailable with its reason (:meth:`check` answers 503), the others are served."""
         if declared and self.model is None:
             raise UnsupportedModel("LoRA target versions need the replica to hold the model "
                                    "(verifier.pipeline_parallel_size 1)")
-        for path in declared.values():
-            AdapterConfig.read(path)
-        gone = {n for n, p in self.declared.items()
-                if n not in declared or Path(declared[n]).resolve() != Path(p).resolve()}
+        prints = {n: fingerprint(p) for n, p in declared.items()}
+        changed = {n for n, p in declared.items() if n not in self.declared or prints[n] != self.fingerprints[n]
+                   or Path(p).resolve() != Path(self.declared[n]).resolve()}
+        unavailable = {n: why for n, why in self.unavailable.items() if n in declared and n not in changed}
+        for n in sorted(changed):
+            try:
+                check(declared[n], self.model.spec, self.model.config.intermediate_size)
+            except UnsupportedModel as e:
+                unavailable[n] = str(e)
+                log.error("target version %r is unavailable: %s", n, e)
+        gone = {n for n in self.declared if n not in declared or n in changed}
         for n in gone:
             if self.loaded.pop(n, None) is not None:
                 self.evictions += 1
-        self.declared, self.max_loaded = dict(declared), max_loaded
+        self.declared, self.fingerprints, self.unavailable = dict(declared), prints, unavailable
+        self.max_loaded = max_loaded
         self.trim()
         return gone
 
     def check(self, name: str | None) -> None:
-        """404 ``model_not_found`` unless ``name`` is a declared version (None: the base)."""
+        """404 ``model_not_found`` unless ``name`` is a declared version (None: the base);
+        503 ``model_unavailable`` if its adapter cannot be served."""
         if name is not None and name not in self.declared:
             known = ", ".join(sorted(self.declared)) or "none"
             raise ModelNotFound(f"target version {name!r} is not served here (versions: {known})")
+        if name in self.unavailable:
+            raise VersionUnavailable(f"target version {name!r} is unavailable: {self.unavailable[name]}")
+
+    def served(self) -> list[str]:
+        """Declared versions that can be served (not unavailable)."""
+        return sorted(n for n in self.declared if n not in self.unavailable)
 
     # -- loading ---------------------------------------------------------------------
-    def activate(self, names: set[str]) -> None:
+    def activate(self, names: set[str]) -> dict[str, SpecError]:
         """Make ``names`` loaded for the next forward (loading missing ones, evicting least
-        recently used others beyond ``max_loaded``) and hand them to the model."""
+        recently used others beyond ``max_loaded``) and hand them to the model. Returns the
+        versions that cannot be served, each with its error (a load that fails marks the
+        version unavailable); the others are loaded all the same."""
+        failed: dict[str, SpecError] = {}
         for n in sorted(names):
-            self.check(n)
-            if n in self.loaded:
-                self.loaded.move_to_end(n)
-            else:
-                self.loaded[n] = self._load(n)
-                self.loads += 1
-        self.trim(keep=names)
+            try:
+                self.check(n)
+                if n in self.loaded:
+                    self.loaded.move_to_end(n)
+                else:
+                    self.loaded[n] = self._load(n)
+                    self.loads += 1
+            except SpecError as e:
+                failed[n] = e
+            except (UnsupportedModel, OSError) as e:  # unreadable, corrupt or changed on disk: this version only
+                self.unavailable[n] = str(e) if isinstance(e, UnsupportedModel) else f"{self.declared[n]}: {e}"
+                log.error("target version %r is unavailable: %s", n, self.unavailable[n])
+                failed[n] = VersionUnavailable(f"target version {n!r} is unavailable: {self.unavailable[n]}")
+        self.trim(keep=set(names) - set(failed))
         self.model.adapters = self.loaded
+        return failed
 
     def trim(self, keep: set[str] = frozenset()) -> None:
         """Evict least recently used versions (but not ``keep``) down to ``max_loaded``."""
@@ -77,8 +118,11 @@ class AdapterRegistry:
             self.evictions += 1
 
     def _load(self, name: str) -> LoraAdapter:
-        m = self.model
-        return LoraAdapter.load(name, self.declared[name], m.spec, m.config.intermediate_size, m.dtype, m.device,
+        m, path = self.model, self.declared[name]
+        if fingerprint(path) != self.fingerprints[name]:  # sessions' KV was computed with the validated bytes
+            raise UnsupportedModel(f"{path} changed on disk since it was declared; re-declare it by a config "
+                                   "update (its sessions end then)")
+        return LoraAdapter.load(name, path, m.spec, m.config.intermediate_size, m.dtype, m.device,
                                 range(m.first, m.last))
 
     def held(self) -> list[str]:

@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from ray import serve
 
-from deploy.config import AppConfig
+from deploy.config import AppConfig, versions_update
 from deploy.errors import (InvalidRequest, ModelNotFound, SessionEvicted, SessionNotFound, SpecError,
-                           TokenizerMismatch)
+                           TokenizerMismatch, VersionUnavailable)
 from deploy.metrics import VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
@@ -142,6 +142,8 @@ class VerifierCore:
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
         # LoRA target versions (FlexSpec): multiplexed adapters, per-version pacing (deploy/verifier/versions.py)
         self.versions = TargetVersions(self.engine, self.loaded.name, t, p, self.pacer)
+        self.versions_error: str | None = None  # why the last target-versions update was refused
+        self._versions_configured = False  # a reconfigure took effect (the first one runs at start)
 
     # -- info ---------------------------------------------------------------------
     def model_info(self) -> dict:
@@ -164,7 +166,9 @@ class VerifierCore:
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
                 "verify_forwards_total": self.verify_totals[0], "verify_sessions_total": self.verify_totals[1],
                 "verify_rows_total": self.verify_totals[2],
-                "evictions": len(self.evicted)}
+                "evictions": len(self.evicted), "versions": self.versions.registry.served(),
+                "versions_unavailable": dict(self.versions.registry.unavailable),
+                "versions_error": self.versions_error}
 
     def pending(self) -> int:
         """Requests waiting for the engine: verify rounds and opens (queued or prefilling)."""
@@ -195,6 +199,9 @@ class VerifierCore:
             if self.evicted.get(sid, "").startswith("model_removed"):
                 raise ModelNotFound(f"session {sid!r}: its target version was removed from this server "
                                     f"({self.evicted[sid]}); open a session of a served version")
+            if self.evicted.get(sid, "").startswith("model_unavailable"):
+                raise VersionUnavailable(f"session {sid!r}: its target version could not be loaded "
+                                         f"({self.evicted[sid]})")
             if sid in self.evicted:
                 raise SessionEvicted(f"session {sid!r} was evicted ({self.evicted[sid]}); re-open it with its history")
             raise SessionNotFound(f"unknown session {sid!r} (it may have been lost in a restart); re-open it")
@@ -318,8 +325,9 @@ class VerifierCore:
 
     async def update_versions(self, adapters: dict[str, str], max_loaded: int) -> dict:
         """Add, remove or re-point target versions without a restart (on the worker thread,
-        between forwards). Sessions of a removed version end: their requests answer 404
-        ``model_not_found`` from then on; no other session is touched."""
+        between forwards). Sessions of a removed, re-pointed or rewritten version end: their
+        requests answer 404 ``model_not_found`` from then on; no other session is touched.
+        New versions are validated first: a bad one is listed under ``unavailable``."""
         def apply():
             gone = self.versions.update(adapters, max_loaded)
             return gone, self.engine.drop_versions(gone)
@@ -333,8 +341,9 @@ class VerifierCore:
             else:
                 self._forget(sid, "model_removed")
         if gone:
-            log.info("target versions removed: %s (%d sessions closed)", sorted(gone), len(sids))
-        return {"versions": self.versions.names(), "removed": sorted(gone), "closed_sessions": len(sids)}
+            log.info("target versions removed or changed: %s (%d sessions closed)", sorted(gone), len(sids))
+        return {"versions": self.versions.names(), "removed": sorted(gone), "closed_sessions": len(sids),
+                "unavailable": dict(self.versions.registry.unavailable)}
 
     # -- the batching loop -------------------------------------------------------------
     def _hints(self, sid: str) -> tuple[int, int]:
@@ -452,6 +461,7 @@ class VerifierCore:
                 self.client.pop(sid, None)
                 _answer(self._prefilling.pop(sid)[1], _internal(e))
             return
+        self._settle_version_failures()
         await self._complete_opens(loop, results)
 
     def _fail_dropped_opens(self, e: SpecError) -> None:
@@ -521,8 +531,19 @@ class VerifierCore:
             for p in batch:
                 _answer(p.payload[1], _internal(e))
             return
+        self._settle_version_failures()
         _answer_each([(p.payload[1], (p, res)) for p, res in results], self._round_reply)
         await self._complete_opens(loop, opened)
+
+    def _settle_version_failures(self) -> None:
+        """Sessions the engine closed because their version failed to load: a prefilling open
+        answers the error now, a live session answers it from then on (503 ``model_unavailable``)."""
+        for sid, e in self.engine.take_version_failures().items():
+            self.client.pop(sid, None)
+            if sid in self._prefilling:
+                _answer(self._prefilling.pop(sid)[1], _error(e))
+            elif sid in self.owner:
+                self._forget(sid, f"model_unavailable: {e.message}")
 
     def _truncate(self, trees: list, base_rows: int) -> list:
         """Server-side truncation at batch time (:mod:`deploy.verifier.truncation`): each
@@ -596,9 +617,23 @@ class Verifier(VerifierCore):
                 "pending": self.pending(), "adapters": self.versions.registry.held()}
 
     async def reconfigure(self, user_config: dict) -> None:
-        """Serve's no-restart config update: the target versions (``target.adapters``)."""
-        await self.update_versions(user_config.get("adapters") or {},
-                                   int(user_config.get("max_loaded_adapters") or self.cfg.target.max_loaded_adapters))
+        """Serve's no-restart config update: the target versions (``target.adapters``),
+        validated like the app's config (:func:`deploy.config.versions_update`). An invalid
+        ``user_config`` fails the replica's start (Serve reports the deployment failed, with
+        the reason); on a running replica it is refused, logged and shown in ``/v1/stats``
+        (``versions_error``), the served versions unchanged: raising here would make Serve
+        stop the replica and every session on it. A version whose adapter fails validation
+        is served as unavailable (503 ``model_unavailable``), the others as declared."""
+        try:
+            target = versions_update(self.cfg, user_config).target
+        except ValueError as e:
+            if not self._versions_configured:
+                raise
+            self.versions_error = str(e)
+            log.error("target versions update refused, the served versions are unchanged: %s", e)
+            return
+        await self.update_versions(target.adapters, target.max_loaded_adapters)
+        self._versions_configured, self.versions_error = True, None
 
     def check_health(self) -> None:
         if self._loop_task is not None and self._loop_task.done():

@@ -200,6 +200,7 @@ class VerifierEngine:
         self._batch_ids = itertools.count()
         self.exit_heads = None  # ExitHeads: early results mid-forward for requests with ``early``
         self._on_layer = None  # the next forward's per-layer hook (exit heads)
+        self.version_failures: dict[str, SpecError] = {}  # sessions closed as their version failed to load
 
     # -- helpers ------------------------------------------------------------------
     def get(self, sid: str) -> Session:
@@ -238,8 +239,10 @@ class VerifierEngine:
         bid = next(self._batch_ids)
         t0 = time.perf_counter()
         versions = {it.adapter for it in items} - {None}
-        if versions:  # load on first use, LRU-evict others (deploy/verifier/adapters.py)
-            self.adapters.activate(versions)
+        if versions:  # loaded by _ready_versions already: this keeps them all for the forward
+            failed = self.adapters.activate(versions)
+            if failed:
+                raise next(iter(failed.values()))
         try:
             hook, self._on_layer = self._on_layer, None
             logits = self.runner.forward(bid, items, **({"on_layer": hook} if hook is not None else {}))
@@ -276,6 +279,9 @@ class VerifierEngine:
             for res in self.prefill_step(self.max_batch_tokens, only=set(index)):
                 if res.sid in index:
                     out[index[res.sid]] = res
+        for sid, e in self.take_version_failures().items():  # their version failed to load
+            if sid in index and out[index[sid]] is None:
+                out[index[sid]] = e
         return out  # type: ignore[return-value]
 
     def begin_open(self, requests: list[OpenRequest]) -> list[SpecError | None]:
@@ -313,6 +319,8 @@ class VerifierEngine:
         served; ``only``: these sessions); returns the sessions whose prefill completed, with
         their first token."""
         items, chunks = self._prefill_items(budget_tokens, only)
+        if self._ready_versions({p.session.adapter for p, _n, _d in chunks}):
+            items, chunks = self._without_closed(items, chunks)
         if not items:
             return []
         bid, logits = self._forward_prefilling("prefill", items, chunks)
@@ -385,6 +393,31 @@ class VerifierEngine:
                 raise ModelNotFound(f"target version {name!r} is not served here (no versions configured)")
             self.adapters.check(name)
 
+    def _ready_versions(self, names: set) -> dict[str, SpecError]:
+        """Load the versions a forward needs (on first use; LRU-evicting others,
+        :mod:`deploy.verifier.adapters`) before it is packed. A version that cannot be loaded
+        fails its sessions only: they are closed, their errors kept for
+        :meth:`take_version_failures` (the batch's own requests of it get the error as their
+        result); the forward goes on without them."""
+        names = set(names) - {None}
+        if not names:
+            return {}
+        failed = self.adapters.activate(names)
+        for name, e in failed.items():
+            for sid in self.drop_versions({name}):
+                self.version_failures[sid] = e
+        return failed
+
+    def take_version_failures(self) -> dict[str, SpecError]:
+        """Sessions (live or prefilling) closed because their version failed to load -> the error."""
+        out, self.version_failures = self.version_failures, {}
+        return out
+
+    def _without_closed(self, items: list[SeqInput], chunks):
+        """Prefill items/chunks minus the sessions no longer prefilling."""
+        keep = [j for j, (p, _n, _d) in enumerate(chunks) if p.session.sid in self.prefilling]
+        return [items[j] for j in keep], [chunks[j] for j in keep]
+
     def drop_versions(self, names: set[str]) -> list[str]:
         """Close every session (live or prefilling) of these versions; their ids."""
         gone = [sid for sid, s in self.sessions.items() if s.adapter in names]
@@ -446,8 +479,17 @@ class VerifierEngine:
                 out[i] = e
         if not todo:
             return out  # type: ignore[return-value]
-        items = [_tree_item(s, tree) for _, s, tree, _kept, _n, _p in todo]
         pre_items, chunks = self._prefill_items(prefill_tokens) if prefill_tokens > 0 else ([], [])
+        failed = self._ready_versions({t[1].adapter for t in todo} | {p.session.adapter for p, _n, _d in chunks})
+        if failed:  # a version that cannot be loaded fails its own sessions, not the batch
+            for t in todo:
+                if t[1].adapter in failed:
+                    out[t[0]] = failed[t[1].adapter]
+            todo = [t for t in todo if t[1].adapter not in failed]
+            pre_items, chunks = self._without_closed(pre_items, chunks)
+            if not todo:
+                return out  # type: ignore[return-value]
+        items = [_tree_item(s, tree) for _, s, tree, _kept, _n, _p in todo]
         if on_early is not None and self.exit_heads is not None:  # exit heads walk the trees mid-forward
             self._on_layer = EarlyExit.for_batch(self, requests, todo, on_early)
         bid, logits = self._forward_prefilling("verify", items + pre_items, chunks)
@@ -530,6 +572,11 @@ class VerifierEngine:
                 todo.append((i, s, list(tree.tokens[:k]), list(r.q[:k]), False))
             except SpecError as e:
                 out[i] = e
+        failed = self._ready_versions({t[1].adapter for t in todo})
+        for t in todo:
+            if t[1].adapter in failed:
+                out[t[0]] = failed[t[1].adapter]
+        todo = [t for t in todo if t[1].adapter not in failed]
         if not todo:
             return out
         items = []

@@ -54,7 +54,12 @@ class AdapterConfig:
             raise UnsupportedModel(f"{path}: no {CONFIG_FILE} (a PEFT LoRA adapter directory is expected)")
         if not (Path(path) / WEIGHTS_FILE).is_file():
             raise UnsupportedModel(f"{path}: no {WEIGHTS_FILE}")
-        c = json.loads(f.read_text())
+        try:
+            c = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise UnsupportedModel(f"{path}: {CONFIG_FILE} cannot be read ({e})") from None
+        if not isinstance(c, dict):
+            raise UnsupportedModel(f"{path}: {CONFIG_FILE} is not a JSON object")
         if c.get("peft_type", "LORA") != "LORA":
             raise UnsupportedModel(f"{path}: peft_type {c.get('peft_type')!r}; only LORA adapters are served")
         refused = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
@@ -68,7 +73,10 @@ class AdapterConfig:
         if bad or not targets:
             raise UnsupportedModel(f"{path}: target_modules {bad or targets} not supported; LoRA may target "
                                    f"{', '.join(FUSED)}")
-        r = int(c["r"])
+        try:
+            r = int(c["r"])
+        except (KeyError, TypeError, ValueError):
+            raise UnsupportedModel(f"{path}: r must be an integer (the LoRA rank)") from None
         if r < 1:
             raise UnsupportedModel(f"{path}: r must be >= 1")
         alpha = float(c.get("lora_alpha", r))
@@ -95,30 +103,9 @@ class LoraAdapter:
              device: torch.device | str = "cpu", layers: range | None = None) -> "LoraAdapter":
         """Read a PEFT adapter for a decoder of ``spec`` (:class:`deploy.verifier.model.DecoderSpec`);
         ``layers``: only these (a pipeline stage's slice). Shapes are checked against the base."""
-        from safetensors.torch import load_file
-
         from deploy.verifier.model import Linear
 
-        cfg = AdapterConfig.read(path)
-        raw = load_file(str(Path(path) / WEIGHTS_FILE))
-        D, d = spec.hidden_size, spec.head_dim
-        out = {"q_proj": spec.num_heads * d, "k_proj": spec.num_kv_heads * d, "v_proj": spec.num_kv_heads * d,
-               "o_proj": D, "gate_proj": intermediate_size, "up_proj": intermediate_size, "down_proj": D}
-        inp = {m: D for m in FUSED} | {"o_proj": spec.num_heads * d, "down_proj": intermediate_size}
-        mats: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        for key, t in raw.items():
-            m = _KEY.search(key)
-            if m is None:
-                raise UnsupportedModel(f"{path}: unexpected tensor {key!r} (LoRA A/B of decoder linears only)")
-            li, mod, ab = int(m.group(1)), m.group(2), m.group(3)
-            if mod not in cfg.target_modules or not 0 <= li < spec.num_layers:
-                raise UnsupportedModel(f"{path}: tensor {key!r} is outside the adapter's targets / the model")
-            want = (cfg.r, inp[mod]) if ab == "A" else (out[mod], cfg.r)
-            if tuple(t.shape) != want:
-                raise UnsupportedModel(f"{path}: {key} has shape {tuple(t.shape)}, the base needs {want}")
-            mats.setdefault((li, mod), {})[ab] = t.float()
-        if any(len(v) != 2 for v in mats.values()):
-            raise UnsupportedModel(f"{path}: every LoRA module needs both lora_A and lora_B")
+        cfg, mats, out = _read(path, spec, intermediate_size)
         keep = layers if layers is not None else range(spec.num_layers)
         by_layer: dict[int, dict[str, LoraPair]] = {}
         nbytes = 0
@@ -140,15 +127,70 @@ class LoraAdapter:
         return cls(name, cfg, by_layer, nbytes)
 
 
+def check(path: str | Path, spec, intermediate_size: int) -> AdapterConfig:
+    """Validate an adapter against a base of ``spec`` without building it: the config, then
+    every tensor's name and shape (the weights are read). Raises ``UnsupportedModel`` with the
+    reason: a corrupt safetensors file, a wrong-shape adapter, a missing A or B."""
+    return _read(path, spec, intermediate_size)[0]
+
+
+def fingerprint(path: str | Path) -> tuple:
+    """What identifies an adapter's content without reading it: size and mtime (ns) of its two
+    files. A version rewritten in place at the same path gets a new fingerprint."""
+    out = []
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            st = (Path(path) / f).stat()
+            out.append((st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _read(path: str | Path, spec, intermediate_size: int):
+    """The adapter's config, its float32 A/B per (layer, module), and each module's output size."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg = AdapterConfig.read(path)
+    try:
+        raw = load_file(str(Path(path) / WEIGHTS_FILE))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:  # truncated, corrupt, unreadable
+        raise UnsupportedModel(f"{path}: {WEIGHTS_FILE} cannot be read ({type(e).__name__}: {e})") from None
+    D, d = spec.hidden_size, spec.head_dim
+    out = {"q_proj": spec.num_heads * d, "k_proj": spec.num_kv_heads * d, "v_proj": spec.num_kv_heads * d,
+           "o_proj": D, "gate_proj": intermediate_size, "up_proj": intermediate_size, "down_proj": D}
+    inp = {m: D for m in FUSED} | {"o_proj": spec.num_heads * d, "down_proj": intermediate_size}
+    mats: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in raw.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise UnsupportedModel(f"{path}: unexpected tensor {key!r} (LoRA A/B of decoder linears only)")
+        li, mod, ab = int(m.group(1)), m.group(2), m.group(3)
+        if mod not in cfg.target_modules or not 0 <= li < spec.num_layers:
+            raise UnsupportedModel(f"{path}: tensor {key!r} is outside the adapter's targets / the model")
+        want = (cfg.r, inp[mod]) if ab == "A" else (out[mod], cfg.r)
+        if tuple(t.shape) != want:
+            raise UnsupportedModel(f"{path}: {key} has shape {tuple(t.shape)}, the base needs {want}")
+        mats.setdefault((li, mod), {})[ab] = t.float()
+    if any(len(v) != 2 for v in mats.values()):
+        raise UnsupportedModel(f"{path}: every LoRA module needs both lora_A and lora_B")
+    if not mats:
+        raise UnsupportedModel(f"{path}: {WEIGHTS_FILE} holds no LoRA tensors")
+    return cfg, mats, out
+
+
 RowGroups = list[tuple[LoraAdapter, torch.Tensor | None]]  # (adapter, its rows [M_g] long; None = all rows)
 
 
-def row_groups(adapter_rows: list[tuple[str, torch.Tensor]], num_rows: int, loaded) -> RowGroups:
-    """The batch's rows per adapter (``PackedBatch.adapter_rows``), resolved to loaded
-    adapters (``loaded[name]``); a group of every row needs no gather."""
+def row_groups(adapter_rows: list[tuple[str, torch.Tensor]], num_rows: int, loaded,
+               device: torch.device | str = "cpu") -> RowGroups:
+    """The batch's rows per adapter (``PackedBatch.adapter_rows``, built on the CPU), resolved to
+    loaded adapters (``loaded[name]``) and moved to the model's ``device`` once per forward (the
+    gathers and scatters of every layer index the model's tensors); a group of every row needs none."""
     out: RowGroups = []
     for name, rows in adapter_rows:
-        out.append((loaded[name], None if rows.numel() == num_rows else rows))
+        out.append((loaded[name], None if rows.numel() == num_rows else rows.to(device)))
     return out
 
 

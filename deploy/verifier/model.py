@@ -268,7 +268,7 @@ class DecoderModel:
         plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
         x = g.norm(h, self.layers[0].ln1, s.rms_eps)
         # rows per LoRA target version; each adds its own delta to the fused linears (lora.py)
-        lora = row_groups(batch.adapter_rows, N, self.adapters) if batch.adapter_rows else []
+        lora = row_groups(batch.adapter_rows, N, self.adapters, self.device) if batch.adapter_rows else []
 
         def lin(f: Linear, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
             return add_lora(f(x), x, lora, self.first + i, name) if lora else f(x)

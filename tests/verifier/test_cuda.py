@@ -44,3 +44,26 @@ def test_cuda_bf16_runs_trees_and_releases_the_pool():
     drive(eng, truths, rng, check_rounds=False)
     assert all(s.finished for s in eng.sessions.values())
     assert eng.runner.pool.pages_in_use == 0
+
+
+def test_cuda_lora_versions_mixed_in_one_batch_equal_their_merged_models(tmp_path):
+    """Sessions of the base and two LoRA versions in every batch on the device: the row groups
+    index the model's tensors with device indices (a CPU index tensor raises there)."""
+    pytest.importorskip("peft")
+    from tests.verifier.test_lora import ALL, decode_mixed, engine_with, make_adapter, merged
+
+    cpu = tiny_random_model(seed=3)
+    paths = {"all": make_adapter(cpu, tmp_path / "all", 1, ALL),
+             "qv": make_adapter(cpu, tmp_path / "qv", 2, ["q_proj", "v_proj"], r=8)}
+    refs = {None: cpu, **{v: merged(cpu, p) for v, p in paths.items()}}
+    rng = random.Random(5)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    sessions = {f"{v}-{i}": (v, random_prompt(rng, 512, 3, 50)) for v in refs for i in range(2)}
+    truths = {sid: reference_decode(refs[v], p, params) for sid, (v, p) in sessions.items()}
+    eng = engine_with(tiny_random_model(seed=3).to("cuda"), paths)
+    forwards = []
+    eng.on_forward = forwards.append
+    assert decode_mixed(eng, sessions, params, truths, rng) == truths
+    assert forwards[0].sessions == len(sessions)  # the versions shared a forward
+    assert all(p.A.weight.device.type == "cuda" for ad in eng.adapters.loaded.values()
+               for pairs in ad.layers.values() for p in pairs.values())

@@ -6,15 +6,17 @@ token for token; bf16 rows independent of their batch and of the other rows' ver
 from __future__ import annotations
 
 import copy
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from deploy.errors import ModelNotFound, UnsupportedModel
+from deploy.errors import ModelNotFound, UnsupportedModel, VersionUnavailable
 from deploy.verifier.adapters import AdapterRegistry
 from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest, VerifyResult
-from deploy.verifier.lora import AdapterConfig
+from deploy.verifier.lora import WEIGHTS_FILE, AdapterConfig, check
 from deploy.verifier.model import Linear
 from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
@@ -190,6 +192,116 @@ def test_unsupported_adapters_are_refused_with_the_reason(versions, tmp_path):
         AdapterConfig.read(tmp_path)
     other = tiny_random_model(seed=0, hidden_size=96, num_heads=6, num_kv_heads=2)
     wrong = make_adapter(other, tmp_path / "wrong", 1, ["q_proj"])
-    reg = AdapterRegistry(VerifierEngine(base).runner.model, {"wrong": wrong}, 2)
+    dm = VerifierEngine(base).runner.model
     with pytest.raises(UnsupportedModel, match="shape"):
-        reg.activate({"wrong"})
+        check(wrong, dm.spec, dm.config.intermediate_size)
+
+
+def corrupt(path: str, silently: bool = False) -> None:
+    """Zero the header of an adapter's safetensors file in place (no longer readable);
+    ``silently``: size and mtime kept, as a disk corruption would (the fingerprint still matches)."""
+    f = Path(path) / WEIGHTS_FILE
+    st = f.stat()
+    data = f.read_bytes()
+    f.write_bytes(b"\x00" * 16 + data[16:])
+    if silently:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_bad_versions_are_refused_when_declared_and_the_others_serve_exactly(versions, tmp_path):
+    """A corrupt safetensors file and an adapter shaped for another base, declared beside a good
+    version: both are unavailable from the declaration on (503 with the reason); sessions of the
+    base and the good version in the same batches decode exactly."""
+    base, paths = versions
+    broken = make_adapter(base, tmp_path / "broken", 7, ALL)
+    corrupt(broken)
+    other = tiny_random_model(seed=0, hidden_size=96, num_heads=6, num_kv_heads=2)
+    wrong = make_adapter(other, tmp_path / "wrong", 8, ["q_proj", "down_proj"])
+    eng = engine_with(base, {"all": paths["all"], "broken": broken, "wrong": wrong}, max_loaded=1)
+    reg = eng.adapters
+    assert sorted(reg.unavailable) == ["broken", "wrong"] and reg.served() == ["all"]
+    assert "cannot be read" in reg.unavailable["broken"] and "shape" in reg.unavailable["wrong"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    rng = random.Random(7)
+    sessions = {f"{v}-{i}": (v, random_prompt(rng, 512, 1, 40)) for v in (None, "all") for i in range(2)}
+    refs = {None: base, "all": merged(base, paths["all"])}
+    truths = {sid: reference_decode(refs[v], p, params) for sid, (v, p) in sessions.items()}
+    errs = eng.begin_open([OpenRequest("b", [5, 6], params, adapter="broken"),
+                           OpenRequest("w", [5, 6], params, adapter="wrong")])
+    assert all(isinstance(e, VersionUnavailable) and e.status == 503 and e.code == "model_unavailable" for e in errs)
+    assert "cannot be read" in errs[0].message and "shape" in errs[1].message
+    assert decode_mixed(eng, sessions, params, truths, rng) == truths
+    assert reg.loads == 1 and reg.held() == ["all"]
+
+
+def test_a_load_failure_fails_only_that_versions_sessions(versions, tmp_path):
+    """A version whose file goes bad after it was declared (rewritten in place, evicted, then
+    needed again): the load in the middle of a batch fails its sessions only (503, closed, also
+    the one being prefilled); the base's and another version's sessions of the same batches go
+    on exactly; a config update with good weights serves the version again."""
+    import shutil
+
+    base, paths = versions
+    qv = shutil.copytree(paths["qv"], tmp_path / "qv")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    rng = random.Random(9)
+    sessions = {f"{v}-{i}": (v, random_prompt(rng, 512, 1, 40)) for v in (None, "all", "qv") for i in range(2)}
+    refs = {None: base, "all": merged(base, paths["all"]), "qv": merged(base, str(qv))}
+    truths = {sid: reference_decode(refs[v], p, params) for sid, (v, p) in sessions.items()}
+    eng = engine_with(base, {"all": paths["all"], "qv": str(qv)}, max_loaded=1)
+    opened = eng.open([OpenRequest(sid, p, params, adapter=v) for sid, (v, p) in sessions.items()])
+    got = {r.sid: [r.first_token] for r in opened}
+    assert eng.adapters.held() == ["qv"] or eng.adapters.held() == ["all"]
+    eng.adapters.trim(keep={"all"})  # qv evicted: the next batch reloads it
+    eng.adapters.loaded.pop("qv", None)
+    corrupt(str(qv), silently=True)
+    assert eng.begin_open([OpenRequest("qv-late", [9, 8, 7], params, adapter="qv")]) == [None]
+    reqs = [VerifyRequest(sid, DraftTree.empty(), len(eng.sessions[sid].prefix)) for sid in sessions]
+    res = eng.verify(reqs, prefill_tokens=8)  # the late open's chunk rides along
+    for req, r in zip(reqs, res):
+        if sessions[req.sid][0] == "qv":
+            assert isinstance(r, VersionUnavailable) and r.status == 503 and "cannot be read" in r.message, r
+            assert req.sid not in eng.sessions
+        else:
+            assert isinstance(r, VerifyResult), r
+            got[req.sid] += list(r.tokens)
+    failed = eng.take_version_failures()
+    assert sorted(failed) == ["qv-0", "qv-1", "qv-late"] and "qv-late" not in eng.prefilling
+    assert all(isinstance(e, VersionUnavailable) for e in failed.values())
+    (err,) = eng.begin_open([OpenRequest("qv-again", [5], params, adapter="qv")])
+    assert isinstance(err, VersionUnavailable)
+    live = {sid: sessions[sid] for sid in sessions if sessions[sid][0] != "qv"}
+    while any(not eng.sessions[sid].finished for sid in live):
+        reqs = [VerifyRequest(sid, random_tree(rng, truths[sid][eng.sessions[sid].num_generated:], 512,
+                                               max_size=16, max_depth=6), len(eng.sessions[sid].prefix))
+                for sid in live if not eng.sessions[sid].finished]
+        for req, r in zip(reqs, eng.verify(reqs)):
+            got[req.sid] += list(r.tokens)
+    assert {sid: got[sid] for sid in live} == {sid: truths[sid] for sid in live}
+    # the file restored and re-declared (a new fingerprint): served again
+    shutil.copy(Path(paths["qv"]) / WEIGHTS_FILE, qv / WEIGHTS_FILE)
+    assert eng.adapters.update({"all": paths["all"], "qv": str(qv)}, 1) == {"qv"}
+    (r,) = eng.open([OpenRequest("qv-back", sessions["qv-0"][1], params, adapter="qv")])
+    assert r.first_token == truths["qv-0"][0]
+
+
+def test_a_version_rewritten_in_place_counts_as_changed(versions, tmp_path):
+    """Same name, same path, new bytes: the update ends its sessions and the next load reads
+    the new weights; a load that finds other bytes than were declared refuses them."""
+    import shutil
+
+    base, paths = versions
+    v = shutil.copytree(paths["all"], tmp_path / "v")
+    eng = engine_with(base, {"v": str(v)}, max_loaded=1)
+    reg = eng.adapters
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng.open([OpenRequest("s", [5, 6, 7], params, adapter="v")])
+    assert reg.update({"v": str(v)}, 1) == set()  # unchanged
+    make_adapter(base, v, 33, ALL)  # rewritten in place
+    reg.loaded.clear()
+    assert "v" in eng.adapters.activate({"v"})  # other bytes than declared: not served to old sessions
+    assert "changed on disk" in reg.unavailable["v"]
+    assert reg.update({"v": str(v)}, 1) == {"v"} and eng.drop_versions({"v"}) == ["s"]
+    assert reg.unavailable == {} and reg.activate({"v"}) == {}
+    (r,) = eng.open([OpenRequest("t", [5, 6, 7], params, adapter="v")])
+    assert r.first_token == reference_decode(merged(base, str(v)), [5, 6, 7], params)[0]

@@ -85,7 +85,7 @@ def test_removed_version_answers_404_and_the_others_go_on(setup):
             assert status == 200 and payload["model"] == (v or loaded.name), payload
             opened[v] = payload
         out = await core.update_versions({"code": paths["code"]}, 1)
-        assert out == {"versions": ["code"], "removed": ["chat"], "closed_sessions": 1}
+        assert out == {"versions": ["code"], "removed": ["chat"], "closed_sessions": 1, "unavailable": {}}
         from deploy.protocol import VerifyFrame
 
         status, err = await core.verify(opened["chat"]["session_id"], "dev",
