@@ -24,8 +24,10 @@ Verification rules (``AgentConfig.verify``):
   drawn without replacement from a sparse proposal of q, sent with the tree; the server holds
   p and q and samples every residual itself (:class:`edge_agent.sampled_tree.SampledTreeSession`;
   stop-and-wait rounds). Greedy requests use ``match``.
-- ``auto``: per request, greedy -> ``match``; temperature > 0 -> the rule measured fastest on
-  this agent at that temperature (:mod:`edge_agent.verify_policy`).
+- ``auto``: per request, greedy -> ``match``; temperature > 0 -> the rule with the highest
+  acceptance (tokens per verify round trip) at that temperature: a prior from the measured
+  benchmark, then this agent's own measurements, optionally kept in a JSON state file across
+  processes (``verify_state``; :mod:`edge_agent.verify_policy`).
 
 Concurrency mechanism: the verify call is an ``asyncio`` task on the event loop (network
 I/O for :class:`HttpTransport`; a worker thread for :class:`LocalTransport`'s engine).
@@ -44,10 +46,12 @@ token is lost or duplicated; 429 waits ``Retry-After`` and resends the same fram
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -64,8 +68,9 @@ from edge_agent.errors import ConnectionLost, EdgeError, TokenizerMismatch
 from edge_agent.transport import ModelInfo, Transport
 from edge_agent.sampled_tree import SampledTreeSession
 from edge_agent.tree_builder import TreeConfig
-from edge_agent.verify_policy import VerifyPolicy
+from edge_agent.verify_policy import PolicyStore, VerifyPolicy
 
+log = logging.getLogger("edge_agent")
 MODES = ("proactive", "stop-and-wait")
 VERIFY_RULES = ("match", "rejection", "tree-rejection", "auto")  # see the module docstring
 
@@ -92,6 +97,9 @@ class AgentConfig:
     # early-exit pre-drafting (edge_agent/predraft.py): when the server streams early results, draft the
     # next tree from each during the round and send it at once when the reply matches (match rule only)
     predraft: bool = False
+    # verify="auto": a JSON file keeping the measured acceptance per (target, draft) pair across
+    # processes (edge_agent.verify_policy.PolicyStore); None keeps it in this agent's memory only
+    verify_state: str | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -241,7 +249,10 @@ class EdgeAgent:
         self.agent_name = agent_name
         self.policy = DepthPolicy(self.config.depth_policy, self.config.depth, self.config.max_depth)
         self.telemetry = Telemetry()  # persists across generations: the link and draft do not change
-        self.verify_policy = VerifyPolicy()  # verify="auto": the rule per request, from measured speed
+        self.verify_policy = VerifyPolicy()  # verify="auto": the rule per request, from measured acceptance
+        self._store = (PolicyStore(Path(self.config.verify_state))
+                       if self.config.verify == "auto" and self.config.verify_state else None)
+        self._store_pair: str | None = None  # "target|draft": the stored entry this agent learns into
         self._info: ModelInfo | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
@@ -253,6 +264,9 @@ class EdgeAgent:
         if self._info is None:
             self._info = await self.transport.model_info()
             self._check_compat(self._info)
+            if self._store is not None:  # acceptance belongs to the (target, draft) pair
+                self._store_pair = f"{self._info.model}|{getattr(self.drafter, 'name', type(self.drafter).__name__)}"
+                self._store.load(self._store_pair, self.verify_policy)
         return self._info
 
     def _check_compat(self, info: ModelInfo) -> None:
@@ -442,9 +456,17 @@ class EdgeAgent:
         return self._done(params, prompt_ids, generated, stream, stats, t_start, finish_reason)
 
     def _done(self, params: SamplingParams, *args) -> GenerationResult:
-        """The result; the verify policy learns the rule's speed from it."""
+        """The result; the verify policy learns the rule's acceptance from it: each round gives its
+        accepted tokens and one more (the bonus or the residual sample); refills are round trips too."""
         res = self._result(*args)
-        self.verify_policy.observe(res.stats.verify_rule, params, res.stats.tokens, res.stats.seconds)
+        st = res.stats
+        self.verify_policy.observe(st.verify_rule, params, tokens=st.accepted_tokens + st.rounds,
+                                   rounds=st.rounds + st.refills)
+        if self._store is not None and self._store_pair is not None and not params.greedy:
+            try:
+                self._store.save(self._store_pair, self.verify_policy)
+            except OSError as e:  # the state file is a cache: a generation never fails on it
+                log.warning("cannot write the verify policy's state file %s: %s", self._store.path, e)
         return res
 
     @staticmethod

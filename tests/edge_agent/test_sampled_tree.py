@@ -21,7 +21,6 @@ from edge_agent.agent import AgentConfig
 from edge_agent.drafter import ModelDrafter
 from edge_agent.sampled_tree import PRIOR_RATES, plan_shape
 from edge_agent.transport import LocalTransport
-from edge_agent.verify_policy import SAMPLED_RULES, VerifyPolicy
 from tests.edge_agent.helpers import sampled_generations
 from tests.edge_agent.test_agent import EOS, PROMPT, run_agent
 from tests.verifier.test_sampling import chi_square_pvalue
@@ -103,21 +102,3 @@ def test_tree_rejection_through_the_agent_follows_the_target():
                 key = tuple(r.token_ids[a: b + 1])
                 counts[key] = counts.get(key, 0) + 1
             assert chi_square_pvalue(counts, joint) > 1e-3, (a, b)
-
-
-def test_auto_policy_tries_each_rule_then_keeps_the_fastest_and_explores():
-    pol = VerifyPolicy(explore_every=4)
-    assert pol.choose(SamplingParams()) == "match"  # greedy
-    t = SamplingParams(temperature=0.7)
-    speed = {"match": 20.0, "rejection": 50.0, "tree-rejection": 30.0}
-    seen = []
-    for _ in range(12):
-        rule = pol.choose(t)
-        seen.append(rule)
-        pol.observe(rule, t, tokens=64, seconds=64 / speed[rule])
-    assert seen[:3] == list(SAMPLED_RULES)  # untried first, in order
-    later = seen[3:]
-    assert later.count("rejection") >= 6 and "tree-rejection" in later and "match" not in later
-    pol.observe("rejection", t, tokens=3, seconds=1.0)  # too short to count
-    assert pol.rates[("rejection", 0.7)] > 40
-    assert pol.choose(SamplingParams(temperature=1.3)) == SAMPLED_RULES[0]  # another temperature: unmeasured
