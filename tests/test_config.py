@@ -172,3 +172,51 @@ def test_early_exit_with_one_process_or_pipeline_stages():
     assert ok.verifier.early_exit.layers == [1, 2] and not AppConfig().verifier.early_exit.enabled
     pp = AppConfig(verifier={"pipeline_parallel_size": 2, "early_exit": {"enabled": True}})  # stages run the exits
     assert pp.verifier.early_exit.enabled and pp.verifier.pipeline_parallel_size == 2
+
+
+@pytest.mark.parametrize("adapters, match", [
+    ({"": "a/b"}, "version name"),
+    ({"-code": "a/b"}, "version name"),  # a letter or digit first
+    ({"co de": "a/b"}, "version name"),
+    ({"x" * 65: "a/b"}, "version name"),
+    ({"code": ""}, "empty adapter path"),
+    ({"embedded": "a/b"}, "base model's name"),  # the base's configured name
+    ({"base": "a/b"}, "base model's name"),  # what a request says for the base
+])
+def test_target_versions_are_validated(adapters, match):
+    with pytest.raises(ValidationError, match=match):
+        AppConfig(target={"adapters": adapters})
+
+
+def test_target_versions_names_and_pipeline_refusal():
+    ok = AppConfig(target={"adapters": {"code": "a/b", "v1.2:tenant_x-y": "c/d"}, "max_loaded_adapters": 1})
+    assert sorted(ok.target.adapters) == ["code", "v1.2:tenant_x-y"]
+    with pytest.raises(ValidationError):
+        AppConfig(target={"max_loaded_adapters": 0})
+    with pytest.raises(ValidationError, match="pipeline_parallel_size 1"):
+        AppConfig(target={"adapters": {"code": "a/b"}}, verifier={"pipeline_parallel_size": 2})
+    assert AppConfig(verifier={"pipeline_parallel_size": 2}).target.adapters == {}  # the base alone is fine
+    with pytest.raises(ValidationError, match="adapters are for the target only"):
+        AppConfig(server_draft={"model": {"model": "tiny-random", "adapters": {"code": "a/b"}}})
+
+
+def test_versions_user_config_is_validated_like_the_app_config():
+    """A Serve user_config update (deploy.application.versions_user_config's shape) goes through
+    the same model: the base's names, pipeline stages, and 'adapters' must be present."""
+    from deploy.application import versions_user_config
+    from deploy.config import versions_update
+
+    cfg = AppConfig(target={"adapters": {"code": "a/b"}, "max_loaded_adapters": 2})
+    assert versions_update(cfg, versions_user_config(cfg)) == cfg  # the round trip changes nothing
+    new = versions_update(cfg, {"adapters": {"code": "a/b", "docs": "c/d"}})
+    assert new.target.adapters == {"code": "a/b", "docs": "c/d"} and new.target.max_loaded_adapters == 2
+    assert versions_update(cfg, {"adapters": {}}).target.adapters == {}  # removing every version is explicit
+    for bad, match in [({}, "needs an 'adapters'"), ({"max_loaded_adapters": 3}, "needs an 'adapters'"),
+                       (None, "needs an 'adapters'"), ({"adapters": {}, "models": {}}, "unknown keys"),
+                       ({"adapters": {"base": "x"}}, "base model's name"), ({"adapters": {"a b": "x"}}, "version name"),
+                       ({"adapters": {"code": "x"}, "max_loaded_adapters": 0}, "greater than or equal")]:
+        with pytest.raises(ValueError, match=match):
+            versions_update(cfg, bad)
+    pp = AppConfig(verifier={"pipeline_parallel_size": 2})
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        versions_update(pp, {"adapters": {"code": "a/b"}})

@@ -1,0 +1,109 @@
+"""Session affinity and version preference (deploy/router/affinity.py), on stand-in replicas:
+a session's calls go to its replica; an open goes to the least loaded; an open of a target
+version prefers the replicas holding it, but only within the load margin of the least loaded."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from deploy.router.affinity import (DEFAULT_VERSION_MARGIN, SessionAffinityRouter, _version_of, replica_of,
+                                    version_ranks)
+
+
+def replica(tag: str, sessions: int = 0, pending: int = 0, kv: int = 0, adapters=()):
+    """What the router reads of a RunningReplica: its id and ``record_routing_stats``."""
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=tag),
+                           routing_stats={"sessions": sessions, "pending": pending, "kv_tokens": kv,
+                                          "adapters": list(adapters)})
+
+
+def request(**kwargs):
+    """What the router reads of a PendingRequest: the call's kwargs."""
+    return SimpleNamespace(kwargs=kwargs)
+
+
+def router(**kwargs) -> SessionAffinityRouter:
+    r = object.__new__(SessionAffinityRouter)  # no Serve plumbing: choose_replicas reads only these
+    r.initialize_state(**kwargs)
+    return r
+
+
+def choose(rt, replicas, req) -> list[list[str]]:
+    ranks = asyncio.run(rt.choose_replicas(replicas, req))
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_version_of_reads_the_open_body_model():
+    assert _version_of(request(body={"model": "code", "prompt_ids": [1]})) == "code"
+    assert _version_of(request(body={"prompt_ids": [1]})) is None
+    assert _version_of(request(body={"model": None})) is None
+    assert _version_of(request(body={"model": 5})) is None  # not a name: no preference
+    assert _version_of(request(body="not a dict")) is None
+    assert _version_of(request(session_id="a.b")) is None
+    assert _version_of(None) is None
+
+
+def test_a_sessions_calls_go_to_its_replica_and_opens_to_the_least_loaded():
+    reps = [replica("r1", sessions=5), replica("r2", sessions=1), replica("r3", sessions=3, pending=4)]
+    rt = router()
+    assert replica_of("r3.abc") == "r3" and replica_of("nodot") is None
+    assert choose(rt, reps, request(session_id="r3.abc")) == [["r3"]]
+    assert choose(rt, reps, request(session_id="gone.abc")) == [["r2", "r1"]]  # any: it answers 404
+    assert choose(rt, reps, request(body={"prompt_ids": [1]})) == [["r2", "r1"]]  # pending counts as load
+    assert choose(rt, [], request()) == []
+
+
+def test_an_open_of_a_version_prefers_its_holders_then_the_others():
+    reps = [replica("r1", sessions=2), replica("r2", sessions=3, adapters=["code"]),
+            replica("r3", sessions=4, adapters=["code", "docs"]), replica("r4", sessions=0)]
+    rt = router()
+    assert choose(rt, reps, request(body={"model": "code"})) == [["r2", "r3"], ["r4", "r1"]]
+    assert choose(rt, reps, request(body={"model": "docs"})) == [["r3"], ["r4", "r1"]]
+    # nobody holds it, or everybody does: by load alone
+    assert choose(rt, reps, request(body={"model": "chat"})) == [["r4", "r1"]]
+    every = [replica(f"r{i}", sessions=i, adapters=["code"]) for i in range(3)]
+    assert choose(rt, every, request(body={"model": "code"})) == [["r0", "r1"]]
+
+
+@pytest.mark.parametrize("margin", [0, 2, DEFAULT_VERSION_MARGIN, 10])
+def test_holders_are_preferred_only_within_the_load_margin(margin):
+    """A holder more than ``margin`` sessions above the least loaded is not preferred: the open
+    goes to the least loaded (which then loads the version), so a version's sessions spread."""
+    least = replica("idle", sessions=1)
+    for load in range(1, 14):
+        holder = replica("holder", sessions=load, adapters=["code"])
+        ranks = version_ranks(sorted([least, holder], key=lambda r: r.routing_stats["sessions"]), "code", margin)
+        first = ranks[0][0].replica_id.unique_id
+        assert first == ("holder" if load <= 1 + margin else "idle"), (load, margin)
+        assert (len(ranks) == 2) == (load <= 1 + margin)
+
+
+def test_sessions_of_one_version_spread_over_replicas():
+    """Opens of one version, each landing where the router sends it first (and loading the version
+    there): with the margin the replicas' loads stay within it; without it one replica takes all."""
+    def run(margin: int) -> list[int]:
+        reps = [replica(f"r{i}") for i in range(4)]
+        rt = router(version_margin=margin)
+        for _ in range(40):
+            first = asyncio.run(rt.choose_replicas(reps, request(body={"model": "code"})))[0][0]
+            first.routing_stats["sessions"] += 1
+            first.routing_stats["adapters"] = ["code"]
+        return sorted(r.routing_stats["sessions"] for r in reps)
+
+    spread = run(2)
+    assert sum(spread) == 40 and spread[-1] - spread[0] <= 3
+    assert run(1 << 30) == [0, 0, 0, 40]  # holders always first: the pile-up the margin prevents
+
+
+def test_the_margin_comes_from_the_deployments_router_kwargs():
+    from deploy.application import verifier_options
+    from deploy.config import AppConfig
+
+    cfg = AppConfig(verifier={"version_affinity_margin": 7})
+    rc = verifier_options(cfg)["request_router_config"]
+    assert rc.request_router_kwargs == {"version_margin": 7}
+    assert router(**rc.request_router_kwargs).version_margin == 7
+    assert router().version_margin == DEFAULT_VERSION_MARGIN == AppConfig().verifier.version_affinity_margin
