@@ -345,6 +345,25 @@ class VerifierCore:
         return {"versions": self.versions.names(), "removed": sorted(gone), "closed_sessions": len(sids),
                 "unavailable": dict(self.versions.registry.unavailable)}
 
+    async def apply_user_config(self, user_config: dict) -> None:
+        """The Serve ``user_config`` (``reconfigure``): the target versions (``target.adapters``),
+        validated like the app's config (:func:`deploy.config.versions_update`). An invalid
+        ``user_config`` fails the replica's start (Serve reports the deployment failed, with
+        the reason); on a running replica it is refused, logged and shown in ``/v1/stats``
+        (``versions_error``), the served versions unchanged: raising here would make Serve
+        stop the replica and every session on it. A version whose adapter fails validation
+        is served as unavailable (503 ``model_unavailable``), the others as declared."""
+        try:
+            target = versions_update(self.cfg, user_config).target
+        except ValueError as e:
+            if not self._versions_configured:
+                raise
+            self.versions_error = str(e)
+            log.error("target versions update refused, the served versions are unchanged: %s", e)
+            return
+        await self.update_versions(target.adapters, target.max_loaded_adapters)
+        self._versions_configured, self.versions_error = True, None
+
     # -- the batching loop -------------------------------------------------------------
     def _hints(self, sid: str) -> tuple[int, int]:
         n = max(len(self.engine.sessions), 1)
@@ -617,23 +636,8 @@ class Verifier(VerifierCore):
                 "pending": self.pending(), "adapters": self.versions.registry.held()}
 
     async def reconfigure(self, user_config: dict) -> None:
-        """Serve's no-restart config update: the target versions (``target.adapters``),
-        validated like the app's config (:func:`deploy.config.versions_update`). An invalid
-        ``user_config`` fails the replica's start (Serve reports the deployment failed, with
-        the reason); on a running replica it is refused, logged and shown in ``/v1/stats``
-        (``versions_error``), the served versions unchanged: raising here would make Serve
-        stop the replica and every session on it. A version whose adapter fails validation
-        is served as unavailable (503 ``model_unavailable``), the others as declared."""
-        try:
-            target = versions_update(self.cfg, user_config).target
-        except ValueError as e:
-            if not self._versions_configured:
-                raise
-            self.versions_error = str(e)
-            log.error("target versions update refused, the served versions are unchanged: %s", e)
-            return
-        await self.update_versions(target.adapters, target.max_loaded_adapters)
-        self._versions_configured, self.versions_error = True, None
+        """Serve's no-restart config update: the target versions (:meth:`VerifierCore.apply_user_config`)."""
+        await self.apply_user_config(user_config)
 
     def check_health(self) -> None:
         if self._loop_task is not None and self._loop_task.done():

@@ -128,3 +128,93 @@ def test_each_version_paces_by_its_own_acceptance(setup):
     with pytest.raises(ModelNotFound):
         v.resolve("nope")
     assert v.resolve("base") is None and v.resolve(loaded.name) is None and v.resolve("code") == "code"
+
+
+def test_bad_versions_fail_only_their_own_sessions_on_the_replica(setup, tmp_path):
+    """A corrupt and a wrong-shape adapter declared beside good ones are unavailable from the
+    start (opens 503 ``model_unavailable`` with the reason); a version whose file goes bad later
+    fails at its load inside a batch: its session answers 503 (then and after), while the base's
+    and another version's sessions verified in that same batch go on exactly."""
+    import shutil
+
+    from deploy.protocol import ReplyFrame, VerifyFrame
+    from tests.verifier.test_lora import corrupt
+
+    loaded, paths, refs = setup
+    broken = shutil.copytree(paths["code"], tmp_path / "broken")
+    corrupt(str(broken))
+    other = load_model("tiny-random", dtype="float32", seed=0, tiny_config={"hidden_size": 96, "num_heads": 6,
+                                                                            "num_kv_heads": 2})
+    wrong = make_adapter(other.model, tmp_path / "wrong", 3, ALL)
+    chat = str(shutil.copytree(paths["chat"], tmp_path / "chat"))
+
+    async def scenario():
+        core = make_core(loaded, {"code": paths["code"], "chat": chat, "broken": str(broken), "wrong": wrong})
+        st = core.stats()
+        assert st["versions"] == ["chat", "code"] and sorted(st["versions_unavailable"]) == ["broken", "wrong"]
+        for v, why in (("broken", "cannot be read"), ("wrong", "shape")):
+            status, err = await core.open_session("dev", {"prompt_ids": PROMPTS[0], "model": v})
+            assert status == 503 and err["error"]["code"] == "model_unavailable" and why in err["error"]["message"]
+        sessions, out = {}, {}
+        for v in (None, "code", "chat"):
+            status, payload = await core.open_session("dev", {"prompt_ids": PROMPTS[2], "model": v,
+                                                              "sampling": GREEDY.to_dict()})
+            assert status == 200, payload
+            sessions[v], out[v] = payload, [payload["first_token"]]
+        core.versions.registry.loaded.pop("chat", None)  # evicted: the next batch of it reloads
+        corrupt(chat, silently=True)
+        batches = []
+        verify = core.engine.verify
+        core.engine.verify = lambda reqs, *a, **k: (batches.append(len(reqs)), verify(reqs, *a, **k))[1]
+
+        async def step(v):
+            s = sessions[v]
+            status, reply = await core.verify(s["session_id"], "dev", VerifyFrame(s["prefix_len"], [], []).encode())
+            if status == 200:
+                r = ReplyFrame.decode(reply)
+                s["prefix_len"] = r.prefix_len
+                out[v].append(r.bonus)
+            return status, reply
+
+        replies = await asyncio.gather(*[step(v) for v in sessions])
+        assert batches == [3]  # all three in one batch
+        (s0, _), (s1, _), (s2, err) = replies
+        assert (s0, s1, s2) == (200, 200, 503) and err["error"]["code"] == "model_unavailable", err
+        status, err = await step("chat")  # closed: answers the same from then on
+        assert status == 503 and err["error"]["code"] == "model_unavailable"
+        while len(out["code"]) < GREEDY.max_tokens:
+            assert (await step("code"))[0] == 200 and (await step(None))[0] == 200
+        return out
+
+    out = asyncio.run(scenario())
+    assert out["code"] == reference_decode(refs["code"], PROMPTS[2], GREEDY)
+    assert out[None] == reference_decode(refs[None], PROMPTS[2], GREEDY)
+
+
+def test_a_user_config_update_is_validated_and_a_bad_one_keeps_the_versions(setup, tmp_path):
+    """The Serve user_config goes through the config model: at start an invalid one raises (Serve
+    reports the deployment failed); on a running replica it is refused, the versions unchanged and
+    the reason in the stats; a user_config without 'adapters' never removes every version."""
+    loaded, paths, _ = setup
+
+    async def scenario():
+        core = make_core(loaded, paths)
+        with pytest.raises(ValueError, match="needs an 'adapters'"):
+            await core.apply_user_config({"max_loaded_adapters": 2})  # the first one: at the replica's start
+        await core.apply_user_config({"adapters": paths, "max_loaded_adapters": 1})
+        status, payload = await core.open_session("dev", {"prompt_ids": PROMPTS[0], "model": "code"})
+        assert status == 200
+        for bad, why in (({"max_loaded_adapters": 2}, "needs an 'adapters'"),
+                         ({"adapters": {"base": paths["code"]}}, "base model's name"),
+                         ({"adapters": {"no spaces": paths["code"]}}, "version name"),
+                         ({"adapters": {}, "typo": 1}, "unknown keys")):
+            await core.apply_user_config(bad)
+            st = core.stats()
+            assert st["versions"] == ["chat", "code"] and why in st["versions_error"], (bad, st["versions_error"])
+            assert payload["session_id"] in core.engine.sessions
+        await core.apply_user_config({"adapters": {"code": paths["code"]}})
+        st = core.stats()
+        assert st["versions"] == ["code"] and st["versions_error"] is None
+        assert payload["session_id"] in core.engine.sessions  # "code" unchanged: its session goes on
+
+    asyncio.run(scenario())
