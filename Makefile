@@ -24,7 +24,7 @@ model: install
 	$(BIN)/python -m deploy.verifier.models
 
 # the two LoRA target versions of the embedded target (FlexSpec; committed under deploy/artifacts/versions):
-# rebuild them, a few minutes on 2 cores
+# rebuild them with the settings of their build.json (~12 min on 2 loaded cores)
 adapters: model
 	nice -n 10 $(BIN)/python -m benchmarks.train_versions
 

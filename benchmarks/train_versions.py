@@ -10,20 +10,28 @@ answer only):
 - ``docs``: "Write the README of the Python package X" -> its long description, from the
   ``*.dist-info/METADATA`` of the wheels installed in the venv.
 
-LoRA r=8 on every linear of the last 10 of 30 layers (PEFT format, saved in bf16: ~1.4 MB
-each), bf16 autocast, AdamW lr 1e-3, a fixed number of steps; ``nice -n 10 python -m benchmarks.train_versions``
-(a few minutes per version on 2 cores; ``--steps``, ``--out``). Output:
-``deploy/artifacts/versions/{code,docs}/`` (adapter_config.json + adapter_model.safetensors
-+ build.json), loadable by PEFT and by the verifier (``target.adapters``).
+LoRA r=8 on every linear of the last 10 of 30 layers (PEFT format, saved in bf16: ~1.6 MB
+each), bf16 autocast, AdamW lr 2e-3, 40 steps of 4 examples of at most 192 tokens (the defaults:
+what the committed artifacts were built with, their ``build.json``); ``make adapters``, i.e.
+``nice -n 10 python -m benchmarks.train_versions`` (4-7 min per version on 2 loaded cores;
+``--steps``, ``--out``). Output: ``deploy/artifacts/versions/{code,docs}/``
+(adapter_config.json + adapter_model.safetensors + build.json), loadable by PEFT and by the
+verifier (``target.adapters``). ``build.json`` records the settings and the data: the Python
+and library versions, the pool of stdlib modules / installed wheels the examples were drawn
+from, those drawn, and a hash of the training examples (a rebuild on another install draws
+from another pool; the hash tells whether it trained on the same text).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import platform
 import random
 import sysconfig
 import time
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -39,12 +47,15 @@ def _stdlib_files() -> list[Path]:
     return sorted(p for p in root.glob("*.py") if not p.name.startswith(("test", "_")))
 
 
-def code_examples(rng: random.Random, n: int, held_out: bool = False) -> list[tuple[str, str]]:
-    """(instruction, answer): a window of a stdlib module's source, its first lines given."""
-    files = [p for p in _stdlib_files() if (p.stem in HELD_OUT) == held_out]
+def code_examples(rng: random.Random, n: int, held_out: bool = False,
+                  used: set[str] | None = None) -> list[tuple[str, str]]:
+    """(instruction, answer): a window of a stdlib module's source, its first lines given;
+    ``used`` collects the modules drawn."""
+    files = code_pool(held_out)
     out = []
     while len(out) < n:
-        lines = rng.choice(files).read_text(errors="ignore").splitlines()
+        f = rng.choice(files)
+        lines = f.read_text(errors="ignore").splitlines()
         if len(lines) < 40:
             continue
         i = rng.randrange(0, len(lines) - 30)
@@ -52,34 +63,67 @@ def code_examples(rng: random.Random, n: int, held_out: bool = False) -> list[tu
         if len(given.strip()) < 80 or len(rest.strip()) < 80:
             continue
         out.append((f"Continue this Python code:\n```python\n{given}\n```", rest))
+        if used is not None:
+            used.add(f.stem)
     return out
 
 
-def _metadata() -> list[tuple[str, str]]:
-    """(package, long description) of the installed wheels."""
+def code_pool(held_out: bool = False) -> list[Path]:
+    return [p for p in _stdlib_files() if (p.stem in HELD_OUT) == held_out]
+
+
+def _metadata() -> list[tuple[str, str, str]]:
+    """(package, version, long description) of the installed wheels."""
     site = Path(sysconfig.get_paths()["purelib"])
     out = []
     for m in sorted(site.glob("*.dist-info/METADATA")):
         head, _, body = m.read_text(errors="ignore").partition("\n\n")
-        name = next((ln.split(":", 1)[1].strip() for ln in head.splitlines() if ln.startswith("Name:")), None)
+        name, version = (next((ln.split(":", 1)[1].strip() for ln in head.splitlines() if ln.startswith(k)), None)
+                         for k in ("Name:", "Version:"))
         if name and len(body.strip()) > 400:
-            out.append((name, body.strip()))
+            out.append((name, version or "?", body.strip()))
     return out
 
 
-def docs_examples(rng: random.Random, n: int, held_out: bool = False) -> list[tuple[str, str]]:
-    """(instruction, answer): a package's README, from a random paragraph on."""
-    docs = [d for i, d in enumerate(_metadata()) if (i % 8 == 0) == held_out]
+def docs_pool(held_out: bool = False) -> list[tuple[str, str, str]]:
+    return [d for i, d in enumerate(_metadata()) if (i % 8 == 0) == held_out]
+
+
+def docs_examples(rng: random.Random, n: int, held_out: bool = False,
+                  used: set[str] | None = None) -> list[tuple[str, str]]:
+    """(instruction, answer): a package's README, from a random paragraph on; ``used``
+    collects the wheels drawn (``name==version``)."""
+    docs = docs_pool(held_out)
     out = []
     while len(out) < n:
-        name, body = rng.choice(docs)
+        name, version, body = rng.choice(docs)
         paras = [p for p in body.split("\n\n") if p.strip()]
         i = rng.randrange(0, max(1, len(paras) - 3))
         out.append((f"Write the README of the Python package {name}.", "\n\n".join(paras[i: i + 4])[:1500]))
+        if used is not None:
+            used.add(f"{name}=={version}")
     return out
 
 
 DATA = {"code": code_examples, "docs": docs_examples}
+LIBRARIES = ("torch", "transformers", "peft", "safetensors", "tokenizers")
+
+
+def data_provenance(version: str, used: set[str], examples: list[tuple[str, str]]) -> dict:
+    """What a rebuild needs to know to train on the same data: the interpreter and library
+    versions, the pool the examples were drawn from, the sources drawn, the examples' hash."""
+    pool = ([p.stem for p in code_pool()] if version == "code"
+            else [f"{name}=={v}" for name, v, _ in docs_pool()])
+    libs = {}
+    for lib in LIBRARIES:
+        try:
+            libs[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            libs[lib] = None
+    return {"python": platform.python_version(), "libraries": libs,
+            "pool_kind": "stdlib modules" if version == "code" else "installed wheels (name==version)",
+            "pool_sources": pool, "drawn_sources": sorted(used),
+            "examples_sha256": hashlib.sha256(json.dumps(examples).encode()).hexdigest()}
 
 
 def encode(tok, instruction: str, answer: str, max_len: int) -> tuple[list[int], int]:
@@ -101,7 +145,9 @@ def train(version: str, steps: int, batch: int, max_len: int, lr: float, seed: i
     tok = lm.tokenizer
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    data = [encode(tok, q, a, max_len) for q, a in DATA[version](rng, steps * batch)]
+    used: set[str] = set()
+    examples = DATA[version](rng, steps * batch, used=used)
+    data = [encode(tok, q, a, max_len) for q, a in examples]
     cfg = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, layers_to_transform=LAYERS, lora_dropout=0.0,
                      bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(lm.model, cfg)
@@ -142,7 +188,8 @@ def train(version: str, steps: int, batch: int, max_len: int, lr: float, seed: i
             "train_seconds": round(time.time() - t0, 1), "loss_first10": sum(losses[:10]) / 10,
             "loss_last10": sum(losses[-10:]) / 10,
             "data": ("Python stdlib sources (held out: " + ", ".join(HELD_OUT) + ")") if version == "code"
-            else "installed wheels' METADATA long descriptions (every 8th package held out)"}
+            else "installed wheels' METADATA long descriptions (every 8th package held out)",
+            **data_provenance(version, used, examples)}
     (dest / "build.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
@@ -155,16 +202,22 @@ def finish_artifact(dest: Path) -> None:
     (dest / "README.md").unlink(missing_ok=True)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The defaults are the committed artifacts' settings (their build.json): ``make adapters``
+    rebuilds them as they are."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", nargs="+", default=list(DATA), choices=list(DATA))
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--max-len", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--max-len", type=int, default=192)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     torch.set_num_threads(2)
     for v in a.versions:
         print(json.dumps(train(v, a.steps, a.batch, a.max_len, a.lr, a.seed, a.out)))
