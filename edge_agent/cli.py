@@ -69,7 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "split rejection sampling (DSSD/PicoSpec), more tokens per round at temperature > 0; "
                         "tree-rejection: trees whose siblings are drawn without replacement from a sparse q sent "
                         "with the tree, the server samples every residual (multi-draft rejection sampling); "
-                        "auto: greedy -> match, sampled -> the rule measured fastest at that temperature")
+                        "auto: greedy -> match, sampled -> the rule with the most tokens per verify round at that "
+                        "temperature (a prior from the measured benchmark, then this agent's measurements)")
+    g.add_argument("--verify-state", metavar="PATH",
+                   help="--verify auto: JSON file keeping the measured acceptance per (target, draft) across runs "
+                        "(default: $XDG_CACHE_HOME/specedge/verify_policy.json, else ~/.cache/...)")
+    g.add_argument("--no-verify-state", action="store_true",
+                   help="--verify auto: keep the measurements in this process only (no state file)")
     g.add_argument("--depth-policy", choices=POLICIES, default="auto")
     g.add_argument("--depth", type=int, default=4, help="fixed depth / default before measurements")
     g.add_argument("--max-depth", type=int, default=12)
@@ -140,6 +146,15 @@ def _sampling(a) -> dict:
             "max_tokens": a.max_tokens, "stop_token_ids": _ids(a.stop_ids), "ignore_eos": a.ignore_eos}
 
 
+def _verify_state(a) -> str | None:
+    """The state file of ``--verify auto`` (edge_agent.verify_policy.PolicyStore), or None."""
+    from edge_agent.verify_policy import default_state_path
+
+    if a.verify != "auto" or a.no_verify_state:
+        return None
+    return a.verify_state or str(default_state_path())
+
+
 def _transport(a):
     from edge_agent.transport import HttpTransport
 
@@ -197,7 +212,7 @@ async def _generate(a) -> int:
         prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
         cfg = AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
                           budget=a.budget, topk=a.topk, max_expand=a.max_expand, verify=a.verify, model=a.model,
-                          predraft=a.predraft)
+                          predraft=a.predraft, verify_state=_verify_state(a))
         agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
         metrics = None
         if a.metrics_port is not None:

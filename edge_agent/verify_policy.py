@@ -108,7 +108,8 @@ class VerifyPolicy:
         """Take the evidence of a stored policy (entries that do not parse are skipped)."""
         for e in d.get("evidence", []):
             try:
-                rule, b, tok, n = str(e["rule"]), round(float(e["temperature"]), 1), float(e["tokens"]), float(e["rounds"])
+                rule, b = str(e["rule"]), round(float(e["temperature"]), 1)
+                tok, n = float(e["tokens"]), float(e["rounds"])
             except (KeyError, TypeError, ValueError):
                 continue
             if rule in SAMPLED_RULES and tok >= 0 and n > 0 and tok == tok and n == n:

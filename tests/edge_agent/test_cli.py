@@ -41,6 +41,70 @@ def test_local_generate_json_matches_reference(capsys, reference, draft, mode, v
         assert st["accepted_tokens"] == 0 and st["rounds"] == 23
 
 
+LOCAL = ["generate", "--local", "--target", "tiny-random", "--dtype", "float32", "--prompt-ids",
+         ",".join(map(str, PROMPT)), "--max-tokens", "24", "--ignore-eos", "--json"]
+
+
+def _run(capsys, *args: str) -> dict:
+    assert main(LOCAL + list(args)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("verify", ["tree-rejection", "auto"])
+def test_local_greedy_tree_rejection_and_auto_are_match_trees(capsys, reference, verify, tmp_path):
+    out = _run(capsys, "--draft", "tiny-random", "--verify", verify, "--verify-state", str(tmp_path / "s.json"))
+    assert out["token_ids"] == reference and out["verify"] == verify and out["stats"]["verify_rule"] == "match"
+    assert not (tmp_path / "s.json").exists()  # greedy requests teach auto nothing
+
+
+@pytest.mark.parametrize("verify, mode", [("rejection", "proactive"), ("rejection", "stop-and-wait"),
+                                          ("tree-rejection", "stop-and-wait")])
+def test_local_sampled_rejection_rules_accept_draft_tokens(capsys, verify, mode):
+    """Sampled (T = 1, top-p 0.95) through --local with a draft sharing the target's weights: chain
+    rejection accepts min(1, p/q) = 1 everywhere; tree rejection's 16-entry proposals of the flat
+    512-token rows hold little of p, so fewer, but some."""
+    out = _run(capsys, "--draft", "tiny-random", "--verify", verify, "--mode", mode, "--temperature", "1.0",
+               "--top-p", "0.95", "--seed", "7")
+    st = out["stats"]
+    assert st["verify_rule"] == verify and st["tokens"] == 24 and st["finish_reason"] == "length"
+    if verify == "rejection":
+        assert st["accepted_tokens"] >= st["rounds"] and st["rejections"] == 0
+    else:
+        assert st["accepted_tokens"] > 0 and st["draft_tokens"] > st["rounds"]  # trees, partly accepted
+    assert all(0 <= t < 512 for t in out["token_ids"])
+
+
+def test_local_sampled_auto_learns_across_runs_in_its_state_file(capsys, tmp_path, monkeypatch):
+    from edge_agent.verify_policy import PolicyStore, VerifyPolicy
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sampled = ["--draft", "tiny-random", "--verify", "auto", "--temperature", "1.0", "--seed", "3",
+               "--mode", "stop-and-wait"]
+    out = _run(capsys, *sampled)
+    assert out["stats"]["verify_rule"] == "tree-rejection"  # the prior at T = 1.0, nothing measured yet
+    default = tmp_path / "cache" / "specedge" / "verify_policy.json"  # the default state file
+    doc = json.loads(default.read_text())
+    ((pair, entry),) = doc["pairs"].items()
+    assert pair == "tiny-random(seed=0)|tiny-random(seed=0)"  # (target, draft)
+    assert [e["rule"] for e in entry["evidence"]] == ["tree-rejection"]
+    learned = VerifyPolicy()
+    PolicyStore(default).load(pair, learned)
+    tok, n = learned.evidence[("tree-rejection", 1.0)]
+    st = out["stats"]
+    assert tok == pytest.approx(st["accepted_tokens"] + st["rounds"]) and n == st["rounds"]
+    # the next run starts from what the first one measured (here: fewer tokens per round than the prior's)
+    want = learned.choose(SamplingParams(temperature=1.0))
+    assert _run(capsys, *sampled)["stats"]["verify_rule"] == want
+    # another state file whose history has chains accepting far more at T = 1.0 on this pair
+    entry["evidence"].append({"rule": "rejection", "temperature": 1.0, "tokens": 500.0, "rounds": 100.0})
+    state = tmp_path / "mine.json"
+    state.write_text(json.dumps(doc))
+    assert _run(capsys, *sampled, "--verify-state", str(state))["stats"]["verify_rule"] == "rejection"
+    before = default.read_text()
+    assert _run(capsys, *sampled, "--no-verify-state")["stats"]["verify_rule"] == "tree-rejection"  # the prior
+    assert default.read_text() == before  # opted out: nothing written
+
+
 def test_local_generate_streams_and_ends_with_a_summary(capsys, reference):
     rc = main(["generate", "--local", "--target", "tiny-random", "--dtype", "float32", "--draft", "tiny-random",
                "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "24", "--ignore-eos"])
