@@ -34,7 +34,7 @@ from ray import serve
 from deploy.config import AppConfig, versions_update
 from deploy.errors import (InvalidRequest, ModelNotFound, SessionEvicted, SessionNotFound, SpecError,
                            TokenizerMismatch, VersionUnavailable)
-from deploy.metrics import VerifierMetrics
+from deploy.metrics import RoundStats, VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
                                     VerifyRequest)
@@ -584,12 +584,12 @@ class VerifierCore:
             return _error(res)
         req = p.payload[0]
         tree_mode = isinstance(req, VerifyRequest)
-        if tree_mode:
-            n_nodes, emitted = res.verified, len(res.tokens)
-            if p.payload[2]:
-                self.calibration.observe(sum(p.payload[2][:n_nodes]), len(res.accepted))
-        else:  # chain mode: a rejected round has no bonus (the edge resamples from the residual)
-            n_nodes, emitted = len(req.tokens), res.num_accepted + (res.bonus is not None)
+        # chain mode: a rejected round has no bonus; the residual sample it owes arrives (and is
+        # emitted) with the next request, and counts there
+        rs = RoundStats.of(p.tenant, req, res)
+        n_nodes, emitted = rs.draft_tokens, rs.emitted
+        if tree_mode and p.payload[2]:
+            self.calibration.observe(sum(p.payload[2][:n_nodes]), len(res.accepted))
         refill = not tree_mode and req.more  # more residual candidates: no draft was verified
         if not refill:
             self.versions.pacer(p.session_id).observe_round(n_nodes, emitted)
