@@ -6,10 +6,13 @@ import asyncio
 import random
 
 import pytest
+import torch
 from ray import serve
 
 from deploy.application import build_app
 from deploy.errors import Unauthorized
+from deploy.protocol import OpenSession, VerifyFrame
+from deploy.verifier.acceptance import Proposal, draw_without_replacement
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
@@ -95,6 +98,61 @@ def test_rejection_rule_through_the_server(server, target, draft, ws):
                                mode="proactive", verify="rejection"))
     st = res.stats
     assert len(res.token_ids) == 40 and st.rejections > 3 and st.refills > 0 and st.finish_reason == "length"
+
+
+async def greedy_sampled_trees(url, ws: bool, prompt: list[int], ref: list[int]) -> tuple[list[int], int]:
+    """Greedy through the wire's tree rejection path (F_TREEQ), the edge's half played by hand: each
+    round 3 root children drawn without replacement from a proposal holding the reference's next
+    token (placed among them most rounds), and under it the token after with its own proposal."""
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(3)
+    t = HttpTransport(url, api_key=KEY, ws=ws, timeout_s=60)
+    try:
+        sess = await t.open(OpenSession(prompt_ids=prompt, sampling=GREEDY))
+        out, n, accepted = [sess.first_token], sess.prefix_len, 0
+        while len(out) < len(ref):
+            truth = ref[len(out):len(out) + 2]
+            ids = rng.sample([x for x in range(3, 512) if x not in truth], 7) + [truth[0]]
+            prop = Proposal(tuple(ids), tuple(rng.randrange(1, 65536) for _ in ids))
+            kids = draw_without_replacement(prop, 3, g)
+            if rng.random() < 0.7 and truth[0] not in kids:
+                kids[-1] = truth[0]
+            tokens, parents, props = list(kids), [-1] * 3, [(prop.ids, prop.weights)] + [None] * 3
+            if truth[0] in kids and len(truth) > 1:
+                sub = (truth[1], 7, 8)
+                props[kids.index(truth[0]) + 1] = (sub, (9000, 5000, 100))
+                tokens.append(truth[1])
+                parents.append(kids.index(truth[0]))
+                props.append(None)
+            r = await t.verify(sess.session_id, VerifyFrame(prefix_len=n, tokens=tokens, parents=parents,
+                                                           proposals=props))
+            out += [tokens[a] for a in r.accepted] + ([r.bonus] if r.bonus is not None else [])
+            accepted += len(r.accepted)
+            n = r.prefix_len
+            if r.finished:
+                break
+        await t.close(sess.session_id)
+        return out, accepted
+    finally:
+        await t.aclose()
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["http", "ws"])
+def test_tree_rejection_rule_through_the_server(server, target, draft, ws):
+    """Issue 17: sampled trees with their proposals (F_TREEQ) through the router and the replica:
+    greedy equals the reference (by hand: the agent sends greedy requests as match trees); sampled,
+    the agent's trees accept draft tokens and the generation completes."""
+    (prompt,) = prompts(1, seed=19)
+    ref = reference_decode(target, prompt, SamplingParams(**GREEDY))
+    out, accepted = asyncio.run(greedy_sampled_trees(server, ws, prompt, ref))
+    assert out == ref and accepted > 5
+    res = asyncio.run(generate(server, ModelDrafter(draft), prompt, ws=ws, verify="tree-rejection"))
+    assert res.token_ids == ref and res.stats.verify_rule == "match"
+    sampled = {"temperature": 0.8, "seed": 5, "max_tokens": 32, "ignore_eos": True}
+    res = asyncio.run(generate(server, ModelDrafter(draft), prompt, ws=ws, sampling=sampled, verify="tree-rejection"))
+    st = res.stats
+    assert st.verify_rule == "tree-rejection" and len(res.token_ids) == 32 and st.finish_reason == "length"
+    assert st.accepted_tokens > 0 and st.draft_tokens > st.rounds and st.reopens == 0
 
 
 def test_evictions_under_load_are_reopened_without_loss(server, target, draft):
