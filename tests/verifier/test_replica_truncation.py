@@ -65,13 +65,13 @@ def test_truncated_rounds_are_exact_and_report_what_was_verified():
     assert min(all_verified) < 24  # the steep curve made the replica cut the noise
 
 
-def _sampled_tree(rng: random.Random) -> tuple[list[int], list[int], list]:
+def _sampled_tree(rng: random.Random, g: torch.Generator) -> tuple[list[int], list[int], list]:
     """A 24-node tree as the edge's tree rejection sampling sends it (F_TREEQ): 16 root children
     drawn without replacement from a 16-entry proposal, a chain of 8 below the first, one
     proposal per position (root, then node i; leaves carry none)."""
     ids = rng.sample(range(3, VOCAB), 16)
     weights = [rng.randrange(1, 65536) for _ in ids]
-    kids = draw_without_replacement(Proposal(tuple(ids), tuple(weights)), 16, None)
+    kids = draw_without_replacement(Proposal(tuple(ids), tuple(weights)), 16, g)
     tokens, parents, props = list(kids), [-1] * 16, [(tuple(ids), tuple(weights))] + [None] * 16
     parent = 0
     for _ in range(8):
@@ -89,13 +89,12 @@ def test_sampled_trees_are_never_truncated_while_plain_trees_are():
     (a cut by value would bias it): with the steep cost curve cutting the plain greedy trees of
     the same batches, every sampled (F_TREEQ) tree is verified whole, with the same confidence
     bytes the plain trees carry."""
-    torch.manual_seed(0)  # draw_without_replacement with the default generator
     core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"batch_wait_ms": 5}))
     for rows in (8, 16, 32, 64, 128, 256):
         core.pacer.observe_forward(rows, 0.01 + 0.002 * max(0, rows - 8))
     core.pacer.cost.refit()
-    rng = random.Random(1)
+    rng, g = random.Random(1), torch.Generator().manual_seed(1)
     conf = [200] * 16 + [encode_confidence(math.log(0.9) * (i + 1)) for i in range(8)]
 
     async def session(seed: int, sampled: bool):
@@ -107,7 +106,7 @@ def test_sampled_trees_are_never_truncated_while_plain_trees_are():
         n, verified, out = d["prefix_len"], [], [d["first_token"]]
         while True:
             if sampled:
-                tokens, parents, props = _sampled_tree(rng)
+                tokens, parents, props = _sampled_tree(rng, g)
             else:  # a plain tree of the same shape, no proposals: truncation may cut it
                 tokens, parents, props = [rng.randrange(3, VOCAB) for _ in range(24)], [-1] * 16 + [0] + list(
                     range(16, 23)), None
