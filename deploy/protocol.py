@@ -51,11 +51,15 @@ every entry's id (u32), then every weight (u16; q(x) = w_x / sum w). The server 
 this q, so it samples every residual itself: the reply is the tree reply (no ``R_REJECTED``),
 and such trees are never truncated. 6 bytes per node + 1 per position + 6 per proposal entry.
 
-Early results (``F_EARLY``, WebSocket only; the early-exit paper §3): a tree frame with this
-flag asks for an :class:`EarlyFrame` after each of the server's exit layers, *during* the
-verify forward: the path and next token that exit's walk of the tree gives, and its
-probability. Binary, its own magic (``EE``), 20 bytes + 2 per accepted node; zero or more of
-them precede the round's reply frame on the socket. The reply is the last layer's, exactly as
+Early results (``F_EARLY``; the early-exit paper §3): a tree frame with this flag asks for an
+:class:`EarlyFrame` after each of the server's exit layers, *during* the verify forward: the
+path and next token that exit's walk of the tree gives, and its probability. Binary, its own
+magic (``EE``), 20 bytes + 2 per accepted node; zero or more of them precede the round's reply
+frame on the socket. Over HTTP POST a flagged frame sent with ``Accept: EARLY_STREAM_MEDIA_TYPE``
+gets a streamed (chunked) response of records, each a u32 length and a message: the early
+frames as they come, then the reply frame, or (once the stream has begun) the error as JSON
+(``{"status", "error"}``, as on the socket); without that ``Accept`` the flag is served as a
+plain reply, so POST clients that predate the stream are unchanged. The reply is the last layer's, exactly as
 without the flag (early frames are guesses for pre-drafting, never output). A server without
 exit heads answers the flag with 400; clients send it only when ``GET /v1/model`` lists
 ``early_exit_layers``, so older clients and servers never meet it.
@@ -299,6 +303,48 @@ class EarlyFrame:
         if not (0.0 <= conf <= 1.0):
             raise InvalidRequest("early frame confidence outside [0, 1]")
         return cls(prefix_len, layer, list(struct.unpack_from(f"<{n}H", data, _EARLY_HEAD.size)), token, conf)
+
+
+EARLY_STREAM_MEDIA_TYPE = "application/x-specedge-frames"  # POST verify: early frames, then the reply
+_RECORD = struct.Struct("<I")
+
+
+def asks_early(data: bytes) -> bool:
+    """Whether a verify frame's header has ``F_EARLY`` (no other check: :meth:`VerifyFrame.decode` does them)."""
+    if len(data) < _REQ_HEAD.size:
+        return False
+    magic, ver, flags = _REQ_HEAD.unpack_from(data)[:3]
+    return magic == MAGIC and ver == VERSION and bool(flags & F_EARLY)
+
+
+def record(message: bytes) -> bytes:
+    """One record of a streamed verify response: u32 length, then the message."""
+    return _RECORD.pack(len(message)) + message
+
+
+class RecordReader:
+    """Splits a streamed verify response, fed in arbitrary chunks, back into its messages."""
+
+    def __init__(self, max_message: int = 1 << 22):
+        self.buf, self.max_message = bytearray(), max_message
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self.buf += chunk
+        out = []
+        while len(self.buf) >= _RECORD.size:
+            (n,) = _RECORD.unpack_from(self.buf)
+            if n > self.max_message:
+                raise InvalidRequest(f"streamed record of {n} bytes exceeds {self.max_message}")
+            if len(self.buf) < _RECORD.size + n:
+                break
+            out.append(bytes(self.buf[_RECORD.size: _RECORD.size + n]))
+            del self.buf[: _RECORD.size + n]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete record (non-zero when the stream ends: it was cut)."""
+        return len(self.buf)
 
 
 class _Body(BaseModel):

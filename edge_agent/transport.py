@@ -7,7 +7,8 @@ RTT. The agent's logic is identical over both implementations:
 - :class:`HttpTransport`: an ``httpx.AsyncClient`` with keep-alive (a verify round is one
   request on a warm connection: one RTT), or one WebSocket per session (``ws=True``, the
   default: it costs the server ~0.6x the CPU per round, and falls back to POST where a
-  proxy refuses the upgrade).
+  proxy refuses the upgrade). Early results (``F_EARLY``) arrive on the socket before the
+  reply, or over POST as a streamed response with ``stream_early``.
   Timeouts; retries with exponential backoff where a retry is safe (connection refused,
   503, 429 after ``Retry-After``); a verify whose reply is lost raises
   :class:`~edge_agent.errors.ConnectionLost` (it may or may not have been applied), and
@@ -33,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from deploy.errors import SessionEvicted, SessionNotFound, SpecError
-from deploy.protocol import EarlyFrame, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
+from deploy.protocol import (EARLY_STREAM_MEDIA_TYPE, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened,
+                             VerifyFrame)
 from edge_agent.errors import ConnectionLost, ServerUnreachable, error_from_json
 
 log = logging.getLogger("edge_agent")
@@ -67,7 +69,7 @@ class Transport:
 
     async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
         """One round. ``on_early(EarlyFrame)`` gets the early results of an ``F_EARLY`` frame as
-        they arrive, before the reply (WebSocket and in-process; none over HTTP POST)."""
+        they arrive, before the reply (WebSocket, in-process, and HTTP POST with ``stream_early``)."""
         raise NotImplementedError
 
     async def close(self, sid: str) -> None:
@@ -233,6 +235,9 @@ class HttpTransport(Transport):
     # verify over a per-session WebSocket (the default: x0.58 the server CPU per round of POST, in every
     # hop; `python -m benchmarks.request_path`); falls back to POST where the upgrade is refused
     ws: bool = True
+    # POST rounds with F_EARLY accept the streamed response (early frames, then the reply; deploy/protocol.py);
+    # off: the flag is served as a plain reply, no early frames
+    stream_early: bool = False
     timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -312,9 +317,47 @@ class HttpTransport(Transport):
     async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
         if self.ws:
             return await self._verify_ws(sid, frame, on_early)
+        if frame.early and on_early is not None and self.stream_early:
+            return await self._verify_post_streamed(sid, frame, on_early)
         r = await self._request("POST", f"/v1/sessions/{sid}/verify", idempotent=False, content=frame.encode(),
                                 headers={"Content-Type": "application/octet-stream"})
         return ReplyFrame.decode(r.content)
+
+    async def _verify_post_streamed(self, sid: str, frame: VerifyFrame, on_early) -> ReplyFrame:
+        """POST an ``F_EARLY`` frame accepting the streamed response: ``on_early`` gets each early
+        frame as its record arrives; the last record is the reply or an error (JSON). A server
+        that answers with a plain reply (no stream) is read as one. No retries (a verify is not
+        idempotent), as over the socket."""
+        import httpx
+
+        path = f"/v1/sessions/{sid}/verify"
+        headers = {"Content-Type": "application/octet-stream", "Accept": EARLY_STREAM_MEDIA_TYPE}
+        try:
+            async with self._client.stream("POST", path, content=frame.encode(), headers=headers) as r:
+                if r.status_code >= 400 or not r.headers.get("content-type", "").startswith(EARLY_STREAM_MEDIA_TYPE):
+                    await r.aread()
+                    if r.status_code < 400:
+                        return ReplyFrame.decode(r.content)
+                    try:
+                        body = r.json()
+                    except (json.JSONDecodeError, ValueError):
+                        body = None
+                    ra = r.headers.get("Retry-After")
+                    raise error_from_json(r.status_code, body, float(ra) if ra else None)
+                reader = RecordReader()
+                async for chunk in r.aiter_raw():
+                    for msg in reader.feed(chunk):
+                        if EarlyFrame.is_early(msg):
+                            on_early(EarlyFrame.decode(msg))
+                        elif msg[:1] == b"{":
+                            _raise_json_error(msg.decode())
+                        else:
+                            return ReplyFrame.decode(msg)
+        except httpx.ConnectError as e:
+            raise ServerUnreachable(f"cannot reach {self.base_url}: {e}") from None
+        except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+            raise ConnectionLost(f"POST {path}: {type(e).__name__}: {e}") from None
+        raise ConnectionLost(f"POST {path}: the stream ended before the reply")
 
     async def close(self, sid: str) -> None:
         await self._close_ws(sid)
@@ -381,11 +424,17 @@ class HttpTransport(Transport):
             await self._close_ws(sid)
             raise ConnectionLost(f"WebSocket verify: {type(e).__name__}: {e}") from None
         if isinstance(msg, str):  # an error arrives as a JSON text frame
-            try:
-                body = json.loads(msg)
-            except ValueError:
-                body = None
-            status = int(body.get("status", 400)) if isinstance(body, dict) else 400
-            raise error_from_json(status, body, body.get("retry_after") if isinstance(body, dict) else None)
+            _raise_json_error(msg)
         return ReplyFrame.decode(msg)
+
+
+def _raise_json_error(text: str) -> None:
+    """An error sent in-band (a WebSocket text frame, a streamed POST's last record):
+    ``{"status": ..., "error": {...}, "retry_after": ...}``."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    status = int(body.get("status", 400)) if isinstance(body, dict) else 400
+    raise error_from_json(status, body, body.get("retry_after") if isinstance(body, dict) else None)
 

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from deploy.errors import InvalidRequest, PayloadTooLarge
 from deploy.protocol import (F_CHAIN, F_CONF, F_EARLY, F_MORE, F_RESAMPLED, F_TREEQ, MAGIC, MAX_NODES_WIRE,
-                             VERSION, EarlyFrame, OpenSession, ReplyFrame, SessionOpened, VerifyFrame)
+                             VERSION, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened, VerifyFrame,
+                             asks_early, record)
 
 f32 = st.floats(0, 1e6, allow_nan=False, width=32)
 
@@ -216,6 +217,30 @@ def test_the_early_flag_goes_with_plain_trees_only():
     bad_conf = EarlyFrame(4, 1, [0], 5, 0.5).encode()[:-6] + struct.pack("<f", 1.5) + b"\0\0"
     with pytest.raises(InvalidRequest):
         EarlyFrame.decode(bad_conf)
+
+
+@settings(max_examples=60)
+@given(st.lists(st.binary(max_size=70), max_size=8), st.lists(st.integers(1, 40), min_size=1, max_size=20))
+def test_streamed_records_split_back_into_messages_whatever_the_chunks(messages, cuts):
+    """Issue 19, POST verify streamed: u32-length records survive any chunking on the way."""
+    data = b"".join(record(m) for m in messages)
+    reader, got, i, k = RecordReader(), [], 0, 0
+    while i < len(data):
+        step = cuts[k % len(cuts)]
+        got += reader.feed(data[i: i + step])
+        i, k = i + step, k + 1
+    assert got == messages and reader.pending == 0
+    if data:
+        cut = RecordReader()
+        assert cut.feed(data[:-1]) == messages[:-1] and cut.pending > 0  # a cut stream leaves bytes pending
+    with pytest.raises(InvalidRequest):
+        RecordReader(max_message=8).feed(record(b"x" * 9))
+
+
+def test_asks_early_reads_the_flag_only():
+    assert asks_early(VerifyFrame(prefix_len=4, tokens=[5], parents=[-1], early=True).encode())
+    assert not asks_early(VerifyFrame(prefix_len=4, tokens=[5], parents=[-1]).encode())
+    assert not asks_early(b"") and not asks_early(b"\xff" * 40)
 
 
 def test_json_bodies_validate():

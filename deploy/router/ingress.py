@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError, RayError
 from deploy.config import BASE_ALIAS, DEV_API_KEY, AppConfig, versions_update
 from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError, UpstreamTimeout
 from deploy.metrics import router_metrics
-from deploy.protocol import OpenSession, ReplyFrame, VerifyFrame
+from deploy.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
 from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.early import stream_verify
@@ -319,8 +319,46 @@ class Router:
     @api.post("/v1/sessions/{sid}/verify")
     async def verify_http(self, sid: str, request: Request):
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        reply = await self.verify(tenant, sid, await self._body(request))
+        body = await self._body(request)
+        if asks_early(body) and EARLY_STREAM_MEDIA_TYPE in request.headers.get("accept", ""):
+            return await self._verify_streamed(tenant, sid, body)
+        reply = await self.verify(tenant, sid, body)
         return Response(reply, media_type="application/octet-stream")
+
+    async def _verify_streamed(self, tenant: TenantState, sid: str, body: bytes):
+        """POST verify of an ``F_EARLY`` frame that accepts the stream (deploy/protocol.py): a
+        chunked response of records, the early frames as the forward yields them, then the reply.
+        The status is sent with the first record, so an error before any early frame is a plain
+        error response (its status, Retry-After); after one, the error is the last record (JSON)."""
+        early: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self.verify(tenant, sid, body, early.put))
+        first = asyncio.ensure_future(early.get())
+        await asyncio.wait({first, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            return Response(record(task.result()), media_type=EARLY_STREAM_MEDIA_TYPE)  # raises a SpecError
+
+        async def records():
+            try:
+                yield record(first.result())
+                while True:
+                    get = asyncio.ensure_future(early.get())
+                    done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                    if get not in done:
+                        get.cancel()
+                        break
+                    yield record(get.result())
+                try:
+                    yield record(task.result())
+                except SpecError as e:
+                    payload = {"status": e.status, **e.to_dict()}
+                    router_metrics().on_error(e)  # never a 429: the verifier took the round
+                    yield record(json.dumps(payload).encode())
+            finally:
+                if not task.done():  # the client left mid-round: the round still completes on the replica
+                    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+        return _ClosingStream(records(), media_type=EARLY_STREAM_MEDIA_TYPE)
 
     @api.delete("/v1/sessions/{sid}")
     async def close_session(self, sid: str, request: Request):

@@ -1,0 +1,100 @@
+"""Early frames over HTTP POST (issue 19: "HTTP streaming if it fits"): an ``F_EARLY`` frame sent
+with ``Accept: application/x-specedge-frames`` gets a chunked response of records (early frames,
+then the reply) through the router's Serve ingress; the agent's HTTP transport (``stream_early``)
+pre-drafts from them, and the output is the target's. Without the ``Accept`` the flag is served
+as a plain reply (older POST clients unchanged)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+from ray import serve
+
+from deploy.application import build_app
+from deploy.errors import PrefixMismatch
+from deploy.protocol import EARLY_STREAM_MEDIA_TYPE, EarlyFrame, RecordReader, ReplyFrame, VerifyFrame
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams
+from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.drafter import ModelDrafter
+from edge_agent.transport import HttpTransport
+
+pytestmark = pytest.mark.ray
+
+KEY = "edge-key-early-http"
+APP = "earlyhttp"
+GREEDY = {"max_tokens": 32, "ignore_eos": True}
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    args = {"target": {"model": "tiny-random", "dtype": "float32"},
+            "verifier": {"num_replicas": 1, "batch_wait_ms": 2,
+                         "early_exit": {"enabled": True, "heads": "untrained", "layers": [1]}},
+            # always a tree (no plain-decoding budget 0 on this CPU), so every round asks for early frames
+            "pacing": {"tree_budgets": [8, 16, 32], "default_tree_budget": 16},
+            "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 16}]}}
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
+    serve.delete(APP)
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(rng.randint(20, 40))]
+
+
+def test_a_flagged_post_streams_early_frames_then_the_reply(server):
+    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
+        opened = c.post("/v1/sessions", json={"prompt_ids": prompt(3), "sampling": GREEDY}).json()
+        sid, n = opened["session_id"], len(prompt(3)) + 1
+        frame = VerifyFrame(prefix_len=n, tokens=[7, 8, 9], parents=[-1, 0, 0], early=True).encode()
+        with c.stream("POST", f"/v1/sessions/{sid}/verify", content=frame,
+                      headers={"Accept": EARLY_STREAM_MEDIA_TYPE}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith(EARLY_STREAM_MEDIA_TYPE)
+            reader, msgs = RecordReader(), []
+            for chunk in r.iter_raw():
+                msgs += reader.feed(chunk)
+        assert reader.pending == 0 and len(msgs) == 2
+        early, reply = EarlyFrame.decode(msgs[0]), ReplyFrame.decode(msgs[1])
+        assert early.layer == 1 and early.prefix_len == n and 0.0 <= early.confidence <= 1.0
+        assert set(early.accepted) <= {0, 1, 2} and set(reply.accepted) <= {0, 1, 2}
+        # the same flag without the Accept: one plain reply frame, as before the stream existed
+        n = reply.prefix_len
+        plain = c.post(f"/v1/sessions/{sid}/verify", content=VerifyFrame(prefix_len=n, tokens=[5], parents=[-1],
+                                                                        early=True).encode())
+        assert plain.headers["content-type"] == "application/octet-stream"
+        assert ReplyFrame.decode(plain.content).prefix_len > n
+        # an error before any early frame is a plain error response with its status
+        bad = c.post(f"/v1/sessions/{sid}/verify", headers={"Accept": EARLY_STREAM_MEDIA_TYPE},
+                     content=VerifyFrame(prefix_len=n, tokens=[5], parents=[-1], early=True).encode())
+        assert bad.status_code == 409 and json.loads(bad.content)["error"]["code"] == PrefixMismatch.code
+        c.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("stream_early", [True, False], ids=["streamed", "plain"])
+def test_predraft_over_http_post_equals_reference(server, target, draft, stream_early):
+    p = prompt(17)
+    ref = reference_decode(target, p, SamplingParams(**GREEDY))
+
+    async def run():
+        t = HttpTransport(server, api_key=KEY, ws=False, stream_early=stream_early, timeout_s=60)
+        agent = EdgeAgent(t, ModelDrafter(draft), config=AgentConfig(mode="proactive", predraft=True))
+        try:
+            return await agent.generate(p, GREEDY)
+        finally:
+            agent.close()
+            await t.aclose()
+
+    res = asyncio.run(run())
+    assert res.token_ids == ref and res.stats.reopens == 0
+    st = res.stats
+    if stream_early:
+        assert st.early_frames >= st.rounds - 1 > 0 and st.predraft_hits + st.predraft_misses > 0
+    else:
+        assert st.early_frames == 0
