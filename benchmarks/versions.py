@@ -44,8 +44,8 @@ def figures(res: dict, window: dict | None = None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=2, help="concurrent sessions per version in a phase")
-    ap.add_argument("--prompts", type=int, default=4, help="generations per version in a phase")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=8, help="generations per version in a phase")
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rtt", type=float, default=15.0)
     ap.add_argument("--depth", type=int, default=3, help="starting depth (edge_full adapts it)")
     ap.add_argument("--nice", type=int, default=0)
