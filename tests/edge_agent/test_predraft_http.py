@@ -1,7 +1,8 @@
 """Early frames over HTTP POST (issue 19: "HTTP streaming if it fits"): an ``F_EARLY`` frame sent
 with ``Accept: application/x-specedge-frames`` gets a chunked response of records (early frames,
 then the reply) through the router's Serve ingress; the agent's HTTP transport (``stream_early``)
-pre-drafts from them, and the output is the target's. Without the ``Accept`` the flag is served
+pre-drafts from them, and the output is the target's; the records are not buffered to the end of
+the forward. Without the ``Accept`` the flag is served
 as a plain reply (older POST clients unchanged)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -98,3 +100,43 @@ def test_predraft_over_http_post_equals_reference(server, target, draft, stream_
         assert st.early_frames >= st.rounds - 1 > 0 and st.predraft_hits + st.predraft_misses > 0
     else:
         assert st.early_frames == 0
+
+
+@pytest.fixture(scope="module")
+def wide_server(ray_session):
+    """A target whose layers after the exit take a while (wide, 8 layers): the gap to see frames stream."""
+    args = {"target": {"model": "tiny-random", "dtype": "float32",
+                       "tiny_config": {"num_layers": 8, "hidden_size": 512, "intermediate_size": 2048,
+                                       "num_heads": 8, "num_kv_heads": 4}},
+            "verifier": {"num_replicas": 1, "batch_wait_ms": 0, "torch_threads": 1,
+                         "early_exit": {"enabled": True, "heads": "untrained", "layers": [1]}},
+            "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 16}]}}
+    serve.run(build_app(args), name=APP + "wide", route_prefix=f"/{APP}wide")
+    yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}wide"
+    serve.delete(APP + "wide")
+
+
+def test_the_early_record_reaches_the_client_before_the_forward_ends(wide_server):
+    """The stream is not buffered to its end: the early record (after layer 1 of 8) arrives well
+    before the reply record (after layer 8; a 64-node tree on a wide target, one thread)."""
+    rng = random.Random(1)
+    parents = [-1] + [(i - 1) // 2 for i in range(1, 64)]  # a binary tree, depth 6
+    with httpx.Client(base_url=wide_server, headers=AUTH, timeout=60) as c:
+        p = prompt(5)
+        sid = c.post("/v1/sessions", json={"prompt_ids": p, "sampling": GREEDY}).json()["session_id"]
+        n, gaps = len(p) + 1, []
+        for _ in range(3):
+            frame = VerifyFrame(prefix_len=n, tokens=[rng.randrange(3, 512) for _ in parents], parents=parents,
+                                early=True)
+            arrivals = []
+            with c.stream("POST", f"/v1/sessions/{sid}/verify", content=frame.encode(),
+                          headers={"Accept": EARLY_STREAM_MEDIA_TYPE}) as r:
+                reader = RecordReader()
+                for chunk in r.iter_raw():
+                    arrivals += [(time.perf_counter(), m) for m in reader.feed(chunk)]
+            (t_early, early), (t_reply, reply) = arrivals
+            assert EarlyFrame.is_early(early) and not EarlyFrame.is_early(reply)
+            n = ReplyFrame.decode(reply).prefix_len
+            gaps.append(t_reply - t_early)
+        c.delete(f"/v1/sessions/{sid}")
+    assert max(gaps) > 0.02, gaps  # seven layers of 65 rows after the exit: tens of ms at least
