@@ -247,6 +247,11 @@ class AppConfig(_Strict):
     route_prefix: str = "/"
     access_log: bool = Field(True, description="Serve's per-request access log in the router and verifier "
                                                "replicas (one line per request; off for high request rates)")
+    gc_gen0_threshold: int = Field(
+        20_000, ge=0, description="router and verifier replicas: after startup, freeze what they hold "
+                                  "(gc.freeze) and collect generation 0 after this many new objects instead "
+                                  "of Python's 700 (fewer stop-the-world pauses; see deploy/gc_policy.py); "
+                                  "0 keeps Python's collector as it is")
 
     @model_validator(mode="after")
     def _versions_need_one_stage(self):

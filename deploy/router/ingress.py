@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 
+from deploy import gc_policy
 from deploy.config import BASE_ALIAS, DEV_API_KEY, AppConfig, versions_update
 from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError, UpstreamTimeout
 from deploy.metrics import router_metrics
@@ -144,6 +145,7 @@ class Router:
         self._versions: list[str] = sorted(self.cfg.target.adapters)  # target versions (LoRA), see reconfigure
         self._versions_configured = False
         self.probe = LoadProbe(on_lag=self.metrics.on_loop_lag)  # started by the first request (needs the loop)
+        gc_policy.settle(self.cfg.gc_gen0_threshold)  # last: what the constructor made is frozen
 
     def fast_shed(self, method: str, path: str, authorization: str | None) -> Overloaded | None:
         """The fast path's question (deploy/router/fast_shed.py): the 429 for a verify or an open that

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from ray import serve
 
+from deploy import gc_policy
 from deploy.config import AppConfig, versions_update
 from deploy.errors import (InvalidRequest, ModelNotFound, SessionEvicted, SessionNotFound, SpecError,
                            TokenizerMismatch, VersionUnavailable)
@@ -630,6 +631,7 @@ class Verifier(VerifierCore):
                                   early_exit=vc.early_exit)  # each stage builds the heads of its exit layers
             loaded = runner.loaded
         super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)
+        gc_policy.settle(cfg.gc_gen0_threshold)  # the weights, tokenizer and Ray's state: frozen
 
     def record_routing_stats(self) -> dict:
         return {"sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
