@@ -1,5 +1,6 @@
 """The Serve app with a 2-stage pipeline-parallel verifier, from the config file, end to end
-with an edge agent over HTTP (tiny random target, fp32)."""
+with an edge agent over HTTP (tiny random target, fp32); the proactive runs pre-draft from the
+early frames of an exit in stage 0 (issue 19)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_pp2_app_from_config_file_with_edge_agent(ray_session):
     data["applications"][0]["args"]["target"] = {"model": "tiny-random", "dtype": "float32"}
     data["applications"][0]["args"]["verifier"]["pipeline_parallel_size"] = 2
     data["applications"][0]["args"]["verifier"]["torch_threads"] = 1
+    data["applications"][0]["args"]["verifier"]["early_exit"] = {"enabled": True, "heads": "untrained", "layers": [1]}
     (app,) = ServeDeploySchema(**data).applications
     built = call_user_app_builder_with_args_if_necessary(import_attr(app.import_path), copy.deepcopy(app.args))
     serve.run(built, name="pp2", route_prefix="/pp2")
@@ -45,7 +47,8 @@ def test_pp2_app_from_config_file_with_edge_agent(ray_session):
         for mode in ("proactive", "stop-and-wait"):
             for p in prompts:
                 t = HttpTransport(url, api_key="specedge-dev-key", timeout_s=60)
-                agent = EdgeAgent(t, ModelDrafter(noisy_copy(target, 0.005)), config=AgentConfig(mode=mode))
+                agent = EdgeAgent(t, ModelDrafter(noisy_copy(target, 0.005)),
+                                  config=AgentConfig(mode=mode, predraft=mode == "proactive"))
                 try:
                     outs.append(await agent.generate(p, SAMPLING))
                 finally:
@@ -62,3 +65,5 @@ def test_pp2_app_from_config_file_with_edge_agent(ray_session):
         assert res.token_ids == reference_decode(target, p, SamplingParams(**SAMPLING))
         assert res.stats.reopens == 0
     assert stats["verify_forwards"] > 0
+    for res in results[:len(prompts)]:  # the proactive runs: stage 0's exit, over the WebSocket, every round
+        assert res.stats.early_frames >= res.stats.rounds - 1 > 0

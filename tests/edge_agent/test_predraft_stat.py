@@ -1,0 +1,103 @@
+"""The sampled output of the agent with pre-drafting on is the target's distribution (issue 19,
+"the sampling chi-square test with early exits on", at the agent level).
+
+A tiny target over 8 tokens, an untrained exit after layer 1 of 3 (its guesses are right in some
+rounds and wrong in others: pre-draft hits and misses mixed), a noisy draft, many seeded
+generations of 4 tokens from one prompt, run concurrently over one LocalTransport with an RTT
+(the edge pre-drafts while a round is away). The joint of generated tokens 2 and 3 (which come
+from verify rounds, after pre-drafted trees or fallbacks) must fit the target's exact joint,
+marginalised over the first token; the same experiment with a wrong acceptance rule must not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from deploy.verifier.engine import VerifierEngine
+from deploy.verifier.exit_heads import ExitHeads
+from deploy.verifier.models import tiny_random_model
+from deploy.verifier.sampling import SamplingParams, target_probs
+from deploy.verifier.tree import TreeLimits
+from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.drafter import ModelDrafter
+from edge_agent.transport import LocalTransport
+from tests.edge_agent.helpers import noisy_copy
+from tests.verifier.test_engine import counts_of
+from tests.verifier.test_sampling import chi_square_pvalue
+
+V = 8
+PROMPT = [3, 5, 7, 1, 4]
+SAMPLES = 1200
+CONCURRENT = 24
+
+
+def params(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_k=6, top_p=0.95, seed=seed, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_random_model(seed=1, vocab_size=V, num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return noisy_copy(target, 0.05)
+
+
+def exact_joint_of_tokens_2_3(model) -> dict[tuple[int, int], float]:
+    """P(t2, t3) after PROMPT: sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2)."""
+    p = params(0)
+    with torch.inference_mode():
+        p1 = target_probs(model(torch.tensor([PROMPT])).logits[0, -1], p)  # [V]
+        p2 = target_probs(model(torch.tensor([PROMPT + [a] for a in range(V)])).logits[:, -1], p)  # [V, V]
+        seqs = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(V), range(V))])
+        p3 = target_probs(model(seqs).logits[:, -1], p).view(V, V, V)
+    joint = torch.einsum("a,ab,abc->bc", p1.double(), p2.double(), p3.double())
+    return {(b, c): float(joint[b, c]) for b in range(V) for c in range(V)}
+
+
+def sample_with_predraft(target, draft):
+    eng = VerifierEngine(target, eos_token_ids=(), limits=TreeLimits(max_nodes=32, max_depth=8))
+    eng.exit_heads = ExitHeads.init(target, (1,), rank=4)
+    transport = LocalTransport(eng, rtt_ms=20.0)
+
+    async def main():
+        seeds = iter(range(SAMPLES))
+        out = {}
+
+        async def edge():  # one agent (one draft model state) per concurrent edge, its generations in turn
+            agent = EdgeAgent(transport, ModelDrafter(draft),
+                              config=AgentConfig(predraft=True, mode="proactive", depth_policy="fixed", depth=2))
+            try:
+                for seed in seeds:
+                    out[seed] = await agent.generate(PROMPT, params(seed))
+            finally:
+                agent.close()
+        await asyncio.gather(*(edge() for _ in range(CONCURRENT)))
+        return [out[i] for i in range(SAMPLES)]
+
+    results = asyncio.run(main())
+    hits = sum(r.stats.predraft_hits for r in results)
+    misses = sum(r.stats.predraft_misses for r in results)
+    return [tuple(r.token_ids[1:3]) for r in results], hits, misses
+
+
+def test_sampled_output_with_predrafting_is_the_targets_distribution(target, draft):
+    samples, hits, misses = sample_with_predraft(target, draft)
+    assert hits > 50 and misses > 50  # both paths ran, many times
+    assert chi_square_pvalue(counts_of(samples), exact_joint_of_tokens_2_3(target)) > 1e-3
+
+
+def test_the_agent_statistic_catches_a_wrong_acceptance_rule(target, draft, monkeypatch):
+    """Test of the test: the replica accepting any child in the target's top-2 fails it."""
+    from deploy.verifier import engine as engine_module
+    from tests.verifier.test_acceptance import wrong_top2
+
+    monkeypatch.setattr(engine_module, "walk_tree", wrong_top2)
+    samples, _, _ = sample_with_predraft(target, draft)
+    assert chi_square_pvalue(counts_of(samples), exact_joint_of_tokens_2_3(target)) < 1e-6
