@@ -129,3 +129,23 @@ def test_a_stages_early_frames_arrive_while_later_stages_compute(pipe, wide):
     assert eng.last_early.seconds > 0 and eng.last_early.cpu_seconds > 0
     for sid in sids:
         eng.close(sid)
+
+
+# -- a real checkpoint's slice (no Ray) --------------------------------------------------
+@pytest.mark.slow
+def test_a_stage_of_the_embedded_checkpoint_builds_its_exits_and_drops_the_head(embedded):
+    """Stage [0, 19) of the embedded target holds the artifact's exits 8, 12, 16 (not 20): built from
+    the norm and tied head it loads for them, equal to the whole model's, then the head is gone."""
+    from deploy.verifier.pipeline import PipelineStage
+
+    cfg = ModelConfig(model="embedded", dtype="float32", device="cpu")
+    stage = PipelineStage(cfg, 0, 19, early_exit=EarlyExitConfig(enabled=True))
+    layers, ids = stage.exit_info()
+    whole = ExitHeads.load("embedded", embedded.model, (8, 12, 16))
+    assert layers == (8, 12, 16) and torch.equal(ids, whole.ids)
+    h = torch.randn(3, embedded.model.config.hidden_size)
+    for x in layers:
+        assert torch.equal(stage.heads.logits(x, h), whole.logits(x, h))
+    assert not stage.runner.is_last and stage.runner.model.lm_head is None
+    assert stage.heads.head.shape == (len(ids), h.shape[1]) and len(ids) < embedded.model.config.vocab_size  # subset rows
+    assert PipelineStage(cfg, 19, 30, early_exit=EarlyExitConfig(enabled=True, layers=[8])).heads is None
