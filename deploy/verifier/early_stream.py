@@ -3,10 +3,11 @@
 The forward runs on the replica's worker thread; after each exit layer the engine's hook
 (:mod:`deploy.verifier.exit_heads`) hands this module the early results of the batch's trees
 that asked for them (with pipeline stages: the worker thread, as soon as the stage holding
-the exit is done, while later stages compute; :mod:`deploy.verifier.pipeline`). They are encoded (:class:`deploy.protocol.EarlyFrame`) and
-put, thread-safely, on the asyncio queue of their request, which the replica's streaming
-method (``Verifier.verify_stream``, a Serve streaming call) yields to the router while the
-forward is still running; the router writes them to the edge's WebSocket at once. The
+the exit is done, while later stages compute; :mod:`deploy.verifier.pipeline`). They are
+encoded (:class:`deploy.protocol.EarlyFrame`) and put, thread-safely, on the asyncio queue
+of their request, which the replica's streaming method (``Verifier.verify_stream``, a Serve
+streaming call) yields to the router while the forward is still running; the router writes
+them to the edge's WebSocket (or a streamed POST response) at once. The
 round's reply is the last item, unchanged. Early frames left over when the reply is ready
 are dropped: by then they are no use to the edge.
 """

@@ -147,5 +147,6 @@ def test_a_stage_of_the_embedded_checkpoint_builds_its_exits_and_drops_the_head(
     for x in layers:
         assert torch.equal(stage.heads.logits(x, h), whole.logits(x, h))
     assert not stage.runner.is_last and stage.runner.model.lm_head is None
-    assert stage.heads.head.shape == (len(ids), h.shape[1]) and len(ids) < embedded.model.config.vocab_size  # subset rows
+    # only the subset rows of the head stay
+    assert stage.heads.head.shape == (len(ids), h.shape[1]) and len(ids) < embedded.model.config.vocab_size
     assert PipelineStage(cfg, 19, 30, early_exit=EarlyExitConfig(enabled=True, layers=[8])).heads is None
