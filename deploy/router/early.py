@@ -1,9 +1,10 @@
 """The router's half of early results (the early-exit paper §3, steps 3-4; ``F_EARLY``).
 
-A WebSocket verify frame with ``F_EARLY`` becomes a Serve *streaming* call to the session's
-replica (``Verifier.verify_stream``): every early frame it yields mid-forward is written to
-the edge's socket as it arrives, and the stream's last item is the round's reply (status,
-payload), handled exactly like a plain verify call's.
+A WebSocket verify frame with ``F_EARLY`` (or a POST one that accepts the streamed response,
+``Router._verify_streamed``) becomes a Serve *streaming* call to the session's replica
+(``Verifier.verify_stream``): every early frame it yields mid-forward is written to the
+edge's socket (or response) as it arrives, and the stream's last item is the round's reply
+(status, payload), handled exactly like a plain verify call's.
 """
 
 from __future__ import annotations
