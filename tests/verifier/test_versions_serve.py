@@ -1,8 +1,10 @@
 """Target versions in the real Serve app, deployed from a Serve config (as `serve deploy` / KubeRay
-do): a config update that changes only the deployments' ``user_config`` removes a version through
-``reconfigure``, with no restart. Sessions of the base and of the kept version go on exactly (same
-replica, same KV); the removed version's session answers 404 ``model_not_found``, and so does an
-open of it; ``GET /v1/models`` lists what is served."""
+do): config updates that change only the deployments' ``user_config`` add a version, then remove
+one, through ``reconfigure``, with no restart. An added version serves sessions and OpenAI
+completions (``model: "<version>"``; ``"base"`` names the base, as in an open request) with its
+own output; sessions of the base and of the kept version go on exactly (same replica, same KV);
+the removed version's session answers 404 ``model_not_found``, and so does an open of it;
+``GET /v1/models`` lists what is served."""
 
 from __future__ import annotations
 
@@ -39,23 +41,40 @@ def serve_config(initial: dict, adapters: dict) -> ServeDeploySchema:
     }])
 
 
-def test_a_config_update_removes_a_version_without_a_restart(ray_session, tmp_path):
+def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session, tmp_path):
     base = load_model("tiny-random", dtype="float32", seed=0).model
     paths = {"code": make_adapter(base, tmp_path / "code", 21, ALL),
              "chat": make_adapter(base, tmp_path / "chat", 22, ["q_proj", "v_proj"], r=8)}
     client = serve.context._get_global_client()
-    client.deploy_apps(serve_config(paths, paths), _blocking=True)
+    client.deploy_apps(serve_config(paths, {"code": paths["code"]}), _blocking=True)
     url = f"http://127.0.0.1:{ray_session['http_port']}/versions"
     try:
         with httpx.Client(base_url=url, timeout=60, headers=AUTH) as c:
-            ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
-            assert ids[1:] == ["chat", "code"]
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]][1:] == ["code"]
+            r = c.post("/v1/sessions", json={"prompt_ids": PROMPT, "model": "chat"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            up0, t0 = c.get("/v1/stats").json()["uptime_seconds"], time.time()
+            client.deploy_apps(serve_config(paths, paths), _blocking=True)  # adds "chat"
             sessions, out = {}, {}
             for v in ("code", "chat", None):
-                r = c.post("/v1/sessions", json={"prompt_ids": PROMPT, "model": v, "sampling": GREEDY.to_dict()})
+                deadline = time.time() + 60
+                while True:  # until the replica's reconfigure has run
+                    r = c.post("/v1/sessions", json={"prompt_ids": PROMPT, "model": v, "sampling": GREEDY.to_dict()})
+                    if r.status_code != 404 or time.time() > deadline:
+                        break
+                    time.sleep(0.5)
                 assert r.status_code == 200, r.text
                 sessions[v] = r.json()
                 out[v] = [r.json()["first_token"]]
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]][1:] == ["chat", "code"]
+            completions = {}
+            for model in ("chat", "base"):  # OpenAI's model field: a version, or "base"
+                r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                                    "model": model})
+                assert r.status_code == 200, r.text
+                completions[model] = r.json()
+            r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "model": "nope"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
             def step(v) -> httpx.Response:
                 s = sessions[v]
@@ -69,8 +88,7 @@ def test_a_config_update_removes_a_version_without_a_restart(ray_session, tmp_pa
             for _ in range(4):
                 for v in sessions:
                     assert step(v).status_code == 200
-            up0, t0 = c.get("/v1/stats").json()["uptime_seconds"], time.time()
-            client.deploy_apps(serve_config(paths, {"code": paths["code"]}), _blocking=True)
+            client.deploy_apps(serve_config(paths, {"code": paths["code"]}), _blocking=True)  # removes "chat"
             deadline = time.time() + 60
             while "chat" in [m["id"] for m in c.get("/v1/models").json()["data"]] and time.time() < deadline:
                 time.sleep(0.5)
@@ -84,6 +102,12 @@ def test_a_config_update_removes_a_version_without_a_restart(ray_session, tmp_pa
             assert c.get("/v1/stats").json()["uptime_seconds"] >= up0 + time.time() - t0 - 1.0  # not restarted
     finally:
         serve.delete("versions")
-    assert out["code"] == reference_decode(merged(base, paths["code"]), PROMPT, GREEDY)
+    refs = {"code": merged(base, paths["code"]), "chat": merged(base, paths["chat"]), None: base}
+    assert out["code"] == reference_decode(refs["code"], PROMPT, GREEDY)
     assert out[None] == reference_decode(base, PROMPT, GREEDY)
-    assert out["chat"] == reference_decode(merged(base, paths["chat"]), PROMPT, GREEDY)[: len(out["chat"])]
+    assert out["chat"] == reference_decode(refs["chat"], PROMPT, GREEDY)[: len(out["chat"])]
+    plain = SamplingParams(max_tokens=12)  # the completions' sampling: temperature 0, EOS honoured
+    assert completions["chat"]["specedge"]["token_ids"] == reference_decode(refs["chat"], PROMPT, plain)
+    assert completions["chat"]["model"] == "chat"
+    assert completions["base"]["specedge"]["token_ids"] == reference_decode(base, PROMPT, plain)
+    assert completions["chat"]["specedge"]["token_ids"] != completions["base"]["specedge"]["token_ids"]
