@@ -81,18 +81,18 @@ def test_local_sampled_auto_learns_across_runs_in_its_state_file(capsys, tmp_pat
     sampled = ["--draft", "tiny-random", "--verify", "auto", "--temperature", "1.0", "--seed", "3",
                "--mode", "stop-and-wait"]
     out = _run(capsys, *sampled)
-    assert out["stats"]["verify_rule"] == "tree-rejection"  # the prior at T = 1.0, nothing measured yet
+    assert out["stats"]["verify_rule"] == "match"  # the prior at T = 1.0, nothing measured yet
     default = tmp_path / "cache" / "specedge" / "verify_policy.json"  # the default state file
     doc = json.loads(default.read_text())
     ((pair, entry),) = doc["pairs"].items()
     assert pair == "tiny-random(seed=0)|tiny-random(seed=0)"  # (target, draft)
-    assert [e["rule"] for e in entry["evidence"]] == ["tree-rejection"]
+    assert [e["rule"] for e in entry["evidence"]] == ["match"]
     learned = VerifyPolicy()
     PolicyStore(default).load(pair, learned)
-    tok, n = learned.evidence[("tree-rejection", 1.0)]
+    tok, n = learned.evidence[("match", 1.0)]
     st = out["stats"]
     assert tok == pytest.approx(st["accepted_tokens"] + st["rounds"]) and n == st["rounds"]
-    # the next run starts from what the first one measured (here: fewer tokens per round than the prior's)
+    # the next run starts from what the first one measured
     want = learned.choose(SamplingParams(temperature=1.0))
     assert _run(capsys, *sampled)["stats"]["verify_rule"] == want
     # another state file whose history has chains accepting far more at T = 1.0 on this pair
@@ -101,7 +101,7 @@ def test_local_sampled_auto_learns_across_runs_in_its_state_file(capsys, tmp_pat
     state.write_text(json.dumps(doc))
     assert _run(capsys, *sampled, "--verify-state", str(state))["stats"]["verify_rule"] == "rejection"
     before = default.read_text()
-    assert _run(capsys, *sampled, "--no-verify-state")["stats"]["verify_rule"] == "tree-rejection"  # the prior
+    assert _run(capsys, *sampled, "--no-verify-state")["stats"]["verify_rule"] == "match"  # the prior
     assert default.read_text() == before  # opted out: nothing written
 
 
