@@ -235,9 +235,9 @@ class HttpTransport(Transport):
     # verify over a per-session WebSocket (the default: x0.58 the server CPU per round of POST, in every
     # hop; `python -m benchmarks.request_path`); falls back to POST where the upgrade is refused
     ws: bool = True
-    # POST rounds with F_EARLY accept the streamed response (early frames, then the reply; deploy/protocol.py);
-    # off: the flag is served as a plain reply, no early frames
-    stream_early: bool = False
+    # POST rounds with F_EARLY (only an agent that pre-drafts sets it) accept the streamed response: early
+    # frames, then the reply (deploy/protocol.py); off: the flag is served as a plain reply, no early frames
+    stream_early: bool = True
     timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
