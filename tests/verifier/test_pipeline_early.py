@@ -26,19 +26,12 @@ from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.tree import DraftTree
 from tests.verifier.test_engine import random_prompt, random_tree
+from tests.verifier.test_engine_embedded import one_thread  # noqa: F401 (autouse: one torch thread)
 
 # wide enough that the last stage's forward takes long next to the replica's walk of one tree
 WIDE = ModelConfig(model="tiny-random", dtype="float32", seed=5,
                    tiny_config={"num_layers": 6, "hidden_size": 256, "intermediate_size": 1024})
 EXITS = EarlyExitConfig(enabled=True, heads="untrained", layers=[3, 1])
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
