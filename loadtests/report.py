@@ -195,6 +195,8 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
             "router_loop_lag_ms": _pcts(probe.get("loop_lag_ms", []), window),
             # the router's garbage collections (each stops its loop whole); n / window = per second
             "router_gc_pause_ms": _pcts(probe.get("gc_pause_ms", []), window),
+            "router_gc_cpu_ms": _pcts(probe.get("gc_cpu_ms", []), window),  # the same, CPU time
+            "router_gc_full_ms": _pcts(probe.get("gc_full_ms", []), window),  # generation-2 ones
             "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window)}
 
 
@@ -391,6 +393,11 @@ def _split(sp: dict | None) -> str:
     reasons = ", ".join(f"{r} {pp(d)}" for r, d in sp["client_ms_by_reason"].items() if d["n"])
     gcp = sp.get("router_gc_pause_ms")
     gc_ = f"{gcp['n']} pauses, {pp(gcp)} (max {_f(gcp['max'], 0)})" if gcp and gcp["n"] else "n/a"
+    cpu, full = sp.get("router_gc_cpu_ms"), sp.get("router_gc_full_ms")
+    if gcp and gcp["n"] and cpu and cpu["n"]:
+        gc_ += f"; their CPU {pp(cpu)} (max {_f(cpu['max'], 0)})"
+    if full and full["n"]:
+        gc_ += f"; {full['n']} full, {pp(full)} (max {_f(full['max'], 0)})"
     conn = (f"; without WebSocket connects ({sp['with_connect']} of the 429s included one) "
             f"{pp(sp['client_ms_after_connect'])}" if "client_ms_after_connect" in sp else "")
     return (f"{pp(sp['router_answer_ms'])}; {pp(sp['router_loop_lag_ms'])} (max {_f(sp['router_loop_lag_ms']['max'], 0)}); "

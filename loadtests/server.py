@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     samples: list[dict] = []
     events: list[dict] = []
     procs: list[dict] = []  # every 5 s: CPU seconds so far per role, RSS per replica process
-    probe: dict[str, list] = {"loop_lag_ms": [], "shed_ms": [], "gc_pause_ms": []}  # the router's (epoch s, ms) samples
+    probe: dict[str, list] = {}  # the router's (epoch s, ms) samples by kind (LoadProbe.drain)
     out = Path(args.stats_out)
     roles: dict[int, str] = {}
 

@@ -8,7 +8,9 @@ both: ``run()`` sleeps ``interval_s`` over and over on the loop and records how 
 (the lag an arriving request meets), and the router records each shed answer's time. It also
 times the interpreter's garbage collections (``gc.callbacks``): a full collection over a
 thousand sessions' objects stops the loop as a whole, which the lag alone cannot tell apart from
-queued work. The load
+queued work. Each collection is recorded with its wall time, its thread's CPU time (wall well
+above CPU: the process waited for a core mid-collection) and, for the full (generation-2) ones,
+separately, so a long pause can be told apart as a full walk or a preempted short one. The load
 test drains the samples once a second (``Router.probe_samples``) for its report; Prometheus
 gets the same as histograms. Pure module (no Ray, no FastAPI).
 """
@@ -30,10 +32,12 @@ class LoadProbe:
         self.interval_s = interval_s
         self.lag: deque[tuple[float, float]] = deque(maxlen=keep)
         self.shed: deque[tuple[float, float]] = deque(maxlen=keep)
-        self.gc_pause: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, ms) per collection
+        self.gc_pause: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) per collection
+        self.gc_cpu: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, thread CPU ms) per collection
+        self.gc_full: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) generation 2 only
         self.on_lag = on_lag
         self._task: asyncio.Task | None = None
-        self._gc_t0 = 0.0
+        self._gc_t0 = self._gc_cpu0 = 0.0
 
     def start(self) -> None:
         """Start the lag sampler on the running loop (once)."""
@@ -43,9 +47,13 @@ class LoadProbe:
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_t0 = time.perf_counter()
-        else:
-            self.gc_pause.append((time.time(), (time.perf_counter() - self._gc_t0) * 1e3))
+            self._gc_t0, self._gc_cpu0 = time.perf_counter(), time.thread_time()
+            return
+        now, wall_ms = time.time(), (time.perf_counter() - self._gc_t0) * 1e3
+        self.gc_pause.append((now, wall_ms))
+        self.gc_cpu.append((now, (time.thread_time() - self._gc_cpu0) * 1e3))
+        if info.get("generation") == 2:
+            self.gc_full.append((now, wall_ms))
 
     async def run(self) -> None:
         while True:
@@ -61,8 +69,9 @@ class LoadProbe:
 
     def drain(self) -> dict[str, list[tuple[float, float]]]:
         """The samples since the last drain, and forget them."""
-        out = {"loop_lag_ms": list(self.lag), "shed_ms": list(self.shed), "gc_pause_ms": list(self.gc_pause)}
-        self.lag.clear()
-        self.shed.clear()
-        self.gc_pause.clear()
+        kept = {"loop_lag_ms": self.lag, "shed_ms": self.shed, "gc_pause_ms": self.gc_pause,
+                "gc_cpu_ms": self.gc_cpu, "gc_full_ms": self.gc_full}
+        out = {k: list(v) for k, v in kept.items()}
+        for v in kept.values():
+            v.clear()
         return out
