@@ -32,6 +32,7 @@ from tests.verifier.test_sampling import chi_square_pvalue
 V = 8
 PROMPT = [3, 5, 7, 1, 4]
 SAMPLES = 1200
+SAMPLES_WRONG_RULE = 300  # the wrong rule's p-value is ~1e-96 at 400 samples already
 CONCURRENT = 24
 
 
@@ -61,13 +62,13 @@ def exact_joint_of_tokens_2_3(model) -> dict[tuple[int, int], float]:
     return {(b, c): float(joint[b, c]) for b in range(V) for c in range(V)}
 
 
-def sample_with_predraft(target, draft):
+def sample_with_predraft(target, draft, samples: int = SAMPLES):
     eng = VerifierEngine(target, eos_token_ids=(), limits=TreeLimits(max_nodes=32, max_depth=8))
     eng.exit_heads = ExitHeads.init(target, (1,), rank=4)
     transport = LocalTransport(eng, rtt_ms=20.0)
 
     async def main():
-        seeds = iter(range(SAMPLES))
+        seeds = iter(range(samples))
         out = {}
 
         async def edge():  # one agent (one draft model state) per concurrent edge, its generations in turn
@@ -79,7 +80,7 @@ def sample_with_predraft(target, draft):
             finally:
                 agent.close()
         await asyncio.gather(*(edge() for _ in range(CONCURRENT)))
-        return [out[i] for i in range(SAMPLES)]
+        return [out[i] for i in range(samples)]
 
     results = asyncio.run(main())
     hits = sum(r.stats.predraft_hits for r in results)
@@ -99,5 +100,5 @@ def test_the_agent_statistic_catches_a_wrong_acceptance_rule(target, draft, monk
     from tests.verifier.test_acceptance import wrong_top2
 
     monkeypatch.setattr(engine_module, "walk_tree", wrong_top2)
-    samples, _, _ = sample_with_predraft(target, draft)
+    samples, _, _ = sample_with_predraft(target, draft, SAMPLES_WRONG_RULE)
     assert chi_square_pvalue(counts_of(samples), exact_joint_of_tokens_2_3(target)) < 1e-6
