@@ -192,7 +192,10 @@ class GenerationStats:
                 f"{self.mean_accepted:.2f} accepted/round over {self.rounds} rounds, "
                 f"alignment {100 * self.alignment_rate:.0f}% ({self.aligned}/{self.align_attempts}), "
                 f"RTT {self.mean_rtt_ms:.1f} ms, round {self.mean_round_ms:.1f} ms, "
-                f"draft {self.mean_draft_ms:.1f} ms/forward")
+                f"draft {self.mean_draft_ms:.1f} ms/forward"
+                + (f", {self.early_frames} early frames, pre-draft hits {self.predraft_hits}/"
+                   f"{self.predraft_hits + self.predraft_misses}" if self.early_frames else "")
+                + (f", {self.rejections} rejections" if self.rejections else ""))
 
 
 @dataclass

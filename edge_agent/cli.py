@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "default: the base")
     g.add_argument("--predraft", action="store_true",
                    help="early-exit pre-drafting: when the server has exit heads (GET /v1/model lists early_exit_layers), "
-                        "draft the next tree from its early results mid-round (WebSocket)")
+                        "draft the next tree from its early results mid-round (WebSocket, or streamed HTTP POST with --no-ws)")
     g.add_argument("--draft", default="ngram", help=DRAFT_HELP)
     g.add_argument("--draft-seed", type=int, default=0, help="seed of a tiny-random draft")
     g.add_argument("--tokenizer", help="tokenizer spec (default: the draft's, else the embedded one)")

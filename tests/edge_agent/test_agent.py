@@ -309,3 +309,12 @@ def test_rejection_rule_through_the_agent_samples_the_target_distribution():
         c45[s[3:]] = c45.get(s[3:], 0) + 1
     # proactive drafting makes the rounds timing-dependent (not seed-repeatable): a lower bar
     assert chi_square_pvalue(c23, m23) > 1e-4 and chi_square_pvalue(c45, m45) > 1e-4
+
+
+def test_the_summary_line_names_early_frames_and_rejections_only_when_there_were_some():
+    from edge_agent.agent import GenerationStats
+
+    plain = GenerationStats(tokens=10, rounds=4, accepted_tokens=6).summary()
+    assert "early frames" not in plain and "rejections" not in plain
+    pre = GenerationStats(tokens=10, rounds=4, early_frames=4, predraft_hits=1, predraft_misses=3, rejections=2)
+    assert "4 early frames, pre-draft hits 1/4, 2 rejections" in pre.summary()
