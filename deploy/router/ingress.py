@@ -422,7 +422,7 @@ class Router:
         """OpenAI's model retrieval: the served model, or 404 model_not_found."""
         self.tenants.authenticate(request.headers.get("authorization"))
         info = await self.info()
-        oai.check_model(model, self._model_names(info))
+        oai.check_model(model, self._model_names(info), tuple(self._versions))
         return oai.model_card(model if model in self._versions else info["model"], self._created)
 
     @api.post("/v1/completions")
@@ -434,9 +434,9 @@ class Router:
         return await self._openai(request, chat=True)
 
     def _model_names(self, info: dict) -> tuple[str, ...]:
-        """What a request's ``model`` may say: the base (the verifier's model name, the configured
-        one, or ``base``, as an open request may say) or a target version (``target.adapters``)."""
-        return info["model"], self.cfg.target.model, BASE_ALIAS, *self._versions
+        """The base's names a request's ``model`` may say: the verifier's model name, the configured
+        one, or ``base``, as an open request may say (or else a target version, ``self._versions``)."""
+        return info["model"], self.cfg.target.model, BASE_ALIAS
 
     async def _openai(self, request: Request, chat: bool):
         """/v1/completions and /v1/chat/completions (see :mod:`deploy.router.openai`).
@@ -449,7 +449,7 @@ class Router:
         tok = self.tokenizer()
         req = oai.parse_completion(body, tok, chat)
         info = await self.info()
-        oai.check_model(req.model, self._model_names(info))
+        oai.check_model(req.model, self._model_names(info), tuple(self._versions))
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = self._server_drafter() if req.mode == "sd" else None
         version = req.model if req.model in self._versions else None

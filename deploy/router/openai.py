@@ -247,10 +247,12 @@ def _text_part(where: str, part) -> str:
     raise InvalidRequest(f"{where}: only text content parts are supported, got {kind!r}")
 
 
-def check_model(requested: str | None, served: tuple[str, ...]) -> None:
-    """A request's ``model`` must name the served model (any of its names); absent is fine."""
-    if requested is not None and requested not in served:
-        raise ModelNotFound(f"model {requested!r} does not exist; this server serves {served[0]!r}")
+def check_model(requested: str | None, served: tuple[str, ...], versions: tuple[str, ...] = ()) -> None:
+    """A request's ``model`` must name the served model (any of its names) or one of its target
+    versions; absent is fine. The 404 names what is served."""
+    if requested is not None and requested not in served and requested not in versions:
+        also = f" and its versions {', '.join(map(repr, versions))}" if versions else ""
+        raise ModelNotFound(f"model {requested!r} does not exist; this server serves {served[0]!r}{also}")
 
 
 def model_list(model: str, created: int, versions: tuple[str, ...] | list[str] = ()) -> dict:

@@ -148,6 +148,9 @@ def test_model_names():
     with pytest.raises(ModelNotFound) as e:
         check_model("gpt-4o", ("served",))
     assert e.value.status == 404 and e.value.to_dict()["error"]["code"] == "model_not_found"
+    check_model("code", ("served",), ("code", "docs"))  # a target version
+    with pytest.raises(ModelNotFound, match="serves 'served' and its versions 'code', 'docs'"):
+        check_model("chat", ("served",), ("code", "docs"))
     assert model_list("served", 7) == {"object": "list", "data": [
         {"id": "served", "object": "model", "created": 7, "owned_by": "specedge"}]}
 
