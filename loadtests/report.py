@@ -197,6 +197,7 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
             "router_gc_pause_ms": _pcts(probe.get("gc_pause_ms", []), window),
             "router_gc_cpu_ms": _pcts(probe.get("gc_cpu_ms", []), window),  # the same, CPU time
             "router_gc_full_ms": _pcts(probe.get("gc_full_ms", []), window),  # generation-2 ones
+            "router_gc_freed": _pcts(probe.get("gc_collected", []), window),  # cyclic garbage freed by each
             "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window)}
 
 
@@ -396,6 +397,9 @@ def _split(sp: dict | None) -> str:
     cpu, full = sp.get("router_gc_cpu_ms"), sp.get("router_gc_full_ms")
     if gcp and gcp["n"] and cpu and cpu["n"]:
         gc_ += f"; their CPU {pp(cpu)} (max {_f(cpu['max'], 0)})"
+    freed = sp.get("router_gc_freed")
+    if freed and freed["n"]:
+        gc_ += f"; objects freed per collection {_f(freed['p50'], 0)} / {_f(freed['p99'], 0)}"
     if full and full["n"]:
         gc_ += f"; {full['n']} full, {pp(full)} (max {_f(full['max'], 0)})"
     conn = (f"; without WebSocket connects ({sp['with_connect']} of the 429s included one) "

@@ -88,7 +88,10 @@ class AdmissionControl:
         ``tenant`` must be shed; otherwise count it as admitted."""
         refused = self.refusal(tenant, kind, now)
         if refused is not None:
-            raise refused
+            try:
+                raise refused
+            finally:  # this frame, in the 429's traceback, must not hold the 429: a reference
+                del refused  # cycle per shed round, ~35 ms of garbage collection in the router every 2 s at 1000 users
         self._admitted += 1
 
     def refusal(self, tenant: str, kind: str = "verify", now: float | None = None) -> Overloaded | None:

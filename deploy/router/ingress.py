@@ -115,7 +115,10 @@ def _raise_for(status: int, payload) -> None:
     err = dict(payload.get("error", {})) if isinstance(payload, dict) else {}
     e = SpecError(err.pop("message", "error"), **{k: v for k, v in err.items() if k != "code"})
     e.status, e.code = status, err.get("code", "error")
-    raise e
+    try:
+        raise e
+    finally:
+        del e  # no reference cycle through this frame (see AdmissionControl.check)
 
 
 @serve.deployment(name="Router")

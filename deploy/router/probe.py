@@ -35,6 +35,8 @@ class LoadProbe:
         self.gc_pause: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) per collection
         self.gc_cpu: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, thread CPU ms) per collection
         self.gc_full: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) generation 2 only
+        self.gc_collected: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, unreachable objects freed)
+        self.gc_gen: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, generation collected)
         self.on_lag = on_lag
         self._task: asyncio.Task | None = None
         self._gc_t0 = self._gc_cpu0 = 0.0
@@ -52,6 +54,8 @@ class LoadProbe:
         now, wall_ms = time.time(), (time.perf_counter() - self._gc_t0) * 1e3
         self.gc_pause.append((now, wall_ms))
         self.gc_cpu.append((now, (time.thread_time() - self._gc_cpu0) * 1e3))
+        self.gc_collected.append((now, float(info.get("collected", 0))))
+        self.gc_gen.append((now, float(info.get("generation", -1))))
         if info.get("generation") == 2:
             self.gc_full.append((now, wall_ms))
 
@@ -70,7 +74,8 @@ class LoadProbe:
     def drain(self) -> dict[str, list[tuple[float, float]]]:
         """The samples since the last drain, and forget them."""
         kept = {"loop_lag_ms": self.lag, "shed_ms": self.shed, "gc_pause_ms": self.gc_pause,
-                "gc_cpu_ms": self.gc_cpu, "gc_full_ms": self.gc_full}
+                "gc_cpu_ms": self.gc_cpu, "gc_full_ms": self.gc_full, "gc_collected": self.gc_collected,
+                "gc_gen": self.gc_gen}
         out = {k: list(v) for k, v in kept.items()}
         for v in kept.values():
             v.clear()

@@ -121,7 +121,7 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
         "loop_lag_ms": [[T0 + 2, 700.0], [T0 + 10, 1.0], [T0 + 11, 25.0]],
         "gc_pause_ms": [[T0 + 1, 500.0], [T0 + 10, 2.0], [T0 + 11, 150.0]],
         "gc_cpu_ms": [[T0 + 1, 480.0], [T0 + 10, 2.0], [T0 + 11, 20.0]],  # the 150 ms one waited for a core
-        "gc_full_ms": [[T0 + 1, 500.0]]}}))
+        "gc_full_ms": [[T0 + 1, 500.0]], "gc_collected": [[T0 + 10, 40.0], [T0 + 11, 9000.0]]}}))
     s = summarize(tmp_path, scenario("edge"), _meta(), stats)  # window: 1 s spawn + 3 s warm-up + 2 s on
     sp = s["shed_split"]
     assert sp["client_ms"] == {"n": 3, "p50": 60.0, "p99": 300.0, "max": 300.0}
@@ -133,7 +133,8 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
     assert s["shed_ms_window"]["p99"] == 300.0  # the figure the check reads is the client's
     assert sp["router_gc_pause_ms"]["max"] == 150.0 and sp["router_gc_cpu_ms"]["max"] == 20.0
     assert sp["router_gc_full_ms"]["n"] == 0  # the full collection fell before the window
-    assert "router GC 2 pauses, 2.0 / 150.0 (max 150); their CPU 2.0 / 20.0 (max 20)" in markdown(s)
+    assert ("router GC 2 pauses, 2.0 / 150.0 (max 150); their CPU 2.0 / 20.0 (max 20); objects freed per "
+            "collection 40 / 9,000") in markdown(s)
 
 
 def test_tenants_objective_is_tenants_with_the_production_latency_objective():

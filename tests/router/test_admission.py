@@ -32,6 +32,26 @@ def test_over_the_limit_sheds_at_once_with_retry_after():
     ac.check("a", now=0.0)  # room again
 
 
+def test_a_shed_429_is_freed_by_reference_counting_alone():
+    """A 429 must leave no reference cycle (the raising frame holding its own exception): at
+    1000 users each one was ~60 objects of cyclic garbage, the router's collector ran ~35 ms
+    every 2 s, and every pause stops the router's event loop."""
+    import gc
+    import weakref
+
+    ac = AdmissionControl(limit=1)
+    _fill(ac, "a", 1)
+    gc.disable()
+    try:
+        try:
+            ac.check("a", now=0.0)
+        except Overloaded as e:
+            freed = weakref.ref(e)
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
 def test_new_sessions_wait_before_running_ones():
     ac = AdmissionControl(limit=8)
     _fill(ac, "a", 4)
