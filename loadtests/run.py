@@ -116,10 +116,13 @@ def model_info(url: str, key: str) -> dict:
 
 
 def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, duration: float, out: Path,
-               users_file: Path, server: subprocess.Popen | None, stop_timeout: float) -> dict:
-    """One headless Locust run; returns timing facts for the report."""
+               users_file: Path, server: subprocess.Popen | None, stop_timeout: float,
+               client_niceness: int = 0) -> dict:
+    """One headless Locust run; returns timing facts for the report. ``client_niceness``: Locust's
+    nice (below 0 needs root): on a machine the simulated clients share with the server, -5 gives
+    them the CPU first, as clients on their own machines would have it."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
+    cmd = (["nice", "-n", str(client_niceness)] if client_niceness else []) + [sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
            "-u", str(users), "-r", str(spawn_rate), "-t", f"{int(round(duration))}s", "--host", url,
            "--csv", str(out / "locust"), "--csv-full-history", "--only-summary", "--loglevel", "WARNING",
            "--stop-timeout", str(int(stop_timeout)), "--exit-code-on-error", "0",
@@ -172,6 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-niceness", type=int, default=0,
                     help="nice of the app's Ray workers (router, verifier); Ray's own default is 15, which "
                          "puts them below Locust on a shared machine")
+    ap.add_argument("--client-niceness", type=int, default=0,
+                    help="nice of the Locust process (e.g. -5, as root: the clients get the shared cores first, "
+                         "as on their own machines; the report states it)")
     ap.add_argument("--print-app-config", action="store_true", help="print the app's build_app args and exit")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the report's checks pass")
     args = ap.parse_args(argv)
@@ -210,12 +216,13 @@ def main(argv=None) -> int:
             print(f"[loadtests] {users} users, spawn rate {args.spawn_rate:g}/s, {args.duration:g} s ...",
                   flush=True)
             timing = run_locust(cfg, url, users, args.spawn_rate, args.duration, sub, out / "users.json", server,
-                                args.stop_timeout)
+                                args.stop_timeout, args.client_niceness)
             if server is not None and server.poll() is not None:
                 print("[loadtests] WARNING: the app process died during the run", flush=True)
             meta = {"users": users, "spawn_rate": args.spawn_rate, "duration_s": args.duration,
                     "processes": 1, "host": url, "started_app": server is not None,
                     "worker_niceness": args.worker_niceness if server is not None else None,
+                    "client_niceness": args.client_niceness,
                     "server_model": info, **timing}
             summary = report.write_report(sub, cfg, meta, out / "server_stats.json" if server else None)
             results.append(summary)

@@ -135,6 +135,9 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
     assert sp["router_gc_full_ms"]["n"] == 0  # the full collection fell before the window
     assert ("router GC 2 pauses, 2.0 / 150.0 (max 150); their CPU 2.0 / 20.0 (max 20); objects freed per "
             "collection 40 / 9,000") in markdown(s)
+    assert "Locust at nice" not in markdown(s)
+    s["run"]["client_niceness"] = -5
+    assert "Locust at nice -5" in markdown(s)  # a run whose clients had the CPU first says so
 
 
 def test_tenants_objective_is_tenants_with_the_production_latency_objective():
