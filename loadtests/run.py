@@ -122,7 +122,8 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
     nice (below 0 needs root): on a machine the simulated clients share with the server, -5 gives
     them the CPU first, as clients on their own machines would have it."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = (["nice", "-n", str(client_niceness)] if client_niceness else []) + [sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
+    cmd = ["nice", "-n", str(client_niceness)] if client_niceness else []
+    cmd += [sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
            "-u", str(users), "-r", str(spawn_rate), "-t", f"{int(round(duration))}s", "--host", url,
            "--csv", str(out / "locust"), "--csv-full-history", "--only-summary", "--loglevel", "WARNING",
            "--stop-timeout", str(int(stop_timeout)), "--exit-code-on-error", "0",

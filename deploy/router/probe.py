@@ -9,8 +9,9 @@ both: ``run()`` sleeps ``interval_s`` over and over on the loop and records how 
 times the interpreter's garbage collections (``gc.callbacks``): a full collection over a
 thousand sessions' objects stops the loop as a whole, which the lag alone cannot tell apart from
 queued work. Each collection is recorded with its wall time, its thread's CPU time (wall well
-above CPU: the process waited for a core mid-collection) and, for the full (generation-2) ones,
-separately, so a long pause can be told apart as a full walk or a preempted short one. The load
+above CPU: the process waited for a core mid-collection), its generation (full, generation-2,
+ones also apart) and the cyclic garbage it freed, so a long pause reads as a full walk, a
+preempted short one, or a pass freeing a reference cycle some request path leaves behind. The load
 test drains the samples once a second (``Router.probe_samples``) for its report; Prometheus
 gets the same as histograms. Pure module (no Ray, no FastAPI).
 """
