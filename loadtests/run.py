@@ -117,10 +117,12 @@ def model_info(url: str, key: str) -> dict:
 
 def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, duration: float, out: Path,
                users_file: Path, server: subprocess.Popen | None, stop_timeout: float,
-               client_niceness: int = 0) -> dict:
+               client_niceness: int = 0, processes: int = 1) -> dict:
     """One headless Locust run; returns timing facts for the report. ``client_niceness``: Locust's
     nice (below 0 needs root): on a machine the simulated clients share with the server, -5 gives
-    them the CPU first, as clients on their own machines would have it."""
+    them the CPU first, as clients on their own machines would have it. ``processes`` > 1: Locust
+    forks that many worker processes under a master (``--processes``), the users spread over them,
+    each writing its own counters (merged by the report)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["nice", "-n", str(client_niceness)] if client_niceness else []
     cmd += [sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
@@ -129,6 +131,8 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
            "--stop-timeout", str(int(stop_timeout)), "--exit-code-on-error", "0",
            "--loadtest-config", str(users_file),
            "--loadtest-out", str(out / "counters.json")]
+    if processes > 1:
+        cmd += ["--processes", str(processes)]
     env = _child_env()
     t0 = time.time()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -179,6 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--client-niceness", type=int, default=0,
                     help="nice of the Locust process (e.g. -5, as root: the clients get the shared cores first, "
                          "as on their own machines; the report states it)")
+    ap.add_argument("--locust-processes", type=int, default=1,
+                    help="Locust worker processes (one gevent loop each; users spread over them)")
     ap.add_argument("--print-app-config", action="store_true", help="print the app's build_app args and exit")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the report's checks pass")
     args = ap.parse_args(argv)
@@ -217,11 +223,11 @@ def main(argv=None) -> int:
             print(f"[loadtests] {users} users, spawn rate {args.spawn_rate:g}/s, {args.duration:g} s ...",
                   flush=True)
             timing = run_locust(cfg, url, users, args.spawn_rate, args.duration, sub, out / "users.json", server,
-                                args.stop_timeout, args.client_niceness)
+                                args.stop_timeout, args.client_niceness, args.locust_processes)
             if server is not None and server.poll() is not None:
                 print("[loadtests] WARNING: the app process died during the run", flush=True)
             meta = {"users": users, "spawn_rate": args.spawn_rate, "duration_s": args.duration,
-                    "processes": 1, "host": url, "started_app": server is not None,
+                    "processes": args.locust_processes, "host": url, "started_app": server is not None,
                     "worker_niceness": args.worker_niceness if server is not None else None,
                     "client_niceness": args.client_niceness,
                     "server_model": info, **timing}
