@@ -300,6 +300,9 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "tokens_per_s": tot("tokens") / run_s,
         "tokens_per_s_window": sum(tok_win.values()) / wlen,
         "rate_429": shed / total_requests if total_requests else 0.0,
+        # the same in the steady window the p99 is taken over: 429s / (admitted rounds + 429s), opens left
+        # out of the denominator (they carry no timestamp), so it errs high; the spawn burst is outside
+        "rate_429_window": len(shed_win) / (len(all_lat) + len(shed_win)) if all_lat or shed_win else 0.0,
         "shed_429": shed, "shed_reasons": dict(counters["shed_reasons"]),
         "shed_ms": {"p50": percentile(counters["shed_ms"], 50), "p99": percentile(counters["shed_ms"], 99)},
         "shed_ms_window": {"p50": percentile(shed_win, 50), "p99": percentile(shed_win, 99)},
@@ -376,9 +379,11 @@ def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
 
 
 def held(s: dict) -> bool:
-    """The deployment "holds" the users: p99 verify < 1 s, no errors, at most 1% shed."""
+    """The deployment "holds" the users: in the steady state, p99 verify < 1 s and at most 1% shed;
+    no errors over the whole run. (Both rates are reported; the whole run's includes the spawn,
+    every user opening a session within seconds, which admission meets by pausing new sessions.)"""
     return (s["verify_ms_window"]["p99"] < HELD_P99_MS and s["errors"] == 0 and s["locust_failures"] == 0
-            and s["rate_429"] <= HELD_MAX_SHED)
+            and s.get("rate_429_window", s["rate_429"]) <= HELD_MAX_SHED)
 
 
 def _f(x, nd=1) -> str:
@@ -472,7 +477,7 @@ def markdown(s: dict) -> str:
         f"{_f(s['verify_ms']['p99'], 0)} | {_f(s['verify_ms_window']['p50'], 0)} / "
         f"{_f(s['verify_ms_window']['p95'], 0)} / {_f(s['verify_ms_window']['p99'], 0)} |",
         f"| tokens/s served | {_f(s['tokens_per_s'])} | {_f(s['tokens_per_s_window'])} |",
-        f"| 429 rate | {s['rate_429']:.2%} ({s['shed_429']:g}: {s['shed_reasons']}) | |",
+        f"| 429 rate | {s['rate_429']:.2%} ({s['shed_429']:g}: {s['shed_reasons']}) | {s['rate_429_window']:.2%} |",
         f"| 429 latency p50 / p99 (ms) | {_f(s['shed_ms']['p50'], 0)} / {_f(s['shed_ms']['p99'], 0)} | "
         f"{_f(s['shed_ms_window']['p50'], 0)} / {_f(s['shed_ms_window']['p99'], 0)} |",
         f"| 429 where the time goes, p50 / p99 (ms): router's own answer; router loop lag; Locust loop lag | | "
@@ -597,19 +602,21 @@ def console_line(s: dict) -> str:
 
 def write_sweep(out: Path, cfg: LoadTestConfig, results: list[dict]) -> None:
     lines = [f"# Sweep: {cfg.name} on the {cfg.target} target", "",
-             f"Held = steady-state p99 verify < {HELD_P99_MS:.0f} ms, no errors, at most {HELD_MAX_SHED:.0%} shed "
-             f"(429). {results[0]['machine']['cores']} cores; every process of the test (app, Locust) on them; "
+             f"Held = steady-state p99 verify < {HELD_P99_MS:.0f} ms and at most {HELD_MAX_SHED:.0%} shed (429) in the "
+             f"steady state, no errors. {results[0]['machine']['cores']} cores; every process of the test (app, Locust) on them; "
              f"{results[-1]['machine']['note']}.", "",
-             "| users | req/s | verify/s | verify p50 / p95 / p99 (ms) | tokens/s | 429 rate | errors | held |",
+             "| users | req/s | verify/s | verify p50 / p95 / p99 (ms) | tokens/s | 429 rate (steady / whole run) "
+             "| errors | held |",
              "|---|---|---|---|---|---|---|---|"]
     for s in results:
         w = s["verify_ms_window"]
         lines.append(f"| {s['run']['users']} | {_f(s['requests_per_s'])} | {_f(s['verify_per_s_window'])} | "
                      f"{_f(w['p50'], 0)} / {_f(w['p95'], 0)} / {_f(w['p99'], 0)} | {_f(s['tokens_per_s_window'])} | "
-                     f"{s['rate_429']:.2%} | {s['errors'] + s['locust_failures']:g} | {'yes' if held(s) else 'no'} |")
+                     f"{s.get('rate_429_window', float('nan')):.2%} / {s['rate_429']:.2%} | "
+                     f"{s['errors'] + s['locust_failures']:g} | {'yes' if held(s) else 'no'} |")
     ok = [s["run"]["users"] for s in results if held(s)]
     lines += ["", f"Largest user count held: {max(ok) if ok else 'none of those tried'}.", ""]
     (out / "sweep.md").write_text("\n".join(lines))
     (out / "sweep.json").write_text(json.dumps([{"users": s["run"]["users"], "held": held(s), **{
         k: s[k] for k in ("requests_per_s", "verify_per_s_window", "verify_ms_window", "tokens_per_s_window",
-                          "rate_429", "errors")}} for s in results], indent=2))
+                          "rate_429", "rate_429_window", "errors")}} for s in results], indent=2))

@@ -146,3 +146,20 @@ def test_tenants_objective_is_tenants_with_the_production_latency_objective():
     assert slo.app_config().router.latency_objective_s == 1.0 and slo.fairness
     strip = lambda app: {**app, "router": {k: v for k, v in app["router"].items() if k != "latency_objective_s"}}  # noqa: E731
     assert strip(slo.app) == strip(fair.app) and slo.user == fair.user
+
+
+@pytest.mark.parametrize("in_window, holds", [(1, True), (5, False)])
+def test_held_takes_the_shed_rate_of_the_steady_window_like_the_p99(tmp_path, in_window, holds):
+    """The spawn burst (every user opening a session within seconds) is shed by the new-session
+    pause; like the p99, the 1 % rule is read in the steady window (200 admitted rounds there)."""
+    _counters(tmp_path / "counters.json", {"default": {"shed": 20}}, {"default": 10})
+    data = json.loads((tmp_path / "counters.json").read_text())
+    spawn = 20 - in_window
+    data.update(verify_ms={"default": [10.0] * 200}, verify_at={"default": [T0 + 10] * 200},
+                shed_ms=[5.0] * 20, shed_at=[T0 + 0.5] * spawn + [T0 + 10] * in_window,
+                shed_why=["new_sessions_paused"] * 20, shed_connect_ms=[0.0] * 20, loop_lag_ms=[])
+    (tmp_path / "counters.json").write_text(json.dumps(data))
+    s = summarize(tmp_path, scenario("edge"), _meta(), None)
+    assert s["rate_429_window"] == pytest.approx(in_window / (200 + in_window))
+    s["rate_429"] = 0.05  # the whole run's, spawn included, over the rule either way
+    assert held(s) is holds
