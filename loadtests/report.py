@@ -355,12 +355,17 @@ def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
                                         for t, v in s["tenants"].items())
                               + (f" over {nsat} backlogged s" if nsat is not None else "")})
     if cfg.max_shed_ms is not None:
-        p50, p99 = s["shed_ms"]["p50"], s["shed_ms"]["p99"]
+        # in the steady state, like the verify p99 (the spawn burst's opens are shed too; the whole
+        # run's figures are in the report)
+        p50, p99 = s["shed_ms_window"]["p50"], s["shed_ms_window"]["p99"]
+        n_win = s["shed_split"]["client_ms"]["n"]
         out.append({"name": f"429s answered fast (p50 <= {cfg.max_shed_ms[0]:.0f} ms, p99 <= "
-                            f"{cfg.max_shed_ms[1]:.0f} ms)",
+                            f"{cfg.max_shed_ms[1]:.0f} ms, steady state)",
                     "ok": (s["shed_429"] > 0 or not cfg.expect_shed) and (
-                        s["shed_429"] == 0 or (p50 <= cfg.max_shed_ms[0] and p99 <= cfg.max_shed_ms[1])),
-                    "detail": f"429s={s['shed_429']:g} p50={_f(p50, 0)} ms p99={_f(p99, 0)} ms"})
+                        n_win == 0 or (p50 <= cfg.max_shed_ms[0] and p99 <= cfg.max_shed_ms[1])),
+                    "detail": f"429s={n_win:g} in the window ({s['shed_429']:g} in all) p50={_f(p50, 0)} ms "
+                              f"p99={_f(p99, 0)} ms (whole run {_f(s['shed_ms']['p50'], 0)} / "
+                              f"{_f(s['shed_ms']['p99'], 0)} ms)"})
     if cfg.max_verify_p99_ms is not None:
         p99 = s["verify_ms_window"]["p99"]
         out.append({"name": f"admitted verify rounds p99 <= {cfg.max_verify_p99_ms:.0f} ms (steady state)",

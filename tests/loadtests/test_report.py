@@ -163,3 +163,16 @@ def test_held_takes_the_shed_rate_of_the_steady_window_like_the_p99(tmp_path, in
     assert s["rate_429_window"] == pytest.approx(in_window / (200 + in_window))
     s["rate_429"] = 0.05  # the whole run's, spawn included, over the rule either way
     assert held(s) is holds
+
+
+@pytest.mark.parametrize("steady_ms, ok", [(5.0, True), (300.0, False)])
+def test_the_429_check_reads_the_steady_window(tmp_path, steady_ms, ok):
+    """Slow 429s of the spawn burst do not fail the check; slow ones in the steady state do."""
+    _counters(tmp_path / "counters.json", {"default": {"shed": 20}}, {"default": 10})
+    data = json.loads((tmp_path / "counters.json").read_text())
+    data.update(shed_ms=[5000.0] * 10 + [steady_ms] * 10, shed_at=[T0 + 0.5] * 10 + [T0 + 10] * 10,
+                shed_why=["new_sessions_paused"] * 20, shed_connect_ms=[0.0] * 20, loop_lag_ms=[])
+    (tmp_path / "counters.json").write_text(json.dumps(data))
+    s = summarize(tmp_path, scenario("edge"), _meta(), None)
+    check = next(c for c in s["checks"] if c["name"].startswith("429s answered fast"))
+    assert check["ok"] is ok and "10 in the window (20 in all)" in check["detail"]
