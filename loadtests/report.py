@@ -196,7 +196,9 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
             # the router's garbage collections (each stops its loop whole); n / window = per second
             "router_gc_pause_ms": _pcts(probe.get("gc_pause_ms", []), window),
             "router_gc_cpu_ms": _pcts(probe.get("gc_cpu_ms", []), window),  # the same, CPU time
-            "router_gc_full_ms": _pcts(probe.get("gc_full_ms", []), window),  # generation-2 ones
+            # the full (generation-2) ones: the pauses whose sample in gc_gen (same order) says 2
+            "router_gc_full_ms": _pcts([p for p, (_, g) in zip(probe.get("gc_pause_ms", []), probe.get("gc_gen", []))
+                                        if g == 2], window),
             "router_gc_freed": _pcts(probe.get("gc_collected", []), window),  # cyclic garbage freed by each
             "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window)}
 
@@ -608,7 +610,8 @@ def console_line(s: dict) -> str:
 def write_sweep(out: Path, cfg: LoadTestConfig, results: list[dict]) -> None:
     lines = [f"# Sweep: {cfg.name} on the {cfg.target} target", "",
              f"Held = steady-state p99 verify < {HELD_P99_MS:.0f} ms and at most {HELD_MAX_SHED:.0%} shed (429) in the "
-             f"steady state, no errors. {results[0]['machine']['cores']} cores; every process of the test (app, Locust) on them; "
+             f"steady state, no errors. {results[0]['machine']['cores']} cores; every process of the test "
+             f"(app, Locust) on them; "
              f"{results[-1]['machine']['note']}.", "",
              "| users | req/s | verify/s | verify p50 / p95 / p99 (ms) | tokens/s | 429 rate (steady / whole run) "
              "| errors | held |",

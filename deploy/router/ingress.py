@@ -425,7 +425,7 @@ class Router:
         """OpenAI's model retrieval: the served model, or 404 model_not_found."""
         self.tenants.authenticate(request.headers.get("authorization"))
         info = await self.info()
-        oai.check_model(model, self._model_names(info), tuple(self._versions))
+        oai.check_model(model, self._model_names(info), self._versions)
         return oai.model_card(model if model in self._versions else info["model"], self._created)
 
     @api.post("/v1/completions")
@@ -452,7 +452,7 @@ class Router:
         tok = self.tokenizer()
         req = oai.parse_completion(body, tok, chat)
         info = await self.info()
-        oai.check_model(req.model, self._model_names(info), tuple(self._versions))
+        oai.check_model(req.model, self._model_names(info), self._versions)
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = self._server_drafter() if req.mode == "sd" else None
         version = req.model if req.model in self._versions else None

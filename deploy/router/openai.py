@@ -247,7 +247,7 @@ def _text_part(where: str, part) -> str:
     raise InvalidRequest(f"{where}: only text content parts are supported, got {kind!r}")
 
 
-def check_model(requested: str | None, served: tuple[str, ...], versions: tuple[str, ...] = ()) -> None:
+def check_model(requested: str | None, served: tuple[str, ...], versions: tuple[str, ...] | list[str] = ()) -> None:
     """A request's ``model`` must name the served model (any of its names) or one of its target
     versions; absent is fine. The 404 names what is served."""
     if requested is not None and requested not in served and requested not in versions:

@@ -9,9 +9,9 @@ both: ``run()`` sleeps ``interval_s`` over and over on the loop and records how 
 times the interpreter's garbage collections (``gc.callbacks``): a full collection over a
 thousand sessions' objects stops the loop as a whole, which the lag alone cannot tell apart from
 queued work. Each collection is recorded with its wall time, its thread's CPU time (wall well
-above CPU: the process waited for a core mid-collection), its generation (full, generation-2,
-ones also apart) and the cyclic garbage it freed, so a long pause reads as a full walk, a
-preempted short one, or a pass freeing a reference cycle some request path leaves behind. The load
+above CPU: the process waited for a core mid-collection), its generation (2: a full one) and the
+cyclic garbage it freed, so a long pause reads as a full walk, a preempted short one, or a pass
+freeing a reference cycle some request path leaves behind. The load
 test drains the samples once a second (``Router.probe_samples``) for its report; Prometheus
 gets the same as histograms. Pure module (no Ray, no FastAPI).
 """
@@ -35,7 +35,6 @@ class LoadProbe:
         self.shed: deque[tuple[float, float]] = deque(maxlen=keep)
         self.gc_pause: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) per collection
         self.gc_cpu: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, thread CPU ms) per collection
-        self.gc_full: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) generation 2 only
         self.gc_collected: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, unreachable objects freed)
         self.gc_gen: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, generation collected)
         self.on_lag = on_lag
@@ -57,8 +56,6 @@ class LoadProbe:
         self.gc_cpu.append((now, (time.thread_time() - self._gc_cpu0) * 1e3))
         self.gc_collected.append((now, float(info.get("collected", 0))))
         self.gc_gen.append((now, float(info.get("generation", -1))))
-        if info.get("generation") == 2:
-            self.gc_full.append((now, wall_ms))
 
     async def run(self) -> None:
         while True:
@@ -75,8 +72,7 @@ class LoadProbe:
     def drain(self) -> dict[str, list[tuple[float, float]]]:
         """The samples since the last drain, and forget them."""
         kept = {"loop_lag_ms": self.lag, "shed_ms": self.shed, "gc_pause_ms": self.gc_pause,
-                "gc_cpu_ms": self.gc_cpu, "gc_full_ms": self.gc_full, "gc_collected": self.gc_collected,
-                "gc_gen": self.gc_gen}
+                "gc_cpu_ms": self.gc_cpu, "gc_collected": self.gc_collected, "gc_gen": self.gc_gen}
         out = {k: list(v) for k, v in kept.items()}
         for v in kept.values():
             v.clear()

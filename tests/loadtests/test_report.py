@@ -121,7 +121,7 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
         "loop_lag_ms": [[T0 + 2, 700.0], [T0 + 10, 1.0], [T0 + 11, 25.0]],
         "gc_pause_ms": [[T0 + 1, 500.0], [T0 + 10, 2.0], [T0 + 11, 150.0]],
         "gc_cpu_ms": [[T0 + 1, 480.0], [T0 + 10, 2.0], [T0 + 11, 20.0]],  # the 150 ms one waited for a core
-        "gc_full_ms": [[T0 + 1, 500.0]], "gc_collected": [[T0 + 10, 40.0], [T0 + 11, 9000.0]]}}))
+        "gc_gen": [[T0 + 1, 2.0], [T0 + 10, 0.0], [T0 + 11, 1.0]], "gc_collected": [[T0 + 10, 40.0], [T0 + 11, 9000.0]]}}))
     s = summarize(tmp_path, scenario("edge"), _meta(), stats)  # window: 1 s spawn + 3 s warm-up + 2 s on
     sp = s["shed_split"]
     assert sp["client_ms"] == {"n": 3, "p50": 60.0, "p99": 300.0, "max": 300.0}

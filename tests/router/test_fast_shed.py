@@ -187,5 +187,6 @@ def test_the_probe_sees_a_blocked_loop():
     assert [ms for _, ms in got["shed_ms"]] == [3.0]
     assert len(got["gc_pause_ms"]) >= 2 and all(ms >= 0 for _, ms in got["gc_pause_ms"])
     assert len(got["gc_cpu_ms"]) == len(got["gc_pause_ms"])
-    assert 1 <= len(got["gc_full_ms"]) < len(got["gc_pause_ms"])  # the explicit full one, not the gen-0 one
+    assert len(got["gc_gen"]) == len(got["gc_pause_ms"])
+    assert 1 <= sum(g == 2 for _, g in got["gc_gen"]) < len(got["gc_pause_ms"])  # the explicit full one, not the gen-0 one
     assert all(v == [] for v in again.values())  # a drain forgets what it returned
