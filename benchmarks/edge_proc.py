@@ -10,8 +10,11 @@ JSON command per line on stdin and answers ``RESULT <json>`` on stdout:
 - ``{"op": "run", "mode": ..., "url": ..., "sessions": S, "prompts": [[ids]...], ...}``
   runs ``S`` concurrent sessions as asyncio tasks, each working through its share of the
   prompts one generation after another. Edge modes: one :class:`edge_agent.agent.EdgeAgent`
-  per session, each with its own draft KV cache and its own draft thread (so up to ``S``
-  draft forwards compete for the one core: draft times are reported as measured).
+  per session, each with its own draft KV cache. Their draft forwards share the one core
+  (draft times are reported as measured): ``"edge_drafts": "shared"`` (the default) runs them
+  on one :class:`edge_agent.draft_executor.DraftExecutor`, the trees sessions wait for before
+  anyone's proactive work; ``"per-session"`` gives each agent its own draft thread, so up to
+  ``S`` forwards time-slice the core.
   Server modes: a streaming ``/v1/completions`` client (``mode: ar|sd``), no draft.
   Peer modes (``vllm_ar``, ``vllm_ngram``): the same streaming client against vLLM's OpenAI
   server, with ``min_tokens`` = ``max_tokens`` and ``stream_options.continuous_usage_stats``
@@ -33,6 +36,8 @@ import traceback
 
 import torch
 
+from edge_agent.draft_executor import DraftExecutor
+
 EDGE_MODES = {  # benchmark mode -> (agent mode, depth policy)
     "edge_stop_wait": ("stop-and-wait", "fixed"),
     "edge_proactive": ("proactive", "fixed"),
@@ -51,6 +56,7 @@ class Edge:
         self.draft_model = None
         self.draft_kind = None
         self.tokenizer = None
+        self._drafts: DraftExecutor | None = None  # the configuration's shared draft executor
 
     def init(self, cmd: dict) -> dict:
         torch.set_num_threads(int(cmd.get("threads", 1)))
@@ -91,7 +97,7 @@ class Edge:
                            model=cmd.get("version"),  # a target version (LoRA adapter); None: the base
                            predraft=cmd["mode"] == "edge_predraft")
         async with HttpTransport(cmd["url"], api_key=cmd["api_key"], timeout_s=300.0) as tr:
-            agent = EdgeAgent(tr, self.drafter(), self.tokenizer, acfg)
+            agent = EdgeAgent(tr, self.drafter(), self.tokenizer, acfg, draft_executor=self._drafts)
             try:
                 for ids in prompts:
                     arrivals: list[tuple[float, int]] = []
@@ -184,9 +190,16 @@ class Edge:
                   self._openai_session if cmd["mode"] in PEER_MODES else self._edge_session)
         # target versions: session i asks for versions[i % len(versions)] (benchmarks/versions.py)
         versions = cmd.get("versions") or [cmd.get("version")]
+        shared = cmd.get("edge_drafts", "shared") == "shared" and worker == self._edge_session
+        self._drafts = DraftExecutor(name="edge-drafts") if shared else None
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker({**cmd, "version": versions[i % len(versions)]}, share, out)
-                               for i, share in enumerate(shares) if share))
+        try:
+            await asyncio.gather(*(worker({**cmd, "version": versions[i % len(versions)]}, share, out)
+                                   for i, share in enumerate(shares) if share))
+        finally:
+            if self._drafts is not None:
+                self._drafts.shutdown()
+            self._drafts = None
         wall = time.perf_counter() - t0
         agg = aggregate(out, cmd["mode"], wall, int(cmd.get("depth", 0)))
         if len(versions) > 1:

@@ -27,9 +27,12 @@ RTT). Processes (all started here, stopped by PID):
   the verifier with one torch thread; the router (and the server-side drafter) live on
   the same core;
 - one edge process (:mod:`benchmarks.edge_proc`) under ``taskset -c 1`` with one torch
-  thread: every edge session of a configuration is an asyncio task in it, each agent
-  with its own draft thread, so draft forwards of concurrent sessions share that core
-  (their draft time is reported as measured, not scaled to any device);
+  thread: every edge session of a configuration is an asyncio task in it, and the draft
+  forwards of all sessions share that core (their draft time is reported as measured, not
+  scaled to any device): by default on one :class:`edge_agent.draft_executor.DraftExecutor`,
+  the trees sessions wait for first and proactive drafting in the time left, as a device
+  hosting several sessions would run them (``--edge-drafts per-session``: a thread per
+  session, time-slicing the core, as before);
 - a WAN proxy (:mod:`benchmarks.wan_proxy`) per configuration between the two (RTT/2 each
   way, optional bandwidth cap); it runs unpinned and does almost no work;
 - for the peer rows, after our server has stopped: vLLM's OpenAI server from ``.venv-vllm``
@@ -107,12 +110,20 @@ class Plan:
     extra_configs: list[tuple[float, int]] = field(default_factory=list)  # more (RTT, sessions) points
     exit_layers: list[int] = field(default_factory=list)  # edge_predraft's exits ([]: the artifact's)
     app_set: dict[str, Any] = field(default_factory=dict)  # dotted app-config overrides ("verifier.batch_fill": 0)
+    # the edge core's draft forwards: "shared" = one DraftExecutor for every session (critical trees
+    # first, proactive work in the idle time), "per-session" = a thread per session time-slicing the core
+    edge_drafts: str = "shared"
 
     def configs(self) -> list[tuple[float, int]]:
         out = [(r, self.rtt_sessions) for r in self.rtts]
         out += [(self.sessions_rtt, s) for s in self.sessions if (self.sessions_rtt, s) not in out]
         return out + [c for c in self.extra_configs if c not in out]
 
+
+EDGE_DRAFTS = {
+    "shared": "one DraftExecutor for every session, the trees sessions wait for before proactive work",
+    "per-session": "one draft thread per session, time-slicing the core",
+}
 
 PLANS = {
     # a wiring check for `make test`: tiny random target, one prompt per configuration
@@ -542,7 +553,7 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
         l0 = os.getloadavg()[0]
         cmd = {"op": "run", "mode": mode, "url": proxy.url, "api_key": API_KEY, "sessions": sessions,
                "prompts": prompts, "max_tokens": max_tokens, "depth": depth, "budget": plan.budget,
-               "topk": plan.topk, "temperature": plan.temperature, "verify": verify}
+               "topk": plan.topk, "temperature": plan.temperature, "verify": verify, "edge_drafts": plan.edge_drafts}
         if server.peer:
             cmd["model"] = server.model
         res = edge.call({**cmd, **(extra or {})})
@@ -787,6 +798,9 @@ def main(argv=None) -> int:
     ap.add_argument("--exit-layers", default=None, help="edge_predraft: comma-separated exits of the heads artifact")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override the app config, e.g. --set verifier.batch_fill=0 (repeatable)")
+    ap.add_argument("--edge-drafts", choices=sorted(EDGE_DRAFTS), default=None,
+                    help="the edge core's draft forwards: shared (one executor, critical trees first; default) "
+                         "or per-session (a thread per session)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-latest", action="store_true", help="--full: do not overwrite latest.json")
     args = ap.parse_args(argv)
@@ -820,6 +834,8 @@ def main(argv=None) -> int:
         plan.verify = [v for v in args.verify.split(",") if v]
     if args.mbps is not None:
         plan.mbps = args.mbps
+    if args.edge_drafts:
+        plan.edge_drafts = args.edge_drafts
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -953,7 +969,8 @@ def main(argv=None) -> int:
                      if plan.temperature > 0 else "greedy, ignore_eos"),
         "cores": f"server on core {SERVER_CORE} (taskset: every Ray/Serve process, verifier with 1 torch thread; "
                  f"the vLLM peer likewise, 1 OpenMP thread, after our server stopped); edge agents on core "
-                 f"{EDGE_CORE} (taskset, 1 torch thread, one asyncio task + one draft thread per session); "
+                 f"{EDGE_CORE} (taskset, 1 torch thread, one asyncio task per session; draft forwards: "
+                 f"{EDGE_DRAFTS[plan.edge_drafts]}); "
                  "WAN proxy unpinned",
         "request_path": path.model_dump(mode="json", exclude={"direct_port"}),
         "server_cost": "verifier busy seconds (+ server-side drafter thread CPU seconds for server_sd)",

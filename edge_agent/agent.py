@@ -31,11 +31,13 @@ Verification rules (``AgentConfig.verify``):
 
 Concurrency mechanism: the verify call is an ``asyncio`` task on the event loop (network
 I/O for :class:`HttpTransport`; a worker thread for :class:`LocalTransport`'s engine).
-Every draft forward runs in the agent's own single worker thread
-(``loop.run_in_executor``); torch releases the GIL inside its kernels, so the network
-wait (or the in-process verifier) and the draft model truly overlap. Proactive drafting
-is a loop of one-forward steps that checks ``task.done()`` between steps, so a reply is
-picked up at most one draft forward after it lands.
+Every draft forward runs on one worker thread (:class:`edge_agent.draft_executor.DraftExecutor`:
+the agent's own, or one shared by the agents on one device); torch releases the GIL inside
+its kernels, so the network wait (or the in-process verifier) and the draft model truly
+overlap. Proactive drafting is a loop of one-forward steps that checks ``task.done()``
+between steps and withdraws a step that has not started when the reply lands, so a reply
+is picked up at most one draft forward after it lands, and on a shared device the trees
+that sessions wait for run before any session's proactive work.
 
 Robustness: the agent keeps the whole token history. A lost or evicted session (410
 ``session_evicted``, 404 ``session_not_found``, a verify whose reply was lost, a 409
@@ -49,7 +51,6 @@ import asyncio
 import logging
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -61,6 +62,7 @@ from deploy.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, 
 from deploy.verifier.acceptance import Rejection, ResidualSampler
 from deploy.verifier.sampling import SamplingParams
 from edge_agent.depth import DepthPolicy, Telemetry
+from edge_agent.draft_executor import CRITICAL, DraftExecutor
 from edge_agent.drafter import Drafter
 from edge_agent.drafting import Alignment, ChainDraftSession, DraftSession
 from edge_agent.predraft import PreDraftCache
@@ -244,7 +246,8 @@ class EdgeAgent:
     """
 
     def __init__(self, transport: Transport, drafter: Drafter, tokenizer=None,
-                 config: AgentConfig | None = None, agent_name: str = "edge-agent/0.1"):
+                 config: AgentConfig | None = None, agent_name: str = "edge-agent/0.1",
+                 draft_executor: DraftExecutor | None = None):
         self.transport = transport
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -257,10 +260,14 @@ class EdgeAgent:
                        if self.config.verify == "auto" and self.config.verify_state else None)
         self._store_pair: str | None = None  # "target|draft": the stored entry this agent learns into
         self._info: ModelInfo | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        # draft forwards run on a worker thread; agents sharing one device share one executor
+        # (critical trees first, proactive work withdrawn once its reply is in)
+        self._owns_drafts = draft_executor is None
+        self._drafts = draft_executor or DraftExecutor()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        if self._owns_drafts:
+            self._drafts.shutdown()
 
     # -- setup ---------------------------------------------------------------------------
     async def model_info(self) -> ModelInfo:
@@ -290,7 +297,8 @@ class EdgeAgent:
             raise TokenizerMismatch("the draft's vocab_map points outside the target vocabulary")
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """A draft forward the session's next request waits for."""
+        return await self._drafts.run(CRITICAL, fn, *args)
 
     async def _open(self, prompt: list[int], generated: list[int], params: SamplingParams,
                     stats: GenerationStats) -> SessionOpened:
@@ -672,7 +680,8 @@ class EdgeAgent:
         if step is not None:
             n0 = len(session.forward_times)
             while not task.done():
-                if not await self._run(step, *args):
+                ran, more = await self._drafts.run_until(task, step, *args)
+                if not (ran and more):
                     break
             stats.proactive_forwards += len(session.forward_times) - n0
             self._observe_drafts(session, n0, stats)
@@ -695,10 +704,11 @@ class EdgeAgent:
         while not task.done():
             wake.clear()  # before the checks: an early result from now on wakes the wait below
             if pc.pending():
-                await self._run(pc.step)
+                await self._drafts.run_until(task, pc.step)
                 continue
             if chain and pc.room() > 1:  # the chain and the pre-drafts share the draft's tree bits
-                chain = await self._run(ds.proactive_step)
+                ran, more = await self._drafts.run_until(task, ds.proactive_step)
+                chain = more if ran else chain  # withdrawn: the reply is in, the loop ends
                 continue
             waiter = asyncio.ensure_future(wake.wait())
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)

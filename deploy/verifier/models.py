@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,10 +218,29 @@ def load_model(model: str = "embedded", *, dtype: str | torch.dtype = "auto", de
     return LoadedModel(m, tok, name, _eos_ids(m, tok), device, torch_dtype)
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its length, fingerprint)
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Stable hash of a tokenizer's vocabulary and special tokens (edge/server check)."""
+    """Stable hash of a tokenizer's vocabulary and special tokens (edge/server check).
+
+    Remembered per tokenizer object (and recomputed if tokens were added since): hashing a
+    49K-entry vocabulary costs ~10 ms, and an edge sends it with every session it opens."""
     if tokenizer is None:
         return "none"
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    try:
+        known = _FINGERPRINTS.get(tokenizer)
+    except TypeError:  # not weakly referenceable: computed each time
+        return _fingerprint(tokenizer)
+    if known is not None and known[0] == size:
+        return known[1]
+    fp = _fingerprint(tokenizer)
+    _FINGERPRINTS[tokenizer] = (size, fp)
+    return fp
+
+
+def _fingerprint(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
     blob = json.dumps([vocab, special], ensure_ascii=False).encode()

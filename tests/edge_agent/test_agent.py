@@ -318,3 +318,29 @@ def test_the_summary_line_names_early_frames_and_rejections_only_when_there_were
     assert "early frames" not in plain and "rejections" not in plain
     pre = GenerationStats(tokens=10, rounds=4, early_frames=4, predraft_hits=1, predraft_misses=3, rejections=2)
     assert "4 early frames, pre-draft hits 1/4, 2 rejections" in pre.summary()
+
+
+def test_agents_sharing_one_draft_executor_stay_lossless_and_leave_it_open(engine, draft, greedy_ref):
+    """Several sessions on one device (an edge gateway, the benchmark's edge core) share one
+    DraftExecutor: each output is still the target's own, and closing an agent does not stop the
+    executor the others use."""
+    from edge_agent.draft_executor import CRITICAL, DraftExecutor
+
+    shared = DraftExecutor()
+
+    async def main():
+        agents = [EdgeAgent(LocalTransport(engine, rtt_ms=5.0), ModelDrafter(draft),
+                            config=AgentConfig(mode="proactive"), draft_executor=shared) for _ in range(3)]
+        try:
+            return await asyncio.gather(*(a.generate(PROMPT, GREEDY) for a in agents))
+        finally:
+            for a in agents:
+                a.close()
+
+    try:
+        results = asyncio.run(main())
+        assert [r.token_ids for r in results] == [greedy_ref] * 3
+        assert sum(r.stats.proactive_forwards for r in results) > 0
+        assert shared.submit(CRITICAL, lambda: "open").result(timeout=5) == "open"
+    finally:
+        shared.shutdown()
