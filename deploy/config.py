@@ -91,9 +91,9 @@ class VerifierConfig(_Strict):
     max_batch_sessions: int = Field(16, ge=1, le=1024)
     max_batch_tokens: int = Field(2048, ge=1)
     batch_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long to wait to fill a batch")
-    batch_fill: float = Field(0.5, ge=0, le=4, description="also wait for sessions due back (by their measured "
-                                                           "away time) within this share of the forward's predicted "
-                                                           "time; 0 = off (deploy/verifier/batch_fill.py)")
+    batch_fill: float = Field(2.0, ge=0, le=4, description="also wait for sessions due back (by their measured "
+                                                           "away time) within this multiple of the forward's "
+                                                           "predicted time; 0 = off (deploy/verifier/batch_fill.py)")
     max_tree_nodes: int = Field(64, ge=1, le=1024)
     max_tree_depth: int = Field(32, ge=1, le=1024)
     max_prompt_tokens: int = Field(8192, ge=1)
