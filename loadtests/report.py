@@ -172,6 +172,20 @@ def _pcts(samples: list, window: tuple[float, float]) -> dict:
     return {"n": len(xs), "p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs, default=float("nan"))}
 
 
+def probe_summary(path: Path, window: tuple[float, float]) -> dict | None:
+    """The latency probe's rounds (loadtests/probe.py) in the steady window, by status; None
+    without a probe."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    by: dict[str, list] = defaultdict(list)
+    for r in data["rounds"]:
+        by[f"{r['kind']} {r['status']}"].append((r["t"], r["ms"]))
+    return {"rate": data["rate"], "tenant": data["tenant"], "priority": data["priority"],
+            "by_status": {k: dict(_pcts(v, window), ms=[ms for t, ms in v if window[0] <= t < window[1]])
+                          for k, v in sorted(by.items())}}
+
+
 def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, float]) -> dict:
     """Where a 429's time goes (steady state): what the client measured, by shed reason; the
     router's own time per 429 (request at its ASGI app to answer sent) and its event loop's lag
@@ -309,6 +323,7 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "shed_ms": {"p50": percentile(counters["shed_ms"], 50), "p99": percentile(counters["shed_ms"], 99)},
         "shed_ms_window": {"p50": percentile(shed_win, 50), "p99": percentile(shed_win, 99)},
         "shed_split": shed_split(counters, server_stats, window),
+        "probe": probe_summary(out / "probe.json", window),
         "unavailable_503": unavailable, "reopens": tot("reopens"), "ws_lost": dict(counters["ws_lost"]),
         "errors": errors, "locust_failures": locust_failures, "error_kinds": dict(counters["error_kinds"]),
         "sessions": {"generations": tot("generations"), "finished": tot("finished"), "opened": opens,
@@ -367,7 +382,7 @@ def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
                         n_win == 0 or (p50 <= cfg.max_shed_ms[0] and p99 <= cfg.max_shed_ms[1])),
                     "detail": f"429s={n_win:g} in the window ({s['shed_429']:g} in all) p50={_f(p50, 0)} ms "
                               f"p99={_f(p99, 0)} ms (whole run {_f(s['shed_ms']['p50'], 0)} / "
-                              f"{_f(s['shed_ms']['p99'], 0)} ms)"})
+                              f"{_f(s['shed_ms']['p99'], 0)} ms){_probe_text(s.get('probe'), '429')}"})
     if cfg.max_verify_p99_ms is not None:
         p99 = s["verify_ms_window"]["p99"]
         out.append({"name": f"admitted verify rounds p99 <= {cfg.max_verify_p99_ms:.0f} ms (steady state)",
@@ -397,6 +412,24 @@ def _f(x, nd=1) -> str:
     if x is None or (isinstance(x, float) and x != x):
         return "n/a"
     return f"{x:,.{nd}f}"
+
+
+def _probe_text(pr: dict | None, status: str) -> str:
+    """The latency probe's figure for one status (opens and rounds together), as a clause ('' without
+    a probe or without such answers)."""
+    samples = [d for k, d in (pr or {}).get("by_status", {}).items() if k.endswith(f" {status}") and d["n"]]
+    if not samples:
+        return ""
+    ms = [x for d in samples for x in d["ms"]]
+    return (f"; the latency probe ({pr['priority']}, {pr['rate']:g} requests/s) saw {len(ms)} of them at "
+            f"p50 {_f(percentile(ms, 50), 0)} / p99 {_f(percentile(ms, 99), 0)} ms")
+
+
+def _probe_cell(pr: dict | None) -> str:
+    if not pr:
+        return "not run"
+    parts = [f"{k}: {_f(d['p50'], 0)} / {_f(d['p99'], 0)} (n {d['n']})" for k, d in pr["by_status"].items() if d["n"]]
+    return f"{pr['priority']}, {pr['rate']:g} requests/s, tenant {pr['tenant']}; " + ("; ".join(parts) or "none")
 
 
 def _split(sp: dict | None) -> str:
@@ -489,6 +522,8 @@ def markdown(s: dict) -> str:
         f"{_f(s['shed_ms_window']['p50'], 0)} / {_f(s['shed_ms_window']['p99'], 0)} |",
         f"| 429 where the time goes, p50 / p99 (ms): router's own answer; router loop lag; Locust loop lag | | "
         f"{_split(s.get('shed_split'))} |",
+        f"| latency probe (loadtests/probe.py: one light client in its own process) p50 / p99 (ms) | | "
+        f"{_probe_cell(s.get('probe'))} |",
         f"| 503 (verifier restarting) / re-opens | {s['unavailable_503']:g} / {s['reopens']:g} | |",
         f"| WebSocket rounds lost with their connection (re-opened) | {sum(s.get('ws_lost', {}).values()):g} "
         f"{s.get('ws_lost') or ''} | |",

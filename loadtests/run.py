@@ -117,7 +117,7 @@ def model_info(url: str, key: str) -> dict:
 
 def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, duration: float, out: Path,
                users_file: Path, server: subprocess.Popen | None, stop_timeout: float,
-               client_niceness: int = 0, processes: int = 1) -> dict:
+               client_niceness: int = 0, processes: int = 1, probe_rate: float = 0.0) -> dict:
     """One headless Locust run; returns timing facts for the report. ``client_niceness``: Locust's
     nice (below 0 needs root): on a machine the simulated clients share with the server, -5 gives
     them the CPU first, as clients on their own machines would have it. ``processes`` > 1: Locust
@@ -138,6 +138,7 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(out / "locust.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        probe = start_probe(url, users_file, probe_rate, duration, out) if probe_rate > 0 else None
         kills: list[float] = []
         next_kill = cfg.kill_verifier_at_s
         limit = duration + stop_timeout + 120
@@ -152,11 +153,39 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
                 proc.wait(timeout=30)
                 break
             time.sleep(0.2)
+    if probe is not None:
+        try:
+            probe.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            probe.kill()
+            probe.wait()
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # Locust, reaped: was the client the bottleneck?
     locust_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     return {"locust_started": t0, "locust_ended": time.time(), "locust_rc": proc.returncode,
             "locust_cpu_s": locust_cpu,
             "kill_sent_at": kills[0] if kills else None, "kills_sent_at": kills}
+
+
+def probe_priority() -> tuple[list[str], str]:
+    """The command prefix that runs the latency probe ahead of the load on shared cores, and its
+    name: real-time FIFO where this user may set it (root), else nice -10, else as it is."""
+    import shutil
+
+    if os.geteuid() == 0 and shutil.which("chrt"):
+        return ["chrt", "-f", "10"], "SCHED_FIFO 10"
+    if os.geteuid() == 0:
+        return ["nice", "-n", "-10"], "nice -10"
+    return [], "nice 0"
+
+
+def start_probe(url: str, users_file: Path, rate: float, duration: float, out: Path) -> subprocess.Popen:
+    """The latency probe (loadtests/probe.py) beside Locust, for the same duration."""
+    prefix, name = probe_priority()
+    cmd = prefix + [sys.executable, "-m", "loadtests.probe", "--host", url, "--users-config", str(users_file),
+                    "--rate", str(rate), "--duration", str(duration), "--out", str(out / "probe.json"),
+                    "--priority", name]
+    with open(out / "probe.log", "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
 def parse_users(text: str) -> list[int]:
@@ -185,6 +214,9 @@ def main(argv=None) -> int:
                          "as on their own machines; the report states it)")
     ap.add_argument("--locust-processes", type=int, default=1,
                     help="Locust worker processes (one gevent loop each; users spread over them)")
+    ap.add_argument("--probe-rate", type=float, default=0.0,
+                    help="verify rounds per second of a latency probe beside Locust (loadtests/probe.py: one light "
+                         "client at real-time priority where allowed; 0 = none)")
     ap.add_argument("--print-app-config", action="store_true", help="print the app's build_app args and exit")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the report's checks pass")
     args = ap.parse_args(argv)
@@ -223,13 +255,13 @@ def main(argv=None) -> int:
             print(f"[loadtests] {users} users, spawn rate {args.spawn_rate:g}/s, {args.duration:g} s ...",
                   flush=True)
             timing = run_locust(cfg, url, users, args.spawn_rate, args.duration, sub, out / "users.json", server,
-                                args.stop_timeout, args.client_niceness, args.locust_processes)
+                                args.stop_timeout, args.client_niceness, args.locust_processes, args.probe_rate)
             if server is not None and server.poll() is not None:
                 print("[loadtests] WARNING: the app process died during the run", flush=True)
             meta = {"users": users, "spawn_rate": args.spawn_rate, "duration_s": args.duration,
                     "processes": args.locust_processes, "host": url, "started_app": server is not None,
                     "worker_niceness": args.worker_niceness if server is not None else None,
-                    "client_niceness": args.client_niceness,
+                    "client_niceness": args.client_niceness, "probe_rate": args.probe_rate,
                     "server_model": info, **timing}
             summary = report.write_report(sub, cfg, meta, out / "server_stats.json" if server else None)
             results.append(summary)

@@ -176,3 +176,20 @@ def test_the_429_check_reads_the_steady_window(tmp_path, steady_ms, ok):
     s = summarize(tmp_path, scenario("edge"), _meta(), None)
     check = next(c for c in s["checks"] if c["name"].startswith("429s answered fast"))
     assert check["ok"] is ok and "10 in the window (20 in all)" in check["detail"]
+
+
+def test_the_latency_probe_is_summarised_per_kind_and_status_inside_the_window(tmp_path):
+    from loadtests.probe import summarise
+    from loadtests.report import _probe_text, probe_summary
+
+    rounds = ([{"t": 100.0 + i, "kind": "verify", "status": 200, "ms": 10.0 + i} for i in range(10)]
+              + [{"t": 100.5 + i, "kind": "open", "status": 429, "ms": 2.0 + i} for i in range(10)]
+              + [{"t": 50.0, "kind": "open", "status": 429, "ms": 900.0}])  # before the window
+    assert summarise(rounds)["open 429"]["n"] == 11
+    (tmp_path / "probe.json").write_text(json.dumps({"rate": 20, "tenant": "a", "priority": "nice -10",
+                                                     "rounds": rounds}))
+    pr = probe_summary(tmp_path / "probe.json", (100.0, 200.0))
+    assert pr["by_status"]["open 429"]["n"] == 10 and pr["by_status"]["open 429"]["max"] == 11.0
+    assert pr["by_status"]["verify 200"]["n"] == 10
+    assert "10 of them" in _probe_text(pr, "429") and _probe_text(pr, "503") == ""
+    assert probe_summary(tmp_path / "absent.json", (0, 1)) is None

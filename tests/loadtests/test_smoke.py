@@ -28,7 +28,7 @@ pytestmark = pytest.mark.ray
 def test_smoke_run_report(tmp_path):
     out = tmp_path / "smoke"
     cmd = [sys.executable, "-m", "loadtests.run", "--scenario", "smoke", "--users", "120", "--spawn-rate", "120",
-           "--duration", "25s", "--stop-timeout", "10", "--out", str(out)]
+           "--duration", "25s", "--stop-timeout", "10", "--probe-rate", "6", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
@@ -51,6 +51,10 @@ def test_smoke_run_report(tmp_path):
     assert s["server"]["saturated"], detail
     for name, t in s["tenants"].items():
         assert abs(t["share_over_weight"] - 1.0) <= 0.20, (name, detail)
+    # the latency probe ran beside Locust, through the same app, and the report carries it
+    probe = s["probe"]["by_status"]
+    assert probe.get("verify 200", {}).get("n", 0) > 0 and any(k.startswith("open ") for k in probe), probe
+    assert "latency probe" in detail
     # the report's pieces exist: Locust CSVs, markdown, plots
     for f in ("locust_stats.csv", "locust_stats_history.csv", "report.md", "throughput.png", "latency.png",
               "tenant_share.png"):
