@@ -224,8 +224,9 @@ _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokeni
 def tokenizer_fingerprint(tokenizer) -> str:
     """Stable hash of a tokenizer's vocabulary and special tokens (edge/server check).
 
-    Remembered per tokenizer object (and recomputed if tokens were added since): hashing a
-    49K-entry vocabulary costs ~10 ms, and an edge sends it with every session it opens."""
+    Remembered per tokenizer object (and recomputed if tokens were added since): hashing
+    SmolLM2's 49K-entry vocabulary took 133 ms on one core here, and an edge sends the
+    fingerprint with every session it opens."""
     if tokenizer is None:
         return "none"
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else None
