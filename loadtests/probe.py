@@ -15,7 +15,8 @@ sends a few verify rounds per second and times each one from the socket:
   saturation the router sheds new sessions first ("running sessions go first"), so most 429s
   of a loaded run are answers to opens;
 - each paced at ``--rate`` / 2 per second whatever the answer: a 429's ``Retry-After`` is
-  recorded, not obeyed (the probe measures; its few requests add nothing the router notices).
+  recorded, not obeyed (the probe measures; at 20 requests/s beside the 450-650 per second of a
+  1000-user run its share is small, though each admitted open costs the verifier a prefill).
 
 :func:`loadtests.run.start_probe` starts it at real-time priority (``chrt -f``) where the
 user may, else at nice -10, else as it is, and the report states which. It writes one JSON:
