@@ -20,8 +20,9 @@ sends a few verify rounds per second and times each one from the socket:
 
 :func:`loadtests.run.start_probe` starts it at real-time priority (``chrt -f``) where the
 user may, else at nice -10, else as it is, and the report states which. It writes one JSON:
-each round's start time, status and milliseconds, and a summary per status. Standard library
-only (no gevent, no torch): nothing here competes with the server for more than a few ms/s.
+each request's start time, kind, status and milliseconds, and a summary per kind and status
+(the report's own ``percentile``). No gevent, no torch: nothing here competes with the server
+for more than a few ms/s.
 """
 
 from __future__ import annotations
@@ -36,13 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from deploy.protocol import ReplyFrame, VerifyFrame
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100.0 * len(s)))]
+from loadtests.report import percentile
 
 
 def summarise(rounds: list[dict]) -> dict:

@@ -173,8 +173,8 @@ def _pcts(samples: list, window: tuple[float, float]) -> dict:
 
 
 def probe_summary(path: Path, window: tuple[float, float]) -> dict | None:
-    """The latency probe's rounds (loadtests/probe.py) in the steady window, by status; None
-    without a probe."""
+    """The latency probe's requests (loadtests/probe.py) in the steady window, by kind and status
+    ("open 429"), with their milliseconds; None without a probe."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -169,8 +170,6 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
 def probe_priority() -> tuple[list[str], str]:
     """The command prefix that runs the latency probe ahead of the load on shared cores, and its
     name: real-time FIFO where this user may set it (root), else nice -10, else as it is."""
-    import shutil
-
     if os.geteuid() == 0 and shutil.which("chrt"):
         return ["chrt", "-f", "10"], "SCHED_FIFO 10"
     if os.geteuid() == 0:
@@ -215,8 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--locust-processes", type=int, default=1,
                     help="Locust worker processes (one gevent loop each; users spread over them)")
     ap.add_argument("--probe-rate", type=float, default=0.0,
-                    help="verify rounds per second of a latency probe beside Locust (loadtests/probe.py: one light "
-                         "client at real-time priority where allowed; 0 = none)")
+                    help="requests per second of a latency probe beside Locust (loadtests/probe.py: one light "
+                         "client at real-time priority where allowed, half verify rounds, half session opens; "
+                         "0 = none)")
     ap.add_argument("--print-app-config", action="store_true", help="print the app's build_app args and exit")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the report's checks pass")
     args = ap.parse_args(argv)
