@@ -33,18 +33,12 @@ from pathlib import Path
 import torch
 
 from deploy.verifier.acceptance import walk_tree
+from deploy.verifier.glue import rms_norm
 from deploy.verifier.sampling import SamplingParams, target_probs
 from deploy.verifier.tree import DraftTree
 
 ARTIFACT_DIR = Path(__file__).resolve().parent.parent / "artifacts"
 ALIASES = {"embedded": ARTIFACT_DIR / "embedded-exit-heads.safetensors"}
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalise in float32, scale in the input dtype. x: [..., D]."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
 
 
 class ExitAdapter(torch.nn.Module):
@@ -59,7 +53,7 @@ class ExitAdapter(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, eps: float) -> torch.Tensor:
         """h [N, D] -> z [N, D] (same dtype)."""
-        a = _rms(h, self.g.to(h.dtype), eps)
+        a = rms_norm(h, self.g.to(h.dtype), eps)
         return h + (a @ self.down.to(h.dtype).t()) @ self.up.to(h.dtype).t()
 
 
@@ -153,7 +147,7 @@ class ExitHeads:
     def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """h [N, D] (the residual stream after ``layer`` layers) -> subset logits [N, K], float32."""
         z = self.adapters[layer](h, self.eps)
-        x = _rms(z, self.final_norm.to(z.dtype), self.eps)
+        x = rms_norm(z, self.final_norm.to(z.dtype), self.eps)
         return (x.float() @ self.head.float().t()) if x.dtype != torch.bfloat16 else (x @ self.head.t()).float()
 
 

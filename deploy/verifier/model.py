@@ -30,8 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from deploy.errors import UnsupportedModel
+from deploy.verifier import native
 from deploy.verifier.attention import tree_attention, use_kernel
 from deploy.verifier.batch import PackedBatch
+from deploy.verifier.glue import make_glue
 from deploy.verifier.kv_pool import KVPool
 from deploy.verifier.lora import add_lora, row_groups
 
@@ -122,20 +124,56 @@ def _can_prepack(w: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def _native_linear(w: torch.Tensor):
+    """The native bf16 linear kernel when it runs ``w`` here (CPU, bf16, AVX512-BF16, K even), else None."""
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.shape[1] % 2:
+        return None
+    lib = native.load()
+    return lib if lib is not None and lib.linear_bf16_supported() else None
+
+
 class Linear:
     """y = x W^T + b with rows independent of the row count: x [M, K] -> [M, N].
 
-    CPU bf16: W prepacked for oneDNN once; a single row is computed as two (the M = 1
-    kernel rounds differently). Elsewhere: ``F.linear``.
+    CPU bf16 with AVX512-BF16: the native kernel (``csrc/linear.c``; W packed once; every
+    output one fixed dot-product chain, so any M, 1 included, gives the same rows; ~2x
+    oneDNN's weight-streaming rate at 1-4 rows). Other CPUs in bf16: W prepacked for oneDNN
+    once; a single row is computed as two (the M = 1 kernel rounds differently).
+    Elsewhere: ``F.linear``.
     """
+
+    BLOCK = 64  # output features per packed weight block (NBLK in the source)
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None = None):
         self.weight, self.bias = w, b  # [N, K], [N]
         self.out_features, self.in_features = w.shape
         self.bf16_cpu = w.device.type == "cpu" and w.dtype == torch.bfloat16
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 16) if _can_prepack(w) else None
+        self.lib = _native_linear(w)
+        self.packed = None
+        if self.lib is not None:
+            N, K = w.shape
+            blocks = -(-N // self.BLOCK)
+            w = w.contiguous()
+            self.native_w = torch.empty(blocks * self.BLOCK * K, dtype=torch.bfloat16)  # [blocks, K/2, 64, 2]
+            self.lib.linear_bf16_pack(w.data_ptr(), self.native_w.data_ptr(), N, K)
+            self.native_b = None
+            if b is not None:
+                self.native_b = torch.zeros(blocks * self.BLOCK, dtype=torch.float32)  # [N] padded, float32
+                self.native_b[:N] = b.float()
+        elif _can_prepack(w):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None:
+            x = x.contiguous()
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+            err = self.lib.linear_bf16(x.data_ptr(), self.native_w.data_ptr(),
+                                       self.native_b.data_ptr() if self.native_b is not None else None,
+                                       y.data_ptr(), x.shape[0], self.out_features, self.in_features,
+                                       torch.get_num_threads())
+            if err:
+                raise RuntimeError(f"native linear kernel failed ({err})")
+            return y
         single = x.shape[0] == 1 and self.bf16_cpu
         if single:
             x = x.expand(2, -1)
@@ -145,50 +183,6 @@ class Linear:
         else:
             y = F.linear(x, self.weight, self.bias)
         return y[:1] if single else y
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalise in float32, scale in the model dtype. x: [..., D]."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-# -- the elementwise glue between the matrix multiplies and attention ----------------------
-# (plain functions so that ``compile=True`` can swap in torch.compile'd versions)
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
-
-
-def qk_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
-            q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float):
-    """qkv [N, Hq + 2 Hkv, d] -> q [N, Hq, d], k [N, Hkv, d] (normed if Qwen3, rotated), v."""
-    q, k, v = qkv[:, :hq], qkv[:, hq: hq + hkv], qkv[:, hq + hkv:]
-    if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-
-def residual_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
-    """(h + delta, rms_norm(h + delta)): [N, D] each."""
-    h = h + delta
-    return h, rms_norm(h, w, eps)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """[N, 2 I] -> silu(gate) * up [N, I]."""
-    g, u = gate_up.chunk(2, dim=-1)
-    return F.silu(g) * u
-
-
-class Glue:
-    """The glue functions, eager or compiled (``torch.compile``, dynamic shapes)."""
-
-    def __init__(self, compile: bool = False):
-        wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
-        self.norm, self.qk_rope = wrap(rms_norm), wrap(qk_rope)
-        self.residual_norm, self.swiglu = wrap(residual_norm), wrap(swiglu)
 
 
 class DecoderModel:
@@ -216,7 +210,7 @@ class DecoderModel:
         self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
         self.kernel = use_kernel(self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.scale = spec.head_dim ** -0.5
-        self.glue = Glue(compile)
+        self.glue = make_glue(self.device, self.dtype, compile)
         self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
 
     def warmup(self, row_counts=(1, 2, 17)) -> None:
@@ -275,8 +269,7 @@ class DecoderModel:
 
         for i, w in enumerate(self.layers):
             qkv = lin(w.qkv, x, i, "qkv").view(N, Hq + 2 * Hkv, d)
-            q, k, v = g.qk_rope(qkv, cos, sin, Hq, Hkv, w.q_norm, w.k_norm, s.rms_eps)
-            pool.write(i, where, k, v)
+            q = g.rope_write(qkv, cos, sin, Hq, Hkv, w.q_norm, w.k_norm, s.rms_eps, pool, i, where)
             o = tree_attention(q, pool.k[i], pool.v[i], plan, self.scale, self.kernel)  # [N, Hq, d]
             h, x = g.residual_norm(h, lin(w.o, o.reshape(N, Hq * d), i, "o"), w.ln2, s.rms_eps)
             down = lin(w.down, g.swiglu(lin(w.gate_up, x, i, "gate_up")), i, "down")
@@ -291,4 +284,4 @@ class DecoderModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head for the given rows: [R, D] -> [R, V] in the model dtype."""
-        return self.lm_head(rms_norm(hidden, self.norm, self.spec.rms_eps))
+        return self.lm_head(self.glue.norm(hidden, self.norm, self.spec.rms_eps))

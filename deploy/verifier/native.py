@@ -1,11 +1,12 @@
-"""The tree-attention kernel (``csrc/tree_attention.c``): built once with the system C
-compiler, loaded with ctypes.
+"""The native kernels: tree attention (``csrc/tree_attention.c``), the layer's fused bf16
+glue (``csrc/glue.c``) and the bf16 linear layer (``csrc/linear.c``, AVX512-BF16 CPUs), built
+once into one library with the system C compiler, loaded with ctypes.
 
-The build is keyed by the source, the flags and the CPU's feature flags, cached under
+The build is keyed by the sources, the flags and the CPU's feature flags, cached under
 :func:`deploy.verifier.models.cache_dir` (``native/``), written to a temporary file and
 renamed, so concurrent processes (Ray replicas, test workers) never load a half-written
 library. No compiler, or ``SPECEDGE_NATIVE=0``: :func:`load` returns ``None`` and the
-engine uses the torch attention (correct, slower, not batch-invariant in bf16).
+engine uses the torch attention and glue (correct, slower, not batch-invariant in bf16).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "tree_attention.c"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("tree_attention.c", "glue.c", "linear.c"))
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 PAGE_SIZE = 16  # PS in the source
 
@@ -45,10 +46,10 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr.strip()[-2000:]}") from e
+        raise RuntimeError(f"building the native kernels failed: {e.stderr.strip()[-2000:]}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -61,18 +62,27 @@ def load() -> ctypes.CDLL | None:
         return None
     from deploy.verifier.models import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    path = cache_dir() / "native" / f"tree_attention-{key}.so"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    path = cache_dir() / "native" / f"specedge-kernels-{key}.so"
     try:
         if not path.exists():
             _build(path)
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as e:
-        log.warning("tree-attention kernel unavailable (%s); using the torch attention", e)
+        log.warning("native kernels unavailable (%s); using the torch attention and glue", e)
         return None
     p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     for name in ("tree_attention_bf16", "tree_attention_f32"):
         fn = getattr(lib, name)
         fn.restype = i32
         fn.argtypes = [p, p, p, p, i32, p, p, p, p, i32, i32, i32, i32, f32, i32, i32]
+    lib.glue_add_rms_norm_bf16.argtypes = [p, p, p, p, p, i32, i32, f32, i32]
+    lib.glue_rope_kv_bf16.argtypes = [p, p, p, p, p, p, p, p, i32, i32, i32, i32, i32]
+    lib.glue_swiglu_bf16.argtypes = [p, p, i32, i32, i32]
+    lib.linear_bf16_pack.argtypes = [p, p, i32, i32]
+    lib.linear_bf16.argtypes = [p, p, p, p, i32, i32, i32, i32]
+    lib.linear_bf16.restype = lib.linear_bf16_supported.restype = i32
+    for name in ("glue_add_rms_norm_bf16", "glue_rope_kv_bf16", "glue_swiglu_bf16", "linear_bf16_pack"):
+        getattr(lib, name).restype = None
     return lib
