@@ -92,6 +92,40 @@ def test_bf16_linear_rows_do_not_depend_on_the_row_count(threads, n, k):
         torch.set_num_threads(old)
 
 
+def _native_linear_here() -> bool:
+    from deploy.verifier.model import _native_linear
+
+    return _native_linear(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
+
+
+@pytest.mark.skipif(not _native_linear_here(), reason="no AVX512-BF16 or native kernels here")
+@pytest.mark.parametrize("n, k, bias", [(961, 576, True), (40, 64, False), (576, 1536, True)])
+def test_native_bf16_linear_is_exact_to_one_rounding(n, k, bias):
+    """The native kernel (AVX512-BF16 CPUs) is chosen for bf16 weights and gives the float32
+    product rounded once to bf16: within half a bf16 step of x W^T + b computed in float64."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    x = torch.randn(9, k, generator=g).bfloat16()
+    lin = Linear(w, b)
+    assert lin.lib is not None and lin.packed is None
+    y = lin(x)
+    assert y.shape == (9, n) and y.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    big = torch.maximum(ref.abs(), y.double().abs()).clamp_min(1e-30)
+    step = torch.exp2(torch.floor(torch.log2(big)) - 7)  # one bf16 step at the larger of the two
+    f32_sum_err = (x.double().abs() @ w.double().abs().T) * k * 2.0 ** -24
+    assert ((y.double() - ref).abs() <= step * 0.5 + f32_sum_err).all()
+
+
+def test_odd_inner_dimension_keeps_the_onednn_path():
+    w = torch.randn(32, 33).bfloat16()
+    lin = Linear(w)
+    assert lin.lib is None
+    x = torch.randn(3, 33).bfloat16()
+    assert torch.equal(lin(x[:1].clone())[0], lin(x)[0])
+
+
 def test_head_layouts_the_kernel_does_not_handle_use_the_torch_attention():
     """16 query heads per KV head is beyond the C kernel: the forward still runs (torch path)."""
     model = _build("Llama", hidden_size=128, num_attention_heads=16, num_key_value_heads=1)
