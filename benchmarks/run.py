@@ -149,6 +149,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_direct_port(low: int = 20000, high: int = 27000) -> int:
+    """A free first port for the ingress replicas' own servers (HTTP from it, gRPC 1000 above).
+
+    Below the kernel's ephemeral range (32768+, where Ray's GCS and every ``free_port()`` land)
+    and above Ray's worker ports (10002-19999): a port taken from the ephemeral range was
+    seen grabbed by the GCS before Serve bound it, and the run then waited on the GCS's port.
+    """
+    import random
+
+    for _ in range(200):
+        port = random.randrange(low, high)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -267,7 +287,7 @@ class Server(_Accounting):
 
     def __init__(self, cfg: dict, workdir: Path, nice: int, request_path: RequestPathConfig | None = None):
         self.port = free_port()
-        path = (request_path or RequestPathConfig()).model_copy(update={"direct_port": free_port()})
+        path = (request_path or RequestPathConfig()).model_copy(update={"direct_port": free_direct_port()})
         cfg_path = workdir / "app_config.json"
         cfg_path.write_text(json.dumps(cfg, indent=1))
         cmd = [sys.executable, "-m", "benchmarks.serve_proc", "--config", str(cfg_path), "--port", str(self.port),

