@@ -54,6 +54,10 @@ class Drafter:
         """Feed ``reqs`` (one draft forward) and return each node's top-``k`` next tokens."""
         raise NotImplementedError
 
+    def room(self) -> int:
+        """Tree nodes that can still be fed below the current prefix (unbounded here)."""
+        return 1 << 30
+
     def next_logits(self, prefix: list[int], reqs: list[ExpandRequest], vocab_size: int) -> list[torch.Tensor | None]:
         """Like :meth:`expand`, but each node's whole next-token distribution: [vocab_size]
         float32 log-probabilities over the target's ids on the CPU (-inf: never proposed), or
@@ -151,6 +155,13 @@ class ModelDrafter(Drafter):
         full[:, cols] = lp[:, : len(cols)]
         return list(full)
 
+    def room(self) -> int:
+        """Tree nodes that can still be fed this round: the fed nodes of a round (the tree,
+        nodes it later dropped, the proactive chain) take KV positions past the cached
+        prefix, at most ``MAX_TREE_BITS`` of them (the attention plan's bitmask)."""
+        c = len(self.cached)
+        return c + MAX_TREE_BITS - (max(self.slots.values(), default=c - 1) + 1)
+
     def _feed(self, prefix: list[int], reqs: list[ExpandRequest]) -> torch.Tensor:
         """One draft forward over ``reqs``; their next-token logits [len(reqs), V_draft]."""
         if any(r.nid == ROOT for r in reqs):
@@ -166,7 +177,7 @@ class ModelDrafter(Drafter):
             raise RuntimeError("draft KV is not at the verified prefix; expand the root first")
         c = len(self.cached)
         nxt = max(self.slots.values(), default=c - 1) + 1
-        if nxt + len(reqs) > c + MAX_TREE_BITS:
+        if len(reqs) > self.room():
             raise ValueError(f"the draft tree would feed more than {MAX_TREE_BITS} nodes; lower its budget")
         pos = dict(self.slots)
         for i, r in enumerate(reqs):

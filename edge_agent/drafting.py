@@ -101,6 +101,8 @@ class DraftSession:
         front = self.builder.frontier()
         if ROOT in front:
             front = [ROOT]  # nothing else exists below an unexpanded root
+        else:  # a deep round can run out of the drafter's tree positions: the best nodes first
+            front = front[: max(self.drafter.room(), 0)]
         if not front:
             return False
         results = self._forward([self._request(n) for n in front])
@@ -139,6 +141,9 @@ class DraftSession:
     def proactive_step(self) -> bool:
         """Extend the chain below the best leaf by one token (at most one draft forward)."""
         if self.sent is None or len(self.chain) >= self.max_chain:
+            return False
+        if self.drafter.room() < 1:  # no tree position left to feed the next chain node
+            self.max_chain = len(self.chain)
             return False
         if not self.chain:
             leaf = self.builder.node(self.leaf)

@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deploy.protocol import EarlyFrame
-from deploy.verifier.batch import MAX_TREE_BITS
 from edge_agent.drafter import ExpandRequest
 from edge_agent.drafting import DraftSession
 from edge_agent.tree_builder import ROOT, TreeBuilder
@@ -112,12 +111,7 @@ class PreDraftCache:
     # -- drafting ----------------------------------------------------------------------
     def room(self) -> int:
         """Draft nodes that can still be fed this round (the drafter's tree bits)."""
-        d = self.ds.drafter
-        slots, cached = getattr(d, "slots", None), getattr(d, "cached", None)
-        if slots is None or cached is None:
-            return 1 << 30
-        used = (max(slots.values()) + 1 - len(cached)) if slots else 0
-        return MAX_TREE_BITS - used
+        return self.ds.drafter.room()
 
     def step(self) -> bool:
         """One draft forward for the most confident entry that is not done; False if none."""

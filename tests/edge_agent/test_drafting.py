@@ -147,6 +147,25 @@ def test_empty_tree_and_proactive_from_the_root(draft_model):
     assert al.aligned and al.reused == 1
 
 
+def test_deep_drafting_stops_at_the_drafters_tree_positions(draft_model):
+    """A round that feeds 8 nodes per forward for many levels (deep server hints on easy text)
+    runs out of the draft KV's 64 tree positions: drafting and the proactive chain stop there
+    (they raised ValueError before), and the tree stays within its budget."""
+    from deploy.verifier.batch import MAX_TREE_BITS
+
+    d = ModelDrafter(draft_model)
+    s = DraftSession(d, TreeConfig(budget=64, topk=4, max_expand=8, max_depth=32))
+    s.start(PREFIX)
+    assert s.draft(30) < 30
+    assert 0 <= d.room() < 8
+    tree, _ = s.freeze(max_chain=8)
+    assert len(tree) == 64
+    while s.proactive_step():
+        pass
+    assert d.room() == 0 and len(d.slots) == MAX_TREE_BITS
+    assert check_candidates(draft_model, s, 4) >= 8
+
+
 def test_ngram_drafter_proposes_what_followed():
     ng = NgramDrafter(max_n=3)
     ctx = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3]
