@@ -23,7 +23,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("tree_attention.c", "glue.c", "linear.c"))
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("tree_attention.c", "glue.c", "linear.c"))
+HEADERS = (CSRC / "bf16_math.h",)
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 PAGE_SIZE = 16  # PS in the source
 
@@ -62,7 +64,7 @@ def load() -> ctypes.CDLL | None:
         return None
     from deploy.verifier.models import cache_dir
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     path = cache_dir() / "native" / f"specedge-kernels-{key}.so"
     try:

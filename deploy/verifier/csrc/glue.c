@@ -25,46 +25,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bf16_math.h"
+
 #define PS 16 /* tokens per KV page */
 #define LANES 16
 
 typedef float vf16 __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline float bf(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t to_bf(float f) {
-    union { float f; uint32_t u; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* quiet NaN */
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);                                           /* nearest even */
-    return (uint16_t)(c.u >> 16);
-}
-
-/* exp(x), |error| ~1 ulp: Cody-Waite reduction and a degree-6 polynomial; branch-free so it
- * vectorises (the same scheme as exp_neg in tree_attention.c, for both signs). */
-static inline float exp_any(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float k = floorf(fmaf(x, 1.44269504088896341f, 0.5f));
-    float r = fmaf(k, -0.693145751953125f, x);
-    r = fmaf(k, -1.428606765330187045e-06f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    /* 2^k in two halves so k = 128 (x near 88.7) does not overflow the exponent field */
-    const int32_t ki = (int32_t)k, k1 = ki >> 1, k2 = ki - k1;
-    union { uint32_t u; float f; } a, b;
-    a.u = (uint32_t)(k1 + 127) << 23;
-    b.u = (uint32_t)(k2 + 127) << 23;
-    return p * a.f * b.f;
-}
 
 /* h_out [N, D] = h + delta (delta NULL: h_out = h, nothing written), then x [N, D] =
  * w * rms_norm(h_out): torch's ``w * (hf * rsqrt(mean(hf^2) + eps)).to(bf16)``, hf = h_out.float(). */
@@ -77,7 +43,7 @@ void glue_add_rms_norm_bf16(const uint16_t *restrict h, const uint16_t *restrict
         if (delta) {
             const uint16_t *dr = delta + (size_t)r * D;
             uint16_t *hw = h_out + (size_t)r * D;
-            for (int i = 0; i < D; i++) hw[i] = to_bf(bf(hr[i]) + bf(dr[i]));
+            for (int i = 0; i < D; i++) hw[i] = f32_to_bf16(bf16_to_f32(hr[i]) + bf16_to_f32(dr[i]));
             hr = hw;
         }
         /* sum of squares: lane l takes elements l, l + 16, ... (one 512-bit vector), then
@@ -86,17 +52,17 @@ void glue_add_rms_norm_bf16(const uint16_t *restrict h, const uint16_t *restrict
         int i = 0;
         for (; i + LANES <= D; i += LANES) {
             vf16 v;
-            for (int l = 0; l < LANES; l++) v[l] = bf(hr[i + l]);
+            for (int l = 0; l < LANES; l++) v[l] = bf16_to_f32(hr[i + l]);
             acc += v * v;
         }
         float lane[LANES];
         for (int l = 0; l < LANES; l++) lane[l] = acc[l];
-        for (; i < D; i++) { const float v = bf(hr[i]); lane[i % LANES] = fmaf(v, v, lane[i % LANES]); }
+        for (; i < D; i++) { const float v = bf16_to_f32(hr[i]); lane[i % LANES] = fmaf(v, v, lane[i % LANES]); }
         float ss = 0.0f;
         for (int l = 0; l < LANES; l++) ss += lane[l];
         const float inv = 1.0f / sqrtf(ss / (float)D + eps);
         uint16_t *xr = x + (size_t)r * D;
-        for (int j = 0; j < D; j++) xr[j] = to_bf(bf(w[j]) * bf(to_bf(bf(hr[j]) * inv)));
+        for (int j = 0; j < D; j++) xr[j] = f32_to_bf16(bf16_to_f32(w[j]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(hr[j]) * inv)));
     }
 }
 
@@ -105,8 +71,8 @@ static inline void rope_head(const uint16_t *restrict x, const uint16_t *restric
                              uint16_t *restrict y, int D, int stride) {
     const int half = D / 2;
     for (int i = 0; i < D; i++) {
-        const float rot = i < half ? -bf(x[i + half]) : bf(x[i - half]);
-        y[(size_t)i * stride] = to_bf(bf(to_bf(bf(x[i]) * bf(c[i]))) + bf(to_bf(rot * bf(s[i]))));
+        const float rot = i < half ? -bf16_to_f32(x[i + half]) : bf16_to_f32(x[i - half]);
+        y[(size_t)i * stride] = f32_to_bf16(bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i]))) + bf16_to_f32(f32_to_bf16(rot * bf16_to_f32(s[i]))));
     }
 }
 
@@ -138,8 +104,8 @@ void glue_swiglu_bf16(const uint16_t *restrict gate_up, uint16_t *restrict out, 
         const uint16_t *g = gate_up + (size_t)r * 2 * I, *u = g + I;
         uint16_t *o = out + (size_t)r * I;
         for (int i = 0; i < I; i++) {
-            const float x = bf(g[i]);
-            o[i] = to_bf(bf(to_bf(x / (1.0f + exp_any(-x)))) * bf(u[i]));
+            const float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(x / (1.0f + exp_any(-x)))) * bf16_to_f32(u[i]));
         }
     }
 }

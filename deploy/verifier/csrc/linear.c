@@ -19,7 +19,6 @@
  */
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #define NV 4                /* 16-feature vectors per weight block */
 #define NBLK (NV * 16)      /* output features per weight block */

@@ -24,33 +24,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_math.h"
+
 #define PS 16    /* tokens per page: one 512-bit vector of float32 */
 #define MAXREP 8 /* query heads per KV head handled together */
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction and a
- * degree-6 polynomial (~1 ulp); branch-free so it vectorises, same bits in every lane. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float k = floorf(fmaf(x, 1.44269504088896341f, 0.5f));
-    float r = fmaf(k, -0.693145751953125f, x);
-    r = fmaf(k, -1.428606765330187045e-06f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)((int32_t)k + 127) << 23;
-    return p * c.f;
-}
 
 /* DEFINE_KERNEL(NAME, T, LOAD, DC): the kernel for element type T; DC is head_dim as a
  * compile-time constant (64, 128) or the runtime D (generic), which lets the compiler keep
