@@ -102,8 +102,8 @@ class VerifierConfig(_Strict):
     prefill_chunk_tokens: int = Field(256, ge=1, description="most prompt tokens per forward while verify rounds "
                                                               "wait (chunked prefill); max_batch_tokens otherwise")
     compile: bool = Field(False, description="torch.compile the forward's elementwise glue (dynamic shapes; "
-                                             "compiled at replica start, ~1 min on CPU). Off: it does not pay on "
-                                             "CPU (README, 'The verifier engine')")
+                                             "compiled at replica start, ~1 min on CPU) in place of the native C "
+                                             "glue (CPU bf16) or eager torch. Off: it does not pay on CPU")
     prefill_share: float = Field(0.2, gt=0, le=4, description="while verify rounds wait, a prefill chunk takes at "
                                                               "most this share of a verify forward's time")
     max_sessions: int = Field(4096, ge=1)
