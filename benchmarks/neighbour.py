@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,10 +56,10 @@ class Neighbour:
         self.pause()
 
     def pause(self) -> None:
-        os.kill(self.p.pid, 19)  # SIGSTOP
+        os.kill(self.p.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        os.kill(self.p.pid, 18)  # SIGCONT
+        os.kill(self.p.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         self.resume()

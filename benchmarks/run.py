@@ -56,6 +56,7 @@ import argparse
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -156,8 +157,6 @@ def free_direct_port(low: int = 20000, high: int = 27000) -> int:
     and above Ray's worker ports (10002-19999): a port taken from the ephemeral range was
     seen grabbed by the GCS before Serve bound it, and the run then waited on the GCS's port.
     """
-    import random
-
     for _ in range(200):
         port = random.randrange(low, high)
         try:

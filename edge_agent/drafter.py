@@ -159,8 +159,11 @@ class ModelDrafter(Drafter):
         """Tree nodes that can still be fed this round: the fed nodes of a round (the tree,
         nodes it later dropped, the proactive chain) take KV positions past the cached
         prefix, at most ``MAX_TREE_BITS`` of them (the attention plan's bitmask)."""
-        c = len(self.cached)
-        return c + MAX_TREE_BITS - (max(self.slots.values(), default=c - 1) + 1)
+        return len(self.cached) + MAX_TREE_BITS - self._next_position()
+
+    def _next_position(self) -> int:
+        """The KV position the next fed tree node takes (right after the fed ones)."""
+        return max(self.slots.values(), default=len(self.cached) - 1) + 1
 
     def _feed(self, prefix: list[int], reqs: list[ExpandRequest]) -> torch.Tensor:
         """One draft forward over ``reqs``; their next-token logits [len(reqs), V_draft]."""
@@ -176,8 +179,8 @@ class ModelDrafter(Drafter):
         if self.cached != prefix[: len(self.cached)] or len(self.cached) != len(prefix):
             raise RuntimeError("draft KV is not at the verified prefix; expand the root first")
         c = len(self.cached)
-        nxt = max(self.slots.values(), default=c - 1) + 1
-        if len(reqs) > self.room():
+        nxt = self._next_position()
+        if nxt + len(reqs) > c + MAX_TREE_BITS:  # more than room()
             raise ValueError(f"the draft tree would feed more than {MAX_TREE_BITS} nodes; lower its budget")
         pos = dict(self.slots)
         for i, r in enumerate(reqs):
