@@ -55,16 +55,8 @@ class PiecewiseCost:
 
     def refit(self) -> None:
         self._since_fit = 0
-        obs = list(self._obs)
-        if not obs:
-            return
-        xs = sorted({x for x, _ in obs})
-        best = None
-        for knee in [0.0] + xs[:-1]:
-            fit = _hinge_fit(obs, knee)
-            if best is None or fit[0] < best[0] - 1e-15:
-                best = fit
-        self._fit = best[1:]
+        if self._obs:
+            self._fit = _best_hinge(list(self._obs))
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a, b, knee)."""
@@ -75,22 +67,43 @@ class PiecewiseCost:
         return a + b * max(0.0, rows - knee)
 
 
-def _hinge_fit(obs: list[tuple[float, float]], knee: float) -> tuple[float, float, float, float]:
-    """Weighted least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0``, in
-    relative error (weights 1/t^2: a 16 ms forward matters as much as a 500 ms one):
-    (error, a, b, knee)."""
+def _best_hinge(obs: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Weighted least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0``, in relative
+    error (weights 1/t^2: a 16 ms forward matters as much as a 500 ms one), for every candidate
+    knee (0 and each observed row count but the largest); the (a, b, knee) of least error.
+
+    One sort and one pass: with the observations ordered by x, the sums a knee needs are
+    suffix sums (h = x - knee on the points right of it, 0 elsewhere), so each knee costs O(1)."""
+    obs = sorted(obs)
     ws = [1.0 / max(y, 1e-6) ** 2 for _, y in obs]
-    hs = [max(0.0, x - knee) for x, _ in obs]
-    ys = [y for _, y in obs]
     sw = sum(ws)
-    mh = sum(w * h for w, h in zip(ws, hs)) / sw
-    my = sum(w * y for w, y in zip(ws, ys)) / sw
-    var = sum(w * (h - mh) ** 2 for w, h in zip(ws, hs))
-    cov = sum(w * (h - mh) * (y - my) for w, h, y in zip(ws, hs, ys))
-    b = max(0.0, cov / var) if var > 1e-18 else 0.0
-    a = my - b * mh
-    err = sum(w * (a + b * h - y) ** 2 for w, h, y in zip(ws, hs, ys))
-    return err, a, b, knee
+    swy = sum(w * y for w, (_, y) in zip(ws, obs))
+    swyy = sum(w * y * y for w, (_, y) in zip(ws, obs))
+    my = swy / sw
+    # suffix sums over the points right of the knee: w, w x, w x^2, w y, w x y
+    rw = rwx = rwxx = rwy = rwxy = 0.0
+    tails = []  # (knee, the five suffix sums of the points with x > knee)
+    i = len(obs)
+    xs = sorted({x for x, _ in obs}, reverse=True)
+    for knee in xs[1:] + [0.0]:
+        while i > 0 and obs[i - 1][0] > knee:
+            i -= 1
+            (x, y), w = obs[i], ws[i]
+            rw, rwx, rwxx, rwy, rwxy = rw + w, rwx + w * x, rwxx + w * x * x, rwy + w * y, rwxy + w * x * y
+        tails.append((knee, rw, rwx, rwxx, rwy, rwxy))
+    best, tie = (math.inf, my, 0.0, 0.0), 1e-9 * len(obs)  # equal fits (a knee left of every point) keep the first
+    for knee, rw, rwx, rwxx, rwy, rwxy in reversed(tails):  # knee 0 first: it wins ties
+        swh = rwx - knee * rw
+        swhh = rwxx - 2 * knee * rwx + knee * knee * rw
+        swhy = rwxy - knee * rwy
+        var = swhh - swh * swh / sw
+        cov = swhy - swh * swy / sw
+        b = max(0.0, cov / var) if var > 1e-18 else 0.0
+        a = (swy - b * swh) / sw
+        err = a * a * sw + b * b * swhh + swyy + 2 * a * b * swh - 2 * a * swy - 2 * b * swhy
+        if err < best[0] - tie:
+            best = (err, a, b, knee)
+    return best[1:]
 
 
 @dataclass

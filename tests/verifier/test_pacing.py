@@ -22,6 +22,40 @@ def test_piecewise_cost_finds_the_memory_bound_knee():
     assert c.predict(8) == pytest.approx(c.predict(30)) and c.predict(200) > c.predict(100)
 
 
+def test_the_one_pass_fit_is_the_least_squares_fit_at_every_knee():
+    """The suffix-sum refit gives the curve a direct weighted least squares per knee gives."""
+    import random
+
+    def direct(obs):  # per knee: centred weighted sums, b >= 0, least relative error wins
+        best = None
+        for knee in [0.0] + sorted({x for x, _ in obs})[:-1]:
+            ws = [1 / y ** 2 for _, y in obs]
+            hs = [max(0.0, x - knee) for x, _ in obs]
+            sw = sum(ws)
+            mh = sum(w * h for w, h in zip(ws, hs)) / sw
+            my = sum(w * y for w, (_, y) in zip(ws, obs)) / sw
+            var = sum(w * (h - mh) ** 2 for w, h in zip(ws, hs))
+            b = max(0.0, sum(w * (h - mh) * (y - my) for w, h, (_, y) in zip(ws, hs, obs)) / var) if var else 0.0
+            a = my - b * mh
+            err = sum(w * (a + b * h - y) ** 2 for w, h, (_, y) in zip(ws, hs, obs))
+            if best is None or err < best[0]:
+                best = (err, a, b, knee)
+        return best[1:]
+
+    rng = random.Random(3)
+    for _ in range(50):
+        knee, a, b = rng.choice([0, 3, 12]), rng.uniform(0.005, 0.05), rng.uniform(0.0, 0.003)
+        c = PiecewiseCost()
+        for _ in range(rng.randint(2, 120)):
+            x = float(rng.randint(1, 48))
+            c.observe(x, (a + b * max(0.0, x - knee)) * rng.uniform(0.8, 1.25))
+        c.refit()
+        want = PiecewiseCost()
+        want._fit = direct(list(c._obs))
+        for rows in range(int(min(x for x, _ in c._obs)), 64):  # left of every point, equal fits may differ
+            assert c.predict(rows) == pytest.approx(want.predict(rows), rel=1e-9)
+
+
 def test_depth_matches_verify_time_minus_rtt():
     p = Pacer(min_depth=1, max_depth=12)
     for x in (33, 66, 132, 264):
