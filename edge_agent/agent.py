@@ -86,7 +86,9 @@ class AgentConfig:
     budget: int = 32  # draft-tree nodes (capped by the server's budget hint and limit)
     topk: int = 4  # children per expanded node (1 = chain drafting)
     max_expand: int = 8  # nodes fed per draft forward
-    proactive_max: int | None = None  # proactive chain length cap (default: max_depth)
+    # proactive chain length cap; default: the round's depth + 1, the most the next tree can carry
+    # (the chain's first token guesses the bonus, the rest become the next tree's first levels)
+    proactive_max: int | None = None
     max_reopens: int = 16  # consecutive re-opens without a verified round before giving up
     max_overload_waits: int = 32
     ping_every: int = 16  # rounds between RTT pings (0 = only at open)
@@ -296,6 +298,13 @@ class EdgeAgent:
         if vm is not None and int(vm.max()) >= info.vocab_size:
             raise TokenizerMismatch("the draft's vocab_map points outside the target vocabulary")
 
+    def _proactive_cap(self, depth: int) -> int:
+        """Proactive tokens worth drafting while a round of ``depth`` levels is away (SpecEdge
+        §4.2): the bonus guess plus the next tree's levels. Deeper chains are only kept when
+        every level aligns, and they cost the edge's power (and, sharing a host, its neighbour's
+        memory bandwidth)."""
+        return self.config.proactive_max or min(depth + 1, self.config.max_depth)
+
     async def _run(self, fn, *args):
         """A draft forward the session's next request waits for."""
         return await self._drafts.run(CRITICAL, fn, *args)
@@ -402,7 +411,7 @@ class EdgeAgent:
                 n_fwd0 = len(ds.forward_times)
                 await self._run(ds.draft, depth - predrafted)
                 proactive = cfg.mode == "proactive" and budget_hint != 0 and rule == "match"
-                tree, order = ds.freeze(max_chain=(cfg.proactive_max or cfg.max_depth) if proactive else 0)
+                tree, order = ds.freeze(max_chain=self._proactive_cap(depth) if proactive else 0)
                 self._observe_drafts(ds, n_fwd0, stats)
                 stats.draft_forwards += len(ds.forward_times) - n_fwd0
                 t = self.telemetry
@@ -599,7 +608,7 @@ class EdgeAgent:
                 t0 = time.perf_counter()
                 proactive = cfg.mode == "proactive" and budget_hint != 0
                 task = await self._send_and_draft(sid, frame, stats, cs, cs.proactive_step if proactive else None,
-                                                  cfg.proactive_max or cfg.max_depth)
+                                                  self._proactive_cap(depth))
                 reply, sess = await self._reply_or_reopen(task, sid, stalled, prompt_ids, generated, params, stats)
                 if sess is not None:
                     stalled += 1  # re-opens since the last verified round

@@ -79,4 +79,6 @@ def test_snapshot_keeps_the_first_role_of_a_process():
     assert snap.roles[os.getpid()] == "verifier"
     time.sleep(0.01)
     win = CpuSnapshot.take(os.getpid(), roles=snap.roles).since(snap)
-    assert set(win["by_role"]) <= {"verifier", "other", "exited"}
+    # this process keeps the role it was given, which its command line alone would not give it; children
+    # that earlier tests left to this process (multiprocessing's resource tracker) keep their own roles
+    assert "verifier" in win["by_role"] and classify(cmdline(os.getpid())) != "verifier"

@@ -288,7 +288,7 @@ def test_rejection_rule_through_the_agent_samples_the_target_distribution():
     results = sampled_generations(small, eng, AgentConfig(verify="rejection", depth_policy="fixed", depth=2,
                                                           ping_every=0), prompt, n, length)
     assert sum(r.stats.rejections for r in results) > 500 and sum(r.stats.refills for r in results) > 20
-    assert sum(r.stats.reused_tokens for r in results) > 20
+    assert sum(r.stats.reused_tokens for r in results) > 5  # proactive chains of depth + 1: fewer carried
     rows = {}
     with torch.inference_mode():
         for d in range(length):
