@@ -74,8 +74,9 @@ def values_schema() -> dict:
                 "proxyLocation": {"enum": ["EveryNode", "HeadOnly", "Disabled"]},
                 "requestTimeoutS": {"type": ["number", "null"], "exclusiveMinimum": 0},
                 "requestPath": _obj({"ingress": {"enum": ["haproxy", "proxy"]}, "throughputOptimized": BOOL,
-                                     "controlLoopS": {"type": "number", "exclusiveMinimum": 0, "maximum": 10}},
-                                    required=["ingress", "throughputOptimized", "controlLoopS"]),
+                                     "controlLoopS": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+                                     "metricsExportMs": {"type": "integer", "minimum": 0, "maximum": 60000}},
+                                    required=["ingress", "throughputOptimized", "controlLoopS", "metricsExportMs"]),
                 "autoscaling": _obj({
                     "enabled": BOOL, "deploymentName": {"type": "string", "minLength": 1},
                     "minReplicas": {"type": "integer", "minimum": 0}, "maxReplicas": POS_INT,

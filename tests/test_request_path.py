@@ -15,6 +15,7 @@ def test_defaults_are_the_adopted_path():
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "30000"
+    assert env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "1000"  # Serve's 100 ms costs idle CPU
     assert rp.client_port(8000) == 30000  # clients talk to the router's own port
 
 

@@ -174,6 +174,8 @@ app.kubernetes.io/part-of: specedge
   value: {{ ternary "1" "0" (eq $rp.ingress "haproxy") | quote }}
 - name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
   value: {{ $rp.controlLoopS | quote }}
+- name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
+  value: {{ $rp.metricsExportMs | quote }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
