@@ -98,7 +98,9 @@ def _best_hinge(obs: list[tuple[float, float]]) -> tuple[float, float, float]:
         swhy = rwxy - knee * rwy
         var = swhh - swh * swh / sw
         cov = swhy - swh * swy / sw
-        b = max(0.0, cov / var) if var > 1e-18 else 0.0
+        # var is a difference of large sums: one h for every point (one row count) leaves rounding
+        # noise, not a slope, so it is compared with the sums' own size
+        b = max(0.0, cov / var) if var > 1e-12 * swhh else 0.0
         a = (swy - b * swh) / sw
         err = a * a * sw + b * b * swhh + swyy + 2 * a * b * swh - 2 * a * swy - 2 * b * swhy
         if err < best[0] - tie:

@@ -56,6 +56,20 @@ def test_the_one_pass_fit_is_the_least_squares_fit_at_every_knee():
             assert c.predict(rows) == pytest.approx(want.predict(rows), rel=1e-9)
 
 
+def test_one_row_count_gives_a_flat_curve_not_rounding_noise():
+    """A replica that only ever saw one row count (one session decoding) has no slope to
+    measure: the curve is flat at the mean, whatever the count."""
+    import random
+
+    rng = random.Random(1)
+    for rows in (1, 4, 40):
+        c = PiecewiseCost()
+        for _ in range(256):
+            c.observe(rows, 0.015 * rng.uniform(0.9, 1.1))
+        c.refit()
+        assert c.coefficients()[1] == 0.0 and c.predict(64) == pytest.approx(0.015, rel=0.05)
+
+
 def test_depth_matches_verify_time_minus_rtt():
     p = Pacer(min_depth=1, max_depth=12)
     for x in (33, 66, 132, 264):
