@@ -32,16 +32,17 @@ def hf_topk(model, context: list[int], k: int) -> tuple[list[int], list[float]]:
     return i.tolist(), v.tolist()
 
 
-def sampled_generations(model, engine, config, prompt: list[int], n: int, length: int) -> list:
+def sampled_generations(model, engine, config, prompt: list[int], n: int, length: int, rtt_ms: float = 0.0) -> list:
     """``n`` generations of ``length`` tokens at temperature 1 (seeds 0..n-1, EOS ignored) by one
-    agent on ``LocalTransport(engine)`` drafting with a noisy copy of ``model``, under ``config``."""
+    agent on ``LocalTransport(engine, rtt_ms=rtt_ms)`` drafting with a noisy copy of ``model``, under ``config``."""
     from deploy.verifier.sampling import SamplingParams
     from edge_agent.agent import EdgeAgent
     from edge_agent.drafter import ModelDrafter
     from edge_agent.transport import LocalTransport
 
     async def main():
-        agent = EdgeAgent(LocalTransport(engine), ModelDrafter(noisy_copy(model, 0.3, seed=4)), config=config)
+        agent = EdgeAgent(LocalTransport(engine, rtt_ms=rtt_ms), ModelDrafter(noisy_copy(model, 0.3, seed=4)),
+                           config=config)
         try:
             return [await agent.generate(prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=length,
                                                                 ignore_eos=True)) for i in range(n)]

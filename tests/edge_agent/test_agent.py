@@ -285,10 +285,12 @@ def test_rejection_rule_through_the_agent_samples_the_target_distribution():
     eng = VerifierEngine(small, eos_token_ids=(), chain_top_k=2)
     prompt, t = [3, 5, 7, 1], SamplingParams(temperature=1.0)
 
+    # a 2 ms RTT: each round's proactive chain (depth + 1 tokens) is drafted whole before the reply,
+    # however loaded the machine, so chains are carried over in every run (26 tokens here)
     results = sampled_generations(small, eng, AgentConfig(verify="rejection", depth_policy="fixed", depth=2,
-                                                          ping_every=0), prompt, n, length)
+                                                          ping_every=0), prompt, n, length, rtt_ms=2.0)
     assert sum(r.stats.rejections for r in results) > 500 and sum(r.stats.refills for r in results) > 20
-    assert sum(r.stats.reused_tokens for r in results) > 5  # proactive chains of depth + 1: fewer carried
+    assert sum(r.stats.reused_tokens for r in results) > 10
     rows = {}
     with torch.inference_mode():
         for d in range(length):
