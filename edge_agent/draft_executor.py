@@ -74,14 +74,18 @@ class DraftExecutor:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
 
-    def shutdown(self) -> None:
-        """Stop taking work; what is queued is withdrawn, a forward in progress finishes."""
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop taking work; what is queued is withdrawn, a forward in progress finishes and is
+        waited for (one draft forward: milliseconds). A daemon thread still inside torch when the
+        interpreter exits aborts the process ("terminate called without an active exception")."""
         with self._cv:
             self._closed = True
             for _, _, fut, _, _ in self._heap:
                 fut.cancel()
             self._heap.clear()
             self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
 
     # -- asyncio ------------------------------------------------------------------------------
     async def run(self, priority: int, fn: Callable[..., Any], *args: Any) -> Any:
