@@ -13,9 +13,7 @@ memory-bound, then linear, ``t(rows) = a + b * max(0, rows - knee)``
 least squares); with ``S`` sessions sharing the verifier and trees of ``n`` nodes,
 verified tokens per second of verifier time are ``S * E[tokens/round | n] / t(S * (n + 1))``.
 The hint is the budget that maximizes it, with ``E[tokens/round | n]`` the observed mean
-per budget bucket (EMA; a round of a priority-ordered tree also counts for every smaller
-bucket, as the tokens its first ``b`` nodes would have given), interpolated in log(n) where a
-bucket has no data yet. A budget
+per budget bucket (EMA), interpolated in log(n) where a bucket has no data yet. A budget
 of 0 ("no tree": plain decoding, no draft forwards on the edge) is one of the choices.
 The same cost curve decides, per batch, how many nodes of each tree are verified
 (:mod:`deploy.verifier.truncation`). Pure module.
