@@ -593,8 +593,7 @@ class VerifierCore:
             self.calibration.observe(sum(p.payload[2][:n_nodes]), len(res.accepted))
         refill = not tree_mode and req.more  # more residual candidates: no draft was verified
         if not refill:
-            self.versions.pacer(p.session_id).observe_round(n_nodes, emitted,
-                                                            list(res.accepted) if tree_mode else None)
+            self.versions.pacer(p.session_id).observe_round(n_nodes, emitted)
         self.tokens_emitted += emitted
         depth, budget = self._hints(p.session_id)
         if not refill:

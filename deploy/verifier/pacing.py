@@ -128,21 +128,8 @@ class Pacer:
         i = bisect.bisect_left(self.budgets, tree_nodes)
         return self.budgets[min(i, len(self.budgets) - 1)]
 
-    def observe_round(self, tree_nodes: int, emitted: int, accepted: list[int] | None = None) -> None:
-        """A verified round: ``tree_nodes`` nodes verified, ``emitted`` tokens out. ``accepted``:
-        the accepted path's node indices in the tree's priority order (best-first: every prefix
-        of the node list is a tree). Then the round also tells what each smaller budget ``b``
-        would have emitted, the path's nodes among the first ``b`` plus one: without that,
-        small budgets were only ever guessed from big trees' yield, scaled down, and once big
-        trees stopped paying the hint could stay at "no tree" although two nodes would pay."""
-        self._observe_bucket(self._bucket(tree_nodes), emitted)
-        if accepted is None:
-            return
-        for b in self.budgets:
-            if 0 < b < tree_nodes:
-                self._observe_bucket(b, min(emitted, 1 + sum(1 for i in accepted if i < b)))
-
-    def _observe_bucket(self, b: int, emitted: float) -> None:
+    def observe_round(self, tree_nodes: int, emitted: int) -> None:
+        b = self._bucket(tree_nodes)
         old = self._tokens_per_round.get(b)
         self._tokens_per_round[b] = emitted if old is None else (1 - self.ema) * old + self.ema * emitted
 

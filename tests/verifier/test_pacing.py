@@ -147,25 +147,6 @@ def test_a_steeper_measured_cost_curve_gives_a_smaller_budget_down_to_no_tree():
     assert pacer(0.05).depth_hint(16, 0, draft_ms=3.0, rtt_ms=5.0) == 0
 
 
-def test_small_budgets_are_learned_from_the_prefixes_of_big_trees():
-    """Big trees whose accepted path sits in their first nodes: a budget of 1 would have emitted
-    as much, at a 1-row cost, so it beats no tree. Scaled down from the big trees' yield instead
-    (no paths reported), small budgets look no better than plain decoding."""
-    def pacer(with_paths: bool) -> Pacer:
-        p = Pacer()
-        for rows in (1, 2, 4, 8, 16, 32, 64):
-            p.observe_forward(rows, 0.02 + 0.004 * max(0, rows - 8))  # flat up to 8 rows, then steep
-        p.cost.refit()
-        for i in range(40):  # 32-node trees: the first node accepted every other round
-            path = [0] if i % 2 else []
-            p.observe_round(32, 1 + len(path), path if with_paths else None)
-        return p
-
-    assert pacer(True).budget_hint(1) == 1
-    assert pacer(False).budget_hint(1) == 0
-    assert pacer(True).expected_tokens(2) == pytest.approx(pacer(True).expected_tokens(32))
-
-
 def test_a_no_tree_hint_still_asks_for_a_tree_now_and_then():
     """Without trees, their acceptance is never observed again: every explore_every-th hint
     while the best choice is "no tree" asks for the best tree instead."""
