@@ -89,10 +89,34 @@ class Window:
     verify_forwards: int = 0  # the verifier's verify forwards (0: not known, e.g. vLLM)
     verify_sessions: int = 0  # session rounds in them
     verify_rows: int = 0  # token rows in them (roots + verified nodes + prefill chunks)
+    forward_cpu_s_prefill: float = float("nan")  # CPU seconds of the forwards' own thread: prefill forwards
+    forward_cpu_s_verify: float = float("nan")  # ... and verify forwards (verifier_busy_s minus these: preempted)
 
 
-def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_priced: int) -> dict:
-    """One table row from the server window and the edge process's aggregate ``edge``."""
+# where the server's CPU goes, per generated token (our modes): the target's forwards, the rest of the
+# verifier replica, the router replica (server_sd: with its drafter), Serve's proxy, everything else
+CPU_SPLIT = ("forward", "verifier_other", "router", "proxy", "background")
+
+
+def cpu_split_ms_per_token(w: Window, by_role: dict, tokens: int) -> dict:
+    """``cpu_ms_per_token_<part>`` for each part of :data:`CPU_SPLIT` (NaN where the server is not
+    ours: no forward clock), and ``tokens_per_forward_cpu_s``: the tokens per CPU second of the
+    target's forwards alone, i.e. the figure a request path and a background that cost nothing
+    would give."""
+    fwd = w.forward_cpu_s_prefill + w.forward_cpu_s_verify
+    if math.isnan(fwd) or tokens <= 0 or "verifier" not in by_role:
+        return {**{f"cpu_ms_per_token_{k}": float("nan") for k in CPU_SPLIT}, "tokens_per_forward_cpu_s": float("nan")}
+    parts = {"forward": fwd, "verifier_other": by_role["verifier"] - fwd, "router": by_role.get("router", 0.0),
+             "proxy": by_role.get("proxy", 0.0)}
+    parts["background"] = w.server_cpu_s - sum(parts.values())
+    return {**{f"cpu_ms_per_token_{k}": 1e3 * v / tokens for k, v in parts.items()},
+            "tokens_per_forward_cpu_s": tokens / fwd if fwd > 0 else float("nan")}
+
+
+def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_priced: int,
+        by_role: dict | None = None) -> dict:
+    """One table row from the server window, the edge process's aggregate ``edge`` and the server's
+    CPU seconds by process role over the window (``by_role``, :mod:`benchmarks.proc_stats`)."""
     busy = w.verifier_busy_s + w.server_draft_cpu_s
     gen = max(int(edge.get("tokens", 0)), 1)
     samples = [tuple(s) for s in edge.get("itl", [])]
@@ -140,4 +164,5 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         "predraft_hit_rate": edge.get("predraft_hit_rate", float("nan")),
         "early_exit_layer_mean": edge.get("early_exit_layer_mean", float("nan")),
         "predraft_forwards_per_round": edge.get("predraft_forwards_per_round", float("nan")),
+        **cpu_split_ms_per_token(w, by_role or {}, w.tokens_emitted),
     }

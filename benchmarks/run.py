@@ -340,6 +340,7 @@ class Server(_Accounting):
                 "server_draft_cpu_s": (m1["draft"] - m0["draft"]) if mode == "server_sd" else 0.0,
                 "tokens_emitted": s1["tokens_emitted"] - s0["tokens_emitted"],
                 "verifier_cpu_s": cpu["engine_cpu_s"], "server_cpu_s": cpu["cpu_s"],
+                **{f"forward_cpu_s_{k}": s1["busy_cpu_seconds"][k] - s0["busy_cpu_seconds"][k] for k in ("prefill", "verify")},
                 **{f"verify_{k}": s1[f"verify_{k}_total"] - s0[f"verify_{k}_total"]
                    for k in ("forwards", "sessions", "rows")}}, cpu
 
@@ -739,6 +740,42 @@ def headline_table(doc: dict) -> list[str]:
     return out + [""]
 
 
+SPLIT_MODES = ("server_ar", "edge_full")
+
+
+def cpu_split_table(doc: dict) -> list[str]:
+    """Where our server's CPU goes per generated token (``benchmarks.metrics.cpu_split_ms_per_token``),
+    next to vLLM's whole server, and what the target's forwards alone would give against vLLM."""
+    rows = doc["rows"]
+    if not any(not math.isnan(r.get("tokens_per_forward_cpu_s", float("nan"))) for r in rows):
+        return []
+    head = ["RTT ms", "sessions", "mode", "forwards", "verifier other", "router", "proxy", "Ray/Serve rest",
+            "whole server", "`vllm_ar` whole server", "tok/fwd-cpu-s", "tok/fwd-cpu-s / `vllm_ar` tok/srv-cpu-s"]
+    out = ["### Where the server's CPU goes", "",
+           "Server CPU milliseconds per generated token: the target's forwards (the forward thread's own CPU "
+           "time, prefill and verify; `busy_cpu_seconds` of `GET /v1/stats`), the rest of the verifier replica "
+           "(Serve's request handling, the batch loop, tree walks, replies), the router replica, Serve's "
+           "proxy, and every other server process (controller, raylet, GCS, agents, driver). "
+           "`tok/fwd-cpu-s`: tokens per CPU second of the forwards alone, i.e. what a request path and a "
+           "background that cost nothing would give; against `vllm_ar`'s whole server it says whether the "
+           "engine or the request path bounds a target.", "",
+           "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for rtt, ses in dict.fromkeys((r["rtt_ms"], r["sessions"]) for r in rows):
+        at = {r["mode"]: r for r in rows if r["rtt_ms"] == rtt and r["sessions"] == ses}
+        vllm = at.get("vllm_ar", {}).get("tokens_per_server_cpu_s", float("nan"))
+        vllm_ms = 1e3 / vllm if vllm and not math.isnan(vllm) else float("nan")
+        for m in SPLIT_MODES:
+            r = at.get(m)
+            if r is None or math.isnan(r.get("tokens_per_forward_cpu_s", float("nan"))):
+                continue
+            parts = [r[f"cpu_ms_per_token_{k}"] for k in ("forward", "verifier_other", "router", "proxy", "background")]
+            bound = _ratio(r["tokens_per_forward_cpu_s"], vllm)
+            out.append("| " + " | ".join([fmt(rtt, 0), str(ses), f"`{m}`"] + [fmt(v, 2) for v in parts]
+                                         + [fmt(sum(parts), 2), fmt(vllm_ms, 2), fmt(r["tokens_per_forward_cpu_s"], 1),
+                                            "-" if math.isnan(bound) else f"x{bound:.2f}"]) + " |")
+    return out + [""]
+
+
 def readme_section(doc: dict) -> str:
     """The README's table of a run: its conditions, the headline (whole-server cost), the full
     table, and the headline ratios."""
@@ -756,6 +793,7 @@ def readme_section(doc: dict) -> str:
              + f"Machine load (1-min load average on 2 cores): min {noise.get('min', 0):.0f}, "
              f"mean {noise.get('mean', 0):.0f}, max {noise.get('max', 0):.0f}.", ""]
     lines += headline_table(doc)
+    lines += cpu_split_table(doc)
     lines += ["### All figures", "", markdown_table(doc["rows"]), ""]
     target = _short_target(c)
 
@@ -918,7 +956,8 @@ def main(argv=None) -> int:
                 res, extra = run_config(srv, edge, plan, mode, rtt, sessions, prompts[:n], depth, workdir,
                                         plan.max_tokens, rule or "match")
                 r = row(mode, rtt, sessions, Window(**extra["window"]), res,
-                        edges_priced=sessions if mode.startswith("edge") else 0)
+                        edges_priced=sessions if mode.startswith("edge") else 0,
+                        by_role=extra.get("server_cpu", {}).get("by_role"))
                 # server_sd at T > 0 runs the server's sampled_rule (tree-rejection by default)
                 r["verify"] = rule or ("tree-rejection" if mode == "server_sd" and plan.temperature > 0 else
                                        "match" if mode == "server_sd" else "-")

@@ -126,6 +126,7 @@ class VerifierCore:
         # recent verify rounds: (arrival, seconds from arrival to reply), monotonic clock
         self.round_latencies: deque[tuple[float, float]] = deque(maxlen=8192)
         self.busy_seconds = 0.0
+        self.busy_cpu_seconds = {"prefill": 0.0, "verify": 0.0}  # the forwards' own CPU time, by kind
         self.verify_totals = [0, 0, 0]  # verify forwards, sessions and rows in them (monotonic)
         self.arrivals = ArrivalModel()  # when each session's next round is due (batch filling)
         self.fill_waits = 0  # forwards held for sessions due back
@@ -162,6 +163,7 @@ class VerifierCore:
                 "forwards": len(self.forwards), "verify_forwards": len(verifies),
                 "tokens_emitted": self.tokens_emitted,
                 "pending": self.pending(), "busy_seconds": self.busy_seconds,
+                "busy_cpu_seconds": dict(self.busy_cpu_seconds),
                 "uptime_seconds": time.monotonic() - self.started, "forward_cost_a": a, "forward_cost_b": b,
                 "forward_cost_knee": knee,
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
@@ -177,6 +179,7 @@ class VerifierCore:
 
     def _on_forward(self, st: ForwardStats) -> None:
         self.busy_seconds += st.seconds
+        self.busy_cpu_seconds["prefill" if st.kind == "prefill" else "verify"] += st.cpu_seconds
         if st.kind == "prefill":
             self._prefill_token_s = _ema(self._prefill_token_s, st.seconds / max(st.tokens, 1), 0.3)
         elif st.prefill_tokens and self._verify_s:  # what the chunk added to a verify forward

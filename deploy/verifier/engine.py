@@ -159,6 +159,9 @@ class ForwardStats:
     tokens: int  # new tokens in the batch (packed: no padding)
     seconds: float
     prefill_tokens: int = 0  # of which prompt tokens (a prefill chunk riding along a verify forward)
+    # CPU time of the calling thread (on a CPU replica, seconds - cpu_seconds: the core was taken by
+    # other processes; pipeline stages in other processes and GPU work are not in it)
+    cpu_seconds: float = 0.0
 
 
 @dataclass
@@ -237,7 +240,7 @@ class VerifierEngine:
 
     def _forward(self, kind: str, items: list[SeqInput], prefill_tokens: int = 0):
         bid = next(self._batch_ids)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         versions = {it.adapter for it in items} - {None}
         if versions:  # loaded by _ready_versions already: this keeps them all for the forward
             failed = self.adapters.activate(versions)
@@ -255,7 +258,7 @@ class VerifierEngine:
         dt = time.perf_counter() - t0
         if self.on_forward is not None:
             self.on_forward(ForwardStats(kind, len(items), sum(len(it.tokens) for it in items), dt,
-                                         prefill_tokens if kind != "prefill" else 0))
+                                         prefill_tokens if kind != "prefill" else 0, time.thread_time() - c0))
         return bid, logits
 
     def _commit(self, bid: int, keep: dict) -> None:

@@ -39,3 +39,21 @@ def test_row_counts_server_draft_time_as_server_cost():
     assert r["verifier_utilisation"] == pytest.approx(0.2)
     assert r["uplink_bytes_per_token"] == 10 and r["downlink_bytes_per_token"] == 5
     assert r["itl_ms_mean"] == pytest.approx(100.0)
+
+
+def test_row_splits_the_server_cpu_into_forwards_request_path_and_background():
+    w = Window(wall_s=10.0, verifier_busy_s=6.0, server_draft_cpu_s=0.0, tokens_emitted=200, up_bytes=0,
+               down_bytes=0, verifier_cpu_s=7.0, server_cpu_s=10.0, forward_cpu_s_prefill=1.0,
+               forward_cpu_s_verify=4.0)
+    by_role = {"verifier": 7.0, "router": 1.5, "proxy": 0.5, "controller": 0.6, "raylet": 0.4}
+    r = row("edge_full", 15.0, 4, w, {"tokens": 200}, 4, by_role=by_role)
+    ms = {k: r[f"cpu_ms_per_token_{k}"] for k in ("forward", "verifier_other", "router", "proxy", "background")}
+    assert ms == pytest.approx({"forward": 25.0, "verifier_other": 10.0, "router": 7.5, "proxy": 2.5,
+                                "background": 5.0})
+    assert sum(ms.values()) == pytest.approx(1e3 * w.server_cpu_s / 200)  # the parts add up to the whole server
+    assert r["tokens_per_forward_cpu_s"] == pytest.approx(40.0)
+    # a server with no forward clock (vLLM) or an older server: no split, not a wrong one
+    peer = Window(wall_s=10.0, verifier_busy_s=float("nan"), server_draft_cpu_s=0.0, tokens_emitted=200, up_bytes=0,
+                  down_bytes=0, verifier_cpu_s=5.0, server_cpu_s=5.5)
+    p = row("vllm_ar", 15.0, 4, peer, {"tokens": 200}, 0, by_role={"vllm_worker": 5.0, "api_server": 0.5})
+    assert math.isnan(p["cpu_ms_per_token_forward"]) and math.isnan(p["tokens_per_forward_cpu_s"])

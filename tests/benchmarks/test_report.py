@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from benchmarks.run import headline_table, markdown_table, ratios, readme_section, render_readme
+from benchmarks.run import cpu_split_table, headline_table, markdown_table, ratios, readme_section, render_readme
 
 
 def _row(mode, rtt, ses, srv, busy=float("nan"), itl=50.0):
@@ -88,3 +88,17 @@ def test_table_has_verify_and_temperature_columns_when_rows_differ_by_them():
     assert len({tuple(c) for c in cells}) == len(cells)  # every row tells its rule and temperature
     one = markdown_table([dict(ROWS[1], verify="tree-rejection", temperature=1.0)]).splitlines()[0]
     assert "| verify | T |" in one  # a single non-default rule is still named
+
+
+def test_cpu_split_table_sets_the_forwards_alone_against_vllm():
+    split = {"cpu_ms_per_token_forward": 10.0, "cpu_ms_per_token_verifier_other": 2.0, "cpu_ms_per_token_router": 2.0,
+             "cpu_ms_per_token_proxy": 0.5, "cpu_ms_per_token_background": 1.5, "tokens_per_forward_cpu_s": 100.0}
+    rows = [dict(r, **split) if r["mode"] in ("server_ar", "edge_full") else r for r in ROWS]
+    lines = cpu_split_table({"conditions": COND, "rows": rows})
+    body = [ln for ln in lines if ln.startswith("| 15 |")]
+    assert len(body) == 4 and "`edge_full`" in body[1]
+    # 16 ms per token for the whole server; vllm_ar's 50 tok/s = 20 ms; forwards alone: 100 / 50
+    assert "| 10.00 | 2.00 | 2.00 | 0.50 | 1.50 | 16.00 | 20.00 | 100.0 | x2.00 |" in body[1]
+    assert body[3].endswith("| - | 100.0 | - |")  # no vLLM row at 4 sessions
+    assert "### Where the server's CPU goes" in readme_section({"conditions": COND, "rows": rows})
+    assert cpu_split_table({"conditions": COND, "rows": ROWS}) == []  # runs before the forward clock: no table

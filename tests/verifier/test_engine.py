@@ -217,6 +217,8 @@ def test_one_forward_per_verify_call_for_all_sessions(tiny_model):
     eng.verify([VerifyRequest(sid, t, len(eng.sessions[sid].prefix)) for sid, t in zip(sids, trees)])
     assert len(forwards) == 2 and forwards[1].kind == "verify" and forwards[1].sessions == 8
     assert forwards[1].tokens == sum(len(t) + 1 for t in trees)  # packed: no padding
+    # each forward's own CPU time (the forward thread's clock; the wall time includes any preemption)
+    assert all(0 < f.cpu_seconds <= f.seconds + 0.01 for f in forwards)
 
 
 def test_tree_forward_agrees_with_one_token_forwards(tiny_model, engine):
