@@ -746,6 +746,8 @@ SPLIT_MODES = ("server_ar", "edge_full")
 def cpu_split_table(doc: dict) -> list[str]:
     """Where our server's CPU goes per generated token (``benchmarks.metrics.cpu_split_ms_per_token``),
     next to vLLM's whole server, and what the target's forwards alone would give against vLLM."""
+    from benchmarks.metrics import CPU_SPLIT
+
     rows = doc["rows"]
     if not any(not math.isnan(r.get("tokens_per_forward_cpu_s", float("nan"))) for r in rows):
         return []
@@ -768,7 +770,7 @@ def cpu_split_table(doc: dict) -> list[str]:
             r = at.get(m)
             if r is None or math.isnan(r.get("tokens_per_forward_cpu_s", float("nan"))):
                 continue
-            parts = [r[f"cpu_ms_per_token_{k}"] for k in ("forward", "verifier_other", "router", "proxy", "background")]
+            parts = [r[f"cpu_ms_per_token_{k}"] for k in CPU_SPLIT]
             bound = _ratio(r["tokens_per_forward_cpu_s"], vllm)
             out.append("| " + " | ".join([fmt(rtt, 0), str(ses), f"`{m}`"] + [fmt(v, 2) for v in parts]
                                          + [fmt(sum(parts), 2), fmt(vllm_ms, 2), fmt(r["tokens_per_forward_cpu_s"], 1),
