@@ -94,7 +94,9 @@ class Window:
 
 
 # where the server's CPU goes, per generated token (our modes): the target's forwards, the rest of the
-# verifier replica, the router replica (server_sd: with its drafter), Serve's proxy, everything else
+# verifier replica, the router replica (server_sd: with its drafter), Serve's proxy, everything else.
+# With topology colocated the router's work is in the verifier's replica: "verifier_other" holds both
+# and "router" is 0
 CPU_SPLIT = ("forward", "verifier_other", "router", "proxy", "background")
 
 
@@ -104,9 +106,11 @@ def cpu_split_ms_per_token(w: Window, by_role: dict, tokens: int) -> dict:
     target's forwards alone, i.e. the figure a request path and a background that cost nothing
     would give."""
     fwd = w.forward_cpu_s_prefill + w.forward_cpu_s_verify
-    if math.isnan(fwd) or tokens <= 0 or "verifier" not in by_role:
+    holder = "verifier" if "verifier" in by_role else "router"  # colocated: the router replica holds it
+    if math.isnan(fwd) or tokens <= 0 or holder not in by_role:
         return {**{f"cpu_ms_per_token_{k}": float("nan") for k in CPU_SPLIT}, "tokens_per_forward_cpu_s": float("nan")}
-    parts = {"forward": fwd, "verifier_other": by_role["verifier"] - fwd, "router": by_role.get("router", 0.0),
+    parts = {"forward": fwd, "verifier_other": by_role[holder] - fwd,
+             "router": by_role.get("router", 0.0) if holder == "verifier" else 0.0,
              "proxy": by_role.get("proxy", 0.0)}
     parts["background"] = w.server_cpu_s - sum(parts.values())
     return {**{f"cpu_ms_per_token_{k}": 1e3 * v / tokens for k, v in parts.items()},

@@ -2,7 +2,9 @@
 
 ``build_app(args)`` validates ``args`` as :class:`deploy.config.AppConfig` and binds
 the router (ingress) to the verifier deployment, whose replicas are chosen per session
-by :class:`deploy.router.affinity.SessionAffinityRouter`.
+by :class:`deploy.router.affinity.SessionAffinityRouter` (``topology: split``), or deploys
+the router alone, holding the verifier in its replica (``topology: colocated``,
+:mod:`deploy.router.in_process`).
 """
 
 from __future__ import annotations
@@ -51,12 +53,23 @@ def build_app(args: dict | None = None):
     data = cfg.model_dump(mode="json")
     logging = {"enable_access_log": cfg.access_log}
     versions = versions_user_config(cfg)
-    verifier = Verifier.options(**verifier_options(cfg), logging_config=logging, user_config=versions).bind(data)
-    return Router.options(
+    router = dict(
         logging_config=logging,
         user_config=versions,
         num_replicas=cfg.router.num_replicas,
         max_queued_requests=cfg.router.max_queued_requests,
         max_ongoing_requests=max(cfg.router.max_ongoing_requests, cfg.router.max_pending_verifies + 64),
         ray_actor_options={"num_cpus": 0},
-    ).bind(verifier, data)
+    )
+    if cfg.topology == "colocated":  # the router replica holds the verifier: the verifier's resources
+        vopts = verifier_options(cfg)
+        router.update({k: vopts[k] for k in ("ray_actor_options", "health_check_period_s",
+                                             "graceful_shutdown_timeout_s")})
+        return Router.options(**router).bind(None, data)
+    verifier = Verifier.options(**verifier_options(cfg), logging_config=logging, user_config=versions).bind(data)
+    return Router.options(**router).bind(verifier, data)
+
+
+def verifier_deployment(cfg: AppConfig) -> str:
+    """The name of the deployment whose replicas hold the verifier (sessions, KV, forwards)."""
+    return "Router" if cfg.topology == "colocated" else "Verifier"

@@ -245,6 +245,11 @@ class AppConfig(_Strict):
     pacing: PacingConfig = Field(default_factory=PacingConfig)
     server_draft: ServerDraftConfig = Field(default_factory=ServerDraftConfig)
     route_prefix: str = "/"
+    topology: Literal["split", "colocated"] = Field(
+        "split", description="split: the router calls the verifier replicas through Serve (any number of each); "
+                             "colocated: one replica holds both and the router calls the verifier in-process, "
+                             "one Serve request less per verify round (needs one replica, one stage; "
+                             "deploy/router/in_process.py)")
     access_log: bool = Field(True, description="Serve's per-request access log in the router and verifier "
                                                "replicas (one line per request; off for high request rates)")
     gc_gen0_threshold: int = Field(
@@ -257,6 +262,16 @@ class AppConfig(_Strict):
     def _versions_need_one_stage(self):
         if self.target.adapters and self.verifier.pipeline_parallel_size > 1:
             raise ValueError("target.adapters (LoRA versions) need verifier.pipeline_parallel_size 1")
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_is_one_replica(self):
+        if self.topology == "colocated":
+            vc = self.verifier
+            if vc.num_replicas != 1 or self.router.num_replicas != 1 or vc.pipeline_parallel_size != 1:
+                raise ValueError("topology colocated holds the router and the verifier in one replica: it needs "
+                                 "verifier.num_replicas 1, router.num_replicas 1 and verifier.pipeline_parallel_size 1 "
+                                 "(use topology split to scale out)")
         return self
 
     @classmethod

@@ -34,9 +34,10 @@ from pathlib import Path
 APP_NAME = "specedge"
 
 
-def _kill_one_verifier(ray) -> str | None:
+def _kill_one_verifier(ray, deployment: str) -> str | None:
+    """Kill a replica of ``deployment``, the one holding the verifier (deploy.application.verifier_deployment)."""
     for a in ray.util.list_named_actors(all_namespaces=True):
-        if "Verifier" in a["name"] and "SERVE_REPLICA" in a["name"]:
+        if f"#{deployment}#" in a["name"] and "SERVE_REPLICA" in a["name"]:
             ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
             return a["name"]
     return None
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
     from ray import serve
 
     from benchmarks.proc_stats import CLK, CpuSnapshot, rss_bytes
-    from deploy.application import build_app
+    from deploy.application import build_app, verifier_deployment
+    from deploy.config import AppConfig
 
     app_args = json.loads(Path(args.config).read_text())
     stop = {"flag": False}
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port},
                 logging_config={"enable_access_log": app_args.get("access_log", True)})  # the proxy's
     serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
-    handle = serve.get_deployment_handle("Verifier", APP_NAME)
+    holder = verifier_deployment(AppConfig(**app_args))
+    handle = serve.get_deployment_handle(holder, APP_NAME)
     router = serve.get_deployment_handle("Router", APP_NAME)
     print(f"[loadtests.server] serving on http://127.0.0.1:{args.port} (pid {os.getpid()})", flush=True)
 
@@ -109,7 +112,7 @@ def main(argv=None) -> int:
         while not stop["flag"]:
             if kill["flag"]:
                 kill["flag"] = False
-                name = _kill_one_verifier(ray)
+                name = _kill_one_verifier(ray, holder)
                 events.append({"t": time.time(), "event": "kill_verifier", "actor": name})
                 print(f"[loadtests.server] killed verifier replica {name}", flush=True)
             try:

@@ -125,6 +125,8 @@ def _raise_for(status: int, payload) -> None:
 @serve.ingress(api)
 class Router:
     def __init__(self, verifier, config: dict):
+        """``verifier``: the Verifier deployment's handle (``split`` topology), or None to build the
+        verifier in this replica (``colocated``, deploy/router/in_process.py)."""
         self.cfg = AppConfig(**config)
         rc = self.cfg.router
         tenants = rc.load_tenants()
@@ -132,6 +134,13 @@ class Router:
             log.warning("no tenants configured: accepting the development key %r; configure router.tenants "
                         "or router.tenants_file for production", DEV_API_KEY)
         self.tenants = TenantRegistry(tenants, rc.retry_after_s, self.cfg.verifier.idle_timeout_s)
+        self._local = None  # the verifier replica object, when it lives in this replica
+        if verifier is None:
+            from deploy.router.in_process import InProcessVerifier
+            from deploy.verifier.deployment import VerifierReplica
+
+            self._local = VerifierReplica(config)
+            verifier = InProcessVerifier(self._local)
         self.verifier = verifier
         vc = self.cfg.verifier
         limit = inflight_limit(rc.max_pending_verifies, rc.max_queued_batches, vc.max_batch_sessions,
@@ -169,10 +178,13 @@ class Router:
         self.probe.start()
         return self.probe.drain()
 
-    def reconfigure(self, user_config: dict) -> None:
+    async def reconfigure(self, user_config: dict) -> None:
         """Serve's no-restart config update: the names of the target versions (``target.adapters``),
         validated as the Verifier's ``reconfigure`` does (an invalid one fails the start, and is
-        refused and logged on a running replica, the names unchanged)."""
+        refused and logged on a running replica, the names unchanged). A verifier in this replica
+        (``colocated``) takes the update too, as the Verifier deployment's replicas would."""
+        if self._local is not None:
+            await self._local.reconfigure(user_config)
         try:
             self._versions = sorted(versions_update(self.cfg, user_config).target.adapters)
         except ValueError as e:
@@ -181,6 +193,16 @@ class Router:
                 return
             raise
         self._versions_configured = True
+
+    def check_health(self) -> None:
+        """Serve's health check: a verifier in this replica must have its batch loop running."""
+        if self._local is not None:
+            self._local.check_health()
+
+    async def get_stats(self, session_id: str | None = None) -> dict:
+        """The verifier replica's statistics through this router (any topology); ``session_id``
+        picks that session's replica."""
+        return await self._call("get_stats", session_id=session_id) if session_id else await self._call("get_stats")
 
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, stream_to=None, **kwargs):
@@ -312,8 +334,7 @@ class Router:
         """One verifier replica's counters (busy seconds, forwards, sessions); ``?session_id=``
         picks the replica of that session; plus this router's admission state. Needs any tenant key."""
         self.tenants.authenticate(request.headers.get("authorization"))
-        sid = request.query_params.get("session_id")
-        stats = await self._call("get_stats", session_id=sid) if sid else await self._call("get_stats")
+        stats = await self.get_stats(request.query_params.get("session_id"))
         return {**stats, "router_admission": self.admission.snapshot()}
 
     @api.post("/v1/sessions")

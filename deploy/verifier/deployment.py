@@ -616,9 +616,10 @@ class VerifierCore:
         return 200, frame.encode()
 
 
-@serve.deployment(name="Verifier")
-class Verifier(VerifierCore):
-    """Serve deployment around :class:`VerifierCore`; the replica tag prefixes session ids."""
+class VerifierReplica(VerifierCore):
+    """A Serve replica's :class:`VerifierCore`: the replica tag prefixes session ids. The
+    ``Verifier`` deployment (``split`` topology), or built inside the router replica
+    (``colocated``, :mod:`deploy.router.in_process`)."""
 
     def __init__(self, config: dict):
         cfg = AppConfig(**config)
@@ -654,3 +655,6 @@ class Verifier(VerifierCore):
     async def get_stats(self, session_id: str | None = None) -> dict:
         """Replica statistics; ``session_id`` routes the call to that session's replica."""
         return self.stats()
+
+
+Verifier = serve.deployment(name="Verifier")(VerifierReplica)

@@ -41,14 +41,17 @@ def model():
     return tiny_random_model(seed=0)
 
 
-@pytest.fixture(scope="module")
-def url(ray_session):
-    args = {"target": {"model": "tiny-random", "dtype": "float32"},
+@pytest.fixture(scope="module", params=["split", "colocated"])
+def url(ray_session, request):
+    """The app in both topologies: the router calling the verifier replica through Serve, and
+    the router holding the verifier in its own replica (deploy/router/in_process.py)."""
+    args = {"target": {"model": "tiny-random", "dtype": "float32"}, "topology": request.param,
             "verifier": {"batch_wait_ms": 5, "idle_timeout_s": 4},
             "router": {"tenants": TENANTS, "body_timeout_s": 3.0, "ws_idle_timeout_s": 1.5}}
-    serve.run(build_app(args), name="hostile", route_prefix="/hostile")
-    yield f"http://127.0.0.1:{ray_session['http_port']}/hostile"
-    serve.delete("hostile")
+    name = f"hostile-{request.param}"
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    yield f"http://127.0.0.1:{ray_session['http_port']}/{name}"
+    serve.delete(name)
 
 
 @pytest.fixture
