@@ -49,6 +49,7 @@ def _server_config(target: str, access_log: bool) -> dict:
     cfg = app_config(plan, "ngram", depth=2)  # no server-side draft model needed here
     cfg["target"] = {"model": target, "dtype": "auto"}
     cfg["access_log"] = access_log
+    cfg["topology"] = "split"  # each hop in a process of its own, so that each is measured
     return cfg
 
 

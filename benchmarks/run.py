@@ -339,10 +339,13 @@ class Server(_Accounting):
         """(Window fields, CPU detail) of one configuration between two marks."""
         cpu = self.cpu_window(m0, m1)
         s0, s1 = m0["stats"], m1["stats"]
+        draft = (m1["draft"] - m0["draft"]) if mode == "server_sd" else 0.0
+        # colocated: the drafter's thread is in the engine's process (the router replica); count it once
+        engine = cpu["engine_cpu_s"] - (draft if "verifier" not in cpu["by_role"] else 0.0)
         return {"verifier_busy_s": s1["busy_seconds"] - s0["busy_seconds"],
-                "server_draft_cpu_s": (m1["draft"] - m0["draft"]) if mode == "server_sd" else 0.0,
+                "server_draft_cpu_s": draft,
                 "tokens_emitted": s1["tokens_emitted"] - s0["tokens_emitted"],
-                "verifier_cpu_s": cpu["engine_cpu_s"], "server_cpu_s": cpu["cpu_s"],
+                "verifier_cpu_s": engine, "server_cpu_s": cpu["cpu_s"],
                 **{f"forward_cpu_s_{k}": s1["busy_cpu_seconds"][k] - s0["busy_cpu_seconds"][k] for k in ("prefill", "verify")},
                 **{f"verify_{k}": s1[f"verify_{k}_total"] - s0[f"verify_{k}_total"]
                    for k in ("forwards", "sessions", "rows")}}, cpu
@@ -763,7 +766,9 @@ def cpu_split_table(doc: dict) -> list[str]:
            "Server CPU milliseconds per generated token: the target's forwards (the forward thread's own CPU "
            "time, prefill and verify; `busy_cpu_seconds` of `GET /v1/stats`), the rest of the verifier replica "
            "(Serve's request handling, the batch loop, tree walks, replies), the router replica, Serve's "
-           "proxy, and every other server process (controller, raylet, GCS, agents, driver). "
+           "proxy, and every other server process (controller, raylet, GCS, agents, driver). With "
+           "`topology: colocated` (the benchmark's default) the router's work is in the verifier's replica: "
+           "\"verifier other\" holds it and \"router\" is 0. "
            "`tok/fwd-cpu-s`: tokens per CPU second of the forwards alone, i.e. what a request path and a "
            "background that cost nothing would give; against `vllm_ar`'s whole server it says whether the "
            "engine or the request path bounds a target.", "",

@@ -10,7 +10,8 @@ RTT. The agent's logic is identical over both implementations:
   proxy refuses the upgrade). Early results (``F_EARLY``) arrive on the socket before the
   reply, or over POST as a streamed response with ``stream_early``.
   Timeouts; retries with exponential backoff where a retry is safe (connection refused,
-  503, 429 after ``Retry-After``); a verify whose reply is lost raises
+  503, 429 after ``Retry-After``); a verify whose reply is lost (a broken connection, or a
+  5xx that is not the app's JSON error: a proxy answering for a replica that died) raises
   :class:`~edge_agent.errors.ConnectionLost` (it may or may not have been applied), and
   the agent re-opens the session from its history instead of guessing.
 - :class:`LocalTransport`: a :class:`deploy.verifier.engine.VerifierEngine` in this
@@ -285,6 +286,16 @@ class HttpTransport(Transport):
                     body = r.json()
                 except (json.JSONDecodeError, ValueError):
                     body = None
+                if r.status_code >= 500 and not _is_app_error(body):
+                    # not the app's JSON error: a proxy answering for a replica that went away mid-request
+                    # (topology colocated: the replica holding the router died); the reply is lost
+                    lost = ConnectionLost(f"{method} {path}: HTTP {r.status_code} without the server's error body")
+                    if not idempotent:
+                        raise lost
+                    last = lost
+                    if attempt + 1 < self.retry.attempts:
+                        await asyncio.sleep(self.retry.wait(attempt))
+                    continue
                 ra = r.headers.get("Retry-After")
                 err = error_from_json(r.status_code, body, float(ra) if ra else None)
                 if r.status_code == 429 and isinstance(err, SpecError):
@@ -426,6 +437,11 @@ class HttpTransport(Transport):
         if isinstance(msg, str):  # an error arrives as a JSON text frame
             _raise_json_error(msg)
         return ReplyFrame.decode(msg)
+
+
+def _is_app_error(body) -> bool:
+    """Whether a response body is the app's own error (``{"error": {"code", ...}}``)."""
+    return isinstance(body, dict) and isinstance(body.get("error"), dict) and "code" in body["error"]
 
 
 def _raise_json_error(text: str) -> None:

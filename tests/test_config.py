@@ -220,3 +220,25 @@ def test_versions_user_config_is_validated_like_the_app_config():
     pp = AppConfig(verifier={"pipeline_parallel_size": 2})
     with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
         versions_update(pp, {"adapters": {"code": "a/b"}})
+
+
+@pytest.mark.parametrize("args", [{"verifier": {"num_replicas": 2}}, {"router": {"num_replicas": 2}},
+                                  {"verifier": {"pipeline_parallel_size": 2}}])
+def test_colocated_topology_is_one_replica_of_one_stage(args):
+    AppConfig(topology="colocated")
+    AppConfig(topology="split", **args)
+    with pytest.raises(ValidationError, match="topology colocated"):
+        AppConfig(topology="colocated", **args)
+    with pytest.raises(ValidationError):
+        AppConfig(topology="fused")
+
+
+def test_colocated_app_is_the_router_alone_with_the_verifiers_resources():
+    from deploy.application import build_app, verifier_deployment
+
+    app = build_app({"topology": "colocated", "verifier": {"num_cpus": 2, "num_gpus_per_stage": 0.5}})
+    d = app._bound_deployment
+    assert d.name == "Router" and d.ray_actor_options["num_cpus"] == 2 and d.ray_actor_options["num_gpus"] == 0.5
+    assert app._bound_deployment.init_args[0] is None  # no verifier handle: it builds its own
+    assert verifier_deployment(AppConfig(topology="colocated")) == "Router"
+    assert verifier_deployment(AppConfig()) == "Verifier"

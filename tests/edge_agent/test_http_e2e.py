@@ -28,18 +28,30 @@ APP = "edgeagent"
 GREEDY = {"max_tokens": 32, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(ray_session):
+def app_args(topology: str = "split") -> dict:
     # a small KV budget: several concurrent sessions force LRU evictions (410 -> re-open)
-    args = {"target": {"model": "tiny-random", "dtype": "float32"},
+    return {"target": {"model": "tiny-random", "dtype": "float32"}, "topology": topology,
             # chain_top_k 2: rejection-rule replies rarely hold all of p (tail candidates, refills)
             "verifier": {"num_replicas": 1, "kv_budget_tokens": 256, "batch_wait_ms": 2, "chain_top_k": 2,
                          # exit heads (issue 19): dormant unless an edge sets F_EARLY
                          "early_exit": {"enabled": True, "heads": "untrained", "layers": [1]}},
             "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 64}]}}
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    serve.run(build_app(app_args()), name=APP, route_prefix=f"/{APP}")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
     serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_session):
+    """The same app with the verifier in the router's replica (deploy/router/in_process.py)."""
+    name = f"{APP}-colocated"
+    serve.run(build_app(app_args("colocated")), name=name, route_prefix=f"/{name}")
+    yield f"http://127.0.0.1:{ray_session['http_port']}/{name}"
+    serve.delete(name)
 
 
 def prompts(n: int, seed: int = 5, lo: int = 20, hi: int = 40) -> list[list[int]]:
@@ -152,14 +164,18 @@ def test_tree_rejection_rule_through_the_server(server, target, draft, ws):
     assert st.accepted_tokens > 0 and st.draft_tokens > st.rounds and st.reopens == 0
 
 
-def test_evictions_under_load_are_reopened_without_loss(server, target, draft):
+@pytest.mark.parametrize("topology", ["split", "colocated"])
+def test_evictions_under_load_are_reopened_without_loss(server, colocated, target, draft, topology):
+    """Both topologies: 8 concurrent agents over HTTP and WebSocket, stop-and-wait and proactive,
+    pre-drafting from early frames on some, against a KV budget that forces evictions."""
+    url = colocated if topology == "colocated" else server
     ps = prompts(8, lo=50, hi=70)
     refs = [reference_decode(target, p, SamplingParams(**GREEDY)) for p in ps]
 
     async def main():
         return await asyncio.gather(*[
-            generate(server, ModelDrafter(draft) if i % 2 else NgramDrafter(), p, ws=bool(i % 3 == 0),
-                     mode="proactive" if i % 2 else "stop-and-wait")
+            generate(url, ModelDrafter(draft) if i % 2 else NgramDrafter(), p, ws=bool(i % 3 == 0),
+                     mode="proactive" if i % 2 else "stop-and-wait", predraft=i % 4 == 1)
             for i, p in enumerate(ps)])
 
     results = asyncio.run(main())

@@ -112,3 +112,63 @@ def test_websocket_is_the_default_and_falls_back_to_post_where_the_upgrade_is_re
     finally:
         server.shutdown()
     assert first.bonus == 7 and first.accepted == [0] and second.prefix_len == 12
+
+
+def test_a_proxys_bare_5xx_is_a_lost_reply_and_an_app_error_is_not():
+    """Serve's proxy answers a request whose replica died with a plain-text 500 (topology colocated:
+    the router's replica): a verify raises ConnectionLost (the agent re-opens from its history), an
+    open is retried; the app's own JSON 500 stays the app's error."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from edge_agent.errors import ConnectionLost
+    from edge_agent.transport import HttpTransport, RetryPolicy
+
+    opened = json.dumps({"session_id": "r.1", "prefix_len": 3, "first_token": 5, "finished": False, "depth_hint": 4,
+                         "budget_hint": 8, "tokenizer_fingerprint": "x", "model": "m"}).encode()
+    app_error = json.dumps({"error": {"code": "internal", "message": "boom"}}).encode()
+    seen = {"opens": 0}
+
+    class DyingReplica(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def answer(self, status: int, body: bytes, ctype: str):
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/v1/sessions":
+                seen["opens"] += 1
+                if seen["opens"] == 1:
+                    return self.answer(500, b"Internal Server Error", "text/plain")
+                return self.answer(200, opened, "application/json")
+            if self.path.startswith("/v1/sessions/app"):
+                return self.answer(500, app_error, "application/json")
+            self.answer(500, b"Internal Server Error", "text/plain")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), DyingReplica)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def main():
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        async with HttpTransport(url, ws=False, retry=RetryPolicy(backoff_s=0.01)) as t:
+            s = await t.open(OpenSession(prompt_ids=[1, 2, 3]))
+            assert s.session_id == "r.1" and seen["opens"] == 2  # retried past the bare 500
+            with pytest.raises(ConnectionLost):
+                await t.verify("r.1", VerifyFrame(3, [5], [-1]))
+            with pytest.raises(E.SpecError) as e:
+                await t.verify("app.1", VerifyFrame(3, [5], [-1]))
+            assert not isinstance(e.value, ConnectionLost) and e.value.code == "internal"
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.shutdown()

@@ -217,6 +217,7 @@ def test_gpu_worker_group_matches_verifier(values, rendered, serve_builder):
       "gpuWorkers.gpusPerPod": 2}, "do not fill whole pods"),
     ({"serve.autoscaling.enabled": True, "serve.autoscaling.minReplicas": 3,
       "serve.autoscaling.maxReplicas": 2}, "must not exceed"),
+    ({"serve.autoscaling.enabled": True, "app.topology": "colocated"}, "needs app.topology split"),
     # the values schema embeds AppConfig's JSON schema: helm refuses bad app settings
     ({"app.verifier.pipeline_paralel_size": 2}, "additional properties 'pipeline_paralel_size' not allowed"),
     ({"app.verifier.pipeline_parallel_size": 0}, "/app/verifier/pipeline_parallel_size"),

@@ -30,6 +30,18 @@ def oracle_tree(truth: list[int], rng: random.Random, vocab: int, max_nodes: int
     return tokens, parents
 
 
+def replica_gone(r: httpx.Response) -> bool:
+    """A 5xx that is not the app's JSON error: Serve's proxy answering for a replica that died
+    mid-request (the reply is lost; the edge re-opens from its history, as the agent does)."""
+    if r.status_code < 500:
+        return False
+    try:
+        body = r.json()
+    except ValueError:
+        return True
+    return not (isinstance(body, dict) and isinstance(body.get("error"), dict))
+
+
 async def oracle_generate(client: httpx.AsyncClient, prompt: list[int], truth: list[int], sampling: dict,
                           vocab: int, seed: int = 0, key: str = "specedge-dev-key", on_round=None,
                           max_reopens: int = 20) -> tuple[list[int], dict]:
@@ -43,7 +55,7 @@ async def oracle_generate(client: httpx.AsyncClient, prompt: list[int], truth: l
         body = {"prompt_ids": prompt, "generated_ids": out, "sampling": sampling}
         for _ in range(50):
             r = await client.post("/v1/sessions", json=body, headers=headers)
-            if r.status_code in (429, 503):
+            if r.status_code in (429, 503) or replica_gone(r):
                 await asyncio.sleep(0.2)
                 continue
             r.raise_for_status()
@@ -60,10 +72,10 @@ async def oracle_generate(client: httpx.AsyncClient, prompt: list[int], truth: l
         tokens, parents = oracle_tree(truth[len(out):], rng, vocab)
         frame = VerifyFrame(prefix_len, tokens, parents, draft_ms=5.0, rtt_ms=1.0, depth=8).encode()
         r = await client.post(f"/v1/sessions/{sid}/verify", content=frame, headers=headers)
-        if r.status_code in (404, 410, 503):
+        if r.status_code in (404, 410, 503) or replica_gone(r):
             stats["reopens"] += 1
             assert stats["reopens"] <= max_reopens, r.text
-            if r.status_code == 503:
+            if r.status_code >= 500:
                 await asyncio.sleep(0.5)
             d = await open_session()
             sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]

@@ -28,33 +28,38 @@ GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 PROMPT = [5, 17, 99, 4, 250, 31]
 
 
-def serve_config(initial: dict, adapters: dict) -> ServeDeploySchema:
-    """``initial``: target.adapters of the app's args (fixed); ``adapters``: the versions served now."""
+def versions_config(initial: dict, adapters: dict, topology: str = "split") -> ServeDeploySchema:
+    """``initial``: target.adapters of the app's args (fixed); ``adapters``: the versions served now.
+    ``colocated``: the Router deployment alone, its replica holding the verifier."""
     versions = {"adapters": adapters, "max_loaded_adapters": 1}
+    names = ["Router"] if topology == "colocated" else ["Verifier", "Router"]
     return ServeDeploySchema(applications=[{
-        "name": "versions", "route_prefix": "/versions", "import_path": "deploy.application:build_app",
+        "name": f"versions-{topology}", "route_prefix": f"/versions-{topology}",
+        "import_path": "deploy.application:build_app",
         "args": {"target": {"model": "tiny-random", "dtype": "float32", "adapters": initial,
                             "max_loaded_adapters": 1},
-                 "verifier": {"torch_threads": 1, "num_cpus": 0}, "access_log": False},
+                 "verifier": {"torch_threads": 1, "num_cpus": 0}, "access_log": False, "topology": topology},
         # the no-restart path: only user_config changes between deploys (args stay as first deployed)
-        "deployments": [{"name": "Verifier", "user_config": versions}, {"name": "Router", "user_config": versions}],
+        "deployments": [{"name": n, "user_config": versions} for n in names],
     }])
 
 
-def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session, tmp_path):
+@pytest.mark.parametrize("topology", ["split", "colocated"])
+def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session, tmp_path, topology):
     base = load_model("tiny-random", dtype="float32", seed=0).model
     paths = {"code": make_adapter(base, tmp_path / "code", 21, ALL),
              "chat": make_adapter(base, tmp_path / "chat", 22, ["q_proj", "v_proj"], r=8)}
     client = serve.context._get_global_client()
-    client.deploy_apps(serve_config(paths, {"code": paths["code"]}), _blocking=True)
-    url = f"http://127.0.0.1:{ray_session['http_port']}/versions"
+
+    client.deploy_apps(versions_config(paths, {"code": paths["code"]}, topology), _blocking=True)
+    url = f"http://127.0.0.1:{ray_session['http_port']}/versions-{topology}"
     try:
         with httpx.Client(base_url=url, timeout=60, headers=AUTH) as c:
             assert [m["id"] for m in c.get("/v1/models").json()["data"]][1:] == ["code"]
             r = c.post("/v1/sessions", json={"prompt_ids": PROMPT, "model": "chat"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
             up0, t0 = c.get("/v1/stats").json()["uptime_seconds"], time.time()
-            client.deploy_apps(serve_config(paths, paths), _blocking=True)  # adds "chat"
+            client.deploy_apps(versions_config(paths, paths, topology), _blocking=True)  # adds "chat"
             sessions, out = {}, {}
             for v in ("code", "chat", None):
                 deadline = time.time() + 60
@@ -88,7 +93,7 @@ def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session,
             for _ in range(4):
                 for v in sessions:
                     assert step(v).status_code == 200
-            client.deploy_apps(serve_config(paths, {"code": paths["code"]}), _blocking=True)  # removes "chat"
+            client.deploy_apps(versions_config(paths, {"code": paths["code"]}, topology), _blocking=True)  # removes "chat"
             deadline = time.time() + 60
             while "chat" in [m["id"] for m in c.get("/v1/models").json()["data"]] and time.time() < deadline:
                 time.sleep(0.5)
@@ -101,7 +106,7 @@ def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session,
                 assert step(None).status_code == 200
             assert c.get("/v1/stats").json()["uptime_seconds"] >= up0 + time.time() - t0 - 1.0  # not restarted
     finally:
-        serve.delete("versions")
+        serve.delete(f"versions-{topology}")
     refs = {"code": merged(base, paths["code"]), "chat": merged(base, paths["chat"]), None: base}
     assert out["code"] == reference_decode(refs["code"], PROMPT, GREEDY)
     assert out[None] == reference_decode(base, PROMPT, GREEDY)
