@@ -601,7 +601,11 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
              "cpu_busy_share": {k: (c1[k] - c0[k]) / wall for k in c1},
              "foreign_cpu_s": max(0.0, all_busy - (o1 - o0)), "own_cpu_s": o1 - o0,
              "foreign_cpu_share": max(0.0, all_busy - (o1 - o0)) / (len(c1) * wall)}
-    return res, {"window": asdict(w), "noise": noise, "server_cpu": cpu}
+    detail = {"window": asdict(w), "noise": noise, "server_cpu": cpu}
+    st = m1.get("stats") or {}
+    if "forward_cost_a" in st:  # the replica's cost curve at the end (what batch-time truncation used)
+        detail["forward_cost"] = {k: st[f"forward_cost_{k}"] for k in ("a", "b", "knee")}
+    return res, detail
 
 
 def fmt(x, nd=1) -> str:
