@@ -408,10 +408,8 @@ class HttpTransport(Transport):
         if conn is None:
             try:
                 conn = await asyncio.wait_for(
-                    # no permessage-deflate: frames are tens of bytes of token ids, and each compressed
-                    # connection costs both ends a zlib context (memory per edge) and CPU per frame
                     connect(self._ws_url(sid), additional_headers=self._headers, max_size=1 << 22,
-                            open_timeout=self.connect_timeout_s, compression=None), self.connect_timeout_s + 1)
+                            open_timeout=self.connect_timeout_s), self.connect_timeout_s + 1)
             except InvalidStatus as e:
                 resp = e.response
                 try:

@@ -215,21 +215,3 @@ def test_wrong_key_is_a_clear_error(server, capsys):
     rc = cli_main(["generate", "--server", server, "--api-key", KEY, "--prompt-ids", "5,6,7", "--draft", "ngram",
                    "--max-tokens", "8", "--json"])
     assert rc == 0
-
-
-@pytest.mark.parametrize("topology", ["split", "colocated"])
-def test_websocket_rounds_negotiate_no_compression(server, colocated, topology):
-    """The agent's WebSocket offers no permessage-deflate: frames are a few dozen bytes, and a
-    compressed connection costs each end a zlib context and CPU per frame."""
-    url = colocated if topology == "colocated" else server
-
-    async def main():
-        async with HttpTransport(url, api_key=KEY, ws=True, timeout_s=60) as t:
-            s = await t.open(OpenSession(prompt_ids=[5, 6, 7, 8], sampling=GREEDY))
-            reply = await t.verify(s.session_id, VerifyFrame(s.prefix_len, [9], [-1]))
-            extensions = list(t._ws[s.session_id].protocol.extensions)
-            await t.close(s.session_id)
-            return reply, extensions
-
-    reply, extensions = asyncio.run(main())
-    assert reply.prefix_len >= 5 and extensions == []
