@@ -408,6 +408,8 @@ class HttpTransport(Transport):
         if conn is None:
             try:
                 conn = await asyncio.wait_for(
+                    # permessage-deflate stays offered: without it the server's CPU per round did not
+                    # measurably fall and the bytes per token rose 18-30 % (benchmarks/results/README.md)
                     connect(self._ws_url(sid), additional_headers=self._headers, max_size=1 << 22,
                             open_timeout=self.connect_timeout_s), self.connect_timeout_s + 1)
             except InvalidStatus as e:
