@@ -90,3 +90,22 @@ async def oracle_generate(client: httpx.AsyncClient, prompt: list[int], truth: l
             await on_round(sid, stats["rounds"])
     await client.delete(f"/v1/sessions/{sid}", headers=headers)
     return out, stats
+
+
+def replica_killer(deployment: str, after_rounds: int = 3):
+    """An ``on_round`` hook for :func:`oracle_generate` that kills, once, the ``deployment`` replica
+    holding the session (its tag prefixes the session id) after ``after_rounds`` rounds; Serve
+    starts a replacement. Returns (hook, killed): ``killed["name"]`` is the actor it killed."""
+    import ray
+
+    killed: dict[str, str] = {}
+
+    async def kill_once(sid: str, rounds: int) -> None:
+        if rounds == after_rounds and not killed:
+            tag = sid.split(".")[0]
+            for a in ray.util.list_named_actors(all_namespaces=True):
+                if a["name"].endswith(tag) and f"#{deployment}#" in a["name"]:
+                    ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
+                    killed["name"] = a["name"]
+
+    return kill_once, killed

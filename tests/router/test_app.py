@@ -7,7 +7,6 @@ import random
 
 import httpx
 import pytest
-import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
@@ -17,7 +16,7 @@ from deploy.protocol import VerifyFrame
 from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
-from tests.router.oracle_edge import oracle_generate
+from tests.router.oracle_edge import oracle_generate, replica_killer
 
 pytestmark = pytest.mark.ray
 
@@ -171,16 +170,8 @@ def test_eviction_and_replica_restart_lose_nothing(ray_session, reference_model)
                                                         "batch_wait_ms": 2}}, ray_session)
     ps = prompts(6, seed=3)
     refs = [reference_decode(reference_model, p, SamplingParams(max_tokens=40)) for p in ps]
-    killed = {}
-
-    async def kill_once(sid, rounds):
-        # session 0 kills its own verifier replica after 3 rounds: every session must survive it
-        if rounds == 3 and not killed:
-            tag = sid.split(".")[0]
-            for a in ray.util.list_named_actors(all_namespaces=True):
-                if a["name"].endswith(tag) and "Verifier" in a["name"]:
-                    ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
-                    killed["name"] = a["name"]
+    # session 0 kills its own verifier replica after 3 rounds: every session must survive it
+    kill_once, killed = replica_killer("Verifier")
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:

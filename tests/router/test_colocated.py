@@ -8,13 +8,12 @@ import asyncio
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from deploy.application import build_app
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
-from tests.router.oracle_edge import oracle_generate
+from tests.router.oracle_edge import oracle_generate, replica_killer
 from tests.router.test_app import TINY, VOCAB, prompts, reference_model  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.ray
@@ -65,15 +64,7 @@ def test_a_killed_replica_loses_nothing(ray_session, reference_model):
     url = deploy(ray_session, f"{APP}-kill", kv_budget_tokens=256)
     ps = prompts(6, seed=9)
     refs = [reference_decode(reference_model, p, SamplingParams(max_tokens=40)) for p in ps]
-    killed = {}
-
-    async def kill_once(sid, rounds):
-        if rounds == 3 and not killed:
-            tag = sid.split(".")[0]
-            for a in ray.util.list_named_actors(all_namespaces=True):
-                if a["name"].endswith(tag) and "#Router#" in a["name"]:
-                    ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
-                    killed["name"] = a["name"]
+    kill_once, killed = replica_killer("Router")  # session 0 kills the replica after 3 rounds
 
     try:
         results = generate_all(url, ps, refs, on_round=kill_once, max_reopens=60)
