@@ -52,6 +52,12 @@ def test_row_splits_the_server_cpu_into_forwards_request_path_and_background():
                                 "background": 5.0})
     assert sum(ms.values()) == pytest.approx(1e3 * w.server_cpu_s / 200)  # the parts add up to the whole server
     assert r["tokens_per_forward_cpu_s"] == pytest.approx(40.0)
+    # topology colocated: the router replica holds the verifier; its other work is "verifier_other"
+    colo = {"router": 8.5, "proxy": 0.5, "controller": 0.6, "raylet": 0.4}
+    c = row("edge_full", 15.0, 4, w, {"tokens": 200}, 4, by_role=colo)
+    cms = {k: c[f"cpu_ms_per_token_{k}"] for k in ("forward", "verifier_other", "router", "proxy", "background")}
+    assert cms == pytest.approx({"forward": 25.0, "verifier_other": 17.5, "router": 0.0, "proxy": 2.5,
+                                 "background": 5.0})
     # a server with no forward clock (vLLM) or an older server: no split, not a wrong one
     peer = Window(wall_s=10.0, verifier_busy_s=float("nan"), server_draft_cpu_s=0.0, tokens_emitted=200, up_bytes=0,
                   down_bytes=0, verifier_cpu_s=5.0, server_cpu_s=5.5)
