@@ -100,13 +100,19 @@ class Window:
 CPU_SPLIT = ("forward", "verifier_other", "router", "proxy", "background")
 
 
+def verifier_role(by_role: dict) -> str:
+    """The process role that holds our verifier: its own replica (``topology: split``), or the
+    router's replica (``colocated``)."""
+    return "verifier" if "verifier" in by_role else "router"
+
+
 def cpu_split_ms_per_token(w: Window, by_role: dict, tokens: int) -> dict:
     """``cpu_ms_per_token_<part>`` for each part of :data:`CPU_SPLIT` (NaN where the server is not
     ours: no forward clock), and ``tokens_per_forward_cpu_s``: the tokens per CPU second of the
     target's forwards alone, i.e. the figure a request path and a background that cost nothing
     would give."""
     fwd = w.forward_cpu_s_prefill + w.forward_cpu_s_verify
-    holder = "verifier" if "verifier" in by_role else "router"  # colocated: the router replica holds it
+    holder = verifier_role(by_role)
     if math.isnan(fwd) or tokens <= 0 or holder not in by_role:
         return {**{f"cpu_ms_per_token_{k}": float("nan") for k in CPU_SPLIT}, "tokens_per_forward_cpu_s": float("nan")}
     parts = {"forward": fwd, "verifier_other": by_role[holder] - fwd,

@@ -69,6 +69,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.metrics import verifier_role
 from benchmarks.proc_stats import CpuSnapshot, cpu_busy, group_members, thread_cpu_s, tree_cpu_s
 from deploy.request_path import RequestPathConfig, add_cli_options
 
@@ -277,7 +278,7 @@ class _Accounting:
         """Whole-server and engine CPU seconds over the window, by role, and the cores used."""
         d = m1["cpu"].since(m0["cpu"])
         roles = d["by_role"]
-        engine = ENGINE_ROLES if "verifier" in roles or "engine_core" in roles else ("router",)  # colocated
+        engine = ENGINE_ROLES if "engine_core" in roles else (verifier_role(roles),)  # vLLM's, or ours
         d["engine_cpu_s"] = sum(v for k, v in roles.items() if k in engine)
         return d
 
@@ -341,7 +342,7 @@ class Server(_Accounting):
         s0, s1 = m0["stats"], m1["stats"]
         draft = (m1["draft"] - m0["draft"]) if mode == "server_sd" else 0.0
         # colocated: the drafter's thread is in the engine's process (the router replica); count it once
-        engine = cpu["engine_cpu_s"] - (draft if "verifier" not in cpu["by_role"] else 0.0)
+        engine = cpu["engine_cpu_s"] - (draft if verifier_role(cpu["by_role"]) == "router" else 0.0)
         return {"verifier_busy_s": s1["busy_seconds"] - s0["busy_seconds"],
                 "server_draft_cpu_s": draft,
                 "tokens_emitted": s1["tokens_emitted"] - s0["tokens_emitted"],

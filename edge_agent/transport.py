@@ -286,7 +286,7 @@ class HttpTransport(Transport):
                     body = r.json()
                 except (json.JSONDecodeError, ValueError):
                     body = None
-                if r.status_code >= 500 and not _is_app_error(body):
+                if r.status_code >= 500 and not is_app_error(body):
                     # not the app's JSON error: a proxy answering for a replica that went away mid-request
                     # (topology colocated: the replica holding the router died); the reply is lost
                     lost = ConnectionLost(f"{method} {path}: HTTP {r.status_code} without the server's error body")
@@ -441,7 +441,7 @@ class HttpTransport(Transport):
         return ReplyFrame.decode(msg)
 
 
-def _is_app_error(body) -> bool:
+def is_app_error(body) -> bool:
     """Whether a response body is the app's own error (``{"error": {"code", ...}}``)."""
     return isinstance(body, dict) and isinstance(body.get("error"), dict) and "code" in body["error"]
 

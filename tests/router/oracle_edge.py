@@ -13,6 +13,7 @@ import random
 import httpx
 
 from deploy.protocol import ReplyFrame, VerifyFrame
+from edge_agent.transport import is_app_error
 
 
 def oracle_tree(truth: list[int], rng: random.Random, vocab: int, max_nodes: int = 24):
@@ -39,7 +40,7 @@ def replica_gone(r: httpx.Response) -> bool:
         body = r.json()
     except ValueError:
         return True
-    return not (isinstance(body, dict) and isinstance(body.get("error"), dict))
+    return not is_app_error(body)
 
 
 async def oracle_generate(client: httpx.AsyncClient, prompt: list[int], truth: list[int], sampling: dict,
