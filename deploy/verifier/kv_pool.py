@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deploy.errors import KVCapacityExceeded
+from deploy.verifier import hugepages
 from deploy.verifier.native import PAGE_SIZE
 
 
@@ -36,9 +37,10 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_pages = max(1, -(-capacity_tokens // PAGE_SIZE))
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        # torch.empty: pages are committed to memory as they are first written
-        self.k = torch.empty(num_layers, self.num_pages, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device)
-        self.v = torch.empty(num_layers, self.num_pages, kv_heads, PAGE_SIZE, head_dim, dtype=dtype, device=device)
+        # empty: memory is committed as pages are first written; on a CPU in huge pages (2 MiB:
+        # a row's KV pages lie scattered over the pool, and each 4 KiB one was a TLB miss)
+        self.k = hugepages.empty((num_layers, self.num_pages, kv_heads, head_dim, PAGE_SIZE), dtype, device)
+        self.v = hugepages.empty((num_layers, self.num_pages, kv_heads, PAGE_SIZE, head_dim), dtype, device)
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: low page ids first
         self.sessions: dict[str, SessionPages] = {}
 

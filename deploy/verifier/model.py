@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from deploy.errors import UnsupportedModel
-from deploy.verifier import native
+from deploy.verifier import hugepages, native
 from deploy.verifier.attention import tree_attention, use_kernel
 from deploy.verifier.batch import PackedBatch
 from deploy.verifier.glue import make_glue
@@ -213,7 +213,16 @@ class DecoderModel:
         self.kernel = use_kernel(self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.scale = spec.head_dim ** -0.5
         self.glue = make_glue(self.device, self.dtype, compile)
+        self._weights_on_huge_pages()
         self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
+
+    def _weights_on_huge_pages(self) -> None:
+        """The packed weights of every native linear, in the order a forward reads them, in one
+        huge-page mapping (:mod:`deploy.verifier.hugepages`): one stream, few TLB misses."""
+        lins = [f for w in self.layers for f in (w.qkv, w.o, w.gate_up, w.down)] + [self.lm_head]
+        lins = [f for f in lins if f is not None and f.lib is not None]
+        for f, w in zip(lins, hugepages.arena([f.native_w for f in lins])):
+            f.native_w = w
 
     def warmup(self, row_counts=(1, 2, 17)) -> None:
         """Run the glue on dummy rows of each count (compiles them when ``compile=True``:
