@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deploy.verifier.sampling import SamplingParams, sample_from_probs, sample_token, target_probs
+from deploy.verifier.sampling import SamplingParams, greedy_token, sample_from_probs, sample_token, target_probs
 from deploy.verifier.tree import DraftTree
 
 EXHAUST_P = 1e-3  # target probability that a rejection's tail candidates run out (one more round trip)
@@ -96,9 +96,9 @@ def walk_tree(
     """
     accepted: list[int] = []
     pos = 0  # forward row of the current node (0 = root)
-    while True:  # only visited rows are read (argmax in float32: bf16 argmax is slow on CPU)
+    while True:  # only visited rows are read
         row = logits[pos]
-        tok = int(row.float().argmax()) if params.greedy else sample_token(row, params, generator)
+        tok = greedy_token(row) if params.greedy else sample_token(row, params, generator)
         if tok in stop_ids or (max_emit is not None and len(accepted) + 1 >= max_emit):
             return TreeAcceptance(tuple(accepted), tok)
         nxt = next((c for c in tree.children[pos] if tree.tokens[c] == tok), None)
@@ -195,7 +195,7 @@ def rejection_sample_chain(
     """Server half of DSSD-split rejection sampling (q >= p: accept w.p. p/q)."""
     for i, (x, q) in enumerate(zip(draft_tokens, draft_q)):
         if params.greedy:  # greedy target = point mass: the argmax is the correction itself
-            best = int(torch.argmax(logits[i]))
+            best = greedy_token(logits[i])
             if best == x:
                 continue
             return ChainAcceptance(i, best)

@@ -85,6 +85,8 @@ def load() -> ctypes.CDLL | None:
     lib.linear_bf16_pack.argtypes = [p, p, i32, i32]
     lib.linear_bf16.argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.linear_bf16.restype = lib.linear_bf16_supported.restype = i32
+    lib.glue_argmax_bf16.argtypes = [p, ctypes.c_int64]
+    lib.glue_argmax_bf16.restype = ctypes.c_int64
     for name in ("glue_add_rms_norm_bf16", "glue_rope_kv_bf16", "glue_swiglu_bf16", "linear_bf16_pack"):
         getattr(lib, name).restype = None
     return lib

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deploy.errors import InvalidSamplingParams
+from deploy.verifier import native
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
@@ -152,8 +153,19 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     return idx
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """``torch.argmax`` of one logits row [vocab] (the first largest; a NaN counts as the
+    largest): the native pass on a CPU bf16 row (~10x torch's on one core), torch elsewhere."""
+    if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.dim() == 1:
+        lib = native.load()
+        if lib is not None:
+            row = logits.contiguous()
+            return int(lib.glue_argmax_bf16(row.data_ptr(), row.numel()))
+    return int(torch.argmax(logits).item())
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from the target at one position. logits: [vocab]."""
     if params.greedy:
-        return int(torch.argmax(logits).item())
+        return greedy_token(logits)
     return sample_from_probs(target_probs(logits, params), generator)

@@ -207,3 +207,29 @@ def test_tiny_temperatures_decode_greedily(temperature):
     assert p.greedy and make_generator(p) is None
     logits = torch.randn(100)
     assert sample_token(logits, p, None) == int(logits.argmax())
+
+
+def test_greedy_token_is_torch_argmax():
+    """The native bf16 argmax: the first largest, ties, -0/+0, +-inf and NaN (the first NaN) as torch."""
+    from deploy.verifier.sampling import greedy_token
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        n = int(torch.randint(1, 50_000, (1,), generator=g))
+        x = (torch.randn(n, generator=g) * 3).to(torch.bfloat16)
+        if trial % 3 == 0:
+            x[torch.randint(0, n, (3,), generator=g)] = x.max()  # ties: the first wins
+        if trial % 10 == 1:
+            x[torch.randint(0, n, (2,), generator=g)] = float("nan")
+        if trial % 10 == 2:
+            x[:] = -float("inf")
+        if trial % 10 == 3:
+            x[:] = 0.0
+            x[torch.randint(0, n, (2,), generator=g)] = -0.0
+        if trial % 10 == 4:
+            x[int(torch.randint(0, n, (1,), generator=g))] = float("inf")
+        assert greedy_token(x) == int(torch.argmax(x)), trial
+    rows = torch.randn(4, 300).to(torch.bfloat16)
+    assert greedy_token(rows[2]) == int(torch.argmax(rows[2]))  # a view into a batch
+    assert greedy_token(rows[:, 7]) == int(torch.argmax(rows[:, 7]))  # strided
+    assert greedy_token(rows[1].float()) == int(torch.argmax(rows[1].float()))  # float32: torch's
