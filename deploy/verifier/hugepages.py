@@ -5,7 +5,7 @@ LM head for the embedded SmolLM2-135M in bf16) and every row's KV pages through 
 From 4 KiB pages that stream takes a TLB miss every 4 KiB; one 2 MiB page covers 512 of them.
 Measured on the 2-core AMD EPYC these benchmarks run on (THP ``madvise``, one core): the LM
 head's packed weights stream at 15.9 GB/s from 4 KiB pages and 28.2 GB/s from huge pages.
-vLLM-CPU and torch leave tensors on 4 KiB pages unless THP is ``always``.
+torch's CPU allocator does not ask for huge pages: under THP ``madvise`` its tensors stay on 4 KiB pages.
 
 :func:`empty` maps anonymous memory, asks for huge pages (``madvise(MADV_HUGEPAGE)``) before
 any page is touched and aligns the tensor to 2 MiB inside the mapping, so first writes fault
