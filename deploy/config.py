@@ -125,6 +125,10 @@ class VerifierConfig(_Strict):
     truncate_trees: bool = Field(True, description="per batch, verify the prefix of each priority-ordered tree that "
                                                    "maximises expected tokens per forward second "
                                                    "(deploy/verifier/truncation.py)")
+    run_ahead_tokens: int = Field(8, ge=0, le=1024,
+                                  description="while the tree budget is 0, decode a session that asks (F_AHEAD) on "
+                                              "past its bonus for up to this many tokens in the following forwards, "
+                                              "and reply once with all of them; 0 = off (deploy/verifier/run_ahead.py)")
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
 
     def kv_pool_tokens(self) -> int:

@@ -51,6 +51,15 @@ every entry's id (u32), then every weight (u16; q(x) = w_x / sum w). The server 
 this q, so it samples every residual itself: the reply is the tree reply (no ``R_REJECTED``),
 and such trees are never truncated. 6 bytes per node + 1 per position + 6 per proposal entry.
 
+Run-ahead (``F_AHEAD``; ours): while the replica's tree budget is 0 (trees do not pay at its
+load), a plain round trip per token keeps each session out of a share of the forwards. A frame
+with this flag lets the replica decode on past the bonus, one token per forward, in the batches
+it runs anyway, up to ``verifier.run_ahead_tokens``, stopping as soon as the budget turns
+non-zero, the session finishes or its client goes; the reply then carries the tokens after
+the bonus (``R_AHEAD``: u16 m, m tokens u32, 2 + 4 m bytes at the end). Each is the target's
+own next token (greedy) or a sample of p (sampled), exactly as plain decoding would emit it.
+Plain trees only (no ``F_CHAIN``, ``F_RESAMPLED``, ``F_MORE``, ``F_TREEQ``, ``F_EARLY``).
+
 Early results (``F_EARLY``; the early-exit paper §3): a tree frame with this flag asks for an
 :class:`EarlyFrame` after each of the server's exit layers, *during* the verify forward: the
 path and next token that exit's walk of the tree gives, and its probability. Binary, its own
@@ -85,9 +94,10 @@ _TAIL_HEAD = struct.Struct("<fH")  # R_TAIL: tail mass, candidates
 
 F_CHAIN, F_RESAMPLED, F_CONF, F_MORE, F_TREEQ = 1, 2, 4, 8, 16  # request flags
 F_EARLY = 32  # request flag: stream early results (EarlyFrame) before the reply
+F_AHEAD = 64  # request flag: the server may run ahead (decode on past the bonus) while trees do not pay
 EARLY_MAGIC = 0x4545  # "EE"
 _EARLY_HEAD = struct.Struct("<HBBIHHIf")  # magic, ver, flags, prefix_len, layer, n_acc, token, confidence
-R_FINISHED, R_HAS_BONUS, R_REJECTED, R_TRUNCATED, R_TAIL = 1, 2, 4, 8, 16  # reply flags
+R_FINISHED, R_HAS_BONUS, R_REJECTED, R_TRUNCATED, R_TAIL, R_AHEAD = 1, 2, 4, 8, 16, 32  # reply flags
 FINISH_CODES = {None: 0, "stop": 1, "length": 2}
 FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
 
@@ -136,12 +146,14 @@ class VerifyFrame:
     # tree rejection sampling: per position (root, then node i) the proposal (ids, weights), () for a leaf
     proposals: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
     early: bool = False  # F_EARLY: early results from the exit heads before the reply (trees only)
+    ahead: bool = False  # F_AHEAD: the server may decode on past the bonus while its tree budget is 0
 
     def encode(self) -> bytes:
         n = len(self.tokens)
         flags = (F_CHAIN if self.q is not None else 0) | (F_RESAMPLED if self.resampled is not None else 0) | (
             F_CONF if self.conf is not None else 0) | (F_MORE if self.more else 0) | (
-            F_TREEQ if self.proposals is not None else 0) | (F_EARLY if self.early else 0)
+            F_TREEQ if self.proposals is not None else 0) | (F_EARLY if self.early else 0) | (
+            F_AHEAD if self.ahead else 0)
         out = [_REQ_HEAD.pack(MAGIC, VERSION, flags, self.prefix_len, n, min(self.depth, 65535),
                               float(self.draft_ms), float(self.rtt_ms))]
         out.append(struct.pack(f"<{n}I", *self.tokens))
@@ -167,8 +179,11 @@ class VerifyFrame:
         magic, ver, flags, prefix_len, n, depth, draft_ms, rtt_ms = _REQ_HEAD.unpack_from(data)
         if magic != MAGIC or ver != VERSION:
             raise InvalidRequest("not a verify frame of protocol version 1")
-        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE | F_TREEQ | F_EARLY):
+        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE | F_TREEQ | F_EARLY | F_AHEAD):
             raise InvalidRequest(f"unknown flags {flags:#x}")
+        if flags & F_AHEAD and flags & (F_CHAIN | F_RESAMPLED | F_MORE | F_TREEQ | F_EARLY):
+            raise InvalidRequest("flags: F_AHEAD goes with a plain tree (no F_CHAIN, F_RESAMPLED, F_MORE, F_TREEQ, "
+                                 "F_EARLY)")
         if flags & F_EARLY and flags & (F_CHAIN | F_RESAMPLED | F_MORE | F_TREEQ):
             raise InvalidRequest("flags: F_EARLY goes with a plain tree (no F_CHAIN, F_RESAMPLED, F_MORE, F_TREEQ)")
         if flags & F_MORE and (flags & (F_CHAIN | F_RESAMPLED | F_CONF) != F_CHAIN or n):
@@ -199,7 +214,7 @@ class VerifyFrame:
             if not (x == x and 0.0 <= x < 1e7):  # NaN or absurd telemetry
                 raise InvalidRequest("draft_ms / rtt_ms must be finite and non-negative")
         return cls(prefix_len, tokens, parents, draft_ms, rtt_ms, depth, q, resampled, conf, bool(flags & F_MORE),
-                   proposals, bool(flags & F_EARLY))
+                   proposals, bool(flags & F_EARLY), bool(flags & F_AHEAD))
 
 
 @dataclass
@@ -218,6 +233,12 @@ class ReplyFrame:
     tail_mass: float = 0.0  # chain mode, R_TAIL: p's mass outside reject_top_ids
     tail_ids: list[int] = field(default_factory=list)  # i.i.d. samples of p's tail
     tail_probs: list[float] = field(default_factory=list)  # p of each
+    ahead: list[int] = field(default_factory=list)  # R_AHEAD: tokens the server decoded past the bonus
+
+    @property
+    def emitted(self) -> int:
+        """Tokens this reply adds to the prefix: accepted nodes, the bonus, the run-ahead tokens."""
+        return len(self.accepted) + (self.bonus is not None) + len(self.ahead)
 
     @property
     def has_tail(self) -> bool:
@@ -234,7 +255,7 @@ class ReplyFrame:
     def encode(self) -> bytes:
         flags = (R_FINISHED if self.finished else 0) | (R_HAS_BONUS if self.bonus is not None else 0) | (
             R_REJECTED if self.rejected else 0) | (R_TRUNCATED if self.verified is not None else 0) | (
-            R_TAIL if self.has_tail else 0)
+            R_TAIL if self.has_tail else 0) | (R_AHEAD if self.ahead else 0)
         k = len(self.reject_top_ids)
         head = _REP_HEAD.pack(MAGIC, VERSION, flags, FINISH_CODES[self.finish_reason], 0, len(self.accepted),
                               self.prefix_len, self.bonus or 0, min(self.depth_hint, 255),
@@ -244,6 +265,8 @@ class ReplyFrame:
             m = len(self.tail_ids)
             tail += _TAIL_HEAD.pack(self.tail_mass, m) + struct.pack(f"<{m}I", *self.tail_ids) + struct.pack(
                 f"<{m}f", *self.tail_probs)
+        if self.ahead:
+            tail += struct.pack(f"<H{len(self.ahead)}I", len(self.ahead), *self.ahead)
         return b"".join([head, struct.pack(f"<{len(self.accepted)}H", *self.accepted),
                          struct.pack(f"<{k}I", *self.reject_top_ids), struct.pack(f"<{k}f", *self.reject_top_probs),
                          tail])
@@ -253,12 +276,15 @@ class ReplyFrame:
         if len(data) < _REP_HEAD.size:
             raise InvalidRequest("reply frame too short")
         magic, ver, flags, fin, _, n, prefix_len, bonus, depth, budget, k = _REP_HEAD.unpack_from(data)
-        truncated, has_tail = bool(flags & R_TRUNCATED), bool(flags & R_TAIL)
+        truncated, has_tail, has_ahead = bool(flags & R_TRUNCATED), bool(flags & R_TAIL), bool(flags & R_AHEAD)
         size = _REP_HEAD.size + 2 * n + 8 * k + 2 * truncated
-        if magic != MAGIC or ver != VERSION or flags & ~(R_FINISHED | R_HAS_BONUS | R_REJECTED | R_TRUNCATED | R_TAIL):
+        if magic != MAGIC or ver != VERSION or flags & ~(R_FINISHED | R_HAS_BONUS | R_REJECTED | R_TRUNCATED | R_TAIL
+                                                         | R_AHEAD):
             raise InvalidRequest("malformed reply frame")
         mass, m = _TAIL_HEAD.unpack_from(data, size) if has_tail and len(data) >= size + _TAIL_HEAD.size else (0.0, 0)
-        if len(data) != size + (_TAIL_HEAD.size + 8 * m if has_tail else 0):
+        size += _TAIL_HEAD.size + 8 * m if has_tail else 0
+        (a,) = struct.unpack_from("<H", data, size) if has_ahead and len(data) >= size + 2 else (0,)
+        if len(data) != size + (2 + 4 * a if has_ahead else 0) or has_ahead and not (a and flags & R_HAS_BONUS):
             raise InvalidRequest("malformed reply frame")
         off = _REP_HEAD.size
         acc = list(struct.unpack_from(f"<{n}H", data, off)); off += 2 * n
@@ -267,10 +293,11 @@ class ReplyFrame:
         verified = struct.unpack_from("<H", data, off)[0] if truncated else None
         off += 2 * truncated + _TAIL_HEAD.size * has_tail
         tail_ids = list(struct.unpack_from(f"<{m}I", data, off)); off += 4 * m
-        tail_probs = list(struct.unpack_from(f"<{m}f", data, off))
+        tail_probs = list(struct.unpack_from(f"<{m}f", data, off)); off += 4 * m
+        ahead = list(struct.unpack_from(f"<{a}I", data, off + 2)) if has_ahead else []
         return cls(acc, bonus if flags & R_HAS_BONUS else None, prefix_len, bool(flags & R_FINISHED),
                    FINISH_NAMES.get(fin), depth, budget, bool(flags & R_REJECTED), ids, probs, verified,
-                   mass, tail_ids, tail_probs)
+                   mass, tail_ids, tail_probs, ahead)
 
 
 @dataclass

@@ -94,6 +94,9 @@ class AgentConfig:
     ping_every: int = 16  # rounds between RTT pings (0 = only at open)
     check_tokenizer: bool = True
     send_confidence: bool = True  # one byte per node (cumulative draft log-prob): the server's truncation uses it
+    # F_AHEAD (match rule, no early results): while the server's tree budget is 0 it may decode on past the
+    # bonus in the forwards it runs anyway and reply with several tokens (deploy/protocol.py, "Run-ahead")
+    run_ahead: bool = True
     verify: str = "match"  # match | rejection (chains with q(x)) | tree-rejection (sampled trees with q) | auto
     # the target version to verify against (FlexSpec: a LoRA fine-tune of the base; None: the base); one
     # agent, one version, so its telemetry (and its FlexSpec depth rule) sees that version's acceptance only
@@ -124,6 +127,7 @@ class GenerationStats:
     draft_tokens: int = 0  # nodes sent (num_draft_tokens)
     verified_nodes: int = 0  # nodes the server verified (fewer than sent when it truncated a tree)
     accepted_tokens: int = 0  # accepted draft nodes (num_accepted_tokens)
+    ahead_tokens: int = 0  # tokens the server decoded past the bonus (run-ahead)
     draft_forwards: int = 0  # forwards that built the sent trees
     proactive_forwards: int = 0
     align_attempts: int = 0  # rounds with a proactive token in hand when the reply came
@@ -420,6 +424,7 @@ class EdgeAgent:
                                     rtt_ms=t.rtt_ms.get(0.0), depth=ds.forwards,
                                     conf=ds.confidences(order) if cfg.send_confidence and len(tree) else None,
                                     proposals=ds.proposals(), early=pc is not None and len(tree) > 0)
+                frame.ahead = cfg.run_ahead and rule == "match" and not frame.early
                 t0 = time.perf_counter()
                 if pc is not None:  # pre-draft from early results first, proactive drafting in between
                     pc.begin_round(frame.prefix_len, ds.builder.forwards)
@@ -437,10 +442,11 @@ class EdgeAgent:
                     continue
                 round_ms = (time.perf_counter() - t0) * 1e3
                 stalled = 0
-                if reply.prefix_len != len(prompt_ids) + len(generated) + len(reply.accepted) + (
-                        reply.bonus is not None):
+                if reply.prefix_len != len(prompt_ids) + len(generated) + reply.emitted or (
+                        reply.ahead and not frame.ahead):
                     raise EdgeError(f"reply prefix length {reply.prefix_len} does not match the history")
                 emitted = [tree.tokens[i] for i in reply.accepted] + ([reply.bonus] if reply.bonus is not None else [])
+                emitted += reply.ahead
                 hit = pc.take(list(reply.accepted), reply.bonus) if pc is not None else None
                 if hit is not None:  # the pre-draft cache holds this outcome's next tree, drafted already
                     al = Alignment(bool(ds.chain), False, 0)
@@ -454,12 +460,14 @@ class EdgeAgent:
                 stats.draft_tokens += len(tree)
                 stats.verified_nodes += verified
                 stats.accepted_tokens += len(reply.accepted)
+                stats.ahead_tokens += len(reply.ahead)
                 stats.depth_sum += tree.depth
                 stats.round_ms.append(round_ms)
                 stats.align_attempts += al.attempted
                 stats.aligned += al.aligned
                 stats.reused_tokens += al.reused
-                self.telemetry.observe_round(tree.depth, len(reply.accepted), verified, round_ms)
+                if not reply.ahead:  # a run-ahead round's time is several forwards: not a round's server time
+                    self.telemetry.observe_round(tree.depth, len(reply.accepted), verified, round_ms)
                 depth_hint = reply.depth_hint or depth_hint
                 budget_hint = reply.budget_hint
                 finished, finish_reason = reply.finished, reply.finish_reason
@@ -621,8 +629,8 @@ class EdgeAgent:
                 round_ms = (time.perf_counter() - t0) * 1e3
                 stalled = 0
                 n_acc = len(reply.accepted)
-                if reply.accepted != list(range(n_acc)) or n_acc > len(tokens) or reply.prefix_len != base + n_acc + (
-                        not reply.finished or reply.bonus is not None):
+                if reply.ahead or reply.accepted != list(range(n_acc)) or n_acc > len(tokens) or (
+                        reply.prefix_len != base + n_acc + (not reply.finished or reply.bonus is not None)):
                     raise EdgeError(f"reply (prefix length {reply.prefix_len}, {n_acc} accepted) does not match "
                                     "the chain sent")
                 owed = None

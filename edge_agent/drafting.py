@@ -172,13 +172,13 @@ class DraftSession:
 
     def on_reply(self, accepted: list[int], bonus: int | None, emitted: list[int]) -> Alignment:
         """Apply a verification: ``accepted`` tree indices, ``bonus`` token, ``emitted``
-        tokens (accepted tokens + bonus). Prepares the next tree."""
+        tokens (accepted tokens + bonus + any the server ran ahead). Prepares the next tree."""
         tree, order = self.sent if self.sent is not None else (DraftTree.empty(), [])
         acc_ids = [order[i] for i in accepted]
         new_prefix = self.prefix + list(emitted)
         attempted = bool(self.chain)
         aligned = (attempted and bonus is not None and acc_ids == self.builder.path(self.leaf)
-                   and bonus == self.chain[0].token)
+                   and bonus == self.chain[0].token and len(emitted) == len(acc_ids) + 1)
         path_ids: list[int] = []
         for nid in acc_ids:  # the fed prefix of the accepted path keeps its draft KV
             if not self._fed(nid):

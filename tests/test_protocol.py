@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from deploy.errors import InvalidRequest, PayloadTooLarge
-from deploy.protocol import (F_CHAIN, F_CONF, F_EARLY, F_MORE, F_RESAMPLED, F_TREEQ, MAGIC, MAX_NODES_WIRE,
-                             VERSION, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened, VerifyFrame,
+from deploy.protocol import (F_AHEAD, F_CHAIN, F_CONF, F_EARLY, F_MORE, F_RESAMPLED, F_TREEQ, MAGIC,
+                             MAX_NODES_WIRE, R_AHEAD, R_HAS_BONUS, VERSION, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened, VerifyFrame,
                              asks_early, record)
 
 f32 = st.floats(0, 1e6, allow_nan=False, width=32)
@@ -25,13 +25,14 @@ def verify_frames(draw) -> VerifyFrame:
                            draft_ms=draw(f32), rtt_ms=draw(f32))
     n = draw(st.integers(0, 24))
     chain = draw(st.booleans())
+    resampled = draw(st.none() | st.integers(0, 2**32 - 1))
     return VerifyFrame(
         prefix_len=draw(st.integers(0, 2**32 - 1)),
         tokens=draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n)),
         parents=draw(st.lists(st.integers(-(2**15), 2**15 - 1), min_size=n, max_size=n)),
         draft_ms=draw(f32), rtt_ms=draw(f32), depth=draw(st.integers(0, 65535)),
         q=draw(st.lists(st.floats(0, 1, width=32), min_size=n, max_size=n)) if chain else None,
-        resampled=draw(st.none() | st.integers(0, 2**32 - 1)),
+        resampled=resampled, ahead=not chain and resampled is None and draw(st.booleans()),
     )
 
 
@@ -53,9 +54,10 @@ def test_uplink_size_is_a_few_bytes_per_node():
 def reply_frames(draw) -> ReplyFrame:
     k = draw(st.integers(0, 16))
     m = draw(st.integers(0, 16))
+    bonus = draw(st.none() | st.integers(0, 2**32 - 1))
     return ReplyFrame(
         accepted=draw(st.lists(st.integers(0, 65535), max_size=24)),
-        bonus=draw(st.none() | st.integers(0, 2**32 - 1)),
+        bonus=bonus,
         prefix_len=draw(st.integers(0, 2**32 - 1)),
         finished=draw(st.booleans()), finish_reason=draw(st.sampled_from([None, "stop", "length"])),
         depth_hint=draw(st.integers(0, 255)), budget_hint=draw(st.integers(0, 65535)),
@@ -66,6 +68,7 @@ def reply_frames(draw) -> ReplyFrame:
         tail_mass=draw(st.just(0.0) | st.floats(0.5, 1, width=32)),
         tail_ids=draw(st.lists(st.integers(0, 2**32 - 1), min_size=m, max_size=m)),
         tail_probs=draw(st.lists(st.floats(0, 1, width=32), min_size=m, max_size=m)),
+        ahead=draw(st.lists(st.integers(0, 2**32 - 1), max_size=9)) if bonus is not None else [],
     )
 
 
@@ -151,9 +154,13 @@ def test_reply_decoder_rejects_malformed_frames():
     good = ReplyFrame(accepted=[1, 2], bonus=5, prefix_len=9).encode()
     tail = ReplyFrame(accepted=[0], bonus=None, prefix_len=9, rejected=True, reject_top_ids=[3],
                       reject_top_probs=[0.5], tail_mass=0.5, tail_ids=[7, 8], tail_probs=[0.1, 0.2]).encode()
-    unknown_flag = good[:3] + bytes([good[3] | 32]) + good[4:]
+    unknown_flag = good[:3] + bytes([good[3] | 64]) + good[4:]
+    ahead = ReplyFrame(accepted=[1], bonus=5, prefix_len=9, ahead=[6, 7]).encode()
+    no_bonus = ahead[:3] + bytes([ahead[3] & ~R_HAS_BONUS]) + ahead[4:]
+    flag_only = good[:3] + bytes([good[3] | R_AHEAD]) + good[4:]  # R_AHEAD, no count
+    zero = flag_only + struct.pack("<H", 0)  # R_AHEAD with no tokens
     for bad in (b"", good[:-1], good + b"\0", b"\0\0" + good[2:], unknown_flag, tail[:-1], tail + b"\0",
-                tail[:-16]):
+                tail[:-16], ahead[:-1], ahead + b"\0", ahead[:-4], no_bonus, flag_only, zero):
         with pytest.raises(InvalidRequest):
             ReplyFrame.decode(bad)
 
@@ -217,6 +224,24 @@ def test_the_early_flag_goes_with_plain_trees_only():
     bad_conf = EarlyFrame(4, 1, [0], 5, 0.5).encode()[:-6] + struct.pack("<f", 1.5) + b"\0\0"
     with pytest.raises(InvalidRequest):
         EarlyFrame.decode(bad_conf)
+
+
+def test_the_ahead_flag_goes_with_plain_trees_only():
+    """F_AHEAD (run-ahead): a plain tree or an empty one, with confidences or not; nothing else."""
+    for frame in (VerifyFrame(prefix_len=4, tokens=[], parents=[], ahead=True),
+                  VerifyFrame(prefix_len=4, tokens=[5, 6], parents=[-1, 0], conf=[0, 3], ahead=True)):
+        data = frame.encode()
+        assert data[3] & F_AHEAD and VerifyFrame.decode(data) == frame
+        assert len(data) == len(VerifyFrame(prefix_len=4, tokens=frame.tokens, parents=frame.parents,
+                                            conf=frame.conf).encode())  # one flag bit, no bytes
+        for other in (F_CHAIN, F_MORE, F_TREEQ, F_RESAMPLED, F_EARLY):
+            raw = bytearray(data)
+            raw[3] |= other
+            with pytest.raises(InvalidRequest, match="F_AHEAD|F_EARLY|flags|bytes|proposals"):
+                VerifyFrame.decode(bytes(raw))
+    reply = ReplyFrame(accepted=[0, 1], bonus=7, prefix_len=20, ahead=[8, 9, 10])
+    assert reply.emitted == 6 and ReplyFrame.decode(reply.encode()).ahead == [8, 9, 10]
+    assert len(reply.encode()) == len(ReplyFrame(accepted=[0, 1], bonus=7, prefix_len=20).encode()) + 2 + 4 * 3
 
 
 @settings(max_examples=60)

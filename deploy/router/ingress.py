@@ -310,7 +310,7 @@ class Router:
             self.tenants.session_gone(tenant, sid)
         _raise_for(status, payload)
         reply = ReplyFrame.decode(payload)
-        self.tenants.session_used(tenant, sid, len(reply.accepted) + (reply.bonus is not None))
+        self.tenants.session_used(tenant, sid, reply.emitted)
         self.metrics.on_verify(tenant.config.name, time.perf_counter() - t0, self.admission.inflight)
         return payload
 

@@ -46,6 +46,7 @@ from deploy.verifier.versions import TargetVersions
 from deploy.verifier.models import load_model, tokenizer_fingerprint
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.pacing import Pacer
+from deploy.verifier.run_ahead import RunAhead
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.scheduler import FairScheduler, Pending
 from deploy.verifier.tree import DraftTree, TreeLimits
@@ -78,14 +79,16 @@ def _answer(fut: asyncio.Future, result) -> None:
 
 def _answer_each(items, reply) -> None:
     """Answer each ``(future, item)`` with ``reply(item)``, independently: a reply that
-    raises answers its own request 500 and never touches the others (issue 14)."""
+    raises answers its own request 500 and never touches the others (issue 14). ``None``
+    from ``reply``: not answered yet (a run-ahead request went back into the queue)."""
     for fut, item in items:
         try:
             result = reply(item)
         except Exception as e:
             log.exception("answering a request failed")
             result = _internal(e)
-        _answer(fut, result)
+        if result is not None:
+            _answer(fut, result)
 
 
 class VerifierCore:
@@ -300,9 +303,11 @@ class VerifierCore:
         self._ensure_loop()
         gains = (node_gains(f.parents, f.conf) if f.q is None and f.proposals is None
                  and self.cfg.verifier.truncate_trees else [])
+        run = RunAhead(self.cfg.verifier.run_ahead_tokens, len(f.tokens)) if (
+            f.ahead and self.cfg.verifier.run_ahead_tokens) else None
         now = time.monotonic()
         self.arrivals.arrived(session_id, now)
-        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains), now))
+        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains, run), now))
         self._wake.set()
         return await fut
 
@@ -543,7 +548,7 @@ class VerifierCore:
             results, opened = await loop.run_in_executor(self._executor, run)
         except SpecError as e:  # a full KV pool or a lost commit: a clear 503 for the batch and its prompts
             for p in batch:
-                _answer(p.payload[1], _error(e))
+                _answer(p.payload[1], self._run_so_far(p) or _error(e))
             for sid in getattr(e, "sessions", ()):  # KVStateLost: the engine dropped them
                 if sid in self.owner:
                     self._forget(sid, "kv_state_lost")
@@ -552,7 +557,7 @@ class VerifierCore:
         except Exception as e:
             log.exception("verify forward failed")
             for p in batch:
-                _answer(p.payload[1], _internal(e))
+                _answer(p.payload[1], self._run_so_far(p) or _internal(e))
             return
         self._settle_version_failures()
         _answer_each([(p.payload[1], (p, res)) for p, res in results], self._round_reply)
@@ -581,19 +586,29 @@ class VerifierCore:
         return whole + [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n, early=r.early))
                         for (p, r), n in zip(trees, take)]
 
-    def _round_reply(self, item) -> tuple[int, bytes | dict]:
-        """Bookkeeping and the reply frame of one verified round."""
+    def _run_so_far(self, p: Pending) -> tuple[int, bytes] | None:
+        """A run-ahead request whose continuation step failed (its session evicted or closed
+        meanwhile, a failed forward): the reply with the tokens decoded so far, so none is
+        lost; the edge's next request meets the failure. None for any other request."""
+        run = p.payload[3]
+        if run is None or not run.started:
+            return None
+        return 200, run.frame(*self._hints(p.session_id)).encode()
+
+    def _round_reply(self, item) -> tuple[int, bytes | dict] | None:
+        """Bookkeeping and the reply frame of one verified round; None when a run-ahead
+        request decodes on (:mod:`deploy.verifier.run_ahead`: it is queued again)."""
         p, res = item
+        req, fut, gains, run = p.payload
         if isinstance(res, SpecError):
-            return _error(res)
-        req = p.payload[0]
+            return self._run_so_far(p) or _error(res)
         tree_mode = isinstance(req, VerifyRequest)
         # chain mode: a rejected round has no bonus; the residual sample it owes arrives (and is
         # emitted) with the next request, and counts there
         rs = RoundStats.of(p.tenant, req, res)
         n_nodes, emitted = rs.draft_tokens, rs.emitted
-        if tree_mode and p.payload[2]:
-            self.calibration.observe(sum(p.payload[2][:n_nodes]), len(res.accepted))
+        if tree_mode and gains:
+            self.calibration.observe(sum(gains[:n_nodes]), len(res.accepted))
         refill = not tree_mode and req.more  # more residual candidates: no draft was verified
         if not refill:
             self.versions.pacer(p.session_id).observe_round(n_nodes, emitted)
@@ -602,13 +617,20 @@ class VerifierCore:
         if not refill:
             self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget,
                                   version=self.versions.label(p.session_id))
-        if tree_mode:
+        now = time.monotonic()
+        self.round_latencies.append((p.enqueued_at, now - p.enqueued_at))
+        if run is not None:
+            run.add(res)
+            if run.continues(budget, fut.done()):
+                self.sched.add(Pending(p.tenant, p.session_id, 1, (
+                    VerifyRequest(p.session_id, DraftTree.empty(), res.prefix_len), fut, [], run), now))
+                return None
+            frame = run.frame(depth, budget)
+        elif tree_mode:
             frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
                                depth, budget, verified=res.verified if res.verified < len(req.tree) else None)
         else:
             frame = ReplyFrame.of_chain(res, depth, budget)
-        now = time.monotonic()
-        self.round_latencies.append((p.enqueued_at, now - p.enqueued_at))
         if res.finished or refill:
             self.arrivals.forget(p.session_id)
         else:

@@ -1,0 +1,218 @@
+"""Run-ahead on a replica (the VerifierCore batch loop, no Serve; deploy/verifier/run_ahead.py):
+while the tree budget is 0, a request that asks (F_AHEAD) is decoded on in the following forwards
+and answered once with several tokens, exactly the target's (greedy and seeded sampling); a
+client that goes, an eviction or a close in the middle stops it without losing a token or
+touching another session."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from deploy.config import AppConfig
+from deploy.protocol import ReplyFrame, VerifyFrame
+from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.reference import reference_decode
+from deploy.verifier.sampling import SamplingParams
+from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.drafter import ModelDrafter
+from edge_agent.replica_transport import ReplicaTransport
+from tests.edge_agent.helpers import noisy_copy
+
+VOCAB = 512
+
+
+def make_core(budgets=(0,), **verifier) -> VerifierCore:
+    """A replica whose tree budget is 0 from the first round (``budgets=(0,)``: no tree pays)."""
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"batch_wait_ms": 2, **verifier}, pacing={"tree_budgets": list(budgets)}))
+    for rows in (1, 4, 16):  # past the pacer's warm-up (3 forwards), flat: trees would pay if offered
+        core.pacer.observe_forward(rows, 0.01)
+    return core
+
+
+def prompt(seed: int, n: int = 10) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+async def open_session(core, p, sampling, history=()):
+    status, d = await core.open_session("dev", {"prompt_ids": p, "sampling": sampling,
+                                                "generated_ids": list(history)})
+    assert status == 200, d
+    return d
+
+
+async def decode(core, p, sampling, ahead=True) -> tuple[list[int], list[ReplyFrame]]:
+    """Empty trees until finished; every reply's tokens in order (first token, bonus, run-ahead)."""
+    d = await open_session(core, p, sampling)
+    sid, n, out, done, replies = d["session_id"], d["prefix_len"], [d["first_token"]], d["finished"], []
+    while not done:
+        status, raw = await asyncio.wait_for(core.verify(sid, "dev", VerifyFrame(n, [], [], ahead=ahead).encode()), 30)
+        assert status == 200, raw
+        r = ReplyFrame.decode(raw)
+        assert r.prefix_len == n + r.emitted and r.bonus is not None
+        out += [r.bonus] + r.ahead
+        n, done = r.prefix_len, r.finished
+        replies.append(r)
+    await core.close_session(sid, "dev")
+    return out, replies
+
+
+def test_run_ahead_is_the_targets_greedy_decoding_in_fewer_requests():
+    core = make_core(run_ahead_tokens=5)
+    prompts = [prompt(s) for s in range(4)]
+    sampling = {"max_tokens": 24, "ignore_eos": True}
+    refs = [reference_decode(core.loaded.model, p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+
+    async def main():
+        return await asyncio.gather(*(decode(core, p, sampling) for p in prompts),
+                                    decode(core, prompts[0], sampling, ahead=False))
+
+    *ran, plain = asyncio.run(main())
+    for (out, replies), ref in zip(ran, refs):
+        assert out == ref
+        assert max(len(r.ahead) for r in replies) == 5  # the limit, reached
+        assert len(replies) < len(ref) - 1  # fewer requests than tokens
+        assert replies[-1].finished and replies[-1].finish_reason == "length"
+    out, replies = plain
+    assert out == refs[0] and len(replies) == len(refs[0]) - 1 and not any(r.ahead for r in replies)
+    assert core.stats()["tokens_emitted"] == sum(len(r) for r in refs) + len(refs[0])
+    assert core.pending() == 0
+
+
+def test_seeded_sampling_through_run_ahead_is_the_targets_sample_path():
+    """Each continuation step samples the bonus from p with the session's own generator, in the
+    order round-by-round decoding would: the same seed gives the same tokens, with or without."""
+    core = make_core(run_ahead_tokens=7)
+    p = prompt(7)
+    sampling = {"max_tokens": 30, "temperature": 0.9, "top_p": 0.95, "seed": 11, "ignore_eos": True}
+    ref = reference_decode(core.loaded.model, p, SamplingParams.from_dict(sampling))
+
+    async def main():
+        return await decode(core, p, sampling), await decode(core, p, sampling, ahead=False)
+
+    (ahead, replies), (plain, _) = asyncio.run(main())
+    assert ahead == plain == ref
+    assert any(r.ahead for r in replies)
+
+
+def test_no_run_ahead_while_trees_pay_or_when_off():
+    pays = make_core(budgets=(0, 8))
+    pays.pacer.budget_hint = lambda sessions: 8  # trees pay (the real forwards would move a measured curve)
+    for core in (pays, make_core(run_ahead_tokens=0)):
+        out, replies = asyncio.run(decode(core, prompt(3), {"max_tokens": 12, "ignore_eos": True}))
+        assert len(out) == 12 and not any(r.ahead for r in replies)
+
+
+async def run_started(core, sid: str, n: int) -> asyncio.Task:
+    """An F_AHEAD request of ``sid`` in flight, returned once its first forward has run."""
+    before = core.tokens_emitted
+    task = asyncio.create_task(core.verify(sid, "dev", VerifyFrame(n, [], [], ahead=True).encode()))
+    while core.tokens_emitted == before:
+        await asyncio.sleep(0.0005)
+    return task
+
+
+async def decode_rest(core, d) -> list[int]:
+    """The rest of a (re-)opened session, run-ahead on (a re-open from history has no first token)."""
+    out, n, done = [t for t in [d["first_token"]] if t is not None], d["prefix_len"], d["finished"]
+    while not done:
+        status, raw = await core.verify(d["session_id"], "dev", VerifyFrame(n, [], [], ahead=True).encode())
+        assert status == 200, raw
+        r = ReplyFrame.decode(raw)
+        out += [r.bonus] + r.ahead
+        n, done = r.prefix_len, r.finished
+    await core.close_session(d["session_id"], "dev")
+    return out
+
+
+def test_a_client_gone_mid_run_stops_it_and_the_others_are_untouched():
+    core = make_core(run_ahead_tokens=1000)
+    p, q = prompt(1), prompt(2)
+    sampling = {"max_tokens": 400, "ignore_eos": True}
+    ref_q = reference_decode(core.loaded.model, q, SamplingParams(max_tokens=40, ignore_eos=True))
+
+    async def run():
+        d = await open_session(core, p, sampling)
+        sid, n = d["session_id"], d["prefix_len"]
+        task = await run_started(core, sid, n)
+        task.cancel()  # the client dropped its connection
+        other = asyncio.create_task(decode(core, q, {"max_tokens": 40, "ignore_eos": True}))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        grown = len(core.engine.sessions[sid].prefix)
+        await asyncio.sleep(0.2)
+        assert len(core.engine.sessions[sid].prefix) == grown < len(p) + 400  # it stopped, far before the end
+        out, _ = await other
+        # the edge never got that reply: its next request assumes the old prefix and is told the server's
+        status, err = await core.verify(sid, "dev", VerifyFrame(n, [], [], ahead=True).encode())
+        assert status == 409 and err["error"]["code"] == "prefix_mismatch", err
+        await core.close_session(sid, "dev")
+        return out
+
+    assert asyncio.run(run()) == ref_q
+    assert core.pending() == 0 and not core.engine.sessions
+
+
+@pytest.mark.parametrize("how", ["evicted", "closed"])
+def test_an_eviction_or_close_mid_run_replies_the_tokens_so_far(how):
+    """The reply brings every token decoded before the session went; the next request meets the
+    eviction (410) and the edge re-opens from its history, so the output is still the target's."""
+    core = make_core(run_ahead_tokens=1000)
+    p = prompt(5)
+    sampling = {"max_tokens": 300, "ignore_eos": True}
+    ref = reference_decode(core.loaded.model, p, SamplingParams(max_tokens=300, ignore_eos=True))
+
+    async def run():
+        d = await open_session(core, p, sampling)
+        sid, n = d["session_id"], d["prefix_len"]
+        task = await run_started(core, sid, n)
+        if how == "evicted":
+            await core._evict(sid, "kv_budget")
+        else:
+            assert (await core.close_session(sid, "dev"))[0] == 200
+        status, raw = await asyncio.wait_for(task, 30)
+        assert status == 200, raw
+        r = ReplyFrame.decode(raw)
+        got = [d["first_token"], r.bonus] + r.ahead
+        assert r.prefix_len == n + r.emitted and not r.finished and len(got) < 300
+        assert got == ref[: len(got)]
+        status, err = await core.verify(sid, "dev", VerifyFrame(r.prefix_len, [], [], ahead=True).encode())
+        assert status == (410 if how == "evicted" else 404), err
+        d2 = await open_session(core, p, sampling, history=got)  # the edge re-opens from its history
+        return got + await decode_rest(core, d2)
+
+    assert asyncio.run(run()) == ref
+    assert core.pending() == 0 and not core.engine.sessions
+
+
+def test_edge_agents_take_run_ahead_tokens_and_stay_exact():
+    """The edge path end to end (EdgeAgent over the replica's own calls): with the budget at 0
+    the agents send empty trees with F_AHEAD, emit the tokens past the bonus, and the output is
+    the target's; without run-ahead it is one round per token."""
+    core = make_core(run_ahead_tokens=6)
+    drafter_model = noisy_copy(core.loaded.model, 0.005)
+    prompts = [prompt(s) for s in range(3)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    refs = [reference_decode(core.loaded.model, p, params) for p in prompts]
+
+    async def generate(p, run_ahead):
+        agent = EdgeAgent(ReplicaTransport(core), ModelDrafter(drafter_model), config=AgentConfig(run_ahead=run_ahead))
+        try:
+            return await agent.generate(p, params)
+        finally:
+            agent.close()
+
+    async def main():
+        return await asyncio.gather(*(generate(p, True) for p in prompts), generate(prompts[0], False))
+
+    *ran, plain = asyncio.run(main())
+    for res, ref in zip(ran, refs):
+        st = res.stats
+        assert res.token_ids == ref and st.ahead_tokens > 0 and st.draft_forwards == 0
+        assert st.tokens == 1 + st.rounds + st.accepted_tokens + st.ahead_tokens
+    assert plain.token_ids == refs[0] and plain.stats.ahead_tokens == 0 and plain.stats.rounds == len(refs[0]) - 1
