@@ -381,6 +381,9 @@ class VerifierCore:
         draft_ms, rtt_ms = self.client.get(sid, (0.0, 0.0))
         return pacer.depth_hint(n, budget, draft_ms, rtt_ms), budget
 
+    def _best_budget(self, sid: str) -> int:
+        return self.versions.pacer(sid).best_budget(max(len(self.engine.sessions), 1))
+
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         vc = self.cfg.verifier
@@ -613,18 +616,22 @@ class VerifierCore:
         if not refill:
             self.versions.pacer(p.session_id).observe_round(n_nodes, emitted)
         self.tokens_emitted += emitted
-        depth, budget = self._hints(p.session_id)
-        if not refill:
-            self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget,
-                                  version=self.versions.label(p.session_id))
         now = time.monotonic()
         self.round_latencies.append((p.enqueued_at, now - p.enqueued_at))
         if run is not None:
             run.add(res)
-            if run.continues(budget, fut.done()):
+            # decoding on needs the best budget to be 0 (a step's hints are 0); only the reply that
+            # ends the run asks the pacer for its hint, so exploration stays one in explore_every replies
+            if run.continues(self._best_budget(p.session_id), fut.done()):
+                self.metrics.on_round(p.tenant, p.session_id, req, res, 0, 0, version=self.versions.label(p.session_id))
                 self.sched.add(Pending(p.tenant, p.session_id, 1, (
                     VerifyRequest(p.session_id, DraftTree.empty(), res.prefix_len), fut, [], run), now))
                 return None
+        depth, budget = self._hints(p.session_id)
+        if not refill:
+            self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget,
+                                  version=self.versions.label(p.session_id))
+        if run is not None:
             frame = run.frame(depth, budget)
         elif tree_mode:
             frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,

@@ -147,22 +147,27 @@ class Pacer:
         prior = lambda m: 1.0 + 0.5 * math.log2(1 + m)  # noqa: E731
         return max(1.0, obs[near] * prior(n) / prior(near))
 
-    def budget_hint(self, sessions: int) -> int:
+    def _rate(self, sessions: int, n: int) -> float:
+        """Verified tokens per second of forward time with ``sessions`` trees of ``n`` nodes."""
+        s = max(sessions, 1)
+        return s * self.expected_tokens(n) / max(self.cost.predict(s * (n + 1)), 1e-6)
+
+    def best_budget(self, sessions: int) -> int:
+        """The budget that pays best now (no exploration); the default until measured."""
         if self.cost.count < 3:
             return self.default_budget
-        s = max(sessions, 1)
+        return max(self.budgets, key=lambda n: self._rate(sessions, n))
 
-        def rate(n: int) -> float:
-            return s * self.expected_tokens(n) / max(self.cost.predict(s * (n + 1)), 1e-6)
-
-        best = max(self.budgets, key=rate)
+    def budget_hint(self, sessions: int) -> int:
+        """The hint a reply carries: :meth:`best_budget`, and, while that is "no tree", every
+        ``explore_every``-th hint the best tree anyway: with no trees sent, tree acceptance is
+        never observed again, so the estimates stay current and trees come back when they pay."""
+        best = self.best_budget(sessions)
         trees = [n for n in self.budgets if n > 0]
-        if best == 0 and trees:
-            # with no trees sent, tree acceptance is never observed again: now and then ask for
-            # the best tree, so the estimates stay current and trees come back when they pay
+        if best == 0 and trees and self.cost.count >= 3:
             self._no_tree_hints += 1
             if self._no_tree_hints % self.explore_every == 0:
-                return max(trees, key=rate)
+                return max(trees, key=lambda n: self._rate(sessions, n))
         return best
 
     def depth_hint(self, sessions: int, budget: int, draft_ms: float, rtt_ms: float) -> int:

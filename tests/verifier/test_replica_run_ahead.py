@@ -101,7 +101,7 @@ def test_seeded_sampling_through_run_ahead_is_the_targets_sample_path():
 
 def test_no_run_ahead_while_trees_pay_or_when_off():
     pays = make_core(budgets=(0, 8))
-    pays.pacer.budget_hint = lambda sessions: 8  # trees pay (the real forwards would move a measured curve)
+    pays.pacer.best_budget = lambda sessions: 8  # trees pay (the real forwards would move a measured curve)
     for core in (pays, make_core(run_ahead_tokens=0)):
         out, replies = asyncio.run(decode(core, prompt(3), {"max_tokens": 12, "ignore_eos": True}))
         assert len(out) == 12 and not any(r.ahead for r in replies)
