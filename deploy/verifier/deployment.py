@@ -33,8 +33,8 @@ from ray import serve
 
 from deploy import gc_policy
 from deploy.config import AppConfig, versions_update
-from deploy.errors import (InvalidRequest, ModelNotFound, SessionEvicted, SessionNotFound, SpecError,
-                           TokenizerMismatch, VersionUnavailable)
+from deploy.errors import (InvalidRequest, ModelNotFound, PrefixMismatch, SessionEvicted, SessionNotFound,
+                           SpecError, TokenizerMismatch, VersionUnavailable)
 from deploy.metrics import RoundStats, VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
@@ -71,9 +71,10 @@ def _internal(e: Exception) -> tuple[int, dict]:
     return 500, {"error": {"code": "internal", "message": str(e)}}
 
 
-def _answer(fut: asyncio.Future, result) -> None:
-    """Answer a request unless its client has gone (a cancelled future)."""
-    if not fut.done():
+def _answer(fut: asyncio.Future | None, result) -> None:
+    """Answer a request unless its client has gone (a cancelled future) or there is none (a
+    detached run-ahead step)."""
+    if fut is not None and not fut.done():
         fut.set_result(result)
 
 
@@ -141,6 +142,7 @@ class VerifierCore:
         self._loop_task: asyncio.Task | None = None
         self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
         self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
+        self._detached: dict[str, RunAhead] = {}  # sid -> its run-ahead between a reply and the next request
         self._verify_s = 0.0  # EMA of a verify forward's seconds
         self._last_verify = 0.0  # when the last verify batch ran (monotonic)
         self._prefill_token_s = 0.0  # EMA of the seconds a prompt token adds to a forward
@@ -222,6 +224,7 @@ class VerifierCore:
 
     def _forget(self, sid: str, reason: str) -> None:
         """A session the engine no longer holds: its requests answer 410 from now on."""
+        self._detached.pop(sid, None)
         self.owner.pop(sid, None)
         self.client.pop(sid, None)
         self.arrivals.forget(sid)
@@ -303,12 +306,29 @@ class VerifierCore:
         self._ensure_loop()
         gains = (node_gains(f.parents, f.conf) if f.q is None and f.proposals is None
                  and self.cfg.verifier.truncate_trees else [])
-        run = RunAhead(self.cfg.verifier.run_ahead_tokens, len(f.tokens)) if (
-            f.ahead and self.cfg.verifier.run_ahead_tokens) else None
         now = time.monotonic()
         self.arrivals.arrived(session_id, now)
+        if session_id in self._detached:
+            return await self._take_over(tenant, session_id, f, fut)
+        limit = self.cfg.verifier.run_ahead_tokens
+        run = RunAhead(limit, f.prefix_len, fut, len(f.tokens)) if f.ahead and limit else None
         self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains, run), now))
         self._wake.set()
+        return await fut
+
+    async def _take_over(self, tenant: str, sid: str, f: VerifyFrame, fut: asyncio.Future):
+        """The edge's next request meets its session's detached run (:mod:`deploy.verifier.run_ahead`):
+        it takes the run over, and its reply starts with the tokens decoded meanwhile."""
+        run = self._detached[sid]
+        if not f.ahead or f.prefix_len != run.base_prefix:
+            return _error(PrefixMismatch(
+                f"request assumes a prefix of {f.prefix_len} tokens; this session ran ahead from "
+                f"{run.base_prefix} (F_AHEAD): send F_AHEAD at that prefix, or re-open it",
+                server_prefix_len=run.base_prefix))
+        del self._detached[sid]
+        run.attach(fut, len(f.tokens))
+        if not run.queued:  # it stopped (full, ended, or trees pay again): the reply is ready
+            _answer(fut, self._reply_run(tenant, sid, run, *self._hints(sid)))
         return await fut
 
     async def verify_stream(self, session_id: str, tenant: str, frame: bytes):
@@ -327,6 +347,7 @@ class VerifierCore:
             return _error(e)
         # on the worker thread: never while a forward that holds this session runs
         await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, session_id)
+        self._detached.pop(session_id, None)
         self.owner.pop(session_id, None)
         self.client.pop(session_id, None)
         self.arrivals.forget(session_id)
@@ -551,7 +572,7 @@ class VerifierCore:
             results, opened = await loop.run_in_executor(self._executor, run)
         except SpecError as e:  # a full KV pool or a lost commit: a clear 503 for the batch and its prompts
             for p in batch:
-                _answer(p.payload[1], self._run_so_far(p) or _error(e))
+                _answer(self._future(p), self._run_so_far(p) or _error(e))
             for sid in getattr(e, "sessions", ()):  # KVStateLost: the engine dropped them
                 if sid in self.owner:
                     self._forget(sid, "kv_state_lost")
@@ -560,10 +581,10 @@ class VerifierCore:
         except Exception as e:
             log.exception("verify forward failed")
             for p in batch:
-                _answer(p.payload[1], self._run_so_far(p) or _internal(e))
+                _answer(self._future(p), self._run_so_far(p) or _internal(e))
             return
         self._settle_version_failures()
-        _answer_each([(p.payload[1], (p, res)) for p, res in results], self._round_reply)
+        _answer_each([(self._future(p), (p, res)) for p, res in results], self._round_reply)
         await self._complete_opens(loop, opened)
 
     def _settle_version_failures(self) -> None:
@@ -589,20 +610,50 @@ class VerifierCore:
         return whole + [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n, early=r.early))
                         for (p, r), n in zip(trees, take)]
 
-    def _run_so_far(self, p: Pending) -> tuple[int, bytes] | None:
-        """A run-ahead request whose continuation step failed (its session evicted or closed
-        meanwhile, a failed forward): the reply with the tokens decoded so far, so none is
-        lost; the edge's next request meets the failure. None for any other request."""
+    @staticmethod
+    def _future(p: Pending) -> asyncio.Future | None:
+        """The request a queued round answers: a run-ahead step's is its run's (None while detached)."""
         run = p.payload[3]
-        if run is None or not run.started:
+        return run.fut if run is not None else p.payload[1]
+
+    def _queue_step(self, tenant: str, sid: str, run: RunAhead, now: float) -> None:
+        """One more run-ahead step: an empty tree at the run's prefix, in the next forward."""
+        run.queued = True
+        self.sched.add(Pending(tenant, sid, 1, (VerifyRequest(sid, DraftTree.empty(), run.next_prefix), None, [],
+                                                run), now))
+
+    def _run_so_far(self, p: Pending) -> tuple[int, bytes] | None:
+        """A run-ahead step that failed (its session evicted or closed meanwhile, a failed
+        forward): the request's reply with the tokens decoded so far, so none is lost; the
+        edge's next request meets the failure. None for any other round, or with nothing to send."""
+        run = p.payload[3]
+        if run is None:
+            return None
+        run.queued = False
+        if self._detached.get(p.session_id) is run:
+            del self._detached[p.session_id]
+        if run.fut is None or run.last is None:
             return None
         return 200, run.frame(*self._hints(p.session_id)).encode()
+
+    def _reply_run(self, tenant: str, sid: str, run: RunAhead, depth: int, budget: int) -> tuple[int, bytes]:
+        """A run-ahead request's reply. While the hint stays 0 the session decodes on, detached,
+        until the edge's next request takes the run over."""
+        now = time.monotonic()
+        if budget == 0 and not run.ended and not run.fut.done():
+            nxt = self._detached[sid] = RunAhead(run.limit, run.last.prefix_len)
+            self._queue_step(tenant, sid, nxt, now)
+        if run.ended:
+            self.arrivals.forget(sid)
+        else:
+            self.arrivals.replied(sid, now)
+        return 200, run.frame(depth, budget).encode()
 
     def _round_reply(self, item) -> tuple[int, bytes | dict] | None:
         """Bookkeeping and the reply frame of one verified round; None when a run-ahead
         request decodes on (:mod:`deploy.verifier.run_ahead`: it is queued again)."""
         p, res = item
-        req, fut, gains, run = p.payload
+        req, _, gains, run = p.payload
         if isinstance(res, SpecError):
             return self._run_so_far(p) or _error(res)
         tree_mode = isinstance(req, VerifyRequest)
@@ -620,20 +671,22 @@ class VerifierCore:
         self.round_latencies.append((p.enqueued_at, now - p.enqueued_at))
         if run is not None:
             run.add(res)
-            # decoding on needs the best budget to be 0 (a step's hints are 0); only the reply that
-            # ends the run asks the pacer for its hint, so exploration stays one in explore_every replies
-            if run.continues(self._best_budget(p.session_id), fut.done()):
+            run.queued = False
+            # decoding on needs the best budget to be 0 (a step's hints are 0); only a reply asks the
+            # pacer for its hint, so exploration stays one in explore_every replies
+            more = run.continues(self._best_budget(p.session_id))
+            if more or run.fut is None:
                 self.metrics.on_round(p.tenant, p.session_id, req, res, 0, 0, version=self.versions.label(p.session_id))
-                self.sched.add(Pending(p.tenant, p.session_id, 1, (
-                    VerifyRequest(p.session_id, DraftTree.empty(), res.prefix_len), fut, [], run), now))
-                return None
+                if more:
+                    self._queue_step(p.tenant, p.session_id, run, now)
+                return None  # decoding on, or detached and stopped: its tokens wait for the next request
         depth, budget = self._hints(p.session_id)
         if not refill:
             self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget,
                                   version=self.versions.label(p.session_id))
         if run is not None:
-            frame = run.frame(depth, budget)
-        elif tree_mode:
+            return self._reply_run(p.tenant, p.session_id, run, depth, budget)
+        if tree_mode:
             frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
                                depth, budget, verified=res.verified if res.verified < len(req.tree) else None)
         else:

@@ -10,11 +10,16 @@ per token against 4.53 for server-side decoding (`server_ar`).
 
 A request that opts in (``F_AHEAD``, :mod:`deploy.protocol`) lets the replica keep the
 session in the following forwards, one token each, as the server-side loop would, and answer
-once with all of them: the first round's accepted nodes and bonus, then the tokens past it.
-It stops at ``verifier.run_ahead_tokens`` tokens, as soon as the budget turns non-zero (the
-edge's tree pays again; the reply brings the hint), when the session finishes, or when its
-client is gone. Each continuation step is a round with an empty tree, verified like any other,
-so what the edge receives is exactly what it would have decoded round by round.
+once with all of them: the first round's accepted nodes and bonus, then the tokens past it,
+at most ``verifier.run_ahead_tokens`` of them. A run stops early when the best budget turns
+non-zero (trees pay again; the reply brings the hint), the session finishes, or its client
+goes. After a reply whose hint is still 0 the session keeps decoding *detached* while the
+reply and the edge's next request are on the wire (up to the same limit), so it misses no
+forward; that request (``F_AHEAD``, at the prefix the edge holds) takes the run over and its
+reply starts with the tokens decoded meanwhile. A tree it carries is not verified (the target's
+own tokens answer it; the reply says 0 nodes verified). Each step is a round with an empty
+tree, verified like any other, so what the edge receives is exactly what it would have decoded
+round by round (greedy: the target's tokens; sampled: the same draws from p, in order).
 
 Pure module: no Ray, no asyncio.
 """
@@ -22,6 +27,7 @@ Pure module: no Ray, no asyncio.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from deploy.protocol import ReplyFrame
 from deploy.verifier.engine import VerifyResult
@@ -29,36 +35,55 @@ from deploy.verifier.engine import VerifyResult
 
 @dataclass
 class RunAhead:
-    """One opted-in request: its first round's result and the tokens decoded after it."""
+    """One session's run: the tokens decoded past the prefix its edge holds, and the request
+    they answer (``fut``; None while detached, until the edge's next request takes it over)."""
 
-    limit: int  # most tokens past the first round's bonus (verifier.run_ahead_tokens)
-    tree_nodes: int  # nodes the request sent (its reply says how many were verified when cut)
-    first: VerifyResult | None = None
-    last: VerifyResult | None = None
-    tokens: list[int] = field(default_factory=list)  # past the first bonus, one per step
-
-    @property
-    def started(self) -> bool:
-        return self.first is not None
+    limit: int  # most tokens past the bonus in one reply (verifier.run_ahead_tokens)
+    base_prefix: int  # the prefix the edge holds: this run's tokens follow it
+    fut: Any = None  # the request it answers; None: detached
+    tree_nodes: int = 0  # nodes of that request's tree (the reply says how many were verified)
+    accepted: list[int] = field(default_factory=list)  # the request's accepted node indices (its own round)
+    verified: int = 0  # nodes of the request's tree verified (0 when the run was detached: not verified)
+    tokens: list[int] = field(default_factory=list)  # past the accepted nodes: the bonus, then one per step
+    last: VerifyResult | None = None  # the latest step's result
+    queued: bool = False  # a step of this run waits in the replica's scheduler
 
     def add(self, res: VerifyResult) -> None:
-        """A round of this request: the first (its tree) or a continuation step (an empty tree)."""
-        if self.first is None:
-            self.first = res
-        else:
-            self.tokens.extend(res.tokens)
+        """A round of this run: the request's own (its tree) or a step (an empty tree)."""
+        if self.last is None:
+            self.accepted, self.verified = list(res.accepted), res.verified
+        self.tokens.extend(res.tokens[len(res.accepted):])
         self.last = res
 
-    def continues(self, budget_hint: int, client_gone: bool) -> bool:
-        """Whether to decode one more token before replying."""
+    def attach(self, fut: Any, tree_nodes: int) -> None:
+        """The edge's next request takes a detached run over (its tree is not verified)."""
+        self.fut, self.tree_nodes = fut, tree_nodes
+
+    @property
+    def next_prefix(self) -> int:
+        """The prefix the run's next step extends."""
+        return self.last.prefix_len if self.last is not None else self.base_prefix
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) > self.limit  # the bonus and ``limit`` tokens past it
+
+    @property
+    def ended(self) -> bool:
+        """The session can decode no further (finished, or its last round had no bonus)."""
         res = self.last
-        return (res is not None and not res.finished and res.bonus is not None and budget_hint == 0
-                and not client_gone and len(self.tokens) < self.limit)
+        return res is not None and (res.finished or res.bonus is None)
+
+    def continues(self, best_budget: int) -> bool:
+        """Whether to decode one more step before replying (or, detached, before the request)."""
+        gone = self.fut is not None and self.fut.done()
+        return not self.ended and best_budget == 0 and not gone and not self.full
 
     def frame(self, depth_hint: int, budget_hint: int) -> ReplyFrame:
-        """The reply: the first round's outcome, the prefix and finish state after the last step."""
-        first, last = self.first, self.last
-        return ReplyFrame(list(first.accepted), first.bonus, last.prefix_len, last.finished, last.finish_reason,
-                          depth_hint, budget_hint,
-                          verified=first.verified if first.verified < self.tree_nodes else None,
-                          ahead=list(self.tokens))
+        """The reply: the request's accepted nodes, the bonus, the tokens past it; the prefix
+        and finish state after the last step."""
+        last = self.last
+        return ReplyFrame(list(self.accepted), self.tokens[0] if self.tokens else None, last.prefix_len,
+                          last.finished, last.finish_reason, depth_hint, budget_hint,
+                          verified=self.verified if self.verified < self.tree_nodes else None,
+                          ahead=list(self.tokens[1:]))

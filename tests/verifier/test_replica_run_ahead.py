@@ -216,3 +216,32 @@ def test_edge_agents_take_run_ahead_tokens_and_stay_exact():
         assert res.token_ids == ref and st.ahead_tokens > 0 and st.draft_forwards == 0
         assert st.tokens == 1 + st.rounds + st.accepted_tokens + st.ahead_tokens
     assert plain.token_ids == refs[0] and plain.stats.ahead_tokens == 0 and plain.stats.rounds == len(refs[0]) - 1
+
+
+def test_between_reply_and_request_the_session_decodes_on_and_the_request_takes_over():
+    """Detached run-ahead: after a reply with hint 0 the session stays in the forwards; the next
+    F_AHEAD request at the edge's prefix gets those tokens first (a tree it carries is not
+    verified: 0 nodes); any other request at that moment is a clear 409, and nothing changes."""
+    core = make_core(run_ahead_tokens=4)
+    p = prompt(9)
+    ref = reference_decode(core.loaded.model, p, SamplingParams(max_tokens=40, ignore_eos=True))
+
+    async def run():
+        d = await open_session(core, p, {"max_tokens": 40, "ignore_eos": True})
+        sid, n = d["session_id"], d["prefix_len"]
+        status, raw = await core.verify(sid, "dev", VerifyFrame(n, [], [], ahead=True).encode())
+        r = ReplyFrame.decode(raw)
+        out, n = [d["first_token"], r.bonus] + r.ahead, r.prefix_len
+        await asyncio.sleep(0.2)  # the edge is away: the detached run fills up to the limit
+        assert len(core.engine.sessions[sid].prefix) == n + 5
+        for bad in (VerifyFrame(n, [], []), VerifyFrame(n - 1, [], [], ahead=True)):
+            status, err = await core.verify(sid, "dev", bad.encode())
+            assert status == 409 and err["error"]["code"] == "prefix_mismatch" and "ran ahead" in err["error"]["message"]
+        status, raw = await core.verify(sid, "dev", VerifyFrame(n, [1, 2, 3], [-1, 0, 1], ahead=True).encode())
+        r = ReplyFrame.decode(raw)
+        assert status == 200 and r.accepted == [] and r.verified == 0 and len(r.ahead) == 4
+        out += [r.bonus] + r.ahead
+        return out + (await decode_rest(core, {"session_id": sid, "first_token": None, "prefix_len": r.prefix_len,
+                                               "finished": r.finished}))
+
+    assert asyncio.run(run()) == ref
