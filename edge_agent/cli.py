@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--predraft", action="store_true",
                    help="early-exit pre-drafting: when the server has exit heads (GET /v1/model lists early_exit_layers), "
                         "draft the next tree from its early results mid-round (WebSocket, or streamed HTTP POST with --no-ws)")
+    g.add_argument("--no-run-ahead", dest="run_ahead", action="store_false",
+                   help="one token per round trip while the server says trees do not pay (default: let it decode "
+                        "on and reply with several tokens, F_AHEAD)")
     g.add_argument("--draft", default="ngram", help=DRAFT_HELP)
     g.add_argument("--draft-seed", type=int, default=0, help="seed of a tiny-random draft")
     g.add_argument("--tokenizer", help="tokenizer spec (default: the draft's, else the embedded one)")
@@ -212,7 +215,7 @@ async def _generate(a) -> int:
         prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
         cfg = AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
                           budget=a.budget, topk=a.topk, max_expand=a.max_expand, verify=a.verify, model=a.model,
-                          predraft=a.predraft, verify_state=_verify_state(a))
+                          predraft=a.predraft, run_ahead=a.run_ahead, verify_state=_verify_state(a))
         agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
         metrics = None
         if a.metrics_port is not None:

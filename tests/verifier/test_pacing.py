@@ -158,3 +158,7 @@ def test_a_no_tree_hint_still_asks_for_a_tree_now_and_then():
             p.observe_round(n, 1.0 if n == 0 else 1.1)
     hints = [p.budget_hint(4) for _ in range(8)]
     assert hints.count(0) == 6 and all(h > 0 for i, h in enumerate(hints) if i % 4 == 3), hints
+    # run-ahead asks best_budget at every step: that never explores nor moves the count, so
+    # exploration stays one in explore_every replies
+    assert all(p.best_budget(4) == 0 for _ in range(9))
+    assert [p.budget_hint(4) for _ in range(4)].count(0) == 3
