@@ -33,6 +33,10 @@ def make_core(budgets=(0,), **verifier) -> VerifierCore:
     return core
 
 
+def greedy_reference(core, p: list[int], max_tokens: int) -> list[int]:
+    return reference_decode(core.loaded.model, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
 def prompt(seed: int, n: int = 10) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(n)]
@@ -65,7 +69,7 @@ def test_run_ahead_is_the_targets_greedy_decoding_in_fewer_requests():
     core = make_core(run_ahead_tokens=5)
     prompts = [prompt(s) for s in range(4)]
     sampling = {"max_tokens": 24, "ignore_eos": True}
-    refs = [reference_decode(core.loaded.model, p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+    refs = [greedy_reference(core, p, 24) for p in prompts]
 
     async def main():
         return await asyncio.gather(*(decode(core, p, sampling) for p in prompts),
@@ -107,13 +111,15 @@ def test_no_run_ahead_while_trees_pay_or_when_off():
         assert len(out) == 12 and not any(r.ahead for r in replies)
 
 
-async def run_started(core, sid: str, n: int) -> asyncio.Task:
-    """An F_AHEAD request of ``sid`` in flight, returned once its first forward has run."""
+async def run_started(core, p: list[int], sampling: dict) -> tuple[dict, asyncio.Task]:
+    """A new session and its first F_AHEAD request in flight, returned once its first forward has run."""
+    d = await open_session(core, p, sampling)
+    sid, n = d["session_id"], d["prefix_len"]
     before = core.tokens_emitted
     task = asyncio.create_task(core.verify(sid, "dev", VerifyFrame(n, [], [], ahead=True).encode()))
     while core.tokens_emitted == before:
         await asyncio.sleep(0.0005)
-    return task
+    return d, task
 
 
 async def decode_rest(core, d) -> list[int]:
@@ -133,12 +139,11 @@ def test_a_client_gone_mid_run_stops_it_and_the_others_are_untouched():
     core = make_core(run_ahead_tokens=1000)
     p, q = prompt(1), prompt(2)
     sampling = {"max_tokens": 400, "ignore_eos": True}
-    ref_q = reference_decode(core.loaded.model, q, SamplingParams(max_tokens=40, ignore_eos=True))
+    ref_q = greedy_reference(core, q, 40)
 
     async def run():
-        d = await open_session(core, p, sampling)
+        d, task = await run_started(core, p, sampling)
         sid, n = d["session_id"], d["prefix_len"]
-        task = await run_started(core, sid, n)
         task.cancel()  # the client dropped its connection
         other = asyncio.create_task(decode(core, q, {"max_tokens": 40, "ignore_eos": True}))
         with pytest.raises(asyncio.CancelledError):
@@ -165,12 +170,11 @@ def test_an_eviction_or_close_mid_run_replies_the_tokens_so_far(how):
     core = make_core(run_ahead_tokens=1000)
     p = prompt(5)
     sampling = {"max_tokens": 300, "ignore_eos": True}
-    ref = reference_decode(core.loaded.model, p, SamplingParams(max_tokens=300, ignore_eos=True))
+    ref = greedy_reference(core, p, 300)
 
     async def run():
-        d = await open_session(core, p, sampling)
+        d, task = await run_started(core, p, sampling)
         sid, n = d["session_id"], d["prefix_len"]
-        task = await run_started(core, sid, n)
         if how == "evicted":
             await core._evict(sid, "kv_budget")
         else:
@@ -224,7 +228,7 @@ def test_between_reply_and_request_the_session_decodes_on_and_the_request_takes_
     verified: 0 nodes); any other request at that moment is a clear 409, and nothing changes."""
     core = make_core(run_ahead_tokens=4)
     p = prompt(9)
-    ref = reference_decode(core.loaded.model, p, SamplingParams(max_tokens=40, ignore_eos=True))
+    ref = greedy_reference(core, p, 40)
 
     async def run():
         d = await open_session(core, p, {"max_tokens": 40, "ignore_eos": True})
