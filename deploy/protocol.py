@@ -58,7 +58,10 @@ it runs anyway, up to ``verifier.run_ahead_tokens``, stopping as soon as the bud
 non-zero, the session finishes or its client goes; the reply then carries the tokens after
 the bonus (``R_AHEAD``: u16 m, m tokens u32, 2 + 4 m bytes at the end). Each is the target's
 own next token (greedy) or a sample of p (sampled), exactly as plain decoding would emit it.
-Plain trees only (no ``F_CHAIN``, ``F_RESAMPLED``, ``F_MORE``, ``F_TREEQ``, ``F_EARLY``).
+After a reply whose budget hint is 0 the session decodes on, detached, until its next request:
+an ``F_AHEAD`` frame at the reply's ``prefix_len`` takes that run over (the reply starts with the
+tokens decoded meanwhile; a tree it carries is not verified, ``R_TRUNCATED`` with 0), any other
+frame for the session then is a 409 ``prefix_mismatch``. Plain trees only (no ``F_CHAIN``, ``F_RESAMPLED``, ``F_MORE``, ``F_TREEQ``, ``F_EARLY``).
 
 Early results (``F_EARLY``; the early-exit paper §3): a tree frame with this flag asks for an
 :class:`EarlyFrame` after each of the server's exit layers, *during* the verify forward: the
@@ -239,6 +242,10 @@ class ReplyFrame:
     def emitted(self) -> int:
         """Tokens this reply adds to the prefix: accepted nodes, the bonus, the run-ahead tokens."""
         return len(self.accepted) + (self.bonus is not None) + len(self.ahead)
+
+    def tokens(self, sent: list[int]) -> list[int]:
+        """Those tokens, in order, given the tree's tokens as sent."""
+        return [sent[i] for i in self.accepted] + ([self.bonus] if self.bonus is not None else []) + self.ahead
 
     @property
     def has_tail(self) -> bool:

@@ -445,8 +445,7 @@ class EdgeAgent:
                 if reply.prefix_len != len(prompt_ids) + len(generated) + reply.emitted or (
                         reply.ahead and not frame.ahead):
                     raise EdgeError(f"reply prefix length {reply.prefix_len} does not match the history")
-                emitted = [tree.tokens[i] for i in reply.accepted] + ([reply.bonus] if reply.bonus is not None else [])
-                emitted += reply.ahead
+                emitted = reply.tokens(list(tree.tokens))
                 hit = pc.take(list(reply.accepted), reply.bonus) if pc is not None else None
                 if hit is not None:  # the pre-draft cache holds this outcome's next tree, drafted already
                     al = Alignment(bool(ds.chain), False, 0)

@@ -31,6 +31,7 @@ import torch
 from deploy.verifier.batch import MAX_TREE_BITS, SeqInput, chunk_input, signed64
 from deploy.verifier.model import DecoderModel
 from deploy.verifier.runner import ModelRunner
+from edge_agent.tree_builder import ROOT
 
 _PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF draft model -> its DecoderModel
 _PACKED_LOCK = threading.Lock()
@@ -49,7 +50,6 @@ def packed_model(model) -> DecoderModel:
         if dm is None:
             dm = _PACKED[model] = DecoderModel(model)
         return dm
-from edge_agent.tree_builder import ROOT
 
 Candidates = tuple[list[int], list[float]]  # (target token ids, log-probs), best first
 

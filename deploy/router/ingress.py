@@ -560,7 +560,7 @@ class Router:
                 tokens, parents = (list(tree.tokens), list(tree.parents)) if tree else ([], [])
                 frame = VerifyFrame(prefix_len, tokens, parents, proposals=proposals).encode()
                 reply = ReplyFrame.decode(await self.verify(tenant, sid, frame))
-                new = [tokens[i] for i in reply.accepted] + ([reply.bonus] if reply.bonus is not None else [])
+                new = reply.tokens(tokens)
                 history.extend(new)
                 prefix_len = reply.prefix_len
                 rounds += 1

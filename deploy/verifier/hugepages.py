@@ -17,6 +17,7 @@ the address translation. Where huge pages cannot be had (not Linux, THP ``never`
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from functools import lru_cache
@@ -52,10 +53,7 @@ def _mapping(nbytes: int) -> torch.Tensor:
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """``torch.empty(shape, dtype)`` on huge pages (CPU); an ordinary tensor elsewhere."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or not available() or nbytes < HUGE:
         return torch.empty(shape, dtype=dtype, device=device)
     return _mapping(nbytes).view(dtype).view(shape)
