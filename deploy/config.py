@@ -212,6 +212,12 @@ class PacingConfig(_Strict):
                                     description="budget hints to choose from; 0 = no tree (plain decoding)")
     default_tree_budget: int = Field(32, ge=1)
     ema: float = Field(0.2, gt=0, le=1)
+    round_overhead_ms: float = Field(
+        3.0, ge=0, le=1000,
+        description="server CPU a verify request costs outside the forward (proxy, router, replica, Ray), "
+                    "counted against small trees when choosing the budget. 3.0: measured on one EPYC core, "
+                    "2.1-3.5 in two runs (benchmarks.run --full: the split table's non-forward ms per token "
+                    "at ~1.4 and at 9 tokens per request); 0 weighs the forward alone")
     per_version: bool = Field(True, description="each target version (target.adapters) paces its sessions by its "
                                                 "own acceptance (FlexSpec §III-C); off: one acceptance for all")
 

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from ray import serve
@@ -56,6 +57,17 @@ log = logging.getLogger("ray.serve")
 
 MAX_REMEMBERED_EVICTIONS = 100_000
 MIN_PREFILL_CHUNK = 4  # prompt tokens per chunk riding along a verify forward, at least
+
+
+@dataclass
+class EdgeClient:
+    """What a session's edge tells the replica: its draft time and RTT (SpecEdge §4.3 depth
+    pacing) and, in ``ahead``, the tokens a no-tree request brings back (run-ahead: the limit
+    and the bonus; else 1), which the budget choice weighs (:mod:`deploy.verifier.pacing`)."""
+
+    draft_ms: float = 0.0
+    rtt_ms: float = 0.0
+    ahead: int = 1
 
 
 def _error(e: SpecError) -> tuple[int, dict]:
@@ -116,7 +128,8 @@ class VerifierCore:
         p = config.pacing
         budgets = tuple(b for b in p.tree_budgets if b <= vc.max_tree_nodes) or (vc.max_tree_nodes,)
         self.pacer = Pacer(p.min_depth, min(p.max_depth, vc.max_tree_depth), p.default_depth, budgets,
-                           min(p.default_tree_budget, vc.max_tree_nodes), p.ema)
+                           min(p.default_tree_budget, vc.max_tree_nodes), p.ema,
+                           round_overhead_s=p.round_overhead_ms / 1000.0)
         tenants = config.router.load_tenants()  # reads router.tenants_file, once
         self.sched = FairScheduler(weights={tn.name: tn.weight for tn in tenants})
         self._limits = Limits(vc.kv_budget_tokens, vc.max_sessions,
@@ -124,7 +137,7 @@ class VerifierCore:
                               weights={tn.name: tn.weight for tn in tenants})
         self.metrics = VerifierMetrics.create([tn.name for tn in tenants])
         self.owner: dict[str, str] = {}  # session id -> tenant
-        self.client: dict[str, tuple[float, float]] = {}  # session id -> (draft_ms, rtt_ms)
+        self.client: dict[str, EdgeClient] = {}  # session id -> what its edge reported
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> reason
         self.forwards: list[ForwardStats] = []  # recent forwards (bounded), for tests and metrics
         # recent verify rounds: (arrival, seconds from arrival to reply), monotonic clock
@@ -170,7 +183,7 @@ class VerifierCore:
                 "pending": self.pending(), "busy_seconds": self.busy_seconds,
                 "busy_cpu_seconds": dict(self.busy_cpu_seconds),
                 "uptime_seconds": time.monotonic() - self.started, "forward_cost_a": a, "forward_cost_b": b,
-                "forward_cost_knee": knee,
+                "forward_cost_knee": knee, "pacing": self.pacer.state(),
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
                 "verify_forwards_total": self.verify_totals[0], "verify_sessions_total": self.verify_totals[1],
                 "verify_rows_total": self.verify_totals[2],
@@ -281,7 +294,7 @@ class VerifierCore:
         self._ensure_loop()
         self._opens.append((OpenRequest(sid, prompt, params, generated, adapter=version), tenant, fut))
         client = body.get("client") or {}
-        self.client[sid] = (float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0))
+        self.client[sid] = EdgeClient(float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0))
         self._wake.set()
         return await fut
 
@@ -299,8 +312,11 @@ class VerifierCore:
                 req = ChainVerifyRequest(session_id, tuple(f.tokens), tuple(f.q), f.prefix_len, f.resampled, f.more)
         except SpecError as e:
             return _error(e)
+        limit = self.cfg.verifier.run_ahead_tokens
+        edge = self.client.setdefault(session_id, EdgeClient())
         if f.draft_ms or f.rtt_ms:
-            self.client[session_id] = (f.draft_ms, f.rtt_ms)
+            edge.draft_ms, edge.rtt_ms = f.draft_ms, f.rtt_ms
+        edge.ahead = limit + 1 if f.ahead and limit else 1
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
@@ -310,7 +326,6 @@ class VerifierCore:
         self.arrivals.arrived(session_id, now)
         if session_id in self._detached:
             return await self._take_over(tenant, session_id, f, fut)
-        limit = self.cfg.verifier.run_ahead_tokens
         run = RunAhead(limit, f.prefix_len, fut, len(f.tokens)) if f.ahead and limit else None
         self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains, run), now))
         self._wake.set()
@@ -398,12 +413,13 @@ class VerifierCore:
     def _hints(self, sid: str) -> tuple[int, int]:
         n = max(len(self.engine.sessions), 1)
         pacer = self.versions.pacer(sid)  # the session's version's own acceptance (FlexSpec §III-C)
-        budget = pacer.budget_hint(n)
-        draft_ms, rtt_ms = self.client.get(sid, (0.0, 0.0))
-        return pacer.depth_hint(n, budget, draft_ms, rtt_ms), budget
+        edge = self.client.get(sid) or EdgeClient()
+        budget = pacer.budget_hint(n, edge.ahead)
+        return pacer.depth_hint(n, budget, edge.draft_ms, edge.rtt_ms), budget
 
     def _best_budget(self, sid: str) -> int:
-        return self.versions.pacer(sid).best_budget(max(len(self.engine.sessions), 1))
+        edge = self.client.get(sid) or EdgeClient()
+        return self.versions.pacer(sid).best_budget(max(len(self.engine.sessions), 1), edge.ahead)
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -584,6 +600,8 @@ class VerifierCore:
                 _answer(self._future(p), self._run_so_far(p) or _internal(e))
             return
         self._settle_version_failures()
+        if any(len(r.tree) for _, r in trees) and all(p.payload[3] is None for p in batch):
+            self.pacer.observe_tree_batch(len(self.engine.sessions), len(batch))
         _answer_each([(self._future(p), (p, res)) for p, res in results], self._round_reply)
         await self._complete_opens(loop, opened)
 

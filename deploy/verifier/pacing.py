@@ -9,14 +9,27 @@ Tree budget: verifying a tree is nearly free while the verifier is memory-bound 
 costs real compute when it is compute-bound (many sessions; any CPU). The forward time
 is measured per replica as a function of the rows in the batch, piecewise: flat while
 memory-bound, then linear, ``t(rows) = a + b * max(0, rows - knee)``
-(:class:`PiecewiseCost`, refitted over a window of recent forwards, the knee chosen by
-least squares); with ``S`` sessions sharing the verifier and trees of ``n`` nodes,
-verified tokens per second of verifier time are ``S * E[tokens/round | n] / t(S * (n + 1))``.
-The hint is the budget that maximizes it, with ``E[tokens/round | n]`` the observed mean
-per budget bucket (EMA), interpolated in log(n) where a bucket has no data yet. A budget
-of 0 ("no tree": plain decoding, no draft forwards on the edge) is one of the choices.
-The same cost curve decides, per batch, how many nodes of each tree are verified
-(:mod:`deploy.verifier.truncation`). Pure module.
+(:class:`PiecewiseCost`, fitted over the mean forward time of each row count seen, the knee
+chosen by least squares). Every request also costs server CPU outside the forward: the
+proxy, the router, the replica's own handling and Ray's (``O``, ``pacing.round_overhead_ms``).
+With ``S`` sessions sharing the verifier and trees of ``n`` nodes (``E = E[tokens/round | n]``,
+one request per round), verified tokens per server CPU-second are
+``S * E / (t(S * (n + 1)) + S * O)``, with ``S`` here the sessions a forward of trees
+carries (measured: each session is away for its reply, RTT and draft every round); with no
+tree and run-ahead replies of ``R`` tokens (:mod:`deploy.verifier.run_ahead`),
+``S / (t(S) + S * O / R)``. The hint is the budget that maximizes it, with ``E`` the
+observed mean per budget bucket (EMA), interpolated in log(n) where a bucket has no data yet.
+A budget of 0 ("no tree": plain decoding, no draft forwards on the edge) is one of the
+choices. The same cost curve decides, per batch, how many nodes of each tree are verified (:mod:`deploy.verifier.truncation`).
+
+Why ``O`` and the measured ``S`` count (run `20261124-135219-full`, 2 sessions, RTT 15 ms):
+the hint chose one-node trees, which the model without them said paid. Measured, the forward
+cost 8.09 ms per verified token, `server_ar`'s 8.16: the trees' extra tokens only made up for
+forwards that carried 1.60 sessions, not 2 (run-ahead: 1.99). And at 1.4 tokens per request
+the server spent 2.33 ms per token outside the forward, against 1.08 at 9 tokens per request
+(run-ahead, 4 sessions). `edge_full` gave x0.93 of `server_ar`.
+
+Pure module.
 """
 
 from __future__ import annotations
@@ -29,34 +42,53 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PiecewiseCost:
-    """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``, refitted every
-    ``refit_every`` observations over the last ``window`` ones. The knee is the candidate
-    (0 or an observed row count) with the least squared relative error; ``b >= 0``. With one row
-    count seen so far the curve is flat at its mean (bigger batches then show the slope)."""
+    """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``. Each row count keeps the
+    EMA of its forwards' seconds and how many it saw (capped at ``weight_cap``); the hinge is
+    refitted over these means every ``refit_every`` observations, each weighted by its count.
+    The knee is the candidate (0 or an observed row count) with the least squared relative
+    error; ``b >= 0``. With one row count seen so far the curve is flat at its mean.
 
-    window: int = 256
+    A row count keeps its mean when the load moves elsewhere. A window of recent forwards did
+    not: with run-ahead every forward carries about one row per session, so after a few hundred
+    forwards the window could hold only those sizes, and a slope fitted over 3 and 4 rows is
+    mostly noise, which can make a tree look free. (Run `20261124-161905-full`, 4 sessions: the
+    hint asked for trees again, 5.45 rows per forward for 3.75 sessions, and the forwards cost
+    6.06 ms per token against `server_ar`'s 5.48. The window is a likely cause; it was not
+    traced.)"""
+
+    ema: float = 0.1
+    weight_cap: int = 32
     refit_every: int = 8
-    _obs: deque = field(default_factory=lambda: deque(maxlen=256))
+    _means: dict[float, list[float]] = field(default_factory=dict)  # rows -> [EMA seconds, count]
+    _count: int = 0
     _since_fit: int = 0
     _fit: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a, b, knee
 
-    def __post_init__(self):
-        self._obs = deque(self._obs, maxlen=self.window)
-
     def observe(self, rows: float, seconds: float) -> None:
-        self._obs.append((float(rows), float(seconds)))
+        m = self._means.get(float(rows))
+        if m is None:
+            self._means[float(rows)] = [float(seconds), 1]
+        else:
+            m[0] += self.ema * (float(seconds) - m[0])
+            m[1] = min(m[1] + 1, self.weight_cap)
+        self._count += 1
         self._since_fit += 1
-        if self._since_fit >= self.refit_every or len(self._obs) <= 3:
+        if self._since_fit >= self.refit_every or self._count <= 3:
             self.refit()
 
     @property
     def count(self) -> int:
-        return len(self._obs)
+        """Forwards observed."""
+        return self._count
+
+    def points(self) -> list[tuple[float, float, float]]:
+        """(rows, mean seconds, weight) per row count seen."""
+        return [(x, m, float(n)) for x, (m, n) in self._means.items()]
 
     def refit(self) -> None:
         self._since_fit = 0
-        if self._obs:
-            self._fit = _best_hinge(list(self._obs))
+        if self._means:
+            self._fit = _best_hinge(self.points())
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a, b, knee)."""
@@ -67,15 +99,17 @@ class PiecewiseCost:
         return a + b * max(0.0, rows - knee)
 
 
-def _best_hinge(obs: list[tuple[float, float]]) -> tuple[float, float, float]:
-    """Weighted least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0``, in relative
-    error (weights 1/t^2: a 16 ms forward matters as much as a 500 ms one), for every candidate
-    knee (0 and each observed row count but the largest); the (a, b, knee) of least error.
+def _best_hinge(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Weighted least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0`` over
+    ``(x, t, weight)`` points, in relative error (weights ``weight / t^2``: a 16 ms forward
+    matters as much as a 500 ms one), for every candidate knee (0 and each x but the largest);
+    the (a, b, knee) of least error.
 
     One sort and one pass: with the observations ordered by x, the sums a knee needs are
     suffix sums (h = x - knee on the points right of it, 0 elsewhere), so each knee costs O(1)."""
-    obs = sorted(obs)
-    ws = [1.0 / max(y, 1e-6) ** 2 for _, y in obs]
+    points = sorted(points)
+    obs = [(x, y) for x, y, _ in points]
+    ws = [n / max(y, 1e-6) ** 2 for _, y, n in points]
     sw = sum(ws)
     swy = sum(w * y for w, (_, y) in zip(ws, obs))
     swyy = sum(w * y * y for w, (_, y) in zip(ws, obs))
@@ -91,7 +125,7 @@ def _best_hinge(obs: list[tuple[float, float]]) -> tuple[float, float, float]:
             (x, y), w = obs[i], ws[i]
             rw, rwx, rwxx, rwy, rwxy = rw + w, rwx + w * x, rwxx + w * x * x, rwy + w * y, rwxy + w * x * y
         tails.append((knee, rw, rwx, rwxx, rwy, rwxy))
-    best, tie = (math.inf, my, 0.0, 0.0), 1e-9 * len(obs)  # equal fits (a knee left of every point) keep the first
+    best, tie = (math.inf, my, 0.0, 0.0), 1e-9 * sum(n for *_, n in points)  # equal fits (a knee left of every point) keep the first
     for knee, rw, rwx, rwxx, rwy, rwxy in reversed(tails):  # knee 0 first: it wins ties
         swh = rwx - knee * rw
         swhh = rwxx - 2 * knee * rwx + knee * knee * rw
@@ -118,11 +152,25 @@ class Pacer:
     ema: float = 0.2
     cost: PiecewiseCost = field(default_factory=PiecewiseCost)
     explore_every: int = 32  # while the hint is "no tree", every Nth hint asks for the best tree anyway
+    round_overhead_s: float = 0.0  # server CPU per request outside the forward
     _tokens_per_round: dict[int, float] = field(default_factory=dict)
     _no_tree_hints: int = 0
+    _tree_batch: dict[int, float] = field(default_factory=dict)  # sessions -> EMA of sessions per tree forward
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
+
+    def observe_tree_batch(self, sessions: int, in_forward: int) -> None:
+        """A forward of trees alone (no run-ahead step in it) carried ``in_forward`` of the
+        replica's ``sessions``: with trees each session is away for its reply, RTT and draft
+        every round, so forwards rarely carry them all, and a tree's forward serves fewer."""
+        old = self._tree_batch.get(sessions)
+        self._tree_batch[sessions] = in_forward if old is None else (1 - self.ema) * old + self.ema * in_forward
+
+    def state(self) -> dict:
+        """What the budget choice rests on, for stats and benchmarks: tokens per round by budget
+        bucket, and sessions per forward of trees by session count."""
+        return {"tokens_per_round": dict(self._tokens_per_round), "tree_sessions_per_forward": dict(self._tree_batch)}
 
     def _bucket(self, tree_nodes: int) -> int:
         i = bisect.bisect_left(self.budgets, tree_nodes)
@@ -147,22 +195,29 @@ class Pacer:
         prior = lambda m: 1.0 + 0.5 * math.log2(1 + m)  # noqa: E731
         return max(1.0, obs[near] * prior(n) / prior(near))
 
-    def _rate(self, sessions: int, n: int) -> float:
-        """Verified tokens per second of forward time with ``sessions`` trees of ``n`` nodes."""
+    def _rate(self, sessions: int, n: int, ahead: int = 1) -> float:
+        """Verified tokens per second of server CPU with ``sessions`` trees of ``n`` nodes; with
+        no tree, a request carries ``ahead`` tokens (run-ahead), else one round's."""
         s = max(sessions, 1)
-        return s * self.expected_tokens(n) / max(self.cost.predict(s * (n + 1)), 1e-6)
+        if n > 0:  # trees: the sessions a forward of trees carried, measured (all of them until then)
+            s = min(s, max(self._tree_batch.get(s, s), 1.0))
+        tokens = s * self.expected_tokens(n)
+        requests = s if n > 0 else s / max(ahead, 1)  # a tree: one request a round each
+        return tokens / max(self.cost.predict(s * (n + 1)) + requests * self.round_overhead_s, 1e-6)
 
-    def best_budget(self, sessions: int) -> int:
-        """The budget that pays best now (no exploration); the default until measured."""
+    def best_budget(self, sessions: int, ahead: int = 1) -> int:
+        """The budget that pays best now (no exploration); the default until measured. ``ahead``:
+        the tokens a no-tree request brings back (``verifier.run_ahead_tokens + 1`` for an edge
+        that takes run-ahead replies, else 1)."""
         if self.cost.count < 3:
             return self.default_budget
-        return max(self.budgets, key=lambda n: self._rate(sessions, n))
+        return max(self.budgets, key=lambda n: self._rate(sessions, n, ahead))
 
-    def budget_hint(self, sessions: int) -> int:
+    def budget_hint(self, sessions: int, ahead: int = 1) -> int:
         """The hint a reply carries: :meth:`best_budget`, and, while that is "no tree", every
         ``explore_every``-th hint the best tree anyway: with no trees sent, tree acceptance is
         never observed again, so the estimates stay current and trees come back when they pay."""
-        best = self.best_budget(sessions)
+        best = self.best_budget(sessions, ahead)
         trees = [n for n in self.budgets if n > 0]
         if best == 0 and trees and self.cost.count >= 3:
             self._no_tree_hints += 1

@@ -60,7 +60,7 @@ class TargetVersions:
         v = self.version(sid)
         if v is None or not self.per_version:
             return self.base_pacer
-        if v not in self._pacers:  # own acceptance, the replica's forward cost curve
+        if v not in self._pacers:  # own acceptance; the replica's forward cost curve and tree batches
             self._pacers[v] = dataclasses.replace(self.base_pacer, cost=self.base_pacer.cost, _tokens_per_round={},
                                                   _no_tree_hints=0)
         return self._pacers[v]

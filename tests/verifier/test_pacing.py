@@ -23,21 +23,22 @@ def test_piecewise_cost_finds_the_memory_bound_knee():
 
 
 def test_the_one_pass_fit_is_the_least_squares_fit_at_every_knee():
-    """The suffix-sum refit gives the curve a direct weighted least squares per knee gives."""
+    """The suffix-sum refit gives the curve a direct weighted least squares per knee gives,
+    over the row counts' means, each weighted by its count."""
     import random
 
-    def direct(obs):  # per knee: centred weighted sums, b >= 0, least relative error wins
+    def direct(points):  # per knee: centred weighted sums, b >= 0, least relative error wins
         best = None
-        for knee in [0.0] + sorted({x for x, _ in obs})[:-1]:
-            ws = [1 / y ** 2 for _, y in obs]
-            hs = [max(0.0, x - knee) for x, _ in obs]
+        for knee in [0.0] + sorted({x for x, _, _ in points})[:-1]:
+            ws = [n / y ** 2 for _, y, n in points]
+            hs = [max(0.0, x - knee) for x, _, _ in points]
             sw = sum(ws)
             mh = sum(w * h for w, h in zip(ws, hs)) / sw
-            my = sum(w * y for w, (_, y) in zip(ws, obs)) / sw
+            my = sum(w * y for w, (_, y, _) in zip(ws, points)) / sw
             var = sum(w * (h - mh) ** 2 for w, h in zip(ws, hs))
-            b = max(0.0, sum(w * (h - mh) * (y - my) for w, h, (_, y) in zip(ws, hs, obs)) / var) if var else 0.0
+            b = max(0.0, sum(w * (h - mh) * (y - my) for w, h, (_, y, _) in zip(ws, hs, points)) / var) if var else 0.0
             a = my - b * mh
-            err = sum(w * (a + b * h - y) ** 2 for w, h, (_, y) in zip(ws, hs, obs))
+            err = sum(w * (a + b * h - y) ** 2 for w, h, (_, y, _) in zip(ws, hs, points))
             if best is None or err < best[0]:
                 best = (err, a, b, knee)
         return best[1:]
@@ -51,9 +52,23 @@ def test_the_one_pass_fit_is_the_least_squares_fit_at_every_knee():
             c.observe(x, (a + b * max(0.0, x - knee)) * rng.uniform(0.8, 1.25))
         c.refit()
         want = PiecewiseCost()
-        want._fit = direct(list(c._obs))
-        for rows in range(int(min(x for x, _ in c._obs)), 64):  # left of every point, equal fits may differ
+        want._fit = direct(c.points())
+        for rows in range(int(min(x for x, _, _ in c.points())), 64):  # left of every point, equal fits may differ
             assert c.predict(rows) == pytest.approx(want.predict(rows), rel=1e-9)
+
+
+def test_a_row_count_keeps_its_mean_when_the_load_moves_on():
+    """Thousands of forwards at one size (run-ahead: one row per session) do not flatten the
+    slope measured earlier at other sizes: a tree still costs what it did."""
+    c = PiecewiseCost()
+    curve = lambda x: 0.015 + 0.002 * max(0, x - 2)  # noqa: E731
+    for x in (1, 2, 4, 8, 16, 33):
+        for _ in range(4):
+            c.observe(x, curve(x))
+    for _ in range(5000):
+        c.observe(4, curve(4))
+    c.refit()
+    assert c.predict(16) == pytest.approx(curve(16), rel=1e-6) and c.count == 5024
 
 
 def test_one_row_count_gives_a_flat_curve_not_rounding_noise():
@@ -162,3 +177,42 @@ def test_a_no_tree_hint_still_asks_for_a_tree_now_and_then():
     # exploration stays one in explore_every replies
     assert all(p.best_budget(4) == 0 for _ in range(9))
     assert [p.budget_hint(4) for _ in range(4)].count(0) == 3
+
+
+def test_request_overhead_weighs_against_small_trees_when_run_ahead_amortises_it():
+    """Issue 15, 2 sessions: a one-node tree that pays by the forward alone (flat curve up to 3
+    rows) does not pay once each request's CPU outside the forward counts and a no-tree request
+    brings back 9 tokens (run-ahead); without run-ahead every token is a request either way,
+    and the tree still pays. One session: the tree pays in both cases."""
+    def pacer(overhead_ms):
+        p = Pacer(budgets=(0, 1, 2, 4), round_overhead_s=overhead_ms / 1000)
+        for rows in (1, 2, 3, 4, 6, 8, 12):
+            for _ in range(4):
+                p.observe_forward(rows, 0.0165 + 0.0022 * max(0, rows - 3))
+        for n, tok in ((1, 1.3), (2, 1.45), (4, 1.6)):
+            for _ in range(20):
+                p.observe_round(n, tok)
+        return p
+
+    assert pacer(0).best_budget(2, ahead=9) > 0  # the forward alone: the tree is almost free
+    assert pacer(2.0).best_budget(2, ahead=9) == 0
+    assert pacer(2.0).best_budget(2, ahead=1) > 0
+    assert pacer(2.0).best_budget(1, ahead=9) > 0
+    assert pacer(2.0).budget_hint(2, ahead=9) == 0
+
+
+def test_tree_forwards_that_carry_fewer_sessions_make_trees_pay_less():
+    """Issue 15, 2 sessions: out of step, the sessions' tree rounds shared a forward 1.6 times
+    in 2 (measured), so a forward of trees served fewer tokens than the model of both in every
+    forward said; run-ahead keeps both in every forward."""
+    p = Pacer(budgets=(0, 1, 2, 4), round_overhead_s=0.0)
+    for rows in (1, 2, 3, 4, 6, 8, 12):
+        for _ in range(4):
+            p.observe_forward(rows, 0.0165 + 0.0022 * max(0, rows - 3))
+    for n, tok in ((1, 1.45), (2, 1.6), (4, 1.75)):
+        for _ in range(20):
+            p.observe_round(n, tok)
+    assert p.best_budget(2, ahead=9) > 0
+    for _ in range(30):
+        p.observe_tree_batch(2, 1 if _ % 3 else 2)
+    assert p.best_budget(2, ahead=9) == 0 and p.best_budget(3, ahead=9) > 0  # 3 sessions: not measured

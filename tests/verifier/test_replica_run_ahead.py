@@ -105,7 +105,7 @@ def test_seeded_sampling_through_run_ahead_is_the_targets_sample_path():
 
 def test_no_run_ahead_while_trees_pay_or_when_off():
     pays = make_core(budgets=(0, 8))
-    pays.pacer.best_budget = lambda sessions: 8  # trees pay (the real forwards would move a measured curve)
+    pays.pacer.best_budget = lambda sessions, ahead=1: 8  # trees pay (the real forwards would move a measured curve)
     for core in (pays, make_core(run_ahead_tokens=0)):
         out, replies = asyncio.run(decode(core, prompt(3), {"max_tokens": 12, "ignore_eos": True}))
         assert len(out) == 12 and not any(r.ahead for r in replies)
@@ -249,3 +249,35 @@ def test_between_reply_and_request_the_session_decodes_on_and_the_request_takes_
                                                "finished": r.finished}))
 
     assert asyncio.run(run()) == ref
+
+
+def test_only_forwards_of_trees_alone_measure_how_many_sessions_trees_share():
+    """The pacer weighs a tree by the sessions a forward of trees carries (measured, issue 15):
+    a forward with a run-ahead step in it says nothing about that, one of trees alone does."""
+    core = make_core(budgets=(0, 8))
+
+    async def trees(p, rounds):
+        d = await open_session(core, p, {"max_tokens": 40, "ignore_eos": True})
+        sid, n = d["session_id"], d["prefix_len"]
+        for _ in range(rounds):
+            status, raw = await core.verify(sid, "dev", VerifyFrame(n, [5], [-1]).encode())
+            assert status == 200, raw
+            n = ReplyFrame.decode(raw).prefix_len
+        return sid
+
+    async def mixed():
+        a = asyncio.create_task(decode(core, prompt(1), {"max_tokens": 30, "ignore_eos": True}))
+        sid = await trees(prompt(2), 3)
+        await a
+        await core.close_session(sid, "dev")
+
+    core.pacer.best_budget = lambda sessions, ahead=1: 0  # session 1 runs ahead throughout
+    asyncio.run(mixed())
+    assert core.pacer.state()["tree_sessions_per_forward"] == {}
+    del core.pacer.best_budget
+
+    async def both():
+        return await asyncio.gather(trees(prompt(3), 6), trees(prompt(4), 6))
+
+    asyncio.run(both())
+    assert 1.0 <= core.pacer.state()["tree_sessions_per_forward"][2] <= 2.0
