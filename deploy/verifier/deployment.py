@@ -70,6 +70,21 @@ class EdgeClient:
     ahead: int = 1
 
 
+@dataclass
+class QueuedRound:
+    """A verify round waiting for the engine (a scheduler :class:`Pending`'s payload)."""
+
+    req: VerifyRequest | ChainVerifyRequest
+    fut: asyncio.Future | None  # the request it answers; None for a run-ahead step (its run's)
+    gains: list[float]  # per-node draft gains, for batch-time truncation ([] when off)
+    run: RunAhead | None = None  # the run-ahead this round belongs to
+
+    @property
+    def answers(self) -> asyncio.Future | None:
+        """The request this round answers: a run-ahead step's is its run's (None while detached)."""
+        return self.run.fut if self.run is not None else self.fut
+
+
 def _error(e: SpecError) -> tuple[int, dict]:
     return e.status, e.to_dict()
 
@@ -294,7 +309,10 @@ class VerifierCore:
         self._ensure_loop()
         self._opens.append((OpenRequest(sid, prompt, params, generated, adapter=version), tenant, fut))
         client = body.get("client") or {}
-        self.client[sid] = EdgeClient(float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0))
+        # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
+        # agent's default): the open's hint then weighs a tree against them, as later hints will
+        self.client[sid] = EdgeClient(float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0),
+                                      self._ahead_tokens(True))
         self._wake.set()
         return await fut
 
@@ -312,11 +330,10 @@ class VerifierCore:
                 req = ChainVerifyRequest(session_id, tuple(f.tokens), tuple(f.q), f.prefix_len, f.resampled, f.more)
         except SpecError as e:
             return _error(e)
-        limit = self.cfg.verifier.run_ahead_tokens
         edge = self.client.setdefault(session_id, EdgeClient())
         if f.draft_ms or f.rtt_ms:
             edge.draft_ms, edge.rtt_ms = f.draft_ms, f.rtt_ms
-        edge.ahead = limit + 1 if f.ahead and limit else 1
+        edge.ahead = self._ahead_tokens(f.ahead)
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
@@ -326,8 +343,9 @@ class VerifierCore:
         self.arrivals.arrived(session_id, now)
         if session_id in self._detached:
             return await self._take_over(tenant, session_id, f, fut)
+        limit = self.cfg.verifier.run_ahead_tokens
         run = RunAhead(limit, f.prefix_len, fut, len(f.tokens)) if f.ahead and limit else None
-        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, (req, fut, gains, run), now))
+        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
         self._wake.set()
         return await fut
 
@@ -410,6 +428,12 @@ class VerifierCore:
         self._versions_configured, self.versions_error = True, None
 
     # -- the batching loop -------------------------------------------------------------
+    def _ahead_tokens(self, asks: bool) -> int:
+        """Tokens a no-tree request brings back: with run-ahead (asked for, and on), the limit and
+        the bonus; else the bonus alone."""
+        limit = self.cfg.verifier.run_ahead_tokens
+        return limit + 1 if asks and limit else 1
+
     def _hints(self, sid: str) -> tuple[int, int]:
         n = max(len(self.engine.sessions), 1)
         pacer = self.versions.pacer(sid)  # the session's version's own acceptance (FlexSpec §III-C)
@@ -566,8 +590,8 @@ class VerifierCore:
             "model": self.versions.name_of(res.sid)})
 
     async def _run_verifies(self, loop, batch: list[Pending]) -> None:
-        trees = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], VerifyRequest)]
-        chains = [(p, p.payload[0]) for p in batch if isinstance(p.payload[0], ChainVerifyRequest)]
+        trees = [(p, p.payload.req) for p in batch if isinstance(p.payload.req, VerifyRequest)]
+        chains = [(p, p.payload.req) for p in batch if isinstance(p.payload.req, ChainVerifyRequest)]
         self.metrics.on_batch_start(batch)
 
         prefill = self._prefill_budget() if self._prefilling else 0
@@ -588,7 +612,7 @@ class VerifierCore:
             results, opened = await loop.run_in_executor(self._executor, run)
         except SpecError as e:  # a full KV pool or a lost commit: a clear 503 for the batch and its prompts
             for p in batch:
-                _answer(self._future(p), self._run_so_far(p) or _error(e))
+                _answer(p.payload.answers, self._run_so_far(p) or _error(e))
             for sid in getattr(e, "sessions", ()):  # KVStateLost: the engine dropped them
                 if sid in self.owner:
                     self._forget(sid, "kv_state_lost")
@@ -597,12 +621,12 @@ class VerifierCore:
         except Exception as e:
             log.exception("verify forward failed")
             for p in batch:
-                _answer(self._future(p), self._run_so_far(p) or _internal(e))
+                _answer(p.payload.answers, self._run_so_far(p) or _internal(e))
             return
         self._settle_version_failures()
-        if any(len(r.tree) for _, r in trees) and all(p.payload[3] is None for p in batch):
+        if any(len(r.tree) for _, r in trees) and all(p.payload.run is None for p in batch):
             self.pacer.observe_tree_batch(len(self.engine.sessions), len(batch))
-        _answer_each([(self._future(p), (p, res)) for p, res in results], self._round_reply)
+        _answer_each([(p.payload.answers, (p, res)) for p, res in results], self._round_reply)
         await self._complete_opens(loop, opened)
 
     def _settle_version_failures(self) -> None:
@@ -623,28 +647,22 @@ class VerifierCore:
             return trees
         whole = [(p, r) for p, r in trees if r.proposals is not None]  # sampled trees: never cut by value
         trees = [(p, r) for p, r in trees if r.proposals is None]
-        gains = [self.calibration.scale(p.payload[2]) for p, _ in trees]
+        gains = [self.calibration.scale(p.payload.gains) for p, _ in trees]
         take = choose_prefixes(gains, self.pacer.cost.predict, base_rows + sum(len(r.tree) + 1 for _, r in whole))
         return whole + [(p, VerifyRequest(r.sid, r.tree, r.prefix_len, n, early=r.early))
                         for (p, r), n in zip(trees, take)]
 
-    @staticmethod
-    def _future(p: Pending) -> asyncio.Future | None:
-        """The request a queued round answers: a run-ahead step's is its run's (None while detached)."""
-        run = p.payload[3]
-        return run.fut if run is not None else p.payload[1]
-
     def _queue_step(self, tenant: str, sid: str, run: RunAhead, now: float) -> None:
         """One more run-ahead step: an empty tree at the run's prefix, in the next forward."""
         run.queued = True
-        self.sched.add(Pending(tenant, sid, 1, (VerifyRequest(sid, DraftTree.empty(), run.next_prefix), None, [],
-                                                run), now))
+        step = VerifyRequest(sid, DraftTree.empty(), run.next_prefix)
+        self.sched.add(Pending(tenant, sid, 1, QueuedRound(step, None, [], run), now))
 
     def _run_so_far(self, p: Pending) -> tuple[int, bytes] | None:
         """A run-ahead step that failed (its session evicted or closed meanwhile, a failed
         forward): the request's reply with the tokens decoded so far, so none is lost; the
         edge's next request meets the failure. None for any other round, or with nothing to send."""
-        run = p.payload[3]
+        run = p.payload.run
         if run is None:
             return None
         run.queued = False
@@ -671,7 +689,7 @@ class VerifierCore:
         """Bookkeeping and the reply frame of one verified round; None when a run-ahead
         request decodes on (:mod:`deploy.verifier.run_ahead`: it is queued again)."""
         p, res = item
-        req, _, gains, run = p.payload
+        req, gains, run = p.payload.req, p.payload.gains, p.payload.run
         if isinstance(res, SpecError):
             return self._run_so_far(p) or _error(res)
         tree_mode = isinstance(req, VerifyRequest)

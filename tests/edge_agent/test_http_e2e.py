@@ -35,6 +35,9 @@ def app_args(topology: str = "split") -> dict:
             "verifier": {"num_replicas": 1, "kv_budget_tokens": 256, "batch_wait_ms": 2, "chain_top_k": 2,
                          # exit heads (issue 19): dormant unless an edge sets F_EARLY
                          "early_exit": {"enabled": True, "heads": "untrained", "layers": [1]}},
+            # the tiny model's forward takes ~1 ms: weighed against a request's CPU outside it (3 ms
+            # by default) no tree would pay, and these tests exercise the tree path
+            "pacing": {"round_overhead_ms": 0},
             "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 64}]}}
 
 
