@@ -122,6 +122,11 @@ class Plan:
         out += [(self.sessions_rtt, s) for s in self.sessions if (self.sessions_rtt, s) not in out]
         return out + [c for c in self.extra_configs if c not in out]
 
+    def batch_cap(self) -> int:
+        """Sessions one forward may carry, ours (``verifier.max_batch_sessions``) and vLLM's
+        (``--max-num-seqs``) alike: every session of the largest configuration, 16 at least."""
+        return max(16, max(s for _, s in self.configs()))
+
 
 EDGE_DRAFTS = {
     "shared": "one DraftExecutor for every session, the trees sessions wait for before proactive work",
@@ -540,7 +545,7 @@ def app_config(plan: Plan, draft: str, depth: int) -> dict:
     early = {"early_exit": predraft_exits(plan)} if "edge_predraft" in plan.modes else {}
     cfg = {
         "target": target,
-        "verifier": {"num_replicas": 1, "num_cpus": 1, "torch_threads": 1, "max_batch_sessions": 16,
+        "verifier": {"num_replicas": 1, "num_cpus": 1, "torch_threads": 1, "max_batch_sessions": plan.batch_cap(),
                      "batch_wait_ms": 2, "max_tree_nodes": 64, "idle_timeout_s": 600, **early},
         # no router-side shedding: every mode (and vLLM, which never sheds) serves every session it is given
         "router": {"tenants": [{"name": "bench", "api_key": API_KEY, "max_sessions": 1024}],
@@ -1003,7 +1008,7 @@ def main(argv=None) -> int:
             finally:
                 server.proc.stop(timeout=90)  # before the peer takes the core
         for mode in peers:
-            vs = VllmServer(mode, workdir, args.nice, max_num_seqs=max(16, max(s for _, s in plan.configs())))
+            vs = VllmServer(mode, workdir, args.nice, max_num_seqs=plan.batch_cap())
             try:
                 log(vs.wait_ready())
                 vllm_info[mode] = {"cmd": vs.cmd, "startup_s": vs.startup_s}
@@ -1042,6 +1047,8 @@ def main(argv=None) -> int:
         "prompts_per_config": f"{plan.prompts} rounded up to a multiple of the sessions, alternating MT-Bench "
                               "turn 1 / HumanEval (the first ones of each set)",
         "prompt_ids": prompt_names, "max_tokens": plan.max_tokens, "app_overrides": plan.app_set,
+        "batch_cap": f"{plan.batch_cap()} sessions per forward, ours (verifier.max_batch_sessions) and vLLM's "
+                     "(--max-num-seqs)",
         "sampling": (f"temperature {plan.temperature}, seeded, ignore_eos; edge rules {plan.verify}"
                      if plan.temperature > 0 else "greedy, ignore_eos"),
         "cores": f"server on core {SERVER_CORE} (taskset: every Ray/Serve process, verifier with 1 torch thread; "

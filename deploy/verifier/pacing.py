@@ -20,7 +20,8 @@ tree and run-ahead replies of ``R`` tokens (:mod:`deploy.verifier.run_ahead`),
 ``S / (t(S) + S * O / R)``. The hint is the budget that maximizes it, with ``E`` the
 observed mean per budget bucket (EMA), interpolated in log(n) where a bucket has no data yet.
 A budget of 0 ("no tree": plain decoding, no draft forwards on the edge) is one of the
-choices. The same cost curve decides, per batch, how many nodes of each tree are verified (:mod:`deploy.verifier.truncation`).
+choices. The same cost curve decides, per batch, how many nodes of each tree are verified
+(:mod:`deploy.verifier.truncation`).
 
 Why ``O`` and the measured ``S`` count (run `20261124-135219-full`, 2 sessions, RTT 15 ms):
 the hint chose one-node trees, which the model without them said paid. Measured, the forward
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -125,7 +125,8 @@ def _best_hinge(points: list[tuple[float, float, float]]) -> tuple[float, float,
             (x, y), w = obs[i], ws[i]
             rw, rwx, rwxx, rwy, rwxy = rw + w, rwx + w * x, rwxx + w * x * x, rwy + w * y, rwxy + w * x * y
         tails.append((knee, rw, rwx, rwxx, rwy, rwxy))
-    best, tie = (math.inf, my, 0.0, 0.0), 1e-9 * sum(n for *_, n in points)  # equal fits (a knee left of every point) keep the first
+    # equal fits (a knee left of every point) keep the first
+    best, tie = (math.inf, my, 0.0, 0.0), 1e-9 * sum(n for *_, n in points)
     for knee, rw, rwx, rwxx, rwy, rwxy in reversed(tails):  # knee 0 first: it wins ties
         swh = rwx - knee * rw
         swhh = rwxx - 2 * knee * rwx + knee * knee * rw
