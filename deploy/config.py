@@ -105,7 +105,8 @@ class VerifierConfig(_Strict):
                                              "compiled at replica start, ~1 min on CPU) in place of the native C "
                                              "glue (CPU bf16) or eager torch. Off: it does not pay on CPU")
     prefill_share: float = Field(0.2, gt=0, le=4, description="while verify rounds wait, a prefill chunk takes at "
-                                                              "most this share of a verify forward's time")
+                                                              "most this share of a verify forward's time per "
+                                                              "session waiting to be prefilled")
     max_sessions: int = Field(4096, ge=1)
     idle_timeout_s: float = Field(600.0, gt=0)
     pipeline_parallel_size: int = Field(1, ge=1, le=64)

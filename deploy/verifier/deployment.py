@@ -6,7 +6,7 @@ many sessions queue here while their edges draft (SpecEdge §4.3); a loop takes 
 forward in a worker thread, and answers each request with its reply frame and pacing
 hints (:mod:`deploy.verifier.pacing`). New sessions are prefilled in token-budgeted chunks
 that ride along in the verify forwards: a chunk is sized from measured costs to add at most
-``verifier.prefill_share`` of a verify forward's time (at most
+``verifier.prefill_share`` of a verify forward's time per session waiting to be prefilled (at most
 ``verifier.prefill_chunk_tokens``), so a long prompt never stalls other sessions; when no
 session is mid-round, a prefill forward takes up to ``verifier.max_batch_tokens``. Every
 engine call runs on the one worker thread, so a close never races a forward. Sessions live
@@ -517,12 +517,17 @@ class VerifierCore:
         return bool(len(self.sched))
 
     def _prefill_budget(self) -> int:
-        """Prompt tokens to add to a verify forward: as many as fit in ``prefill_share`` of
-        its time (measured costs; the cost per prompt token grows with the prompt's length)."""
+        """Prompt tokens to add to a verify forward: as many as fit in ``prefill_share`` of its
+        time for each session waiting to be prefilled (measured costs; the cost per prompt token
+        grows with the prompt's length). One long prompt takes a small share, so the sessions
+        decoding barely notice it; a burst of opens takes more, so they join the batch together
+        instead of one by one. With a fixed share of 0.2, 32 sessions opening at once (RTT 15 ms,
+        one core) joined over ~2 s and the forwards carried 8-10 of them instead of ~28
+        (benchmarks/results/README.md, "Prefill that trickles in")."""
         vc = self.cfg.verifier
         if not (self._verify_s and self._prefill_token_s):
             return min(vc.prefill_chunk_tokens, 16)
-        fit = int(vc.prefill_share * self._verify_s / self._prefill_token_s)
+        fit = int(vc.prefill_share * max(len(self._prefilling), 1) * self._verify_s / self._prefill_token_s)
         # a chunk also has a fixed cost (its rows read the prompt's whole KV so far): at least
         # MIN_PREFILL_CHUNK tokens, or tiny chunks would pay it over and over for little progress
         return max(min(MIN_PREFILL_CHUNK, vc.prefill_chunk_tokens), min(vc.prefill_chunk_tokens, fit))

@@ -49,3 +49,17 @@ def test_a_full_kv_pool_fails_the_open_clearly_and_nothing_hangs():
     failed = [p for status, p in results if status == 503]
     assert all(p["error"]["code"] == "kv_capacity" for p in failed)
     assert not core._prefilling and not core.engine.prefilling  # nothing left waiting
+
+
+def test_a_burst_of_opens_gets_a_larger_prefill_chunk_than_one_long_prompt():
+    from deploy.verifier.deployment import VerifierCore
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256}))
+    core._verify_s, core._prefill_token_s = 0.020, 0.001  # measured: 20 ms a verify forward, 1 ms a prompt token
+    budgets = {}
+    for waiting in (1, 10, 100):
+        core._prefilling = {f"s{i}": ("dev", None) for i in range(waiting)}
+        budgets[waiting] = core._prefill_budget()
+    # 0.2 of a verify forward per session waiting, at most prefill_chunk_tokens
+    assert budgets == {1: 4, 10: 40, 100: 256}
