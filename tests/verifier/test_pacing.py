@@ -179,20 +179,26 @@ def test_a_no_tree_hint_still_asks_for_a_tree_now_and_then():
     assert [p.budget_hint(4) for _ in range(4)].count(0) == 3
 
 
+def _flat_then_linear_pacer(overhead_s: float, tokens_per_round) -> Pacer:
+    """Budgets 0-4 over the embedded model's measured curve on one core (flat to 3 rows, then
+    2.2 ms a row), with the given tokens per round per budget."""
+    p = Pacer(budgets=(0, 1, 2, 4), round_overhead_s=overhead_s)
+    for rows in (1, 2, 3, 4, 6, 8, 12):
+        for _ in range(4):
+            p.observe_forward(rows, 0.0165 + 0.0022 * max(0, rows - 3))
+    for n, tok in tokens_per_round:
+        for _ in range(20):
+            p.observe_round(n, tok)
+    return p
+
+
 def test_request_overhead_weighs_against_small_trees_when_run_ahead_amortises_it():
     """Issue 15, 2 sessions: a one-node tree that pays by the forward alone (flat curve up to 3
     rows) does not pay once each request's CPU outside the forward counts and a no-tree request
     brings back 9 tokens (run-ahead); without run-ahead every token is a request either way,
     and the tree still pays. One session: the tree pays in both cases."""
     def pacer(overhead_ms):
-        p = Pacer(budgets=(0, 1, 2, 4), round_overhead_s=overhead_ms / 1000)
-        for rows in (1, 2, 3, 4, 6, 8, 12):
-            for _ in range(4):
-                p.observe_forward(rows, 0.0165 + 0.0022 * max(0, rows - 3))
-        for n, tok in ((1, 1.3), (2, 1.45), (4, 1.6)):
-            for _ in range(20):
-                p.observe_round(n, tok)
-        return p
+        return _flat_then_linear_pacer(overhead_ms / 1000, ((1, 1.3), (2, 1.45), (4, 1.6)))
 
     assert pacer(0).best_budget(2, ahead=9) > 0  # the forward alone: the tree is almost free
     assert pacer(2.0).best_budget(2, ahead=9) == 0
@@ -205,13 +211,7 @@ def test_tree_forwards_that_carry_fewer_sessions_make_trees_pay_less():
     """Issue 15, 2 sessions: out of step, the sessions' tree rounds shared a forward 1.6 times
     in 2 (measured), so a forward of trees served fewer tokens than the model of both in every
     forward said; run-ahead keeps both in every forward."""
-    p = Pacer(budgets=(0, 1, 2, 4), round_overhead_s=0.0)
-    for rows in (1, 2, 3, 4, 6, 8, 12):
-        for _ in range(4):
-            p.observe_forward(rows, 0.0165 + 0.0022 * max(0, rows - 3))
-    for n, tok in ((1, 1.45), (2, 1.6), (4, 1.75)):
-        for _ in range(20):
-            p.observe_round(n, tok)
+    p = _flat_then_linear_pacer(0.0, ((1, 1.45), (2, 1.6), (4, 1.75)))
     assert p.best_budget(2, ahead=9) > 0
     for _ in range(30):
         p.observe_tree_batch(2, 1 if _ % 3 else 2)
