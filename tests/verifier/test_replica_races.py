@@ -19,8 +19,8 @@ TENANTS = [{"name": "alpha", "api_key": "alpha-key-123"}, {"name": "beta", "api_
 VOCAB = 512
 
 
-def make_core(**verifier) -> VerifierCore:
-    return VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+def make_core(pacing: dict | None = None, **verifier) -> VerifierCore:
+    return VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"}, pacing=pacing or {},
                                   verifier={"batch_wait_ms": 3, **verifier}, router={"tenants": TENANTS}))
 
 
@@ -85,16 +85,22 @@ def test_dropped_requests_mid_batch_never_hold_up_another_tenants_rounds():
 
 def test_a_denormal_draft_ms_on_open_does_not_hang_its_batch():
     """Issue 14 #2: draft_ms = 5e-324 made the depth hint int(round(inf)): that open and the
-    requests sharing its batch were never answered."""
-    core = make_core()
+    requests sharing its batch were never answered. Trees only (no "no tree" budget, which has no
+    depth) and a second session held open, so the hint takes the paced path that divides by
+    draft_ms, whatever the pacer would choose on this machine."""
+    core = make_core(pacing={"tree_budgets": [8]})
 
     async def main():
         await generate(core, "beta", prompt(1), max_tokens=8)  # the pacer's cost model has data now
+        held = await open_session(core, "beta", prompt(4))
         odd = open_session(core, "alpha", prompt(2), draft_ms=5e-324, rtt_ms=5e-324)
-        return await asyncio.wait_for(asyncio.gather(odd, generate(core, "beta", prompt(3))), 60)
+        opened, out = await asyncio.wait_for(asyncio.gather(odd, generate(core, "beta", prompt(3))), 60)
+        await core.close_session(held["session_id"], "beta")
+        return opened, out
 
     opened, out = asyncio.run(main())
-    assert opened["depth_hint"] >= 1 and out == reference(core, prompt(3))
+    assert opened["budget_hint"] == 8 and 1 <= opened["depth_hint"] <= 12
+    assert out == reference(core, prompt(3))
 
 
 def test_a_reply_that_fails_answers_only_its_own_request():
