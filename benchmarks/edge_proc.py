@@ -114,7 +114,7 @@ class Edge:
                                 "accepted": s.accepted_tokens, "aligned": s.aligned,
                                 "align_attempts": s.align_attempts, "depth_sum": s.depth_sum,
                                 "draft_forwards": s.draft_forwards, "proactive_forwards": s.proactive_forwards,
-                                "draft_ms": s.draft_ms, "rtt_ms": s.rtt_ms, "reopens": s.reopens,
+                                "draft_ms": s.draft_ms, "rtt_ms": s.rtt_ms, "round_ms": s.round_ms, "reopens": s.reopens,
                                 "rejections": s.rejections, "refills": s.refills, "verify_rule": s.verify_rule,
                                 "version": cmd.get("version"), "early_frames": s.early_frames,
                                 "predraft_hits": s.predraft_hits, "predraft_misses": s.predraft_misses,
@@ -237,6 +237,11 @@ def openai_counts(chunks: list[tuple[float, int | None, str]]) -> dict:
     return {"tokens": seen, "arrivals": arrivals, "rounds": max(0, len(arrivals) - 1)}
 
 
+def _mean_of(gens: list[dict], key: str) -> float:
+    xs = [x for g in gens for x in g.get(key, ())]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
     from benchmarks.metrics import itl_samples
 
@@ -250,11 +255,10 @@ def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
            "tokens_per_verify": (tokens - len(gens)) / rounds if rounds else float("nan")}
     if mode in EDGE_MODES:
         att = sum(g["align_attempts"] for g in gens)
-        dms = [x for g in gens for x in g["draft_ms"]]
         agg.update(
             alignment_rate=sum(g["aligned"] for g in gens) / att if att else float("nan"),
             depth_mean=sum(g["depth_sum"] for g in gens) / rounds if rounds else float("nan"),
-            draft_ms_mean=sum(dms) / len(dms) if dms else float("nan"),
+            draft_ms_mean=_mean_of(gens, "draft_ms"),
             draft_forwards_per_round=sum(g["draft_forwards"] for g in gens) / rounds if rounds else float("nan"),
             proactive_forwards=sum(g["proactive_forwards"] for g in gens),
             reopens=sum(g["reopens"] for g in gens),
@@ -263,8 +267,8 @@ def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
             verified_nodes_per_round=sum(g["verified_nodes"] for g in gens) / rounds if rounds else float("nan"),
             sent_nodes_per_round=sum(g["draft_tokens"] for g in gens) / rounds if rounds else float("nan"),
             down_payload_bytes=sum(24 * g["rounds"] + 2 * g["accepted"] for g in gens),
-            rtt_ms_measured=(sum(x for g in gens for x in g["rtt_ms"])
-                             / max(1, sum(len(g["rtt_ms"]) for g in gens))))
+            rtt_ms_measured=_mean_of(gens, "rtt_ms"),
+            round_ms_mean=_mean_of(gens, "round_ms"))  # send to reply, as the edge saw it
         hits = sum(g.get("predraft_hits", 0) for g in gens)
         if any(g.get("early_frames") for g in gens):  # issue 19: the pre-draft cache
             agg.update(predraft_hit_rate=hits / rounds if rounds else float("nan"),

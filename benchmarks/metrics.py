@@ -89,6 +89,8 @@ class Window:
     verify_forwards: int = 0  # the verifier's verify forwards (0: not known, e.g. vLLM)
     verify_sessions: int = 0  # session rounds in them
     verify_rows: int = 0  # token rows in them (roots + verified nodes + prefill chunks)
+    verify_requests: int = 0  # verify requests the replica answered
+    verify_request_seconds: float = 0.0  # seconds they spent in the replica (queue, batch wait, forward, reply)
     forward_cpu_s_prefill: float = float("nan")  # CPU seconds of the forwards' own thread: prefill forwards
     forward_cpu_s_verify: float = float("nan")  # ... and verify forwards (verifier_busy_s minus these: preempted)
 

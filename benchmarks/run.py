@@ -354,7 +354,7 @@ class Server(_Accounting):
                 "verifier_cpu_s": engine, "server_cpu_s": cpu["cpu_s"],
                 **{f"forward_cpu_s_{k}": s1["busy_cpu_seconds"][k] - s0["busy_cpu_seconds"][k] for k in ("prefill", "verify")},
                 **{f"verify_{k}": s1[f"verify_{k}_total"] - s0[f"verify_{k}_total"]
-                   for k in ("forwards", "sessions", "rows")}}, cpu
+                   for k in ("forwards", "sessions", "rows", "requests", "request_seconds")}}, cpu
 
 
 class VllmServer(_Accounting):

@@ -90,7 +90,8 @@ class VerifierConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     max_batch_sessions: int = Field(16, ge=1, le=1024)
     max_batch_tokens: int = Field(2048, ge=1)
-    batch_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long to wait to fill a batch")
+    batch_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long to wait to fill a batch; skipped when "
+                                                                 "every session already has a round queued")
     batch_fill: float = Field(2.0, ge=0, le=4, description="also wait for sessions due back (by their measured "
                                                            "away time) within this multiple of the forward's "
                                                            "predicted time; 0 = off (deploy/verifier/batch_fill.py)")

@@ -160,6 +160,7 @@ class VerifierCore:
         self.busy_seconds = 0.0
         self.busy_cpu_seconds = {"prefill": 0.0, "verify": 0.0}  # the forwards' own CPU time, by kind
         self.verify_totals = [0, 0, 0]  # verify forwards, sessions and rows in them (monotonic)
+        self.request_totals = [0, 0.0]  # verify requests answered, seconds they spent in this replica
         self.arrivals = ArrivalModel()  # when each session's next round is due (batch filling)
         self.fill_waits = 0  # forwards held for sessions due back
         self.tokens_emitted = 0  # verified tokens returned to clients (first tokens included)
@@ -202,6 +203,7 @@ class VerifierCore:
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
                 "verify_forwards_total": self.verify_totals[0], "verify_sessions_total": self.verify_totals[1],
                 "verify_rows_total": self.verify_totals[2],
+                "verify_requests_total": self.request_totals[0], "verify_request_seconds_total": self.request_totals[1],
                 "evictions": len(self.evicted), "versions": self.versions.registry.served(),
                 "versions_unavailable": dict(self.versions.registry.unavailable),
                 "versions_error": self.versions_error}
@@ -347,7 +349,10 @@ class VerifierCore:
         run = RunAhead(limit, f.prefix_len, fut, len(f.tokens)) if f.ahead and limit else None
         self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
         self._wake.set()
-        return await fut
+        out = await fut
+        self.request_totals[0] += 1
+        self.request_totals[1] += time.monotonic() - now  # queue, batch wait, forward, reply
+        return out
 
     async def _take_over(self, tenant: str, sid: str, f: VerifyFrame, fut: asyncio.Future):
         """The edge's next request meets its session's detached run (:mod:`deploy.verifier.run_ahead`):
@@ -456,7 +461,7 @@ class VerifierCore:
                     await asyncio.wait_for(self._wake.wait(), timeout=5.0)
                 except asyncio.TimeoutError:
                     pass
-            if vc.batch_wait_ms > 0 and len(self.sched) < vc.max_batch_sessions:
+            if vc.batch_wait_ms > 0 and self._others_may_join():
                 await asyncio.sleep(vc.batch_wait_ms / 1000.0)  # let a few more requests join this forward
             await self._fill_batch()
             if time.monotonic() - last_sweep > min(5.0, vc.idle_timeout_s / 2):
@@ -479,6 +484,14 @@ class VerifierCore:
                     await self._run_prefill(loop, self._prefill_budget() if busy else vc.max_batch_tokens)
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("verify loop error: %s", e)
+
+    def _others_may_join(self) -> bool:
+        """Whether a request not yet queued could still join the next forward: the batch has room
+        and some session of this replica has no round queued. With one session (or every session
+        waiting) a fixed batch wait is latency with nothing to gain: measured at 1 session, RTT
+        15 ms, the embedded target, 2.5 ms of a 14.4 ms replica time per round."""
+        queued = len(self.sched.pending_sessions())
+        return queued < min(self.cfg.verifier.max_batch_sessions, len(self.engine.sessions))
 
     async def _fill_batch(self) -> None:
         """Hold the forward for the sessions due back within ``batch_fill`` x its predicted time

@@ -178,9 +178,15 @@ class Pacer:
         return self.budgets[min(i, len(self.budgets) - 1)]
 
     def observe_round(self, tree_nodes: int, emitted: int) -> None:
+        """A bucket's first round moves the estimate from what was expected of it (interpolated
+        from the other buckets), not to itself: one unlucky round does not rule a budget out.
+        (Run-ahead sends a tree only every ``explore_every`` replies; a bucket that started at
+        one round's 1 token was not tried again within a benchmark configuration.)"""
         b = self._bucket(tree_nodes)
         old = self._tokens_per_round.get(b)
-        self._tokens_per_round[b] = emitted if old is None else (1 - self.ema) * old + self.ema * emitted
+        if old is None:
+            old = self.expected_tokens(b)
+        self._tokens_per_round[b] = (1 - self.ema) * old + self.ema * emitted
 
     def expected_tokens(self, n: int) -> float:
         """E[tokens per round | budget n]: observed, else interpolated in log(n)."""

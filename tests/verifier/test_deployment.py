@@ -63,3 +63,21 @@ def test_a_burst_of_opens_gets_a_larger_prefill_chunk_than_one_long_prompt():
         budgets[waiting] = core._prefill_budget()
     # 0.2 of a verify forward per session waiting, at most prefill_chunk_tokens
     assert budgets == {1: 4, 10: 40, 100: 256}
+
+
+def test_the_batch_wait_is_skipped_when_no_other_session_could_join():
+    """The fixed batch wait lets more rounds join a forward: with every session already queued
+    (one session alone, above all) or the batch full, nobody could, and the wait is only latency."""
+    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.scheduler import Pending
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"max_batch_sessions": 3}))
+    may_join = []
+    for sessions, queued in ((1, 0), (1, 1), (2, 1), (2, 2), (4, 3), (5, 3)):
+        core.engine.sessions = {f"s{i}": None for i in range(sessions)}
+        core.sched = type(core.sched)()
+        for i in range(queued):
+            core.sched.add(Pending("dev", f"s{i}", 1))
+        may_join.append(core._others_may_join())
+    assert may_join == [True, False, True, False, False, False]

@@ -216,3 +216,14 @@ def test_tree_forwards_that_carry_fewer_sessions_make_trees_pay_less():
     for _ in range(30):
         p.observe_tree_batch(2, 1 if _ % 3 else 2)
     assert p.best_budget(2, ahead=9) == 0 and p.best_budget(3, ahead=9) > 0  # 3 sessions: not measured
+
+
+def test_one_unlucky_first_round_does_not_rule_a_budget_out():
+    """A bucket's first round moves its estimate from what was expected of it: a 4-node tree that
+    happened to bring only the bonus token once is still expected to beat 2 nodes."""
+    p = Pacer(budgets=(0, 1, 2, 4))
+    for _ in range(20):
+        p.observe_round(2, 1.8)
+    expected = p.expected_tokens(4)
+    p.observe_round(4, 1)
+    assert p.expected_tokens(2) < p.expected_tokens(4) == pytest.approx(0.8 * expected + 0.2 * 1)
