@@ -90,7 +90,7 @@ class Window:
     verify_sessions: int = 0  # session rounds in them
     verify_rows: int = 0  # token rows in them (roots + verified nodes + prefill chunks)
     verify_requests: int = 0  # verify requests the replica answered
-    verify_request_seconds: float = 0.0  # seconds they spent in the replica (queue, batch wait, forward, reply)
+    verify_request_seconds: float = 0.0  # their seconds in the replica, arrival to reply (run-ahead: every step)
     forward_cpu_s_prefill: float = float("nan")  # CPU seconds of the forwards' own thread: prefill forwards
     forward_cpu_s_verify: float = float("nan")  # ... and verify forwards (verifier_busy_s minus these: preempted)
 

@@ -344,14 +344,15 @@ class VerifierCore:
         now = time.monotonic()
         self.arrivals.arrived(session_id, now)
         if session_id in self._detached:
-            return await self._take_over(tenant, session_id, f, fut)
-        limit = self.cfg.verifier.run_ahead_tokens
-        run = RunAhead(limit, f.prefix_len, fut, len(f.tokens)) if f.ahead and limit else None
-        self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
-        self._wake.set()
-        out = await fut
+            out = await self._take_over(tenant, session_id, f, fut)
+        else:
+            limit = self.cfg.verifier.run_ahead_tokens
+            run = RunAhead(limit, f.prefix_len, fut, len(f.tokens)) if f.ahead and limit else None
+            self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
+            self._wake.set()
+            out = await fut
         self.request_totals[0] += 1
-        self.request_totals[1] += time.monotonic() - now  # queue, batch wait, forward, reply
+        self.request_totals[1] += time.monotonic() - now  # queue, batch wait, forward(s), reply
         return out
 
     async def _take_over(self, tenant: str, sid: str, f: VerifyFrame, fut: asyncio.Future):
