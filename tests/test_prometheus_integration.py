@@ -190,7 +190,10 @@ async def _edge_agent_generation(app_url: str, model, em: EdgeMetrics):
     from edge_agent.transport import HttpTransport
 
     transport = HttpTransport(app_url, api_key="alpha-key-123")
-    agent = EdgeAgent(transport, ModelDrafter(model), config=AgentConfig(mode="stop-and-wait", budget=8, ping_every=4))
+    # no run-ahead: its steps are server rounds the agent does not see as rounds, and whether the pacer
+    # hints "no tree" (run-ahead) on the tiny model depends on the machine; the counts below are exact
+    agent = EdgeAgent(transport, ModelDrafter(model), config=AgentConfig(mode="stop-and-wait", budget=8, ping_every=4,
+                                                                         run_ahead=False))
     try:
         res = await agent.generate([11, 12, 13, 14], SamplingParams(max_tokens=16, ignore_eos=True))
     finally:
