@@ -335,7 +335,7 @@ class VerifierCore:
         edge = self.client.setdefault(session_id, EdgeClient())
         if f.draft_ms or f.rtt_ms:
             edge.draft_ms, edge.rtt_ms = f.draft_ms, f.rtt_ms
-        edge.ahead = self._ahead_tokens(f.ahead)
+        edge.ahead = ahead = self._ahead_tokens(f.ahead)
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
@@ -346,8 +346,7 @@ class VerifierCore:
         if session_id in self._detached:
             out = await self._take_over(tenant, session_id, f, fut)
         else:
-            limit = self.cfg.verifier.run_ahead_tokens
-            run = RunAhead(limit, f.prefix_len, fut, len(f.tokens)) if f.ahead and limit else None
+            run = RunAhead(ahead - 1, f.prefix_len, fut, len(f.tokens)) if ahead > 1 else None
             self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
             self._wake.set()
             out = await fut
@@ -440,16 +439,19 @@ class VerifierCore:
         limit = self.cfg.verifier.run_ahead_tokens
         return limit + 1 if asks and limit else 1
 
+    def _pacing(self, sid: str) -> tuple[Pacer, int, EdgeClient]:
+        """What a session's hints rest on: its version's pacer (its own acceptance, FlexSpec
+        §III-C), the sessions sharing the verifier, and what its edge reported."""
+        return self.versions.pacer(sid), max(len(self.engine.sessions), 1), self.client.get(sid) or EdgeClient()
+
     def _hints(self, sid: str) -> tuple[int, int]:
-        n = max(len(self.engine.sessions), 1)
-        pacer = self.versions.pacer(sid)  # the session's version's own acceptance (FlexSpec §III-C)
-        edge = self.client.get(sid) or EdgeClient()
+        pacer, n, edge = self._pacing(sid)
         budget = pacer.budget_hint(n, edge.ahead)
         return pacer.depth_hint(n, budget, edge.draft_ms, edge.rtt_ms), budget
 
     def _best_budget(self, sid: str) -> int:
-        edge = self.client.get(sid) or EdgeClient()
-        return self.versions.pacer(sid).best_budget(max(len(self.engine.sessions), 1), edge.ahead)
+        pacer, n, edge = self._pacing(sid)
+        return pacer.best_budget(n, edge.ahead)
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
