@@ -61,7 +61,10 @@ own next token (greedy) or a sample of p (sampled), exactly as plain decoding wo
 After a reply whose budget hint is 0 the session decodes on, detached, until its next request:
 an ``F_AHEAD`` frame at the reply's ``prefix_len`` takes that run over (the reply starts with the
 tokens decoded meanwhile; a tree it carries is not verified, ``R_TRUNCATED`` with 0), any other
-frame for the session then is a 409 ``prefix_mismatch``. Plain trees only (no ``F_CHAIN``, ``F_RESAMPLED``, ``F_MORE``, ``F_TREEQ``, ``F_EARLY``).
+frame for the session then is a 409 ``prefix_mismatch``. An open whose ``client.run_ahead`` is
+true makes the same promise for the session's first request: when the open's budget hint is 0,
+the session decodes on from its first token, detached, while the open's reply and that
+request are on the wire. Plain trees only (no ``F_CHAIN``, ``F_RESAMPLED``, ``F_MORE``, ``F_TREEQ``, ``F_EARLY``).
 
 Early results (``F_EARLY``; the early-exit paper §3): a tree frame with this flag asks for an
 :class:`EarlyFrame` after each of the server's exit layers, *during* the verify forward: the
@@ -390,6 +393,9 @@ class ClientInfo(_Body):
     draft_ms: float = Field(0.0, ge=0, le=1e6)
     rtt_ms: float = Field(0.0, ge=0, le=1e6)
     agent: str | None = Field(None, max_length=128)
+    run_ahead: bool = Field(False, description="the session's first request carries F_AHEAD when the open's "
+                                               "budget hint is 0: the replica may decode on from the first token "
+                                               "at once (Run-ahead above)")
 
 
 class OpenSession(_Body):

@@ -323,7 +323,9 @@ class EdgeAgent:
                           client=ClientInfo(tokenizer_fingerprint=(tokenizer_fingerprint(self.tokenizer)
                                                                    if self.tokenizer is not None else None),
                                             draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0),
-                                            agent=self.agent_name))
+                                            agent=self.agent_name,
+                                            # our first round then asks for run-ahead if the hint is 0
+                                            run_ahead=self.config.run_ahead and stats.verify_rule == "match"))
         for _ in range(self.config.max_overload_waits):
             try:
                 return await self.transport.open(req)
@@ -375,15 +377,15 @@ class EdgeAgent:
         t_start = time.perf_counter()
         if self.telemetry.rtt_ms.value is None:  # the first generation measures the link first
             await self._ping(stats)
+        rule = self.verify_policy.choose(params) if cfg.verify == "auto" else cfg.verify
+        if rule == "tree-rejection" and params.greedy:
+            rule = "match"  # a point-mass target accepts the argmax's child whatever the rule: SpecExec trees
+        stats.verify_rule = rule
         sess = await self._open(prompt_ids, [], params, stats)
         stats.ttft_s = time.perf_counter() - t_start
         if sess.first_token is not None:
             emit([sess.first_token])
         finished, finish_reason = sess.finished, sess.finish_reason
-        rule = self.verify_policy.choose(params) if cfg.verify == "auto" else cfg.verify
-        if rule == "tree-rejection" and params.greedy:
-            rule = "match"  # a point-mass target accepts the argmax's child whatever the rule: SpecExec trees
-        stats.verify_rule = rule
         if rule == "rejection":
             if not finished:
                 finish_reason = await self._rejection_rounds(info, params, prompt_ids, generated, emit, stats, sess)

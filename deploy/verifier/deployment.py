@@ -68,6 +68,7 @@ class EdgeClient:
     draft_ms: float = 0.0
     rtt_ms: float = 0.0
     ahead: int = 1
+    run_from_open: bool = False  # the open asked for run-ahead from its first token (ClientInfo.run_ahead)
 
 
 @dataclass
@@ -217,8 +218,8 @@ class VerifierCore:
         self.busy_cpu_seconds["prefill" if st.kind == "prefill" else "verify"] += st.cpu_seconds
         if st.kind == "prefill":
             self._prefill_token_s = _ema(self._prefill_token_s, st.seconds / max(st.tokens, 1), 0.3)
-        elif st.prefill_tokens and self._verify_s:  # what the chunk added to a verify forward
-            extra = max(st.seconds - self._verify_s, 0.0) / st.prefill_tokens
+        elif st.prefill_tokens and self._verify_s:  # what the chunk added to a verify forward of its rows
+            extra = max(st.seconds - self._verify_forward_s(st.tokens - st.prefill_tokens), 0.0) / st.prefill_tokens
             self._prefill_token_s = _ema(self._prefill_token_s, extra, 0.3)
         elif not st.prefill_tokens:
             self._verify_s = _ema(self._verify_s, st.seconds, 0.2)
@@ -314,7 +315,7 @@ class VerifierCore:
         # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
         # agent's default): the open's hint then weighs a tree against them, as later hints will
         self.client[sid] = EdgeClient(float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0),
-                                      self._ahead_tokens(True))
+                                      self._ahead_tokens(True), bool(client.get("run_ahead")))
         self._wake.set()
         return await fut
 
@@ -532,18 +533,34 @@ class VerifierCore:
             pass
         return bool(len(self.sched))
 
-    def _prefill_budget(self) -> int:
-        """Prompt tokens to add to a verify forward: as many as fit in ``prefill_share`` of its
-        time for each session waiting to be prefilled (measured costs; the cost per prompt token
-        grows with the prompt's length). One long prompt takes a small share, so the sessions
-        decoding barely notice it; a burst of opens takes more, so they join the batch together
-        instead of one by one. With a fixed share of 0.2, 32 sessions opening at once (RTT 15 ms,
-        one core) joined over ~2 s and the forwards carried 8-10 of them instead of ~28
-        (benchmarks/results/README.md, "Prefill that trickles in")."""
+    def _verify_forward_s(self, rows: int) -> float:
+        """Predicted seconds of a verify forward of ``rows`` rows: the replica's measured cost
+        curve (:class:`deploy.verifier.pacing.PiecewiseCost`) once it has seen a few forwards, the
+        EMA of verify forwards before that."""
+        cost = self.pacer.cost
+        return cost.predict(rows) if cost.count >= 3 else self._verify_s
+
+    def _prefill_budget(self, rows: int | None = None) -> int:
+        """Prompt tokens to add to a verify forward of ``rows`` rows (None: a typical one): as many
+        as fit in ``prefill_share`` of its time for each session waiting to be prefilled (measured
+        costs; the cost per prompt token grows with the prompt's length). One long prompt takes a
+        small share, so the sessions decoding barely notice it; a burst of opens takes more, so
+        they join the batch together instead of one by one. With a fixed share of 0.2, 32 sessions
+        opening at once (RTT 15 ms, one core) joined over ~2 s and the forwards carried 8-10 of
+        them instead of ~28 (benchmarks/results/README.md, "Prefill that trickles in").
+
+        Both sides are of the forward at hand: a chunk's cost is what its forward took beyond the
+        cost curve's time for its verify rows alone (:meth:`_on_forward`). Measured against one
+        EMA of verify forwards instead, the EMA held the small forwards of before the burst (only
+        forwards without a chunk move it, and during a burst every forward has one), so a 24-session
+        forward's own growth was charged to its chunk: the budget fell to the 4-token floor, and of
+        the 10 prompts of a 32-session burst left after the first prefill forward, 6 still waited
+        60 forwards later (RTT 15 ms, embedded bf16, one core; now all join within ~25)."""
         vc = self.cfg.verifier
         if not (self._verify_s and self._prefill_token_s):
             return min(vc.prefill_chunk_tokens, 16)
-        fit = int(vc.prefill_share * max(len(self._prefilling), 1) * self._verify_s / self._prefill_token_s)
+        verify_s = self._verify_s if rows is None else self._verify_forward_s(rows)
+        fit = int(vc.prefill_share * max(len(self._prefilling), 1) * verify_s / self._prefill_token_s)
         # a chunk also has a fixed cost (its rows read the prompt's whole KV so far): at least
         # MIN_PREFILL_CHUNK tokens, or tiny chunks would pay it over and over for little progress
         return max(min(MIN_PREFILL_CHUNK, vc.prefill_chunk_tokens), min(vc.prefill_chunk_tokens, fit))
@@ -601,21 +618,36 @@ class VerifierCore:
         tenant, res = item
         self.metrics.on_open(tenant, res.sid, res.prefix_len)
         self.tokens_emitted += res.first_token is not None
+        now = time.monotonic()
         if not res.finished:
-            self.arrivals.replied(res.sid, time.monotonic())
+            self.arrivals.replied(res.sid, now)
         depth, budget = self._hints(res.sid)
+        self._run_from_open(tenant, res, budget, now)
         return (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
             "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
             "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint,
             "model": self.versions.name_of(res.sid)})
 
+    def _run_from_open(self, tenant: str, res: OpenResult, budget: int, now: float) -> None:
+        """An open whose edge promised an ``F_AHEAD`` first request (``client.run_ahead``) and whose
+        hint is 0 decodes on from its first token, detached, while the reply and that request are
+        on the wire, as after a run-ahead reply (:meth:`_reply_run`). Without it, a burst of opens
+        prefilled together spent the next forwards on the few sessions opened before (measured:
+        8 sessions, RTT 15 ms, 4 forwards of 1-2 sessions after the burst's prefill)."""
+        limit = self.cfg.verifier.run_ahead_tokens
+        edge = self.client.get(res.sid)
+        if budget or not limit or res.finished or res.first_token is None or edge is None or not edge.run_from_open:
+            return
+        run = self._detached[res.sid] = RunAhead(limit, res.prefix_len)
+        self._queue_step(tenant, res.sid, run, now)
+
     async def _run_verifies(self, loop, batch: list[Pending]) -> None:
         trees = [(p, p.payload.req) for p in batch if isinstance(p.payload.req, VerifyRequest)]
         chains = [(p, p.payload.req) for p in batch if isinstance(p.payload.req, ChainVerifyRequest)]
         self.metrics.on_batch_start(batch)
 
-        prefill = self._prefill_budget() if self._prefilling else 0
+        prefill = self._prefill_budget(sum(p.tokens for p in batch)) if self._prefilling else 0
         trees = self._truncate(trees, prefill)
 
         def run():

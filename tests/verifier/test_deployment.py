@@ -3,6 +3,8 @@ the verify forwards, so a long prompt never stalls other sessions' verify rounds
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.prefill_stall import run
 from deploy.config import AppConfig
 
@@ -63,6 +65,31 @@ def test_a_burst_of_opens_gets_a_larger_prefill_chunk_than_one_long_prompt():
         budgets[waiting] = core._prefill_budget()
     # 0.2 of a verify forward per session waiting, at most prefill_chunk_tokens
     assert budgets == {1: 4, 10: 40, 100: 256}
+
+
+def test_a_prefill_chunk_is_costed_and_sized_against_the_forward_it_rides_in():
+    """A chunk's cost is what its forward took beyond the cost curve's time for that forward's
+    verify rows, and its budget is a share of that forward's predicted time. Against one EMA of
+    small forwards, a big batch's own time was charged to its chunk and the budget sank to the
+    floor while a burst of prompts waited (forwards of 24 sessions took 4 prompt tokens each)."""
+    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.engine import ForwardStats
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256}))
+    for rows in (32, 24, 16, 8, 2, 1):  # 10 ms flat to 2 rows, then 1 ms a row
+        for _ in range(3):
+            core._on_forward(ForwardStats("verify", rows, rows, 0.010 + 0.001 * max(0, rows - 2)))
+    core.pacer.cost.refit()
+    assert core._verify_s < 0.020  # the EMA still leans on the small forwards
+    core._prefill_token_s = 0.001
+    for _ in range(20):  # 24 sessions + 8 prompt tokens at 1 ms each: 40 ms
+        core._on_forward(ForwardStats("verify", 24, 32, 0.040, prefill_tokens=8))
+    assert core._prefill_token_s == pytest.approx(0.001, rel=0.05)
+    core._prefilling = {f"s{i}": ("dev", None) for i in range(4)}
+    # 0.2 x 4 waiting x the 24-row forward's 32 ms / 1 ms a token
+    assert core._prefill_budget(24) == pytest.approx(25, abs=1)
+    assert core._prefill_budget(24) > core._prefill_budget()
 
 
 def test_the_batch_wait_is_skipped_when_no_other_session_could_join():

@@ -251,6 +251,37 @@ def test_between_reply_and_request_the_session_decodes_on_and_the_request_takes_
     assert asyncio.run(run()) == ref
 
 
+def test_an_open_that_promises_run_ahead_decodes_on_from_its_first_token():
+    """``client.run_ahead`` on the open: with hint 0 the session decodes on from its first token
+    while the open's reply and the first request are on the wire; that F_AHEAD request takes the
+    run over, and the output is the target's. An open without the promise, or whose hint asks
+    for trees, waits for its first request as before."""
+    core = make_core(run_ahead_tokens=4)
+    p = prompt(12)
+    sampling = {"max_tokens": 30, "ignore_eos": True}
+    ref = greedy_reference(core, p, 30)
+
+    async def run(client):
+        status, d = await core.open_session("dev", {"prompt_ids": p, "sampling": sampling, "client": client})
+        assert status == 200 and d["budget_hint"] == 0, d
+        await asyncio.sleep(0.2)  # the edge is away
+        grown = len(core.engine.sessions[d["session_id"]].prefix) - d["prefix_len"]
+        return grown, await decode_rest(core, d)
+
+    assert asyncio.run(run({"run_ahead": True})) == (5, ref)  # the bonus and the limit past it
+    assert asyncio.run(run({})) == (0, ref)
+    pays = make_core(budgets=(0, 8), run_ahead_tokens=4)
+    pays.pacer.best_budget = lambda sessions, ahead=1: 8  # trees pay: the hint is a tree
+
+    async def open_paid():
+        status, d = await pays.open_session("dev", {"prompt_ids": p, "sampling": sampling,
+                                                    "client": {"run_ahead": True}})
+        await asyncio.sleep(0.2)
+        return d["budget_hint"], len(pays.engine.sessions[d["session_id"]].prefix) - d["prefix_len"]
+
+    assert asyncio.run(open_paid()) == (8, 0)
+
+
 def test_only_forwards_of_trees_alone_measure_how_many_sessions_trees_share():
     """The pacer weighs a tree by the sessions a forward of trees carries (measured, issue 15):
     a forward with a run-ahead step in it says nothing about that, one of trees alone does."""
