@@ -179,6 +179,29 @@ def test_a_no_tree_hint_still_asks_for_a_tree_now_and_then():
     assert [p.budget_hint(4) for _ in range(4)].count(0) == 3
 
 
+def test_a_session_alone_soon_tries_a_tree_that_nearly_pays_again():
+    """The state a full run left one session in (estimates learnt at 4 sessions; its forward
+    curve; 3 ms a request): no tree is predicted 3.5 % ahead. If the session's own trees bring
+    2 tokens a round, it is on trees within a few replies; several sessions keep exploring one
+    in explore_every."""
+    def hints(sessions):
+        p = Pacer(round_overhead_s=0.003)
+        for rows in (1, 2, 3, 4, 8, 16, 32):
+            p.observe_forward(rows, 0.0111 + 0.0009 * max(0, rows - 2))
+        p._tokens_per_round.update({1: 1.19, 2: 1.19, 4: 1.32, 8: 1.36, 64: 2.54})
+        out = []
+        for _ in range(64):  # replies; a tree round brings 2 tokens
+            out.append(p.budget_hint(sessions, ahead=9))
+            if out[-1]:
+                p.observe_round(out[-1], 2.0)
+        return out
+
+    alone = hints(1)
+    assert alone[:3] == [0, 0, 0] and alone[3] > 0 and all(h > 0 for h in alone[16:]), alone
+    many = hints(4)
+    assert many.count(0) == 62, many
+
+
 def _flat_then_linear_pacer(overhead_s: float, tokens_per_round) -> Pacer:
     """Budgets 0-4 over the embedded model's measured curve on one core (flat to 3 rows, then
     2.2 ms a row), with the given tokens per round per budget."""
