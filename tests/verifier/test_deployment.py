@@ -3,6 +3,8 @@ the verify forwards, so a long prompt never stalls other sessions' verify rounds
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from benchmarks.prefill_stall import run
@@ -90,6 +92,36 @@ def test_a_prefill_chunk_is_costed_and_sized_against_the_forward_it_rides_in():
     # 0.2 x 4 waiting x the 24-row forward's 32 ms / 1 ms a token
     assert core._prefill_budget(24) == pytest.approx(25, abs=1)
     assert core._prefill_budget(24) > core._prefill_budget()
+
+
+def test_a_forward_of_detached_steps_alone_prefills_until_an_edge_is_due_back():
+    """Run-ahead steps of edges that are away wait on nobody: their forward carries as many prompt
+    tokens as fit before the first edge is due back (all of the batch's budget when none is
+    known), never fewer than the paced chunk; a round a client waits on keeps the paced chunk."""
+    from deploy.verifier.deployment import QueuedRound, VerifierCore
+    from deploy.verifier.engine import VerifyRequest
+    from deploy.verifier.run_ahead import RunAhead
+    from deploy.verifier.scheduler import Pending
+    from deploy.verifier.tree import DraftTree
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256,
+                                            "max_batch_tokens": 2048}))
+    core._verify_s, core._prefill_token_s = 0.010, 0.001  # 10 ms a forward (no curve yet), 1 ms a token
+    core._prefilling = {"p": ("dev", None)}
+
+    def step(sid, attached):
+        run = RunAhead(8, 10, fut=object() if attached else None)
+        return Pending("dev", sid, 1, QueuedRound(VerifyRequest(sid, DraftTree.empty(), 10), None, [], run))
+
+    paced = core._prefill_budget(1)
+    assert paced == 4  # 0.2 x 1 waiting x 10 ms / 1 ms a token: the 4-token floor
+    assert core._chunk_budget([step("a", False)]) == 2048  # nobody due back that we know of
+    core.arrivals.replied("a", 0.0)
+    core.arrivals.arrived("a", 0.030)  # "a" is away 30 ms a round trip
+    core.arrivals.replied("a", time.monotonic())
+    assert 10 <= core._chunk_budget([step("a", False)]) <= 20  # ~30 ms away - 10 ms forward, 1 ms a token
+    assert core._chunk_budget([step("a", False), step("b", True)]) == paced
 
 
 def test_the_batch_wait_is_skipped_when_no_other_session_could_join():
