@@ -570,18 +570,17 @@ class VerifierCore:
         batch is detached run-ahead steps alone (their edges are away: nobody waits on this
         forward), as many as fit before the first edge is due back (:class:`ArrivalModel`; a session
         with no round trip measured yet is not counted), up to ``verifier.max_batch_tokens``.
-        Measured before this rule (4 sessions, RTT 100 ms, one core): a session that ran ahead from
-        its open had its steps carry the other three prompts in paced chunks, 14 forwards of one
-        session, where those prompts had been prefilled in one forward in the gap; 166-170 tokens
-        per CPU-second against 218-233."""
+        Seen before this rule (full run `20261124-224818-full`, 4 sessions, RTT 100 ms): a
+        configuration began with 14 forwards of one session, whose run from its open carried the
+        other three prompts in paced chunks; in the gap those would have been one prefill forward."""
         rows = sum(p.tokens for p in batch)
         paced = self._prefill_budget(rows)
         if any(p.payload.run is None or p.payload.run.fut is not None for p in batch) or not self._prefill_token_s:
             return paced
+        most = self.cfg.verifier.max_batch_tokens
         due = self.arrivals.due(time.monotonic(), set())
-        spare = (due[0] if due else float("inf")) - self._verify_forward_s(rows)
-        fit = self.cfg.verifier.max_batch_tokens if spare == float("inf") else int(spare / self._prefill_token_s)
-        return max(paced, min(self.cfg.verifier.max_batch_tokens, fit))
+        fit = int((due[0] - self._verify_forward_s(rows)) / self._prefill_token_s) if due else most
+        return max(paced, min(most, fit))
 
     async def _begin_opens(self, loop, opens) -> None:
         try:
