@@ -348,8 +348,7 @@ class VerifierCore:
             out = await self._take_over(tenant, session_id, f, fut)
         else:
             run = RunAhead(ahead - 1, f.prefix_len, fut, len(f.tokens)) if ahead > 1 else None
-            self.sched.add(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
-            self._wake.set()
+            self._enqueue(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
             out = await fut
         self.request_totals[0] += 1
         self.request_totals[1] += time.monotonic() - now  # queue, batch wait, forward(s), reply
@@ -652,11 +651,12 @@ class VerifierCore:
         on the wire, as after a run-ahead reply (:meth:`_reply_run`). Without it, a burst of opens
         prefilled together spent the next forwards on the few sessions opened before (measured:
         8 sessions, RTT 15 ms, 4 forwards of 1-2 sessions after the burst's prefill)."""
-        limit = self.cfg.verifier.run_ahead_tokens
         edge = self.client.get(res.sid)
-        if budget or not limit or res.finished or res.first_token is None or edge is None or not edge.run_from_open:
+        # edge.ahead is 1 with run-ahead off (verifier.run_ahead_tokens 0)
+        if budget or res.finished or res.first_token is None or edge is None or not edge.run_from_open \
+                or edge.ahead <= 1:
             return
-        run = self._detached[res.sid] = RunAhead(limit, res.prefix_len)
+        run = self._detached[res.sid] = RunAhead(edge.ahead - 1, res.prefix_len)  # as verify() builds a run
         self._queue_step(tenant, res.sid, run, now)
 
     async def _run_verifies(self, loop, batch: list[Pending]) -> None:
@@ -726,10 +726,14 @@ class VerifierCore:
         """One more run-ahead step: an empty tree at the run's prefix, in the next forward."""
         run.queued = True
         step = VerifyRequest(sid, DraftTree.empty(), run.next_prefix)
-        self.sched.add(Pending(tenant, sid, 1, QueuedRound(step, None, [], run), now))
-        # a reply to a request that took over a full run queues the next run from the request's
-        # handler, while the loop may sleep with nothing to do: without this wake the step (and the
-        # edge's next request, which waits on it) waited for the loop's 5 s idle timeout
+        self._enqueue(Pending(tenant, sid, 1, QueuedRound(step, None, [], run), now))
+
+    def _enqueue(self, p: Pending) -> None:
+        """Queue a round for the batch loop and wake it. Every round queued wakes the loop, from a
+        request's handler or from the loop itself: a run-ahead step queued by the reply to a
+        request that took over a full run once waited, with the edge's next request behind it,
+        for the loop's 5 s idle timeout."""
+        self.sched.add(p)
         if self._wake is not None:
             self._wake.set()
 
