@@ -9,6 +9,14 @@ included), which is what the benchmarks report as uplink/downlink bytes.
 
 Loopback only: it listens on 127.0.0.1 and forwards to a 127.0.0.1 port.
 
+Each direction of a connection is a reader thread and a writer thread on blocking sockets:
+the writer sleeps until a chunk's time (``time.sleep``: ~0.1 ms late here) and sends it.
+The asyncio version before it held chunks back with ``asyncio.sleep``, which the selector
+rounds up to whole milliseconds: with an echo server behind it (300-byte messages, idle
+machine) a round trip took 16.86 ms at ``--rtt-ms 15`` and 0.16 ms at 0, i.e. 1.7 ms more
+than asked. Edge-drafted decoding pays one round trip per round, a streaming server the RTT
+once, so that error fell on one side of the comparison.
+
 ``python -m benchmarks.wan_proxy --target-port 8123 --rtt-ms 50 [--mbps 10] [--port 0]
 [--stats-file F]`` prints ``LISTENING <port>`` once ready and keeps ``F`` updated with
 ``{"up_bytes", "down_bytes", "connections"}``.
@@ -21,9 +29,12 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from queue import SimpleQueue
 
 LOOPBACK = "127.0.0.1"
 
@@ -62,66 +73,94 @@ class WanProxy:
         # one shared link per direction: concurrent connections compete for its bandwidth
         self.up = Link(self.rtt_ms / 2e3, rate)
         self.down = Link(self.rtt_ms / 2e3, rate)
-        self._server: asyncio.AbstractServer | None = None
+        self._links = threading.Lock()  # departures are computed under it: the links are shared
+        self._listener: socket.socket | None = None
+        self._closed = threading.Event()
 
     def stats(self) -> dict:
         return {"up_bytes": self.up.bytes, "down_bytes": self.down.bytes, "connections": self.connections,
                 "rtt_ms": self.rtt_ms, "mbps": self.mbps}
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._handle, LOOPBACK, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        """Listen and serve on threads of this process; returns the port."""
+        self._listener = socket.create_server((LOOPBACK, self.port))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="wan-proxy-accept", daemon=True).start()
         return self.port
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        """Stop accepting (open connections run on until either end closes)."""
+        self._closed.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+            except OSError:
+                pass
+            self._listener.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link) -> None:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
 
-        async def deliver():
-            while True:
-                due, data = await queue.get()
-                wait = due - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if data is None:
-                    break
-                writer.write(data)
-                await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-
-        task = asyncio.create_task(deliver())
+    def _handle(self, client: socket.socket) -> None:
         try:
-            while True:
-                data = await reader.read(65536)
-                if not data:
-                    break
-                queue.put_nowait((link.departure(loop.time(), len(data)), data))
-        except (ConnectionError, OSError):
-            pass
-        queue.put_nowait((loop.time() + link.delay_s, None))  # the FIN travels with the same delay
-        try:
-            await task
-        except (ConnectionError, OSError):
-            pass
-
-    async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            s_reader, s_writer = await asyncio.open_connection(LOOPBACK, self.target_port)
+            server = socket.create_connection((LOOPBACK, self.target_port))
         except OSError:
-            c_writer.close()
+            client.close()
             return
-        try:
-            await asyncio.gather(self._pump(c_reader, s_writer, self.up), self._pump(s_reader, c_writer, self.down))
-        finally:
-            for w in (s_writer, c_writer):
-                w.close()
+        for s in (client, server):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pumps = [threading.Thread(target=self._pump, args=(a, b, link), daemon=True)
+                 for a, b, link in ((client, server, self.up), (server, client, self.down))]
+        for t in pumps:
+            t.start()
+        for t in pumps:
+            t.join()
+        for s in (client, server):
+            s.close()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, link: Link) -> None:
+        """Read ``src`` as bytes arrive and hand each chunk to a writer that sends it at its time."""
+        queue: SimpleQueue = SimpleQueue()
+        writer = threading.Thread(target=self._deliver, args=(queue, src, dst), daemon=True)
+        writer.start()
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            now = time.monotonic()
+            if not data:
+                queue.put((now + link.delay_s, None))  # the FIN travels with the same delay
+                break
+            with self._links:
+                due = link.departure(now, len(data))
+            queue.put((due, data))
+        writer.join()
+
+    @staticmethod
+    def _deliver(queue: SimpleQueue, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            due, data = queue.get()
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                if data is None:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                dst.sendall(data)
+            except OSError:  # the far end went: stop reading the near one too
+                try:
+                    src.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+                return
 
 
 async def _serve(args) -> None:
