@@ -9,13 +9,15 @@ included), which is what the benchmarks report as uplink/downlink bytes.
 
 Loopback only: it listens on 127.0.0.1 and forwards to a 127.0.0.1 port.
 
-Each direction of a connection is a reader thread and a writer thread on blocking sockets:
-the writer sleeps until a chunk's time (``time.sleep``: ~0.1 ms late here) and sends it.
-The asyncio version before it held chunks back with ``asyncio.sleep``, which the selector
-rounds up to whole milliseconds: with an echo server behind it (300-byte messages, idle
-machine) a round trip took 16.86 ms at ``--rtt-ms 15`` and 0.16 ms at 0, i.e. 1.7 ms more
-than asked. Edge-drafted decoding pays one round trip per round, a streaming server the RTT
-once, so that error fell on one side of the comparison.
+Chunks are held back by :class:`Clock`, a thread that wakes the event loop at each chunk's
+time, not by ``asyncio.sleep``: the selector rounds its waits up to whole milliseconds, so
+with ``asyncio.sleep`` every chunk left up to 1 ms late. Measured with an echo server behind
+the proxy (300-byte messages, idle machine): a round trip took 16.86 ms at ``--rtt-ms 15``
+and 0.16 ms at 0, i.e. 1.7 ms more than asked; with the clock 15.5-15.8 ms. Edge-drafted
+decoding pays one round trip per round, a streaming server the RTT once per request, so that
+error fell on one side of the comparison. (A proxy of blocking sockets with a reader and a
+writer thread per direction was as precise, 15.4-15.5 ms, but in two runs it cut `server_ar`
+at 8 sessions to 4.6-4.8 sessions per forward, 119-125 forwards instead of 63; not traced.)
 
 ``python -m benchmarks.wan_proxy --target-port 8123 --rtt-ms 50 [--mbps 10] [--port 0]
 [--stats-file F]`` prints ``LISTENING <port>`` once ready and keeps ``F`` updated with
@@ -28,13 +30,13 @@ import argparse
 import asyncio
 import json
 import os
+import heapq
+import itertools
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from queue import SimpleQueue
 
 LOOPBACK = "127.0.0.1"
 
@@ -58,6 +60,60 @@ class Link:
         return now + self.delay_s
 
 
+class Clock:
+    """Wakes coroutines at a monotonic time, 0.15-0.35 ms late here (``asyncio.sleep``: up to 1 ms).
+
+    One daemon thread keeps a heap of due times and sleeps on a condition until the earliest;
+    at its time it resolves the waiting future through the loop's thread-safe wake-up, which
+    the selector sees at once (a file descriptor turns readable: no rounded timeout)."""
+
+    def __init__(self):
+        self._heap: list[tuple[float, int, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="wan-proxy-clock", daemon=True)
+        self._thread.start()
+
+    async def until(self, due: float) -> None:
+        """Return at ``time.monotonic() >= due`` (the default event loop's ``loop.time()``)."""
+        if due <= time.monotonic():
+            return
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            heapq.heappush(self._heap, (due, next(self._seq), loop, fut))
+            self._cv.notify()
+        await fut
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                _, _, loop, fut = heapq.heappop(self._heap)
+                try:
+                    loop.call_soon_threadsafe(_wake, fut)
+                except RuntimeError:  # that loop is closed: nobody waits any more
+                    pass
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 @dataclass
 class WanProxy:
     target_port: int
@@ -73,94 +129,68 @@ class WanProxy:
         # one shared link per direction: concurrent connections compete for its bandwidth
         self.up = Link(self.rtt_ms / 2e3, rate)
         self.down = Link(self.rtt_ms / 2e3, rate)
-        self._links = threading.Lock()  # departures are computed under it: the links are shared
-        self._listener: socket.socket | None = None
-        self._closed = threading.Event()
+        self._server: asyncio.AbstractServer | None = None
+        self._clock: Clock | None = None
 
     def stats(self) -> dict:
         return {"up_bytes": self.up.bytes, "down_bytes": self.down.bytes, "connections": self.connections,
                 "rtt_ms": self.rtt_ms, "mbps": self.mbps}
 
     async def start(self) -> int:
-        """Listen and serve on threads of this process; returns the port."""
-        self._listener = socket.create_server((LOOPBACK, self.port))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, name="wan-proxy-accept", daemon=True).start()
+        self._clock = Clock()
+        self._server = await asyncio.start_server(self._handle, LOOPBACK, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
     async def close(self) -> None:
-        """Stop accepting (open connections run on until either end closes)."""
-        self._closed.set()
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
-            except OSError:
-                pass
-            self._listener.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        if self._clock is not None:
+            self._clock.close()
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
 
-    def _handle(self, client: socket.socket) -> None:
-        try:
-            server = socket.create_connection((LOOPBACK, self.target_port))
-        except OSError:
-            client.close()
-            return
-        for s in (client, server):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        pumps = [threading.Thread(target=self._pump, args=(a, b, link), daemon=True)
-                 for a, b, link in ((client, server, self.up), (server, client, self.down))]
-        for t in pumps:
-            t.start()
-        for t in pumps:
-            t.join()
-        for s in (client, server):
-            s.close()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, link: Link) -> None:
-        """Read ``src`` as bytes arrive and hand each chunk to a writer that sends it at its time."""
-        queue: SimpleQueue = SimpleQueue()
-        writer = threading.Thread(target=self._deliver, args=(queue, src, dst), daemon=True)
-        writer.start()
-        while True:
-            try:
-                data = src.recv(65536)
-            except OSError:
-                data = b""
-            now = time.monotonic()
-            if not data:
-                queue.put((now + link.delay_s, None))  # the FIN travels with the same delay
-                break
-            with self._links:
-                due = link.departure(now, len(data))
-            queue.put((due, data))
-        writer.join()
-
-    @staticmethod
-    def _deliver(queue: SimpleQueue, src: socket.socket, dst: socket.socket) -> None:
-        while True:
-            due, data = queue.get()
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            try:
+        async def deliver():
+            while True:
+                due, data = await queue.get()
+                await self._clock.until(due)
                 if data is None:
-                    dst.shutdown(socket.SHUT_WR)
-                    return
-                dst.sendall(data)
-            except OSError:  # the far end went: stop reading the near one too
-                try:
-                    src.shutdown(socket.SHUT_RD)
-                except OSError:
-                    pass
-                return
+                    break
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+
+        task = asyncio.create_task(deliver())
+        try:
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                queue.put_nowait((link.departure(loop.time(), len(data)), data))
+        except (ConnectionError, OSError):
+            pass
+        queue.put_nowait((loop.time() + link.delay_s, None))  # the FIN travels with the same delay
+        try:
+            await task
+        except (ConnectionError, OSError):
+            pass
+
+    async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            s_reader, s_writer = await asyncio.open_connection(LOOPBACK, self.target_port)
+        except OSError:
+            c_writer.close()
+            return
+        try:
+            await asyncio.gather(self._pump(c_reader, s_writer, self.up), self._pump(s_reader, c_writer, self.down))
+        finally:
+            for w in (s_writer, c_writer):
+                w.close()
 
 
 async def _serve(args) -> None:

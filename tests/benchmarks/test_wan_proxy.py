@@ -62,9 +62,8 @@ def test_link_departures_queue_behind_each_other():
 
 
 def test_a_round_trip_takes_the_rtt_not_a_millisecond_more():
-    # the asyncio version held chunks back with asyncio.sleep, which the selector rounds up to
-    # whole milliseconds: at 5.5 ms per direction a round trip took 12.4 ms (medians of 15, idle
-    # machine), now 11.4; the writer threads sleep to the microsecond
+    # held back with asyncio.sleep, which the selector rounds up to whole milliseconds, a round
+    # trip at 5.5 ms per direction took 12.4 ms (medians of 15, idle machine); with the clock 11.5
     times, _ = asyncio.run(_round_trips(11.0, 0.0, b"w" * 300, 15))
     assert min(times) >= 0.011
     assert sorted(times)[7] < 0.0117  # median
