@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import heapq
 import itertools
+import json
+import os
 import signal
 import threading
 import time
