@@ -612,6 +612,7 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
     if "forward_cost_a" in st:  # the replica's cost curve at the end (what batch-time truncation used)
         detail["forward_cost"] = {k: st[f"forward_cost_{k}"] for k in ("a", "b", "knee")}
         detail["pacing"] = st.get("pacing")
+        detail["pacing_classes"] = st.get("pacing_classes")
         # sessions in each of the replica's last 200 verify forwards (this window's and, when it had
         # fewer, the configuration's before): where forwards split into groups or trail off in a tail
         detail["batch_sizes"] = (st.get("batch_sizes") or [])[-200:]

@@ -222,6 +222,10 @@ class PacingConfig(_Strict):
                     "at ~1.4 and at 9 tokens per request); 0 weighs the forward alone")
     per_version: bool = Field(True, description="each target version (target.adapters) paces its sessions by its "
                                                 "own acceptance (FlexSpec §III-C); off: one acceptance for all")
+    max_draft_classes: int = Field(16, ge=0, le=1024,
+                                   description="acceptance estimates kept per draft class (an open's client.draft) and "
+                                               "target version; sessions of further classes, or naming none, share "
+                                               "the version's; 0: one estimate for every draft")
 
     @model_validator(mode="after")
     def _ranges(self):

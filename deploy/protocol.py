@@ -66,6 +66,14 @@ true makes the same promise for the session's first request: when the open's bud
 the session decodes on from its first token, detached, while the open's reply and that
 request are on the wire. Plain trees only (no ``F_CHAIN``, ``F_RESAMPLED``, ``F_MORE``, ``F_TREEQ``, ``F_EARLY``).
 
+Acceptance classes (ours): how many tokens a tree of ``n`` nodes brings a round depends on the
+draft that built it and on how it was built (stop-and-wait or proactive, the depth policy,
+pre-drafting), not only on the target. An open's ``client.draft`` names that class; the
+replica keeps the tree budget's acceptance estimates per (target version, class), at most
+``pacing.max_draft_classes`` classes per version (sessions of further classes share the
+version's estimates), so one kind of client does not set another's budget. The router's
+server-side drafter opens its sessions as ``server/<drafter>``.
+
 Early results (``F_EARLY``; the early-exit paper §3): a tree frame with this flag asks for an
 :class:`EarlyFrame` after each of the server's exit layers, *during* the verify forward: the
 path and next token that exit's walk of the tree gives, and its probability. Binary, its own
@@ -393,6 +401,11 @@ class ClientInfo(_Body):
     draft_ms: float = Field(0.0, ge=0, le=1e6)
     rtt_ms: float = Field(0.0, ge=0, le=1e6)
     agent: str | None = Field(None, max_length=128)
+    draft: str | None = Field(None, max_length=128,
+                              description="the edge's draft and how it builds trees (the agent sends "
+                                          "'<draft>/<mode>/<depth policy>'): sessions naming the same draft "
+                                          "share acceptance estimates in the replica's pacing (Acceptance classes "
+                                          "above); absent: the version's shared estimates")
     run_ahead: bool = Field(False, description="the session's first request carries F_AHEAD when the open's "
                                                "budget hint is 0: the replica may decode on from the first token "
                                                "at once (Run-ahead above)")

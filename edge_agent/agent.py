@@ -275,13 +275,24 @@ class EdgeAgent:
         if self._owns_drafts:
             self._drafts.shutdown()
 
+    @property
+    def draft_name(self) -> str:
+        return getattr(self.drafter, "name", type(self.drafter).__name__)
+
+    @property
+    def draft_class(self) -> str:
+        """What the replica keeps this agent's acceptance estimates under (``ClientInfo.draft``):
+        the draft and how the agent builds its trees, which set how many tokens a tree brings."""
+        c = self.config
+        return f"{self.draft_name}/{c.mode}/{c.depth_policy}{'/predraft' if c.predraft else ''}"[:128]
+
     # -- setup ---------------------------------------------------------------------------
     async def model_info(self) -> ModelInfo:
         if self._info is None:
             self._info = await self.transport.model_info()
             self._check_compat(self._info)
             if self._store is not None:  # acceptance belongs to the (target, draft) pair
-                self._store_pair = f"{self._info.model}|{getattr(self.drafter, 'name', type(self.drafter).__name__)}"
+                self._store_pair = f"{self._info.model}|{self.draft_name}"
                 self._store.load(self._store_pair, self.verify_policy)
         return self._info
 
@@ -323,7 +334,7 @@ class EdgeAgent:
                           client=ClientInfo(tokenizer_fingerprint=(tokenizer_fingerprint(self.tokenizer)
                                                                    if self.tokenizer is not None else None),
                                             draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0),
-                                            agent=self.agent_name,
+                                            agent=self.agent_name, draft=self.draft_class,
                                             # our first round then asks for run-ahead if the hint is 0
                                             run_ahead=self.config.run_ahead and stats.verify_rule == "match"))
         for _ in range(self.config.max_overload_waits):

@@ -539,7 +539,10 @@ class Router:
         the session is open, carries no tokens (a caller awaits it to answer a refused open
         with its own status). The session is closed however the generator ends.
         """
-        opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version})
+        # a drafter's trees are a client kind of their own for the replica's acceptance estimates
+        client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
+        opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
+                                          "client": client})
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
         params = None
         if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)

@@ -69,6 +69,7 @@ class EdgeClient:
     rtt_ms: float = 0.0
     ahead: int = 1
     run_from_open: bool = False  # the open asked for run-ahead from its first token (ClientInfo.run_ahead)
+    draft: str | None = None  # its draft class (ClientInfo.draft): whose acceptance estimates pace it
 
 
 @dataclass
@@ -88,6 +89,11 @@ class QueuedRound:
 
 def _error(e: SpecError) -> tuple[int, dict]:
     return e.status, e.to_dict()
+
+
+def _draft_class(name) -> str | None:
+    """An open's ``client.draft`` as a key: a string of at most 128 characters, else none."""
+    return name if isinstance(name, str) and 0 < len(name) <= 128 else None
 
 
 def _ema(avg: float, x: float, weight: float) -> float:
@@ -201,6 +207,7 @@ class VerifierCore:
                 "busy_cpu_seconds": dict(self.busy_cpu_seconds),
                 "uptime_seconds": time.monotonic() - self.started, "forward_cost_a": a, "forward_cost_b": b,
                 "forward_cost_knee": knee, "pacing": self.pacer.state(),
+                "pacing_classes": self.versions.states(),
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
                 "verify_forwards_total": self.verify_totals[0], "verify_sessions_total": self.verify_totals[1],
                 "verify_rows_total": self.verify_totals[2],
@@ -315,7 +322,8 @@ class VerifierCore:
         # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
         # agent's default): the open's hint then weighs a tree against them, as later hints will
         self.client[sid] = EdgeClient(float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0),
-                                      self._ahead_tokens(True), bool(client.get("run_ahead")))
+                                      self._ahead_tokens(True), bool(client.get("run_ahead")),
+                                      _draft_class(client.get("draft")))
         self._wake.set()
         return await fut
 
@@ -442,7 +450,8 @@ class VerifierCore:
     def _pacing(self, sid: str) -> tuple[Pacer, int, EdgeClient]:
         """What a session's hints rest on: its version's pacer (its own acceptance, FlexSpec
         §III-C), the sessions sharing the verifier, and what its edge reported."""
-        return self.versions.pacer(sid), max(len(self.engine.sessions), 1), self.client.get(sid) or EdgeClient()
+        edge = self.client.get(sid) or EdgeClient()
+        return self.versions.pacer(sid, edge.draft), max(len(self.engine.sessions), 1), edge
 
     def _hints(self, sid: str) -> tuple[int, int]:
         pacer, n, edge = self._pacing(sid)
@@ -780,7 +789,7 @@ class VerifierCore:
             self.calibration.observe(sum(gains[:n_nodes]), len(res.accepted))
         refill = not tree_mode and req.more  # more residual candidates: no draft was verified
         if not refill:
-            self.versions.pacer(p.session_id).observe_round(n_nodes, emitted)
+            self._pacing(p.session_id)[0].observe_round(n_nodes, emitted)
         self.tokens_emitted += emitted
         now = time.monotonic()
         self.round_latencies.append((p.enqueued_at, now - p.enqueued_at))

@@ -6,7 +6,16 @@ The frozen edge draft accepts differently against each version (FlexSpec §III-C
 ``pacing.per_version`` each version keeps its own acceptance statistics: its sessions get
 the tree budget and depth that its own tokens-per-round make best, while every version
 shares the replica's one forward-cost curve (the forward is shared). Off: one pacer for all,
-the acceptance of every version mixed. Pure (no Ray).
+the acceptance of every version mixed.
+
+Within a version, sessions that name a draft class at open (``client.draft``) keep that
+class's own acceptance: how many tokens a tree brings depends on the draft and on how the edge
+builds it, and a replica serves several kinds of clients at once. Measured in the benchmark,
+where every client kind runs against one replica in turn (`benchmarks.run --full`): the
+server-side drafter's and the fixed-depth edges' trees left 1.3-1.4 tokens a round in the
+4-node estimate that `edge_full`'s one session then paced by (its own trees: 2.1-2.4), and
+it decoded on 2-node trees or run-ahead. At most ``pacing.max_draft_classes`` classes per
+version (the name comes from the client); the rest share the version's estimates. Pure (no Ray).
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ class TargetVersions:
                                         target_cfg.adapters, target_cfg.max_loaded_adapters)
         engine.adapters = self.registry
         self.per_version = pacing_cfg.per_version
+        self.max_draft_classes = pacing_cfg.max_draft_classes
         self.base_pacer = base_pacer
-        self._pacers: dict[str, Pacer] = {}
+        self._pacers: dict[tuple[str | None, str | None], Pacer] = {}  # (version, draft class) -> pacer
+        self._classes: dict[str | None, int] = {}  # version -> draft classes with a pacer of their own
 
     def resolve(self, model: str | None) -> str | None:
         """An open request's ``model`` -> the version's adapter name (None: the base); 404 if unknown."""
@@ -55,19 +66,31 @@ class TargetVersions:
         """The model a session is served by, as replies name it."""
         return self.version(sid) or self.base_name
 
-    def pacer(self, sid: str) -> Pacer:
-        """The pacer whose acceptance statistics this session's hints use."""
-        v = self.version(sid)
-        if v is None or not self.per_version:
+    def pacer(self, sid: str, draft: str | None = None) -> Pacer:
+        """The pacer whose acceptance statistics this session's hints use: its version's (with
+        ``per_version``) and its draft class's (``draft``, the open's ``client.draft``)."""
+        v = self.version(sid) if self.per_version else None
+        if draft is not None and (v, draft) not in self._pacers and self._classes.get(v, 0) >= self.max_draft_classes:
+            draft = None  # this version's classes are all taken: its shared estimates
+        if v is None and draft is None:
             return self.base_pacer
-        if v not in self._pacers:  # own acceptance; the replica's forward cost curve and tree batches
-            self._pacers[v] = dataclasses.replace(self.base_pacer, cost=self.base_pacer.cost, _tokens_per_round={},
-                                                  _no_tree_hints=0)
-        return self._pacers[v]
+        key = (v, draft)
+        if key not in self._pacers:  # own acceptance; the replica's forward cost curve and tree batches
+            self._pacers[key] = dataclasses.replace(self.base_pacer, cost=self.base_pacer.cost, _tokens_per_round={},
+                                                    _no_tree_hints=0)
+            if draft is not None:
+                self._classes[v] = self._classes.get(v, 0) + 1
+        return self._pacers[key]
+
+    def states(self) -> dict[str, dict]:
+        """Each own pacer's state (:meth:`Pacer.state`), keyed ``<version or base>|<draft class or *>``."""
+        return {f"{v or BASE}|{d or '*'}": p.state() for (v, d), p in self._pacers.items()}
 
     def update(self, adapters: dict[str, str], max_loaded: int) -> set[str]:
         """Reconfigure (no restart): returns the versions whose sessions must end."""
         gone = self.registry.update(adapters, max_loaded)
+        for key in [k for k in self._pacers if k[0] in gone]:
+            del self._pacers[key]
         for v in gone:
-            self._pacers.pop(v, None)
+            self._classes.pop(v, None)
         return gone

@@ -1,8 +1,8 @@
 """Target versions on a replica (deploy/verifier/versions.py, the VerifierCore batch loop, no
 Serve): edge agents of the base and two LoRA versions share one replica holding at most one
 adapter; each version's output equals its own (PEFT-merged) decoding, versions share forwards,
-adapters load and evict; removing a version answers 404 to its sessions only; each version
-paces by its own acceptance."""
+adapters load and evict; removing a version answers 404 to its sessions only; each version,
+and within it each draft class, paces by its own acceptance."""
 
 from __future__ import annotations
 
@@ -132,6 +132,52 @@ def test_each_version_paces_by_its_own_acceptance(setup):
     with pytest.raises(ModelNotFound):
         v.resolve("nope")
     assert v.resolve("base") is None and v.resolve(loaded.name) is None and v.resolve("code") == "code"
+
+
+def test_each_draft_class_paces_by_its_own_acceptance(setup):
+    """A replica serves several kinds of client: sessions naming a draft class at open keep that
+    class's acceptance (per version), up to pacing.max_draft_classes classes; the rest share
+    the version's estimates. In the benchmark, one kind's trees (1.3-1.4 tokens a round for 4
+    nodes) set the budget of another kind's session alone (2.1-2.4)."""
+    loaded, paths, _ = setup
+    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.engine import Session
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32", "adapters": paths},
+                                  pacing={"max_draft_classes": 2}), loaded=loaded)
+    v = core.versions
+    core.engine.sessions.clear()
+    for sid, ver in (("a", None), ("b", None), ("c", None), ("code-a", "code")):
+        core.engine.sessions[sid] = Session(sid, [1, 2], 2, GREEDY, None, frozenset(), adapter=ver)
+    for _ in range(20):  # class "deep" accepts a lot, "shallow" nothing beyond the bonus token
+        v.pacer("a", "deep").observe_round(32, 9)
+        v.pacer("b", "shallow").observe_round(32, 1)
+    for rows in range(1, 200, 7):
+        v.base_pacer.observe_forward(rows, 0.01 + 0.001 * rows)
+    deep, shallow = v.pacer("a", "deep"), v.pacer("b", "shallow")
+    assert deep is not shallow and deep is not v.base_pacer and deep.cost is shallow.cost is v.base_pacer.cost
+    assert shallow.budget_hint(8) < deep.budget_hint(8)
+    assert v.pacer("b", "deep") is deep  # a class, not a session
+    assert v.pacer("c", "third") is v.base_pacer  # two classes taken: the version's shared estimates
+    code_deep = v.pacer("code-a", "deep")  # per version, then per class
+    assert code_deep is not deep and code_deep is not v.pacer("code-a") and code_deep is v.pacer("code-a", "deep")
+    asyncio.run(core.update_versions({}, 1))  # "code" removed: its classes go with it
+    assert all(key[0] is None for key in v._pacers)
+
+
+def test_an_edge_agent_names_its_draft_class_and_its_rounds_pace_that_class(setup):
+    loaded, paths, _ = setup
+    core = make_core(loaded, paths)
+    draft = noisy_copy(loaded.model, 0.0, seed=3)
+    agent = EdgeAgent(ReplicaTransport(core), ModelDrafter(draft, name="tiny-copy"),
+                      config=AgentConfig(budget=8, depth_policy="fixed", depth=3))
+    try:
+        asyncio.run(agent.generate(PROMPTS[0], GREEDY))
+    finally:
+        agent.close()
+    assert agent.draft_class == "tiny-copy/proactive/fixed"
+    mine = core.versions._pacers[(None, "tiny-copy/proactive/fixed")]
+    assert mine.state()["tokens_per_round"] and not core.versions.base_pacer.state()["tokens_per_round"]
 
 
 def test_bad_versions_fail_only_their_own_sessions_on_the_replica(setup, tmp_path):
