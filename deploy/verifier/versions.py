@@ -11,11 +11,13 @@ the acceptance of every version mixed.
 Within a version, sessions that name a draft class at open (``client.draft``) keep that
 class's own acceptance: how many tokens a tree brings depends on the draft and on how the edge
 builds it, and a replica serves several kinds of clients at once. Measured in the benchmark,
-where every client kind runs against one replica in turn (`benchmarks.run --full`): the
-server-side drafter's and the fixed-depth edges' trees left 1.3-1.4 tokens a round in the
-4-node estimate that `edge_full`'s one session then paced by (its own trees: 2.1-2.4), and
-it decoded on 2-node trees or run-ahead. At most ``pacing.max_draft_classes`` classes per
-version (the name comes from the client); the rest share the version's estimates. Pure (no Ray).
+where every client kind runs against one replica in turn (`benchmarks.run --full`, run
+`20261125-012856-full`, after one session): 4-node trees brought 1.51 tokens a round from the
+server-side drafter, 2.27-2.28 from the fixed-depth edges, 1.46 from `edge_full`'s (whose
+estimate also holds its trees of the 4-session RTT sweep, capped in depth) and 2.51 from the
+pre-drafting edge. One shared estimate held whichever kind ran last. At most
+``pacing.max_draft_classes`` classes per version (the name comes from the client); the rest
+share the version's estimates. Pure (no Ray).
 """
 
 from __future__ import annotations
