@@ -44,7 +44,6 @@ class TargetVersions:
         self.max_draft_classes = pacing_cfg.max_draft_classes
         self.base_pacer = base_pacer
         self._pacers: dict[tuple[str | None, str | None], Pacer] = {}  # (version, draft class) -> pacer
-        self._classes: dict[str | None, int] = {}  # version -> draft classes with a pacer of their own
 
     def resolve(self, model: str | None) -> str | None:
         """An open request's ``model`` -> the version's adapter name (None: the base); 404 if unknown."""
@@ -72,7 +71,7 @@ class TargetVersions:
         """The pacer whose acceptance statistics this session's hints use: its version's (with
         ``per_version``) and its draft class's (``draft``, the open's ``client.draft``)."""
         v = self.version(sid) if self.per_version else None
-        if draft is not None and (v, draft) not in self._pacers and self._classes.get(v, 0) >= self.max_draft_classes:
+        if draft is not None and (v, draft) not in self._pacers and self._classes(v) >= self.max_draft_classes:
             draft = None  # this version's classes are all taken: its shared estimates
         if v is None and draft is None:
             return self.base_pacer
@@ -80,9 +79,11 @@ class TargetVersions:
         if key not in self._pacers:  # own acceptance; the replica's forward cost curve and tree batches
             self._pacers[key] = dataclasses.replace(self.base_pacer, cost=self.base_pacer.cost, _tokens_per_round={},
                                                     _no_tree_hints=0)
-            if draft is not None:
-                self._classes[v] = self._classes.get(v, 0) + 1
         return self._pacers[key]
+
+    def _classes(self, v: str | None) -> int:
+        """Draft classes of version ``v`` with estimates of their own (counted only when a new one asks)."""
+        return sum(1 for ver, d in self._pacers if ver == v and d is not None)
 
     def states(self) -> dict[str, dict]:
         """Each own pacer's state (:meth:`Pacer.state`), keyed ``<version or base>|<draft class or *>``."""
@@ -93,6 +94,4 @@ class TargetVersions:
         gone = self.registry.update(adapters, max_loaded)
         for key in [k for k in self._pacers if k[0] in gone]:
             del self._pacers[key]
-        for v in gone:
-            self._classes.pop(v, None)
         return gone
