@@ -10,7 +10,10 @@ HTTP (all under ``/v1``, ``Authorization: Bearer <tenant key>``):
   :class:`ReplyFrame` (``application/octet-stream``); errors are JSON 4xx.
 - ``WS   /v1/sessions/{id}/ws``: the same binary frames, one reply per request, so a
   round costs one RTT on a warm connection; an error arrives as a JSON text frame.
-- ``DELETE /v1/sessions/{id}``.
+- ``DELETE /v1/sessions/{id}``. A session opened with ``close_on_finish`` is closed by the
+  server with the reply that finishes it (the open's reply echoes the flag when the server
+  does so): its edge saves a round trip per generation; a later request for it answers 410,
+  a close 200.
 
 Uplink is 20 bytes + 6 bytes per draft node (token u32, parent i16); downlink 24 bytes
 + 2 bytes per accepted node: DSSD/PicoSpec's "token ids only" goal by construction.
@@ -419,6 +422,8 @@ class OpenSession(_Body):
     client: ClientInfo = Field(default_factory=ClientInfo)
     model: str | None = Field(None, max_length=128, description="the target version (a name of target.adapters); "
                                                                 "absent, 'base' or the base's name: the base")
+    close_on_finish: bool = Field(False, description="the server closes the session with the reply that "
+                                                     "finishes it: no close request needed")
 
 
 class SessionOpened(_Body):
@@ -431,3 +436,4 @@ class SessionOpened(_Body):
     budget_hint: int
     tokenizer_fingerprint: str
     model: str
+    close_on_finish: bool = False  # the server honours the open's close_on_finish: it closes the session itself

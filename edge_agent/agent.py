@@ -266,6 +266,8 @@ class EdgeAgent:
                        if self.config.verify == "auto" and self.config.verify_state else None)
         self._store_pair: str | None = None  # "target|draft": the stored entry this agent learns into
         self._info: ModelInfo | None = None
+        # sessions the server closes with their finishing reply (close_on_finish) -> whether it came
+        self._closes_itself: dict[str, bool] = {}
         # draft forwards run on a worker thread; agents sharing one device share one executor
         # (critical trees first, proactive work withdrawn once its reply is in)
         self._owns_drafts = draft_executor is None
@@ -336,10 +338,14 @@ class EdgeAgent:
                                             draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0),
                                             agent=self.agent_name, draft=self.draft_class,
                                             # our first round then asks for run-ahead if the hint is 0
-                                            run_ahead=self.config.run_ahead and stats.verify_rule == "match"))
+                                            run_ahead=self.config.run_ahead and stats.verify_rule == "match"),
+                          close_on_finish=True)  # no close round trip before the next open
         for _ in range(self.config.max_overload_waits):
             try:
-                return await self.transport.open(req)
+                sess = await self.transport.open(req)
+                if sess.close_on_finish:
+                    self._closes_itself[sess.session_id] = sess.finished
+                return sess
             except Overloaded as e:
                 stats.overload_waits += 1
                 await asyncio.sleep(e.retry_after)
@@ -755,17 +761,27 @@ class EdgeAgent:
         for _ in range(self.config.max_overload_waits):
             try:
                 if on_early is not None:  # early results (F_EARLY) go to the pre-draft cache
-                    return await self.transport.verify(sid, frame, on_early=on_early)
-                return await self.transport.verify(sid, frame)
+                    reply = await self.transport.verify(sid, frame, on_early=on_early)
+                else:
+                    reply = await self.transport.verify(sid, frame)
+                if reply.finished and sid in self._closes_itself:
+                    self._closes_itself[sid] = True
+                return reply
             except Overloaded as e:  # not applied: resend the same frame later
                 stats.overload_waits += 1
                 await asyncio.sleep(e.retry_after)
         raise EdgeError("the server stayed overloaded; giving up")
 
     async def _safe_close(self, sid: str) -> None:
+        """End a session: the server closed it with its finishing reply (``close_on_finish``), so
+        only this side's connection goes; else a close request (best effort: the server evicts
+        idle sessions)."""
         try:
-            await self.transport.close(sid)
-        except Exception:  # noqa: BLE001 - closing is best effort (the server evicts idle sessions)
+            if self._closes_itself.pop(sid, False):
+                await self.transport.release(sid)
+            else:
+                await self.transport.close(sid)
+        except Exception:  # noqa: BLE001
             pass
 
 

@@ -76,6 +76,10 @@ class Transport:
     async def close(self, sid: str) -> None:
         raise NotImplementedError
 
+    async def release(self, sid: str) -> None:
+        """A session the server closed itself (``close_on_finish``): drop what this side holds
+        for it, sending nothing."""
+
     async def ping(self) -> float:
         """Seconds for one network round trip (no model work)."""
         raise NotImplementedError
@@ -105,6 +109,7 @@ class LocalTransport(Transport):
         self.before_verify = before_verify  # test hook: (transport, sid, round) before each verify
         self.rounds = 0
         self.evicted: set[str] = set()
+        self.closes_on_finish: set[str] = set()  # sessions closed with their finishing reply, as the server does
         self.verify_ms: float | None = None  # EMA of engine verify time (pacing)
         self._lock = threading.Lock()  # one engine call at a time (agents may share a transport)
 
@@ -146,11 +151,20 @@ class LocalTransport(Transport):
                                                                  tuple(req.generated_ids), adapter=version)])
         if isinstance(res, SpecError):
             raise res
+        if req.close_on_finish:
+            self.closes_on_finish.add(sid)
+            self._close_if_finished(sid, res.finished)
         return SessionOpened(session_id=sid, first_token=res.first_token, prefix_len=res.prefix_len,
                              finished=res.finished, finish_reason=res.finish_reason,
                              depth_hint=self._depth_hint(req.client.draft_ms, req.client.rtt_ms),
                              budget_hint=self.budget_hint, tokenizer_fingerprint=self.fingerprint,
-                             model=self.model_name)
+                             model=self.model_name, close_on_finish=req.close_on_finish)
+
+    def _close_if_finished(self, sid: str, finished: bool) -> None:
+        """``close_on_finish``: the session goes with its finishing reply (in the engine's thread)."""
+        if finished and sid in self.closes_on_finish:
+            self.closes_on_finish.discard(sid)
+            self.engine.close(sid)
 
     def drop_session(self, sid: str, evicted: bool = True) -> None:
         """Test hook: the server loses the session (evicted -> 410, else -> 404)."""
@@ -181,6 +195,7 @@ class LocalTransport(Transport):
             self.verify_ms = ms if self.verify_ms is None else 0.8 * self.verify_ms + 0.2 * ms
         if isinstance(res, SpecError):
             raise res
+        self._close_if_finished(sid, res.finished)
         depth = self._depth_hint(frame.draft_ms, frame.rtt_ms)
         if frame.q is not None:
             return ReplyFrame.of_chain(res, depth, self.budget_hint).encode()
@@ -195,6 +210,7 @@ class LocalTransport(Transport):
         return ReplyFrame.decode(await self._call(self._verify, sid, frame.encode(), sink))
 
     async def close(self, sid: str) -> None:
+        self.closes_on_finish.discard(sid)
         await self._call(self.engine.close, sid)
 
     async def ping(self) -> float:
@@ -256,10 +272,13 @@ class HttpTransport(Transport):
             timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
             limits=httpx.Limits(max_keepalive_connections=8, keepalive_expiry=60.0))
         self._ws: dict[str, object] = {}
+        self._closing: set[asyncio.Task] = set()  # closing handshakes of released sessions' sockets
 
     async def aclose(self) -> None:
         for sid in list(self._ws):
             await self._close_ws(sid)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         await self._client.aclose()
 
     async def _request(self, method: str, path: str, *, idempotent: bool, **kw):
@@ -387,13 +406,18 @@ class HttpTransport(Transport):
         base = self.base_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
         return f"{base}/v1/sessions/{sid}/ws"
 
+    async def release(self, sid: str) -> None:
+        # a socket's closing handshake is a round trip: it runs beside the next open, not before it
+        conn = self._ws.pop(sid, None)
+        if conn is not None:
+            task = asyncio.create_task(_close_socket(conn))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
     async def _close_ws(self, sid: str) -> None:
         conn = self._ws.pop(sid, None)
         if conn is not None:
-            try:
-                await conn.close()
-            except Exception:  # noqa: BLE001 - closing a broken socket
-                pass
+            await _close_socket(conn)
 
     async def _fall_back_to_post(self, sid: str, frame: VerifyFrame, why: str) -> ReplyFrame:
         log.warning("WebSocket upgrade refused (%s): verifying over HTTP POST from now on", why)
@@ -439,6 +463,13 @@ class HttpTransport(Transport):
         if isinstance(msg, str):  # an error arrives as a JSON text frame
             _raise_json_error(msg)
         return ReplyFrame.decode(msg)
+
+
+async def _close_socket(conn) -> None:
+    try:
+        await conn.close()
+    except Exception:  # noqa: BLE001 - closing a broken socket
+        pass
 
 
 def is_app_error(body) -> bool:

@@ -291,11 +291,13 @@ class Router:
             status, payload = await self._admitted_call("open", "open_session", tenant=tenant.config.name,
                                                         body=req.model_dump())
             _raise_for(status, payload)
-            self.tenants.session_opened(tenant, payload["session_id"])
+            self.tenants.session_opened(tenant, payload["session_id"], bool(payload.get("close_on_finish")))
         finally:
             self.tenants.open_done(tenant)
         if payload.get("first_token") is not None:
             self.tenants.session_used(tenant, payload["session_id"], 1)
+        if payload.get("finished"):
+            self.tenants.session_finished(tenant, payload["session_id"])
         return payload
 
     async def verify(self, tenant: TenantState, sid: str, frame: bytes, send_early=None) -> bytes:
@@ -311,6 +313,8 @@ class Router:
         _raise_for(status, payload)
         reply = ReplyFrame.decode(payload)
         self.tenants.session_used(tenant, sid, reply.emitted)
+        if reply.finished:
+            self.tenants.session_finished(tenant, sid)
         self.metrics.on_verify(tenant.config.name, time.perf_counter() - t0, self.admission.inflight)
         return payload
 

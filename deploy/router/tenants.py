@@ -46,6 +46,7 @@ class TenantState:
     config: TenantConfig
     sessions: dict[str, float] = field(default_factory=dict)  # session id -> last use (monotonic)
     opening: int = 0  # opens admitted and not yet answered: they hold a quota slot too
+    closing_on_finish: set[str] = field(default_factory=set)  # sessions the replica closes as they finish
     bucket: TokenBucket | None = None
     tokens_served: int = 0
 
@@ -75,7 +76,7 @@ class TenantRegistry:
         # the verifier times idle sessions out; forget them here too so quotas do not leak
         stale = [sid for sid, seen in t.sessions.items() if now - seen > self.idle_timeout_s]
         for sid in stale:
-            del t.sessions[sid]
+            self.session_gone(t, sid)
 
     def admit_session(self, t: TenantState) -> None:
         """Take a session slot for an open (check and take at once: concurrent opens cannot
@@ -100,8 +101,17 @@ class TenantRegistry:
                                  f"{t.config.tokens_per_second:g} tokens/s", retry_after=max(wait, 0.05),
                                  reason="tenant_rate")
 
-    def session_opened(self, t: TenantState, sid: str) -> None:
+    def session_opened(self, t: TenantState, sid: str, close_on_finish: bool = False) -> None:
+        """``close_on_finish``: the replica closes the session with its finishing reply
+        (:meth:`session_finished` then gives its slot back)."""
         t.sessions[sid] = time.monotonic()
+        if close_on_finish:
+            t.closing_on_finish.add(sid)
+
+    def session_finished(self, t: TenantState, sid: str) -> None:
+        """A reply said the session finished: one the replica closed with it holds no slot."""
+        if sid in t.closing_on_finish:
+            self.session_gone(t, sid)
 
     def session_used(self, t: TenantState, sid: str, tokens: int) -> None:
         if sid in t.sessions:
@@ -112,3 +122,4 @@ class TenantRegistry:
 
     def session_gone(self, t: TenantState, sid: str) -> None:
         t.sessions.pop(sid, None)
+        t.closing_on_finish.discard(sid)

@@ -56,6 +56,7 @@ from deploy.verifier.truncation import GainCalibration, choose_prefixes, node_ga
 log = logging.getLogger("ray.serve")
 
 MAX_REMEMBERED_EVICTIONS = 100_000
+FINISHED = "finished"  # why a session closed with its last reply (close_on_finish) is gone
 MIN_PREFILL_CHUNK = 4  # prompt tokens per chunk riding along a verify forward, at least
 
 
@@ -70,6 +71,7 @@ class EdgeClient:
     ahead: int = 1
     run_from_open: bool = False  # the open asked for run-ahead from its first token (ClientInfo.run_ahead)
     draft: str | None = None  # its draft class (ClientInfo.draft): whose acceptance estimates pace it
+    close_on_finish: bool = False  # the open asked the replica to close it with its finishing reply
 
 
 @dataclass
@@ -249,6 +251,9 @@ class VerifierCore:
             if self.evicted.get(sid, "").startswith("model_unavailable"):
                 raise VersionUnavailable(f"session {sid!r}: its target version could not be loaded "
                                          f"({self.evicted[sid]})")
+            if self.evicted.get(sid) == FINISHED:
+                raise SessionEvicted(f"session {sid!r} finished and was closed with its last reply "
+                                     f"(close_on_finish); open a new session")
             if sid in self.evicted:
                 raise SessionEvicted(f"session {sid!r} was evicted ({self.evicted[sid]}); re-open it with its history")
             raise SessionNotFound(f"unknown session {sid!r} (it may have been lost in a restart); re-open it")
@@ -262,14 +267,36 @@ class VerifierCore:
 
     def _forget(self, sid: str, reason: str) -> None:
         """A session the engine no longer holds: its requests answer 410 from now on."""
+        self._drop(sid)
+        self._remember_gone(sid, reason)
+        self.metrics.on_evict(sid, reason)
+
+    def _drop(self, sid: str) -> None:
+        """The replica's own records of a session (the engine's are dropped on the worker thread)."""
         self._detached.pop(sid, None)
         self.owner.pop(sid, None)
         self.client.pop(sid, None)
         self.arrivals.forget(sid)
+
+    def _remember_gone(self, sid: str, reason: str) -> None:
         self.evicted[sid] = reason
-        self.metrics.on_evict(sid, reason)
         while len(self.evicted) > MAX_REMEMBERED_EVICTIONS:
             self.evicted.popitem(last=False)
+
+    def _close_if_finished(self, sid: str, finished: bool) -> None:
+        """A reply that says the session finished is being sent: a session opened with
+        ``close_on_finish`` is closed with it, so its edge need not spend a round trip on a
+        close before its next open (measured at RTT 100 ms, 4 sessions: 3.50 sessions per
+        forward with the edge's close awaited, 4.00 without it). Its requests answer 410 from
+        now on; a close request answers 200. A detached run's tokens are never in such a
+        reply before the edge's request takes them, so nothing generated is dropped."""
+        edge = self.client.get(sid)
+        if not finished or edge is None or not edge.close_on_finish:
+            return
+        self._drop(sid)
+        self._remember_gone(sid, FINISHED)
+        # on the worker thread, like every engine call: after any forward already queued there
+        asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, sid)
 
     def _session_uses(self) -> list[SessionUse]:
         """Each live session's KV (its committed tokens in whole pages), tenant and last use."""
@@ -323,7 +350,7 @@ class VerifierCore:
         # agent's default): the open's hint then weighs a tree against them, as later hints will
         self.client[sid] = EdgeClient(float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0),
                                       self._ahead_tokens(True), bool(client.get("run_ahead")),
-                                      _draft_class(client.get("draft")))
+                                      _draft_class(client.get("draft")), bool(body.get("close_on_finish")))
         self._wake.set()
         return await fut
 
@@ -393,10 +420,7 @@ class VerifierCore:
             return _error(e)
         # on the worker thread: never while a forward that holds this session runs
         await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, session_id)
-        self._detached.pop(session_id, None)
-        self.owner.pop(session_id, None)
-        self.client.pop(session_id, None)
-        self.arrivals.forget(session_id)
+        self._drop(session_id)
         return 200, {"closed": session_id}
 
     async def update_versions(self, adapters: dict[str, str], max_loaded: int) -> dict:
@@ -648,11 +672,14 @@ class VerifierCore:
             self.arrivals.replied(res.sid, now)
         depth, budget = self._hints(res.sid)
         self._run_from_open(tenant, res, budget, now)
-        return (200, {
+        edge = self.client.get(res.sid)
+        reply = (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
             "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
             "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint,
-            "model": self.versions.name_of(res.sid)})
+            "model": self.versions.name_of(res.sid), "close_on_finish": edge is not None and edge.close_on_finish})
+        self._close_if_finished(res.sid, res.finished)
+        return reply
 
     def _run_from_open(self, tenant: str, res: OpenResult, budget: int, now: float) -> None:
         """An open whose edge promised an ``F_AHEAD`` first request (``client.run_ahead``) and whose
@@ -771,6 +798,7 @@ class VerifierCore:
             self.arrivals.forget(sid)
         else:
             self.arrivals.replied(sid, now)
+        self._close_if_finished(sid, run.last.finished)
         return 200, run.frame(depth, budget).encode()
 
     def _round_reply(self, item) -> tuple[int, bytes | dict] | None:
@@ -819,6 +847,7 @@ class VerifierCore:
             self.arrivals.forget(p.session_id)
         else:
             self.arrivals.replied(p.session_id, now)
+        self._close_if_finished(p.session_id, res.finished)
         return 200, frame.encode()
 
 

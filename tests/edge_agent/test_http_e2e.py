@@ -24,6 +24,7 @@ from tests.edge_agent.helpers import noisy_copy
 pytestmark = pytest.mark.ray
 
 KEY = "edge-key-12345"
+SOLO_KEY = "solo-key-12345"  # a tenant allowed one session at a time
 APP = "edgeagent"
 GREEDY = {"max_tokens": 32, "ignore_eos": True}
 
@@ -38,7 +39,8 @@ def app_args(topology: str = "split") -> dict:
             # the tiny model's forward takes ~1 ms: weighed against a request's CPU outside it (3 ms
             # by default) no tree would pay, and these tests exercise the tree path
             "pacing": {"round_overhead_ms": 0},
-            "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 64}]}}
+            "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 64},
+                                   {"name": "solo", "api_key": SOLO_KEY, "max_sessions": 1}]}}
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +208,46 @@ def test_session_lost_on_the_server_is_reopened(server, target, draft):
     t = DeletingTransport(server, api_key=KEY)
     res = asyncio.run(generate(server, ModelDrafter(draft), prompt, transport=t, mode="proactive"))
     assert res.token_ids == ref and res.stats.reopens == 1
+
+
+class CountingTransport(HttpTransport):
+    """The real HTTP transport, counting the sessions the agent closes and those it only releases."""
+
+    closes = releases = 0
+
+    async def close(self, sid):
+        self.closes += 1
+        await super().close(sid)
+
+    async def release(self, sid):
+        self.releases += 1
+        await super().release(sid)
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["http", "ws"])
+def test_finished_generations_send_no_close_and_give_the_tenants_slot_back(server, target, draft, ws):
+    """close_on_finish through the router: the replica closes each session with its finishing
+    reply and the router frees the tenant's slot, so a tenant allowed one session generates three
+    times in a row (tree rounds, then the rejection rule) with no close request and no 429 wait."""
+    (prompt,) = prompts(1, seed=17)
+    ref = reference_decode(target, prompt, SamplingParams(**GREEDY))
+    t = CountingTransport(server, api_key=SOLO_KEY, ws=ws, timeout_s=60)
+    agents = [EdgeAgent(t, ModelDrafter(draft), config=AgentConfig(verify=v, max_overload_waits=1))
+              for v in ("match", "rejection")]
+
+    async def main():
+        try:
+            return [await agents[0].generate(prompt, GREEDY), await agents[0].generate(prompt, GREEDY),
+                    await agents[1].generate(prompt, {"temperature": 1.0, "seed": 3, "max_tokens": 24})]
+        finally:
+            for a in agents:
+                a.close()
+            await t.aclose()
+
+    results = asyncio.run(main())
+    assert [r.token_ids for r in results[:2]] == [ref, ref] and results[2].stats.finish_reason in ("length", "stop")
+    assert all(r.stats.overload_waits == 0 and r.stats.reopens == 0 for r in results)
+    assert (t.closes, t.releases) == (0, 3)
 
 
 def test_wrong_key_is_a_clear_error(server, capsys):

@@ -35,6 +35,23 @@ def test_session_quota():
     r.admit_session(a)
 
 
+def test_a_session_the_replica_closes_as_it_finishes_gives_its_slot_back():
+    """close_on_finish: the finishing reply frees the slot (no close request comes); a session
+    opened without it holds its slot until it is closed, finished or not."""
+    r = registry()
+    a = r.by_name["a"]
+    for sid, closes in (("s1", True), ("s2", False)):
+        r.admit_session(a)
+        r.session_opened(a, sid, close_on_finish=closes)
+        r.open_done(a)
+    r.session_finished(a, "s2")
+    with pytest.raises(Overloaded):
+        r.admit_session(a)
+    r.session_finished(a, "s1")
+    r.admit_session(a)
+    assert set(a.sessions) == {"s2"} and not a.closing_on_finish
+
+
 def test_opens_in_flight_hold_their_quota_slot():
     """Issue 14 #7: the check and the insert were split by the verifier call, so 20
     concurrent opens all passed a quota of 8."""

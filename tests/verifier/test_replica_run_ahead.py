@@ -42,9 +42,9 @@ def prompt(seed: int, n: int = 10) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
-async def open_session(core, p, sampling, history=()):
+async def open_session(core, p, sampling, history=(), **body):
     status, d = await core.open_session("dev", {"prompt_ids": p, "sampling": sampling,
-                                                "generated_ids": list(history)})
+                                                "generated_ids": list(history), **body})
     assert status == 200, d
     return d
 
