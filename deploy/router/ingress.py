@@ -541,12 +541,13 @@ class Router:
 
         Yields (new token ids, finish reason, stats) per round; the first item, as soon as
         the session is open, carries no tokens (a caller awaits it to answer a refused open
-        with its own status). The session is closed however the generator ends.
+        with its own status). The session is closed however the generator ends: by the replica
+        with its finishing reply (``close_on_finish``), else here.
         """
         # a drafter's trees are a client kind of their own for the replica's acceptance estimates
         client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
         opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
-                                          "client": client})
+                                          "client": client, "close_on_finish": True})
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
         params = None
         if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)
@@ -554,7 +555,7 @@ class Router:
 
             params = SamplingParams.from_dict(sampling)  # validated by the open
         history = list(prompt) + [opened["first_token"]]
-        rounds, drafted = 0, 0
+        rounds, drafted, finish = 0, 0, None
         try:
             yield [], None, {}
             finish = opened.get("finish_reason") if opened["finished"] else None
@@ -576,7 +577,8 @@ class Router:
                 yield new, finish, {"rounds": rounds, "draft_tokens": drafted,
                                     "tokens_per_round": (len(history) - len(prompt) - 1) / max(rounds, 1)}
         finally:
-            await self._close_shielded(tenant, sid)
+            if finish is None or not opened.get("close_on_finish"):
+                await self._close_shielded(tenant, sid)
 
     async def _close_shielded(self, tenant: TenantState, sid: str) -> None:
         """Close a server session in a task of its own, awaited through ``asyncio.shield``: a

@@ -194,12 +194,13 @@ def test_eviction_and_replica_restart_lose_nothing(ray_session, reference_model)
 def test_openai_completions_server_only_modes(two_replicas, reference_model, mode):
     p = [5, 6, 7, 5, 6, 7, 5, 6]  # repetitive: prompt lookup (sd) has something to propose
     ref = reference_decode(reference_model, p, SamplingParams(max_tokens=16))
-    h = {"Authorization": "Bearer beta-key-1234"}
+    h = {"Authorization": "Bearer small-key-123"}  # two sessions at most: each finished one gives its slot back
     with httpx.Client(base_url=two_replicas, timeout=60, headers=h) as c:
-        r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0, "mode": mode})
-        assert r.status_code == 200, r.text
-        d = r.json()
-        assert d["specedge"]["token_ids"] == ref and d["usage"]["completion_tokens"] == 16
+        for _ in range(3):
+            r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0, "mode": mode})
+            assert r.status_code == 200, r.text
+            d = r.json()
+            assert d["specedge"]["token_ids"] == ref and d["usage"]["completion_tokens"] == 16
         with c.stream("POST", "/v1/completions", json={"prompt": p, "max_tokens": 16, "temperature": 0,
                                                          "mode": mode, "stream": True}) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
