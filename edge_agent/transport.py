@@ -7,7 +7,8 @@ RTT. The agent's logic is identical over both implementations:
 - :class:`HttpTransport`: an ``httpx.AsyncClient`` with keep-alive (a verify round is one
   request on a warm connection: one RTT), or one WebSocket per session (``ws=True``, the
   default: it costs the server ~0.6x the CPU per round, and falls back to POST where a
-  proxy refuses the upgrade). Early results (``F_EARLY``) arrive on the socket before the
+  proxy refuses the upgrade; a session's first round goes over POST while its socket
+  opens, so the upgrade adds no round trip). Early results (``F_EARLY``) arrive on the socket before the
   reply, or over POST as a streamed response with ``stream_early``.
   Timeouts; retries with exponential backoff where a retry is safe (connection refused,
   503, 429 after ``Retry-After``); a verify whose reply is lost (a broken connection, or a
@@ -272,10 +273,11 @@ class HttpTransport(Transport):
             timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
             limits=httpx.Limits(max_keepalive_connections=8, keepalive_expiry=60.0))
         self._ws: dict[str, object] = {}
+        self._connecting: dict[str, asyncio.Task] = {}  # sockets being opened (their first rounds go over POST)
         self._closing: set[asyncio.Task] = set()  # closing handshakes of released sessions' sockets
 
     async def aclose(self) -> None:
-        for sid in list(self._ws):
+        for sid in set(self._ws) | set(self._connecting):
             await self._close_ws(sid)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
@@ -345,8 +347,9 @@ class HttpTransport(Transport):
         return SessionOpened.model_validate(r.json())
 
     async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
-        if self.ws:
-            return await self._verify_ws(sid, frame, on_early)
+        conn = self._socket(sid) if self.ws else None
+        if conn is not None:
+            return await self._verify_ws(sid, conn, frame, on_early)
         if frame.early and on_early is not None and self.stream_early:
             return await self._verify_post_streamed(sid, frame, on_early)
         r = await self._request("POST", f"/v1/sessions/{sid}/verify", idempotent=False, content=frame.encode(),
@@ -408,48 +411,93 @@ class HttpTransport(Transport):
 
     async def release(self, sid: str) -> None:
         # a socket's closing handshake is a round trip: it runs beside the next open, not before it
+        self._stop_connecting(sid)
         conn = self._ws.pop(sid, None)
         if conn is not None:
-            task = asyncio.create_task(_close_socket(conn))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._in_background(_close_socket(conn))
 
     async def _close_ws(self, sid: str) -> None:
+        self._stop_connecting(sid)
         conn = self._ws.pop(sid, None)
         if conn is not None:
             await _close_socket(conn)
 
-    async def _fall_back_to_post(self, sid: str, frame: VerifyFrame, why: str) -> ReplyFrame:
-        log.warning("WebSocket upgrade refused (%s): verifying over HTTP POST from now on", why)
-        self.ws = False
-        return await self.verify(sid, frame)
+    def _in_background(self, coro) -> None:
+        """A socket's closing, or a cancelled opening: :meth:`aclose` awaits what is left of them."""
+        task = asyncio.ensure_future(coro)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
-    async def _verify_ws(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
-        from websockets.asyncio.client import connect
-        from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, WebSocketException
+    def _stop_connecting(self, sid: str) -> None:
+        task = self._connecting.pop(sid, None)
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+            self._in_background(task)
+        elif (conn := _opened(task)) is not None:  # it opened, unused: close it
+            self._in_background(_close_socket(conn))
 
+    def _socket(self, sid: str):
+        """The session's open WebSocket, or None: this round goes over POST. A session's first
+        round starts the upgrade and goes over POST on the warm keep-alive connection, so the
+        upgrade's round trip is not on the session's path (measured at RTT 100 ms: every
+        generation's first round took 210 ms instead of 110); later rounds take the socket
+        once it is open."""
         conn = self._ws.get(sid)
-        if conn is None:
-            try:
-                conn = await asyncio.wait_for(
-                    # permessage-deflate stays offered: without it the server's CPU per round did not
-                    # measurably fall and the bytes per token rose 18-30 % (benchmarks/results/README.md)
-                    connect(self._ws_url(sid), additional_headers=self._headers, max_size=1 << 22,
-                            open_timeout=self.connect_timeout_s), self.connect_timeout_s + 1)
-            except InvalidStatus as e:
-                resp = e.response
-                try:
-                    body = json.loads(bytes(resp.body or b"").decode() or "null")
-                except (ValueError, UnicodeDecodeError):
-                    body = None
-                if not (isinstance(body, dict) and "error" in body):  # not our server's refusal: no WebSockets
-                    return await self._fall_back_to_post(sid, frame, f"HTTP {resp.status_code}")
-                raise error_from_json(resp.status_code, body) from None
-            except InvalidHandshake as e:  # an HTTP server that does not speak WebSocket here
-                return await self._fall_back_to_post(sid, frame, str(e))
-            except (OSError, asyncio.TimeoutError, WebSocketException) as e:
-                raise ServerUnreachable(f"cannot open a WebSocket to {self._ws_url(sid)}: {e}") from None
+        if conn is not None:
+            return conn
+        task = self._connecting.get(sid)
+        if task is None:
+            self._connecting[sid] = asyncio.create_task(self._connect(sid))
+            return None
+        if not task.done():
+            return None
+        del self._connecting[sid]
+        conn = _opened(task)
+        if conn is not None:
             self._ws[sid] = conn
+        return conn
+
+    async def _connect(self, sid: str):
+        """Open the session's WebSocket; None when it cannot be (the next round tries again). A
+        server that does not speak WebSocket there (a proxy refusing the upgrade) turns the
+        transport to POST for good; the server's own refusal (an unknown session, a bad key)
+        the POST round meets as well."""
+        from websockets.asyncio.client import connect
+        from websockets.exceptions import InvalidHandshake, InvalidStatus, WebSocketException
+
+        try:
+            conn = await asyncio.wait_for(
+                # permessage-deflate stays offered: without it the server's CPU per round did not
+                # measurably fall and the bytes per token rose 18-30 % (benchmarks/results/README.md)
+                connect(self._ws_url(sid), additional_headers=self._headers, max_size=1 << 22,
+                        open_timeout=self.connect_timeout_s), self.connect_timeout_s + 1)
+        except InvalidStatus as e:
+            resp = e.response
+            try:
+                body = json.loads(bytes(resp.body or b"").decode() or "null")
+            except (ValueError, UnicodeDecodeError):
+                body = None
+            if not (isinstance(body, dict) and "error" in body):  # not our server's refusal: no WebSockets
+                self._fall_back_to_post(f"HTTP {resp.status_code}")
+            return None
+        except InvalidHandshake as e:  # an HTTP server that does not speak WebSocket here
+            self._fall_back_to_post(str(e))
+            return None
+        except (OSError, asyncio.TimeoutError, WebSocketException) as e:
+            log.debug("cannot open a WebSocket to %s: %s", self._ws_url(sid), e)
+            return None
+        return conn
+
+    def _fall_back_to_post(self, why: str) -> None:
+        if self.ws:
+            log.warning("WebSocket upgrade refused (%s): verifying over HTTP POST from now on", why)
+        self.ws = False
+
+    async def _verify_ws(self, sid: str, conn, frame: VerifyFrame, on_early=None) -> ReplyFrame:
+        from websockets.exceptions import ConnectionClosed
+
         try:
             await conn.send(frame.encode())
             msg = await asyncio.wait_for(conn.recv(), self.timeout_s)
@@ -463,6 +511,16 @@ class HttpTransport(Transport):
         if isinstance(msg, str):  # an error arrives as a JSON text frame
             _raise_json_error(msg)
         return ReplyFrame.decode(msg)
+
+
+def _opened(task: asyncio.Task):
+    """The socket a finished opening task gave, or None (cancelled, failed)."""
+    if task.cancelled():
+        return None
+    if task.exception() is not None:
+        log.debug("opening a WebSocket failed: %r", task.exception())
+        return None
+    return task.result()
 
 
 async def _close_socket(conn) -> None:

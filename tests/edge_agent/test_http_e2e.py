@@ -250,6 +250,43 @@ def test_finished_generations_send_no_close_and_give_the_tenants_slot_back(serve
     assert (t.closes, t.releases) == (0, 3)
 
 
+class RoundsByPath(HttpTransport):
+    """The real HTTP transport, counting verify rounds over POST and over the session's socket."""
+
+    posts = sockets = 0
+
+    async def _request(self, method, path, **kw):
+        self.posts += path.endswith("/verify")
+        return await super()._request(method, path, **kw)
+
+    async def _verify_ws(self, *args, **kw):
+        self.sockets += 1
+        return await super()._verify_ws(*args, **kw)
+
+
+def test_a_sessions_first_round_goes_over_post_while_its_socket_opens(server, target, draft):
+    """The WebSocket upgrade is a round trip: the first round goes over POST on the warm
+    connection beside it, the rest over the socket; the output is the target's, and nothing of the
+    session is left open on this side after it (the socket's closing handshake awaited by aclose)."""
+    (prompt,) = prompts(1, seed=19)
+    ref = reference_decode(target, prompt, SamplingParams(**GREEDY))
+    t = RoundsByPath(server, api_key=KEY, timeout_s=60)
+    agent = EdgeAgent(t, ModelDrafter(draft))
+
+    async def main():
+        try:
+            res = await agent.generate(prompt, GREEDY)
+            return res, dict(t._ws), dict(t._connecting)
+        finally:
+            agent.close()
+            await t.aclose()
+
+    res, sockets_left, opening_left = asyncio.run(main())
+    assert res.token_ids == ref and res.stats.rounds >= 3
+    assert 1 <= t.posts <= 2 and t.sockets == res.stats.rounds - t.posts
+    assert not sockets_left and not opening_left and not t._closing
+
+
 def test_wrong_key_is_a_clear_error(server, capsys):
     with pytest.raises(Unauthorized):
         asyncio.run(generate(server, NgramDrafter(), [1, 2, 3],
