@@ -10,8 +10,9 @@ frames, :mod:`deploy.protocol`).
 - This process is the edge, pinned to core 1: :class:`edge_agent.transport.HttpTransport`, the
   agent's own transport, with ``ws=False`` (HTTP, keep-alive) or ``ws=True`` (one WebSocket per
   session). Per transport and repeat: open ``--sessions`` sessions, a few unmeasured warm-up
-  rounds (the WebSocket connects here), then ``--rounds`` verify rounds of a ``--nodes``-node
-  chain (random draft tokens), each session one round after another; transports alternate
+  rounds (the first over POST while the session's WebSocket opens; the window waits for it),
+  then ``--rounds`` verify rounds of a ``--nodes``-node chain (random draft tokens), each
+  session one round after another; transports alternate
   (HTTP, WS, WS, HTTP, ...) so drift hits both alike.
 - CPU per process from /proc (:class:`benchmarks.proc_stats.CpuSnapshot`) over each window,
   per role: ``proxy`` (Serve's ``ray::ProxyActor``), ``router`` and ``verifier`` (``ray::
@@ -103,6 +104,9 @@ async def _rounds(transport: str, url: str, sessions: int, rounds: int, warmup: 
             return done
 
         await asyncio.gather(*(run(sid, warmup, False) for sid in prefix))
+        # a session's first round goes over POST while its socket opens: measure the socket's rounds only
+        if transport == "ws" and not all([await tr.socket_ready(sid) for sid in prefix]):
+            raise SystemExit("a session's WebSocket did not open; the WebSocket rounds cannot be measured")
         stats0 = server.stats()
         snap0 = CpuSnapshot.take(server.proc.pid, roles)
         c0, t0 = time.process_time(), time.perf_counter()

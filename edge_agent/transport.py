@@ -459,6 +459,15 @@ class HttpTransport(Transport):
             self._ws[sid] = conn
         return conn
 
+    async def socket_ready(self, sid: str) -> bool:
+        """Wait for the session's WebSocket, which its first round began to open; whether the
+        session's rounds now go over it."""
+        task = self._connecting.get(sid)
+        if task is not None:
+            await asyncio.wait({task})
+            self._socket(sid)  # takes the socket it opened
+        return sid in self._ws
+
     async def _connect(self, sid: str):
         """Open the session's WebSocket; None when it cannot be (the next round tries again). A
         server that does not speak WebSocket there (a proxy refusing the upgrade) turns the

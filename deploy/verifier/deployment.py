@@ -56,7 +56,6 @@ from deploy.verifier.truncation import GainCalibration, choose_prefixes, node_ga
 log = logging.getLogger("ray.serve")
 
 MAX_REMEMBERED_EVICTIONS = 100_000
-FINISHED = "finished"  # why a session closed with its last reply (close_on_finish) is gone
 MIN_PREFILL_CHUNK = 4  # prompt tokens per chunk riding along a verify forward, at least
 
 
@@ -96,6 +95,13 @@ def _error(e: SpecError) -> tuple[int, dict]:
 def _draft_class(name) -> str | None:
     """An open's ``client.draft`` as a key: a string of at most 128 characters, else none."""
     return name if isinstance(name, str) and 0 < len(name) <= 128 else None
+
+
+def _remember(book: OrderedDict, sid: str, value) -> None:
+    """Record a session gone (evicted, or closed as it finished), the oldest of the most kept forgotten."""
+    book[sid] = value
+    while len(book) > MAX_REMEMBERED_EVICTIONS:
+        book.popitem(last=False)
 
 
 def _ema(avg: float, x: float, weight: float) -> float:
@@ -163,6 +169,7 @@ class VerifierCore:
         self.owner: dict[str, str] = {}  # session id -> tenant
         self.client: dict[str, EdgeClient] = {}  # session id -> what its edge reported
         self.evicted: OrderedDict[str, str] = OrderedDict()  # session id -> reason
+        self.closed_finished: OrderedDict[str, None] = OrderedDict()  # closed with their last reply (close_on_finish)
         self.forwards: list[ForwardStats] = []  # recent forwards (bounded), for tests and metrics
         # recent verify rounds: (arrival, seconds from arrival to reply), monotonic clock
         self.round_latencies: deque[tuple[float, float]] = deque(maxlen=8192)
@@ -251,7 +258,7 @@ class VerifierCore:
             if self.evicted.get(sid, "").startswith("model_unavailable"):
                 raise VersionUnavailable(f"session {sid!r}: its target version could not be loaded "
                                          f"({self.evicted[sid]})")
-            if self.evicted.get(sid) == FINISHED:
+            if sid in self.closed_finished:
                 raise SessionEvicted(f"session {sid!r} finished and was closed with its last reply "
                                      f"(close_on_finish); open a new session")
             if sid in self.evicted:
@@ -268,7 +275,7 @@ class VerifierCore:
     def _forget(self, sid: str, reason: str) -> None:
         """A session the engine no longer holds: its requests answer 410 from now on."""
         self._drop(sid)
-        self._remember_gone(sid, reason)
+        _remember(self.evicted, sid, reason)
         self.metrics.on_evict(sid, reason)
 
     def _drop(self, sid: str) -> None:
@@ -277,11 +284,6 @@ class VerifierCore:
         self.owner.pop(sid, None)
         self.client.pop(sid, None)
         self.arrivals.forget(sid)
-
-    def _remember_gone(self, sid: str, reason: str) -> None:
-        self.evicted[sid] = reason
-        while len(self.evicted) > MAX_REMEMBERED_EVICTIONS:
-            self.evicted.popitem(last=False)
 
     def _close_if_finished(self, sid: str, finished: bool) -> None:
         """A reply that says the session finished is being sent: a session opened with
@@ -293,7 +295,7 @@ class VerifierCore:
         if not finished or edge is None or not edge.close_on_finish:
             return
         self._drop(sid)
-        self._remember_gone(sid, FINISHED)
+        _remember(self.closed_finished, sid, None)
         # on the worker thread, like every engine call: after any forward already queued there
         asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, sid)
 
@@ -414,6 +416,7 @@ class VerifierCore:
             self._check_owner(session_id, tenant)
         except SessionEvicted:
             self.evicted.pop(session_id, None)
+            self.closed_finished.pop(session_id, None)
             return 200, {"closed": session_id}
         except SpecError as e:
             return _error(e)

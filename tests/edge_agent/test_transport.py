@@ -104,11 +104,7 @@ def test_websocket_is_the_default_and_falls_back_to_post_where_the_upgrade_is_re
         async with HttpTransport(f"http://127.0.0.1:{server.server_address[1]}") as t:
             assert t.ws  # the default
             first = await t.verify("s", VerifyFrame(10, [5], [-1]))  # over POST while the socket opens
-            for _ in range(100):
-                if not t.ws:
-                    break
-                await asyncio.sleep(0.01)
-            assert not t.ws
+            assert not await t.socket_ready("s") and not t.ws
             return first, await t.verify("s", VerifyFrame(12, [5], [-1]))
 
     try:

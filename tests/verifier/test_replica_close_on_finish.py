@@ -31,6 +31,7 @@ async def gone(core, sid: str) -> None:
     assert sid not in core.engine.sessions and sid not in core.owner and sid not in core.client
     status, err = await core.verify(sid, "dev", VerifyFrame(0, [], []).encode())
     assert status == 410 and "finished and was closed" in err["error"]["message"], err
+    assert core.stats()["evictions"] == 0  # closed as it finished: not an eviction
     assert await core.close_session(sid, "dev") == (200, {"closed": sid})
 
 
