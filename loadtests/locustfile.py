@@ -1,8 +1,9 @@
 """Locust user: a simulated edge agent without a draft model (SpecEdge §4, §4.3).
 
 Each user belongs to a tenant (API key from the app's own config) and loops over
-generations: open a session (``POST /v1/sessions``), then verify rounds until the server
-says the generation finished, then close (``DELETE``), then idle (think time). A round drafts a
+generations: open a session (``POST /v1/sessions``, with ``close_on_finish`` as the edge agent
+opens it), then verify rounds until the server says the generation finished (and closed the
+session with that reply; an unfinished one is closed with ``DELETE``), then idle (think time). A round drafts a
 synthetic tree from the target's known greedy continuation (:mod:`loadtests.synthetic_tree`),
 waits the simulated draft time (depth x its device's ms per forward) plus its RTT (each user
 has its own, log-normal around the median, jittered per round), and sends the binary
@@ -48,7 +49,7 @@ class Counters:
 
     FIELDS = ("generations", "finished", "opens", "reopens", "closes", "superseded", "verifies", "tokens",
               "accepted", "drafted", "hits", "expected", "accept_mismatch", "diverged", "shed", "unavailable",
-              "errors", "unclosed")
+              "errors", "unclosed", "closed_by_server")
 
     def __init__(self):
         self.tenant = defaultdict(lambda: dict.fromkeys(self.FIELDS, 0))
@@ -285,7 +286,8 @@ class EdgeUser(FastHttpUser):
         body = json.dumps({"prompt_ids": prompt, "generated_ids": generated, "sampling": {
             "max_tokens": CFG["user"]["max_tokens"]}, "client": {"draft_ms": CFG["user"]["draft_ms"],
                                                                  "rtt_ms": CFG["user"]["rtt_ms"],
-                                                                 "agent": "loadtest"}})
+                                                                 "agent": "loadtest"},
+                           "close_on_finish": True})
         for _ in range(CFG["user"]["max_retries"]):
             if STOPPING:
                 return None
@@ -406,7 +408,12 @@ class EdgeUser(FastHttpUser):
             break
         if finished:
             s.add(self.tenant, "finished")
-        self._close(sid)
+        if finished and d.get("close_on_finish"):  # the server closed it with its finishing reply
+            self._close_ws()
+            s.add(self.tenant, "closes")
+            s.add(self.tenant, "closed_by_server")
+        else:
+            self._close(sid)
 
     def _count_tokens(self, n: int) -> None:
         STATS.add(self.tenant, "tokens", n)

@@ -327,7 +327,8 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "unavailable_503": unavailable, "reopens": tot("reopens"), "ws_lost": dict(counters["ws_lost"]),
         "errors": errors, "locust_failures": locust_failures, "error_kinds": dict(counters["error_kinds"]),
         "sessions": {"generations": tot("generations"), "finished": tot("finished"), "opened": opens,
-                     "closed": closes, "closed_already_gone": tot("closed_gone"), "superseded": superseded,
+                     "closed": closes, "closed_by_server": tot("closed_by_server"),
+                     "closed_already_gone": tot("closed_gone"), "superseded": superseded,
                      "unclosed": opens - closes - superseded},
         "acceptance": {"rounds": verifies, "drafted_per_round": tot("drafted") / verifies if verifies else 0.0,
                        "accepted_per_round": tot("accepted") / verifies if verifies else 0.0,
@@ -533,8 +534,9 @@ def markdown(s: dict) -> str:
         f"{', '.join(f'{r} {_f(v, 0)}' for r, v in s.get('sizing', {}).items()) or 'n/a'} |",
         f"| RSS (MB) / growth over the window | | {_rss(s['server'])} |",
         f"| errors (non-429) | {s['errors'] + s['locust_failures']:g} {s['error_kinds'] or ''} | |",
-        f"| sessions opened / closed / superseded / unclosed | {s['sessions']['opened']:g} / "
-        f"{s['sessions']['closed']:g} / {s['sessions']['superseded']:g} / {s['sessions']['unclosed']:g} | |",
+        f"| sessions opened / closed (by the server as they finished) / superseded / unclosed | "
+        f"{s['sessions']['opened']:g} / {s['sessions']['closed']:g} ({s['sessions'].get('closed_by_server', 0):g}) / "
+        f"{s['sessions']['superseded']:g} / {s['sessions']['unclosed']:g} | |",
         f"| accepted nodes per round: measured / model | {_f(s['acceptance']['accepted_per_round'], 2)} / "
         f"{_f(s['acceptance']['model_expected_per_round'], 2)} ({_f(s['acceptance']['drafted_per_round'], 1)} "
         f"drafted) | |",

@@ -44,6 +44,7 @@ def test_smoke_run_report(tmp_path):
     # zero non-429 errors; every session closed
     assert s["errors"] == 0 and s["locust_failures"] == 0, detail
     assert s["sessions"]["opened"] > 0 and s["sessions"]["unclosed"] == 0, detail
+    assert s["sessions"]["closed_by_server"] > 0, detail  # finished sessions closed with their last reply
     # greedy fp32 target: every verified token equals the target's own continuation
     assert s["acceptance"]["diverged_sessions"] == 0, detail
     assert s["acceptance"]["rounds_accepted_other_than_model"] == 0, detail
