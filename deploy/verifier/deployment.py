@@ -98,7 +98,8 @@ def _draft_class(name) -> str | None:
 
 
 def _remember(book: OrderedDict, sid: str, value) -> None:
-    """Record a session gone (evicted, or closed as it finished), the oldest of the most kept forgotten."""
+    """Record a gone session (evicted, or closed as it finished); past ``MAX_REMEMBERED_EVICTIONS``
+    the oldest record is forgotten (its requests then answer 404, and the edge re-opens as for 410)."""
     book[sid] = value
     while len(book) > MAX_REMEMBERED_EVICTIONS:
         book.popitem(last=False)
