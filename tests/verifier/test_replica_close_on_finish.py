@@ -9,20 +9,8 @@ import asyncio
 
 import pytest
 
-from deploy.protocol import ReplyFrame, VerifyFrame
-from tests.verifier.test_replica_run_ahead import greedy_reference, make_core, open_session, prompt
-
-
-async def finish(core, d: dict, ahead: bool) -> list[int]:
-    """Empty-tree rounds until a reply says finished; the tokens, the open's first token first."""
-    sid, n, out, done = d["session_id"], d["prefix_len"], [d["first_token"]], d["finished"]
-    while not done:
-        status, raw = await asyncio.wait_for(core.verify(sid, "dev", VerifyFrame(n, [], [], ahead=ahead).encode()), 30)
-        assert status == 200, raw
-        r = ReplyFrame.decode(raw)
-        out += [r.bonus] + r.ahead
-        n, done = r.prefix_len, r.finished
-    return out
+from deploy.protocol import VerifyFrame
+from tests.verifier.test_replica_run_ahead import decode_rest, greedy_reference, make_core, open_session, prompt
 
 
 async def gone(core, sid: str) -> None:
@@ -45,7 +33,7 @@ def test_a_session_opened_with_close_on_finish_goes_with_its_finishing_reply(run
     async def run(close_on_finish: bool):
         d = await open_session(core, p, sampling, close_on_finish=close_on_finish)
         assert d["close_on_finish"] is close_on_finish
-        out = await finish(core, d, ahead=run_ahead > 0)
+        out = await decode_rest(core, d, ahead=run_ahead > 0, close=False)
         if close_on_finish:
             await gone(core, d["session_id"])
         else:  # held until closed, as before
@@ -72,7 +60,7 @@ def test_a_detached_run_that_finishes_waits_for_its_request_before_the_session_g
         await asyncio.sleep(0.2)  # the edge is away: the detached run reaches the end
         sid = d["session_id"]
         assert sid in core.engine.sessions and core.engine.sessions[sid].finished
-        out = await finish(core, d, ahead=True)
+        out = await decode_rest(core, d, close=False)
         await gone(core, sid)
         return out
 

@@ -122,16 +122,19 @@ async def run_started(core, p: list[int], sampling: dict) -> tuple[dict, asyncio
     return d, task
 
 
-async def decode_rest(core, d) -> list[int]:
-    """The rest of a (re-)opened session, run-ahead on (a re-open from history has no first token)."""
+async def decode_rest(core, d, ahead: bool = True, close: bool = True) -> list[int]:
+    """The rest of a (re-)opened session, run-ahead on unless ``ahead`` is off (a re-open from
+    history has no first token); then the session is closed unless ``close`` is off."""
     out, n, done = [t for t in [d["first_token"]] if t is not None], d["prefix_len"], d["finished"]
     while not done:
-        status, raw = await core.verify(d["session_id"], "dev", VerifyFrame(n, [], [], ahead=True).encode())
+        status, raw = await asyncio.wait_for(
+            core.verify(d["session_id"], "dev", VerifyFrame(n, [], [], ahead=ahead).encode()), 30)
         assert status == 200, raw
         r = ReplyFrame.decode(raw)
         out += [r.bonus] + r.ahead
         n, done = r.prefix_len, r.finished
-    await core.close_session(d["session_id"], "dev")
+    if close:
+        await core.close_session(d["session_id"], "dev")
     return out
 
 
