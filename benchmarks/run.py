@@ -97,7 +97,7 @@ class Plan:
     rtt_sessions: int  # sessions during the RTT sweep
     sessions: list[int]
     sessions_rtt: float  # RTT during the concurrency sweep
-    prompts: int  # prompts per configuration (at least one per session)
+    prompts: int  # prompts per configuration (at least ``generations_per_session`` per session)
     max_tokens: int
     depth: int | None  # fixed depth; None = calibrate
     calib_depths: list[int] = field(default_factory=lambda: [2, 3, 4, 6])
@@ -116,6 +116,15 @@ class Plan:
     # the edge core's draft forwards: "shared" = one DraftExecutor for every session (critical trees
     # first, proactive work in the idle time), "per-session" = a thread per session time-slicing the core
     edge_drafts: str = "shared"
+    # each session's generations in a configuration, at least: with one, every session of a busy
+    # configuration opens at once, decodes one wave and stops, so its few-second window is mostly
+    # ramp; more make a steady state, where sessions finish and re-open beside decoding ones
+    generations_per_session: int = 1
+
+    def prompts_for(self, sessions: int) -> int:
+        """Prompts of a configuration with ``sessions`` sessions: ``prompts``, at least
+        ``generations_per_session`` a session, rounded up so every session gets the same share."""
+        return sessions * max(math.ceil(self.prompts / sessions), self.generations_per_session)
 
     def configs(self) -> list[tuple[float, int]]:
         out = [(r, self.rtt_sessions) for r in self.rtts]
@@ -146,7 +155,7 @@ PLANS = {
                      extra_configs=[(50, 4)], exit_layers=[12, 20]),
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
                  sessions_rtt=15, prompts=8, max_tokens=64, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
-                 calib_tokens=24),
+                 calib_tokens=24, generations_per_session=3),
 }
 
 
@@ -868,7 +877,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny random target, 1 prompt per config (tests)")
     ap.add_argument("--draft", default=None, help="auto | embedded-draft | ngram | a load_model spec")
     ap.add_argument("--depth", type=int, default=None, help="fixed depth (skip calibration)")
-    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per configuration (at least one per session)")
+    ap.add_argument("--generations-per-session", type=int, default=None,
+                    help="each session's generations per configuration, at least (--full: 3)")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--rtts", default=None, help="comma-separated RTT sweep (ms)")
     ap.add_argument("--sessions", default=None, help="comma-separated concurrency sweep")
@@ -900,6 +911,8 @@ def main(argv=None) -> int:
         plan.depth = args.depth
     if args.prompts:
         plan.prompts = args.prompts
+    if args.generations_per_session:
+        plan.generations_per_session = args.generations_per_session
     if args.max_tokens:
         plan.max_tokens = args.max_tokens
     if args.rtts:
@@ -939,10 +952,10 @@ def main(argv=None) -> int:
     sampler = LoadSampler()
     sampler.start()
     draft = resolve_draft(plan.draft)
-    n_prompts = max(s * math.ceil(plan.prompts / s) for _, s in plan.configs())
+    n_prompts = max(plan.prompts_for(s) for _, s in plan.configs())
     prompts, prompt_names = prompt_ids(plan, n_prompts)
     log(f"plan {name}: target={plan.target} draft={draft} configs={plan.configs()} modes={plan.modes} "
-        f"prompts/config=max({plan.prompts}, sessions) max_tokens={plan.max_tokens}; logs in {workdir}")
+        f"prompts/config=max({plan.prompts}, {plan.generations_per_session} x sessions) max_tokens={plan.max_tokens}; logs in {workdir}")
 
     ours = [m for m in plan.modes if m in MODES]
     peers = [m for m in plan.modes if m in PEER_MODES]
@@ -979,7 +992,7 @@ def main(argv=None) -> int:
                 run_config(srv, edge, plan, mode, 0.0, 1, prompts[:1], depth, workdir, plan.warmup_tokens)
             log("warm-up done")
         for rtt, sessions in plan.configs():
-            n = sessions * math.ceil(plan.prompts / sessions)  # the same share for every session
+            n = plan.prompts_for(sessions)
             for mode, rule in [(m, v) for m in modes for v in (plan.verify if m.startswith("edge") else [None])]:
                 res, extra = run_config(srv, edge, plan, mode, rtt, sessions, prompts[:n], depth, workdir,
                                         plan.max_tokens, rule or "match")
@@ -1048,8 +1061,9 @@ def main(argv=None) -> int:
         "fixed_depth": depth, "depth_calibration": calib, "tree_budget": plan.budget, "topk": plan.topk,
         "rtt_sweep_ms": plan.rtts, "rtt_sweep_sessions": plan.rtt_sessions, "sessions_sweep": plan.sessions,
         "sessions_sweep_rtt_ms": plan.sessions_rtt, "bandwidth_mbps": plan.mbps or "unlimited",
-        "prompts_per_config": f"{plan.prompts} rounded up to a multiple of the sessions, alternating MT-Bench "
-                              "turn 1 / HumanEval (the first ones of each set)",
+        "prompts_per_config": f"{plan.prompts}, at least {plan.generations_per_session} per session, rounded up "
+                              "to a multiple of the sessions, alternating MT-Bench turn 1 / HumanEval (the first "
+                              "ones of each set)",
         "prompt_ids": prompt_names, "max_tokens": plan.max_tokens, "app_overrides": plan.app_set,
         "batch_cap": f"{plan.batch_cap()} sessions per forward, ours (verifier.max_batch_sessions) and vLLM's "
                      "(--max-num-seqs)",

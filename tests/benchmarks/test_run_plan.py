@@ -15,3 +15,13 @@ def test_our_batch_cap_is_the_vllm_peers_max_num_seqs():
     # an explicit --set still wins
     plan = replace(plan, app_set={"verifier.max_batch_sessions": 8})
     assert app_config(plan, "embedded-draft", 4)["verifier"]["max_batch_sessions"] == 8
+
+
+def test_full_plan_gives_every_session_several_generations():
+    # with 8 prompts a configuration of 16 sessions was one wave: every session opened at once,
+    # decoded once and stopped, a 3-second window of ramp. The full plan keeps 8 prompts where that
+    # is already 3+ a session and gives each session 3 generations elsewhere, the same share each
+    plan = PLANS["full"]
+    assert [plan.prompts_for(s) for s in (1, 2, 3, 4, 8, 16, 32)] == [8, 8, 9, 12, 24, 48, 96]
+    one = replace(plan, generations_per_session=1)
+    assert [one.prompts_for(s) for s in (1, 3, 16)] == [8, 9, 16]  # the old rule: a multiple of the sessions
