@@ -286,6 +286,15 @@ class VerifierCore:
         self.client.pop(sid, None)
         self.arrivals.forget(sid)
 
+    def _reply_sent(self, sid: str, now: float, back: bool, finished: bool) -> None:
+        """A reply to the session's edge goes out: the arrival model expects the edge ``back``
+        (else forgets it), and a finished ``close_on_finish`` session is closed with it."""
+        if back:
+            self.arrivals.replied(sid, now)
+        else:
+            self.arrivals.forget(sid)
+        self._close_if_finished(sid, finished)
+
     def _close_if_finished(self, sid: str, finished: bool) -> None:
         """A reply that says the session finished is being sent: a session opened with
         ``close_on_finish`` is closed with it, so its client spends neither a round trip nor a
@@ -797,11 +806,7 @@ class VerifierCore:
         if budget == 0 and not run.ended and not run.fut.done():
             nxt = self._detached[sid] = RunAhead(run.limit, run.last.prefix_len)
             self._queue_step(tenant, sid, nxt, now)
-        if run.ended:
-            self.arrivals.forget(sid)
-        else:
-            self.arrivals.replied(sid, now)
-        self._close_if_finished(sid, run.last.finished)
+        self._reply_sent(sid, now, not run.ended, run.last.finished)
         return 200, run.frame(depth, budget).encode()
 
     def _round_reply(self, item) -> tuple[int, bytes | dict] | None:
@@ -846,11 +851,7 @@ class VerifierCore:
                                depth, budget, verified=res.verified if res.verified < len(req.tree) else None)
         else:
             frame = ReplyFrame.of_chain(res, depth, budget)
-        if res.finished or refill:
-            self.arrivals.forget(p.session_id)
-        else:
-            self.arrivals.replied(p.session_id, now)
-        self._close_if_finished(p.session_id, res.finished)
+        self._reply_sent(p.session_id, now, not (res.finished or refill), res.finished)
         return 200, frame.encode()
 
 
