@@ -90,12 +90,15 @@ class Edge:
         from edge_agent.transport import HttpTransport
 
         mode, policy = EDGE_MODES[cmd["mode"]]
+        # edge_proactive is SpecEdge §4.2 as published (one chain); edge_full adds the agent's own guesses
+        guesses = {"guesses": 0} if cmd["mode"] == "edge_proactive" else \
+            {} if cmd.get("guesses") is None else {"guesses": int(cmd["guesses"])}
         acfg = AgentConfig(mode=mode, depth_policy=policy, depth=int(cmd["depth"]),
                            max_depth=int(cmd.get("max_depth", 12)), budget=int(cmd.get("budget", 32)),
                            topk=int(cmd.get("topk", 4)), max_expand=int(cmd.get("max_expand", 8)),
                            check_tokenizer=self.tokenizer is not None, verify=cmd.get("verify") or "match",
                            model=cmd.get("version"),  # a target version (LoRA adapter); None: the base
-                           predraft=cmd["mode"] == "edge_predraft")
+                           predraft=cmd["mode"] == "edge_predraft", **guesses)
         async with HttpTransport(cmd["url"], api_key=cmd["api_key"], timeout_s=300.0) as tr:
             agent = EdgeAgent(tr, self.drafter(), self.tokenizer, acfg, draft_executor=self._drafts)
             try:
@@ -118,7 +121,8 @@ class Edge:
                                 "rejections": s.rejections, "refills": s.refills, "verify_rule": s.verify_rule,
                                 "version": cmd.get("version"), "early_frames": s.early_frames,
                                 "predraft_hits": s.predraft_hits, "predraft_misses": s.predraft_misses,
-                                "predraft_forwards": s.predraft_forwards, "predraft_layer_sum": s.predraft_layer_sum})
+                                "predraft_forwards": s.predraft_forwards, "predraft_layer_sum": s.predraft_layer_sum,
+                                "predraft_early_hits": s.predraft_early_hits})
             finally:
                 agent.close()
 
@@ -270,13 +274,15 @@ def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
             rtt_ms_measured=_mean_of(gens, "rtt_ms"),
             round_ms_mean=_mean_of(gens, "round_ms"))  # send to reply, as the edge saw it
         hits = sum(g.get("predraft_hits", 0) for g in gens)
-        if any(g.get("early_frames") for g in gens):  # issue 19: the pre-draft cache
+        early_hits = sum(g.get("predraft_early_hits", 0) for g in gens)
+        if any(g.get("predraft_forwards") for g in gens):  # the pre-draft cache: guesses of the edge's own
             agg.update(predraft_hit_rate=hits / rounds if rounds else float("nan"),
-                       early_exit_layer_mean=(sum(g["predraft_layer_sum"] for g in gens) / hits if hits
-                                              else float("nan")),
-                       early_frames_per_round=sum(g["early_frames"] for g in gens) / rounds if rounds else float("nan"),
                        predraft_forwards_per_round=(sum(g["predraft_forwards"] for g in gens) / rounds if rounds
                                                     else float("nan")))
+        if any(g.get("early_frames") for g in gens):  # issue 19: and early results
+            agg.update(early_exit_layer_mean=(sum(g["predraft_layer_sum"] for g in gens) / early_hits if early_hits
+                                              else float("nan")),
+                       early_frames_per_round=sum(g["early_frames"] for g in gens) / rounds if rounds else float("nan"))
     elif mode == "server_sd":
         agg.update(depth_mean=float(depth))
     return agg

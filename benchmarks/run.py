@@ -120,6 +120,9 @@ class Plan:
     # configuration opens at once, decodes one wave and stops, so its few-second window is mostly
     # ramp; more make a steady state, where sessions finish and re-open beside decoding ones
     generations_per_session: int = 1
+    # edge_full's next trees drafted per round for the round's likeliest outcomes (AgentConfig.guesses;
+    # None: the agent's default); edge_proactive always runs SpecEdge §4.2's single chain (0)
+    guesses: int | None = None
 
     def prompts_for(self, sessions: int) -> int:
         """Prompts of a configuration with ``sessions`` sessions: ``prompts``, at least
@@ -597,7 +600,8 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
         l0 = os.getloadavg()[0]
         cmd = {"op": "run", "mode": mode, "url": proxy.url, "api_key": API_KEY, "sessions": sessions,
                "prompts": prompts, "max_tokens": max_tokens, "depth": depth, "budget": plan.budget,
-               "topk": plan.topk, "temperature": plan.temperature, "verify": verify, "edge_drafts": plan.edge_drafts}
+               "topk": plan.topk, "temperature": plan.temperature, "verify": verify, "edge_drafts": plan.edge_drafts,
+               "guesses": plan.guesses}
         if server.peer:
             cmd["model"] = server.model
         res = edge.call({**cmd, **(extra or {})})
@@ -897,6 +901,9 @@ def main(argv=None) -> int:
     ap.add_argument("--edge-drafts", choices=sorted(EDGE_DRAFTS), default=None,
                     help="the edge core's draft forwards: shared (one executor, critical trees first; default) "
                          "or per-session (a thread per session)")
+    ap.add_argument("--guesses", type=int, default=None,
+                    help="edge_full: next trees pre-drafted per round for its likeliest outcomes (0: SpecEdge's "
+                         "chain only; default: the agent's)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-latest", action="store_true", help="--full: do not overwrite latest.json")
     args = ap.parse_args(argv)
@@ -934,6 +941,8 @@ def main(argv=None) -> int:
         plan.mbps = args.mbps
     if args.edge_drafts:
         plan.edge_drafts = args.edge_drafts
+    if args.guesses is not None:
+        plan.guesses = args.guesses
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:

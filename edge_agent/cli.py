@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--predraft", action="store_true",
                    help="early-exit pre-drafting: when the server has exit heads (GET /v1/model lists early_exit_layers), "
                         "draft the next tree from its early results mid-round (WebSocket, or streamed HTTP POST with --no-ws)")
+    g.add_argument("--guesses", type=int, default=0, choices=range(0, 17), metavar="0..16",
+                   help="proactive mode: also draft the next tree for this many of a round's likeliest outcomes, by "
+                        "the draft's own estimate, while the reply is away (default 0: SpecEdge's proactive chain only)")
     g.add_argument("--no-run-ahead", dest="run_ahead", action="store_false",
                    help="one token per round trip while the server says trees do not pay (default: let it decode "
                         "on and reply with several tokens, F_AHEAD)")
@@ -215,7 +218,8 @@ async def _generate(a) -> int:
         prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
         cfg = AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
                           budget=a.budget, topk=a.topk, max_expand=a.max_expand, verify=a.verify, model=a.model,
-                          predraft=a.predraft, run_ahead=a.run_ahead, verify_state=_verify_state(a))
+                          predraft=a.predraft, guesses=a.guesses, run_ahead=a.run_ahead,
+                          verify_state=_verify_state(a))
         agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
         metrics = None
         if a.metrics_port is not None:

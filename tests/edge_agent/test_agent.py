@@ -55,9 +55,10 @@ def test_greedy_equals_target_only_decoding_in_every_mode(engine, draft, greedy_
     assert st.accepted_tokens > 0  # the noisy draft agrees often enough to be accepted
     assert st.tokens == 1 + st.rounds + st.accepted_tokens  # first token + (accepted + bonus) per round
     if mode == "stop-and-wait":
-        assert st.align_attempts == 0 and st.proactive_forwards == 0
-    else:
-        assert st.proactive_forwards > 0 and st.align_attempts > 0
+        assert st.align_attempts == 0 and st.proactive_forwards == 0 and st.predraft_forwards == 0
+    else:  # drafted ahead (its own guesses, then the chain) and checked that work against each reply
+        assert st.proactive_forwards + st.predraft_forwards > 0
+        assert st.align_attempts + st.predraft_hits + st.predraft_misses >= st.rounds - 1
 
 
 @pytest.mark.parametrize("cfg", [dict(topk=1, max_expand=1, depth=5, depth_policy="fixed"),  # chain
@@ -93,21 +94,36 @@ def test_truncated_draft_and_ngram_drafter_are_lossless(engine, target, greedy_r
 
 
 def test_proactive_alignment_happens_and_reuse_is_counted(engine, draft, greedy_ref):
+    """``guesses=0``: SpecEdge §4.2 as published, one proactive chain below the best leaf."""
     # a 30 ms simulated RTT leaves time for several proactive forwards per round
     res, _ = run_agent(engine, ModelDrafter(draft), GREEDY, rtt_ms=30.0, mode="proactive",
-                       depth_policy="fixed", depth=2, budget=6, topk=2)
+                       depth_policy="fixed", depth=2, budget=6, topk=2, guesses=0)
     assert res.token_ids == greedy_ref
     st = res.stats
     assert st.aligned > 0 and st.reused_tokens > 0
     assert 0 < st.alignment_rate <= 1
     assert st.mean_rtt_ms >= 25
+    assert st.predraft_forwards == st.predraft_hits == st.predraft_misses == st.predraft_guessed == 0
+
+
+def test_own_guesses_hit_and_their_trees_go_out_at_once(engine, draft, greedy_ref):
+    """The edge's own guesses (edge_agent/predraft.py): with time for them, most replies match
+    a guess, whose next tree is sent without a draft forward; the output is the target's."""
+    res, _ = run_agent(engine, ModelDrafter(draft), GREEDY, rtt_ms=30.0, mode="proactive",
+                       depth_policy="fixed", depth=2, budget=6, topk=2, guesses=6)
+    assert res.token_ids == greedy_ref
+    st = res.stats
+    assert st.predraft_guessed > 0 and st.predraft_hits + st.predraft_misses >= st.rounds - 1
+    assert st.predraft_hits >= st.rounds // 2
+    # a hit's tree is complete: the rounds after hits ran no draft forward before sending
+    assert st.draft_forwards <= 2 * (st.rounds - st.predraft_hits) + 2
 
 
 def test_seeded_sampling_follows_the_target_only_sample_path(engine, target, draft):
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=30, ignore_eos=True)
     ref = reference_decode(target, PROMPT, params, EOS)
-    for mode in ("stop-and-wait", "proactive"):
-        res, _ = run_agent(engine, ModelDrafter(draft), params, mode=mode)
+    for mode, guesses in (("stop-and-wait", 0), ("proactive", 0), ("proactive", 6)):
+        res, _ = run_agent(engine, ModelDrafter(draft), params, mode=mode, guesses=guesses, rtt_ms=10.0 * guesses)
         assert res.token_ids == ref
 
 
@@ -342,7 +358,7 @@ def test_agents_sharing_one_draft_executor_stay_lossless_and_leave_it_open(engin
     try:
         results = asyncio.run(main())
         assert [r.token_ids for r in results] == [greedy_ref] * 3
-        assert sum(r.stats.proactive_forwards for r in results) > 0
+        assert sum(r.stats.proactive_forwards + r.stats.predraft_forwards for r in results) > 0
         assert shared.submit(CRITICAL, lambda: "open").result(timeout=5) == "open"
     finally:
         shared.shutdown()
