@@ -1059,6 +1059,7 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (order.get((r["rtt_ms"], r["sessions"]), 1 << 30), ALL_MODES.index(r["mode"])))
 
     from benchmarks.peers import NGRAM_SPEC, vllm_version
+    from edge_agent.agent import AgentConfig
 
     draft_note = {"embedded-draft": "the project's trained draft (edge_agent/artifacts/embedded-draft)",
                   "ngram": "n-gram prompt lookup (no trained draft artifact was available)"}.get(draft, draft)
@@ -1068,6 +1069,7 @@ def main(argv=None) -> int:
         "draft": draft, "draft_note": draft_note, "draft_meta": draft_meta(draft),
         "server_side_drafter": "prompt lookup (chain)" if draft == "ngram" else f"{draft} tree drafter on core 0",
         "fixed_depth": depth, "depth_calibration": calib, "tree_budget": plan.budget, "topk": plan.topk,
+        "edge_full_guesses": AgentConfig().guesses if plan.guesses is None else plan.guesses,  # edge_proactive: 0
         "rtt_sweep_ms": plan.rtts, "rtt_sweep_sessions": plan.rtt_sessions, "sessions_sweep": plan.sessions,
         "sessions_sweep_rtt_ms": plan.sessions_rtt, "bandwidth_mbps": plan.mbps or "unlimited",
         "prompts_per_config": f"{plan.prompts}, at least {plan.generations_per_session} per session, rounded up "

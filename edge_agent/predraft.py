@@ -26,8 +26,9 @@ verified nodes the tree left unfed (its leaves: their ``q(t | v)`` is needed), a
 outcomes become entries, drafted most probable first in the time the reply is away. SpecEdge's
 single proactive chain is the one outcome "the path to the best leaf, then the leaf's top
 token"; with the server truncating trees by prefix that leaf is often not even verified.
-Measured on the embedded pair at one session (README): the hit rate and the edge time it
-saves per round.
+Measured on the embedded pair at one session (README, "Guesses of the edge's own"): 6 guesses
+hit 26-32 % of rounds for ~7x the edge's draft forwards, and ITL did not move beyond noise;
+``AgentConfig.guesses`` is 0 by default.
 
 Only the choice of the next draft depends on early results or guesses; every emitted token
 comes from the final reply, so the output is the target's in every case.
@@ -128,15 +129,16 @@ class PreDraftCache:
     def pending(self) -> bool:
         return self._guess_nodes is not None or any(not e.done for e in self.entries.values())
 
-    # -- the edge's own guesses --------------------------------------------------------
     def _add(self, accepted: tuple[int, ...], token: int, confidence: float, layer: int | None,
              path: list[int]) -> None:
+        """An entry for the outcome (``accepted`` tree indices, ``path`` their node ids; ``token``)."""
         b = self.ds.builder
         self.entries[(accepted, token)] = Entry((accepted, token), confidence, layer, path,
                                                 [b.node(p).token for p in path], next(self.ds.ids),
                                                 TreeBuilder(self.ds.config, self.ds.ids))
         self.stats.entries += 1
 
+    # -- the edge's own guesses --------------------------------------------------------
     def _guess(self) -> None:
         """Entries for the round's likeliest outcomes by the draft's estimate (module docstring);
         feeds the estimated-verified nodes left unfed first (one draft forward)."""

@@ -12,11 +12,11 @@ import math
 
 import pytest
 
+from deploy.verifier.models import tiny_random_model
 from edge_agent.drafter import ModelDrafter
 from edge_agent.drafting import DraftSession
 from edge_agent.predraft import PreDraftCache
 from edge_agent.tree_builder import ROOT, TreeConfig
-from deploy.verifier.models import tiny_random_model
 from tests.edge_agent.helpers import noisy_copy
 from tests.edge_agent.test_drafting import check_candidates
 
