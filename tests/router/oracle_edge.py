@@ -50,7 +50,7 @@ async def oracle_generate(client: httpx.AsyncClient, prompt: list[int], truth: l
     rng = random.Random(seed)
     headers = {"Authorization": f"Bearer {key}"}
     out: list[int] = []
-    stats = {"rounds": 0, "reopens": 0, "sessions": set()}
+    stats = {"rounds": 0, "reopens": 0, "sessions": set(), "sent": 0}  # sent: nodes of the rounds answered
 
     async def open_session():
         body = {"prompt_ids": prompt, "generated_ids": out, "sampling": sampling}
@@ -87,6 +87,7 @@ async def oracle_generate(client: httpx.AsyncClient, prompt: list[int], truth: l
         assert rep.prefix_len == len(prompt) + len(out)
         prefix_len, finished = rep.prefix_len, rep.finished
         stats["rounds"] += 1
+        stats["sent"] += len(tokens)
         if on_round is not None:
             await on_round(sid, stats["rounds"])
     await client.delete(f"/v1/sessions/{sid}", headers=headers)
