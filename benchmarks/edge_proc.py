@@ -90,9 +90,11 @@ class Edge:
         from edge_agent.transport import HttpTransport
 
         mode, policy = EDGE_MODES[cmd["mode"]]
-        # edge_proactive is SpecEdge §4.2 as published (one chain); edge_full adds the agent's own guesses
-        guesses = {"guesses": 0} if cmd["mode"] == "edge_proactive" else \
-            {} if cmd.get("guesses") is None else {"guesses": int(cmd["guesses"])}
+        guesses = {}  # edge_full: the agent's default unless the plan sets it (AgentConfig.guesses)
+        if cmd["mode"] == "edge_proactive":
+            guesses = {"guesses": 0}  # SpecEdge §4.2 as published: one chain
+        elif cmd.get("guesses") is not None:
+            guesses = {"guesses": int(cmd["guesses"])}
         acfg = AgentConfig(mode=mode, depth_policy=policy, depth=int(cmd["depth"]),
                            max_depth=int(cmd.get("max_depth", 12)), budget=int(cmd.get("budget", 32)),
                            topk=int(cmd.get("topk", 4)), max_expand=int(cmd.get("max_expand", 8)),

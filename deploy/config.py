@@ -220,6 +220,10 @@ class PacingConfig(_Strict):
                     "counted against small trees when choosing the budget. 3.0: measured on one EPYC core, "
                     "2.1-3.5 in two runs (benchmarks.run --full: the split table's non-forward ms per token "
                     "at ~1.4 and at 9 tokens per request); 0 weighs the forward alone")
+    sessions_hold_s: float = Field(
+        1.0, ge=0, le=60,
+        description="the sessions the tree budget weighs are the most that were open within this many seconds: "
+                    "between one generation and the next an edge is not gone from the load (0: the count now)")
     per_version: bool = Field(True, description="each target version (target.adapters) paces its sessions by its "
                                                 "own acceptance (FlexSpec §III-C); off: one acceptance for all")
     max_draft_classes: int = Field(16, ge=0, le=1024,

@@ -154,7 +154,7 @@ class GenerationStats:
     draft_ms: list[float] = field(default_factory=list)  # each draft forward
     finish_reason: str | None = None
     early_frames: int = 0  # early results received (pre-draft cache, edge_agent/predraft.py)
-    predraft_hits: int = 0  # rounds whose next tree was pre-drafted from a matching early result
+    predraft_hits: int = 0  # rounds whose next tree was pre-drafted for a matching early result or guess
     predraft_misses: int = 0  # rounds with early results or guesses, none matching the reply
     predraft_forwards: int = 0  # draft forwards spent on pre-drafts
     predraft_layer_sum: int = 0  # exit layer of each early-result hit
@@ -461,8 +461,9 @@ class EdgeAgent:
                                     proposals=ds.proposals(), early=early and len(tree) > 0)
                 frame.ahead = cfg.run_ahead and rule == "match" and not frame.early
                 t0 = time.perf_counter()
-                guess_nodes = (len(tree) if last_verified is None else min(last_verified, len(tree))) \
-                    if guessing and proactive and len(tree) else None
+                guess_nodes = None  # the edge's own guesses: how many nodes of this tree it expects verified
+                if guessing and proactive and len(tree):
+                    guess_nodes = len(tree) if last_verified is None else min(last_verified, len(tree))
                 if frame.early or guess_nodes is not None:  # pre-drafts first, proactive drafting in between
                     pc.begin_round(frame.prefix_len, ds.builder.forwards, guess_nodes)
                     task = await self._send_and_predraft(sid, frame, stats, ds, pc, proactive)

@@ -160,7 +160,7 @@ class VerifierCore:
         budgets = tuple(b for b in p.tree_budgets if b <= vc.max_tree_nodes) or (vc.max_tree_nodes,)
         self.pacer = Pacer(p.min_depth, min(p.max_depth, vc.max_tree_depth), p.default_depth, budgets,
                            min(p.default_tree_budget, vc.max_tree_nodes), p.ema,
-                           round_overhead_s=p.round_overhead_ms / 1000.0)
+                           round_overhead_s=p.round_overhead_ms / 1000.0, fill=vc.batch_fill)
         tenants = config.router.load_tenants()  # reads router.tenants_file, once
         self.sched = FairScheduler(weights={tn.name: tn.weight for tn in tenants})
         self._limits = Limits(vc.kv_budget_tokens, vc.max_sessions,
@@ -190,6 +190,7 @@ class VerifierCore:
         self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
         self._detached: dict[str, RunAhead] = {}  # sid -> its run-ahead between a reply and the next request
         self._verify_s = 0.0  # EMA of a verify forward's seconds
+        self._load_peak = (0, 0.0)  # (most sessions open lately, when): the load the pacer weighs
         self._last_verify = 0.0  # when the last verify batch ran (monotonic)
         self._prefill_token_s = 0.0  # EMA of the seconds a prompt token adds to a forward
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
@@ -487,16 +488,29 @@ class VerifierCore:
         """What a session's hints rest on: its version's pacer (its own acceptance, FlexSpec
         §III-C), the sessions sharing the verifier, and what its edge reported."""
         edge = self.client.get(sid) or EdgeClient()
-        return self.versions.pacer(sid, edge.draft), max(len(self.engine.sessions), 1), edge
+        return self.versions.pacer(sid, edge.draft), self._load_sessions(), edge
+
+    def _load_sessions(self) -> int:
+        """Sessions sharing the verifier, as the tree budget weighs them: the most open within
+        ``pacing.sessions_hold_s``. When a generation ends its session closes and the edge opens
+        the next a round trip later; counted out meanwhile, the sessions left looked alone, and
+        a session alone is asked for trees (full run `20261125-074518-full`, RTT 100 ms, 4
+        sessions in lockstep: 1.6 tree nodes a round where run-ahead paid)."""
+        now, n = time.monotonic(), max(len(self.engine.sessions), 1)
+        peak, at = self._load_peak
+        if n >= peak or now - at > self.cfg.pacing.sessions_hold_s:
+            self._load_peak = (n, now)
+            return n
+        return peak
 
     def _hints(self, sid: str) -> tuple[int, int]:
         pacer, n, edge = self._pacing(sid)
-        budget = pacer.budget_hint(n, edge.ahead)
+        budget = pacer.budget_hint(n, edge.ahead, edge.rtt_ms / 1000.0)
         return pacer.depth_hint(n, budget, edge.draft_ms, edge.rtt_ms), budget
 
     def _best_budget(self, sid: str) -> int:
         pacer, n, edge = self._pacing(sid)
-        return pacer.best_budget(n, edge.ahead)
+        return pacer.best_budget(n, edge.ahead, edge.rtt_ms / 1000.0)
 
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()

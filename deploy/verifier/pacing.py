@@ -156,6 +156,7 @@ class Pacer:
     explore_alone: int = 4  # ... every Nth for a session alone when that tree is within explore_margin
     explore_margin: float = 0.15
     round_overhead_s: float = 0.0  # server CPU per request outside the forward
+    fill: float = 2.0  # verifier.batch_fill: a forward waits for sessions due within fill x its time
     _tokens_per_round: dict[int, float] = field(default_factory=dict)
     _no_tree_hints: int = 0
     _tree_batch: dict[int, float] = field(default_factory=dict)  # sessions -> EMA of sessions per tree forward
@@ -204,25 +205,46 @@ class Pacer:
         prior = lambda m: 1.0 + 0.5 * math.log2(1 + m)  # noqa: E731
         return max(1.0, obs[near] * prior(n) / prior(near))
 
-    def _rate(self, sessions: int, n: int, ahead: int = 1) -> float:
-        """Verified tokens per second of server CPU with ``sessions`` trees of ``n`` nodes; with
-        no tree, a request carries ``ahead`` tokens (run-ahead), else one round's."""
+    def _tree_sessions(self, sessions: int, n: int, away_s: float) -> float:
+        """Sessions a forward of ``n``-node trees carries: measured (:meth:`observe_tree_batch`),
+        and at most what the sessions' time away allows. With trees each session is away for
+        its reply, RTT and draft every round; a forward waits only for sessions due within
+        ``fill`` x its time (:mod:`deploy.verifier.batch_fill`), so when they are away longer,
+        each is in about ``t / (t + away)`` of the forwards. Run-ahead keeps every session in
+        every forward. (Full run `20261125-074518-full`, RTT 100 ms, 4 sessions: 1.6 tree nodes a
+        round, forwards carried 3.28 sessions against run-ahead's 4.0, `edge_full` x0.81 of
+        `server_ar`. In an RTT sweep at 4 sessions this cap alone cut the trees at RTT 100 from
+        1.63 to 0.99 nodes a round, and `edge_full` still read x0.90. The rest came from the
+        replica counting a session alone between generations
+        (:meth:`deploy.verifier.deployment.VerifierCore._load_sessions`); with both, no trees and
+        x1.08.)"""
         s = max(sessions, 1)
-        if n > 0:  # trees: the sessions a forward of trees carried, measured (all of them until then)
-            s = min(s, max(self._tree_batch.get(s, s), 1.0))
+        s = min(s, max(self._tree_batch.get(s, s), 1.0))
+        t = self.cost.predict(sessions * (n + 1))
+        if away_s > self.fill * t:
+            s = min(s, max(1.0, sessions * t / (t + away_s)))
+        return s
+
+    def _rate(self, sessions: int, n: int, ahead: int = 1, away_s: float = 0.0) -> float:
+        """Verified tokens per second of server CPU with ``sessions`` trees of ``n`` nodes; with
+        no tree, a request carries ``ahead`` tokens (run-ahead), else one round's. ``away_s``:
+        the sessions' time away per round (RTT and draft), which trees pay and run-ahead does not."""
+        s = max(sessions, 1)
+        if n > 0:  # trees: the sessions a forward of trees carries
+            s = self._tree_sessions(s, n, away_s)
         tokens = s * self.expected_tokens(n)
         requests = s if n > 0 else s / max(ahead, 1)  # a tree: one request a round each
         return tokens / max(self.cost.predict(s * (n + 1)) + requests * self.round_overhead_s, 1e-6)
 
-    def best_budget(self, sessions: int, ahead: int = 1) -> int:
+    def best_budget(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
         """The budget that pays best now (no exploration); the default until measured. ``ahead``:
         the tokens a no-tree request brings back (``verifier.run_ahead_tokens + 1`` for an edge
-        that takes run-ahead replies, else 1)."""
+        that takes run-ahead replies, else 1); ``away_s``: the edge's time away per round (its RTT)."""
         if self.cost.count < 3:
             return self.default_budget
-        return max(self.budgets, key=lambda n: self._rate(sessions, n, ahead))
+        return max(self.budgets, key=lambda n: self._rate(sessions, n, ahead, away_s))
 
-    def budget_hint(self, sessions: int, ahead: int = 1) -> int:
+    def budget_hint(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
         """The hint a reply carries: :meth:`best_budget`, and, while that is "no tree", every
         ``explore_every``-th hint the best tree anyway: with no trees sent, tree acceptance is
         never observed again, so the estimates stay current and trees come back when they pay.
@@ -237,13 +259,13 @@ class Pacer:
         in the other runs. Tried for every session count, the same rule took trees that looked
         close at 2 and 4 sessions and read up to 30 % below ``server_ar`` there in an A/B, so it is
         for a session alone."""
-        best = self.best_budget(sessions, ahead)
+        best = self.best_budget(sessions, ahead, away_s)
         trees = [n for n in self.budgets if n > 0]
         if best == 0 and trees and self.cost.count >= 3:
             self._no_tree_hints += 1
-            tree = max(trees, key=lambda n: self._rate(sessions, n))
-            close = sessions <= 1 and self._rate(sessions, tree) >= (1 - self.explore_margin) * self._rate(
-                sessions, 0, ahead)
+            tree = max(trees, key=lambda n: self._rate(sessions, n, away_s=away_s))
+            close = sessions <= 1 and self._rate(sessions, tree, away_s=away_s) >= (
+                1 - self.explore_margin) * self._rate(sessions, 0, ahead)
             if self._no_tree_hints % (self.explore_alone if close else self.explore_every) == 0:
                 return tree
         return best

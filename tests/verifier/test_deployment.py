@@ -140,3 +140,26 @@ def test_the_batch_wait_is_skipped_when_no_other_session_could_join():
             core.sched.add(Pending("dev", f"s{i}", 1))
         may_join.append(core._others_may_join())
     assert may_join == [True, False, True, False, False, False]
+
+
+def test_the_budget_weighs_the_sessions_open_lately_not_a_dip_between_generations(monkeypatch):
+    """``pacing.sessions_hold_s``: a session that finished and whose edge re-opens a round trip
+    later still counts; sessions left alone for longer than the hold count as alone."""
+    from deploy.verifier import deployment
+
+    core = deployment.VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                             pacing={"sessions_hold_s": 1.0}))
+    clock = [100.0]
+    monkeypatch.setattr(deployment.time, "monotonic", lambda: clock[0])
+
+    def load(open_sessions: int, at: float) -> int:
+        clock[0] = at
+        monkeypatch.setattr(core.engine, "sessions", {f"s{i}": None for i in range(open_sessions)})
+        return core._load_sessions()
+
+    assert load(4, 100.0) == 4
+    assert load(1, 100.3) == 4  # three finished; their edges are re-opening
+    assert load(4, 100.5) == 4
+    assert load(2, 101.2) == 4  # within a second of the last time four were open
+    assert load(2, 101.6) == 2  # the load fell: two it is
+    assert load(1, 101.7) == 2 and load(1, 102.8) == 1

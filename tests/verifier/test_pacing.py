@@ -241,6 +241,21 @@ def test_tree_forwards_that_carry_fewer_sessions_make_trees_pay_less():
     assert p.best_budget(2, ahead=9) == 0 and p.best_budget(3, ahead=9) > 0  # 3 sessions: not measured
 
 
+def test_sessions_away_longer_than_a_forward_waits_make_trees_pay_less():
+    """Full run 20261125-074518 (RTT 100 ms, 4 sessions): trees measured to pay at RTT 0 kept
+    being asked for at RTT 100, where each tree round takes a session out of the forwards for
+    its whole round trip (forwards carried 3.28 sessions against run-ahead's 4). A session away
+    longer than ``fill`` x a forward is in about t / (t + away) of them; run-ahead in all."""
+    p = _flat_then_linear_pacer(0.0, ((1, 1.45), (2, 1.6), (4, 1.75)))
+    assert p.best_budget(2, ahead=9) > 0 and p.best_budget(2, ahead=9, away_s=0.015) > 0  # within the fill window
+    assert p.best_budget(2, ahead=9, away_s=0.100) == 0
+    assert p.budget_hint(2, ahead=9, away_s=0.100) == 0
+    assert p.best_budget(1, ahead=9, away_s=0.100) > 0  # alone, a session is in every forward it has
+    no_fill = _flat_then_linear_pacer(0.0, ((1, 1.45), (2, 1.6), (4, 1.75)))
+    no_fill.fill = 0.0  # no batch filling: any time away leaves forwards without the session
+    assert no_fill.best_budget(2, ahead=9, away_s=0.015) == 0
+
+
 def test_one_unlucky_first_round_does_not_rule_a_budget_out():
     """A bucket's first round moves its estimate from what was expected of it: a 4-node tree that
     happened to bring only the bonus token once is still expected to beat 2 nodes."""
