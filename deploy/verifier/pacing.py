@@ -15,7 +15,8 @@ proxy, the router, the replica's own handling and Ray's (``O``, ``pacing.round_o
 With ``S`` sessions sharing the verifier and trees of ``n`` nodes (``E = E[tokens/round | n]``,
 one request per round), verified tokens per server CPU-second are
 ``S * E / (t(S * (n + 1)) + S * O)``, with ``S`` here the sessions a forward of trees
-carries (measured: each session is away for its reply, RTT and draft every round); with no
+carries (measured: each session is away for its reply, RTT and draft every round; and at most
+what that time away allows, :meth:`Pacer._tree_sessions`); with no
 tree and run-ahead replies of ``R`` tokens (:mod:`deploy.verifier.run_ahead`),
 ``S / (t(S) + S * O / R)``. The hint is the budget that maximizes it, with ``E`` the
 observed mean per budget bucket (EMA), interpolated in log(n) where a bucket has no data yet.
