@@ -105,7 +105,7 @@ def test_seeded_sampling_through_run_ahead_is_the_targets_sample_path():
 
 def test_no_run_ahead_while_trees_pay_or_when_off():
     pays = make_core(budgets=(0, 8))
-    pays.pacer.best_budget = lambda sessions, ahead=1: 8  # trees pay (the real forwards would move a measured curve)
+    pays.pacer.best_budget = lambda sessions, ahead=1, away_s=0.0: 8  # trees pay (the real forwards would move a measured curve)
     for core in (pays, make_core(run_ahead_tokens=0)):
         out, replies = asyncio.run(decode(core, prompt(3), {"max_tokens": 12, "ignore_eos": True}))
         assert len(out) == 12 and not any(r.ahead for r in replies)
@@ -298,7 +298,7 @@ def test_an_open_that_promises_run_ahead_decodes_on_from_its_first_token():
     assert asyncio.run(run({"run_ahead": True})) == (5, ref)  # the bonus and the limit past it
     assert asyncio.run(run({})) == (0, ref)
     pays = make_core(budgets=(0, 8), run_ahead_tokens=4)
-    pays.pacer.best_budget = lambda sessions, ahead=1: 8  # trees pay: the hint is a tree
+    pays.pacer.best_budget = lambda sessions, ahead=1, away_s=0.0: 8  # trees pay: the hint is a tree
 
     async def open_paid():
         status, d = await pays.open_session("dev", {"prompt_ids": p, "sampling": sampling,
@@ -329,7 +329,7 @@ def test_only_forwards_of_trees_alone_measure_how_many_sessions_trees_share():
         await a
         await core.close_session(sid, "dev")
 
-    core.pacer.best_budget = lambda sessions, ahead=1: 0  # session 1 runs ahead throughout
+    core.pacer.best_budget = lambda sessions, ahead=1, away_s=0.0: 0  # session 1 runs ahead throughout
     asyncio.run(mixed())
     assert core.pacer.state()["tree_sessions_per_forward"] == {}
     del core.pacer.best_budget
