@@ -756,8 +756,11 @@ class VerifierCore:
                 _answer(p.payload.answers, self._run_so_far(p) or _internal(e))
             return
         self._settle_version_failures()
-        if any(len(r.tree) for _, r in trees) and all(p.payload.run is None for p in batch):
-            self.pacer.observe_tree_batch(len(self.engine.sessions), len(batch))
+        # a forward of trees alone: no run-ahead step (an empty tree) in it. A tree round of an edge that
+        # takes run-ahead replies (F_AHEAD, the agent's default) carries a run too, so the test is the tree:
+        # on `payload.run is None` the default agent's trees were never measured
+        if trees and not chains and all(len(r.tree) for _, r in trees):
+            self.pacer.observe_tree_batch(self._load_sessions(), len(batch))
         _answer_each([(p.payload.answers, (p, res)) for p, res in results], self._round_reply)
         await self._complete_opens(loop, opened)
 

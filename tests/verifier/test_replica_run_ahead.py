@@ -314,11 +314,13 @@ def test_only_forwards_of_trees_alone_measure_how_many_sessions_trees_share():
     a forward with a run-ahead step in it says nothing about that, one of trees alone does."""
     core = make_core(budgets=(0, 8))
 
-    async def trees(p, rounds):
+    async def trees(p, rounds, ahead=False):
         d = await open_session(core, p, {"max_tokens": 40, "ignore_eos": True})
         sid, n = d["session_id"], d["prefix_len"]
         for _ in range(rounds):
-            status, raw = await core.verify(sid, "dev", VerifyFrame(n, [5], [-1]).encode())
+            frame = VerifyFrame(n, [5], [-1])
+            frame.ahead = ahead  # the agent's default: run-ahead replies when trees stop paying
+            status, raw = await core.verify(sid, "dev", frame.encode())
             assert status == 200, raw
             n = ReplyFrame.decode(raw).prefix_len
         return sid
@@ -334,8 +336,14 @@ def test_only_forwards_of_trees_alone_measure_how_many_sessions_trees_share():
     assert core.pacer.state()["tree_sessions_per_forward"] == {}
     del core.pacer.best_budget
 
-    async def both():
-        return await asyncio.gather(trees(prompt(3), 6), trees(prompt(4), 6))
+    async def both(ahead):
+        for sid in await asyncio.gather(trees(prompt(3), 6, ahead), trees(prompt(4), 6, ahead)):
+            await core.close_session(sid, "dev")
 
-    asyncio.run(both())
+    core.pacer.best_budget = lambda sessions, ahead=1, away_s=0.0: 8  # trees pay: no run-ahead step
+    asyncio.run(both(ahead=True))  # trees of edges that would take run-ahead replies count too
+    assert 1.0 <= core.pacer.state()["tree_sessions_per_forward"][2] <= 2.0
+    core.pacer._tree_batch.clear()
+    del core.pacer.best_budget
+    asyncio.run(both(ahead=False))
     assert 1.0 <= core.pacer.state()["tree_sessions_per_forward"][2] <= 2.0
