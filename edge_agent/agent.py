@@ -78,6 +78,7 @@ from edge_agent.verify_policy import PolicyStore, VerifyPolicy
 log = logging.getLogger("edge_agent")
 MODES = ("proactive", "stop-and-wait")
 VERIFY_RULES = ("match", "rejection", "tree-rejection", "auto")  # see the module docstring
+MAX_GUESSES = 16  # AgentConfig.guesses, at most
 
 
 @dataclass
@@ -121,8 +122,8 @@ class AgentConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")
-        if not 0 <= self.guesses <= 16:
-            raise ValueError(f"guesses must be 0..16, got {self.guesses}")
+        if not 0 <= self.guesses <= MAX_GUESSES:
+            raise ValueError(f"guesses must be 0..{MAX_GUESSES}, got {self.guesses}")
         DepthPolicy(self.depth_policy)  # validates the name
 
 

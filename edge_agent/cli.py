@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from edge_agent.agent import MODES, VERIFY_RULES, AgentConfig, EdgeAgent
+from edge_agent.agent import MAX_GUESSES, MODES, VERIFY_RULES, AgentConfig, EdgeAgent
 from edge_agent.depth import POLICIES
 
 DRAFT_HELP = ("draft model: 'ngram' (prompt lookup, no model), 'embedded-draft' (the project's trained draft "
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--predraft", action="store_true",
                    help="early-exit pre-drafting: when the server has exit heads (GET /v1/model lists early_exit_layers), "
                         "draft the next tree from its early results mid-round (WebSocket, or streamed HTTP POST with --no-ws)")
-    g.add_argument("--guesses", type=int, default=0, choices=range(0, 17), metavar="0..16",
+    g.add_argument("--guesses", type=int, default=AgentConfig.guesses, choices=range(MAX_GUESSES + 1),
+                   metavar=f"0..{MAX_GUESSES}",
                    help="proactive mode: also draft the next tree for this many of a round's likeliest outcomes, by "
                         "the draft's own estimate, while the reply is away (default 0: SpecEdge's proactive chain only)")
     g.add_argument("--no-run-ahead", dest="run_ahead", action="store_false",

@@ -150,9 +150,7 @@ class PreDraftCache:
         verified = order[: max(0, k)]
         unfed = [nid for nid in verified if not b.node(nid).expanded]
         if unfed and len(unfed) < self.room():
-            for nid, cands in zip(unfed, ds._forward([ds._request(nid) for nid in unfed])):
-                n = b.node(nid)
-                n.cands, n.expanded = cands, True  # fed: its KV is live (the reply's path keeps it)
+            self._feed_sent(unfed)
             self.stats.forwards += 1
         index, kept = {nid: i for i, nid in enumerate(order)}, set(verified)
         outcomes = []  # (probability, node, token)
@@ -169,6 +167,17 @@ class PreDraftCache:
             self.stats.guessed += 1
 
     # -- drafting ----------------------------------------------------------------------
+    def _feed_sent(self, nids: list[int], extra: list[ExpandRequest] = ()) -> list:
+        """One draft forward feeding nodes ``nids`` of the sent tree (their candidates are kept and
+        their KV is live: the reply's path and proactive drafting read it) and ``extra`` requests;
+        returns the candidates of ``extra``."""
+        sent = self.ds.builder
+        out = self.ds._forward([self.ds._request(nid) for nid in nids] + list(extra))
+        for nid, cands in zip(nids, out):
+            n = sent.node(nid)
+            n.cands, n.expanded = cands, True
+        return out[len(nids):]
+
     def room(self) -> int:
         """Draft nodes that can still be fed this round (the drafter's tree bits)."""
         return self.ds.drafter.room()
@@ -189,18 +198,13 @@ class PreDraftCache:
             return True
         base = len(e.path_ids) + 1  # the entry root's depth below the current root
         if b.forwards == 0:  # feed the entry's root (and the path nodes the draft did not feed)
-            unfed = [j for j, p in enumerate(e.path_ids) if not sent.node(p).expanded]
+            unfed = [p for p in e.path_ids if not sent.node(p).expanded]
             if len(unfed) + 1 > self.room():
                 e.done = True
                 return True
-            reqs = [ExpandRequest(e.path_ids[j], e.path_tokens[j], j + 1, tuple(e.path_ids[:j]),
-                                  tuple(e.path_tokens[: j + 1])) for j in unfed]
-            reqs.append(ExpandRequest(e.root_id, e.key[1], base, tuple(e.path_ids), tuple(e.emitted)))
-            out = self.ds._forward(reqs)
-            for j, cands in zip(unfed, out):
-                n = sent.node(e.path_ids[j])
-                n.cands, n.expanded = cands, True  # fed now: its KV is live (proactive drafting reads it too)
-            b.expand_all([(ROOT, out[-1][0], out[-1][1])])
+            (toks, lps), = self._feed_sent(unfed, [ExpandRequest(e.root_id, e.key[1], base, tuple(e.path_ids),
+                                                                 tuple(e.emitted))])
+            b.expand_all([(ROOT, toks, lps)])
         else:
             front = [n for n in b.frontier() if n != ROOT][: max(0, self.room())]
             if not front:
