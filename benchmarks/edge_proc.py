@@ -9,8 +9,10 @@ JSON command per line on stdin and answers ``RESULT <json>`` on stdout:
   ``load_model`` spec such as ``tiny-random`` with ``"seed"``).
 - ``{"op": "run", "mode": ..., "url": ..., "sessions": S, "prompts": [[ids]...], ...}``
   runs ``S`` concurrent sessions as asyncio tasks, each working through its share of the
-  prompts one generation after another. Edge modes: one :class:`edge_agent.agent.EdgeAgent`
-  per session, each with its own draft KV cache. Their draft forwards share the one core
+  prompts one generation after another, and answers their figures
+  (:func:`benchmarks.metrics.aggregate`; with ``"gens": true`` the generations too).
+  Edge modes: one :class:`edge_agent.agent.EdgeAgent` per session, each with its own draft
+  KV cache. Their draft forwards share the one core
   (draft times are reported as measured): ``"edge_drafts": "shared"`` (the default) runs them
   on one :class:`edge_agent.draft_executor.DraftExecutor`, the trees sessions wait for before
   anyone's proactive work; ``"per-session"`` gives each agent its own draft thread, so up to
@@ -36,6 +38,7 @@ import traceback
 
 import torch
 
+from benchmarks.metrics import aggregate
 from edge_agent.draft_executor import DraftExecutor
 
 EDGE_MODES = {  # benchmark mode -> (agent mode, depth policy)
@@ -211,6 +214,8 @@ class Edge:
         if len(versions) > 1:
             agg["by_version"] = {str(v): aggregate([g for g in out if g.get("version") == v], cmd["mode"], wall,
                                                    int(cmd.get("depth", 0))) for v in set(versions)}
+        if cmd.get("gens"):  # the generations themselves: the caller pools repeats of a configuration
+            agg["gens"] = out
         return agg
 
 
@@ -241,53 +246,6 @@ def openai_counts(chunks: list[tuple[float, int | None, str]]) -> dict:
         if n > 0 or not arrivals:
             arrivals.append((t, n))
     return {"tokens": seen, "arrivals": arrivals, "rounds": max(0, len(arrivals) - 1)}
-
-
-def _mean_of(gens: list[dict], key: str) -> float:
-    xs = [x for g in gens for x in g.get(key, ())]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
-    from benchmarks.metrics import itl_samples
-
-    itl = [s for g in gens for s in itl_samples(g["arrivals"])]
-    tokens = sum(g["tokens"] for g in gens)
-    rounds = sum(g["rounds"] for g in gens)
-    agg = {"generations": len(gens), "tokens": tokens, "wall_s": wall_s, "itl": itl,
-           "user_tokens_per_s": sum(g["tokens"] / g["seconds"] for g in gens) / max(len(gens), 1),
-           "ttft_ms_mean": 1e3 * sum(g["ttft_s"] for g in gens) / max(len(gens), 1),
-           # the opening token comes with the prefill, not a verify round
-           "tokens_per_verify": (tokens - len(gens)) / rounds if rounds else float("nan")}
-    if mode in EDGE_MODES:
-        att = sum(g["align_attempts"] for g in gens)
-        agg.update(
-            alignment_rate=sum(g["aligned"] for g in gens) / att if att else float("nan"),
-            depth_mean=sum(g["depth_sum"] for g in gens) / rounds if rounds else float("nan"),
-            draft_ms_mean=_mean_of(gens, "draft_ms"),
-            draft_forwards_per_round=sum(g["draft_forwards"] for g in gens) / rounds if rounds else float("nan"),
-            proactive_forwards=sum(g["proactive_forwards"] for g in gens),
-            reopens=sum(g["reopens"] for g in gens),
-            # 6 bytes per node, 7 with the confidence byte the replica's truncation uses
-            up_payload_bytes=sum(20 * g["rounds"] + (6 + g["confidence"]) * g["draft_tokens"] for g in gens),
-            verified_nodes_per_round=sum(g["verified_nodes"] for g in gens) / rounds if rounds else float("nan"),
-            sent_nodes_per_round=sum(g["draft_tokens"] for g in gens) / rounds if rounds else float("nan"),
-            down_payload_bytes=sum(24 * g["rounds"] + 2 * g["accepted"] for g in gens),
-            rtt_ms_measured=_mean_of(gens, "rtt_ms"),
-            round_ms_mean=_mean_of(gens, "round_ms"))  # send to reply, as the edge saw it
-        hits = sum(g.get("predraft_hits", 0) for g in gens)
-        early_hits = sum(g.get("predraft_early_hits", 0) for g in gens)
-        if any(g.get("predraft_forwards") for g in gens):  # the pre-draft cache: guesses of the edge's own
-            agg.update(predraft_hit_rate=hits / rounds if rounds else float("nan"),
-                       predraft_forwards_per_round=(sum(g["predraft_forwards"] for g in gens) / rounds if rounds
-                                                    else float("nan")))
-        if any(g.get("early_frames") for g in gens):  # issue 19: and early results
-            agg.update(early_exit_layer_mean=(sum(g["predraft_layer_sum"] for g in gens) / early_hits if early_hits
-                                              else float("nan")),
-                       early_frames_per_round=sum(g["early_frames"] for g in gens) / rounds if rounds else float("nan"))
-    elif mode == "server_sd":
-        agg.update(depth_mean=float(depth))
-    return agg
 
 
 def main() -> None:

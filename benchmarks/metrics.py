@@ -29,7 +29,7 @@ Definitions (SpecEdge §5 "Baseline and metrics", adapted to one CPU core per si
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 SERVER_USD_PER_H = 4.05  # A100 40GB (SpecEdge §5)
 EDGE_USD_PER_H = 0.35  # RTX 4090 from an edge cloud provider, per edge device (SpecEdge §5)
@@ -93,6 +93,22 @@ class Window:
     verify_request_seconds: float = 0.0  # their seconds in the replica, arrival to reply (run-ahead: every step)
     forward_cpu_s_prefill: float = float("nan")  # CPU seconds of the forwards' own thread: prefill forwards
     forward_cpu_s_verify: float = float("nan")  # ... and verify forwards (verifier_busy_s minus these: preempted)
+
+
+def pool_windows(windows: list[Window]) -> Window:
+    """One window for the repeats of a configuration: every field is a total over its window (seconds,
+    tokens, bytes, counts), so the pooled one is their sum and a pooled ratio weighs each repeat by
+    its size."""
+    return Window(**{f.name: sum(getattr(w, f.name) for w in windows) for f in fields(Window)})
+
+
+def pool_roles(by_roles: list[dict]) -> dict:
+    """CPU seconds by process role, summed over the repeats of a configuration."""
+    out: dict = {}
+    for roles in by_roles:
+        for k, v in roles.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 # where the server's CPU goes, per generated token (our modes): the target's forwards, the rest of the
@@ -178,3 +194,51 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         "predraft_forwards_per_round": edge.get("predraft_forwards_per_round", float("nan")),
         **cpu_split_ms_per_token(w, by_role or {}, w.tokens_emitted),
     }
+
+
+def _mean_of(gens: list[dict], key: str) -> float:
+    xs = [x for g in gens for x in g.get(key, ())]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def aggregate(gens: list[dict], mode: str, wall_s: float, depth: int) -> dict:
+    """A configuration's client figures from its generations (one dict per generation, as the
+    edge process records them): tokens, ITL samples, acceptance and, for the edge modes
+    (``edge_*``), drafting, alignment, truncation and payload bytes."""
+    itl = [s for g in gens for s in itl_samples(g["arrivals"])]
+    tokens = sum(g["tokens"] for g in gens)
+    rounds = sum(g["rounds"] for g in gens)
+    agg = {"generations": len(gens), "tokens": tokens, "wall_s": wall_s, "itl": itl,
+           "user_tokens_per_s": sum(g["tokens"] / g["seconds"] for g in gens) / max(len(gens), 1),
+           "ttft_ms_mean": 1e3 * sum(g["ttft_s"] for g in gens) / max(len(gens), 1),
+           # the opening token comes with the prefill, not a verify round
+           "tokens_per_verify": (tokens - len(gens)) / rounds if rounds else float("nan")}
+    if mode.startswith("edge_"):  # benchmarks.edge_proc.EDGE_MODES
+        att = sum(g["align_attempts"] for g in gens)
+        agg.update(
+            alignment_rate=sum(g["aligned"] for g in gens) / att if att else float("nan"),
+            depth_mean=sum(g["depth_sum"] for g in gens) / rounds if rounds else float("nan"),
+            draft_ms_mean=_mean_of(gens, "draft_ms"),
+            draft_forwards_per_round=sum(g["draft_forwards"] for g in gens) / rounds if rounds else float("nan"),
+            proactive_forwards=sum(g["proactive_forwards"] for g in gens),
+            reopens=sum(g["reopens"] for g in gens),
+            # 6 bytes per node, 7 with the confidence byte the replica's truncation uses
+            up_payload_bytes=sum(20 * g["rounds"] + (6 + g["confidence"]) * g["draft_tokens"] for g in gens),
+            verified_nodes_per_round=sum(g["verified_nodes"] for g in gens) / rounds if rounds else float("nan"),
+            sent_nodes_per_round=sum(g["draft_tokens"] for g in gens) / rounds if rounds else float("nan"),
+            down_payload_bytes=sum(24 * g["rounds"] + 2 * g["accepted"] for g in gens),
+            rtt_ms_measured=_mean_of(gens, "rtt_ms"),
+            round_ms_mean=_mean_of(gens, "round_ms"))  # send to reply, as the edge saw it
+        hits = sum(g.get("predraft_hits", 0) for g in gens)
+        early_hits = sum(g.get("predraft_early_hits", 0) for g in gens)
+        if any(g.get("predraft_forwards") for g in gens):  # the pre-draft cache: guesses of the edge's own
+            agg.update(predraft_hit_rate=hits / rounds if rounds else float("nan"),
+                       predraft_forwards_per_round=(sum(g["predraft_forwards"] for g in gens) / rounds if rounds
+                                                    else float("nan")))
+        if any(g.get("early_frames") for g in gens):  # issue 19: and early results
+            agg.update(early_exit_layer_mean=(sum(g["predraft_layer_sum"] for g in gens) / early_hits if early_hits
+                                              else float("nan")),
+                       early_frames_per_round=sum(g["early_frames"] for g in gens) / rounds if rounds else float("nan"))
+    elif mode == "server_sd":
+        agg.update(depth_mean=float(depth))
+    return agg

@@ -123,6 +123,10 @@ class Plan:
     # edge_full's next trees drafted per round for the round's likeliest outcomes (AgentConfig.guesses;
     # None: the agent's default); edge_proactive always runs SpecEdge §4.2's single chain (0)
     guesses: int | None = None
+    # each configuration's modes this many times, in alternating order (repeat_order), pooled into one
+    # row: a few-second window reads a few % high or low, and a drift in the machine's speed would
+    # otherwise favour whichever mode runs first
+    repeats: int = 1
 
     def prompts_for(self, sessions: int) -> int:
         """Prompts of a configuration with ``sessions`` sessions: ``prompts``, at least
@@ -151,14 +155,14 @@ PLANS = {
                   sessions_rtt=15, prompts=1, max_tokens=12, depth=2, warmup_tokens=0),
     "quick": Plan("quick", "embedded", "auto", rtts=[0, 50], rtt_sessions=1, sessions=[1, 2], sessions_rtt=50,
                   prompts=2, max_tokens=24, depth=3),
-    # 30 configurations: ~12 min on an idle 2-core machine (~30-60 min on a loaded one)
+    # 30 configurations, each twice: ~18 min on an idle 2-core machine (~45-90 min on a loaded one)
     # issue 19: early-exit pre-drafting next to edge_full, RTT 15 / 50 ms x 1 / 4 sessions
     "predraft": Plan("predraft", "embedded", "auto", rtts=[15, 50], rtt_sessions=1, sessions=[4], sessions_rtt=15,
                      prompts=4, max_tokens=64, depth=3, modes=["edge_full", "edge_predraft"],
                      extra_configs=[(50, 4)], exit_layers=[12, 20]),
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
                  sessions_rtt=15, prompts=8, max_tokens=64, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
-                 calib_tokens=24, generations_per_session=3),
+                 calib_tokens=24, generations_per_session=3, repeats=2),
 }
 
 
@@ -632,6 +636,34 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
     return res, detail
 
 
+def repeat_order(runs: list, rep: int) -> list:
+    """The order of a configuration's runs in repeat ``rep``: as listed, then reversed, and so on,
+    so over two repeats every run has the same mean position in time (ABBA)."""
+    return list(runs) if rep % 2 == 0 else list(reversed(runs))
+
+
+def config_row(mode: str, rule: str | None, rtt: float, sessions: int, got: list[tuple[dict, dict]], depth: int,
+               temperature: float) -> dict:
+    """One table row from the repeats ``got`` of a configuration (the edge's figures with its
+    generations, the server's window and CPU by role, for each): the windows and generations
+    pooled, so a pooled figure is a total over a total; and the whole-server figure of each repeat
+    (``repeat_tokens_per_server_cpu_s``)."""
+    from benchmarks.metrics import Window, aggregate, pool_roles, pool_windows, row
+
+    w = pool_windows([Window(**extra["window"]) for _, extra in got])
+    res = aggregate([g for r, _ in got for g in r["gens"]], mode, sum(r["wall_s"] for r, _ in got), depth)
+    r = row(mode, rtt, sessions, w, res, edges_priced=sessions if mode.startswith("edge") else 0,
+            by_role=pool_roles([extra.get("server_cpu", {}).get("by_role", {}) for _, extra in got]))
+    # server_sd at T > 0 runs the server's sampled_rule (tree-rejection by default)
+    r["verify"] = rule or ("tree-rejection" if mode == "server_sd" and temperature > 0 else
+                           "match" if mode == "server_sd" else "-")
+    r["temperature"] = temperature
+    r["repeats"] = len(got)
+    r["repeat_tokens_per_server_cpu_s"] = [r["tokens_per_server_cpu_s"]] if len(got) == 1 else [
+        config_row(mode, rule, rtt, sessions, [one], depth, temperature)["tokens_per_server_cpu_s"] for one in got]
+    return r
+
+
 def fmt(x, nd=1) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -738,6 +770,21 @@ def _short_target(c: dict) -> str:
     return "SmolLM2-135M-Instruct, bf16" if t.startswith("embedded") else t
 
 
+def repeat_ratios(a: dict, b: dict, key: str = "tokens_per_server_cpu_s") -> list[float]:
+    """``a``'s figure over ``b``'s, repeat by repeat ([] where either row was measured once)."""
+    ra, rb = a.get(f"repeat_{key}") or [], b.get(f"repeat_{key}") or []
+    return [_ratio(x, y) for x, y in zip(ra, rb)] if len(ra) == len(rb) > 1 else []
+
+
+def ratio_cell(a: dict, b: dict) -> str:
+    """``a`` / ``b`` in tokens per whole-server CPU-second, with its range over the repeats."""
+    r = _ratio(a.get("tokens_per_server_cpu_s", float("nan")), b.get("tokens_per_server_cpu_s", float("nan")))
+    if math.isnan(r):
+        return "-"
+    each = [x for x in repeat_ratios(a, b) if not math.isnan(x)]
+    return f"x{r:.2f}" + (f" ({min(each):.2f}-{max(each):.2f})" if each else "")
+
+
 def headline_table(doc: dict) -> list[str]:
     """The headline: tokens per whole-server CPU-second for each (RTT, sessions) point, with the
     conditions of every figure; edge_full's ratios to the baselines beside them."""
@@ -756,16 +803,16 @@ def headline_table(doc: dict) -> list[str]:
     out = ["### Headline: tokens per whole-server CPU-second", "",
            "Verified tokens per CPU second of *all* server processes (Serve proxy, router, verifier, controller, "
            "Ray's raylet/GCS/agents; vLLM's API server, engine core and worker), from /proc over each "
-           "configuration's window. Conditions in every row.", "",
+           "configuration's window. Conditions in every row. Where a run repeats each configuration, a ratio "
+           "is the pooled rows' and the brackets give its lowest and highest over the repeats (repeat i of "
+           "one mode against repeat i of the other).", "",
            "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for rtt, ses in points:
         at = {r["mode"]: r for r in rows if r["rtt_ms"] == rtt and r["sessions"] == ses}
         cells = [fmt(rtt, 0), str(ses)] + [fmt(at.get(m, {}).get("tokens_per_server_cpu_s"), 1) for m in modes]
         full = at.get("edge_full", {})
         for b in bases:
-            r = _ratio(full.get("tokens_per_server_cpu_s", float("nan")),
-                       at.get(b, {}).get("tokens_per_server_cpu_s", float("nan")))
-            cells.append("-" if math.isnan(r) else f"x{r:.2f}")
+            cells.append(ratio_cell(full, at.get(b, {})))
         if itl:
             cells.append(f"{fmt(full.get('itl_ms_p50'), 1)} / {fmt(at.get('vllm_ar', {}).get('itl_ms_p50'), 1)}")
         cells.append(f"{cond}; {ses} session(s), RTT {fmt(rtt, 0)} ms")
@@ -876,7 +923,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="a few minutes: 2 RTTs, 1-2 sessions, short outputs")
-    g.add_argument("--full", action="store_true", help="the published table (~12 min idle, up to ~60 min loaded)")
+    g.add_argument("--full", action="store_true", help="the published table, each configuration twice (~18 min idle, up to ~90 min loaded)")
     g.add_argument("--predraft", action="store_true", help="issue 19: edge_full vs edge_predraft, RTT 15/50 x 1/4 sessions")
     ap.add_argument("--smoke", action="store_true", help="tiny random target, 1 prompt per config (tests)")
     ap.add_argument("--draft", default=None, help="auto | embedded-draft | ngram | a load_model spec")
@@ -904,6 +951,9 @@ def main(argv=None) -> int:
     ap.add_argument("--guesses", type=int, default=None,
                     help="edge_full: next trees pre-drafted per round for its likeliest outcomes (0: SpecEdge's "
                          "chain only; default: the agent's)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="each configuration's modes N times, in alternating order, pooled into one row "
+                         "(--full: 2; otherwise 1)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-latest", action="store_true", help="--full: do not overwrite latest.json")
     args = ap.parse_args(argv)
@@ -920,6 +970,10 @@ def main(argv=None) -> int:
         plan.prompts = args.prompts
     if args.generations_per_session:
         plan.generations_per_session = args.generations_per_session
+    if args.repeats is not None:
+        if args.repeats < 1:
+            ap.error("--repeats must be at least 1")
+        plan.repeats = args.repeats
     if args.max_tokens:
         plan.max_tokens = args.max_tokens
     if args.rtts:
@@ -985,8 +1039,6 @@ def main(argv=None) -> int:
             f"d={d}: {v['tokens_per_server_s']:.1f} tok/server-s, {v['tokens_per_round']:.2f} tok/round"
             for d, v in calib["by_depth"].items()))
 
-    from benchmarks.metrics import Window, row
-
     path = RequestPathConfig().override(args.ingress, args.throughput_optimized)
     server = Server(app_config(plan, draft, depth), workdir, args.nice, path) if ours else None
     edge = None
@@ -995,31 +1047,33 @@ def main(argv=None) -> int:
     vllm_info: dict = {}
 
     def measure(srv, modes: list[str]) -> None:
-        """Every configuration for ``modes`` on one running server (after an unmeasured warm-up)."""
+        """Every configuration for ``modes`` on one running server (after an unmeasured warm-up):
+        ``plan.repeats`` times each, the modes in alternating order, pooled into one row."""
         if plan.warmup_tokens:
             for mode in modes:
                 run_config(srv, edge, plan, mode, 0.0, 1, prompts[:1], depth, workdir, plan.warmup_tokens)
             log("warm-up done")
         for rtt, sessions in plan.configs():
             n = plan.prompts_for(sessions)
-            for mode, rule in [(m, v) for m in modes for v in (plan.verify if m.startswith("edge") else [None])]:
-                res, extra = run_config(srv, edge, plan, mode, rtt, sessions, prompts[:n], depth, workdir,
-                                        plan.max_tokens, rule or "match")
-                r = row(mode, rtt, sessions, Window(**extra["window"]), res,
-                        edges_priced=sessions if mode.startswith("edge") else 0,
-                        by_role=extra.get("server_cpu", {}).get("by_role"))
-                # server_sd at T > 0 runs the server's sampled_rule (tree-rejection by default)
-                r["verify"] = rule or ("tree-rejection" if mode == "server_sd" and plan.temperature > 0 else
-                                       "match" if mode == "server_sd" else "-")
-                r["temperature"] = plan.temperature
-                rows.append(r)
-                extras.append({"mode": mode, "rtt_ms": rtt, "sessions": sessions, **extra,
-                               **{k: v for k, v in res.items() if k not in ("itl", "ok")}})
-                (workdir / "rows.partial.json").write_text(json.dumps(rows, default=float))
-                log(f"{mode:15s} rtt={rtt:5.0f} S={sessions:2d}: {r['tokens_per_server_cpu_s']:.1f} tok/srv-cpu-s "
-                    f"(srv core {r['server_cpu_share']:.2f} busy), {r['server_tokens_per_busy_s']:.1f} tok/busy-s, "
-                    f"{r['server_tokens_per_s']:.1f} tok/s, ITL {r['itl_ms_mean']:.1f}/{r['itl_ms_p99']:.1f} ms, "
-                    f"{r['tokens_per_verify']:.2f} tok/verify, load {extra['noise']['loadavg_1m'][1]:.1f}")
+            runs = [(m, v) for m in modes for v in (plan.verify if m.startswith("edge") else [None])]
+            got: dict[tuple, list] = {run: [] for run in runs}
+            for rep in range(plan.repeats):
+                for mode, rule in repeat_order(runs, rep):
+                    res, extra = run_config(srv, edge, plan, mode, rtt, sessions, prompts[:n], depth, workdir,
+                                            plan.max_tokens, rule or "match", extra={"gens": True})
+                    got[(mode, rule)].append((res, extra))
+                    extras.append({"mode": mode, "rtt_ms": rtt, "sessions": sessions, "repeat": rep, **extra,
+                                   **{k: v for k, v in res.items() if k not in ("itl", "gens", "ok")}})
+                    r = config_row(mode, rule, rtt, sessions, [(res, extra)], depth, plan.temperature)
+                    log(f"{mode:15s} rtt={rtt:5.0f} S={sessions:2d}"
+                        + (f" #{rep + 1}: " if plan.repeats > 1 else ": ")
+                        + f"{r['tokens_per_server_cpu_s']:.1f} tok/srv-cpu-s "
+                        f"(srv core {r['server_cpu_share']:.2f} busy), {r['server_tokens_per_busy_s']:.1f} tok/busy-s, "
+                        f"{r['server_tokens_per_s']:.1f} tok/s, ITL {r['itl_ms_mean']:.1f}/{r['itl_ms_p99']:.1f} ms, "
+                        f"{r['tokens_per_verify']:.2f} tok/verify, load {extra['noise']['loadavg_1m'][1]:.1f}")
+            for (mode, rule), reps in got.items():
+                rows.append(config_row(mode, rule, rtt, sessions, reps, depth, plan.temperature))
+            (workdir / "rows.partial.json").write_text(json.dumps(rows, default=float))
 
     try:
         edge = EdgeWorker(workdir, args.nice)
@@ -1075,6 +1129,9 @@ def main(argv=None) -> int:
         "prompts_per_config": f"{plan.prompts}, at least {plan.generations_per_session} per session, rounded up "
                               "to a multiple of the sessions, alternating MT-Bench turn 1 / HumanEval (the first "
                               "ones of each set)",
+        "repeats": (f"{plan.repeats}: each configuration's modes {plan.repeats} times, as listed then reversed, "
+                    "pooled into one row (tokens and CPU seconds summed); repeat_tokens_per_server_cpu_s holds "
+                    "each repeat's figure" if plan.repeats > 1 else 1),
         "prompt_ids": prompt_names, "max_tokens": plan.max_tokens, "app_overrides": plan.app_set,
         "batch_cap": f"{plan.batch_cap()} sessions per forward, ours (verifier.max_batch_sessions) and vLLM's "
                      "(--max-num-seqs)",

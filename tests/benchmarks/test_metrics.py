@@ -1,11 +1,11 @@
-"""ITL samples/percentiles and SpecEdge's cost efficiency."""
+"""ITL samples/percentiles, SpecEdge's cost efficiency, a configuration's figures and their pooling."""
 
 import math
 
 import pytest
 
-from benchmarks.metrics import (Window, cost_efficiency_ktok_per_usd, itl_samples, row, weighted_mean,
-                                weighted_percentile)
+from benchmarks.metrics import (Window, aggregate, cost_efficiency_ktok_per_usd, itl_samples, pool_roles,
+                                pool_windows, row, weighted_mean, weighted_percentile)
 
 
 def test_itl_batch_of_n_tokens_counts_n_samples_of_gap_over_n():
@@ -63,3 +63,48 @@ def test_row_splits_the_server_cpu_into_forwards_request_path_and_background():
                   down_bytes=0, verifier_cpu_s=5.0, server_cpu_s=5.5)
     p = row("vllm_ar", 15.0, 4, peer, {"tokens": 200}, 0, by_role={"vllm_worker": 5.0, "api_server": 0.5})
     assert math.isnan(p["cpu_ms_per_token_forward"]) and math.isnan(p["tokens_per_forward_cpu_s"])
+
+
+def _gen(tokens, rounds, accepted, nodes, aligned, attempts):
+    return {"tokens": tokens, "seconds": 2.0, "ttft_s": 0.1, "arrivals": [(0.0, 1), (0.5, 3), (1.0, tokens - 4)],
+            "rounds": rounds, "draft_tokens": nodes, "accepted": accepted, "aligned": aligned,
+            "align_attempts": attempts, "depth_sum": 3 * rounds, "draft_forwards": 2 * rounds,
+            "proactive_forwards": 5, "draft_ms": [4.0, 6.0], "rtt_ms": [15.0], "reopens": 0,
+            "verified_nodes": nodes // 2, "confidence": True}
+
+
+def test_aggregate_edge_generations():
+    gens = [_gen(9, 2, 6, 40, 1, 2), _gen(9, 4, 4, 80, 0, 2)]
+    a = aggregate(gens, "edge_proactive", wall_s=4.0, depth=3)
+    assert a["tokens"] == 18 and a["generations"] == 2
+    assert a["tokens_per_verify"] == pytest.approx((18 - 2) / 6)  # opening tokens come with the prefill
+    assert a["alignment_rate"] == pytest.approx(0.25)
+    assert a["depth_mean"] == pytest.approx(3.0) and a["draft_ms_mean"] == pytest.approx(5.0)
+    assert a["up_payload_bytes"] == 20 * 6 + 7 * 120 and a["down_payload_bytes"] == 24 * 6 + 2 * 10
+    assert a["sent_nodes_per_round"] == pytest.approx(20) and a["verified_nodes_per_round"] == pytest.approx(10)
+    assert sum(w for _, w in a["itl"]) == pytest.approx(16)  # every token after the first is a sample
+
+
+def test_pooled_windows_are_totals_so_a_pooled_ratio_weighs_each_repeat_by_its_size():
+    a = Window(wall_s=2.0, verifier_busy_s=1.0, server_draft_cpu_s=0.0, tokens_emitted=100, up_bytes=10,
+               down_bytes=20, verifier_cpu_s=1.5, server_cpu_s=2.0, verify_forwards=50, verify_sessions=100,
+               forward_cpu_s_prefill=0.1, forward_cpu_s_verify=0.8)
+    b = Window(wall_s=4.0, verifier_busy_s=3.0, server_draft_cpu_s=0.0, tokens_emitted=300, up_bytes=30,
+               down_bytes=40, verifier_cpu_s=3.5, server_cpu_s=4.0, verify_forwards=100, verify_sessions=100,
+               forward_cpu_s_prefill=0.2, forward_cpu_s_verify=2.5)
+    w = pool_windows([a, b])
+    assert (w.wall_s, w.tokens_emitted, w.server_cpu_s, w.verify_forwards) == (6.0, 400, 6.0, 150)
+    r = row("server_ar", 15.0, 2, w, {"tokens": 400}, 0)
+    assert r["tokens_per_server_cpu_s"] == pytest.approx(400 / 6.0)  # not the mean of 50 and 75
+    assert r["sessions_per_forward"] == pytest.approx(200 / 150)
+    assert pool_windows([a]) == a
+    assert pool_roles([{"router": 1.0, "proxy": 0.5}, {"router": 2.0, "raylet": 0.1}]) == pytest.approx(
+        {"router": 3.0, "proxy": 0.5, "raylet": 0.1})
+
+
+def test_aggregating_two_repeats_generations_is_their_pool():
+    one, two = [_gen(9, 2, 6, 40, 1, 2)], [_gen(9, 4, 4, 80, 0, 2)]
+    a = aggregate(one + two, "edge_full", wall_s=4.0, depth=3)
+    assert a["tokens"] == 18 and a["generations"] == 2 and a["wall_s"] == 4.0
+    assert a["sent_nodes_per_round"] == pytest.approx(120 / 6)  # rounds pooled, not a mean of 20 and 20
+    assert len(a["itl"]) == len(aggregate(one, "edge_full", 2.0, 3)["itl"]) + len(aggregate(two, "edge_full", 2.0, 3)["itl"])

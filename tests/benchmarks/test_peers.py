@@ -5,7 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.edge_proc import aggregate, openai_counts
+from benchmarks.edge_proc import openai_counts
+from benchmarks.metrics import aggregate
 from benchmarks.peers import NGRAM_SPEC, vllm_server_cmd, vllm_unavailable_reason, vllm_version
 from benchmarks.run import PLANS, peer_skip_reason
 

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from benchmarks.run import cpu_split_table, headline_table, markdown_table, ratios, readme_section, render_readme
+from benchmarks.run import (cpu_split_table, headline_table, markdown_table, ratio_cell, ratios, readme_section,
+                            render_readme)
 
 
 def _row(mode, rtt, ses, srv, busy=float("nan"), itl=50.0):
@@ -45,6 +46,16 @@ def test_headline_uses_whole_server_cost_with_conditions_in_every_row():
         assert "SmolLM2-135M-Instruct, bf16" in b and "core 0" in b and "RTT 15 ms" in b and "session(s)" in b
     assert "| 15 | 4 | 40.0 | 40.0 | - | - |" in body[1]
     assert "| 40.0 / 50.0 |" in body[0]  # ITL p50: edge_full / vllm_ar
+
+
+def test_a_ratio_of_repeated_rows_gives_its_range_over_the_repeats():
+    ef = dict(_row("edge_full", 15, 2, 150.0), repeat_tokens_per_server_cpu_s=[140.0, 160.0])
+    ar = dict(_row("server_ar", 15, 2, 150.0), repeat_tokens_per_server_cpu_s=[150.0, 150.0])
+    assert ratio_cell(ef, ar) == "x1.00 (0.93-1.07)"
+    assert ratio_cell(ef, _row("server_ar", 15, 2, 100.0)) == "x1.50"  # measured once: no range
+    assert ratio_cell(ef, {}) == "-"
+    body = [ln for ln in headline_table({"conditions": COND, "rows": [ef, ar]}) if ln.startswith("| 15 |")]
+    assert "| x1.00 (0.93-1.07) |" in body[0]
 
 
 def test_headline_says_when_peers_were_skipped_and_when_a_run_predates_it():

@@ -1,8 +1,11 @@
-"""benchmarks.run's plan: what both servers are given alike."""
+"""benchmarks.run's plan: what both servers are given alike, and how repeats are ordered and pooled."""
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
-from benchmarks.run import PLANS, app_config
+import pytest
+
+from benchmarks.metrics import Window
+from benchmarks.run import PLANS, app_config, config_row, repeat_order
 
 
 def test_our_batch_cap_is_the_vllm_peers_max_num_seqs():
@@ -25,3 +28,32 @@ def test_full_plan_gives_every_session_several_generations():
     assert [plan.prompts_for(s) for s in (1, 2, 3, 4, 8, 16, 32)] == [8, 8, 9, 12, 24, 48, 96]
     one = replace(plan, generations_per_session=1)
     assert [one.prompts_for(s) for s in (1, 3, 16)] == [8, 9, 16]  # the old rule: a multiple of the sessions
+
+
+def test_repeats_alternate_the_order_so_no_mode_always_runs_first():
+    runs = [("server_ar", None), ("server_sd", None), ("edge_full", "match")]
+    orders = [repeat_order(runs, k) for k in range(4)]
+    assert orders[0] == orders[2] == runs and orders[1] == orders[3] == runs[::-1]
+    # over two repeats every run has the same mean position (ABBA): a drift favours none
+    assert len({orders[0].index(r) + orders[1].index(r) for r in runs}) == 1
+    assert PLANS["full"].repeats == 2 and PLANS["quick"].repeats == 1
+
+
+def _repeat(tokens, cpu_s, itl_s):
+    window = asdict(Window(wall_s=1.0, verifier_busy_s=cpu_s, server_draft_cpu_s=0.0, tokens_emitted=tokens,
+                           up_bytes=0, down_bytes=0, verifier_cpu_s=cpu_s, server_cpu_s=cpu_s))
+    gens = [{"tokens": tokens, "seconds": 1.0, "ttft_s": 0.1, "rounds": tokens - 1,
+             "arrivals": [(i * itl_s, 1) for i in range(tokens)]}]
+    return {"wall_s": 1.0, "gens": gens}, {"window": window, "server_cpu": {"by_role": {"router": cpu_s}}}
+
+
+def test_a_configurations_repeats_pool_into_one_row_with_each_repeats_figure():
+    got = [_repeat(100, 1.0, 0.010), _repeat(300, 2.0, 0.020)]
+    r = config_row("server_ar", None, 15.0, 2, got, depth=0, temperature=0.0)
+    assert r["tokens_per_server_cpu_s"] == pytest.approx(400 / 3.0)  # total over total
+    assert r["repeat_tokens_per_server_cpu_s"] == pytest.approx([100.0, 150.0]) and r["repeats"] == 2
+    assert r["itl_ms_p50"] == pytest.approx(20.0)  # the pooled samples: 99 at 10 ms, 299 at 20 ms
+    assert r["tokens"] == 400 and r["verify"] == "-"
+    one = config_row("server_ar", None, 15.0, 2, got[:1], depth=0, temperature=0.0)
+    assert one["repeats"] == 1 and one["repeat_tokens_per_server_cpu_s"] == [one["tokens_per_server_cpu_s"]]
+

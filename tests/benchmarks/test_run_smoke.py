@@ -1,9 +1,10 @@
 """Smoke test of the whole suite: `python -m benchmarks.run --quick --smoke` on a tiny random target.
 
 Real processes (Serve app on core 0, edge process on core 1, WAN proxy), one short
-generation per session and configuration. Asserts only that every one of our modes ran, that
-the vLLM rows were skipped with a reason, that the whole-server CPU came from the server core,
-and that the JSON, Parquet and plots were written; nothing about speed.
+generation per session and configuration, each configuration twice (``--repeats 2``). Asserts
+only that every one of our modes ran in both repeats, pooled into one row each, that the vLLM
+rows were skipped with a reason, that the whole-server CPU came from the server core, and that
+the JSON, Parquet and plots were written; nothing about speed.
 """
 
 import json
@@ -21,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.ray
 def test_quick_smoke_run_writes_every_mode(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--smoke", "--out-dir", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--smoke", "--repeats", "2", "--out-dir",
+                          str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=480)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # the peer rows cannot run on the tiny target: one line says so, and our rows still come
@@ -29,7 +31,10 @@ def test_quick_smoke_run_writes_every_mode(tmp_path):
     runs = list(tmp_path.glob("*-smoke.json"))
     assert len(runs) == 1
     doc = json.loads(runs[0].read_text())
-    assert {r["mode"] for r in doc["rows"]} == set(MODES)
+    assert {r["mode"] for r in doc["rows"]} == set(MODES) and len(doc["rows"]) == len(MODES)
+    # each configuration twice, in alternating order, pooled into one row per mode
+    assert sorted((d["mode"], d["repeat"]) for d in doc["details"]) == sorted((m, k) for m in MODES for k in (0, 1))
+    assert all(r["repeats"] == 2 and len(r["repeat_tokens_per_server_cpu_s"]) == 2 for r in doc["rows"])
     for r in doc["rows"]:
         assert set(LATEST_KEYS) <= set(r)
         assert r["tokens"] > 0 and r["server_tokens_per_busy_s"] > 0
