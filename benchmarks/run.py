@@ -155,11 +155,11 @@ PLANS = {
                   sessions_rtt=15, prompts=1, max_tokens=12, depth=2, warmup_tokens=0),
     "quick": Plan("quick", "embedded", "auto", rtts=[0, 50], rtt_sessions=1, sessions=[1, 2], sessions_rtt=50,
                   prompts=2, max_tokens=24, depth=3),
-    # 30 configurations, each twice: ~18 min on an idle 2-core machine (~45-90 min on a loaded one)
     # issue 19: early-exit pre-drafting next to edge_full, RTT 15 / 50 ms x 1 / 4 sessions
     "predraft": Plan("predraft", "embedded", "auto", rtts=[15, 50], rtt_sessions=1, sessions=[4], sessions_rtt=15,
                      prompts=4, max_tokens=64, depth=3, modes=["edge_full", "edge_predraft"],
                      extra_configs=[(50, 4)], exit_layers=[12, 20]),
+    # 30 configurations, each twice: ~20 min on an idle 2-core machine (~45-90 min on a loaded one)
     "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
                  sessions_rtt=15, prompts=8, max_tokens=64, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
                  calib_tokens=24, generations_per_session=3, repeats=2),
@@ -923,7 +923,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="a few minutes: 2 RTTs, 1-2 sessions, short outputs")
-    g.add_argument("--full", action="store_true", help="the published table, each configuration twice (~18 min idle, up to ~90 min loaded)")
+    g.add_argument("--full", action="store_true",
+                   help="the published table, each configuration twice (~20 min idle, up to ~90 min loaded)")
     g.add_argument("--predraft", action="store_true", help="issue 19: edge_full vs edge_predraft, RTT 15/50 x 1/4 sessions")
     ap.add_argument("--smoke", action="store_true", help="tiny random target, 1 prompt per config (tests)")
     ap.add_argument("--draft", default=None, help="auto | embedded-draft | ngram | a load_model spec")
