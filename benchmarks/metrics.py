@@ -95,6 +95,11 @@ class Window:
     forward_cpu_s_verify: float = float("nan")  # ... and verify forwards (verifier_busy_s minus these: preempted)
 
 
+def tokens_per_server_cpu_s(w: Window) -> float:
+    """The headline figure: verified tokens per CPU second of the whole server over the window."""
+    return w.tokens_emitted / w.server_cpu_s if w.server_cpu_s > 0 else float("nan")
+
+
 def pool_windows(windows: list[Window]) -> Window:
     """One window for the repeats of a configuration: every field is a total over its window (seconds,
     tokens, bytes, counts), so the pooled one is their sum and a pooled ratio weighs each repeat by
@@ -173,8 +178,7 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         "verified_nodes_per_round": edge.get("verified_nodes_per_round", float("nan")),
         "server_tokens_per_cpu_s": (w.tokens_emitted / (w.verifier_cpu_s + w.server_draft_cpu_s)
                                     if w.verifier_cpu_s + w.server_draft_cpu_s > 0 else float("nan")),
-        "tokens_per_server_cpu_s": (w.tokens_emitted / w.server_cpu_s if w.server_cpu_s > 0
-                                    else float("nan")),
+        "tokens_per_server_cpu_s": tokens_per_server_cpu_s(w),
         "verifier_busy_s": w.verifier_busy_s, "server_draft_cpu_s": w.server_draft_cpu_s,
         "verifier_cpu_s": w.verifier_cpu_s, "server_cpu_s": w.server_cpu_s,
         "server_cpu_share": w.server_cpu_s / w.wall_s if w.wall_s > 0 else float("nan"),

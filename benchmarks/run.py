@@ -648,9 +648,10 @@ def config_row(mode: str, rule: str | None, rtt: float, sessions: int, got: list
     generations, the server's window and CPU by role, for each): the windows and generations
     pooled, so a pooled figure is a total over a total; and the whole-server figure of each repeat
     (``repeat_tokens_per_server_cpu_s``)."""
-    from benchmarks.metrics import Window, aggregate, pool_roles, pool_windows, row
+    from benchmarks.metrics import Window, aggregate, pool_roles, pool_windows, row, tokens_per_server_cpu_s
 
-    w = pool_windows([Window(**extra["window"]) for _, extra in got])
+    windows = [Window(**extra["window"]) for _, extra in got]
+    w = pool_windows(windows)
     res = aggregate([g for r, _ in got for g in r["gens"]], mode, sum(r["wall_s"] for r, _ in got), depth)
     r = row(mode, rtt, sessions, w, res, edges_priced=sessions if mode.startswith("edge") else 0,
             by_role=pool_roles([extra.get("server_cpu", {}).get("by_role", {}) for _, extra in got]))
@@ -659,8 +660,7 @@ def config_row(mode: str, rule: str | None, rtt: float, sessions: int, got: list
                            "match" if mode == "server_sd" else "-")
     r["temperature"] = temperature
     r["repeats"] = len(got)
-    r["repeat_tokens_per_server_cpu_s"] = [r["tokens_per_server_cpu_s"]] if len(got) == 1 else [
-        config_row(mode, rule, rtt, sessions, [one], depth, temperature)["tokens_per_server_cpu_s"] for one in got]
+    r["repeat_tokens_per_server_cpu_s"] = [tokens_per_server_cpu_s(one) for one in windows]
     return r
 
 
