@@ -628,6 +628,7 @@ def run_config(server: Server | VllmServer, edge: EdgeWorker, plan: Plan, mode: 
     st = m1.get("stats") or {}
     if "forward_cost_a" in st:  # the replica's cost curve at the end (what batch-time truncation used)
         detail["forward_cost"] = {k: st[f"forward_cost_{k}"] for k in ("a", "b", "knee")}
+        detail["forward_cost_points"] = st.get("forward_cost_points")  # (rows, mean seconds, weight) it was fitted on
         detail["pacing"] = st.get("pacing")
         detail["pacing_classes"] = st.get("pacing_classes")
         # sessions in each of the replica's last 200 verify forwards (this window's and, when it had

@@ -75,6 +75,10 @@ def test_versions_share_forwards_on_one_replica_holding_one_adapter(setup):
     # the forwards' own CPU time, by kind, never more than their wall time (GET /v1/stats; benchmarks split on it)
     assert st["busy_cpu_seconds"]["verify"] > 0 and st["busy_cpu_seconds"]["prefill"] > 0
     assert sum(st["busy_cpu_seconds"].values()) <= st["busy_seconds"] + 0.05
+    # the points the forward cost curve is fitted on, by row count: (rows, mean seconds, weight)
+    pts = st["forward_cost_points"]
+    assert pts and all(x >= 1 and t > 0 and n >= 1 for x, t, n in pts)
+    assert [x for x, _, _ in pts] == sorted({x for x, _, _ in pts})
 
 
 def test_removed_version_answers_404_and_the_others_go_on(setup):

@@ -14,15 +14,17 @@
  * or threads, so a row's result is the same in whatever batch it is computed (batch
  * invariance, M = 1 included).
  *
- * Blocking: tiles of MT rows of x x weight blocks; each block is walked in chunks of KC k pairs
- * (12 KiB of weights, L1-resident), and every group of MB rows of the tile runs over a chunk
- * before the next chunk starts, its MB x NV accumulators kept in registers and parked in a
- * float32 buffer between chunks (stored and reloaded exactly: the chain is unchanged). So a
- * block is read from memory once per tile, whatever the rows, and the next chunk is prefetched
- * while the groups work on this one: memory streaming and arithmetic overlap. Before this
- * (each group of 4 rows streamed the whole block, the next group re-read it from L2) the 30
- * layers of the embedded model took 6.6 / 8.4 / 10.0 / 16.7 ms at 8 / 12 / 16 / 32 rows on one
- * core here; now 5.3 / 5.8 / 7.5 / 14.4 (1-4 rows unchanged, ~5 ms: the memory stream).
+ * Blocking: tiles of MT rows of x x weight blocks. With more than MB rows in a tile, each block
+ * is walked in chunks of KC k pairs (12 KiB of weights, L1-resident), and every group of MB
+ * rows runs over a chunk before the next chunk starts, its MB x NV accumulators kept in
+ * registers and parked in a float32 buffer between chunks (stored and reloaded exactly: the
+ * chain is unchanged). So a block is read from memory once per tile, whatever the rows, and
+ * the next chunk is prefetched while the groups work on this one: the memory stream and the
+ * arithmetic overlap. One group (1-6 rows) streams each block in one pass. Before the chunks
+ * (each group of 4 rows streamed the whole block, the next group re-read it from L2), the 30
+ * layers' linears of the embedded model took 7.4 / 9.1 / 10.8 / 17.6 ms at 8 / 12 / 16 / 32
+ * rows on one core here; with them 6.0 / 6.3 / 8.1 / 15.4, and ~5.7 ms at 1-4 rows either way
+ * (the memory stream; `python -m benchmarks.linear_rows`).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -32,6 +34,7 @@
 #define MB 6                /* rows of x per group: MB x NV accumulators + NV weights in registers */
 #define MT 64               /* rows of x per tile */
 #define KC 48               /* k pairs per chunk: KC x NBLK x 2 bf16 = 12 KiB of weights */
+#define PF 16               /* k pairs the prefetch runs ahead when one group streams a whole block */
 
 int linear_bf16_supported(void) {
 #ifdef __AVX512BF16__
@@ -107,6 +110,17 @@ DEFINE_BLOCK(4)
 DEFINE_BLOCK(5)
 DEFINE_BLOCK(6)
 
+/* R rows (R <= MB) x kc k pairs of one weight block: the block function for R. */
+#define CALL_BLOCK(R, ...)                                                                        \
+    switch (R) {                                                                                  \
+    case 6: block_6(__VA_ARGS__); break;                                                          \
+    case 5: block_5(__VA_ARGS__); break;                                                          \
+    case 4: block_4(__VA_ARGS__); break;                                                          \
+    case 3: block_3(__VA_ARGS__); break;                                                          \
+    case 2: block_2(__VA_ARGS__); break;                                                          \
+    default: block_1(__VA_ARGS__);                                                                \
+    }
+
 /* x [M, K], packed weights (linear_bf16_pack), bias [ceil(N/NBLK)*NBLK] float32 or NULL
  * -> y [M, N], bf16, rows contiguous. */
 int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int M, int N, int K,
@@ -120,11 +134,18 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
         float acc[MT * NBLK] __attribute__((aligned(64)));  /* the tile's partial sums, one block */
         for (int m0 = 0; m0 < M; m0 += MT) {
             const int mt = M - m0 < MT ? M - m0 : MT, groups = (mt + MB - 1) / MB;
+            const uint32_t *xt = (const uint32_t *)(x + (size_t)m0 * K);
+            uint16_t *yt = y + (size_t)m0 * N;
             #pragma omp for schedule(static)
             for (int b = 0; b < nb; b++) {
                 const uint16_t *wb = packed + (size_t)b * block_len;
                 const int n0 = b * NBLK, nvalid = N - n0 < NBLK ? N - n0 : NBLK;
                 const float *bb = bias ? bias + n0 : NULL;
+                if (groups == 1) {  /* 1-6 rows: nothing to reuse a chunk for; one pass, prefetch PF ahead */
+                    CALL_BLOCK(mt, xt, (size_t)kps, wb, kps, acc, 1, 1, bb, yt + n0, N, nvalid,
+                               (const char *)(wb + (size_t)PF * NBLK * 2), 4, pf_end)
+                    continue;
+                }
                 for (int k0 = 0; k0 < kps; k0 += KC) {
                     const int kc = kps - k0 < KC ? kps - k0 : KC;
                     const uint16_t *wc = wb + (size_t)k0 * NBLK * 2;
@@ -132,23 +153,12 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
                      * spread over the groups' k pairs */
                     const char *next = (const char *)(wc + (size_t)kc * NBLK * 2);
                     const int lpi = (4 * kc + groups * kc - 1) / (groups * kc);
+                    const int first = k0 == 0, last = k0 + kc >= kps;
                     for (int g = 0; g < groups; g++) {
                         const int i = g * MB, r = mt - i < MB ? mt - i : MB;
-                        const uint32_t *xg = (const uint32_t *)(x + (size_t)(m0 + i) * K) + k0;
-                        float *ag = acc + (size_t)i * NBLK;
-                        uint16_t *yg = y + (size_t)(m0 + i) * N + n0;
-                        const int first = k0 == 0, last = k0 + kc >= kps;
-                        const char *pg = next + (size_t)g * kc * lpi * 64;
-                        switch (r) {
-#define CALL(R) block_##R(xg, (size_t)kps, wc, kc, ag, first, last, bb, yg, N, nvalid, pg, lpi, pf_end)
-                        case 6: CALL(6); break;
-                        case 5: CALL(5); break;
-                        case 4: CALL(4); break;
-                        case 3: CALL(3); break;
-                        case 2: CALL(2); break;
-                        default: CALL(1);
-#undef CALL
-                        }
+                        CALL_BLOCK(r, xt + (size_t)i * kps + k0, (size_t)kps, wc, kc, acc + (size_t)i * NBLK,
+                                   first, last, bb, yt + (size_t)i * N + n0, N, nvalid,
+                                   next + (size_t)g * kc * lpi * 64, lpi, pf_end)
                     }
                 }
             }
