@@ -25,11 +25,6 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def layer_linears(dm) -> list:
-    """Every linear of the decoder's layers, in forward order."""
-    return [f for w in dm.layers for f in (w.qkv, w.o, w.gate_up, w.down)]
-
-
 def time_pass(linears: list, rows: int, generator: torch.Generator) -> float:
     """Seconds for one pass of ``rows`` random rows through each linear."""
     xs = [torch.randn(rows, f.in_features, generator=generator).bfloat16() for f in linears]
@@ -84,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     dm = DecoderModel(load_model("embedded", dtype="bfloat16", device="cpu").model)
     rows = [int(x) for x in args.rows.split(",")]
-    groups = {"layers": layer_linears(dm), "lm_head": [dm.lm_head]}
+    groups = {"layers": dm.layer_linears(), "lm_head": [dm.lm_head]}
     with torch.inference_mode():
         measure(groups, rows[:1], 2)  # warm-up
         result = {"conditions": dict(model="SmolLM2-135M-Instruct (embedded)", core=args.core, cpu=cpu_name(),

@@ -216,10 +216,14 @@ class DecoderModel:
         self._weights_on_huge_pages()
         self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
 
+    def layer_linears(self) -> list[Linear]:
+        """Every linear of this stage's layers, in the order a forward runs them."""
+        return [f for w in self.layers for f in (w.qkv, w.o, w.gate_up, w.down)]
+
     def _weights_on_huge_pages(self) -> None:
         """The packed weights of every native linear, in the order a forward reads them, in one
         huge-page mapping (:mod:`deploy.verifier.hugepages`): one stream, few TLB misses."""
-        lins = [f for w in self.layers for f in (w.qkv, w.o, w.gate_up, w.down)] + [self.lm_head]
+        lins = self.layer_linears() + [self.lm_head]
         lins = [f for f in lins if f is not None and f.lib is not None]
         for f, w in zip(lins, hugepages.arena([f.native_w for f in lins])):
             f.native_w = w

@@ -149,10 +149,10 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
                 for (int k0 = 0; k0 < kps; k0 += KC) {
                     const int kc = kps - k0 < KC ? kps - k0 : KC;
                     const uint16_t *wc = wb + (size_t)k0 * NBLK * 2;
-                    /* the next chunk (the next block's first after the last): 4 lines per k pair,
-                     * spread over the groups' k pairs */
+                    /* the next chunk (the next block's first after the last): its 4 lines per k
+                     * pair spread over the groups, ceil(4 / groups) lines per k pair each */
                     const char *next = (const char *)(wc + (size_t)kc * NBLK * 2);
-                    const int lpi = (4 * kc + groups * kc - 1) / (groups * kc);
+                    const int lpi = (4 + groups - 1) / groups;
                     const int first = k0 == 0, last = k0 + kc >= kps;
                     for (int g = 0; g < groups; g++) {
                         const int i = g * MB, r = mt - i < MB ? mt - i : MB;
