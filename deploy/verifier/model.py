@@ -38,6 +38,7 @@ from deploy.verifier.batch import PackedBatch
 from deploy.verifier.glue import make_glue
 from deploy.verifier.kv_pool import KVPool
 from deploy.verifier.lora import add_lora, row_groups
+from deploy.verifier.native_stack import NativeStack
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE = (None, "default", "linear", "llama3", "yarn")
@@ -214,6 +215,7 @@ class DecoderModel:
         self.scale = spec.head_dim ** -0.5
         self.glue = make_glue(self.device, self.dtype, compile)
         self._weights_on_huge_pages()
+        self.stack = NativeStack(self) if NativeStack.supports(self) else None  # the layers in one native call
         self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
 
     def layer_linears(self) -> list[Linear]:
@@ -275,9 +277,11 @@ class DecoderModel:
         cos, sin = self._rope(batch.positions)
         where = pool.locate(batch.slots.to(self.device))
         plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
-        x = g.norm(h, self.layers[0].ln1, s.rms_eps)
         # rows per LoRA target version; each adds its own delta to the fused linears (lora.py)
         lora = row_groups(batch.adapter_rows, N, self.adapters, self.device) if batch.adapter_rows else []
+        if self.stack is not None and not lora and on_layer is None:
+            return self.stack(h, cos, sin, pool, where, plan)
+        x = g.norm(h, self.layers[0].ln1, s.rms_eps)
 
         def lin(f: Linear, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
             return add_lora(f(x), x, lora, self.first + i, name) if lora else f(x)

@@ -1,5 +1,6 @@
 """The native kernels: tree attention (``csrc/tree_attention.c``), the layer's fused bf16
-glue (``csrc/glue.c``) and the bf16 linear layer (``csrc/linear.c``, AVX512-BF16 CPUs), built
+glue (``csrc/glue.c``), the bf16 linear layer (``csrc/linear.c``, AVX512-BF16 CPUs) and the
+whole layer stack in one call over them (``csrc/decoder.c``), built
 once into one library with the system C compiler, loaded with ctypes.
 
 The build is keyed by the sources, the flags and the CPU's feature flags, cached under
@@ -24,7 +25,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("tree_attention.c", "glue.c", "linear.c"))
+SOURCES = tuple(CSRC / name for name in ("tree_attention.c", "glue.c", "linear.c", "decoder.c"))
 HEADERS = (CSRC / "bf16_math.h",)
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 PAGE_SIZE = 16  # PS in the source
@@ -85,6 +86,10 @@ def load() -> ctypes.CDLL | None:
     lib.linear_bf16_pack.argtypes = [p, p, i32, i32]
     lib.linear_bf16.argtypes = [p, p, p, p, i32, i32, i32, i32]
     lib.linear_bf16.restype = lib.linear_bf16_supported.restype = i32
+    i64 = ctypes.c_int64
+    lib.decoder_layers_bf16.argtypes = [p, i32, p, i32, i32, i32, i32, i32, i32, f32, f32, p, p, p, p, i64, p, p, p,
+                                        i32, p, p, p, i32, i32]
+    lib.decoder_layers_bf16.restype = i32
     lib.glue_argmax_bf16.argtypes = [p, ctypes.c_int64]
     lib.glue_argmax_bf16.restype = ctypes.c_int64
     for name in ("glue_add_rms_norm_bf16", "glue_rope_kv_bf16", "glue_swiglu_bf16", "linear_bf16_pack"):
