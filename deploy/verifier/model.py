@@ -13,9 +13,10 @@ owns the final norm and the LM head.
 Batch invariance (bf16): every op is row-wise and attention reduces each row over its own
 logical KV sequence in a fixed order, so a row's logits do not depend on the rest of its
 batch, its tree's shape, or padding. :class:`Linear` keeps that for the matrix multiplies:
-the native kernel computes every output as one fixed chain whatever the row count; oneDNN
-(CPUs without AVX512-BF16) gives the same rows for every row count >= 2 but rounds a single
-row differently (K = 1536 here), so there a single row is computed as two (both checked by
+the native kernel (AVX512-BF16, or AVX2 + FMA) computes every output as one fixed chain
+whatever the row count; oneDNN (AVX512 CPUs without BF16) gives the same rows for every row
+count >= 2 but rounds a single row differently (K = 1536 here), so there a single row is
+computed as two; torch's own bf16 linear (older CPUs) is row-invariant (all checked by
 ``tests/verifier/test_model.py``).
 
 Speed (CPU, bf16, ``benchmarks/verify_step.py``): the native linear streams the weights from
@@ -26,6 +27,7 @@ memory at ~25 GB/s on one core for 1-4 rows, against ~11 GB/s for oneDNN's prepa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,12 +125,21 @@ def _layer_weights(layer) -> LayerWeights:
 
 
 def _can_prepack(w: torch.Tensor) -> bool:
+    """oneDNN's prepacked bf16 linear runs here (it needs AVX512 or AVX-NE-CONVERT; elsewhere
+    the reorder raises)."""
     return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _mkldnn_bf16())
+
+
+@functools.lru_cache(maxsize=1)
+def _mkldnn_bf16() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
 
 
 def _native_linear(w: torch.Tensor):
-    """The native bf16 linear kernel when it runs ``w`` here (CPU, bf16, AVX512-BF16, K even), else None."""
+    """The native bf16 linear kernel when it runs ``w`` here (CPU, bf16, AVX512-BF16 or AVX2 + FMA,
+    K even), else None."""
     if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.shape[1] % 2:
         return None
     lib = native.load()
@@ -138,10 +149,11 @@ def _native_linear(w: torch.Tensor):
 class Linear:
     """y = x W^T + b with rows independent of the row count: x [M, K] -> [M, N].
 
-    CPU bf16 with AVX512-BF16: the native kernel (``csrc/linear.c``; W packed once; every
-    output one fixed dot-product chain, so any M, 1 included, gives the same rows; ~2x
-    oneDNN's weight-streaming rate at 1-4 rows). Other CPUs in bf16: W prepacked for oneDNN
-    once; a single row is computed as two (the M = 1 kernel rounds differently).
+    CPU bf16 with AVX512-BF16 or AVX2 + FMA: the native kernel (``csrc/linear.c``; W packed
+    once; every output one fixed dot-product chain, so any M, 1 included, gives the same rows;
+    with AVX512-BF16 ~2x oneDNN's weight-streaming rate at 1-4 rows, with AVX2 ~3x torch's own
+    bf16 linear). Other CPUs in bf16: W prepacked for oneDNN once where oneDNN runs bf16 (a
+    single row is computed as two: the M = 1 kernel rounds differently), else ``F.linear``.
     Elsewhere: ``F.linear``.
     """
 
@@ -279,8 +291,8 @@ class DecoderModel:
         plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
         # rows per LoRA target version; each adds its own delta to the fused linears (lora.py)
         lora = row_groups(batch.adapter_rows, N, self.adapters, self.device) if batch.adapter_rows else []
-        if self.stack is not None and not lora and on_layer is None:
-            return self.stack(h, cos, sin, pool, where, plan)
+        if self.stack is not None and not lora and (on_layer is None or hasattr(on_layer, "layers")):
+            return self.stack(h, cos, sin, pool, where, plan, on_layer, batch)
         x = g.norm(h, self.layers[0].ln1, s.rms_eps)
 
         def lin(f: Linear, x: torch.Tensor, i: int, name: str) -> torch.Tensor:

@@ -9,8 +9,8 @@ stack in one call, on scratch the C side allocates per call, so the outputs (hid
 and the K/V written into the pool) are the same bits (``tests/verifier/test_native_stack.py``).
 
 It runs only what it was built for: CPU, bf16, the native linears, glue and attention kernel,
-no per-head q/k norms (Qwen3). The forward keeps the per-op path for LoRA deltas and exit-head
-hooks.
+no per-head q/k norms (Qwen3). The forward keeps the per-op path for LoRA deltas and for a
+per-layer hook that does not name its ``layers``; exit heads (which do) run between segments.
 """
 
 from __future__ import annotations
@@ -51,9 +51,16 @@ class NativeStack:
                 and all(f.lib is not None for f in model.layer_linears())
                 and all(t.is_contiguous() for w in model.layers for t in (w.ln1, w.ln2)))
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool, where, plan) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool, where, plan,
+                 on_layer=None, batch=None) -> torch.Tensor:
         """h [N, D] (the stream before the first layer) -> h [N, D] after the last; writes each
-        layer's K/V of the rows into ``pool`` at ``where`` (page, offset) [N] each."""
+        layer's K/V of the rows into ``pool`` at ``where`` (page, offset) [N] each.
+
+        ``on_layer`` (exit heads, :mod:`deploy.verifier.exit_heads`) is called as the forward
+        calls it, ``on_layer(n, h, batch)`` with ``n`` the layers run so far in the whole model,
+        after each layer of its ``layers`` (the others it ignores): the stack runs in segments
+        between them. A segment ends with the residual alone and the next starts with its norm,
+        the same bits as the fused residual + norm."""
         m, s = self.model, self.model.spec
         h = h.contiguous().clone()
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -62,14 +69,21 @@ class NativeStack:
         k, v = pool.k, pool.v  # [L, pages, Hkv, d, PS], [L, pages, Hkv, PS, d]
         assert k.stride(0) == v.stride(0) and k.is_contiguous() and v.is_contiguous()
         N, D = h.shape
-        err = self.lib.decoder_layers_bf16(
-            self.table.data_ptr(), len(m.layers), h.data_ptr(), N, D, s.num_heads, s.num_kv_heads, s.head_dim,
-            m.layers[0].down.in_features, ctypes.c_float(s.rms_eps), ctypes.c_float(m.scale), cos.data_ptr(),
-            sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), page.data_ptr(), off.data_ptr(), bt.data_ptr(),
-            bt.shape[1], plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.row_bits.data_ptr(), plan.max_len,
-            torch.get_num_threads())
-        if err == 3:
-            raise MemoryError("native decoder stack: scratch allocation failed")
-        if err:
-            raise RuntimeError(f"native decoder stack failed ({err})")
+        L = len(m.layers)
+        stops = sorted({n - m.first for n in getattr(on_layer, "layers", ()) if 0 < n - m.first < L}) + [L]
+        a = 0
+        for b in stops:
+            err = self.lib.decoder_layers_bf16(
+                self.table[a].data_ptr(), b - a, h.data_ptr(), N, D, s.num_heads, s.num_kv_heads, s.head_dim,
+                m.layers[0].down.in_features, ctypes.c_float(s.rms_eps), ctypes.c_float(m.scale), cos.data_ptr(),
+                sin.data_ptr(), k[a].data_ptr(), v[a].data_ptr(), k.stride(0), page.data_ptr(), off.data_ptr(),
+                bt.data_ptr(), bt.shape[1], plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.row_bits.data_ptr(),
+                plan.max_len, torch.get_num_threads())
+            if err == 3:
+                raise MemoryError("native decoder stack: scratch allocation failed")
+            if err:
+                raise RuntimeError(f"native decoder stack failed ({err})")
+            if on_layer is not None:
+                on_layer(m.first + b, h, batch)
+            a = b
         return h

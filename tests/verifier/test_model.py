@@ -98,11 +98,11 @@ def _native_linear_here() -> bool:
     return _native_linear(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
 
 
-@pytest.mark.skipif(not _native_linear_here(), reason="no AVX512-BF16 or native kernels here")
+@pytest.mark.skipif(not _native_linear_here(), reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
 @pytest.mark.parametrize("n, k, bias", [(961, 576, True), (40, 64, False), (576, 1536, True)])
 def test_native_bf16_linear_is_exact_to_one_rounding(n, k, bias):
-    """The native kernel (AVX512-BF16 CPUs) is chosen for bf16 weights and gives the float32
-    product rounded once to bf16: within half a bf16 step of x W^T + b computed in float64."""
+    """The native kernel (AVX512-BF16 or AVX2 + FMA CPUs) is chosen for bf16 weights and gives the
+    float32 product rounded once to bf16: within half a bf16 step of x W^T + b computed in float64."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None

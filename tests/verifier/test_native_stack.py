@@ -28,7 +28,7 @@ def _same(a, b) -> None:
         assert x.dtype == y.dtype and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
-@pytest.mark.skipif(not _native_linear_here(), reason="no AVX512-BF16 or native kernels here")
+@pytest.mark.skipif(not _native_linear_here(), reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("over", [{}, {"attention_bias": True, "mlp_bias": True}])
 def test_stack_matches_the_per_op_forward_bit_for_bit(threads, over):
@@ -54,7 +54,7 @@ def test_stack_matches_the_per_op_forward_bit_for_bit(threads, over):
         torch.set_num_threads(old)
 
 
-@pytest.mark.skipif(not _native_linear_here(), reason="no AVX512-BF16 or native kernels here")
+@pytest.mark.skipif(not _native_linear_here(), reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
 def test_a_pipeline_stage_hands_on_the_same_hidden_states():
     runners = _pair({}, 0, 1)
     ids = list(range(3, 30))
@@ -64,3 +64,25 @@ def test_a_pipeline_stage_hands_on_the_same_hidden_states():
 def test_qwen3_q_k_norms_keep_the_per_op_path():
     hf = _build("Qwen3", head_dim=32).to(torch.bfloat16)
     assert not NativeStack.supports(DecoderModel(hf))
+
+
+class _Recorder:
+    """An exit-head-like hook: names its ``layers`` and keeps a copy of h after each of them."""
+
+    def __init__(self, layers):
+        self.layers = frozenset(layers)
+        self.seen: list[tuple[int, torch.Tensor]] = []
+
+    def __call__(self, n: int, h: torch.Tensor, batch) -> None:
+        if n in self.layers:
+            self.seen.append((n, h.clone()))
+
+
+@pytest.mark.skipif(not _native_linear_here(), reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
+def test_exit_hooks_see_the_per_op_hidden_states_between_segments():
+    runners = _pair({"num_hidden_layers": 4})
+    hooks = [_Recorder((1, 3)) for _ in runners]
+    ids = list(range(3, 40))
+    _same(*[r.forward(0, [chunk_input("s", 0, ids)], on_layer=hk) for r, hk in zip(runners, hooks)])
+    assert [n for n, _ in hooks[0].seen] == [n for n, _ in hooks[1].seen] == [1, 3]
+    _same([h for _, h in hooks[0].seen], [h for _, h in hooks[1].seen])

@@ -28,6 +28,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define NV 4                /* 16-feature vectors per weight block */
 #define NBLK (NV * 16)      /* output features per weight block */
@@ -37,7 +38,7 @@
 #define PF 16               /* k pairs the prefetch runs ahead when one group streams a whole block */
 
 int linear_bf16_supported(void) {
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;
@@ -164,6 +165,101 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
             }
         }
     }
+    return 0;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include "bf16_math.h"
+
+/* AVX2 + FMA (no bf16 arithmetic; e.g. AMD Zen 1-3, Intel Haswell-Skylake client): the same
+ * packed weights, widened to float32 in registers (a bf16 is the high half of a float32: the
+ * even k of a pair shifted up 16 bits, the odd k masked in place), so the stream from memory is
+ * still 2 bytes a weight. Output y[m, n] is one fixed chain of float32 FMAs over k in
+ * increasing order (lane n % 8 of an accumulator; no horizontal reduction), plus the bias,
+ * rounded once to bf16: whatever M, the blocking or threads, the same bits (batch invariance,
+ * M = 1 included). torch's own bf16 linear on these CPUs is batch-invariant too but runs at
+ * ~5 GFLOP/s (it widens element by element), and oneDNN's bf16 kernels need AVX512.
+ *
+ * Blocking: the FMA rate bounds this kernel from two rows up (one 256-bit FMA a cycle on Zen 1),
+ * not the memory stream, so no chunking: a group of up to G2 rows runs over a strip of J
+ * vectors of 8 features of one weight block for the whole k range, its G2 x J accumulators in
+ * registers (16 ymm); the block stays in L2 for the next strip and group. One row takes the
+ * whole block (8 vectors) in one pass, two rows half of it. */
+#define G2 4  /* rows of x per group */
+
+/* R rows of xf (float32, row stride xs) against J vectors (8 features each) of one weight
+ * block, starting at vector j0, for all kps k pairs -> y[r][8 * j0 ...], rounded once. */
+#define DEFINE_STRIP(R, J)                                                                        \
+static void strip_##R##_##J(const float *restrict xf, size_t xs, const uint16_t *restrict wb, int kps, \
+                            int j0, const float *restrict bias, uint16_t *restrict y, int N, int nvalid) { \
+    __m256 acc[R][J];                                                                             \
+    for (int i = 0; i < R; i++)                                                                   \
+        for (int j = 0; j < J; j++) acc[i][j] = _mm256_setzero_ps();                              \
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);                                       \
+    for (int kp = 0; kp < kps; kp++) {                                                            \
+        const uint16_t *wk = wb + (size_t)kp * NBLK * 2 + (size_t)j0 * 16;                        \
+        _mm_prefetch((const char *)(wk + (size_t)8 * NBLK * 2), _MM_HINT_T0);                     \
+        __m256 xe[R], xo[R];                                                                      \
+        for (int i = 0; i < R; i++) {                                                             \
+            xe[i] = _mm256_broadcast_ss(xf + i * xs + 2 * kp);                                    \
+            xo[i] = _mm256_broadcast_ss(xf + i * xs + 2 * kp + 1);                                \
+        }                                                                                         \
+        for (int j = 0; j < J; j++) {                                                             \
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wk + j * 16));                 \
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));                      \
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(w, hi));                       \
+            for (int i = 0; i < R; i++) {                                                         \
+                acc[i][j] = _mm256_fmadd_ps(xe[i], we, acc[i][j]);                                \
+                acc[i][j] = _mm256_fmadd_ps(xo[i], wo, acc[i][j]);                                \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (int i = 0; i < R; i++)                                                                   \
+        for (int j = 0; j < J; j++) {                                                             \
+            const int n = (j0 + j) * 8;                                                           \
+            if (n >= nvalid) break;                                                               \
+            float v[8] __attribute__((aligned(32)));                                              \
+            __m256 a = acc[i][j];                                                                 \
+            if (bias) a = _mm256_add_ps(a, _mm256_loadu_ps(bias + n));                            \
+            _mm256_store_ps(v, a);                                                                \
+            const int left = nvalid - n < 8 ? nvalid - n : 8;                                     \
+            for (int l = 0; l < left; l++) y[(size_t)i * N + n + l] = f32_to_bf16(v[l]);          \
+        }                                                                                         \
+}
+
+DEFINE_STRIP(1, 8)
+DEFINE_STRIP(2, 4)
+DEFINE_STRIP(3, 2)
+DEFINE_STRIP(4, 2)
+
+/* x [M, K], packed weights (linear_bf16_pack), bias [ceil(N/NBLK)*NBLK] float32 or NULL
+ * -> y [M, N], bf16, rows contiguous. */
+int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int M, int N, int K,
+                int num_threads) {
+    if (K % 2) return 2;
+    const int nb = (N + NBLK - 1) / NBLK, kps = K / 2;
+    const size_t block_len = (size_t)kps * NBLK * 2;  /* bf16 values per packed block */
+    float *xf = malloc((size_t)M * K * sizeof(float));  /* x widened once: exact */
+    if (!xf) return 3;
+    for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    #pragma omp parallel for schedule(static) num_threads(num_threads) \
+        if (num_threads > 1 && (size_t)M * N * K >= ((size_t)1 << 20))
+    for (int b = 0; b < nb; b++) {
+        const uint16_t *wb = packed + (size_t)b * block_len;
+        const int n0 = b * NBLK, nvalid = N - n0 < NBLK ? N - n0 : NBLK;
+        const float *bb = bias ? bias + n0 : NULL;
+        for (int m = 0; m < M; m += G2) {
+            const int r = M - m < G2 ? M - m : G2;
+            const float *xr = xf + (size_t)m * K;
+            uint16_t *yr = y + (size_t)m * N + n0;
+            if (r == 1) strip_1_8(xr, (size_t)K, wb, kps, 0, bb, yr, N, nvalid);
+            else if (r == 2) for (int j0 = 0; j0 < NV * 2; j0 += 4) strip_2_4(xr, (size_t)K, wb, kps, j0, bb, yr, N, nvalid);
+            else if (r == 3) for (int j0 = 0; j0 < NV * 2; j0 += 2) strip_3_2(xr, (size_t)K, wb, kps, j0, bb, yr, N, nvalid);
+            else for (int j0 = 0; j0 < NV * 2; j0 += 2) strip_4_2(xr, (size_t)K, wb, kps, j0, bb, yr, N, nvalid);
+        }
+    }
+    free(xf);
     return 0;
 }
 #else
