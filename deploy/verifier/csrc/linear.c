@@ -181,12 +181,14 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
  * M = 1 included). torch's own bf16 linear on these CPUs is batch-invariant too but runs at
  * ~5 GFLOP/s (it widens element by element), and oneDNN's bf16 kernels need AVX512.
  *
- * Blocking: the FMA rate bounds this kernel from two rows up (one 256-bit FMA a cycle on Zen 1),
+ * Blocking: the FMA rate bounds this kernel from two rows up (~20-25 GFLOP/s on one Zen 1 core),
  * not the memory stream, so no chunking: a group of up to G2 rows runs over a strip of J
  * vectors of 8 features of one weight block for the whole k range, its G2 x J accumulators in
  * registers (16 ymm); the block stays in L2 for the next strip and group. One row takes the
- * whole block (8 vectors) in one pass, two rows half of it. */
-#define G2 4  /* rows of x per group */
+ * whole block (8 vectors) in one pass, two rows half of it; the first strip prefetches whole
+ * k pairs PF2 ahead (one row then streams at ~12 GB/s, what one core reads here). */
+#define G2 2   /* rows of x per group (groups of 3-4 rows over 16-feature strips ran ~25 % slower) */
+#define PF2 32 /* k pairs the prefetch runs ahead (8 KiB; 8 reached ~70 % of the memory stream at 1 row) */
 
 /* R rows of xf (float32, row stride xs) against J vectors (8 features each) of one weight
  * block, starting at vector j0, for all kps k pairs -> y[r][8 * j0 ...], rounded once. */
@@ -199,7 +201,9 @@ static void strip_##R##_##J(const float *restrict xf, size_t xs, const uint16_t 
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);                                       \
     for (int kp = 0; kp < kps; kp++) {                                                            \
         const uint16_t *wk = wb + (size_t)kp * NBLK * 2 + (size_t)j0 * 16;                        \
-        _mm_prefetch((const char *)(wk + (size_t)8 * NBLK * 2), _MM_HINT_T0);                     \
+        if (j0 == 0) /* the first strip streams the block from memory: all 4 lines of a k pair */ \
+            for (int c = 0; c < 4; c++)                                                           \
+                _mm_prefetch((const char *)(wk + (size_t)(PF2 * NBLK + c * 16) * 2), _MM_HINT_T0); \
         __m256 xe[R], xo[R];                                                                      \
         for (int i = 0; i < R; i++) {                                                             \
             xe[i] = _mm256_broadcast_ss(xf + i * xs + 2 * kp);                                    \
@@ -215,23 +219,19 @@ static void strip_##R##_##J(const float *restrict xf, size_t xs, const uint16_t 
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
+    /* constant indices only (acc stays in registers: a runtime index into it would make the   \
+     * compiler keep it in memory and store all of it every k pair) */                            \
+    float v[R][J * 8] __attribute__((aligned(32)));                                               \
     for (int i = 0; i < R; i++)                                                                   \
-        for (int j = 0; j < J; j++) {                                                             \
-            const int n = (j0 + j) * 8;                                                           \
-            if (n >= nvalid) break;                                                               \
-            float v[8] __attribute__((aligned(32)));                                              \
-            __m256 a = acc[i][j];                                                                 \
-            if (bias) a = _mm256_add_ps(a, _mm256_loadu_ps(bias + n));                            \
-            _mm256_store_ps(v, a);                                                                \
-            const int left = nvalid - n < 8 ? nvalid - n : 8;                                     \
-            for (int l = 0; l < left; l++) y[(size_t)i * N + n + l] = f32_to_bf16(v[l]);          \
-        }                                                                                         \
+        for (int j = 0; j < J; j++) _mm256_store_ps(v[i] + j * 8, acc[i][j]);                     \
+    const int n0 = j0 * 8, left = nvalid - n0 < J * 8 ? nvalid - n0 : J * 8;                     \
+    for (int i = 0; i < R; i++)                                                                   \
+        for (int l = 0; l < left; l++)                                                            \
+            y[(size_t)i * N + n0 + l] = f32_to_bf16(bias ? v[i][l] + bias[n0 + l] : v[i][l]);     \
 }
 
 DEFINE_STRIP(1, 8)
 DEFINE_STRIP(2, 4)
-DEFINE_STRIP(3, 2)
-DEFINE_STRIP(4, 2)
 
 /* x [M, K], packed weights (linear_bf16_pack), bias [ceil(N/NBLK)*NBLK] float32 or NULL
  * -> y [M, N], bf16, rows contiguous. */
@@ -254,9 +254,7 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
             const float *xr = xf + (size_t)m * K;
             uint16_t *yr = y + (size_t)m * N + n0;
             if (r == 1) strip_1_8(xr, (size_t)K, wb, kps, 0, bb, yr, N, nvalid);
-            else if (r == 2) for (int j0 = 0; j0 < NV * 2; j0 += 4) strip_2_4(xr, (size_t)K, wb, kps, j0, bb, yr, N, nvalid);
-            else if (r == 3) for (int j0 = 0; j0 < NV * 2; j0 += 2) strip_3_2(xr, (size_t)K, wb, kps, j0, bb, yr, N, nvalid);
-            else for (int j0 = 0; j0 < NV * 2; j0 += 2) strip_4_2(xr, (size_t)K, wb, kps, j0, bb, yr, N, nvalid);
+            else for (int j0 = 0; j0 < NV * 2; j0 += 4) strip_2_4(xr, (size_t)K, wb, kps, j0, bb, yr, N, nvalid);
         }
     }
     free(xf);
