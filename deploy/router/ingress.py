@@ -150,8 +150,8 @@ class Router:
                                           objective_s=rc.latency_objective_s)
         self.metrics = router_metrics()
         self._info: dict | None = None
-        self._tokenizer = None
-        self._tokenizer_loaded = False
+        self._loaded: dict[str, object] = {}  # tokenizer, server drafter: see _load_once
+        self._load_lock = asyncio.Lock()
         self._created = int(time.time())  # the served model's "created" (OpenAI's /v1/models)
         self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
         self._versions: list[str] = sorted(self.cfg.target.adapters)  # target versions (LoRA), see reconfigure
@@ -239,13 +239,24 @@ class Router:
             self._info = await self._call("info")
         return self._info
 
-    def tokenizer(self):
-        if not self._tokenizer_loaded:
-            from deploy.verifier.models import load_tokenizer
+    async def tokenizer(self):
+        """The target's tokenizer (None for tiny test models), loaded at the first OpenAI request."""
+        from deploy.verifier.models import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.cfg.target.model, self.cfg.target.tokenizer)
-            self._tokenizer_loaded = True
-        return self._tokenizer
+        return await self._load_once("tokenizer", lambda: load_tokenizer(self.cfg.target.model,
+                                                                          self.cfg.target.tokenizer))
+
+    async def _load_once(self, key: str, load):
+        """``load()`` run once, in a worker thread: not on the event loop that serves every request.
+        There, importing transformers for the first /v1/completions stalled the loop ~4 s on a slow
+        2-core host (split topology: nothing else in the router imports it), and every request in
+        flight paid: opens whose bodies had arrived answered 408 (tests/router/test_hostile_clients.py's
+        soak). Concurrent callers wait for the one load."""
+        if key not in self._loaded:
+            async with self._load_lock:
+                if key not in self._loaded:
+                    self._loaded[key] = await asyncio.to_thread(load)
+        return self._loaded[key]
 
     async def _body(self, request: Request) -> bytes:
         """The request body, bounded in size (413 from Content-Length, or as soon as the
@@ -474,12 +485,12 @@ class Router:
         status; only errors after the first round go inside a stream."""
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
         body = await self._json(request)
-        tok = self.tokenizer()
+        tok = await self.tokenizer()
         req = oai.parse_completion(body, tok, chat)
         info = await self.info()
         oai.check_model(req.model, self._model_names(info), self._versions)
         oai.check_sampling(req.sampling, info["vocab_size"])
-        drafter = self._server_drafter() if req.mode == "sd" else None
+        drafter = await self._server_drafter() if req.mode == "sd" else None
         version = req.model if req.model in self._versions else None
         rounds = self._server_decode(tenant, req.prompt, req.sampling, drafter, version)
         await anext(rounds)  # opens the server session
@@ -530,10 +541,10 @@ class Router:
             await texts.aclose()
         yield "data: [DONE]\n\n"
 
-    def _server_drafter(self):
+    async def _server_drafter(self):
         from deploy.router.server_draft import get_server_drafter
 
-        return get_server_drafter(self.cfg)
+        return await self._load_once("drafter", lambda: get_server_drafter(self.cfg))
 
     async def _server_decode(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter,
                              version: str | None = None):
