@@ -1,4 +1,5 @@
-/* y = x W^T + b in bf16 on CPUs with AVX512-BF16, row-invariant by construction.
+/* y = x W^T + b in bf16 on CPUs with AVX512-BF16 (or AVX2 + FMA: the second half of this file),
+ * row-invariant by construction.
  *
  * Why our own: a decode step of a small model on one core is a stream of its weights through
  * the matrix multiplies. oneDNN's prepacked bf16 kernels reach ~11 GB/s on that stream for
@@ -188,7 +189,7 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
  * whole block (8 vectors) in one pass, two rows half of it; the first strip prefetches whole
  * k pairs PF2 ahead (one row then streams at ~12 GB/s, what one core reads here). */
 #define G2 2   /* rows of x per group (groups of 3-4 rows over 16-feature strips ran ~25 % slower) */
-#define PF2 32 /* k pairs the prefetch runs ahead (8 KiB; 8 reached ~70 % of the memory stream at 1 row) */
+#define PF2 32 /* k pairs the prefetch runs ahead (8 KiB; one line of four, 8 ahead: the LM head at 5-7 GB/s) */
 
 /* R rows of xf (float32, row stride xs) against J vectors (8 features each) of one weight
  * block, starting at vector j0, for all kps k pairs -> y[r][8 * j0 ...], rounded once. */
