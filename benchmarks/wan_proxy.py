@@ -70,9 +70,8 @@ class Clock:
     wake-up and the hand-over to the loop take time of their own (0.15-0.35 ms on one host,
     ~0.4 ms on another), so the thread lets each item go that much early: the lead is the least
     delay from the planned let-go to the loop running the wake-up over the last ``WINDOW`` items
-    (capped at ``MAX_LEAD_S``), and the
-    wake-up spins the remainder (a few microseconds) on the loop, so nothing runs before its time.
-    """
+    (capped at ``MAX_LEAD_S``), and the wake-up spins the remainder (a few microseconds) on the
+    loop, so nothing runs before its time."""
 
     WINDOW = 32
     MAX_LEAD_S = 0.002

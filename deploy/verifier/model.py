@@ -151,8 +151,8 @@ class Linear:
 
     CPU bf16 with AVX512-BF16 or AVX2 + FMA: the native kernel (``csrc/linear.c``; W packed
     once; every output one fixed dot-product chain, so any M, 1 included, gives the same rows;
-    with AVX512-BF16 ~2x oneDNN's weight-streaming rate at 1-4 rows, with AVX2 ~3x torch's own
-    bf16 linear). Other CPUs in bf16: W prepacked for oneDNN once where oneDNN runs bf16 (a
+    with AVX512-BF16 ~2x oneDNN's weight-streaming rate at 1-4 rows, with AVX2 ~2.5-5x torch's
+    own bf16 linear). Other CPUs in bf16: W prepacked for oneDNN once where oneDNN runs bf16 (a
     single row is computed as two: the M = 1 kernel rounds differently), else ``F.linear``.
     Elsewhere: ``F.linear``.
     """
