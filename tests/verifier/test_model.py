@@ -98,7 +98,11 @@ def _native_linear_here() -> bool:
     return _native_linear(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
 
 
-@pytest.mark.skipif(not _native_linear_here(), reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
+needs_native_linear = pytest.mark.skipif(not _native_linear_here(),
+                                         reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
+
+
+@needs_native_linear
 @pytest.mark.parametrize("n, k, bias", [(961, 576, True), (40, 64, False), (576, 1536, True)])
 def test_native_bf16_linear_is_exact_to_one_rounding(n, k, bias):
     """The native kernel (AVX512-BF16 or AVX2 + FMA CPUs) is chosen for bf16 weights and gives the

@@ -11,7 +11,7 @@ from deploy.verifier.batch import chunk_input, tree_input
 from deploy.verifier.model import DecoderModel
 from deploy.verifier.native_stack import NativeStack
 from deploy.verifier.runner import ModelRunner
-from tests.verifier.test_model import _build, _native_linear_here
+from tests.verifier.test_model import _build, needs_native_linear
 
 
 def _pair(over: dict, first: int = 0, last: int | None = None) -> tuple[ModelRunner, ModelRunner]:
@@ -28,7 +28,7 @@ def _same(a, b) -> None:
         assert x.dtype == y.dtype and torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
-@pytest.mark.skipif(not _native_linear_here(), reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
+@needs_native_linear
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("over", [{}, {"attention_bias": True, "mlp_bias": True}])
 def test_stack_matches_the_per_op_forward_bit_for_bit(threads, over):
@@ -54,7 +54,7 @@ def test_stack_matches_the_per_op_forward_bit_for_bit(threads, over):
         torch.set_num_threads(old)
 
 
-@pytest.mark.skipif(not _native_linear_here(), reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
+@needs_native_linear
 def test_a_pipeline_stage_hands_on_the_same_hidden_states():
     runners = _pair({}, 0, 1)
     ids = list(range(3, 30))
@@ -78,7 +78,7 @@ class _Recorder:
             self.seen.append((n, h.clone()))
 
 
-@pytest.mark.skipif(not _native_linear_here(), reason="no native bf16 linear here (AVX512-BF16 or AVX2 + FMA)")
+@needs_native_linear
 def test_exit_hooks_see_the_per_op_hidden_states_between_segments():
     runners = _pair({"num_hidden_layers": 4})
     hooks = [_Recorder((1, 3)) for _ in runners]

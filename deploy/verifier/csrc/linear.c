@@ -186,23 +186,25 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
  * not the memory stream, so no chunking: a group of up to G2 rows runs over a strip of J
  * vectors of 8 features of one weight block for the whole k range, its G2 x J accumulators in
  * registers (16 ymm); the block stays in L2 for the next strip and group. One row takes the
- * whole block (8 vectors) in one pass, two rows half of it; the first strip prefetches whole
- * k pairs PF2 ahead (one row then streams at ~12 GB/s, what one core reads here). */
+ * whole block (8 vectors) in one pass, two rows half of it; the first strip over a block prefetches
+ * whole k pairs PF2 ahead (one row then streams at ~12 GB/s, what one core reads here). */
 #define G2 2   /* rows of x per group (groups of 3-4 rows over 16-feature strips ran ~25 % slower) */
 #define PF2 32 /* k pairs the prefetch runs ahead (8 KiB; one line of four, 8 ahead: the LM head at 5-7 GB/s) */
 
 /* R rows of xf (float32, row stride xs) against J vectors (8 features each) of one weight
- * block, starting at vector j0, for all kps k pairs -> y[r][8 * j0 ...], rounded once. */
+ * block, starting at vector j0, for all kps k pairs -> y[r][8 * j0 ...], rounded once.
+ * stream: this strip is the first over the block (it comes from memory: prefetch it). */
 #define DEFINE_STRIP(R, J)                                                                        \
 static void strip_##R##_##J(const float *restrict xf, size_t xs, const uint16_t *restrict wb, int kps, \
-                            int j0, const float *restrict bias, uint16_t *restrict y, int N, int nvalid) { \
+                            int j0, int stream, const float *restrict bias, uint16_t *restrict y, int N, \
+                            int nvalid) {                                                         \
     __m256 acc[R][J];                                                                             \
     for (int i = 0; i < R; i++)                                                                   \
         for (int j = 0; j < J; j++) acc[i][j] = _mm256_setzero_ps();                              \
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);                                       \
     for (int kp = 0; kp < kps; kp++) {                                                            \
         const uint16_t *wk = wb + (size_t)kp * NBLK * 2 + (size_t)j0 * 16;                        \
-        if (j0 == 0) /* the first strip streams the block from memory: all 4 lines of a k pair */ \
+        if (stream) /* all 4 lines of a k pair */                                                 \
             for (int c = 0; c < 4; c++)                                                           \
                 _mm_prefetch((const char *)(wk + (size_t)(PF2 * NBLK + c * 16) * 2), _MM_HINT_T0); \
         __m256 xe[R], xo[R];                                                                      \
@@ -254,8 +256,10 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
             const int r = M - m < G2 ? M - m : G2;
             const float *xr = xf + (size_t)m * K;
             uint16_t *yr = y + (size_t)m * N + n0;
-            if (r == 1) strip_1_8(xr, (size_t)K, wb, kps, 0, bb, yr, N, nvalid);
-            else for (int j0 = 0; j0 < NV * 2; j0 += 4) strip_2_4(xr, (size_t)K, wb, kps, j0, bb, yr, N, nvalid);
+            if (r == 1) strip_1_8(xr, (size_t)K, wb, kps, 0, m == 0, bb, yr, N, nvalid);
+            else
+                for (int j0 = 0; j0 < NV * 2; j0 += 4)
+                    strip_2_4(xr, (size_t)K, wb, kps, j0, m == 0 && j0 == 0, bb, yr, N, nvalid);
         }
     }
     free(xf);
