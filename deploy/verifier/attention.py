@@ -11,8 +11,10 @@ Two implementations of the same function:
 - the C kernel (:mod:`deploy.verifier.native`, CPU, bf16/fp32): reads pages in place and
   reduces each row over its logical sequence in a fixed order, so a row's output is
   bit-identical whatever batch, tree shape or padding it comes with (batch invariance);
+- on CUDA, the same walk as a Triton kernel (:mod:`deploy.verifier.cuda.kernels`), equally
+  batch-invariant;
 - :func:`torch_attention`: gathers each row's keys and calls SDPA (any device and dtype;
-  the reference the kernel is tested against; not batch-invariant in bf16).
+  the reference the kernels are tested against; not batch-invariant in bf16).
 
 Chosen by measurement (``benchmarks/attention_kernels.py``): per-session SDPA over the
 pool cannot be batch-invariant for tree rows (masked keys inside SDPA's blocks change its
@@ -22,12 +24,12 @@ rounding) and pays a gather; the kernel needs neither.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from deploy.verifier import native
+from deploy.verifier import cuda, native
 from deploy.verifier.native import PAGE_SIZE
 
 
@@ -40,10 +42,19 @@ class AttentionPlan:
     row_len: torch.Tensor  # [N] int32: contiguous logical positions [0, row_len) seen by the row
     row_bits: torch.Tensor  # [N] int64: tree positions row_len + j seen by the row (bit j)
     max_len: int  # the longest logical sequence of any row
+    _positions: tuple | None = field(default=None, repr=False, compare=False)
 
     def to(self, device) -> "AttentionPlan":
         return AttentionPlan(self.block_table.to(device), self.row_seq.to(device), self.row_len.to(device),
                              self.row_bits.to(device), self.max_len)
+
+    def logical_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's logical sequence as session positions, left-aligned: [N, S] int64, and its
+        length [N] int32 (the Triton kernel's input; built once per forward, read by every layer)."""
+        if self._positions is None:
+            pos, valid = row_positions(self)
+            self._positions = (pos.contiguous(), valid.sum(1).to(torch.int32))
+        return self._positions
 
 
 KERNEL_MAX_HEADS_PER_KV = 8  # MAXREP in the source
@@ -52,7 +63,10 @@ KERNEL_MAX_HEAD_DIM = 256
 
 def use_kernel(device: torch.device, dtype: torch.dtype, heads: int = 1, kv_heads: int = 1,
                head_dim: int = 64) -> bool:
-    """Whether the C kernel runs this: CPU, bf16/fp32, a head layout it handles, and built here."""
+    """Whether a kernel runs this: on CUDA the Triton kernel (Triton installed); on the CPU the C
+    kernel (bf16/fp32, a head layout it handles, built here)."""
+    if device.type == "cuda":
+        return heads % kv_heads == 0 and head_dim <= KERNEL_MAX_HEAD_DIM and cuda.available(device)
     shape_ok = (heads % kv_heads == 0 and heads // kv_heads <= KERNEL_MAX_HEADS_PER_KV and head_dim % 4 == 0
                 and head_dim <= KERNEL_MAX_HEAD_DIM)
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and shape_ok
@@ -66,6 +80,10 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
         kernel = use_kernel(q.device, q.dtype, q.shape[1], k_pages.shape[1], q.shape[2])
     if not kernel:
         return torch_attention(q, k_pages, v_pages, plan, scale)
+    if q.device.type == "cuda":
+        from deploy.verifier.cuda import kernels
+
+        return kernels.tree_attention(q, k_pages, v_pages, plan, scale).to(q.dtype)
     lib = native.load()
     N, Hq, D = q.shape
     Hkv = k_pages.shape[1]

@@ -1,11 +1,12 @@
 """The elementwise glue of a decoder layer, between its matrix multiplies and attention.
 
 RMSNorm (with the residual add before it), RoPE on q and k (and the K/V write into the
-pool), SwiGLU. Three implementations of the same functions, chosen once per model by
+pool), SwiGLU. Four implementations of the same functions, chosen once per model by
 :func:`make_glue`:
 
 - :class:`Glue`, eager torch (any device and dtype; the reference);
 - the same functions under ``torch.compile`` (``compile=True``, dynamic shapes);
+- :class:`CudaGlue` (CUDA): the norms as Triton kernels, batch-invariant (:mod:`deploy.verifier.cuda`);
 - :class:`NativeGlue` (CPU, bf16): one C call per function (``csrc/glue.c`` through
   :mod:`deploy.verifier.native`) instead of ~40 small torch ops per layer. Measured on the
   embedded SmolLM2-135M, one core: see ``benchmarks/verify_step.py`` and the README's
@@ -21,7 +22,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from deploy.verifier import native
+from deploy.verifier import cuda, native
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -137,11 +138,39 @@ class NativeGlue(Glue):
         return out
 
 
+class CudaGlue(Glue):
+    """On CUDA: RMSNorm (with its residual add, and Qwen3's q/k norms) as the Triton kernel of
+    :mod:`deploy.verifier.cuda.kernels`, one program per row, instead of torch's mean, whose
+    reduction is split by the row count; the elementwise rest in torch (eager or compiled)."""
+
+    def __init__(self, compile: bool = False):
+        super().__init__(compile)
+        from deploy.verifier.cuda import kernels
+
+        self.kernels = kernels
+
+    def norm(self, h, w, eps):
+        return self.kernels.add_rms_norm(h, None, w, eps)[1]
+
+    def residual_norm(self, h, delta, w, eps):
+        return self.kernels.add_rms_norm(h, delta, w, eps)
+
+    def qk_rope(self, qkv, cos, sin, hq, hkv, q_norm, k_norm, eps):
+        if q_norm is None:
+            return super().qk_rope(qkv, cos, sin, hq, hkv, q_norm, k_norm, eps)
+        N, _, d = qkv.shape
+        q = self.norm(qkv[:, :hq].reshape(N * hq, d), q_norm, eps).view(N, hq, d)
+        k = self.norm(qkv[:, hq: hq + hkv].reshape(N * hkv, d), k_norm, eps).view(N, hkv, d)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), qkv[:, hq + hkv:]
+
+
 def use_native(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`NativeGlue` runs this: CPU, bf16, the library built here."""
     return device.type == "cpu" and dtype == torch.bfloat16 and native.load() is not None
 
 
 def make_glue(device: torch.device, dtype: torch.dtype, compile: bool = False) -> Glue:
-    """Native on CPU in bf16 (unless ``compile``), else torch."""
+    """Triton norms on CUDA; native on CPU in bf16 (unless ``compile``); else torch."""
+    if cuda.available(device):
+        return CudaGlue(compile)
     return NativeGlue() if not compile and use_native(device, dtype) else Glue(compile)

@@ -17,7 +17,8 @@ the native kernel (AVX512-BF16, or AVX2 + FMA) computes every output as one fixe
 whatever the row count; oneDNN (AVX512 CPUs without BF16) gives the same rows for every row
 count >= 2 but rounds a single row differently (K = 1536 here), so there a single row is
 computed as two; torch's own bf16 linear (older CPUs) is row-invariant (all checked by
-``tests/verifier/test_model.py``).
+``tests/verifier/test_model.py``). On CUDA the linears run as GEMMs of a fixed row count and
+attention and RMSNorm as Triton kernels (:mod:`deploy.verifier.cuda`).
 
 Speed (CPU, bf16, ``benchmarks/verify_step.py``): the native linear streams the weights from
 memory at ~25 GB/s on one core for 1-4 rows, against ~11 GB/s for oneDNN's prepacked kernels
@@ -41,6 +42,7 @@ from deploy.verifier.glue import make_glue
 from deploy.verifier.kv_pool import KVPool
 from deploy.verifier.lora import add_lora, row_groups
 from deploy.verifier.native_stack import NativeStack
+from deploy.verifier.row_chunks import in_row_chunks
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE = (None, "default", "linear", "llama3", "yarn")
@@ -154,6 +156,7 @@ class Linear:
     with AVX512-BF16 ~2x oneDNN's weight-streaming rate at 1-4 rows, with AVX2 ~2.5-5x torch's
     own bf16 linear). Other CPUs in bf16: W prepacked for oneDNN once where oneDNN runs bf16 (a
     single row is computed as two: the M = 1 kernel rounds differently), else ``F.linear``.
+    CUDA: ``F.linear`` on a fixed number of rows at a time (:mod:`deploy.verifier.row_chunks`).
     Elsewhere: ``F.linear``.
     """
 
@@ -189,6 +192,8 @@ class Linear:
             if err:
                 raise RuntimeError(f"native linear kernel failed ({err})")
             return y
+        if self.weight.is_cuda:  # a fixed GEMM shape: rows do not depend on the batch (row_chunks.py)
+            return in_row_chunks(lambda part: F.linear(part, self.weight, self.bias), x)
         single = x.shape[0] == 1 and self.bf16_cpu
         if single:
             x = x.expand(2, -1)

@@ -1,5 +1,7 @@
-"""The same engine on CUDA (skipped without a GPU): the forward, pool and torch attention run
-on the device; fp32 greedy output equals target-only decoding; trees agree with the CPU kernel."""
+"""The same engine on CUDA (skipped without a GPU): the forward, pool and the Triton kernels run
+on the device; fp32 greedy output equals target-only decoding; bf16 greedy output does not
+depend on batch composition, tree shape or padding (deploy/verifier/cuda); each kernel agrees
+with the torch reference and gives a row the same bits in any batch."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import random
 import pytest
 import torch
 
+from deploy.verifier.attention import torch_attention, tree_attention
+from deploy.verifier.batch import ancestor_bits, signed64
 from deploy.verifier.engine import OpenRequest, VerifierEngine
 from deploy.verifier.models import tiny_random_model
+from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from tests.verifier.test_engine import drive, random_prompt
@@ -25,7 +30,7 @@ def test_greedy_verification_on_cuda_equals_target_only_decoding():
              for i in range(4)}
     truths = {sid: reference_decode(cpu, p, prm) for sid, (p, prm) in specs.items()}
     eng = VerifierEngine(gpu)
-    assert eng.runner.pool.k.device.type == "cuda" and not eng.runner.model.kernel
+    assert eng.runner.pool.k.device.type == "cuda" and eng.runner.model.kernel  # the Triton kernel
     res = eng.open([OpenRequest(sid, p, prm) for sid, (p, prm) in specs.items()])
     assert [r.first_token for r in res] == [truths[sid][0] for sid in specs]
     drive(eng, truths, rng, check_rounds=True)
@@ -67,3 +72,96 @@ def test_cuda_lora_versions_mixed_in_one_batch_equal_their_merged_models(tmp_pat
     assert forwards[0].sessions == len(sessions)  # the versions shared a forward
     assert all(p.A.weight.device.type == "cuda" for ad in eng.adapters.loaded.values()
                for pairs in ad.layers.values() for p in pairs.values())
+
+
+def test_triton_attention_matches_the_torch_reference():
+    from tests.verifier.test_attention import D, Hq, _pages, _plan
+
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
+        k, v = (t.cuda() for t in _pages(12, dtype))
+        bits = [signed64(b) for b in ancestor_bits([-1, -1, 0, 2, 1, 3])]
+        plan = _plan([[0, 1, 2, 3], [7, 5, 9]], [(0, 40, 0)] + [(0, 40, b) for b in bits] + [(1, 1, 0), (1, 33, 0)])
+        q = torch.randn(len(bits) + 3, Hq, D).to(dtype).cuda()
+        a = tree_attention(q, k, v, plan.to("cuda"), D ** -0.5, kernel=True)
+        b = torch_attention(q, k, v, plan.to("cuda"), D ** -0.5)
+        assert (a.float() - b.float()).abs().max() < tol
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_triton_attention_gives_a_tree_row_the_bits_of_the_same_sequence_decoded_contiguously(seed):
+    """Row j of a tree (prefix + ancestors, scattered over pages, batched with other rows) is
+    bit-identical to one row over the same keys laid out contiguously on other pages."""
+    from tests.verifier.test_attention import D, Hq, _pages, _plan
+
+    rng = random.Random(seed)
+    prefix = rng.randint(1, 200)
+    parents = [rng.randint(-1, j - 1) if j else -1 for j in range(rng.randint(1, 40))]
+    n = len(parents)
+    k, v = _pages(40, torch.bfloat16, seed)
+    bits = ancestor_bits(parents)
+    tree_pages = rng.sample(range(20), -(-(prefix + n) // PAGE_SIZE))
+    other = [rng.randrange(20) for _ in range(3)]
+    rows = [(0, prefix, signed64(b)) for b in bits] + [(1, rng.randint(1, 40), 0) for _ in range(rng.randint(1, 9))]
+    rng.shuffle(rows)
+    q = torch.randn(len(rows), Hq, D, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    out = tree_attention(q.cuda(), k.cuda(), v.cuda(), _plan([tree_pages, other], rows).to("cuda"), D ** -0.5,
+                         kernel=True).cpu()
+    for r, (sess, _len, b) in enumerate(rows):
+        if sess != 0:
+            continue
+        seq = list(range(prefix)) + [prefix + j for j in range(n) if (b >> j) & 1]
+        k2, v2 = k.clone(), v.clone()
+        for i, p in enumerate(seq):
+            sp, so = tree_pages[p // PAGE_SIZE], p % PAGE_SIZE
+            k2[20 + i // PAGE_SIZE, :, :, i % PAGE_SIZE], v2[20 + i // PAGE_SIZE, :, i % PAGE_SIZE, :] = \
+                k[sp, :, :, so], v[sp, :, so, :]
+        alone = tree_attention(q[r: r + 1].cuda(), k2.cuda(), v2.cuda(),
+                               _plan([list(range(20, 40))], [(0, len(seq), 0)]).to("cuda"), D ** -0.5, kernel=True)
+        assert torch.equal(alone[0].cpu(), out[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_norms_and_linears_give_a_row_the_same_bits_in_any_batch(dtype):
+    """RMSNorm (Triton) and the linears (fixed-row GEMMs), at the embedded model's shapes: each
+    row of a batch of M equals the row computed alone, for M across several GEMM chunks."""
+    from deploy.verifier.glue import make_glue, residual_norm
+    from deploy.verifier.model import Linear
+
+    g = torch.Generator().manual_seed(0)
+    glue = make_glue(torch.device("cuda"), dtype)
+    w_norm = torch.randn(576, generator=g).to(dtype).cuda()
+    linears = [Linear(torch.randn(n, k, generator=g).div(k ** 0.5).to(dtype).cuda()) for n, k in
+               [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]]
+    for M in (1, 2, 3, 7, 16, 64, 127, 128, 129, 300):
+        h = torch.randn(M, 576, generator=g).to(dtype).cuda()
+        delta = torch.randn(M, 576, generator=g).to(dtype).cuda()
+        h_out, x = glue.residual_norm(h, delta, w_norm, 1e-5)
+        ref_h, ref_x = residual_norm(h, delta, w_norm, 1e-5)
+        assert torch.equal(h_out, ref_h) and (x.float() - ref_x.float()).abs().max() < 0.1
+        for r in {0, M // 2, M - 1}:
+            assert torch.equal(glue.residual_norm(h[r: r + 1], delta[r: r + 1], w_norm, 1e-5)[1][0], x[r])
+        for lin in linears:
+            K = lin.in_features
+            a = torch.randn(M, K, generator=g).to(dtype).cuda()
+            y = lin(a)
+            assert (y.float() - torch.nn.functional.linear(a, lin.weight).float()).abs().max() < 0.1
+            for r in {0, M // 2, M - 1}:
+                assert torch.equal(lin(a[r: r + 1])[0], y[r])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("cfg", [dict(), dict(num_heads=6, num_kv_heads=2, hidden_size=96),
+                                 dict(vocab_size=49152, hidden_size=576, num_layers=4, num_heads=9, num_kv_heads=3,
+                                      intermediate_size=1536)])
+def test_cuda_bf16_greedy_output_is_batch_invariant(seed, cfg):
+    """The CPU test (test_batch_invariance.py) on the device, also at the embedded model's
+    widths (4 of its 30 layers): random trees, random prefill chunking, 1..16 other sessions."""
+    from tests.verifier.test_batch_invariance import batched_decode, one_token_decode
+
+    model = tiny_random_model(seed=seed, dtype=torch.bfloat16, **cfg).to("cuda")
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    V = model.config.vocab_size
+    prompts = {f"p{i}": random_prompt(rng, V, 1, 120) for i in range(3)}
+    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
+    assert batched_decode(model, (), prompts, params, truths, rng) == truths
