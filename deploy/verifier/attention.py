@@ -83,7 +83,7 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     if q.device.type == "cuda":
         from deploy.verifier.cuda import kernels
 
-        return kernels.tree_attention(q, k_pages, v_pages, plan, scale).to(q.dtype)
+        return kernels.tree_attention(q, k_pages, v_pages, plan, scale)
     lib = native.load()
     N, Hq, D = q.shape
     Hkv = k_pages.shape[1]

@@ -141,7 +141,8 @@ class NativeGlue(Glue):
 class CudaGlue(Glue):
     """On CUDA: RMSNorm (with its residual add, and Qwen3's q/k norms) as the Triton kernel of
     :mod:`deploy.verifier.cuda.kernels`, one program per row, instead of torch's mean, whose
-    reduction is split by the row count; the elementwise rest in torch (eager or compiled)."""
+    reduction is split by the row count; RoPE with the K/V write, and SwiGLU, one launch each
+    (Qwen3's RoPE after its norms in torch, eager or compiled)."""
 
     def __init__(self, compile: bool = False):
         super().__init__(compile)
@@ -154,6 +155,14 @@ class CudaGlue(Glue):
 
     def residual_norm(self, h, delta, w, eps):
         return self.kernels.add_rms_norm(h, delta, w, eps)
+
+    def rope_write(self, qkv, cos, sin, hq, hkv, q_norm, k_norm, eps, pool, layer, where):
+        if q_norm is not None:
+            return super().rope_write(qkv, cos, sin, hq, hkv, q_norm, k_norm, eps, pool, layer, where)
+        return self.kernels.rope_write(qkv, cos, sin, hq, hkv, pool.k[layer], pool.v[layer], *where)
+
+    def swiglu(self, gate_up):
+        return self.kernels.swiglu(gate_up)
 
     def qk_rope(self, qkv, cos, sin, hq, hkv, q_norm, k_norm, eps):
         if q_norm is None:

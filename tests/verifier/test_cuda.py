@@ -149,6 +149,43 @@ def test_cuda_norms_and_linears_give_a_row_the_same_bits_in_any_batch(dtype):
                 assert torch.equal(lin(a[r: r + 1])[0], y[r])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_rope_write_and_swiglu_match_the_torch_glue_and_give_a_row_the_same_bits_alone(dtype):
+    """The fused Triton RoPE + K/V write and SwiGLU against the torch glue (K/V written to the
+    same slots, values equal up to one rounding), and each row alone equal to the row in its batch."""
+    from deploy.verifier.glue import Glue, make_glue
+    from deploy.verifier.kv_pool import KVPool
+
+    N, hq, hkv, d = 37, 9, 3, 64
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(N, hq + 2 * hkv, d, generator=g).to(dtype).cuda()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.randint(0, 4000, (N,), generator=g).float()[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(dtype)[:, None].cuda(), emb.sin().to(dtype)[:, None].cuda()
+    where = KVPool.locate(torch.randperm(300, generator=g)[:N].cuda())
+    pools = [KVPool(2, hkv, d, 320, dtype, torch.device("cuda")) for _ in range(3)]
+    for pool in pools:
+        pool.k.zero_()
+        pool.v.zero_()
+    ours = make_glue(torch.device("cuda"), dtype)
+    q_ref = Glue().rope_write(qkv, cos, sin, hq, hkv, None, None, 1e-5, pools[0], 1, where)
+    q = ours.rope_write(qkv, cos, sin, hq, hkv, None, None, 1e-5, pools[1], 1, where)
+    tol = 0.05 if dtype == torch.bfloat16 else 1e-5
+    assert (q.float() - q_ref.float()).abs().max() < tol
+    assert (pools[1].k.float() - pools[0].k.float()).abs().max() < tol and torch.equal(pools[1].v, pools[0].v)
+    for r in (0, N // 2, N - 1):
+        alone = ours.rope_write(qkv[r: r + 1], cos[r: r + 1], sin[r: r + 1], hq, hkv, None, None, 1e-5, pools[2], 1,
+                                (where[0][r: r + 1], where[1][r: r + 1]))
+        assert torch.equal(alone[0], q[r])
+        page, off = where[0][r], where[1][r]
+        assert torch.equal(pools[2].k[1][page, :, :, off], pools[1].k[1][page, :, :, off])
+    gate_up = torch.randn(N, 2 * 1536, generator=g).to(dtype).cuda()
+    y = ours.swiglu(gate_up)
+    assert (y.float() - Glue().swiglu(gate_up).float()).abs().max() < tol * 4
+    assert all(torch.equal(ours.swiglu(gate_up[r: r + 1])[0], y[r]) for r in (0, N // 2, N - 1))
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("cfg", [dict(), dict(num_heads=6, num_kv_heads=2, hidden_size=96),
                                  dict(vocab_size=49152, hidden_size=576, num_layers=4, num_heads=9, num_kv_heads=3,

@@ -1,5 +1,6 @@
-"""Triton kernels of the batch-invariant CUDA path: tree attention over the paged pool, and
-RMSNorm with the residual add before it.
+"""Triton kernels of the batch-invariant CUDA path: tree attention over the paged pool, RMSNorm
+with the residual add before it, and (for fewer launches; row-wise, so invariant by nature)
+RoPE with the K/V write into the pool, and SwiGLU.
 
 Each program owns one row (attention: one row and one query head) and reduces it in an
 order fixed by the row alone: attention walks the row's logical KV sequence (its prefix,
@@ -57,7 +58,7 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, len_pt
                     mask=kd, other=0.0).to(tl.float32)  # [BLOCK, BLOCK_D]; V pages are [Hkv, PS, D]
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         m_i = m_new
-    tl.store(out_ptr + (row * HQ + h) * D + d, acc / l_i, mask=dm)
+    tl.store(out_ptr + (row * HQ + h) * D + d, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -78,13 +79,57 @@ def _add_rms_norm_kernel(h_ptr, delta_ptr, h_out_ptr, w_ptr, y_ptr, D, eps,
     tl.store(y_ptr + row * D + d, (w.to(tl.float32) * xn).to(y_ptr.dtype.element_ty), mask=dm)
 
 
+@triton.jit
+def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, page_ptr, off_ptr,
+                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # a head of qkv: Hq query heads, then Hkv keys, then Hkv values
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    x = tl.load(qkv_ptr + (row * (HQ + 2 * HKV) + j) * D + d, mask=dm, other=0.0)
+    page = tl.load(page_ptr + row).to(tl.int64)
+    off = tl.load(off_ptr + row)
+    if j < HQ + HKV:  # RoPE: x cos + rotate_half(x) sin, each product rounded to the dtype as torch's are
+        half = D // 2
+        xp = tl.load(qkv_ptr + (row * (HQ + 2 * HKV) + j) * D + tl.where(d < half, d + half, d - half), mask=dm,
+                     other=0.0)
+        rot = tl.where(d < half, -xp.to(tl.float32), xp.to(tl.float32))  # rotate_half (negation exact)
+        c = tl.load(cos_ptr + row * D + d, mask=dm, other=0.0)
+        s = tl.load(sin_ptr + row * D + d, mask=dm, other=0.0)
+        dt = q_ptr.dtype.element_ty
+        a = (x.to(tl.float32) * c.to(tl.float32)).to(dt)
+        b = (rot * s.to(tl.float32)).to(dt)
+        y = (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+        if j < HQ:
+            tl.store(q_ptr + (row * HQ + j) * D + d, y, mask=dm)
+        else:  # K pages are [Hkv, D, PS]
+            tl.store(k_ptr + (page * HKV + (j - HQ)) * (D * PS) + d * PS + off, y, mask=dm)
+    else:  # V pages are [Hkv, PS, D]
+        tl.store(v_ptr + (page * HKV + (j - HQ - HKV)) * (PS * D) + off * D + d, x, mask=dm)
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < I
+    g = tl.load(gu_ptr + row * 2 * I + i, mask=m, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * I + I + i, mask=m, other=0.0)
+    gf = g.to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (gf / (1.0 + tl.exp(-gf))).to(dt)  # silu, rounded to the dtype as torch's is
+    tl.store(out_ptr + row * I + i, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=m)
+
+
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan, scale: float) -> torch.Tensor:
-    """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] float32."""
+    """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] (q's
+    dtype, rounded once from the float32 sums)."""
     N, Hq, D = q.shape
     Hkv = k_pages.shape[1]
     positions, lengths = plan.logical_positions()  # [N, S] int64, [N] int32
     q = q.contiguous()
-    out = torch.empty(N, Hq, D, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
     if N == 0:
         return out
     bt = plan.block_table
@@ -107,3 +152,31 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
                                    eps, HAS_DELTA=delta is not None, BLOCK_D=triton.next_power_of_2(D),
                                    num_warps=NUM_WARPS)
     return h_out, y
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, k_pages: torch.Tensor,
+               v_pages: torch.Tensor, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """RoPE on qkv [N, Hq + 2 Hkv, d] (cos, sin [N, 1, d]); k and v written into the layer's pages
+    at (page, off) [N] each; returns q [N, Hq, d]. One launch for what is ~14 torch ops."""
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    N, _, D = qkv.shape
+    q = torch.empty(N, hq, D, dtype=qkv.dtype, device=qkv.device)
+    if N:
+        _rope_write_kernel[(N, hq + 2 * hkv)](qkv, cos, sin, q, k_pages, v_pages, page.contiguous(), off.contiguous(),
+                                              HQ=hq, HKV=hkv, D=D, BLOCK_D=triton.next_power_of_2(D), PS=PAGE_SIZE,
+                                              num_warps=1)
+    return q
+
+
+SWIGLU_BLOCK = 1024
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2 I] -> silu(gate) * up [N, I], one launch."""
+    gate_up = gate_up.contiguous()
+    N, two_i = gate_up.shape
+    out = torch.empty(N, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
+    if N:
+        _swiglu_kernel[(N, triton.cdiv(two_i // 2, SWIGLU_BLOCK))](gate_up, out, two_i // 2, BLOCK=SWIGLU_BLOCK,
+                                                                   num_warps=NUM_WARPS)
+    return out
