@@ -12,12 +12,13 @@ here is a greedy token that may change with who shares the batch.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.verify_step import publish
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -104,11 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"conditions": dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bfloat16",
                                  shapes="SmolLM2-135M (D 576, I 1536, 9/3 heads x 64, V 49152)",
                                  date=time.strftime("%Y-%m-%d %H:%M:%S")), "rows": rows}
-    print(markdown(result))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    publish(result, markdown(result), args.out)
     return result
 
 

@@ -189,6 +189,15 @@ def markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def publish(result: dict, table: str, out: str | Path) -> None:
+    """Print the table and write the result as JSON to ``out``."""
+    print(table)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefixes", default="128,1024")
@@ -260,11 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     cond["loadavg_end"] = round(os.getloadavg()[0], 1)
     result = {"conditions": cond, "rows": rows, "vllm": vllm,
               "ratios": {str(p): ratios(rows, vllm, p) for p in prefixes}, "targets": TARGETS}
-    print(markdown(result))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    publish(result, markdown(result), args.out)
     return result
 
 
