@@ -6,7 +6,8 @@ pool), SwiGLU. Four implementations of the same functions, chosen once per model
 
 - :class:`Glue`, eager torch (any device and dtype; the reference);
 - the same functions under ``torch.compile`` (``compile=True``, dynamic shapes);
-- :class:`CudaGlue` (CUDA): the norms as Triton kernels, batch-invariant (:mod:`deploy.verifier.cuda`);
+- :class:`CudaGlue` (CUDA): the norms, RoPE with the K/V write, and SwiGLU as Triton kernels,
+  batch-invariant (:mod:`deploy.verifier.cuda`);
 - :class:`NativeGlue` (CPU, bf16): one C call per function (``csrc/glue.c`` through
   :mod:`deploy.verifier.native`) instead of ~40 small torch ops per layer. Measured on the
   embedded SmolLM2-135M, one core: see ``benchmarks/verify_step.py`` and the README's
@@ -179,7 +180,7 @@ def use_native(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def make_glue(device: torch.device, dtype: torch.dtype, compile: bool = False) -> Glue:
-    """Triton norms on CUDA; native on CPU in bf16 (unless ``compile``); else torch."""
+    """Triton kernels on CUDA; native on CPU in bf16 (unless ``compile``); else torch."""
     if cuda.available(device):
         return CudaGlue(compile)
     return NativeGlue() if not compile and use_native(device, dtype) else Glue(compile)

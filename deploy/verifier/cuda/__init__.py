@@ -8,7 +8,8 @@ session's greedy output in bf16 would depend on who shares its batch. This packa
 every row's arithmetic fixed (the guarantee of DESIGN.md, "batch invariance"):
 
 - tree attention and RMSNorm as Triton kernels (:mod:`.kernels`): one program per row (and
-  head), the keys reduced over the row's own logical sequence in fixed blocks;
+  head), the keys reduced over the row's own logical sequence in fixed blocks (RoPE with the
+  K/V write, and SwiGLU, are Triton kernels too, for fewer launches);
 - the linears as GEMMs of a fixed row count (:func:`deploy.verifier.row_chunks.in_row_chunks`):
   the same shape, so the same kernel and the same per-row arithmetic whatever the batch.
 
