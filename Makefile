@@ -39,8 +39,13 @@ demo: model
 prometheus:
 	bash dashboards/install_prometheus.sh
 
+# two phases: the suite on two xdist workers (every Ray test on one of them, tests/conftest.py), then the
+# timing-sensitive tests (marker `exclusive`) alone; each phase its own pytest session and Ray instance
+PYTEST := $(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider
 test: model prometheus
-	$(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider --durations=15 tests
+	$(PYTEST) --durations=15 -n 2 --dist loadgroup -m "not exclusive" tests; a=$$?; \
+	$(PYTEST) -m exclusive tests; b=$$?; \
+	test $$a -eq 0 -a $$b -eq 0
 
 test-fast: install prometheus
 	$(BIN)/python -m pytest -q -m "not slow and not ray" tests

@@ -35,6 +35,15 @@ def embedded():
     return load_model("embedded", dtype="float32", device="cpu")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs two workers), every test that starts Ray (the shared
+    instance or its own) or a served stack runs on one worker, in one group: one Ray instance
+    per test session still, and no two clusters at once. The pure tests share the other worker."""
+    for item in items:
+        if item.get_closest_marker("ray") or "ray_session" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray instance for the whole test session (never attaches to `ray start`)."""

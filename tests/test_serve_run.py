@@ -39,6 +39,7 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_serve_run_deploy_app_subprocess(tmp_path):
     if not _port_free(8000):
         pytest.fail("port 8000 is taken: `serve run deploy.app` serves there; stop whatever uses it")

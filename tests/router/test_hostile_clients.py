@@ -23,7 +23,7 @@ from deploy.verifier.sampling import SamplingParams
 from tests.router.hostile import Canary, drop_request, slow_request
 from tests.router.oracle_edge import oracle_generate
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.exclusive]  # timeouts of seconds: run with the machine to itself
 
 VOCAB = 512
 ALPHA, BETA = "alpha-key-123", "beta-key-1234"
