@@ -19,8 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.verify_step import publish
+from deploy.verifier.models import EMBEDDED_SHAPES
 
 RESULTS = Path(__file__).resolve().parent / "results"
+HIDDEN, INTER, VOCAB = (EMBEDDED_SHAPES[k] for k in ("hidden_size", "intermediate_size", "vocab_size"))
+HQ, HKV = EMBEDDED_SHAPES["num_heads"], EMBEDDED_SHAPES["num_kv_heads"]
+HEAD_DIM = HIDDEN // HQ
 ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -43,8 +47,8 @@ def _differing(batched: torch.Tensor, alone) -> float:
 def linear_cases(g):
     from deploy.verifier.model import Linear
 
-    for name, (n, k) in {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536),
-                         "lm_head": (49152, 576)}.items():
+    for name, (n, k) in {"qkv": ((HQ + 2 * HKV) * HEAD_DIM, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+                         "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}.items():
         lin = Linear(torch.randn(n, k, generator=g).div(k ** 0.5).bfloat16().cuda())
         yield f"linear {name}", k, (lambda x, w=lin.weight: F.linear(x, w)), lin
 
@@ -52,9 +56,9 @@ def linear_cases(g):
 def norm_case(g):
     from deploy.verifier.glue import make_glue, rms_norm
 
-    w = torch.randn(576, generator=g).bfloat16().cuda()
+    w = torch.randn(HIDDEN, generator=g).bfloat16().cuda()
     glue = make_glue(torch.device("cuda"), torch.bfloat16)
-    return "rms_norm", 576, (lambda x: rms_norm(x, w, 1e-5)), (lambda x: glue.norm(x, w, 1e-5))
+    return "rms_norm", HIDDEN, (lambda x: rms_norm(x, w, 1e-5)), (lambda x: glue.norm(x, w, 1e-5))
 
 
 def attention_rows(M: int, g):
@@ -89,21 +93,20 @@ def main(argv: list[str] | None = None) -> dict:
                 y = fn(x[:M])
                 rows.append(dict(op=name, impl=impl, rows=M, differing=_differing(y, lambda r: fn(x[r: r + 1])[0]),
                                  ms=_timed(lambda: fn(x[:M]))))
-    Hq, Hkv, D = 9, 3, 64
     for M in ROWS:
         plan = attention_rows(M, g)
         pages = plan.block_table.numel()
-        k = torch.randn(pages, Hkv, D, 16, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn(pages, Hkv, 16, D, dtype=torch.bfloat16, device="cuda")
-        q = torch.randn(M, Hq, D, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(pages, HKV, HEAD_DIM, 16, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn(pages, HKV, 16, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(M, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         alone = attention_rows(1, torch.Generator().manual_seed(1))  # session 0's row alone: same pages, same length
-        for impl, fn in (("torch", lambda q, p: torch_attention(q, k, v, p, D ** -0.5)),
-                         ("verifier", lambda q, p: tree_attention(q, k, v, p, D ** -0.5, kernel=True))):
+        for impl, fn in (("torch", lambda q, p: torch_attention(q, k, v, p, HEAD_DIM ** -0.5)),
+                         ("verifier", lambda q, p: tree_attention(q, k, v, p, HEAD_DIM ** -0.5, kernel=True))):
             y = fn(q, plan)
             rows.append(dict(op="attention (session 0's row)", impl=impl, rows=M,
                              differing=float(not torch.equal(y[0], fn(q[:1], alone)[0])), ms=_timed(lambda: fn(q, plan))))
     result = {"conditions": dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bfloat16",
-                                 shapes="SmolLM2-135M (D 576, I 1536, 9/3 heads x 64, V 49152)",
+                                 shapes=f"SmolLM2-135M (D {HIDDEN}, I {INTER}, {HQ}/{HKV} heads x {HEAD_DIM}, V {VOCAB})",
                                  date=time.strftime("%Y-%m-%d %H:%M:%S")), "rows": rows}
     publish(result, markdown(result), args.out)
     return result

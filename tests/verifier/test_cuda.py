@@ -13,7 +13,7 @@ import torch
 from deploy.verifier.attention import torch_attention, tree_attention
 from deploy.verifier.batch import ancestor_bits, signed64
 from deploy.verifier.engine import OpenRequest, VerifierEngine
-from deploy.verifier.models import tiny_random_model
+from deploy.verifier.models import EMBEDDED_SHAPES, tiny_random_model
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
@@ -188,8 +188,7 @@ def test_cuda_rope_write_and_swiglu_match_the_torch_glue_and_give_a_row_the_same
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("cfg", [dict(), dict(num_heads=6, num_kv_heads=2, hidden_size=96),
-                                 dict(vocab_size=49152, hidden_size=576, num_layers=4, num_heads=9, num_kv_heads=3,
-                                      intermediate_size=1536)])
+                                 {**EMBEDDED_SHAPES, "num_layers": 4}])
 def test_cuda_bf16_greedy_output_is_batch_invariant(seed, cfg):
     """The CPU test (test_batch_invariance.py) on the device, also at the embedded model's
     widths (4 of its 30 layers): random trees, random prefill chunking, 1..16 other sessions."""

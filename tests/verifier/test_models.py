@@ -1,6 +1,8 @@
-"""deploy.verifier.models: the tokenizer fingerprint edges and servers compare."""
+"""deploy.verifier.models: the tokenizer fingerprint edges and servers compare, and the embedded shapes."""
 
 from __future__ import annotations
+
+import pytest
 
 from deploy.verifier.models import tokenizer_fingerprint
 
@@ -29,3 +31,15 @@ def test_the_fingerprint_is_remembered_per_tokenizer_and_follows_added_tokens():
     tok.vocab["c"] = 2  # a token added after the first fingerprint
     assert tokenizer_fingerprint(tok) != first and tok.reads == 2
     assert tokenizer_fingerprint(None) == "none"
+
+
+@pytest.mark.slow
+def test_embedded_shapes_are_the_embedded_models(embedded):
+    """EMBEDDED_SHAPES (random models of the same work: benchmarks, the GPU tests) is the real config."""
+    from deploy.verifier.models import EMBEDDED_SHAPES
+
+    c = embedded.model.config
+    assert EMBEDDED_SHAPES == dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                                   num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                   intermediate_size=c.intermediate_size,
+                                   max_position_embeddings=c.max_position_embeddings)
