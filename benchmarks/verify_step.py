@@ -70,13 +70,15 @@ class Case:
     """B sessions at a prefix, verifying n-node trees each round."""
 
     def __init__(self, model, prefix: int, sessions: int, nodes: int, rng: random.Random, shape=draft_shaped_tree,
-                 group: str = "grid"):
+                 group: str = "grid", graphs: bool = True):
         self.prefix, self.sessions, self.nodes, self.group = prefix, sessions, nodes, group
         self.rng, self.shape, self.vocab = rng, shape, model.config.vocab_size
         self.forward_s: list[float] = []
         self.engine = VerifierEngine(model, limits=TreeLimits(max_nodes=64, max_depth=64),
                                      kv_capacity_tokens=sessions * (prefix + 512),
                                      on_forward=lambda st: self.forward_s.append(st.seconds))
+        if not graphs:  # CUDA: every forward eager (deploy/verifier/cuda/graphs.py)
+            self.engine.runner.model.graphs = None
         self.sids = [f"b{sessions}-n{nodes}-{i}" for i in range(sessions)]
         params = SamplingParams(max_tokens=1 << 16, ignore_eos=True)
         self.engine.open([OpenRequest(sid, [rng.randrange(self.vocab) for _ in range(prefix - 1)], params)
@@ -144,7 +146,7 @@ def cpu_name() -> str:
 
 def markdown(result: dict) -> str:
     c = result["conditions"]
-    where = f"on {c['device']}, " if c.get("device", "cpu") != "cpu" else ""
+    where = f"on {c['device']} (CUDA graphs {c.get('cuda_graphs', 'off')}), " if c.get("device", "cpu") != "cpu" else ""
     out = [f"Conditions: {c['model']}, {c['dtype']}, {where}1 torch thread pinned to core {c['core']} ({c['cpu']}), "
            f"torch {c['torch']}, attention kernel: {c['attention']}; median (min) of {c['runs']} bursts x "
            f"{c['burst'] - 1} counted rounds after {c['warmup']} warm-up, bursts round-robin over the cases; "
@@ -209,6 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--weights", default="embedded", choices=("embedded", "random"),
                     help="random: the embedded model's shapes with random weights (same work per round; for "
                          "a machine without the model files, such as a GPU box with no network)")
+    ap.add_argument("--cuda-graphs", default="on", choices=("on", "off"),
+                    help="CUDA: replay the layer stack as captured graphs (on, the engine's default) or launch "
+                         "every kernel (off)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer")
     ap.add_argument("--vllm-timeout", type=float, default=900,
                     help="seconds for vLLM's run per prefix (start-up included; on a CPU without AVX512 "
@@ -239,15 +244,16 @@ def main(argv: list[str] | None = None) -> dict:
                 dtype=args.dtype, device=device_name(device), core=args.core, cpu=cpu_name(),
                 torch=torch.__version__, threads=1, prefixes=prefixes, sessions=sessions, nodes=nodes,
                 runs=args.runs, burst=args.burst, warmup=args.warmup, tree_shape="draft-shaped (4,3,2,2 then chains), random tokens",
-                attention=attention,
+                attention=attention, cuda_graphs=args.cuda_graphs if device.type == "cuda" else "-",
                 loadavg_start=round(os.getloadavg()[0], 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rng = random.Random(0)
     rows = []
     for prefix in prefixes:
-        cases = [Case(model, prefix, b, n, rng) for b in sessions for n in nodes]
+        graphs = args.cuda_graphs == "on"
+        cases = [Case(model, prefix, b, n, rng, graphs=graphs) for b in sessions for n in nodes]
         if not args.no_sweep and prefix == prefixes[0]:
-            cases += [Case(model, prefix, 1, n, rng, chain_tree, "sweep") for n in (1, 3, 7, 63)]
-            cases += [Case(model, prefix, 16, n, rng, chain_tree, "sweep") for n in (1, 3)]
+            cases += [Case(model, prefix, 1, n, rng, chain_tree, "sweep", graphs) for n in (1, 3, 7, 63)]
+            cases += [Case(model, prefix, 16, n, rng, chain_tree, "sweep", graphs) for n in (1, 3)]
         rows += measure(cases, args.runs, args.warmup, args.burst)
         del cases
     vllm = None

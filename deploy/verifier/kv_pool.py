@@ -43,6 +43,7 @@ class KVPool:
         self.v = hugepages.empty((num_layers, self.num_pages, kv_heads, PAGE_SIZE, head_dim), dtype, device)
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: low page ids first
         self.sessions: dict[str, SessionPages] = {}
+        self._scratch: int | None = None  # a page no session owns (scratch_slot)
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -51,7 +52,8 @@ class KVPool:
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages the sessions hold (the scratch page is not theirs)."""
+        return self.num_pages - len(self._free) - (self._scratch is not None)
 
     @property
     def tokens(self) -> int:
@@ -74,6 +76,15 @@ class KVPool:
                                      f"of {self.num_pages}")
         for _ in range(need):
             s.pages.append(self._free.pop())
+
+    def scratch_slot(self) -> int:
+        """A slot no session will ever own, for rows whose K/V nobody reads (the padding rows
+        of a CUDA graph's bucket): a page taken from the free list once, for good."""
+        if self._scratch is None:
+            if not self._free:
+                raise KVCapacityExceeded(f"KV pool full: no page free of {self.num_pages} for scratch")
+            self._scratch = self._free.pop()
+        return self._scratch * PAGE_SIZE
 
     def _trim(self, s: SessionPages, end: int | None = None) -> None:
         keep = -(-(s.length if end is None else end) // PAGE_SIZE)

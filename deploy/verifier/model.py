@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from deploy.errors import UnsupportedModel
-from deploy.verifier import hugepages, native
+from deploy.verifier import cuda, hugepages, native
 from deploy.verifier.attention import tree_attention, use_kernel
 from deploy.verifier.batch import PackedBatch
+from deploy.verifier.cuda.graphs import LayerGraphs
 from deploy.verifier.glue import make_glue
 from deploy.verifier.kv_pool import KVPool
 from deploy.verifier.lora import add_lora, row_groups
@@ -208,7 +209,8 @@ class Linear:
 class DecoderModel:
     """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head)."""
 
-    def __init__(self, hf_model, first: int = 0, last: int | None = None, compile: bool = False):
+    def __init__(self, hf_model, first: int = 0, last: int | None = None, compile: bool = False,
+                 graphs: bool = True):
         cfg = hf_model.config
         self.spec = spec = DecoderSpec.from_config(cfg)
         self.config = cfg
@@ -233,6 +235,7 @@ class DecoderModel:
         self.glue = make_glue(self.device, self.dtype, compile)
         self._weights_on_huge_pages()
         self.stack = NativeStack(self) if NativeStack.supports(self) else None  # the layers in one native call
+        self.graphs = LayerGraphs(self) if graphs and self.kernel and cuda.available(self.device) else None
         self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
 
     def layer_linears(self) -> list[Linear]:
@@ -285,19 +288,37 @@ class DecoderModel:
         Every layer writes the batch's new K/V into ``pool`` at ``batch.slots``.
         ``on_layer(n, h, batch)``, if given, sees the residual stream h [N, D] after each
         layer (``n`` = layers run so far in the whole model) and must not change it
-        (exit heads, :mod:`deploy.verifier.exit_heads`).
+        (exit heads, :mod:`deploy.verifier.exit_heads`). On CUDA a batch without LoRA rows or
+        ``on_layer`` replays a captured graph of this same code (:mod:`deploy.verifier.cuda.graphs`).
         """
-        s, g = self.spec, self.glue
         N = batch.num_tokens
-        Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
-        h = F.embedding(batch.input_ids.to(self.device), self.embed) if self.is_first else hidden.to(self.device, self.dtype)
+        # rows per LoRA target version; each adds its own delta to the fused linears (lora.py)
+        lora = row_groups(batch.adapter_rows, N, self.adapters, self.device) if batch.adapter_rows else []
+        if self.graphs is not None and not lora and on_layer is None:
+            h = self.graphs(batch, pool, hidden)
+            if h is not None:
+                return h
+        h = self.embed_rows(batch.input_ids.to(self.device), hidden)
         cos, sin = self._rope(batch.positions)
         where = pool.locate(batch.slots.to(self.device))
         plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
-        # rows per LoRA target version; each adds its own delta to the fused linears (lora.py)
-        lora = row_groups(batch.adapter_rows, N, self.adapters, self.device) if batch.adapter_rows else []
         if self.stack is not None and not lora and (on_layer is None or hasattr(on_layer, "layers")):
             return self.stack(h, cos, sin, pool, where, plan, on_layer, batch)
+        return self.run_layers(h, cos, sin, pool, where, plan, lora, on_layer, batch)
+
+    def embed_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The stream before the first local layer: the first slice embeds ids [N]; later ones
+        take ``hidden`` [N, D]."""
+        return F.embedding(input_ids, self.embed) if self.is_first else hidden.to(self.device, self.dtype)
+
+    def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, where, plan,
+                   lora=(), on_layer=None, batch: PackedBatch | None = None) -> torch.Tensor:
+        """The layers in torch ops and kernels: h [N, D] -> h [N, D]; each layer writes its K/V
+        of the rows into ``pool`` at ``where`` (page, offset) [N] each. No host sync, so a CUDA
+        graph can capture it (:mod:`deploy.verifier.cuda.graphs`)."""
+        s, g = self.spec, self.glue
+        N = h.shape[0]
+        Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         x = g.norm(h, self.layers[0].ln1, s.rms_eps)
 
         def lin(f: Linear, x: torch.Tensor, i: int, name: str) -> torch.Tensor:

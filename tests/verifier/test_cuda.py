@@ -37,6 +37,7 @@ def test_greedy_verification_on_cuda_equals_target_only_decoding():
     for sid in specs:
         s = eng.sessions[sid]
         assert s.prefix[s.prompt_len:] == truths[sid]
+    assert eng.runner.model.graphs.captures > 0  # the forwards replayed CUDA graphs
 
 
 def test_cuda_bf16_runs_trees_and_releases_the_pool():
@@ -201,3 +202,54 @@ def test_cuda_bf16_greedy_output_is_batch_invariant(seed, cfg):
     prompts = {f"p{i}": random_prompt(rng, V, 1, 120) for i in range(3)}
     truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
     assert batched_decode(model, (), prompts, params, truths, rng) == truths
+
+
+def test_cuda_bf16_greedy_output_is_batch_invariant_without_graphs(monkeypatch):
+    """The test above replays CUDA graphs (the default); here every forward launches its kernels
+    (the embedded widths, 4 layers): that path is invariant too."""
+    from deploy.verifier.cuda.graphs import LayerGraphs
+    from tests.verifier.test_batch_invariance import batched_decode, one_token_decode
+
+    monkeypatch.setattr(LayerGraphs, "__call__", lambda self, batch, pool, hidden: None)
+    model = tiny_random_model(seed=11, dtype=torch.bfloat16, **{**EMBEDDED_SHAPES, "num_layers": 4}).to("cuda")
+    rng = random.Random(11)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = {f"p{i}": random_prompt(rng, model.config.vocab_size, 1, 120) for i in range(3)}
+    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
+    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+
+
+@pytest.mark.parametrize("cfg", [dict(), {**EMBEDDED_SHAPES, "num_layers": 4}])
+def test_cuda_graph_replays_give_the_eager_forwards_bits(cfg):
+    """The same forwards (prefill chunks up to 1100 rows, decode roots, trees of up to 40 nodes, 1-6
+    sessions) through a runner replaying graphs and one launching every kernel: bit-equal logits;
+    the graphs ran (several shapes; an 1100-row chunk, past the largest bucket, eagerly)."""
+    from deploy.verifier.batch import chunk_input, tree_input
+    from deploy.verifier.runner import ModelRunner
+    from tests.verifier.test_cuda_graphs import _random_tree
+
+    model = tiny_random_model(seed=7, dtype=torch.bfloat16, **cfg).to("cuda")
+    graphed, eager = (ModelRunner(model, kv_capacity_tokens=1 << 14) for _ in range(2))
+    eager.model.graphs = None
+    V = model.config.vocab_size
+    rng = random.Random(7)
+    for step in range(40):
+        items = []
+        for i in rng.sample(range(6), rng.randint(1, 6)):
+            sid, L = f"s{i}", graphed.kv_length(f"s{i}")
+            assert L == eager.kv_length(sid)
+            if L == 0:
+                n = 1100 if i == 5 else rng.randint(1, 150)
+                items.append(chunk_input(sid, 0, [rng.randrange(V) for _ in range(n)]))
+            else:
+                toks, parents, depths = _random_tree(rng, rng.choice([0, 0, rng.randint(1, 40)]), V)
+                items.append(tree_input(sid, L, rng.randrange(V), toks, parents, depths))
+        keep = {it.sid: (len(it.tokens) if it.positions == it.write_at else 1, []) for it in items}
+        outs = []
+        for r in (graphed, eager):
+            outs.append(r.forward(step, items))
+            r.commit(step, keep)
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"step {step}"
+    graphs = graphed.model.graphs
+    assert graphs.captures >= 4
+    assert graphed.pool.pages_in_use == eager.pool.pages_in_use  # the scratch page is no session's

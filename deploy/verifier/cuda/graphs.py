@@ -1,0 +1,216 @@
+"""CUDA graphs of the layer stack: a forward as one replay instead of hundreds of launches.
+
+On a GPU the verify round of a small target is bound by the host, not the GPU: a 1-row
+round of the embedded SmolLM2 launched 432 kernels with the H100 busy 2.2 ms of a 16-21 ms
+round (``benchmarks/verify_step.py --device cuda``, 2026-11-27). :class:`LayerGraphs`
+captures :meth:`deploy.verifier.model.DecoderModel.run_layers` (with the embedding and RoPE
+tables before it) once per shape and replays it (CUDA graphs, as vLLM and gpt-fast do for
+decode steps).
+
+Shapes. A graph replays fixed shapes at fixed addresses, so a forward of ``N`` rows runs in
+the graph of the smallest row bucket ``>= N`` (:data:`ROW_BUCKETS`), with its rows' logical
+sequences padded to a power-of-two width and its block table to a power-of-two page count.
+Padding rows embed token 0 at position 0, attend no key and write their K/V into the pool's
+scratch slot (:meth:`deploy.verifier.kv_pool.KVPool.scratch_slot`); every op of the stack is
+row-wise, so they touch no real row. A real row gets the bits of the eager CUDA path: the
+same kernels on the same shapes (the GEMMs run at 128 rows either way,
+:mod:`deploy.verifier.row_chunks`), so batch invariance holds as before
+(``tests/verifier/test_cuda.py``). Forwards past the largest bucket (long prefill chunks),
+with LoRA rows or exit heads run eagerly.
+
+Inputs reach a graph through one host-to-device copy of a pinned int64 buffer (token ids,
+RoPE positions, write slots, the attention plan); nothing in a replay waits on the host.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from deploy.errors import KVCapacityExceeded
+from deploy.verifier.attention import row_positions
+from deploy.verifier.native import PAGE_SIZE
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MIN_WIDTH = 64  # logical keys per row, at least (a power of two)
+MIN_PAGES = 4  # block table entries per session, at least (a power of two)
+MAX_INTS = 1 << 22  # a graph's int inputs, at most (32 MiB): a larger forward runs eagerly
+_ROW_FIELDS = ("ids", "rope_pos", "page", "off", "seq", "lengths")  # one int per row each
+
+
+def bucket_rows(n: int) -> int | None:
+    """The smallest row bucket holding ``n`` rows (None: more than the largest)."""
+    return next((b for b in ROW_BUCKETS if b >= n), None)
+
+
+def pow2_at_least(n: int, floor: int) -> int:
+    """The smallest power of two >= max(n, floor)."""
+    return 1 << (max(n, floor) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    rows: int  # a row bucket
+    width: int  # logical keys per row (the attention plan's positions table)
+    pages: int  # block table entries per session
+
+    @classmethod
+    def of(cls, num_rows: int, max_len: int, table_pages: int) -> "GraphShape | None":
+        """The graph a forward of ``num_rows`` rows runs in (None: it runs eagerly)."""
+        rows = bucket_rows(num_rows)
+        if rows is None:
+            return None
+        shape = cls(rows, pow2_at_least(max_len, MIN_WIDTH), pow2_at_least(table_pages, MIN_PAGES))
+        return shape if shape.num_ints <= MAX_INTS else None
+
+    @property
+    def num_ints(self) -> int:
+        return self.rows * (len(_ROW_FIELDS) + self.pages + self.width)
+
+    def fields(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of an int64 buffer [num_ints]: one [rows] per row field, then the block table
+        [rows, pages] (a session per row at most), then the logical positions [rows, width]."""
+        r, out, at = self.rows, {}, 0
+        for name in _ROW_FIELDS:
+            out[name], at = buf[at: at + r], at + r
+        out["bt"], at = buf[at: at + r * self.pages].view(r, self.pages), at + r * self.pages
+        out["pos"] = buf[at: at + r * self.width].view(r, self.width)
+        return out
+
+
+@dataclass
+class StaticPlan:
+    """The attention plan a graph's tree attention reads (the Triton kernel's inputs)."""
+
+    block_table: torch.Tensor  # [rows, pages] int64
+    row_seq: torch.Tensor  # [rows] int64: the row's session (row of block_table)
+    positions: torch.Tensor  # [rows, width] int64: the row's logical sequence, left-aligned
+    lengths: torch.Tensor  # [rows] int64: its length (0 for padding rows)
+
+    def logical_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.positions, self.lengths
+
+
+def fill_inputs(f: dict[str, torch.Tensor], batch, scratch_slot: int) -> int:
+    """Write ``batch`` (N rows, packed, its plan on the host) into the host views ``f`` of a
+    graph's inputs, padding rows after it; returns how many leading ints of the buffer hold
+    them (the rest is stale and unread)."""
+    N, plan = batch.num_tokens, batch.plan
+    rows, width = f["pos"].shape
+    pos, valid = row_positions(plan)  # [N, S] long, [N, S] bool
+    S = pos.shape[1]
+    f["ids"][:N], f["ids"][N:] = batch.input_ids, 0
+    f["rope_pos"][:N], f["rope_pos"][N:] = batch.positions, 0
+    f["page"][:N], f["page"][N:] = batch.slots // PAGE_SIZE, scratch_slot // PAGE_SIZE
+    f["off"][:N], f["off"][N:] = batch.slots % PAGE_SIZE, scratch_slot % PAGE_SIZE
+    f["seq"][:N], f["seq"][N:] = plan.row_seq, 0
+    f["lengths"][:N], f["lengths"][N:] = valid.sum(1), 0
+    bt = plan.block_table  # [B, P]: entries past it are never read (no row reaches them)
+    f["bt"][: bt.shape[0], : bt.shape[1]] = bt
+    f["pos"][:N, :S] = pos
+    return f["pos"].storage_offset() - f["ids"].storage_offset() + N * width
+
+
+@dataclass(eq=False)
+class _Graph:
+    """One captured stack for one :class:`GraphShape`: its static inputs and output."""
+
+    shape: GraphShape
+    host: torch.Tensor  # [num_ints] int64, pinned
+    dev: torch.Tensor  # [num_ints] int64 on the GPU: what the graph reads
+    hidden: torch.Tensor | None  # [rows, D] the incoming stream of a later pipeline stage
+    graph: torch.cuda.CUDAGraph | None = None
+    out: torch.Tensor | None = None  # [rows, D]: the stream after the last layer
+    copied: torch.cuda.Event | None = None  # the last host-to-device copy (host reusable after it)
+
+    @property
+    def host_fields(self) -> dict[str, torch.Tensor]:
+        return self.shape.fields(self.host)
+
+    @property
+    def dev_fields(self) -> dict[str, torch.Tensor]:
+        return self.shape.fields(self.dev)
+
+
+@dataclass(eq=False)
+class _PoolGraphs:
+    scratch_slot: int
+    graphs: dict[GraphShape, _Graph] = field(default_factory=dict)
+
+
+class LayerGraphs:
+    """The CUDA graphs of one :class:`deploy.verifier.model.DecoderModel`'s layer stack, per KV
+    pool (a graph writes and reads one pool's tensors) and :class:`GraphShape`, captured on
+    first use and replayed after."""
+
+    def __init__(self, model):
+        self.model = model
+        self.mempool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: one memory pool
+        self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.captures = 0
+
+    def __call__(self, batch, pool, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """The stream after the layers [N, D] for ``batch`` (its plan on the host), or None where
+        the forward must run eagerly (no bucket fits it, or the pool has no page for scratch)."""
+        shape = GraphShape.of(batch.num_tokens, batch.plan.max_len, batch.plan.block_table.shape[1])
+        if shape is None:
+            return None
+        state = self._pools.get(pool)
+        if state is None:
+            try:
+                state = self._pools[pool] = _PoolGraphs(pool.scratch_slot())
+            except KVCapacityExceeded:
+                return None
+        g = state.graphs.get(shape)
+        if g is None:
+            g = state.graphs[shape] = self._new(shape)
+        self._copy_in(g, batch, state.scratch_slot)
+        N = batch.num_tokens
+        if g.hidden is not None:
+            g.hidden[:N].copy_(hidden)
+        if g.graph is None:
+            self._capture(g, pool)
+        g.graph.replay()
+        return g.out[:N].clone()  # the next replay overwrites out
+
+    def _new(self, shape: GraphShape) -> _Graph:
+        m = self.model
+        hidden = None if m.is_first else torch.zeros(shape.rows, m.spec.hidden_size, dtype=m.dtype, device=m.device)
+        return _Graph(shape, torch.zeros(shape.num_ints, dtype=torch.long, pin_memory=True),
+                      torch.zeros(shape.num_ints, dtype=torch.long, device=m.device), hidden)
+
+    @staticmethod
+    def _copy_in(g: _Graph, batch, scratch_slot: int) -> None:
+        """The batch into the graph's inputs: filled on the host, one asynchronous copy."""
+        if g.copied is not None:
+            g.copied.synchronize()  # the last copy has read the pinned buffer
+        used = fill_inputs(g.host_fields, batch, scratch_slot)
+        g.dev[:used].copy_(g.host[:used], non_blocking=True)
+        g.copied = torch.cuda.Event()
+        g.copied.record()
+
+    def _stack(self, g: _Graph, pool) -> torch.Tensor:
+        """What a replay runs: embedding (or the incoming stream), RoPE tables, the layers."""
+        m, f = self.model, g.dev_fields
+        h = m.embed_rows(f["ids"], g.hidden)
+        cos, sin = m._rope(f["rope_pos"])
+        plan = StaticPlan(f["bt"], f["seq"], f["pos"], f["lengths"])
+        return m.run_layers(h, cos, sin, pool, (f["page"], f["off"]), plan)
+
+    def _capture(self, g: _Graph, pool) -> None:
+        """Run the stack once on a side stream (compiles the Triton kernels, sets up cuBLAS:
+        nothing a capture may do), then capture it. Both runs write the batch's K/V where its
+        replay will: the same values."""
+        device = self.model.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._stack(g, pool)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+            g.out = self._stack(g, pool)
+        g.graph = graph
+        self.captures += 1
