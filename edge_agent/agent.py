@@ -154,6 +154,7 @@ class GenerationStats:
     round_ms: list[float] = field(default_factory=list)  # send -> reply of each verify
     draft_ms: list[float] = field(default_factory=list)  # each draft forward
     finish_reason: str | None = None
+    early_asks: int = 0  # rounds that asked for early results (F_EARLY: a tree, the server has exits)
     early_frames: int = 0  # early results received (pre-draft cache, edge_agent/predraft.py)
     predraft_hits: int = 0  # rounds whose next tree was pre-drafted for a matching early result or guess
     predraft_misses: int = 0  # rounds with early results or guesses, none matching the reply
@@ -461,6 +462,7 @@ class EdgeAgent:
                                     conf=ds.confidences(order) if cfg.send_confidence and len(tree) else None,
                                     proposals=ds.proposals(), early=early and len(tree) > 0)
                 frame.ahead = cfg.run_ahead and rule == "match" and not frame.early
+                stats.early_asks += frame.early
                 t0 = time.perf_counter()
                 guess_nodes = None  # the edge's own guesses: how many nodes of this tree it expects verified
                 if guessing and proactive and len(tree):

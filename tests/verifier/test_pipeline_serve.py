@@ -65,5 +65,6 @@ def test_pp2_app_from_config_file_with_edge_agent(ray_session):
         assert res.token_ids == reference_decode(target, p, SamplingParams(**SAMPLING))
         assert res.stats.reopens == 0
     assert stats["verify_forwards"] > 0
-    for res in results[:len(prompts)]:  # the proactive runs: stage 0's exit, over the WebSocket, every round
-        assert res.stats.early_frames >= res.stats.rounds - 1 > 0
+    for res in results[:len(prompts)]:  # the proactive runs: stage 0's exit, over the WebSocket, each round
+        # that asked (one with a tree: how many have one depends on the server's budget hints, i.e. on load)
+        assert res.stats.early_frames == res.stats.early_asks > 0
