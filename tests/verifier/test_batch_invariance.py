@@ -87,6 +87,22 @@ def test_bf16_greedy_output_is_batch_invariant_on_tiny_models(seed, cfg):
     assert got == truths
 
 
+SAMPLED = dict(temperature=0.8, top_p=0.95, max_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_bf16_seeded_sampled_output_is_batch_invariant(seed):
+    """Seeded sampling with the match rule draws one uniform per emitted token from the target's
+    own distribution at that position, so with rows invariant the draws, hence the tokens, are
+    those of one-token decoding whatever the batch, trees or chunking."""
+    model = tiny_random_model(seed=seed, dtype=torch.bfloat16)
+    rng = random.Random(seed)
+    params = SamplingParams(seed=seed + 7, **SAMPLED)
+    prompts = {f"p{i}": random_prompt(rng, 512, 1, 120) for i in range(3)}
+    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
+    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+
+
 def test_batch_invariance_holds_with_the_compiled_forward():
     """verifier.compile: the torch.compile'd glue (one graph for a single row, one dynamic graph
     for the rest) keeps every row independent of its batch."""

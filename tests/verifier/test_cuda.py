@@ -204,6 +204,19 @@ def test_cuda_bf16_greedy_output_is_batch_invariant(seed, cfg):
     assert batched_decode(model, (), prompts, params, truths, rng) == truths
 
 
+def test_cuda_bf16_seeded_sampled_output_is_batch_invariant():
+    """Sampling on the device (softmax, top-p over [V] rows of CUDA logits): seeded output equals
+    one-token decoding's in any batch (the CPU test of test_batch_invariance.py)."""
+    from tests.verifier.test_batch_invariance import SAMPLED, batched_decode, one_token_decode
+
+    model = tiny_random_model(seed=12, dtype=torch.bfloat16, **{**EMBEDDED_SHAPES, "num_layers": 4}).to("cuda")
+    rng = random.Random(12)
+    params = SamplingParams(seed=19, **SAMPLED)
+    prompts = {f"p{i}": random_prompt(rng, model.config.vocab_size, 1, 120) for i in range(3)}
+    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
+    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+
+
 def test_cuda_bf16_greedy_output_is_batch_invariant_without_graphs(monkeypatch):
     """The test above replays CUDA graphs (the default); here every forward launches its kernels
     (the embedded widths, 4 layers): that path is invariant too."""
@@ -253,3 +266,28 @@ def test_cuda_graph_replays_give_the_eager_forwards_bits(cfg):
     graphs = graphed.model.graphs
     assert graphs.captures >= 4
     assert graphed.pool.pages_in_use == eager.pool.pages_in_use  # the scratch page is no session's
+
+
+@pytest.mark.parametrize("mode", ["stop-and-wait", "proactive"])
+def test_an_edge_agent_drafting_on_cuda_against_the_engine_on_cuda_equals_target_only_decoding(mode):
+    """A consumer-GPU edge: the draft model's forwards (the same runner, CUDA graphs included) on
+    the device, verified by the engine on the device (float32), in-process."""
+    import asyncio
+
+    from edge_agent.agent import AgentConfig, EdgeAgent
+    from edge_agent.drafter import ModelDrafter
+    from edge_agent.transport import LocalTransport
+    from tests.edge_agent.helpers import noisy_copy
+
+    cpu = tiny_random_model(seed=4)
+    prompt, params = [1, 5, 9, 33, 7, 100, 200], SamplingParams(max_tokens=40, ignore_eos=True)
+    truth = reference_decode(cpu, prompt, params)
+    drafter = ModelDrafter(noisy_copy(cpu, 0.005).to("cuda"))
+    agent = EdgeAgent(LocalTransport(VerifierEngine(tiny_random_model(seed=4).to("cuda"))), drafter,
+                      config=AgentConfig(mode=mode))
+    try:
+        res = asyncio.run(agent.generate(prompt, params))
+    finally:
+        agent.close()
+    assert res.token_ids == truth
+    assert res.stats.accepted_tokens > 0 and drafter.runner.model.graphs.captures > 0

@@ -24,6 +24,7 @@ RoPE positions, write slots, the attention plan); nothing in a replay waits on t
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -38,6 +39,10 @@ MIN_WIDTH = 64  # logical keys per row, at least (a power of two)
 MIN_PAGES = 4  # block table entries per session, at least (a power of two)
 MAX_INTS = 1 << 22  # a graph's int inputs, at most (32 MiB): a larger forward runs eagerly
 _ROW_FIELDS = ("ids", "rope_pos", "page", "off", "seq", "lengths")  # one int per row each
+# one capture at a time in the process: a capture begins with a device-wide synchronize, which
+# fails while another thread's stream is capturing (an edge agent's drafter and an in-process
+# engine capture on their own threads)
+_CAPTURE_LOCK = threading.Lock()
 
 
 def bucket_rows(n: int) -> int | None:
@@ -210,7 +215,7 @@ class LayerGraphs:
             self._stack(g, pool)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+        with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             g.out = self._stack(g, pool)
         g.graph = graph
         self.captures += 1
