@@ -207,7 +207,9 @@ class Linear:
 
 
 class DecoderModel:
-    """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head)."""
+    """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head).
+    ``graphs``: on CUDA with the Triton kernels, replay the layer stack as CUDA graphs
+    (:mod:`deploy.verifier.cuda.graphs`; bit-equal to launching each kernel)."""
 
     def __init__(self, hf_model, first: int = 0, last: int | None = None, compile: bool = False,
                  graphs: bool = True):
