@@ -316,8 +316,9 @@ class DecoderModel:
     def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, where, plan,
                    lora=(), on_layer=None, batch: PackedBatch | None = None) -> torch.Tensor:
         """The layers in torch ops and kernels: h [N, D] -> h [N, D]; each layer writes its K/V
-        of the rows into ``pool`` at ``where`` (page, offset) [N] each. No host sync, so a CUDA
-        graph can capture it (:mod:`deploy.verifier.cuda.graphs`)."""
+        of the rows into ``pool`` at ``where`` (page, offset) [N] each. On CUDA (Triton kernels,
+        a plan with its logical positions built) nothing here waits on the host, so a CUDA graph
+        can capture it (:mod:`deploy.verifier.cuda.graphs`)."""
         s, g = self.spec, self.glue
         N = h.shape[0]
         Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
