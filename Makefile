@@ -39,11 +39,11 @@ demo: model
 prometheus:
 	bash dashboards/install_prometheus.sh
 
-# two phases: the suite on two xdist workers (every Ray test on one of them, tests/conftest.py), then the
-# timing-sensitive tests (marker `exclusive`) alone; each phase its own pytest session and Ray instance
+# two phases: the suite on two xdist workers (each its own session with its own Ray instance,
+# tests/conftest.py), then the timing-sensitive tests (marker `exclusive`) alone
 PYTEST := $(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider
 test: model prometheus
-	$(PYTEST) --durations=15 -n 2 --dist loadgroup -m "not exclusive" tests; a=$$?; \
+	$(PYTEST) --durations=15 -n 2 -m "not exclusive" tests; a=$$?; \
 	$(PYTEST) -m exclusive tests; b=$$?; \
 	test $$a -eq 0 -a $$b -eq 0
 

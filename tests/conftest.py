@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny random models, the embedded SmolLM2, one Ray instance per session."""
+"""Shared fixtures: tiny random models, the embedded SmolLM2, one Ray instance per session.
+
+``make test`` runs the suite on two pytest-xdist workers: each worker is its own pytest session,
+so each starts its own Ray instance the first time one of its tests needs it (two in all).
+Tests are spread over the workers as they free up; tests that start a cluster of their own
+(``serve run`` in a subprocess, the Locust and benchmark smoke runs) run beside them."""
 
 from __future__ import annotations
 
@@ -33,15 +38,6 @@ def embedded():
     from deploy.verifier.models import load_model
 
     return load_model("embedded", dtype="float32", device="cpu")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs two workers), every test that starts Ray (the shared
-    instance or its own) or a served stack runs on one worker, in one group: one Ray instance
-    per test session still, and no two clusters at once. The pure tests share the other worker."""
-    for item in items:
-        if item.get_closest_marker("ray") or "ray_session" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
