@@ -22,13 +22,13 @@ Hq, Hkv, D = 4, 2, 8
 
 
 def test_a_forward_runs_in_the_smallest_bucket_that_holds_it():
-    assert [bucket_rows(n) for n in (1, 2, 3, 5, 17, 128, 129, 512)] == [1, 2, 4, 8, 32, 128, 256, 512]
+    assert [bucket_rows(n) for n in (1, 2, 3, 5, 17, 128, 129, 300, 528)] == [1, 2, 4, 8, 32, 128, 256, 384, 640]
     largest = ROW_BUCKETS[-1]
     assert bucket_rows(largest) == largest and bucket_rows(largest + 1) is None
     assert [pow2_at_least(n, 64) for n in (1, 64, 65, 1000)] == [64, 64, 128, 1024]
     assert GraphShape.of(3, 70, 5) == GraphShape(4, 128, 8)
     assert GraphShape.of(1, 1, 1) == GraphShape(1, MIN_WIDTH, MIN_PAGES)
-    assert GraphShape.of(272, 1041, 66) == GraphShape(512, 2048, 128)  # 16 sessions x 16 nodes at prefix 1024
+    assert GraphShape.of(272, 1041, 66) == GraphShape(384, 2048, 128)  # 16 sessions x 16 nodes at prefix 1024
     assert GraphShape.of(largest + 1, 10, 1) is None  # past the largest bucket: eager
     wide = GraphShape(largest, 8192, 1024)
     assert wide.num_ints > MAX_INTS and GraphShape.of(largest, 8000, 600) is None  # inputs too large: eager

@@ -34,7 +34,9 @@ from deploy.errors import KVCapacityExceeded
 from deploy.verifier.attention import row_positions
 from deploy.verifier.native import PAGE_SIZE
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# powers of two to 128 rows, then multiples of 128: the GEMMs run in 128-row chunks anyway
+# (row_chunks.py), so above 128 a bucket adds no GEMM work to the eager forward's
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128) + tuple(range(256, 1025, 128))
 MIN_WIDTH = 64  # logical keys per row, at least (a power of two)
 MIN_PAGES = 4  # block table entries per session, at least (a power of two)
 MAX_INTS = 1 << 22  # a graph's int inputs, at most (32 MiB): a larger forward runs eagerly
