@@ -204,32 +204,33 @@ def test_cuda_bf16_greedy_output_is_batch_invariant(seed, cfg):
     assert batched_decode(model, (), prompts, params, truths, rng) == truths
 
 
+def _batch_invariant_at_embedded_widths(seed: int, params: SamplingParams) -> None:
+    """bf16 at the embedded model's widths (4 of its 30 layers): each session's output among
+    random other sessions, trees and prefill chunks equals one-token decoding's."""
+    from tests.verifier.test_batch_invariance import batched_decode, one_token_decode
+
+    model = tiny_random_model(seed=seed, dtype=torch.bfloat16, **{**EMBEDDED_SHAPES, "num_layers": 4}).to("cuda")
+    rng = random.Random(seed)
+    prompts = {f"p{i}": random_prompt(rng, model.config.vocab_size, 1, 120) for i in range(3)}
+    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
+    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+
+
 def test_cuda_bf16_seeded_sampled_output_is_batch_invariant():
     """Sampling on the device (softmax, top-p over [V] rows of CUDA logits): seeded output equals
     one-token decoding's in any batch (the CPU test of test_batch_invariance.py)."""
-    from tests.verifier.test_batch_invariance import SAMPLED, batched_decode, one_token_decode
+    from tests.verifier.test_batch_invariance import SAMPLED
 
-    model = tiny_random_model(seed=12, dtype=torch.bfloat16, **{**EMBEDDED_SHAPES, "num_layers": 4}).to("cuda")
-    rng = random.Random(12)
-    params = SamplingParams(seed=19, **SAMPLED)
-    prompts = {f"p{i}": random_prompt(rng, model.config.vocab_size, 1, 120) for i in range(3)}
-    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
-    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+    _batch_invariant_at_embedded_widths(12, SamplingParams(seed=19, **SAMPLED))
 
 
 def test_cuda_bf16_greedy_output_is_batch_invariant_without_graphs(monkeypatch):
-    """The test above replays CUDA graphs (the default); here every forward launches its kernels
-    (the embedded widths, 4 layers): that path is invariant too."""
+    """test_cuda_bf16_greedy_output_is_batch_invariant replays CUDA graphs (the default); here
+    every forward launches its kernels: that path is invariant too."""
     from deploy.verifier.cuda.graphs import LayerGraphs
-    from tests.verifier.test_batch_invariance import batched_decode, one_token_decode
 
     monkeypatch.setattr(LayerGraphs, "__call__", lambda self, batch, pool, hidden: None)
-    model = tiny_random_model(seed=11, dtype=torch.bfloat16, **{**EMBEDDED_SHAPES, "num_layers": 4}).to("cuda")
-    rng = random.Random(11)
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    prompts = {f"p{i}": random_prompt(rng, model.config.vocab_size, 1, 120) for i in range(3)}
-    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
-    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+    _batch_invariant_at_embedded_widths(11, SamplingParams(max_tokens=30, ignore_eos=True))
 
 
 @pytest.mark.parametrize("cfg", [dict(), {**EMBEDDED_SHAPES, "num_layers": 4}])
