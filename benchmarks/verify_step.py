@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
                 loadavg_start=round(os.getloadavg()[0], 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rng = random.Random(0)
     rows = []
+    graphs = args.cuda_graphs == "on"
     for prefix in prefixes:
-        graphs = args.cuda_graphs == "on"
         cases = [Case(model, prefix, b, n, rng, graphs=graphs) for b in sessions for n in nodes]
         if not args.no_sweep and prefix == prefixes[0]:
             cases += [Case(model, prefix, 1, n, rng, chain_tree, "sweep", graphs) for n in (1, 3, 7, 63)]

@@ -75,16 +75,20 @@ def batched_decode(model, eos, prompts: dict[str, list[int]], params: SamplingPa
     return {sid: out[sid] for sid in prompts}
 
 
+def assert_batch_invariant(model, seed: int, params: SamplingParams) -> None:
+    """Three random prompts' output among random other sessions, trees and prefill chunks
+    (:func:`batched_decode`) equals one-token decoding's, token for token."""
+    rng = random.Random(seed)
+    prompts = {f"p{i}": random_prompt(rng, model.config.vocab_size, 1, 120) for i in range(3)}
+    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
+    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("cfg", [dict(), dict(num_heads=6, num_kv_heads=2, hidden_size=96)])
 def test_bf16_greedy_output_is_batch_invariant_on_tiny_models(seed, cfg):
-    model = tiny_random_model(seed=seed, dtype=torch.bfloat16, **cfg)
-    rng = random.Random(seed)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    prompts = {f"p{i}": random_prompt(rng, 512, 1, 120) for i in range(3)}
-    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
-    got = batched_decode(model, (), prompts, params, truths, rng)
-    assert got == truths
+    assert_batch_invariant(tiny_random_model(seed=seed, dtype=torch.bfloat16, **cfg), seed,
+                           SamplingParams(max_tokens=40, ignore_eos=True))
 
 
 SAMPLED = dict(temperature=0.8, top_p=0.95, max_tokens=40, ignore_eos=True)
@@ -95,12 +99,8 @@ def test_bf16_seeded_sampled_output_is_batch_invariant(seed):
     """Seeded sampling with the match rule draws one uniform per emitted token from the target's
     own distribution at that position, so with rows invariant the draws, hence the tokens, are
     those of one-token decoding whatever the batch, trees or chunking."""
-    model = tiny_random_model(seed=seed, dtype=torch.bfloat16)
-    rng = random.Random(seed)
-    params = SamplingParams(seed=seed + 7, **SAMPLED)
-    prompts = {f"p{i}": random_prompt(rng, 512, 1, 120) for i in range(3)}
-    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
-    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+    assert_batch_invariant(tiny_random_model(seed=seed, dtype=torch.bfloat16), seed,
+                           SamplingParams(seed=seed + 7, **SAMPLED))
 
 
 def test_batch_invariance_holds_with_the_compiled_forward():

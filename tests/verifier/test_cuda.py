@@ -193,44 +193,33 @@ def test_cuda_rope_write_and_swiglu_match_the_torch_glue_and_give_a_row_the_same
 def test_cuda_bf16_greedy_output_is_batch_invariant(seed, cfg):
     """The CPU test (test_batch_invariance.py) on the device, also at the embedded model's
     widths (4 of its 30 layers): random trees, random prefill chunking, 1..16 other sessions."""
-    from tests.verifier.test_batch_invariance import batched_decode, one_token_decode
+    from tests.verifier.test_batch_invariance import assert_batch_invariant
 
-    model = tiny_random_model(seed=seed, dtype=torch.bfloat16, **cfg).to("cuda")
-    rng = random.Random(seed)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    V = model.config.vocab_size
-    prompts = {f"p{i}": random_prompt(rng, V, 1, 120) for i in range(3)}
-    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
-    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+    assert_batch_invariant(tiny_random_model(seed=seed, dtype=torch.bfloat16, **cfg).to("cuda"), seed,
+                           SamplingParams(max_tokens=40, ignore_eos=True))
 
 
-def _batch_invariant_at_embedded_widths(seed: int, params: SamplingParams) -> None:
-    """bf16 at the embedded model's widths (4 of its 30 layers): each session's output among
-    random other sessions, trees and prefill chunks equals one-token decoding's."""
-    from tests.verifier.test_batch_invariance import batched_decode, one_token_decode
-
-    model = tiny_random_model(seed=seed, dtype=torch.bfloat16, **{**EMBEDDED_SHAPES, "num_layers": 4}).to("cuda")
-    rng = random.Random(seed)
-    prompts = {f"p{i}": random_prompt(rng, model.config.vocab_size, 1, 120) for i in range(3)}
-    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
-    assert batched_decode(model, (), prompts, params, truths, rng) == truths
+def _at_embedded_widths(seed: int):
+    """A bf16 random model at the embedded model's widths (4 of its 30 layers), on the device."""
+    return tiny_random_model(seed=seed, dtype=torch.bfloat16, **{**EMBEDDED_SHAPES, "num_layers": 4}).to("cuda")
 
 
 def test_cuda_bf16_seeded_sampled_output_is_batch_invariant():
     """Sampling on the device (softmax, top-p over [V] rows of CUDA logits): seeded output equals
     one-token decoding's in any batch (the CPU test of test_batch_invariance.py)."""
-    from tests.verifier.test_batch_invariance import SAMPLED
+    from tests.verifier.test_batch_invariance import SAMPLED, assert_batch_invariant
 
-    _batch_invariant_at_embedded_widths(12, SamplingParams(seed=19, **SAMPLED))
+    assert_batch_invariant(_at_embedded_widths(12), 12, SamplingParams(seed=19, **SAMPLED))
 
 
 def test_cuda_bf16_greedy_output_is_batch_invariant_without_graphs(monkeypatch):
     """test_cuda_bf16_greedy_output_is_batch_invariant replays CUDA graphs (the default); here
     every forward launches its kernels: that path is invariant too."""
     from deploy.verifier.cuda.graphs import LayerGraphs
+    from tests.verifier.test_batch_invariance import assert_batch_invariant
 
     monkeypatch.setattr(LayerGraphs, "__call__", lambda self, batch, pool, hidden: None)
-    _batch_invariant_at_embedded_widths(11, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert_batch_invariant(_at_embedded_widths(11), 11, SamplingParams(max_tokens=30, ignore_eos=True))
 
 
 @pytest.mark.parametrize("cfg", [dict(), {**EMBEDDED_SHAPES, "num_layers": 4}])

@@ -17,6 +17,7 @@ from deploy.verifier.cuda.graphs import (MAX_INTS, MIN_PAGES, MIN_WIDTH, ROW_BUC
                                          bucket_rows, fill_inputs, pow2_at_least)
 from deploy.verifier.kv_pool import KVPool
 from deploy.verifier.native import PAGE_SIZE
+from deploy.verifier.tree import DraftTree
 
 Hq, Hkv, D = 4, 2, 8
 
@@ -44,11 +45,9 @@ def test_fields_tile_the_buffer_without_overlap():
 
 
 def _random_tree(rng: random.Random, n: int, vocab: int):
+    """tokens, parents, depths of a random n-node tree (tree_input's arguments)."""
     parents = [rng.randrange(-1, j) for j in range(n)]
-    depths = []
-    for p in parents:
-        depths.append(1 if p < 0 else depths[p] + 1)
-    return [rng.randrange(vocab) for _ in range(n)], parents, depths
+    return [rng.randrange(vocab) for _ in range(n)], parents, list(DraftTree((0,) * n, tuple(parents)).depths)
 
 
 def _batch(rng: random.Random, pool: KVPool):

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 
 from deploy.errors import KVCapacityExceeded
-from deploy.verifier.attention import row_positions
 from deploy.verifier.native import PAGE_SIZE
 
 # powers of two to 128 rows, then multiples of 128: the GEMMs run in 128-row chunks anyway
@@ -106,14 +105,14 @@ def fill_inputs(f: dict[str, torch.Tensor], batch, scratch_slot: int) -> int:
     them (the rest is stale and unread)."""
     N, plan = batch.num_tokens, batch.plan
     rows, width = f["pos"].shape
-    pos, valid = row_positions(plan)  # [N, S] long, [N, S] bool
+    pos, lengths = plan.logical_positions()  # [N, S] long, [N] int32 (what the eager kernel reads)
     S = pos.shape[1]
     f["ids"][:N], f["ids"][N:] = batch.input_ids, 0
     f["rope_pos"][:N], f["rope_pos"][N:] = batch.positions, 0
     f["page"][:N], f["page"][N:] = batch.slots // PAGE_SIZE, scratch_slot // PAGE_SIZE
     f["off"][:N], f["off"][N:] = batch.slots % PAGE_SIZE, scratch_slot % PAGE_SIZE
     f["seq"][:N], f["seq"][N:] = plan.row_seq, 0
-    f["lengths"][:N], f["lengths"][N:] = valid.sum(1), 0
+    f["lengths"][:N], f["lengths"][N:] = lengths, 0
     bt = plan.block_table  # [B, P]: entries past it are never read (no row reaches them)
     f["bt"][: bt.shape[0], : bt.shape[1]] = bt
     f["pos"][:N, :S] = pos
@@ -131,14 +130,11 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # [rows, D]: the stream after the last layer
     copied: torch.cuda.Event | None = None  # the last host-to-device copy (host reusable after it)
+    host_fields: dict[str, torch.Tensor] = field(init=False)  # views of host / dev, made once
+    dev_fields: dict[str, torch.Tensor] = field(init=False)
 
-    @property
-    def host_fields(self) -> dict[str, torch.Tensor]:
-        return self.shape.fields(self.host)
-
-    @property
-    def dev_fields(self) -> dict[str, torch.Tensor]:
-        return self.shape.fields(self.dev)
+    def __post_init__(self):
+        self.host_fields, self.dev_fields = self.shape.fields(self.host), self.shape.fields(self.dev)
 
 
 @dataclass(eq=False)
