@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from ray import serve
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.models import load_model
@@ -44,6 +44,24 @@ def versions_config(initial: dict, adapters: dict, topology: str = "split") -> S
     }])
 
 
+def deploy(client, config: ServeDeploySchema, timeout_s: float = 300.0) -> None:
+    """``serve deploy`` the config and wait until its app runs. Ray's own ``_blocking`` gives up after
+    a fixed 60 s, which a loaded 2-core CI machine exceeded while starting replicas (not a failure
+    of the app); a failed deploy still fails at once, with Serve's message."""
+    client.deploy_apps(config)
+    (name,) = [app.name for app in config.applications]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(name)
+        if app is not None and app.status == ApplicationStatus.RUNNING:
+            return
+        if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+            raise AssertionError(f"deploy of {name} failed: {app.message}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} not running after {timeout_s:.0f} s: {app}")
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("topology", ["split", "colocated"])
 def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session, tmp_path, topology):
     base = load_model("tiny-random", dtype="float32", seed=0).model
@@ -51,7 +69,7 @@ def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session,
              "chat": make_adapter(base, tmp_path / "chat", 22, ["q_proj", "v_proj"], r=8)}
     client = serve.context._get_global_client()
 
-    client.deploy_apps(versions_config(paths, {"code": paths["code"]}, topology), _blocking=True)
+    deploy(client, versions_config(paths, {"code": paths["code"]}, topology))
     url = f"http://127.0.0.1:{ray_session['http_port']}/versions-{topology}"
     try:
         with httpx.Client(base_url=url, timeout=60, headers=AUTH) as c:
@@ -59,7 +77,7 @@ def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session,
             r = c.post("/v1/sessions", json={"prompt_ids": PROMPT, "model": "chat"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
             up0, t0 = c.get("/v1/stats").json()["uptime_seconds"], time.time()
-            client.deploy_apps(versions_config(paths, paths, topology), _blocking=True)  # adds "chat"
+            deploy(client, versions_config(paths, paths, topology))  # adds "chat"
             sessions, out = {}, {}
             for v in ("code", "chat", None):
                 deadline = time.time() + 60
@@ -93,7 +111,7 @@ def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session,
             for _ in range(4):
                 for v in sessions:
                     assert step(v).status_code == 200
-            client.deploy_apps(versions_config(paths, {"code": paths["code"]}, topology), _blocking=True)  # removes "chat"
+            deploy(client, versions_config(paths, {"code": paths["code"]}, topology))  # removes "chat"
             deadline = time.time() + 60
             while "chat" in [m["id"] for m in c.get("/v1/models").json()["data"]] and time.time() < deadline:
                 time.sleep(0.5)
