@@ -71,6 +71,7 @@ from typing import Any
 
 from benchmarks.metrics import verifier_role
 from benchmarks.proc_stats import CpuSnapshot, cpu_busy, group_members, thread_cpu_s, tree_cpu_s
+from benchmarks.ray_start import ray_start_timed_out
 from deploy.request_path import RequestPathConfig, add_cli_options
 
 REPO = Path(__file__).resolve().parents[1]
@@ -314,24 +315,29 @@ class Server(_Accounting):
         path = (request_path or RequestPathConfig()).model_copy(update={"direct_port": free_direct_port()})
         cfg_path = workdir / "app_config.json"
         cfg_path.write_text(json.dumps(cfg, indent=1))
-        cmd = [sys.executable, "-m", "benchmarks.serve_proc", "--config", str(cfg_path), "--port", str(self.port),
-               "--request-path", path.model_dump_json()]
+        self.cmd = pinned([sys.executable, "-m", "benchmarks.serve_proc", "--config", str(cfg_path), "--port",
+                           str(self.port), "--request-path", path.model_dump_json()], SERVER_CORE, nice)
         self.log = workdir / "serve.log"
-        self.proc = Proc(pinned(cmd, SERVER_CORE, nice), self.log, stdout=subprocess.PIPE)
+        self.proc = Proc(self.cmd, self.log, stdout=subprocess.PIPE)
         self.client_port = path.client_port(self.port)  # where clients connect (the router's own port if direct)
         self.url = f"http://127.0.0.1:{self.client_port}"
 
     def wait_ready(self, timeout: float = 600.0) -> str:
         import httpx
 
-        deadline = time.time() + timeout
+        deadline, note = time.time() + timeout, ""
         line = self.proc.p.stdout.readline()  # blocks until READY (or EOF on failure)
+        if not line.startswith("READY") and ray_start_timed_out(self.log):  # once more (benchmarks/ray_start.py)
+            self.proc.stop()
+            self.log.rename(self.log.with_suffix(".first-try.log"))
+            self.proc = Proc(self.cmd, self.log, stdout=subprocess.PIPE)
+            line, note = self.proc.p.stdout.readline(), "; second try: Ray's node timed out starting the first"
         if not line.startswith("READY"):
             raise RuntimeError(f"the Serve app did not start; see {self.log}:\n{self.log.read_text()[-3000:]}")
         while time.time() < deadline:
             try:
                 if httpx.get(f"{self.url}/v1/health", timeout=5).status_code == 200:
-                    return line.strip()
+                    return line.strip() + note
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
