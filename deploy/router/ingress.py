@@ -240,18 +240,27 @@ class Router:
         return self._info
 
     async def tokenizer(self):
-        """The target's tokenizer (None for tiny test models), loaded at the first OpenAI request."""
-        from deploy.verifier.models import load_tokenizer
+        """The target's tokenizer (None for tiny test models), loaded at the first OpenAI request, in the
+        load's worker thread with every module an OpenAI request needs later: torch (through
+        ``deploy.verifier.models`` and the sampling params' check) and jinja2 (chat templates). The split
+        router imports none of them until then, and a first import on the event loop stalled it 5.5 s on
+        a loaded 2-core host, long enough to answer 408 to opens whose bodies had arrived."""
 
-        return await self._load_once("tokenizer", lambda: load_tokenizer(self.cfg.target.model,
-                                                                          self.cfg.target.tokenizer))
+        def load():
+            import jinja2  # noqa: F401
+            import deploy.verifier.sampling  # noqa: F401
+            from deploy.verifier.models import load_tokenizer
+
+            return load_tokenizer(self.cfg.target.model, self.cfg.target.tokenizer)
+
+        return await self._load_once("tokenizer", load)
 
     async def _load_once(self, key: str, load):
         """``load()`` run once, in a worker thread: not on the event loop that serves every request.
         There, importing transformers for the first /v1/completions stalled the loop ~4 s on a slow
         2-core host (split topology: nothing else in the router imports it), and every request in
         flight paid: opens whose bodies had arrived answered 408 (tests/router/test_hostile_clients.py's
-        soak). Concurrent callers wait for the one load."""
+        soak). ``load`` does its own imports too. Concurrent callers wait for the one load."""
         if key not in self._loaded:
             async with self._load_lock:
                 if key not in self._loaded:
@@ -542,9 +551,12 @@ class Router:
         yield "data: [DONE]\n\n"
 
     async def _server_drafter(self):
-        from deploy.router.server_draft import get_server_drafter
+        def load():
+            from deploy.router.server_draft import get_server_drafter  # imports in the worker thread too
 
-        return await self._load_once("drafter", lambda: get_server_drafter(self.cfg))
+            return get_server_drafter(self.cfg)
+
+        return await self._load_once("drafter", load)
 
     async def _server_decode(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter,
                              version: str | None = None):
