@@ -73,7 +73,10 @@ def main(argv=None) -> int:
                          "and a deploy config that uses it)")
     log = REPO / ".cache" / "demo-serve.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO), **path.env())
+    # Ray starts its workers (proxy, router, verifier) at nice 15; here the edge agent shares the machine at 0
+    # and would take the server's CPU whenever it drafts: the server's workers run at 0, as in benchmarks/
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0",
+               PYTHONPATH=str(REPO), **path.env())
     print(f"[demo] starting `serve run deploy.app` (log: {log}) ...", flush=True)
     t0 = time.time()
     with open(log, "w") as logf:

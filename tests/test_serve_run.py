@@ -44,7 +44,8 @@ def _port_free(port: int) -> bool:
 def test_serve_run_deploy_app_subprocess(tmp_path):
     if not _port_free(8000):
         pytest.fail("port 8000 is taken: `serve run deploy.app` serves there; stop whatever uses it")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(REPO))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0",
+               PYTHONPATH=str(REPO))  # as the demo runs it
     base = "http://127.0.0.1:8000"
     for attempt in (1, 2):  # a second start only when Ray's node timed out starting (benchmarks/ray_start.py)
         log_path = tmp_path / f"serve-{attempt}.log"
