@@ -93,6 +93,9 @@ class Window:
     verify_request_seconds: float = 0.0  # their seconds in the replica, arrival to reply (run-ahead: every step)
     forward_cpu_s_prefill: float = float("nan")  # CPU seconds of the forwards' own thread: prefill forwards
     forward_cpu_s_verify: float = float("nan")  # ... and verify forwards (verifier_busy_s minus these: preempted)
+    takeovers_running: int = 0  # edge requests that met their session's detached run-ahead still decoding
+    takeovers_full: int = 0  # ... full (the session sat out the forwards since; verifier.run_ahead_tokens)
+    takeovers_stopped: int = 0  # ... stopped otherwise (finished, or trees pay again)
 
 
 def tokens_per_server_cpu_s(w: Window) -> float:
@@ -187,6 +190,10 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         # batching: how many session rounds (and rows) one verify forward carried on average
         "sessions_per_forward": w.verify_sessions / w.verify_forwards if w.verify_forwards else float("nan"),
         "rows_per_forward": w.verify_rows / w.verify_forwards if w.verify_forwards else float("nan"),
+        # detached run-ahead: the share of edge requests that found their session's run full (it had stopped
+        # decoding before the request came: forwards it sat out)
+        "run_ahead_full_share": (w.takeovers_full / takeovers if (takeovers := w.takeovers_running + w.takeovers_full
+                                                                              + w.takeovers_stopped) else float("nan")),
         "uplink_bytes_per_token": w.up_bytes / gen, "downlink_bytes_per_token": w.down_bytes / gen,
         "uplink_payload_bytes_per_token": edge.get("up_payload_bytes", float("nan")) / gen,
         "downlink_payload_bytes_per_token": edge.get("down_payload_bytes", float("nan")) / gen,

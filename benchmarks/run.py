@@ -376,7 +376,9 @@ class Server(_Accounting):
                 "verifier_cpu_s": engine, "server_cpu_s": cpu["cpu_s"],
                 **{f"forward_cpu_s_{k}": s1["busy_cpu_seconds"][k] - s0["busy_cpu_seconds"][k] for k in ("prefill", "verify")},
                 **{f"verify_{k}": s1[f"verify_{k}_total"] - s0[f"verify_{k}_total"]
-                   for k in ("forwards", "sessions", "rows", "requests", "request_seconds")}}, cpu
+                   for k in ("forwards", "sessions", "rows", "requests", "request_seconds")},
+                **{f"takeovers_{k}": s1["run_ahead_takeovers"][k] - s0["run_ahead_takeovers"][k]
+                   for k in ("running", "full", "stopped")}}, cpu
 
 
 class VllmServer(_Accounting):
@@ -688,7 +690,7 @@ TABLE_COLS = [("mode", "mode", 0), ("rtt_ms", "RTT ms", 0), ("sessions", "sess",
               ("alignment_rate", "align", 2),
               ("draft_depth_mean", "depth", 1), ("draft_ms_per_forward", "draft ms/fwd", 1),
               ("verifier_utilisation", "util", 2), ("sessions_per_forward", "sess/fwd", 1),
-              ("rows_per_forward", "rows/fwd", 0), ("uplink_bytes_per_token", "up B/tok", 0),
+              ("run_ahead_full_share", "ahead full", 2), ("rows_per_forward", "rows/fwd", 0), ("uplink_bytes_per_token", "up B/tok", 0),
               ("downlink_bytes_per_token", "down B/tok", 0), ("cost_eff_ktok_per_usd", "ktok/$", 1)]
 
 

@@ -189,6 +189,10 @@ class VerifierCore:
         self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
         self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
         self._detached: dict[str, RunAhead] = {}  # sid -> its run-ahead between a reply and the next request
+        # how the edge's next request found its session's detached run: still decoding (no forward missed),
+        # full (the session sat out the forwards since: run_ahead_tokens too small for the round trip),
+        # or stopped otherwise (finished, or trees pay again)
+        self.takeovers = {"running": 0, "full": 0, "stopped": 0}
         self._verify_s = 0.0  # EMA of a verify forward's seconds
         self._load_peak = (0, 0.0)  # (most sessions open lately, when): the load the pacer weighs
         self._last_verify = 0.0  # when the last verify batch ran (monotonic)
@@ -225,6 +229,7 @@ class VerifierCore:
                 "verify_forwards_total": self.verify_totals[0], "verify_sessions_total": self.verify_totals[1],
                 "verify_rows_total": self.verify_totals[2],
                 "verify_requests_total": self.request_totals[0], "verify_request_seconds_total": self.request_totals[1],
+                "run_ahead_takeovers": dict(self.takeovers),
                 "evictions": len(self.evicted), "versions": self.versions.registry.served(),
                 "versions_unavailable": dict(self.versions.registry.unavailable),
                 "versions_error": self.versions_error}
@@ -413,6 +418,7 @@ class VerifierCore:
                 f"{run.base_prefix} (F_AHEAD): send F_AHEAD at that prefix, or re-open it",
                 server_prefix_len=run.base_prefix))
         del self._detached[sid]
+        self.takeovers["running" if run.queued else "full" if run.full else "stopped"] += 1
         run.attach(fut, len(f.tokens))
         if not run.queued:  # it stopped (full, ended, or trees pay again): the reply is ready
             _answer(fut, self._reply_run(tenant, sid, run, *self._hints(sid)))

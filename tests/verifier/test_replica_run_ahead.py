@@ -247,6 +247,7 @@ def test_between_reply_and_request_the_session_decodes_on_and_the_request_takes_
         status, raw = await core.verify(sid, "dev", VerifyFrame(n, [1, 2, 3], [-1, 0, 1], ahead=True).encode())
         r = ReplyFrame.decode(raw)
         assert status == 200 and r.accepted == [] and r.verified == 0 and len(r.ahead) == 4
+        assert core.stats()["run_ahead_takeovers"] == {"running": 0, "full": 1, "stopped": 0}  # the 409s took nothing
         out += [r.bonus] + r.ahead
         return out + (await decode_rest(core, {"session_id": sid, "first_token": None, "prefix_len": r.prefix_len,
                                                "finished": r.finished}))
@@ -272,10 +273,18 @@ def test_a_run_queued_by_a_request_that_took_over_a_full_run_starts_at_once():
             n = ReplyFrame.decode(raw).prefix_len
             await asyncio.sleep(0.3)  # the edge is away longer than its run takes
             grown.append(len(core.engine.sessions[sid].prefix) - n)
+        # an edge back at once meets its run still decoding
+        status, raw = await core.verify(sid, "dev", VerifyFrame(n, [], [], ahead=True).encode())
+        status, raw = await core.verify(sid, "dev", VerifyFrame(ReplyFrame.decode(raw).prefix_len, [], [],
+                                                                ahead=True).encode())
+        assert status == 200, raw
         await core.close_session(sid, "dev")
-        return grown
+        return grown, core.stats()["run_ahead_takeovers"]
 
-    assert asyncio.run(run()) == [5, 5, 5]  # each detached run full: the bonus and 4 past it
+    grown, takeovers = asyncio.run(run())
+    assert grown == [5, 5, 5]  # each detached run full: the bonus and 4 past it
+    # the first request opened no run; the next three each met a full one; the fifth, sent at once, a running one
+    assert takeovers == {"running": 1, "full": 3, "stopped": 0}
 
 
 def test_an_open_that_promises_run_ahead_decodes_on_from_its_first_token():
