@@ -50,9 +50,9 @@ def ray_session():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
              configure_logging=False, _metrics_export_port=metrics_port,
              # metrics reach the port within ~1 s. Workers at nice 0, not Ray's default 15: at 15 the Serve
-             # proxy, router and verifier replicas got ~3 % of a core whenever a nice-0 process wanted it (the
-             # test's own clients, the other xdist worker's torch tests), so deploys missed Ray's 60 s and
-             # well-behaved opens got 408s. benchmarks/ and loadtests/ run theirs at 0 for the same reason
+             # proxy, router and verifier replicas get ~3 % of a core whenever a nice-0 process wants it (the
+             # test's own clients, the other xdist worker's torch tests): a likely part of why a CI deploy
+             # missed Ray's 60 s. benchmarks/ and loadtests/ run theirs at 0 for the same reason
              _system_config={"metrics_report_interval_ms": 1000, "worker_niceness": 0})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
