@@ -183,6 +183,8 @@ class RouterConfig(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="413 above it, checked before and while reading")
     body_timeout_s: float = Field(10.0, gt=0, description="408 if a request body takes longer to arrive")
     ws_idle_timeout_s: float = Field(120.0, gt=0, description="close a WebSocket with no frame for this long")
+    loop_stall_log_s: float = Field(2.0, ge=0, description="log the event loop's stack when it has not run for "
+                                    "this long (deploy/router/probe.py); 0 = off")
     request_timeout_s: float = Field(300.0, gt=0, description="504 if one verifier call (an open with its "
                                                               "prefill, a verify round) takes longer")
 

@@ -156,7 +156,8 @@ class Router:
         self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
         self._versions: list[str] = sorted(self.cfg.target.adapters)  # target versions (LoRA), see reconfigure
         self._versions_configured = False
-        self.probe = LoadProbe(on_lag=self.metrics.on_loop_lag)  # started by the first request (needs the loop)
+        self.probe = LoadProbe(on_lag=self.metrics.on_loop_lag, stall_log_s=rc.loop_stall_log_s,
+                               log=log)  # started by the first request (needs the loop)
         gc_policy.settle(self.cfg.gc_gen0_threshold)  # last: what the constructor made is frozen
 
     def fast_shed(self, method: str, path: str, authorization: str | None) -> Overloaded | None:

@@ -13,14 +13,22 @@ above CPU: the process waited for a core mid-collection), its generation (2: a f
 cyclic garbage it freed, so a long pause reads as a full walk, a preempted short one, or a pass
 freeing a reference cycle some request path leaves behind. The load
 test drains the samples once a second (``Router.probe_samples``) for its report; Prometheus
-gets the same as histograms. Pure module (no Ray, no FastAPI).
+gets the same as histograms. With ``stall_log_s`` a watchdog thread logs the loop thread's
+stack, once per stall, when the sampler has not run for that long: the lag says *that* the loop
+stopped, the stack says *what* stopped it (a 5.5 s first import of torch on the split router's
+loop answered 408 to opens whose bodies had arrived; found this way). Pure module (no Ray, no
+FastAPI).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import sys
+import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 
@@ -29,8 +37,12 @@ class LoadProbe:
     """Timestamped samples (epoch s, ms) of loop lag and of shed answers, bounded in memory."""
 
     def __init__(self, interval_s: float = 0.05, keep: int = 20_000,
-                 on_lag: Callable[[float], None] | None = None):
+                 on_lag: Callable[[float], None] | None = None, stall_log_s: float = 0.0,
+                 log: logging.Logger | None = None):
         self.interval_s = interval_s
+        self.stall_log_s = stall_log_s  # 0: no watchdog
+        self.log = log or logging.getLogger(__name__)
+        self.last_tick = time.monotonic()  # when the sampler last ran (the watchdog's clock)
         self.lag: deque[tuple[float, float]] = deque(maxlen=keep)
         self.shed: deque[tuple[float, float]] = deque(maxlen=keep)
         self.gc_pause: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) per collection
@@ -44,8 +56,26 @@ class LoadProbe:
     def start(self) -> None:
         """Start the lag sampler on the running loop (once)."""
         if self._task is None:
+            self.last_tick = time.monotonic()
             self._task = asyncio.get_running_loop().create_task(self.run())
             gc.callbacks.append(self._on_gc)
+            if self.stall_log_s > 0:
+                threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
+                                 name="loop-stall-watch").start()
+
+    def _watch(self, loop_thread: int) -> None:
+        """Log the loop thread's stack once per stall longer than ``stall_log_s``; ends with the sampler
+        (its loop closed)."""
+        reported = None
+        while not self._task.done():
+            time.sleep(min(self.stall_log_s / 4, 0.5))
+            tick = self.last_tick
+            stalled = time.monotonic() - tick
+            if stalled > self.stall_log_s and tick != reported:
+                frame = sys._current_frames().get(loop_thread)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+                self.log.warning("the event loop has not run for %.1f s; where it is:\n%s", stalled, stack)
+                reported = tick
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -61,6 +91,7 @@ class LoadProbe:
         while True:
             t0 = time.perf_counter()
             await asyncio.sleep(self.interval_s)
+            self.last_tick = time.monotonic()
             lag = max(0.0, time.perf_counter() - t0 - self.interval_s)
             self.lag.append((time.time(), lag * 1e3))
             if self.on_lag is not None:

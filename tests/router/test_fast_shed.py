@@ -190,3 +190,30 @@ def test_the_probe_sees_a_blocked_loop():
     assert len(got["gc_gen"]) == len(got["gc_pause_ms"])
     assert 1 <= sum(g == 2 for _, g in got["gc_gen"]) < len(got["gc_pause_ms"])  # the explicit full one, not the gen-0 one
     assert all(v == [] for v in again.values())  # a drain forgets what it returned
+
+
+def test_a_stalled_loop_gets_its_stack_logged_once(caplog):
+    # the watchdog names what stopped the loop (the lag alone only says that it stopped): here a
+    # function of ours, found in the logged stack; one warning per stall, none while the loop runs
+    import logging
+
+    log = logging.getLogger("probe-test")
+    probe = LoadProbe(interval_s=0.01, stall_log_s=0.2, log=log)
+
+    def stalling_import_on_the_loop():
+        time.sleep(1.5)
+
+    async def main():
+        probe.start()
+        await asyncio.sleep(0.5)  # running on time: nothing logged
+        stalling_import_on_the_loop()
+        await asyncio.sleep(0.5)
+
+    with caplog.at_level(logging.WARNING, logger="probe-test"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.name == "probe-test"]
+    assert len(warnings) == 1 and "stalling_import_on_the_loop" in warnings[0], warnings
+    assert "the event loop has not run for" in warnings[0]
+    time.sleep(0.5)  # the loop is closed: the watchdog has ended, not reported the closed loop as a stall
+    assert len([r for r in caplog.records if r.name == "probe-test"]) == 1
+    assert "loop-stall-watch" not in [t.name for t in threading.enumerate()]
