@@ -46,14 +46,22 @@ def ray_session():
     import ray
     from ray import serve
 
+    from deploy.request_path import RequestPathConfig
+
+    # Serve's controller period and metrics export as a deployment has them (deploy/request_path.py), and Ray's
+    # metrics report every 2 s: an idle Ray instance with one app took 12 % of a core here instead of 20 %, and
+    # each xdist worker runs one all session. Requests still reach the apps through Serve's HTTP proxy
+    env = RequestPathConfig().env()
+    for k in ("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"):
+        os.environ.setdefault(k, env[k])
     metrics_port = free_port()  # Ray's Prometheus export port (tests/test_prometheus_integration.py scrapes it)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
              configure_logging=False, _metrics_export_port=metrics_port,
-             # metrics reach the port within ~1 s. Workers at nice 0, not Ray's default 15: at 15 the Serve
-             # proxy, router and verifier replicas get ~3 % of a core whenever a nice-0 process wants it (the
-             # test's own clients, the other xdist worker's torch tests): a likely part of why a CI deploy
-             # missed Ray's 60 s. benchmarks/ and loadtests/ run theirs at 0 for the same reason
-             _system_config={"metrics_report_interval_ms": 1000, "worker_niceness": 0})
+             # Workers at nice 0, not Ray's default 15: at 15 the Serve proxy, router and verifier replicas get
+             # ~3 % of a core whenever a nice-0 process wants it (the test's own clients, the other xdist
+             # worker's torch tests): a likely part of why a CI deploy missed Ray's 60 s. benchmarks/ and
+             # loadtests/ run theirs at 0 for the same reason
+             _system_config={"metrics_report_interval_ms": 2000, "worker_niceness": 0})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield {"http_port": port, "metrics_port": metrics_port}

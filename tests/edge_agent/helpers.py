@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 
 import torch
 
@@ -50,3 +51,29 @@ def sampled_generations(model, engine, config, prompt: list[int], n: int, length
             agent.close()
 
     return asyncio.run(main())
+
+
+@torch.inference_mode()
+def sequence_probs(model, prompt: list[int], params, length: int) -> dict[tuple[int, ...], float]:
+    """The target's probability of every sequence of its next ``length`` tokens after ``prompt`` under
+    ``params`` (a tiny vocabulary: V^length sequences), from one batched forward per position."""
+    from deploy.verifier.sampling import target_probs
+
+    v = model.config.vocab_size
+    rows: dict[tuple[int, ...], list[float]] = {}
+    for d in range(length):
+        ctxs = list(itertools.product(range(v), repeat=d))
+        probs = target_probs(model(torch.tensor([prompt + list(c) for c in ctxs])).logits[:, -1], params)  # [V^d, V]
+        rows.update(zip(ctxs, probs.tolist()))
+    joint = {(): 1.0}
+    for _ in range(length):
+        joint = {seq + (x,): p * q for seq, p in joint.items() for x, q in enumerate(rows[seq])}
+    return joint
+
+
+def marginal(joint: dict[tuple[int, ...], float], lo: int, hi: int) -> dict[tuple[int, ...], float]:
+    """The distribution of tokens ``lo..hi-1`` of the sequences of ``joint``."""
+    out: dict[tuple[int, ...], float] = {}
+    for seq, p in joint.items():
+        out[seq[lo:hi]] = out.get(seq[lo:hi], 0.0) + p
+    return out

@@ -17,7 +17,7 @@ from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.errors import TokenizerMismatch
 from edge_agent.transport import LocalTransport
-from tests.edge_agent.helpers import noisy_copy, sampled_generations
+from tests.edge_agent.helpers import marginal, noisy_copy, sampled_generations, sequence_probs
 
 EOS = [2]
 PROMPT = [1, 5, 9, 33, 7, 100, 200, 33, 7]
@@ -293,9 +293,6 @@ def test_rejection_rule_through_the_agent_samples_the_target_distribution():
     """The agent end to end (proactive chains, reuse, edge residual samples, refills) over
     LocalTransport on an 8-token vocabulary with K = 2: tokens 2-3 and 4-5 of 5 follow the
     target's marginals."""
-    import itertools
-
-    from deploy.verifier.sampling import target_probs
     from tests.verifier.test_sampling import chi_square_pvalue
 
     v, length, n = 8, 5, 800
@@ -309,19 +306,8 @@ def test_rejection_rule_through_the_agent_samples_the_target_distribution():
                                                           ping_every=0), prompt, n, length, rtt_ms=2.0)
     assert sum(r.stats.rejections for r in results) > 500 and sum(r.stats.refills for r in results) > 20
     assert sum(r.stats.reused_tokens for r in results) > 10
-    rows = {}
-    with torch.inference_mode():
-        for d in range(length):
-            ctxs = list(itertools.product(range(v), repeat=d))
-            probs = target_probs(small(torch.tensor([prompt + list(c) for c in ctxs])).logits[:, -1], t)
-            rows.update(zip(ctxs, probs))
-    m23, m45 = {}, {}
-    for seq in itertools.product(range(v), repeat=length):
-        pr = 1.0
-        for j in range(length):
-            pr *= float(rows[seq[:j]][seq[j]])
-        m23[seq[1:3]] = m23.get(seq[1:3], 0.0) + pr
-        m45[seq[3:]] = m45.get(seq[3:], 0.0) + pr
+    joint = sequence_probs(small, prompt, t, length)
+    m23, m45 = marginal(joint, 1, 3), marginal(joint, 3, 5)
     c23, c45 = {}, {}
     for r in results:
         s = tuple(r.token_ids)

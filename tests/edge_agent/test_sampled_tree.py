@@ -7,21 +7,19 @@ seed; on an 8-token vocabulary the emitted tokens follow the target's marginals 
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
-import torch
 
 from deploy.verifier.engine import VerifierEngine
 from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams, target_probs
+from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.tree import TreeLimits
 from edge_agent.agent import AgentConfig
 from edge_agent.drafter import ModelDrafter
 from edge_agent.sampled_tree import PRIOR_RATES, plan_shape
 from edge_agent.transport import LocalTransport
-from tests.edge_agent.helpers import sampled_generations
+from tests.edge_agent.helpers import marginal, sampled_generations, sequence_probs
 from tests.edge_agent.test_agent import EOS, PROMPT, run_agent
 from tests.verifier.test_sampling import chi_square_pvalue
 
@@ -86,19 +84,10 @@ def test_tree_rejection_through_the_agent_follows_the_target():
 
     results = sampled_generations(small, eng, AgentConfig(**{**FIXED, "depth": 2, "budget": 6}), prompt, n, length)
     assert sum(r.stats.accepted_tokens for r in results) > 300
-    with torch.inference_mode():
-        def probs(ctx):
-            return target_probs(small(torch.tensor([ctx])).logits[0, -1], t)
-
-        for a, b in ((0, 1), (2, 3)):
-            joint = {}
-            for seq in itertools.product(range(v), repeat=b + 1):
-                pr = 1.0
-                for j in range(b + 1):
-                    pr *= float(probs(prompt + list(seq[:j]))[seq[j]])
-                joint[seq[a:]] = joint.get(seq[a:], 0.0) + pr
-            counts = {}
-            for r in results:
-                key = tuple(r.token_ids[a: b + 1])
-                counts[key] = counts.get(key, 0) + 1
-            assert chi_square_pvalue(counts, joint) > 1e-3, (a, b)
+    joint = sequence_probs(small, prompt, t, length)
+    for a, b in ((0, 1), (2, 3)):
+        counts = {}
+        for r in results:
+            key = tuple(r.token_ids[a: b + 1])
+            counts[key] = counts.get(key, 0) + 1
+        assert chi_square_pvalue(counts, marginal(joint, a, b + 1)) > 1e-3, (a, b)
