@@ -12,20 +12,18 @@ marginalised over the first token; the same experiment with a wrong acceptance r
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import pytest
-import torch
 
 from deploy.verifier.engine import VerifierEngine
 from deploy.verifier.exit_heads import ExitHeads
 from deploy.verifier.models import tiny_random_model
-from deploy.verifier.sampling import SamplingParams, target_probs
+from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.transport import LocalTransport
-from tests.edge_agent.helpers import noisy_copy
+from tests.edge_agent.helpers import marginal, noisy_copy, sequence_probs
 from tests.verifier.test_engine import counts_of
 from tests.verifier.test_sampling import chi_square_pvalue
 
@@ -52,14 +50,7 @@ def draft(target):
 
 def exact_joint_of_tokens_2_3(model) -> dict[tuple[int, int], float]:
     """P(t2, t3) after PROMPT: sum over t1 of p(t1) p(t2 | t1) p(t3 | t1, t2)."""
-    p = params(0)
-    with torch.inference_mode():
-        p1 = target_probs(model(torch.tensor([PROMPT])).logits[0, -1], p)  # [V]
-        p2 = target_probs(model(torch.tensor([PROMPT + [a] for a in range(V)])).logits[:, -1], p)  # [V, V]
-        seqs = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(V), range(V))])
-        p3 = target_probs(model(seqs).logits[:, -1], p).view(V, V, V)
-    joint = torch.einsum("a,ab,abc->bc", p1.double(), p2.double(), p3.double())
-    return {(b, c): float(joint[b, c]) for b in range(V) for c in range(V)}
+    return marginal(sequence_probs(model, PROMPT, params(0), 3), 1, 3)
 
 
 def sample_with_predraft(target, draft, samples: int = SAMPLES):
