@@ -1,5 +1,6 @@
-"""Shared pieces of the edge-agent tests: a partially-agreeing draft for the tiny target, and
-many seeded sampled generations through the agent for the distribution tests."""
+"""Shared pieces of the edge-agent tests: a partially-agreeing draft for the tiny target, and for
+the distribution tests many seeded sampled generations through the agent and the target's exact
+distribution of its next tokens (with its marginals)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ seed; on an 8-token vocabulary the emitted tokens follow the target's marginals 
 
 from __future__ import annotations
 
-
 import pytest
 
 from deploy.verifier.engine import VerifierEngine
