@@ -20,6 +20,7 @@ from edge_agent.sampled_tree import PRIOR_RATES, plan_shape
 from edge_agent.transport import LocalTransport
 from tests.edge_agent.helpers import marginal, sampled_generations, sequence_probs
 from tests.edge_agent.test_agent import EOS, PROMPT, run_agent
+from tests.verifier.test_engine import counts_of
 from tests.verifier.test_sampling import chi_square_pvalue
 
 FIXED = dict(verify="tree-rejection", mode="stop-and-wait", depth_policy="fixed", depth=3, ping_every=0)
@@ -85,8 +86,5 @@ def test_tree_rejection_through_the_agent_follows_the_target():
     assert sum(r.stats.accepted_tokens for r in results) > 300
     joint = sequence_probs(small, prompt, t, length)
     for a, b in ((0, 1), (2, 3)):
-        counts = {}
-        for r in results:
-            key = tuple(r.token_ids[a: b + 1])
-            counts[key] = counts.get(key, 0) + 1
+        counts = counts_of(tuple(r.token_ids[a: b + 1]) for r in results)
         assert chi_square_pvalue(counts, marginal(joint, a, b + 1)) > 1e-3, (a, b)
