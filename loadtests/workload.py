@@ -31,15 +31,14 @@ def build_workload(cfg: LoadTestConfig) -> dict:
     """Prompts, greedy continuations and model facts, as a JSON-able dict for the users."""
     import torch
 
-    from deploy.verifier.models import load_model
+    from deploy.verifier.models import load_target
     from deploy.verifier.reference import reference_decode
     from deploy.verifier.sampling import SamplingParams
 
     t0 = time.perf_counter()
     t = cfg.app_config().target
     torch.set_num_threads(1)
-    loaded = load_model(t.model, dtype=t.dtype, device="cpu", attn_implementation=t.attn_implementation,
-                        tokenizer=t.tokenizer, seed=t.seed, tiny_config=t.tiny_config)
+    loaded = load_target(t, device="cpu")
     prompts = make_prompts(cfg, loaded.vocab_size)
     params = SamplingParams(max_tokens=cfg.user.max_tokens)
     truths = [reference_decode(loaded.model, p, params, loaded.eos_token_ids) for p in prompts]

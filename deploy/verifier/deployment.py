@@ -44,7 +44,7 @@ from deploy.verifier.batch_fill import ArrivalModel, fill_wait
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, SessionUse, choose_victims
 from deploy.verifier.versions import TargetVersions
-from deploy.verifier.models import load_model, tokenizer_fingerprint
+from deploy.verifier.models import load_target, tokenizer_fingerprint
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.run_ahead import RunAhead
@@ -144,9 +144,7 @@ class VerifierCore:
         if vc.torch_threads:
             torch.set_num_threads(vc.torch_threads)
         t = config.target
-        self.loaded = loaded or load_model(t.model, dtype=t.dtype, device=t.device,
-                                           attn_implementation=t.attn_implementation, tokenizer=t.tokenizer,
-                                           seed=t.seed, tiny_config=t.tiny_config)
+        self.loaded = loaded or load_target(t, weights_only=True)
         self.tag = replica_tag
         self.engine = VerifierEngine(
             self.loaded.model, eos_token_ids=self.loaded.eos_token_ids,

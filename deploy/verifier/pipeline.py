@@ -70,8 +70,9 @@ import torch
 
 from deploy.config import EarlyExitConfig, ModelConfig
 from deploy.verifier.layer_split import Weighting, split_layers
+from deploy.verifier.checkpoint import CheckpointConfig, prune, read_weights, tiny_config
 from deploy.verifier.models import (EMBEDDED_ALIASES, EMBEDDED_NAME, TINY_PREFIX, LoadedModel, _eos_ids, ensure_embedded_model,
-                                    load_model, resolve_attn, resolve_device, resolve_dtype, tiny_llama_config)
+                                    load_target, load_tokenizer, resolve_device, resolve_dtype)
 from deploy.verifier.batch import SeqInput
 from deploy.verifier.exit_heads import ExitHeads, exit_rows
 from deploy.verifier.native import PAGE_SIZE
@@ -152,83 +153,20 @@ def _hf_dir(model_cfg: ModelConfig) -> Path | None:
 
 
 def target_config(model_cfg: ModelConfig):
-    """The HF config of the target without loading weights (the split needs only this)."""
+    """The target's config without loading weights (the split needs only this)."""
+    if model_cfg.model.startswith(TINY_PREFIX):
+        if model_cfg.tokenizer is not None and "vocab_size" not in (model_cfg.tiny_config or {}):
+            return load_target(model_cfg, weights_only=True, dtype="float32", device="cpu").model.config
+        return CheckpointConfig.from_dict(tiny_config(**(model_cfg.tiny_config or {})))
+    path = _hf_dir(model_cfg)
+    if path is not None:
+        return CheckpointConfig.read(path)
     from transformers import AutoConfig
 
-    if model_cfg.model.startswith(TINY_PREFIX):
-        cfg = dict(model_cfg.tiny_config or {})
-        if model_cfg.tokenizer is not None and "vocab_size" not in cfg:
-            return load_model(model_cfg.model, dtype="float32", tokenizer=model_cfg.tokenizer, seed=model_cfg.seed,
-                              tiny_config=model_cfg.tiny_config).model.config
-        return tiny_llama_config(**cfg)
-    path = _hf_dir(model_cfg) or Path(model_cfg.model)
+    path = Path(model_cfg.model)
     if path.suffix == ".gguf":
         return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     return AutoConfig.from_pretrained(str(path))
-
-
-def _prune(model, first: int, last: int, keep_head: bool = False) -> None:
-    """Replace every module the stage does not own by a parameter-free placeholder
-    (``keep_head``: keep the final norm and LM head, which exit heads are built from)."""
-    inner = model.model
-    n = len(inner.layers)
-    for i in range(n):
-        if not first <= i < last:
-            inner.layers[i] = torch.nn.Identity()
-    if first != 0:
-        inner.embed_tokens = torch.nn.Identity()
-    if last != n and not keep_head:
-        inner.norm = torch.nn.Identity()
-        model.lm_head = torch.nn.Identity()
-
-
-def _load_slice(path: Path, model_cfg: ModelConfig, first: int, last: int, keep_head: bool = False):
-    """Build the model on the meta device and load only the slice's tensors (``keep_head``:
-    also the final norm and LM head)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    device = resolve_device(model_cfg.device)
-    dtype = resolve_dtype(model_cfg.dtype, device)
-    config = AutoConfig.from_pretrained(str(path))
-    config._attn_implementation = resolve_attn(model_cfg.attn_implementation, device)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    n = config.num_hidden_layers
-    is_last = last == n
-    head = is_last or keep_head
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-
-    def wanted(key: str) -> bool:
-        if key.startswith("model.layers."):
-            return first <= int(key.split(".")[2]) < last
-        if key.startswith("model.embed_tokens."):
-            return first == 0 or (head and tied)
-        return head and (key.startswith("model.norm.") or key.startswith("lm_head."))
-
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for key in fh.keys():
-                if wanted(key):
-                    t = fh.get_tensor(key)
-                    state[key] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    if head and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied head
-    if first != 0:
-        state.pop("model.embed_tokens.weight", None)
-    model.load_state_dict(state, strict=False, assign=True)
-    _prune(model, first, last, keep_head)
-    # rotary buffers are not in the checkpoint: rebuild them off the meta device
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
-    meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise RuntimeError(f"checkpoint {path} lacks tensors for stage [{first}, {last}): {meta[:5]}")
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(str(path))
-    except OSError:
-        pass
-    return model.eval(), device, dtype
 
 
 def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bool = False,
@@ -237,18 +175,13 @@ def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bo
     ``keep_head``: the final norm and LM head too, whatever the slice."""
     path = _hf_dir(model_cfg)
     if path is None:  # tiny-random, GGUF, hub id: load whole, keep the slice
-        loaded = load_model(model_cfg.model, dtype=model_cfg.dtype, device=model_cfg.device,
-                            attn_implementation=model_cfg.attn_implementation, tokenizer=model_cfg.tokenizer,
-                            seed=model_cfg.seed, tiny_config=model_cfg.tiny_config)
-        _prune(loaded.model, first, last, keep_head)
+        loaded = load_target(model_cfg, weights_only=True)
+        prune(loaded.model, first, last, keep_head)
         return loaded
-    model, device, dtype = _load_slice(path, model_cfg, first, last, keep_head)
-    tok = None
-    if with_tokenizer:
-        from transformers import AutoTokenizer
-
-        src = model_cfg.tokenizer or str(path)
-        tok = AutoTokenizer.from_pretrained(str(ensure_embedded_model()) if src in EMBEDDED_ALIASES else src)
+    device = resolve_device(model_cfg.device)
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    model = read_weights(path, dtype, device, first, last, keep_head)
+    tok = load_tokenizer(str(path), model_cfg.tokenizer) if with_tokenizer else None
     name = EMBEDDED_NAME if model_cfg.model in EMBEDDED_ALIASES else model_cfg.model
     return LoadedModel(model, tok, name, _eos_ids(model, tok), device, dtype)
 
@@ -288,7 +221,7 @@ class PipelineStage:
             from deploy.verifier.early_stream import load_heads
 
             self.heads = load_heads(early_exit, loaded.model, here)  # copies the head's subset rows
-            _prune(loaded.model, first, last)  # then the rest of the head goes (unless this is the last stage)
+            prune(loaded.model, first, last)  # then the rest of the head goes (unless this is the last stage)
         self.runner = ModelRunner(loaded.model, first, last, kv_capacity_tokens=kv_capacity_tokens, compile=compile)
         m = loaded.model
         self.info = LoadedModel(ModelShell(m.config, getattr(m, "generation_config", None)), loaded.tokenizer,
@@ -593,9 +526,7 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
     if pipeline_parallel_size == 1:
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        loaded = load_model(model_cfg.model, dtype=model_cfg.dtype, device=model_cfg.device,
-                            attn_implementation=model_cfg.attn_implementation, tokenizer=model_cfg.tokenizer,
-                            seed=model_cfg.seed, tiny_config=model_cfg.tiny_config)
+        loaded = load_target(model_cfg, weights_only=True)
         runner = ModelRunner(loaded.model, kv_capacity_tokens=kv_capacity_tokens, compile=compile)
         runner.loaded = loaded  # type: ignore[attr-defined]
         return runner

@@ -80,6 +80,7 @@ def _sessions_per_forward(fill: float) -> tuple[float, list[list[int]], list[lis
     from deploy.config import AppConfig
     from deploy.protocol import ReplyFrame, VerifyFrame
     from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.models import load_target
     from deploy.verifier.reference import reference_decode
     from deploy.verifier.sampling import SamplingParams
 
@@ -90,7 +91,8 @@ def _sessions_per_forward(fill: float) -> tuple[float, list[list[int]], list[lis
     core.pacer.cost.predict = lambda rows: 0.040 + 0.001 * rows  # the tiny model's own forwards refit it to ~ms
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(6)] for _ in range(4)]
-    refs = [reference_decode(core.loaded.model, p, SamplingParams(max_tokens=60)) for p in prompts]
+    target = load_target(core.cfg.target).model  # transformers' model of the replica's target
+    refs = [reference_decode(target, p, SamplingParams(max_tokens=60)) for p in prompts]
 
     async def session(i, p, ref):
         _, d = await core.open_session("dev", {"prompt_ids": p, "sampling": {"max_tokens": 60}})

@@ -12,6 +12,7 @@ import pytest
 from deploy.config import AppConfig
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.models import load_target
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 
@@ -51,7 +52,7 @@ async def generate(core, tenant, p, max_tokens=16) -> list[int]:
 
 
 def reference(core, p, max_tokens=16):
-    return reference_decode(core.loaded.model, p, SamplingParams(max_tokens=max_tokens))
+    return reference_decode(load_target(core.cfg.target).model, p, SamplingParams(max_tokens=max_tokens))
 
 
 def test_dropped_requests_mid_batch_never_hold_up_another_tenants_rounds():

@@ -14,6 +14,7 @@ import pytest
 from deploy.config import AppConfig
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.models import load_target
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
@@ -34,7 +35,7 @@ def make_core(budgets=(0,), **verifier) -> VerifierCore:
 
 
 def greedy_reference(core, p: list[int], max_tokens: int) -> list[int]:
-    return reference_decode(core.loaded.model, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return reference_decode(load_target(core.cfg.target).model, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 def prompt(seed: int, n: int = 10) -> list[int]:
@@ -93,7 +94,7 @@ def test_seeded_sampling_through_run_ahead_is_the_targets_sample_path():
     core = make_core(run_ahead_tokens=7)
     p = prompt(7)
     sampling = {"max_tokens": 30, "temperature": 0.9, "top_p": 0.95, "seed": 11, "ignore_eos": True}
-    ref = reference_decode(core.loaded.model, p, SamplingParams.from_dict(sampling))
+    ref = reference_decode(load_target(core.cfg.target).model, p, SamplingParams.from_dict(sampling))
 
     async def main():
         return await decode(core, p, sampling), await decode(core, p, sampling, ahead=False)
@@ -202,10 +203,11 @@ def test_edge_agents_take_run_ahead_tokens_and_stay_exact():
     the agents send empty trees with F_AHEAD, emit the tokens past the bonus, and the output is
     the target's; without run-ahead it is one round per token."""
     core = make_core(run_ahead_tokens=6)
-    drafter_model = noisy_copy(core.loaded.model, 0.005)
+    target = load_target(core.cfg.target).model
+    drafter_model = noisy_copy(target, 0.005)
     prompts = [prompt(s) for s in range(3)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    refs = [reference_decode(core.loaded.model, p, params) for p in prompts]
+    refs = [reference_decode(target, p, params) for p in prompts]
 
     async def generate(p, run_ahead):
         agent = EdgeAgent(ReplicaTransport(core), ModelDrafter(drafter_model), config=AgentConfig(run_ahead=run_ahead))

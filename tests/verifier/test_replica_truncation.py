@@ -15,6 +15,7 @@ from deploy.config import AppConfig
 from deploy.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.acceptance import Proposal, draw_without_replacement
 from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.models import load_target
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.truncation import encode_confidence
@@ -30,7 +31,8 @@ def test_truncated_rounds_are_exact_and_report_what_was_verified():
     core.pacer.cost.refit()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(10)] for _ in range(6)]
-    refs = [reference_decode(core.loaded.model, p, SamplingParams(max_tokens=12)) for p in prompts]
+    target = load_target(core.cfg.target).model
+    refs = [reference_decode(target, p, SamplingParams(max_tokens=12)) for p in prompts]
 
     async def session(p, ref):
         _, d = await core.open_session("dev", {"prompt_ids": p, "sampling": {"max_tokens": 12}})
