@@ -46,9 +46,21 @@ FAMILY_DEFAULTS = {
     "qwen3": dict(max_position_embeddings=32768, num_key_value_heads=32, head_dim=128, use_sliding_window=False,
                   sliding_window=4096, max_window_layers=28, bos_token_id=None, eos_token_id=None),
 }
+SUPPORTED_TYPES = tuple(FAMILY_DEFAULTS)
+SUPPORTED_ROPE = (None, "default", "linear", "llama3", "yarn")
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 DEFAULT_THETA = 10_000.0
 SCALED_ROPE = ("llama3", "yarn", "longrope")  # the types that keep the pretraining context length
+
+
+def unsupported_type(model_type) -> UnsupportedModel:
+    return UnsupportedModel(f"model type {model_type!r} is not supported by the verifier's forward "
+                            f"(supported: {', '.join(SUPPORTED_TYPES)})")
+
+
+def unsupported_rope(rope_type) -> UnsupportedModel:
+    return UnsupportedModel(f"RoPE scaling {rope_type!r} is not supported (it depends on the sequence length); "
+                            f"supported: default, linear, llama3, yarn")
 
 
 class CheckpointConfig(SimpleNamespace):
@@ -67,8 +79,7 @@ class CheckpointConfig(SimpleNamespace):
     def from_dict(cls, raw: dict) -> "CheckpointConfig":
         mt = raw.get("model_type")
         if mt not in FAMILY_DEFAULTS:
-            raise UnsupportedModel(f"model type {mt!r} is not supported by the verifier's forward "
-                                   f"(supported: {', '.join(FAMILY_DEFAULTS)})")
+            raise unsupported_type(mt)
         missing = [k for k in REQUIRED if raw.get(k) is None]
         if missing:
             raise UnsupportedModel(f"config.json of a {mt} model lacks {', '.join(missing)}")
@@ -134,8 +145,7 @@ def rope_frequencies(config: CheckpointConfig) -> tuple[torch.Tensor, float]:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < original / high) * ~(wavelen > original / low)
         return torch.where(medium, blended, scaled), 1.0
-    raise UnsupportedModel(f"RoPE scaling {kind!r} is not supported (it depends on the sequence length); "
-                           f"supported: default, linear, llama3, yarn")
+    raise unsupported_rope(kind)
 
 
 def _yarn(rope: dict, base: float, d: int, max_positions: int) -> tuple[torch.Tensor, float]:
@@ -212,10 +222,17 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
 
+def _embedding(n: int, dim: int) -> nn.Embedding:
+    """nn.Embedding [n, dim]; built on the meta device without its random init: torch's meta
+    ``normal_`` imports torch._dynamo (2.9 s of CPU here), which nothing else in a replica needs."""
+    w = torch.empty(n, dim)
+    return nn.Embedding(n, dim, _weight=w) if w.is_meta else nn.Embedding(n, dim)
+
+
 class Decoder(nn.Module):
     def __init__(self, c: CheckpointConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = _embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
         self.norm = Norm(c.hidden_size)
 

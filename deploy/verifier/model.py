@@ -1,8 +1,9 @@
 """The verifier's own forward for Llama-family decoders, over a packed batch and the KV pool.
 
 Supported: Llama (incl. SmolLM and Llama-3 RoPE scaling), Mistral without a sliding
-window, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm). Weights come from the HF model
-(:func:`deploy.verifier.models.load_model`) and are re-laid out once: Q, K and V in one
+window, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm). Weights come from the checkpoint
+(:mod:`deploy.verifier.checkpoint`, no transformers) or any HF model with the same module names,
+and are re-laid out once: Q, K and V in one
 matrix, gate and up in another. A forward packs every session's new tokens on one token
 axis (no padding, :mod:`deploy.verifier.batch`), writes their K/V into the pool in place and
 reads the pool in place (:mod:`deploy.verifier.attention`); RoPE at explicit positions
@@ -38,6 +39,7 @@ from deploy.errors import UnsupportedModel
 from deploy.verifier import cuda, hugepages, native
 from deploy.verifier.attention import tree_attention, use_kernel
 from deploy.verifier.batch import PackedBatch
+from deploy.verifier.checkpoint import SUPPORTED_ROPE, SUPPORTED_TYPES, unsupported_rope, unsupported_type
 from deploy.verifier.cuda.graphs import LayerGraphs
 from deploy.verifier.glue import make_glue
 from deploy.verifier.kv_pool import KVPool
@@ -45,8 +47,6 @@ from deploy.verifier.lora import add_lora, row_groups
 from deploy.verifier.native_stack import NativeStack
 from deploy.verifier.row_chunks import in_row_chunks
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE = (None, "default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ class DecoderSpec:
     def from_config(cls, cfg) -> "DecoderSpec":
         mt = getattr(cfg, "model_type", None)
         if mt not in SUPPORTED_TYPES:
-            raise UnsupportedModel(f"model type {mt!r} is not supported by the verifier's forward "
-                                   f"(supported: {', '.join(SUPPORTED_TYPES)})")
+            raise unsupported_type(mt)
         sw = getattr(cfg, "sliding_window", None)
         if sw is not None and (mt == "mistral" or getattr(cfg, "use_sliding_window", False)):
             raise UnsupportedModel(f"{mt} with a sliding window ({sw}) is not supported: attention over the "
@@ -81,8 +80,7 @@ class DecoderSpec:
         rope = getattr(cfg, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
         if rope_type not in SUPPORTED_ROPE:
-            raise UnsupportedModel(f"RoPE scaling {rope_type!r} is not supported (it depends on the sequence "
-                                   f"length); supported: default, linear, llama3, yarn")
+            raise unsupported_rope(rope_type)
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
