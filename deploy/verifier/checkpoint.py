@@ -102,7 +102,8 @@ class CheckpointConfig(SimpleNamespace):
 def _rope_parameters(raw: dict, c: dict) -> dict:
     """One dict of RoPE parameters, as transformers 5 standardises them: ``rope_type``,
     ``rope_theta`` (from the dict, else a top-level ``rope_theta``, else 10000), and for the
-    scaled types the pretraining context (``original_max_position_embeddings``)."""
+    scaled types the pretraining context (``original_max_position_embeddings``: a top-level one
+    wins, as in the rotary transformers' model builds; else the dict's, else the model's context)."""
     rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     rope.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_THETA))
     if raw.get("partial_rotary_factor") is not None:
