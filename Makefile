@@ -53,8 +53,8 @@ demo: model
 prometheus:
 	bash dashboards/install_prometheus.sh
 
-# two phases: the suite on two xdist workers (each its own session with its own Ray instance,
-# tests/conftest.py), then the timing-sensitive tests (marker `exclusive`) alone, collected from the
+# two phases: the suite on two xdist workers (each its own session; the modules that use the session's
+# Ray instance all run on one of them, tests/conftest.py), then the timing-sensitive tests (marker `exclusive`) alone, collected from the
 # files that use the marker (collecting the whole suite again costs ~19 s)
 PYTEST := $(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider
 test: model prometheus

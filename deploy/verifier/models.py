@@ -205,7 +205,7 @@ def load_model(model: str = "embedded", *, dtype: str | torch.dtype = "auto", de
         else:
             m = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         tok = tok or load_tokenizer(str(path))
-    return _loaded(m.to(device).eval(), tok, model, seed, device, torch_dtype)
+    return loaded_model(m.to(device).eval(), tok, model, seed, device, torch_dtype)
 
 
 def load_weights(model: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
@@ -219,8 +219,9 @@ def load_weights(model: str = "embedded", *, dtype: str | torch.dtype = "auto", 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     resolve_attn(attn_implementation, device)  # the same refusals as load_model
-    path = None if model.startswith(TINY_PREFIX) else Path(ensure_embedded_model() if model in EMBEDDED_ALIASES else model)
-    if path is not None and not (path.is_dir() and any(path.glob("*.safetensors"))):
+    tiny = model.startswith(TINY_PREFIX)
+    path = None if tiny else safetensors_dir(model)
+    if not tiny and path is None:  # a GGUF file or a hub id
         return load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
                           tokenizer=tokenizer, seed=seed, tiny_config=tiny_config)
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
@@ -229,7 +230,15 @@ def load_weights(model: str = "embedded", *, dtype: str | torch.dtype = "auto", 
     else:
         m = read_weights(path, torch_dtype, device)
         tok = tok or load_tokenizer(str(path))
-    return _loaded(m.to(device), tok, model, seed, device, torch_dtype)
+    return loaded_model(m.to(device), tok, model, seed, device, torch_dtype)
+
+
+def safetensors_dir(model: str) -> Path | None:
+    """The local safetensors directory a model spec names (the embedded model's, converted once), or None."""
+    if model in EMBEDDED_ALIASES:
+        return ensure_embedded_model()
+    p = Path(model)
+    return p if p.is_dir() and any(p.glob("*.safetensors")) else None
 
 
 def load_target(target, weights_only: bool = False, **over) -> LoadedModel:
@@ -249,7 +258,8 @@ def _tiny_shape(tiny_config: dict | None, tok) -> dict:
     return cfg
 
 
-def _loaded(m, tok, model: str, seed: int, device: str, dtype: torch.dtype) -> LoadedModel:
+def loaded_model(m, tok, model: str, seed: int, device: str, dtype: torch.dtype) -> LoadedModel:
+    """``m`` (weights or transformers' model) and ``tok`` as the :class:`LoadedModel` of the spec ``model``."""
     if model.startswith(TINY_PREFIX) and tok is not None:  # the tokenizer's end of sequence
         m.config.eos_token_id = tok.eos_token_id
         m.generation_config.eos_token_id = tok.eos_token_id

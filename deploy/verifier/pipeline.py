@@ -71,8 +71,8 @@ import torch
 from deploy.config import EarlyExitConfig, ModelConfig
 from deploy.verifier.layer_split import Weighting, split_layers
 from deploy.verifier.checkpoint import CheckpointConfig, prune, read_weights, tiny_config
-from deploy.verifier.models import (EMBEDDED_ALIASES, EMBEDDED_NAME, TINY_PREFIX, LoadedModel, _eos_ids, ensure_embedded_model,
-                                    load_target, load_tokenizer, resolve_device, resolve_dtype)
+from deploy.verifier.models import (TINY_PREFIX, LoadedModel, load_target, load_tokenizer, loaded_model, resolve_device,
+                                    resolve_dtype, safetensors_dir)
 from deploy.verifier.batch import SeqInput
 from deploy.verifier.exit_heads import ExitHeads, exit_rows
 from deploy.verifier.native import PAGE_SIZE
@@ -144,21 +144,13 @@ class ModelShell:
         self.generation_config = generation_config
 
 
-def _hf_dir(model_cfg: ModelConfig) -> Path | None:
-    """The local safetensors directory of the target, if it is one."""
-    if model_cfg.model in EMBEDDED_ALIASES:
-        return ensure_embedded_model()
-    p = Path(model_cfg.model)
-    return p if p.is_dir() and any(p.glob("*.safetensors")) else None
-
-
 def target_config(model_cfg: ModelConfig):
     """The target's config without loading weights (the split needs only this)."""
     if model_cfg.model.startswith(TINY_PREFIX):
         if model_cfg.tokenizer is not None and "vocab_size" not in (model_cfg.tiny_config or {}):
             return load_target(model_cfg, weights_only=True, dtype="float32", device="cpu").model.config
         return CheckpointConfig.from_dict(tiny_config(**(model_cfg.tiny_config or {})))
-    path = _hf_dir(model_cfg)
+    path = safetensors_dir(model_cfg.model)
     if path is not None:
         return CheckpointConfig.read(path)
     from transformers import AutoConfig
@@ -173,7 +165,7 @@ def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bo
                keep_head: bool = False) -> LoadedModel:
     """The target with only layers ``[first, last)`` (+ embedding / head) materialised;
     ``keep_head``: the final norm and LM head too, whatever the slice."""
-    path = _hf_dir(model_cfg)
+    path = safetensors_dir(model_cfg.model)
     if path is None:  # tiny-random, GGUF, hub id: load whole, keep the slice
         loaded = load_target(model_cfg, weights_only=True)
         prune(loaded.model, first, last, keep_head)
@@ -182,8 +174,7 @@ def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bo
     dtype = resolve_dtype(model_cfg.dtype, device)
     model = read_weights(path, dtype, device, first, last, keep_head)
     tok = load_tokenizer(str(path), model_cfg.tokenizer) if with_tokenizer else None
-    name = EMBEDDED_NAME if model_cfg.model in EMBEDDED_ALIASES else model_cfg.model
-    return LoadedModel(model, tok, name, _eos_ids(model, tok), device, dtype)
+    return loaded_model(model, tok, model_cfg.model, model_cfg.seed, device, dtype)
 
 
 # -- the stage actor ----------------------------------------------------------------
