@@ -70,8 +70,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.metrics import verifier_role
-from benchmarks.proc_stats import CpuSnapshot, cpu_busy, group_members, thread_cpu_s, tree_cpu_s
-from benchmarks.ray_start import ray_start_timed_out
+from benchmarks.proc_stats import CpuSnapshot, cpu_busy, thread_cpu_s, tree_cpu_s
+from benchmarks.child_group import ray_start_timed_out, stop_group
 from deploy.request_path import RequestPathConfig, add_cli_options
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,24 +264,7 @@ class Proc:
         return self.p.pid
 
     def stop(self, timeout: float = 60.0) -> None:
-        if self.p.poll() is None:
-            try:
-                os.kill(self.p.pid, signal.SIGTERM)
-                self.p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)  # the group we created for it
-                self.p.wait()
-            except ProcessLookupError:
-                pass
-        # helpers of the group we created that outlived their parent (vLLM's engine processes)
-        deadline = time.time() + 10
-        while group_members(self.p.pid) and time.time() < deadline:
-            time.sleep(0.2)
-        if group_members(self.p.pid):
-            try:
-                os.killpg(self.p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_group(self.p, grace_s=timeout)  # and the helpers of its group (vLLM's engine processes)
         self.logf.close()
 
 
@@ -327,7 +310,7 @@ class Server(_Accounting):
 
         deadline, note = time.time() + timeout, ""
         line = self.proc.p.stdout.readline()  # blocks until READY (or EOF on failure)
-        if not line.startswith("READY") and ray_start_timed_out(self.log):  # once more (benchmarks/ray_start.py)
+        if not line.startswith("READY") and ray_start_timed_out(self.log):  # once more (benchmarks/child_group.py)
             self.proc.stop()
             self.log.rename(self.log.with_suffix(".first-try.log"))
             self.proc = Proc(self.cmd, self.log, stdout=subprocess.PIPE)

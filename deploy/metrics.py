@@ -93,7 +93,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _c("sessions_opened", "Sessions opened (prefilled), re-opens included.", ("tenant",)),
     _c("prefill_tokens", "Prompt + history tokens prefilled at open.", ("tenant",)),
     # -- the verifier's forwards and queue ----------------------------------------------------
-    _h("verify_batch_sessions", "Sessions in one target forward.", _SESSIONS, ("kind",)),
+    _h("verify_batch_sessions", "Sessions in one target forward (with a prefill chunk riding along, if any).",
+       _SESSIONS, ("kind",)),
     _h("verify_batch_tokens", "Tokens in one target forward (packed, never padded).", _TOKENS, ("kind",)),
     _h("forward_latency_seconds", "Wall time of one target forward.", _LATENCY_S, ("kind",)),
     _c("verifier_busy_seconds", "Seconds the replica spent in target forwards (rate = utilisation).", ("kind",)),

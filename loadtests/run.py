@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.ray_start import ray_start_timed_out
+from benchmarks.child_group import start_healthy, stop_group
 from deploy.request_path import add_cli_options
 from loadtests import report
 from loadtests.config import SCENARIOS, TARGETS, LoadTestConfig, scenario
@@ -81,45 +81,8 @@ def start_server(cfg: LoadTestConfig, out: Path, timeout: float = 240.0,
     cmd = [sys.executable, "-m", "loadtests.server", "--config", str(app_file), "--port", str(port), "--stats-out",
            str(out / "server_stats.json"), "--request-path", rp.model_dump_json(), "--worker-niceness",
            str(worker_niceness)]
-    deadline = time.time() + timeout
-    for attempt in (1, 2):  # a second start only when Ray's node timed out starting (benchmarks/ray_start.py)
-        log_path = out / ("server.log" if attempt == 1 else "server.second-try.log")
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            stop_server(proc)
-            raise RuntimeError(f"the app did not become healthy in {timeout:.0f} s; see {log_path}")
-        stop_server(proc)  # its group: the Ray processes the failed start left
-        if not (attempt == 1 and ray_start_timed_out(log_path)):
-            break
-    raise RuntimeError(f"the app process exited (code {proc.returncode}); see {log_path}:\n"
-                       + log_path.read_text()[-3000:])
-
-
-def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """SIGTERM to the PID we started (it shuts Serve and its own local Ray down), then its group: the
-    group is the one start_new_session gave it, and what is left of it (a failed Ray start's processes)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
+    return start_healthy(cmd, url, (out / "server.log", out / "server.second-try.log"), timeout, _child_env(),
+                         cwd=REPO)[0], url
 
 
 def model_info(url: str, key: str) -> dict:
@@ -282,7 +245,7 @@ def main(argv=None) -> int:
             report.write_sweep(out, cfg, results)
     finally:
         if server is not None:
-            stop_server(server)
+            stop_group(server)
     print(f"[loadtests] report: {out / ('report.md' if len(args.users) == 1 else 'sweep.md')}", flush=True)
     if args.check:
         failed = [c for s in results for c in s["checks"] if not c["ok"]]

@@ -235,7 +235,10 @@ def test_metrics_reach_prometheus_with_plausible_values(prometheus, traffic):
     fwd = total("ray_specedge_verify_batch_sessions_count", ', kind="verify"')
     sess = total("ray_specedge_forward_sessions_total", ', kind="verify"')
     toks = total("ray_specedge_forward_tokens_total", ', kind="verify"')
-    assert 1 <= fwd <= rounds and fwd <= sess == rounds and toks >= sess
+    assert 1 <= fwd <= rounds and fwd <= sess and toks >= sess
+    # every round is in one forward; a verify forward also counts the prefill chunk riding along with it of a
+    # session opened meanwhile (a busy machine may idle-evict a session, whose edge then re-opens it)
+    assert rounds <= sess <= rounds + total("ray_specedge_prefill_tokens_total")
     assert total("ray_specedge_verify_batch_tokens_sum", ', kind="verify"') >= fwd  # >= one token per forward
     assert total("ray_specedge_verify_batch_tokens_count", ', kind="verify"') == fwd
     assert total("ray_specedge_verify_batch_sessions_bucket", ', kind="verify", le="0.5"') is None

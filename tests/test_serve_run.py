@@ -5,16 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from benchmarks.ray_start import ray_start_timed_out
+from benchmarks.child_group import start_healthy, stop_group
 from deploy.application import build_app
 from deploy.config import AppConfig
 from deploy.protocol import ReplyFrame, VerifyFrame
@@ -47,26 +45,10 @@ def test_serve_run_deploy_app_subprocess(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0",
                PYTHONPATH=str(REPO))  # as the demo runs it
     base = "http://127.0.0.1:8000"
-    for attempt in (1, 2):  # a second start only when Ray's node timed out starting (benchmarks/ray_start.py)
-        log_path = tmp_path / f"serve-{attempt}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([SERVE, "run", "deploy.app"], cwd=REPO, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{base}/v1/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        if proc.poll() is None or attempt == 2 or not ray_start_timed_out(log_path):
-            break
-        stop(proc)
+    # once more when Ray's node timed out starting (benchmarks/child_group.py)
+    proc, _ = start_healthy([SERVE, "run", "deploy.app"], base, (tmp_path / "serve-1.log", tmp_path / "serve-2.log"),
+                            240, env, cwd=REPO, poll_s=1)
     try:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        if time.time() >= deadline:
-            pytest.fail("serve run did not become healthy:\n" + log_path.read_text()[-3000:])
         h = {"Authorization": "Bearer specedge-dev-key"}
         with httpx.Client(base_url=base, headers=h, timeout=120) as c:
             info = c.get("/v1/model").json()
@@ -84,19 +66,4 @@ def test_serve_run_deploy_app_subprocess(tmp_path):
                                                 "temperature": 0})
             assert r.status_code == 200 and r.json()["choices"][0]["text"].strip()
     finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGINT to our own process group (serve run and the Ray it started), then SIGKILL to what is
-    left of it: after a failed start, Ray's processes outlive ``serve run``."""
-    for sig, wait in ((signal.SIGINT, 60), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            pass
-    proc.wait()
+        stop_group(proc, signal.SIGINT, whole_group=True)  # serve run and the Ray it started

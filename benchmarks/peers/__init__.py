@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.child_group import stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -136,12 +139,8 @@ def run_vllm_step(
                 try:
                     rc = proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
-                    # vLLM may leave helper processes: end the whole session we started
-                    try:
-                        os.killpg(proc.pid, 9)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait()
+                    # vLLM may leave helper processes: end the whole group we started
+                    stop_group(proc, signal.SIGKILL, whole_group=True)
                     print(f"vLLM peer: timed out after {timeout:.0f} s; log {log}", file=sys.stderr)
                     return None
         except OSError as e:

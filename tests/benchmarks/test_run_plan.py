@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks.metrics import Window
 from benchmarks.run import PLANS, app_config, config_row, repeat_order
+from tests.benchmarks.test_child_group import FAKE_SERVE
 
 
 def test_our_batch_cap_is_the_vllm_peers_max_num_seqs():
@@ -59,19 +60,6 @@ def test_a_configurations_repeats_pool_into_one_row_with_each_repeats_figure():
 
 
 
-FAKE_SERVE = """
-import http.server, pathlib, sys, threading
-tries = pathlib.Path(sys.argv[1])
-tries.write_text(tries.read_text() + "x" if tries.exists() else "x")
-if len(tries.read_text()) == 1:  # the first start: Ray's node did not register in time
-    sys.exit("Exception: The current node timed out during startup. This could happen because ...")
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers()
-srv = http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), Health)
-print("READY fake", flush=True)
-srv.serve_forever()
-"""
 
 
 @pytest.mark.parametrize("fails", ["startup timeout", "other error"])
