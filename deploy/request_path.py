@@ -28,6 +28,12 @@ every 100 ms by default; at 1000 ms the idle benchmark app fell from 77 to 64 ms
 (20 s each, same pinning), and Prometheus, scraping every few seconds, sees no difference. The
 project's own metrics (:mod:`deploy.metrics`) are recorded as they happen either way.
 
+``drain_s`` (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``): a stopping ingress replica
+keeps serving for this long so that a balancer in front of it can deregister it, then finishes
+its in-flight requests. Ray's 30 s fits ``haproxy``; with ``direct`` nothing is in front, and
+the 30 s only delayed every stop (``serve run``'s Ctrl-C took 33 s instead of 7; an in-flight
+request still completes), so the default there is 0.
+
 These are read when Ray's processes import Serve, so they must be in the environment of
 the process that starts Ray (``ray start`` / ``ray.init``) — the Helm chart puts them in the
 Ray containers' env, the launchers here (:mod:`loadtests.server`, :mod:`deploy.demo`) pass
@@ -65,6 +71,11 @@ class RequestPathConfig(BaseModel):
                                                "Serve's own request metrics (Serve's default 100; 0 = unbatched)")
     direct_port: int = Field(30000, ge=1024, le=65000,
                              description="first port of the ingress replicas' own HTTP servers (one per replica)")
+    drain_s: float | None = Field(None, ge=0, le=600,
+                                  description="RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S: how long a stopping "
+                                              "ingress replica keeps serving so that a balancer in front of it can "
+                                              "deregister it; default: 0 with direct ingress (nothing in front), "
+                                              "Ray's 30 s behind haproxy")
 
     @model_validator(mode="after")
     def _check(self):
@@ -83,7 +94,18 @@ class RequestPathConfig(BaseModel):
                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(self.direct_port + 1000),
                "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(self.direct_port + 1000),
                "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(self.direct_port + 2000)}
+        if self.ingress is not Ingress.proxy:
+            env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(self.drain_period_s)
         return env
+
+    @property
+    def drain_period_s(self) -> float:
+        """A stopping ingress replica's drain: with direct ingress clients connect to the replica
+        itself and no balancer has to deregister it, so Ray's 30 s only delayed every stop
+        (`serve run`'s Ctrl-C, the demo, each benchmark server) by 30 s."""
+        if self.drain_s is not None:
+            return self.drain_s
+        return 0.0 if self.ingress is Ingress.direct else 30.0
 
     def override(self, ingress: str | None = None, throughput_optimized: bool | None = None) -> "RequestPathConfig":
         """This config with the options a command line gave (None: keep)."""

@@ -34,6 +34,17 @@ def test_port_ranges_do_not_overlap():
     assert not set(http) & set(grpc)
 
 
+def test_a_stopping_ingress_replica_drains_only_where_a_balancer_is_in_front():
+    # direct: clients connect to the replica itself; Ray's 30 s drain delayed every stop by 30 s
+    assert RequestPathConfig().env()["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0.0"
+    behind_haproxy = RequestPathConfig.model_construct(**{**RequestPathConfig().model_dump(), "ingress": Ingress.haproxy})
+    assert behind_haproxy.env()["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "30.0"  # Ray's own default
+    assert "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" not in RequestPathConfig(ingress="proxy").env()
+    assert RequestPathConfig(drain_s=12).env()["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "12.0"
+    with pytest.raises(ValidationError):
+        RequestPathConfig(drain_s=-1)
+
+
 def test_override_from_a_command_line():
     rp = RequestPathConfig().override(ingress="proxy")
     assert rp.ingress is Ingress.proxy and rp.throughput_optimized  # the other option kept
