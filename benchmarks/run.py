@@ -59,7 +59,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -69,9 +68,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.child_group import ray_start_timed_out, stop_group
 from benchmarks.metrics import verifier_role
 from benchmarks.proc_stats import CpuSnapshot, cpu_busy, thread_cpu_s, tree_cpu_s
-from benchmarks.child_group import ray_start_timed_out, stop_group
 from deploy.request_path import RequestPathConfig, add_cli_options
 
 REPO = Path(__file__).resolve().parents[1]

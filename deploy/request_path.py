@@ -102,7 +102,7 @@ class RequestPathConfig(BaseModel):
     def drain_period_s(self) -> float:
         """A stopping ingress replica's drain: with direct ingress clients connect to the replica
         itself and no balancer has to deregister it, so Ray's 30 s only delayed every stop
-        (`serve run`'s Ctrl-C, the demo, each benchmark server) by 30 s."""
+        (`serve run`'s Ctrl-C, the demo's) by 30 s."""
         if self.drain_s is not None:
             return self.drain_s
         return 0.0 if self.ingress is Ingress.direct else 30.0

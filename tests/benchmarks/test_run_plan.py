@@ -59,9 +59,6 @@ def test_a_configurations_repeats_pool_into_one_row_with_each_repeats_figure():
     assert one["repeats"] == 1 and one["repeat_tokens_per_server_cpu_s"] == [one["tokens_per_server_cpu_s"]]
 
 
-
-
-
 @pytest.mark.parametrize("fails", ["startup timeout", "other error"])
 def test_server_start_retries_once_when_rays_node_times_out(tmp_path, monkeypatch, fails):
     # Ray gives its node a fixed 30 s to register; on a loaded server core that was exceeded (a CI run):
