@@ -40,7 +40,8 @@ def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, whole_group:
     ``first`` goes to the child (or, ``whole_group``, to every process of its group), which gets
     ``grace_s`` to exit. A child that exited leaves the rest of its group ``linger_s`` to follow
     (helpers that outlive their parent: vLLM's engine processes, Ray's daemons shutting down);
-    then whatever is left of the group, or the child that ignored ``first``, gets SIGKILL."""
+    then whatever is left of the group, or the child that ignored ``first``, gets SIGKILL, and the
+    call returns once the group is gone (at most 5 s later)."""
     if proc.poll() is None:
         try:
             if whole_group:
@@ -51,14 +52,19 @@ def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, whole_group:
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
     if proc.poll() is not None:
-        deadline = time.monotonic() + linger_s
-        while group_members(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_group_gone(proc.pid, linger_s)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
+    _wait_group_gone(proc.pid, 5.0)  # SIGKILL is delivered asynchronously: gone when this returns
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def start_healthy(cmd: list[str], url: str, logs: tuple[Path, Path], timeout_s: float, env: dict,
