@@ -176,9 +176,10 @@ def traffic(app_url, prometheus, edge_metrics):
 
     t0 = time.monotonic()
     asyncio.run(wave1())
-    # rate() needs a counter seen at a lower value first: Prometheus must scrape wave 1 before wave 2 runs
-    prometheus.wait(f"sum(ray_specedge_spec_decode_num_drafts_total{{{SEL}}})", lambda v: v == obs["rounds"],
-                    timeout=60)
+    # rate() needs a counter seen at a lower value first: Prometheus must scrape wave 1 before wave 2 runs, from
+    # the verifier and from the router (another process, with its own flush: the dashboards' router panels)
+    for counter in ("spec_decode_num_drafts_total", "router_verify_latency_seconds_count"):
+        prometheus.wait(f"sum(ray_specedge_{counter}{{{SEL}}})", lambda v: v == obs["rounds"], timeout=60)
     asyncio.run(wave2())
     obs["agent"] = asyncio.run(_edge_agent_generation(app_url, model, edge_metrics[0]))
     print(f"traffic: {obs['rounds']} oracle rounds + {obs['agent'].rounds} agent rounds in {time.monotonic() - t0:.1f} s")
