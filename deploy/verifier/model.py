@@ -48,7 +48,6 @@ from deploy.verifier.native_stack import NativeStack
 from deploy.verifier.row_chunks import in_row_chunks
 
 
-
 @dataclass(frozen=True)
 class DecoderSpec:
     """What the forward needs of a model config (validated)."""
