@@ -190,6 +190,15 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
         # batching: how many session rounds (and rows) one verify forward carried on average
         "sessions_per_forward": w.verify_sessions / w.verify_forwards if w.verify_forwards else float("nan"),
         "rows_per_forward": w.verify_rows / w.verify_forwards if w.verify_forwards else float("nan"),
+        # what one verify forward costs its thread (CPU ms) and how many of them a token took: with
+        # rows_per_forward, the row-cost curve as the live server met it (benchmarks.verify_step
+        # measures the same curve alone), and the prefill forwards' share of a token's cost
+        "verify_forward_cpu_ms": (1e3 * w.forward_cpu_s_verify / w.verify_forwards
+                                  if w.verify_forwards else float("nan")),
+        "verify_forwards_per_token": (w.verify_forwards / w.tokens_emitted
+                                      if w.verify_forwards and w.tokens_emitted else float("nan")),
+        "prefill_cpu_ms_per_token": (1e3 * w.forward_cpu_s_prefill / w.tokens_emitted
+                                     if w.tokens_emitted else float("nan")),
         # detached run-ahead: the share of edge requests that found their session's run full (it had stopped
         # decoding before the request came: forwards it sat out)
         "run_ahead_full_share": (w.takeovers_full / takeovers if (takeovers := w.takeovers_running + w.takeovers_full

@@ -673,6 +673,7 @@ TABLE_COLS = [("mode", "mode", 0), ("rtt_ms", "RTT ms", 0), ("sessions", "sess",
               ("draft_depth_mean", "depth", 1), ("draft_ms_per_forward", "draft ms/fwd", 1),
               ("verifier_utilisation", "util", 2), ("sessions_per_forward", "sess/fwd", 1),
               ("run_ahead_full_share", "ahead full", 2), ("rows_per_forward", "rows/fwd", 0),
+              ("verify_forward_cpu_ms", "ms/fwd", 1), ("verify_forwards_per_token", "fwd/tok", 2),
               ("uplink_bytes_per_token", "up B/tok", 0), ("downlink_bytes_per_token", "down B/tok", 0),
               ("cost_eff_ktok_per_usd", "ktok/$", 1)]
 

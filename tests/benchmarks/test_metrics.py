@@ -1,6 +1,7 @@
 """ITL samples/percentiles, SpecEdge's cost efficiency, a configuration's figures and their pooling."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -52,6 +53,14 @@ def test_row_splits_the_server_cpu_into_forwards_request_path_and_background():
                                 "background": 5.0})
     assert sum(ms.values()) == pytest.approx(1e3 * w.server_cpu_s / 200)  # the parts add up to the whole server
     assert r["tokens_per_forward_cpu_s"] == pytest.approx(40.0)
+    assert math.isnan(r["verify_forward_cpu_ms"])  # no verify forwards counted: no per-forward cost
+    # the live row-cost curve: 80 verify forwards of 4 s in all, 200 tokens, prefill 1 s
+    f = row("edge_full", 15.0, 4, replace(w, verify_forwards=80, verify_rows=240), {"tokens": 200}, 4, by_role=by_role)
+    assert f["verify_forward_cpu_ms"] == pytest.approx(50.0) and f["rows_per_forward"] == pytest.approx(3.0)
+    assert f["verify_forwards_per_token"] == pytest.approx(0.4) and f["prefill_cpu_ms_per_token"] == pytest.approx(5.0)
+    # forward CPU per token = verify forwards per token x their cost + prefill per token
+    assert f["cpu_ms_per_token_forward"] == pytest.approx(
+        f["verify_forwards_per_token"] * f["verify_forward_cpu_ms"] + f["prefill_cpu_ms_per_token"])
     # topology colocated: the router replica holds the verifier; its other work is "verifier_other"
     colo = {"router": 8.5, "proxy": 0.5, "controller": 0.6, "raylet": 0.4}
     c = row("edge_full", 15.0, 4, w, {"tokens": 200}, 4, by_role=colo)
