@@ -999,6 +999,15 @@ def main(argv=None) -> int:
             plan.app_set[key] = json.loads(value)
         except json.JSONDecodeError:
             plan.app_set[key] = value  # a bare string
+    if plan.app_set:  # a wrong key or value is refused here, not by a Serve app that never comes up
+        from pydantic import ValidationError
+
+        from deploy.config import AppConfig
+
+        try:
+            AppConfig(**app_config(plan, plan.draft, 2))
+        except ValidationError as e:
+            ap.error(f"--set {' '.join(args.set)}: not a valid app config:\n{e}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     t_start = time.time()

@@ -5,7 +5,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from benchmarks.metrics import Window
-from benchmarks.run import PLANS, app_config, config_row, repeat_order
+from benchmarks.run import PLANS, app_config, config_row, main, repeat_order
 from tests.benchmarks.test_child_group import FAKE_SERVE
 
 
@@ -19,6 +19,18 @@ def test_our_batch_cap_is_the_vllm_peers_max_num_seqs():
     # an explicit --set still wins
     plan = replace(plan, app_set={"verifier.max_batch_sessions": 8})
     assert app_config(plan, "embedded-draft", 4)["verifier"]["max_batch_sessions"] == 8
+
+
+@pytest.mark.parametrize("item, says", [("model.dtype=\"float32\"", "Extra inputs are not permitted"),
+                                         ("target.dtype=\"float33\"", "target.dtype")])
+def test_a_wrong_set_is_refused_before_anything_starts(item, says, capsys):
+    # a key or value the app config refuses stops the run at its command line, with pydantic's reason,
+    # instead of a Serve app that dies at start-up behind "did not start"
+    with pytest.raises(SystemExit) as e:
+        main(["--quick", "--set", item])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "not a valid app config" in err and says in err
 
 
 def test_full_plan_gives_every_session_several_generations():
