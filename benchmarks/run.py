@@ -56,6 +56,7 @@ import argparse
 import json
 import math
 import os
+import queue
 import random
 import re
 import shutil
@@ -304,16 +305,45 @@ class Server(_Accounting):
         self.client_port = path.client_port(self.port)  # where clients connect (the router's own port if direct)
         self.url = f"http://127.0.0.1:{self.client_port}"
 
+    def _ready_line(self, timeout: float = 600.0) -> str:
+        """The app's READY line, or "" once its process has ended (a failed start: the reason is in
+        the log) or ``timeout`` passed. Other lines on its stdout (Ray's own, e.g. the raylet's as a
+        failed start shuts down) go to the log, so that a start is judged by READY or the process's
+        end, not by the first stray line."""
+        lines: queue.Queue[str] = queue.Queue()
+        out = self.proc.p.stdout
+
+        def pump() -> None:  # until READY or EOF (helpers of a failed start may hold the pipe a while)
+            for line in iter(out.readline, ""):
+                lines.put(line)
+                if line.startswith("READY"):
+                    return
+
+        threading.Thread(target=pump, daemon=True, name="serve-stdout").start()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                if self.proc.p.poll() is not None and lines.empty():
+                    return ""
+                continue
+            if line.startswith("READY"):
+                return line
+            self.proc.logf.write(line)  # the child's stderr file: one offset, nothing overwritten
+            self.proc.logf.flush()
+        return ""
+
     def wait_ready(self, timeout: float = 600.0) -> str:
         import httpx
 
         deadline, note = time.time() + timeout, ""
-        line = self.proc.p.stdout.readline()  # blocks until READY (or EOF on failure)
+        line = self._ready_line(timeout)
         if not line.startswith("READY") and ray_start_timed_out(self.log):  # once more (benchmarks/child_group.py)
             self.proc.stop()
             self.log.rename(self.log.with_suffix(".first-try.log"))
             self.proc = Proc(self.cmd, self.log, stdout=subprocess.PIPE)
-            line, note = self.proc.p.stdout.readline(), "; second try: Ray's node timed out starting the first"
+            line, note = self._ready_line(), "; second try: Ray's node timed out starting the first"
         if not line.startswith("READY"):
             raise RuntimeError(f"the Serve app did not start; see {self.log}:\n{self.log.read_text()[-3000:]}")
         while time.time() < deadline:
@@ -382,6 +412,25 @@ class VllmServer(_Accounting):
         self.client_port = self.port
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_s = float("nan")
+
+    def _ready_line(self, timeout: float = 600.0) -> str:
+        """The app's READY line, or "" once its process has ended (a failed start: the reason is in
+        the log) or ``timeout`` passed. Other lines on its stdout (Ray's own, e.g. the raylet's as a
+        failed start shuts down) go to the log, so that a start is judged by READY or the process's
+        end, not by the first stray line."""
+        out, deadline = self.proc.p.stdout, time.time() + timeout
+        while time.time() < deadline:
+            if select.select([out], [], [], 1.0)[0]:
+                line = out.readline()
+                if line.startswith("READY"):
+                    return line
+                if line:
+                    self.proc.logf.write(line)  # the child's stderr file: one offset, nothing overwritten
+                    self.proc.logf.flush()
+                    continue
+            if self.proc.p.poll() is not None:  # ended (its helpers may hold the pipe open a while)
+                return ""
+        return ""
 
     def wait_ready(self, timeout: float = 600.0) -> str:
         import httpx

@@ -15,7 +15,9 @@ import argparse
 import json
 import os
 import signal
+import sys
 import threading
+import traceback
 
 
 def main(argv=None) -> None:
@@ -44,11 +46,18 @@ def main(argv=None) -> None:
         serve.run(build_app(cfg), name="specedge", route_prefix="/")
         print(f"READY affinity={sorted(os.sched_getaffinity(0))}", flush=True)
         stop.wait()
+    except Exception:  # the reason first, in the log: shutting Ray down takes seconds and may be cut short
+        traceback.print_exc()
+        sys.stderr.flush()
+        failed = True
+    else:
+        failed = False
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

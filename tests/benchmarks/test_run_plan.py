@@ -97,3 +97,41 @@ def test_server_start_retries_once_when_rays_node_times_out(tmp_path, monkeypatc
             assert "timed out during startup" in (tmp_path / "serve.first-try.log").read_text()
     finally:
         server.proc.stop()
+
+
+# a start that fails the way a refused app config did: Ray prints a line on stdout as it shuts down,
+# and the reason reaches stderr only after that (here: a helper holding the pipe, then the traceback)
+STRAY_THEN_FAIL = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])  # keeps stdout open past our exit
+print("(raylet) Task ServeController.graceful_shutdown failed.", flush=True)
+time.sleep(1.0)
+sys.exit("pydantic_core.ValidationError: 1 validation error for AppConfig")
+"""
+STRAY_THEN_READY = """
+import time
+print("(raylet) a line of Ray's own", flush=True)
+time.sleep(0.5)
+print("READY fake", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("script", ["fail", "ready"])
+def test_a_start_is_judged_by_ready_or_the_end_not_by_a_stray_line(tmp_path, monkeypatch, script):
+    import sys
+
+    import benchmarks.run as run
+
+    code = STRAY_THEN_FAIL if script == "fail" else STRAY_THEN_READY
+    monkeypatch.setattr(run, "pinned", lambda cmd, core, nice: [sys.executable, "-c", code])
+    server = run.Server({}, tmp_path, nice=0)
+    try:
+        if script == "fail":  # the reason, which came after the stray line, is in the error
+            with pytest.raises(RuntimeError, match="did not start(.|\n)*graceful_shutdown(.|\n)*ValidationError"):
+                server.wait_ready(timeout=30)
+        else:
+            assert server._ready_line(timeout=30) == "READY fake\n"
+            assert "a line of Ray's own" in (tmp_path / "serve.log").read_text()
+    finally:
+        server.proc.stop()
