@@ -545,13 +545,25 @@ class VerifierCore:
                     await self._run_verifies(loop, batch)
                     self._last_verify = time.monotonic()
                 elif self._prefilling:
-                    busy = time.monotonic() - self._last_verify < max(0.05, 4 * self._verify_s)
+                    busy = self._decoding_recently()
                     if busy and await self._request_arrives(max(0.002, 2 * self._verify_s)):
                         continue  # a verify round came back: the next chunk rides along with it
                     # the edges are drafting (or gone): prefill in the gap
                     await self._run_prefill(loop, self._prefill_budget() if busy else vc.max_batch_tokens)
             except Exception as e:  # never let one bad batch kill the loop
                 log.exception("verify loop error: %s", e)
+
+    def _decoding_recently(self) -> bool:
+        """Whether a prompt waiting with no verify round queued is prefilled in paced chunks (some
+        session is decoding and verified a moment ago: its edge is drafting and its next round
+        may come back at any time) or at once. With no session left decoding (one user between
+        generations, above all: the last one finished and was closed) nobody can come back, and
+        paced chunks would only cost whole forwards: seen at 1 session (`benchmarks.run`, RTT
+        15 ms), every prompt went in as 4 + 4 tokens, then the rest, each tiny chunk a forward
+        that reads every weight and a wait for a round that never came."""
+        if time.monotonic() - self._last_verify >= max(0.05, 4 * self._verify_s):
+            return False
+        return any(not s.finished for s in list(self.engine.sessions.values()))  # a copy: closes run on the worker
 
     def _others_may_join(self) -> bool:
         """Whether a request not yet queued could still join the next forward: the batch has room

@@ -3,6 +3,7 @@ the verify forwards, so a long prompt never stalls other sessions' verify rounds
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -163,3 +164,39 @@ def test_the_budget_weighs_the_sessions_open_lately_not_a_dip_between_generation
     assert load(2, 101.2) == 4  # within a second of the last time four were open
     assert load(2, 101.6) == 2  # the load fell: two it is
     assert load(1, 101.7) == 2 and load(1, 102.8) == 1
+
+
+def test_a_prompt_with_nobody_left_decoding_is_prefilled_in_one_forward():
+    """One user between generations: the last session finished (and closed itself), so no verify
+    round can come back, and the next prompt goes in as one prefill forward, not in paced chunks
+    that each cost a whole forward (they did: 4 + 4 tokens, then the rest). While a session is still
+    decoding, the prompt is still paced."""
+    from deploy.protocol import VerifyFrame
+    from tests.verifier.test_replica_run_ahead import decode_rest, make_core, open_session, prompt
+
+    core = make_core(run_ahead_tokens=0, max_batch_tokens=2048)
+    sampling = {"max_tokens": 6, "ignore_eos": True}
+    long = prompt(31, 300)
+
+    def prefills_of(n_before: int) -> list[int]:
+        return [f.tokens for f in core.forwards[n_before:] if f.kind == "prefill" or f.prefill_tokens]
+
+    async def after_a_finished_generation():
+        first = await open_session(core, prompt(30), sampling, close_on_finish=True)
+        await decode_rest(core, first, ahead=False, close=False)  # its last reply closes it
+        n = len(core.forwards)
+        await open_session(core, long, sampling, close_on_finish=True)  # at once, as the next user's
+        return prefills_of(n)
+
+    async def beside_a_decoding_session():
+        other = await open_session(core, prompt(32), {"max_tokens": 200, "ignore_eos": True})
+        sid, at = other["session_id"], other["prefix_len"]
+        status, _ = await core.verify(sid, "dev", VerifyFrame(at, [], []).encode())  # it verified just now
+        assert status == 200
+        n = len(core.forwards)
+        await open_session(core, long, sampling)
+        return prefills_of(n)
+
+    assert asyncio.run(after_a_finished_generation()) == [300]
+    paced = asyncio.run(beside_a_decoding_session())
+    assert len(paced) > 1 and sum(paced) == 300, paced  # chunks in the gaps of the other session's rounds
