@@ -413,25 +413,6 @@ class VllmServer(_Accounting):
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_s = float("nan")
 
-    def _ready_line(self, timeout: float = 600.0) -> str:
-        """The app's READY line, or "" once its process has ended (a failed start: the reason is in
-        the log) or ``timeout`` passed. Other lines on its stdout (Ray's own, e.g. the raylet's as a
-        failed start shuts down) go to the log, so that a start is judged by READY or the process's
-        end, not by the first stray line."""
-        out, deadline = self.proc.p.stdout, time.time() + timeout
-        while time.time() < deadline:
-            if select.select([out], [], [], 1.0)[0]:
-                line = out.readline()
-                if line.startswith("READY"):
-                    return line
-                if line:
-                    self.proc.logf.write(line)  # the child's stderr file: one offset, nothing overwritten
-                    self.proc.logf.flush()
-                    continue
-            if self.proc.p.poll() is not None:  # ended (its helpers may hold the pipe open a while)
-                return ""
-        return ""
-
     def wait_ready(self, timeout: float = 600.0) -> str:
         import httpx
 
