@@ -6,7 +6,7 @@ import math
 import pytest
 
 from benchmarks.run import (cpu_split_table, headline_table, markdown_table, ratio_cell, ratios, readme_section,
-                            render_readme)
+                            render_readme, targets_table)
 
 
 def _row(mode, rtt, ses, srv, busy=float("nan"), itl=50.0):
@@ -113,3 +113,29 @@ def test_cpu_split_table_sets_the_forwards_alone_against_vllm():
     assert body[3].endswith("| - | 100.0 | - |")  # no vLLM row at 4 sessions
     assert "### Where the server's CPU goes" in readme_section({"conditions": COND, "rows": rows})
     assert cpu_split_table({"conditions": COND, "rows": ROWS}) == []  # runs before the forward clock: no table
+
+
+def test_issue_15_targets_each_get_a_figure_and_a_verdict():
+    def node_row(ses, srv, nodes, itl=50.0):
+        return dict(_row("edge_full", 15, ses, srv, itl=itl), verified_nodes_per_round=nodes)
+
+    rows = [node_row(1, 150.0, 2.8, itl=40.0), _row("vllm_ar", 15, 1, 100.0, itl=38.0),
+            _row("server_sd", 15, 1, 80.0), _row("server_ar", 15, 1, 100.0),
+            node_row(4, 119.0, 0.0), _row("vllm_ar", 15, 4, 100.0), _row("server_ar", 15, 4, 119.5),
+            node_row(16, 300.0, 0.04), _row("server_sd", 15, 16, 100.0),  # no vllm_ar at 16
+            _row("server_ar", 15, 50, 999.0)]  # another RTT: not a target's point
+    lines = targets_table({"rows": rows})
+    verdict = {tuple(c.strip() for c in ln.split("|")[1:3]): ln.split("|")[-2].strip() for ln in lines[4:] if ln}
+    assert verdict[("`edge_full` / `vllm_ar` >= x1.5", "1")] == "met"  # x1.50 exactly
+    assert verdict[("`edge_full` / `vllm_ar` >= x1.2", "4")] == "**missed**"  # x1.19
+    assert verdict[("`edge_full` / `vllm_ar` >= x1.0", "16")] == "not measured"
+    assert verdict[("`edge_full` / `server_sd` >= x2.0", "1")] == "**missed**"  # x1.88
+    assert verdict[("`edge_full` / `server_sd` >= x2.0", "4")] == "not measured"
+    assert verdict[("`edge_full` / `server_sd` >= x2.0", "16")] == "met"
+    # x0.996 prints as x1.00, and is still a miss: never rounded up
+    assert "| x1.00 | **missed** |" in next(ln for ln in lines if "`server_ar` >= x1.0 | 4 |" in ln)
+    assert verdict[("ITL p50 `edge_full` / `vllm_ar` <= x1.1", "1")] == "met"  # 40 / 38 = x1.05
+    nodes = next(ln for ln in lines if ln.startswith("| verified nodes"))
+    assert "| 1, 4, 16 | 2.80, 0.00, 0.04 | met |" in nodes  # 0.00 -> 0.04 is within the stated slack
+    rising = [node_row(1, 1.0, 0.0), node_row(4, 1.0, 1.0)]
+    assert next(ln for ln in targets_table({"rows": rising}) if ln.startswith("| verified")).endswith("**missed** |")
