@@ -874,7 +874,8 @@ def targets_table(doc: dict) -> list[str]:
     for base, floor, where in ISSUE_15_RATIOS:
         for ses in where or swept:
             full, b = at.get(("edge_full", ses)), at.get((base, ses))
-            r = _ratio(full["tokens_per_server_cpu_s"], b["tokens_per_server_cpu_s"]) if full and b else float("nan")
+            key = "tokens_per_server_cpu_s"  # a run before whole-server accounting: not measured
+            r = _ratio(full.get(key, float("nan")), b.get(key, float("nan"))) if full and b else float("nan")
             out.append(f"| `edge_full` / `{base}` >= x{floor:.1f} | {ses} | {ratio_cell(full or {}, b or {})} | "
                        f"{_verdict(None if math.isnan(r) else r >= floor)} |")
     full, peer = at.get(("edge_full", 1)), at.get(("vllm_ar", 1))
