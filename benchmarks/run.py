@@ -871,12 +871,12 @@ def targets_table(doc: dict) -> list[str]:
     at = {(r["mode"], r["sessions"]): r for r in rows}
     swept = sorted({r["sessions"] for r in rows})
     out = ["### Issue 15's targets (RTT 15 ms)", "", "| target | sessions | measured | verdict |", "|---|---|---|---|"]
+    key = "tokens_per_server_cpu_s"  # absent from a run before whole-server accounting: not measured
     for base, floor, where in ISSUE_15_RATIOS:
         for ses in where or swept:
-            full, b = at.get(("edge_full", ses)), at.get((base, ses))
-            key = "tokens_per_server_cpu_s"  # a run before whole-server accounting: not measured
-            r = _ratio(full.get(key, float("nan")), b.get(key, float("nan"))) if full and b else float("nan")
-            out.append(f"| `edge_full` / `{base}` >= x{floor:.1f} | {ses} | {ratio_cell(full or {}, b or {})} | "
+            full, b = at.get(("edge_full", ses), {}), at.get((base, ses), {})
+            r = _ratio(full.get(key, float("nan")), b.get(key, float("nan")))
+            out.append(f"| `edge_full` / `{base}` >= x{floor:.1f} | {ses} | {ratio_cell(full, b)} | "
                        f"{_verdict(None if math.isnan(r) else r >= floor)} |")
     full, peer = at.get(("edge_full", 1)), at.get(("vllm_ar", 1))
     itl = _ratio(full.get("itl_ms_p50", float("nan")), peer.get("itl_ms_p50", float("nan"))) if full and peer else float("nan")

@@ -41,6 +41,7 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False,
              _node_ip_address="127.0.0.1")
+    failed = False
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(build_app(cfg), name="specedge", route_prefix="/")
@@ -50,8 +51,6 @@ def main(argv=None) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         failed = True
-    else:
-        failed = False
     finally:
         try:
             serve.shutdown()
