@@ -131,6 +131,9 @@ class VerifierConfig(_Strict):
                                   description="while the tree budget is 0, decode a session that asks (F_AHEAD) on "
                                               "past its bonus for up to this many tokens in the following forwards, "
                                               "and reply once with all of them; 0 = off (deploy/verifier/run_ahead.py)")
+    prefix_caching: bool = Field(True, description="share the KV pages of a prompt's prefix computed before (a "
+                                                   "system prompt, an earlier turn) within a tenant and target "
+                                                   "version; exact: deploy/verifier/prefix_cache.py")
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
 
     def kv_pool_tokens(self) -> int:

@@ -92,6 +92,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _c("spec_decode_num_emitted_tokens", "Tokens emitted by verify rounds (accepted + bonus).", TMV),
     _c("sessions_opened", "Sessions opened (prefilled), re-opens included.", ("tenant",)),
     _c("prefill_tokens", "Prompt + history tokens prefilled at open.", ("tenant",)),
+    _c("prefix_cache_hit_tokens", "Of the prompt + history tokens at open, those taken from the prefix cache "
+                                  "(not computed; hit rate = this / prefill_tokens).", ("tenant",)),
     # -- the verifier's forwards and queue ----------------------------------------------------
     _h("verify_batch_sessions", "Sessions in one target forward (with a prefill chunk riding along, if any).",
        _SESSIONS, ("kind",)),
@@ -360,10 +362,11 @@ class VerifierMetrics:
             self.exporter.observe("specedge_edge_reported_draft_depth", t.depth, lab)
 
     @never_raises
-    def on_open(self, tenant: str, sid: str, prefix_len: int) -> None:
+    def on_open(self, tenant: str, sid: str, prefix_len: int, cached_tokens: int = 0) -> None:
         self._seen_tenants.add(tenant)
         self.exporter.inc("specedge_sessions_opened", 1, {"tenant": tenant})
         self.exporter.inc("specedge_prefill_tokens", prefix_len, {"tenant": tenant})
+        self.exporter.inc("specedge_prefix_cache_hit_tokens", cached_tokens, {"tenant": tenant})
         self._touch(sid, self.clock())  # the open reply carries the first token
 
     @never_raises

@@ -151,7 +151,7 @@ class VerifierCore:
             limits=TreeLimits(vc.max_tree_nodes, vc.max_tree_depth),
             max_model_len=t.max_model_len, runner=runner, chain_top_k=vc.chain_top_k,
             on_forward=self._on_forward, kv_capacity_tokens=vc.kv_pool_tokens(),
-            max_batch_tokens=vc.max_batch_tokens, compile=vc.compile)
+            max_batch_tokens=vc.max_batch_tokens, compile=vc.compile, prefix_caching=vc.prefix_caching)
         # exit heads: early results mid-forward for edges that ask (deploy/verifier/early_stream.py)
         self.early = EarlyStreams.attach(self.engine, vc.early_exit, self.loaded.model)
         p = config.pacing
@@ -228,6 +228,7 @@ class VerifierCore:
                 "verify_rows_total": self.verify_totals[2],
                 "verify_requests_total": self.request_totals[0], "verify_request_seconds_total": self.request_totals[1],
                 "run_ahead_takeovers": dict(self.takeovers),
+                "prefix_cache": self.engine.prefix_cache_stats(),
                 "evictions": len(self.evicted), "versions": self.versions.registry.served(),
                 "versions_unavailable": dict(self.versions.registry.unavailable),
                 "versions_error": self.versions_error}
@@ -361,7 +362,7 @@ class VerifierCore:
         sid = f"{self.tag}.{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        self._opens.append((OpenRequest(sid, prompt, params, generated, adapter=version), tenant, fut))
+        self._opens.append((OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant), tenant, fut))
         client = body.get("client") or {}
         # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
         # agent's default): the open's hint then weighs a tree against them, as later hints will
@@ -709,7 +710,7 @@ class VerifierCore:
 
     def _open_reply(self, item: tuple[str, OpenResult]) -> tuple[int, dict]:
         tenant, res = item
-        self.metrics.on_open(tenant, res.sid, res.prefix_len)
+        self.metrics.on_open(tenant, res.sid, res.prefix_len, res.cached_tokens)
         self.tokens_emitted += res.first_token is not None
         now = time.monotonic()
         if not res.finished:
@@ -719,7 +720,7 @@ class VerifierCore:
         edge = self.client.get(res.sid)
         reply = (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
-            "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
+            "cached_tokens": res.cached_tokens, "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
             "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint,
             "model": self.versions.name_of(res.sid), "close_on_finish": edge is not None and edge.close_on_finish})
         self._close_if_finished(res.sid, res.finished)
@@ -906,7 +907,8 @@ class VerifierReplica(VerifierCore):
             runner = build_runner(cfg.target, vc.pipeline_parallel_size, cpus_per_stage=vc.num_cpus,
                                   gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads,
                                   kv_capacity_tokens=vc.kv_pool_tokens(), compile=vc.compile,
-                                  early_exit=vc.early_exit)  # each stage builds the heads of its exit layers
+                                  early_exit=vc.early_exit,  # each stage builds the heads of its exit layers
+                                  prefix_caching=vc.prefix_caching)
             loaded = runner.loaded
         super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)
         gc_policy.settle(cfg.gc_gen0_threshold)  # the weights, tokenizer and Ray's state: frozen

@@ -18,6 +18,11 @@ Batch invariance: a row's logits depend only on its own logical sequence
 batches, trees and prefill chunks it went through: token for token the output of
 decoding one token at a time with this engine.
 
+Prefix caching (``prefix_caching``, :mod:`deploy.verifier.prefix_cache`): a prompt's first
+chunk starts on the cached KV pages of its longest cached prefix, and a session's whole pages
+are offered to later ones as its prefill proceeds and when it finishes or closes. Sharing is
+within one ``cache_salt`` (the tenant) and one target version; batch invariance makes it exact.
+
 Vocabulary (prefix, root, tree, node, accepted path, bonus token): see
 :mod:`deploy.verifier.tree`. Invariant: a live session's KV holds exactly
 ``prefix[:-1]``; the root ``prefix[-1]`` enters the KV with the next forward.
@@ -57,6 +62,7 @@ class Session:
     residual_tail: torch.Tensor | None = None  # chain mode: [vocab] p's tail at the rejected position (refills)
     last_used: float = field(default_factory=time.monotonic)
     adapter: str | None = None  # target version (LoRA adapter); None: the base
+    cache_salt: str | None = None  # who may share its cached KV (the tenant)
 
     @property
     def num_generated(self) -> int:
@@ -70,6 +76,7 @@ class OpenRequest:
     params: SamplingParams
     generated: tuple[int, ...] = ()  # re-open: tokens the session already emitted
     adapter: str | None = None  # target version (deploy/verifier/adapters.py); None: the base
+    cache_salt: str | None = None  # prefix caching: sessions share cached KV only within one salt (the tenant)
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class OpenResult:
     prefix_len: int
     finished: bool
     finish_reason: str | None
+    cached_tokens: int = 0  # of the prompt + history, taken from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,8 @@ class _Prefill:
     feed: list[int]  # tokens that enter the KV (prompt, or a re-open's history[:-1])
     generated: tuple[int, ...]
     fed: int = 0
+    looked_up: bool = False  # the prefix cache was asked (at the first chunk)
+    cached: int = 0  # feed tokens found there
 
 
 def _tree_item(s: Session, tree: DraftTree) -> SeqInput:
@@ -185,11 +195,13 @@ class VerifierEngine:
     def __init__(self, model, *, eos_token_ids=(), limits: TreeLimits = TreeLimits(),
                  max_model_len: int | None = None, runner=None, chain_top_k: int = 64,
                  on_forward=None, kv_capacity_tokens: int = 1 << 16, max_batch_tokens: int = 2048,
-                 compile: bool = False, adapters=None):
+                 compile: bool = False, adapters=None, prefix_caching: bool = False):
         self.model = model
         self.adapters = adapters  # AdapterRegistry: LoRA target versions (None: the base only)
         self.runner = runner if runner is not None else ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens,
-                                                                    compile=compile)
+                                                                    compile=compile, prefix_caching=prefix_caching)
+        self.prefix_caching = prefix_caching  # (a runner passed in is built with the same setting)
+        self.prefix_tokens = [0, 0]  # prompt tokens looked up in the prefix cache, and found there
         self.vocab_size = model.config.vocab_size
         self.max_batch_tokens = max_batch_tokens
         self.prefilling: OrderedDict[str, _Prefill] = OrderedDict()
@@ -204,6 +216,7 @@ class VerifierEngine:
         self.exit_heads = None  # ExitHeads: early results mid-forward for requests with ``early``
         self._on_layer = None  # the next forward's per-layer hook (exit heads)
         self.version_failures: dict[str, SpecError] = {}  # sessions closed as their version failed to load
+        self._version_epoch: dict[str, int] = {}  # a re-pointed version's cached KV is never matched again
 
     # -- helpers ------------------------------------------------------------------
     def get(self, sid: str) -> Session:
@@ -232,8 +245,10 @@ class VerifierEngine:
             s.finished, s.finish_reason = True, "stop"
         elif s.num_generated >= s.params.max_tokens or len(s.prefix) >= self.max_model_len - 1:
             s.finished, s.finish_reason = True, "length"
-        if s.finished:
-            self.runner.drop(s.sid)  # KV of a finished session is never needed again
+        if s.finished:  # its KV is never needed again by it, maybe by later prompts
+            if self.prefix_caching:
+                self._cache(s)
+            self.runner.drop(s.sid)
 
     def _remaining(self, s: Session) -> int:
         return min(s.params.max_tokens - s.num_generated, self.max_model_len - 1 - len(s.prefix))
@@ -269,7 +284,7 @@ class VerifierEngine:
             self.runner.commit(bid, keep)
         except Exception as e:
             for sid in keep:
-                self.close(sid)
+                self.close(sid, cache=False)
             raise KVStateLost(f"the KV commit of a batch failed ({type(e).__name__}); its sessions were "
                               "dropped: re-open from history", sessions=keep) from e
 
@@ -309,7 +324,8 @@ class VerifierEngine:
                 self._check_version(r.adapter)
                 # one uniform per emitted token: a re-open fast-forwards the generator
                 s = Session(r.sid, list(r.prompt), len(r.prompt), params,
-                            make_generator(params, skip=len(r.generated)), stop, adapter=r.adapter)
+                            make_generator(params, skip=len(r.generated)), stop, adapter=r.adapter,
+                            cache_salt=r.cache_salt)
                 # a re-open feeds the KV with history[:-1]; its last token is the root
                 feed = history if not r.generated else history[:-1]
                 self.prefilling[r.sid] = _Prefill(s, feed, tuple(r.generated))
@@ -343,6 +359,11 @@ class VerifierEngine:
                 break
             if only is not None and sid not in only:
                 continue
+            if not p.looked_up and self.prefix_caching:  # computed at no cost: its prefix's cached pages
+                p.looked_up = True
+                p.fed = p.cached = self.runner.share_prefix(sid, p.feed, self._salt(p.session))
+                self.prefix_tokens[0] += len(p.feed)
+                self.prefix_tokens[1] += p.cached
             n = min(len(p.feed) - p.fed, left)
             done = p.fed + n == len(p.feed)
             items.append(chunk_input(sid, p.fed, p.feed[p.fed: p.fed + n], [n - 1] if done else []))
@@ -370,6 +391,8 @@ class VerifierEngine:
             if s.sid not in self.prefilling:  # closed while its chunk ran
                 continue
             p.fed += n
+            if self.prefix_caching:
+                self.runner.cache_prefix(s.sid, p.feed[: p.fed], self._salt(s))
             if not done:
                 continue
             del self.prefilling[s.sid]
@@ -380,13 +403,34 @@ class VerifierEngine:
             else:
                 first = sample_token(lg[0], s.params, s.generator)
                 self._emit(s, [first])
-            out.append(OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason))
+            out.append(OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason, p.cached))
         return out
 
-    def close(self, sid: str) -> None:
+    def close(self, sid: str, cache: bool = True) -> None:
+        """End a session; its committed KV is offered to later prompts unless ``cache`` is False
+        (KV that may be out of step)."""
+        s = self.sessions.pop(sid, None)
+        if s is not None and cache and self.prefix_caching:
+            self._cache(s)
         self.runner.drop(sid)
-        self.sessions.pop(sid, None)
         self.prefilling.pop(sid, None)
+
+    # -- prefix caching -----------------------------------------------------------------
+    def _salt(self, s: Session) -> tuple:
+        """Sessions share cached KV only with the same salt, target version and version epoch."""
+        return s.cache_salt, s.adapter, self._version_epoch.get(s.adapter, 0)
+
+    def _cache(self, s: Session) -> None:
+        """Offer a session's committed KV (``prefix[:kv_length]``) to later prompts."""
+        self.runner.cache_prefix(s.sid, s.prefix[: self.runner.kv_length(s.sid)], self._salt(s))
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Prompt tokens looked up in the prefix cache and found there, and (a local runner) its
+        pages cached and idle; None when prefix caching is off."""
+        if not self.prefix_caching:
+            return None
+        return {"query_tokens": self.prefix_tokens[0], "hit_tokens": self.prefix_tokens[1],
+                **(self.runner.prefix_stats() or {})}
 
     # -- target versions (LoRA adapters) ------------------------------------------------
     def _check_version(self, name: str | None) -> None:
@@ -426,7 +470,9 @@ class VerifierEngine:
         gone = [sid for sid, s in self.sessions.items() if s.adapter in names]
         gone += [sid for sid, p in self.prefilling.items() if p.session.adapter in names]
         for sid in gone:
-            self.close(sid)
+            self.close(sid, cache=False)
+        for name in names:  # a re-pointed version must not read the old one's cached KV
+            self._version_epoch[name] = self._version_epoch.get(name, 0) + 1
         return gone
 
     # -- verify -------------------------------------------------------------------

@@ -13,6 +13,12 @@ first ``keep_contiguous`` of them plus the listed tree positions, moved down beh
 (at most ``depth`` entries move), and frees pages past the new length. Rollback is free:
 rejected entries are simply past the length. Memory accounting counts committed tokens
 (:attr:`tokens`) and pages held (:attr:`pages_in_use`).
+
+With ``prefix_caching`` the pool keeps a :class:`~deploy.verifier.prefix_cache.PrefixCache`:
+:meth:`share` starts a session on the cached pages of its prompt's longest cached prefix,
+:meth:`cache` offers a session's whole pages to later ones. A cached page is shared, never
+written: sessions write only past their committed length, and :meth:`truncate` copies a cached
+page before a session could write into it. Cached pages that no session holds count as free.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from deploy.errors import KVCapacityExceeded
 from deploy.verifier import hugepages
 from deploy.verifier.native import PAGE_SIZE
+from deploy.verifier.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -34,7 +41,7 @@ class SessionPages:
 
 class KVPool:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity_tokens: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", prefix_caching: bool = False):
         self.num_pages = max(1, -(-capacity_tokens // PAGE_SIZE))
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         # empty: memory is committed as pages are first written; on a CPU in huge pages (2 MiB:
@@ -44,6 +51,7 @@ class KVPool:
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: low page ids first
         self.sessions: dict[str, SessionPages] = {}
         self._scratch: int | None = None  # a page no session owns (scratch_slot)
+        self.prefix_cache = PrefixCache(PAGE_SIZE) if prefix_caching else None
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -51,9 +59,14 @@ class KVPool:
         return self.num_pages * PAGE_SIZE
 
     @property
+    def pages_free(self) -> int:
+        """Pages a reservation can take: free ones and cached ones no session holds."""
+        return len(self._free) + (self.prefix_cache.idle_pages if self.prefix_cache else 0)
+
+    @property
     def pages_in_use(self) -> int:
-        """Pages the sessions hold (the scratch page is not theirs)."""
-        return self.num_pages - len(self._free) - (self._scratch is not None)
+        """Pages the sessions hold (the scratch page is not theirs); a shared page counts once."""
+        return self.num_pages - self.pages_free - (self._scratch is not None)
 
     @property
     def tokens(self) -> int:
@@ -69,27 +82,39 @@ class KVPool:
         """Pages for logical positions ``[0, end)`` of ``sid`` (the session is created if new)."""
         s = self.sessions.setdefault(sid, SessionPages())
         need = -(-end // PAGE_SIZE) - len(s.pages)
-        if need > len(self._free):
+        if need > self.pages_free:
             if not s.pages:
                 del self.sessions[sid]
-            raise KVCapacityExceeded(f"KV pool full: {need} more pages needed, {len(self._free)} free "
+            raise KVCapacityExceeded(f"KV pool full: {need} more pages needed, {self.pages_free} free "
                                      f"of {self.num_pages}")
         for _ in range(need):
-            s.pages.append(self._free.pop())
+            s.pages.append(self._take())
+
+    def _take(self) -> int:
+        """A free page, else the least recently released cached page nobody holds."""
+        if self._free:
+            return self._free.pop()
+        page = self.prefix_cache.evict() if self.prefix_cache else None
+        if page is None:
+            raise KVCapacityExceeded(f"KV pool full: no page free of {self.num_pages}")
+        return page
+
+    def _give_back(self, page: int) -> None:
+        """A session's page: back to the free list, or (cached) one holder fewer."""
+        if self.prefix_cache is None or not self.prefix_cache.release(page):
+            self._free.append(page)
 
     def scratch_slot(self) -> int:
         """A slot no session will ever own, for rows whose K/V nobody reads (the padding rows
         of a CUDA graph's bucket): a page taken from the free list once, for good."""
         if self._scratch is None:
-            if not self._free:
-                raise KVCapacityExceeded(f"KV pool full: no page free of {self.num_pages} for scratch")
-            self._scratch = self._free.pop()
+            self._scratch = self._take()
         return self._scratch * PAGE_SIZE
 
     def _trim(self, s: SessionPages, end: int | None = None) -> None:
         keep = -(-(s.length if end is None else end) // PAGE_SIZE)
-        while len(s.pages) > keep:
-            self._free.append(s.pages.pop())
+        while len(s.pages) > keep:  # the deepest page first
+            self._give_back(s.pages.pop())
 
     def release(self, sid: str) -> None:
         s = self.sessions.pop(sid, None)
@@ -103,6 +128,37 @@ class KVPool:
             raise ValueError(f"cannot truncate KV of length {s.length} to {length}")
         s.length = length
         self._trim(s)
+        last = length // PAGE_SIZE  # the page the session writes into next
+        if length % PAGE_SIZE and self.prefix_cache is not None and self.prefix_cache.cached(s.pages[last]):
+            self._copy_page(s, last)
+
+    def _copy_page(self, s: SessionPages, i: int) -> None:
+        """Give the session a page of its own in place of its ``i``-th, with the same contents."""
+        page = self._take()
+        self.k[:, page], self.v[:, page] = self.k[:, s.pages[i]], self.v[:, s.pages[i]]
+        self._give_back(s.pages[i])
+        s.pages[i] = page
+
+    # -- prefix caching ---------------------------------------------------------------
+    def share(self, sid: str, tokens: list[int], salt=None) -> int:
+        """Start a new session ``sid`` on the cached pages of the longest cached prefix of
+        ``tokens`` (whole pages, leaving at least one token to compute); its committed length.
+        0 without prefix caching."""
+        if self.prefix_cache is None:
+            return 0
+        if sid in self.sessions:
+            raise ValueError(f"session {sid!r} already holds KV")
+        pages = self.prefix_cache.match(tokens, salt, (len(tokens) - 1) // PAGE_SIZE)
+        if pages:
+            self.sessions[sid] = SessionPages(pages, len(pages) * PAGE_SIZE)
+        return len(pages) * PAGE_SIZE
+
+    def cache(self, sid: str, tokens: list[int], salt=None) -> None:
+        """Offer the whole committed pages of ``sid`` to later sessions; ``tokens``: what its KV
+        holds, position by position (at least its committed length)."""
+        s = self.sessions.get(sid)
+        if self.prefix_cache is not None and s is not None:
+            self.prefix_cache.add(s.pages, tokens[: s.length], salt)
 
     def abort(self, sid: str) -> None:
         """Drop every reserved, uncommitted position (rollback)."""

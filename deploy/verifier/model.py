@@ -267,9 +267,10 @@ class DecoderModel:
     def num_local_layers(self) -> int:
         return len(self.layers)
 
-    def new_pool(self, capacity_tokens: int) -> KVPool:
+    def new_pool(self, capacity_tokens: int, prefix_caching: bool = False) -> KVPool:
         s = self.spec
-        return KVPool(self.num_local_layers, s.num_kv_heads, s.head_dim, capacity_tokens, self.dtype, self.device)
+        return KVPool(self.num_local_layers, s.num_kv_heads, s.head_dim, capacity_tokens, self.dtype, self.device,
+                      prefix_caching)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, d] in the model dtype (as HF: computed in float32, then cast)."""

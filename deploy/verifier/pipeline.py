@@ -200,7 +200,7 @@ class PipelineStage:
 
     def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None,
                  kv_capacity_tokens: int = 1 << 16, compile: bool = False,
-                 early_exit: EarlyExitConfig | None = None):
+                 early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         here = ()
@@ -213,7 +213,8 @@ class PipelineStage:
 
             self.heads = load_heads(early_exit, loaded.model, here)  # copies the head's subset rows
             prune(loaded.model, first, last)  # then the rest of the head goes (unless this is the last stage)
-        self.runner = ModelRunner(loaded.model, first, last, kv_capacity_tokens=kv_capacity_tokens, compile=compile)
+        self.runner = ModelRunner(loaded.model, first, last, kv_capacity_tokens=kv_capacity_tokens, compile=compile,
+                                  prefix_caching=prefix_caching)
         m = loaded.model
         self.info = LoadedModel(ModelShell(m.config, getattr(m, "generation_config", None)), loaded.tokenizer,
                                 loaded.name, loaded.eos_token_ids, str(loaded.device), loaded.dtype)
@@ -274,6 +275,12 @@ class PipelineStage:
     def truncate(self, sid: str, length: int) -> None:
         self.runner.truncate(sid, length)
 
+    def share_prefix(self, sid: str, tokens: list[int], salt=None) -> int:
+        return self.runner.share_prefix(sid, tokens, salt)
+
+    def cache_prefix(self, sid: str, tokens: list[int], salt=None) -> None:
+        self.runner.cache_prefix(sid, tokens, salt)
+
     def kv_tokens(self) -> int:
         return self.runner.kv_tokens()
 
@@ -320,7 +327,7 @@ class PipelineRunner:
                  cpus_per_stage: float | None = None, gpus_per_stage: float | None = None,
                  torch_threads: int | None = None, use_placement_group: bool = True,
                  kv_capacity_tokens: int = 1 << 16, compile: bool = False,
-                 early_exit: EarlyExitConfig | None = None):
+                 early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pp = pipeline_parallel_size
@@ -351,7 +358,7 @@ class PipelineRunner:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i + STAGE_BUNDLE_OFFSET)
             self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens, compile,
-                                                                early_exit))
+                                                                early_exit, prefix_caching))
         self.loaded: LoadedModel = ray.get(self.stages[0].describe.remote())
         ray.get([s.stats.remote() for s in self.stages])  # every stage loaded
         self.exit_heads: StageExits | None = None  # the exits the stages hold (the engine's ``exit_heads``)
@@ -471,6 +478,29 @@ class PipelineRunner:
             self._lengths[sid] = length
             self._broadcast("truncate", sid, length)
 
+    def share_prefix(self, sid: str, tokens: list[int], salt=None) -> int:
+        """Every stage starts ``sid`` on its cached pages of the tokens' prefix. The stages see
+        the same calls in the same order, so they find the same pages; were one to find fewer,
+        all are cut back to it (whole pages: no copy)."""
+        with self._lock:
+            self._reap()
+            found = ray.get([s.share_prefix.remote(sid, tokens, salt) for s in self.stages])
+            n = min(found)
+            for stage, m in zip(self.stages, found):
+                if m > n:
+                    self._background.append(stage.truncate.remote(sid, n))
+            if n:
+                self._lengths[sid] = n
+            return n
+
+    def cache_prefix(self, sid: str, tokens: list[int], salt=None) -> None:
+        with self._lock:
+            self._broadcast("cache_prefix", sid, tokens, salt)
+
+    def prefix_stats(self) -> dict | None:
+        """None: the pages are the stages' (each stage's ``prefix_stats``); the replica reports tokens."""
+        return None
+
     # -- inspection ------------------------------------------------------------------
     def session_kv(self, sid: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A session's KV gathered from all stages: keys, values [L, H, length, d]."""
@@ -503,7 +533,8 @@ class PipelineRunner:
 def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpus_per_stage: float | None = None,
                  gpus_per_stage: float | None = None, torch_threads: int | None = None,
                  weighting: Weighting = "flops", kv_capacity_tokens: int = 1 << 16,
-                 compile: bool = False, early_exit: EarlyExitConfig | None = None) -> ModelRunner | PipelineRunner:
+                 compile: bool = False, early_exit: EarlyExitConfig | None = None,
+                 prefix_caching: bool = False) -> ModelRunner | PipelineRunner:
     """The runner of a verifier replica; ``runner.loaded`` is what its engine is built from.
 
     pp == 1: the whole target in this process and a plain ModelRunner (today's
@@ -518,9 +549,11 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
         if torch_threads:
             torch.set_num_threads(torch_threads)
         loaded = load_target(model_cfg, weights_only=True)
-        runner = ModelRunner(loaded.model, kv_capacity_tokens=kv_capacity_tokens, compile=compile)
+        runner = ModelRunner(loaded.model, kv_capacity_tokens=kv_capacity_tokens, compile=compile,
+                             prefix_caching=prefix_caching)
         runner.loaded = loaded  # type: ignore[attr-defined]
         return runner
     return PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
                           gpus_per_stage=gpus_per_stage, torch_threads=torch_threads,
-                          kv_capacity_tokens=kv_capacity_tokens, compile=compile, early_exit=early_exit)
+                          kv_capacity_tokens=kv_capacity_tokens, compile=compile, early_exit=early_exit,
+                          prefix_caching=prefix_caching)

@@ -25,11 +25,11 @@ Keep = tuple[int, list[int]]  # (contiguous new positions kept, then these tree 
 
 class ModelRunner:
     def __init__(self, model, first: int = 0, last: int | None = None, kv_capacity_tokens: int = 1 << 16,
-                 compile: bool = False):
+                 compile: bool = False, prefix_caching: bool = False):
         self.model = model if isinstance(model, DecoderModel) else DecoderModel(model, first, last, compile)
         if compile:
             self.model.warmup()
-        self.pool = self.model.new_pool(kv_capacity_tokens)
+        self.pool = self.model.new_pool(kv_capacity_tokens, prefix_caching)
         self.first, self.last = self.model.first, self.model.last
         self.is_first, self.is_last = self.model.is_first, self.model.is_last
         self.dtype, self.device = self.model.dtype, self.model.device
@@ -52,6 +52,20 @@ class ModelRunner:
 
     def truncate(self, sid: str, length: int) -> None:
         self.pool.truncate(sid, length)
+
+    def share_prefix(self, sid: str, tokens: list[int], salt=None) -> int:
+        """Start ``sid`` on the cached KV of its tokens' longest cached prefix (whole pages,
+        :mod:`deploy.verifier.prefix_cache`); the positions it need not compute (0: none)."""
+        return self.pool.share(sid, tokens, salt)
+
+    def cache_prefix(self, sid: str, tokens: list[int], salt=None) -> None:
+        """Offer ``sid``'s committed KV (``tokens``, position by position) to later sessions."""
+        self.pool.cache(sid, tokens, salt)
+
+    def prefix_stats(self) -> dict | None:
+        """Pages cached and, of them, idle; None without prefix caching."""
+        c = self.pool.prefix_cache
+        return c.stats() if c is not None else None
 
     def session_kv(self, sid: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """keys, values [L_local, Hkv, length, d] (copies), or None for an unknown session."""

@@ -38,15 +38,15 @@ def test_a_full_kv_pool_fails_the_open_clearly_and_nothing_hangs():
 
     from deploy.verifier.deployment import VerifierCore
 
-    # pool: 256 + 64 + 2 x 16 = 352 tokens (22 pages); two 300-token prompts do not both fit
+    # pool: 256 + 64 + 2 x 16 = 352 tokens (22 pages); two different 300-token prompts do not both fit
+    # (the same prompt twice would: the second shares the first's cached pages)
     core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"kv_budget_tokens": 256, "max_batch_tokens": 64,
                                             "max_batch_sessions": 1, "batch_wait_ms": 0}))
 
     async def main():
-        body = {"prompt_ids": list(range(3, 303)), "sampling": {"max_tokens": 4}}
-        return await asyncio.wait_for(asyncio.gather(core.open_session("dev", body),
-                                                     core.open_session("dev", body)), timeout=60)
+        bodies = [{"prompt_ids": list(range(a, a + 300)), "sampling": {"max_tokens": 4}} for a in (3, 4)]
+        return await asyncio.wait_for(asyncio.gather(*(core.open_session("dev", b) for b in bodies)), timeout=60)
 
     results = asyncio.run(main())
     codes = sorted(status for status, _ in results)
@@ -194,7 +194,7 @@ def test_a_prompt_with_nobody_left_decoding_is_prefilled_in_one_forward():
         status, _ = await core.verify(sid, "dev", VerifyFrame(at, [], []).encode())  # it verified just now
         assert status == 200
         n = len(core.forwards)
-        await open_session(core, long, sampling)
+        await open_session(core, prompt(33, 300), sampling)  # not `long`: that one's pages are cached now
         return prefills_of(n)
 
     assert asyncio.run(after_a_finished_generation()) == [300]
