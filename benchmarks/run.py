@@ -581,8 +581,11 @@ def app_config(plan: Plan, draft: str, depth: int) -> dict:
     early = {"early_exit": predraft_exits(plan)} if "edge_predraft" in plan.modes else {}
     cfg = {
         "target": target,
+        # prefix caching off, as for the vLLM peer: the same prompts come back in every configuration and
+        # mode of a run, and a cache would let each later one skip the prefill an earlier one paid for
         "verifier": {"num_replicas": 1, "num_cpus": 1, "torch_threads": 1, "max_batch_sessions": plan.batch_cap(),
-                     "batch_wait_ms": 2, "max_tree_nodes": 64, "idle_timeout_s": 600, **early},
+                     "batch_wait_ms": 2, "max_tree_nodes": 64, "idle_timeout_s": 600, "prefix_caching": False,
+                     **early},
         # no router-side shedding: every mode (and vLLM, which never sheds) serves every session it is given
         "router": {"tenants": [{"name": "bench", "api_key": API_KEY, "max_sessions": 1024}],
                    "latency_objective_s": None},
@@ -1223,6 +1226,8 @@ def main(argv=None) -> int:
                  f"{EDGE_DRAFTS[plan.edge_drafts]}); "
                  "WAN proxy unpinned",
         "request_path": path.model_dump(mode="json", exclude={"direct_port"}),
+        "prefix_caching": "off in ours (verifier.prefix_caching: false) and in vLLM (--no-enable-prefix-caching): "
+                          "prompts repeat across the run's configurations and modes",
         "server_cost": "verifier busy seconds (+ server-side drafter thread CPU seconds for server_sd)",
         "whole_server_cost": f"utime+stime (/proc) of every process of the server's process tree (all on core "
                              f"{SERVER_CORE}), reaped children included, over each configuration's window: Serve "

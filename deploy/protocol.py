@@ -430,6 +430,7 @@ class SessionOpened(_Body):
     session_id: str
     first_token: int | None
     prefix_len: int
+    cached_tokens: int = 0  # of the prompt + history, found in the server's prefix cache (not computed)
     finished: bool
     finish_reason: str | None = None
     depth_hint: int

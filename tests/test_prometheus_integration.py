@@ -168,6 +168,11 @@ def traffic(app_url, prometheus, edge_metrics):
             shed = await c.post("/v1/sessions", json={"prompt_ids": [9, 9, 8]}, headers=tiny)
             assert shed.status_code == 429 and shed.json()["error"]["reason"] == "tenant_sessions"
             await c.delete(f"/v1/sessions/{held.json()['session_id']}", headers=tiny)
+            long = {"prompt_ids": list(range(20, 60)), "sampling": {"max_tokens": 2}}  # two whole KV pages + 8
+            for _ in range(2):  # the second open finds the first's pages in the prefix cache
+                opened = await c.post("/v1/sessions", json=long, headers=alpha)
+                await c.delete(f"/v1/sessions/{opened.json()['session_id']}", headers=alpha)
+            obs["cached"] = opened.json()["cached_tokens"]
             await generate(c, [(0, 0, "alpha-key-123"), (1, 9, "tiny-key-1234")])
 
     async def wave2():
@@ -279,6 +284,8 @@ def test_metrics_reach_prometheus_with_plausible_values(prometheus, traffic):
     assert cost_a >= 0 and cost_b >= 0 and cost_a + cost_b > 0  # t = a + b * tokens was fitted
     assert total("ray_specedge_sessions_opened_total") >= 5 + 2
     assert total("ray_specedge_prefill_tokens_total") >= 5 * 5
+    assert traffic["cached"] == 32  # (a re-open after an idle eviction may find its pages too)
+    assert 32 <= total("ray_specedge_prefix_cache_hit_tokens_total") < total("ray_specedge_prefill_tokens_total")
 
     # router: shedding and errors by reason/status; Ray Serve's own HTTP metrics next to them
     assert total("ray_specedge_router_shed_requests_total", ', reason="tenant_sessions"') == 1

@@ -71,8 +71,8 @@ def vllm_server_cmd(port: int, *, speculative: dict | None = None, max_num_seqs:
                     max_model_len: int = 2048, model_dir: Path = MODEL_DIR) -> list[str]:
     """vLLM's OpenAI-compatible server on 127.0.0.1:``port`` serving the converted SmolLM2 in
     bf16; ``speculative``: a ``--speculative-config`` (e.g. :data:`NGRAM_SPEC`). Prefix caching
-    is off (the project's verifier has none, and the benchmark reuses prompts across
-    configurations); no per-request access log, like the project's app in the benchmark
+    is off, as in the project's app in the benchmark (``verifier.prefix_caching: false``): the
+    benchmark reuses prompts across configurations; no per-request access log, like the project's app in the benchmark
     (``access_log: false``). Wrap it in ``taskset -c CORE`` and give it :func:`vllm_env`."""
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(int(port)),
