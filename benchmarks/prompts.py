@@ -51,15 +51,14 @@ def wheel_path(spec: str, pattern: str, cache: Path = WHEEL_CACHE) -> Path:
     return Path(found[-1])
 
 
-def read_mtbench(wheel: Path, member: str = MTBENCH[2]) -> list[Prompt]:
+def _mtbench_questions(wheel: Path, member: str = MTBENCH[2]) -> list[dict]:
     with zipfile.ZipFile(wheel) as z:
-        lines = z.read(member).decode().splitlines()
-    out = []
-    for line in lines:
-        if line.strip():
-            q = json.loads(line)
-            out.append(Prompt("mt-bench", str(q["question_id"]), q["turns"][0], chat=True))
-    return out
+        return [json.loads(line) for line in z.read(member).decode().splitlines() if line.strip()]
+
+
+def read_mtbench(wheel: Path, member: str = MTBENCH[2]) -> list[Prompt]:
+    return [Prompt("mt-bench", str(q["question_id"]), q["turns"][0], chat=True)
+            for q in _mtbench_questions(wheel, member)]
 
 
 def read_humaneval(wheel: Path, member: str = HUMANEVAL[2]) -> list[Prompt]:
@@ -71,6 +70,11 @@ def read_humaneval(wheel: Path, member: str = HUMANEVAL[2]) -> list[Prompt]:
 
 def mtbench(cache: Path = WHEEL_CACHE) -> list[Prompt]:
     return read_mtbench(wheel_path(MTBENCH[0], MTBENCH[1], cache))
+
+
+def mtbench_turns(cache: Path = WHEEL_CACHE) -> list[list[str]]:
+    """Every MT-Bench question's user turns (two each), for multi-turn runs."""
+    return [list(q["turns"]) for q in _mtbench_questions(wheel_path(MTBENCH[0], MTBENCH[1], cache))]
 
 
 def humaneval(cache: Path = WHEEL_CACHE) -> list[Prompt]:

@@ -249,13 +249,17 @@ class TextStream:
         return self.tok.decode(self.ids, skip_special_tokens=self.skip)
 
 
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation (``[{"role": ..., "content": ...}, ...]``) through the chat template, ready for the reply."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys") and "input_ids" in ids:  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if hasattr(ids, "keys") and "input_ids" in ids:  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
     return [int(t) for t in tokenizer.encode(prompt)]
 
 

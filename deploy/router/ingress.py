@@ -512,7 +512,7 @@ class Router:
         async for delta, finish, ids, stats in texts:
             text += delta
         return oai.completion_response(served, text, ids, len(req.prompt), finish, chat,
-                                       {**stats, "token_ids": ids})
+                                       {**stats, "token_ids": ids}, stats.get("cached_tokens", 0))
 
     async def _texts(self, rounds, tok, stops: tuple[str, ...]):
         """The decoded text of a server decode, cut at the first ``stop`` string (OpenAI).
@@ -538,13 +538,13 @@ class Router:
     async def _sse(self, texts, req: oai.CompletionRequest, model: str):
         """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last; with
         ``stream_options.include_usage`` a last chunk with ``choices: []`` and the usage."""
-        cid, ids, first = oai.completion_id(req.chat), [], True
+        cid, ids, first, stats = oai.completion_id(req.chat), [], True, {}
         try:
-            async for delta, finish, ids, _ in texts:
+            async for delta, finish, ids, stats in texts:
                 yield oai.stream_chunk(cid, model, delta, finish, req.chat, role=first, with_usage=req.include_usage)
                 first = False
             if req.include_usage:
-                yield oai.usage_chunk(cid, model, req.chat, len(req.prompt), len(ids))
+                yield oai.usage_chunk(cid, model, req.chat, len(req.prompt), len(ids), stats.get("cached_tokens", 0))
         except SpecError as e:
             yield f"data: {json.dumps(e.to_dict())}\n\n"
         finally:
@@ -583,7 +583,8 @@ class Router:
         try:
             yield [], None, {}
             finish = opened.get("finish_reason") if opened["finished"] else None
-            yield [opened["first_token"]], finish, {}
+            cached = {"cached_tokens": opened.get("cached_tokens", 0)}  # prompt tokens the prefix cache held
+            yield [opened["first_token"]], finish, cached
             while finish is None:
                 # a model drafter computes: keep it off the router's event loop
                 tree, proposals = (await asyncio.to_thread(drafter.draft_round, list(history),
@@ -598,7 +599,7 @@ class Router:
                 rounds += 1
                 drafted += len(tokens)
                 finish = reply.finish_reason if reply.finished else None
-                yield new, finish, {"rounds": rounds, "draft_tokens": drafted,
+                yield new, finish, {**cached, "rounds": rounds, "draft_tokens": drafted,
                                     "tokens_per_round": (len(history) - len(prompt) - 1) / max(rounds, 1)}
         finally:
             if finish is None or not opened.get("close_on_finish"):

@@ -306,9 +306,11 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _choice(chat: bool, finish: str | None, **content) -> dict:
@@ -319,12 +321,12 @@ def _choice(chat: bool, finish: str | None, **content) -> dict:
 
 
 def completion_response(model: str, text: str, ids: list[int], prompt_len: int, finish: str | None,
-                        chat: bool, stats: dict) -> dict:
+                        chat: bool, stats: dict, cached_tokens: int = 0) -> dict:
     """A non-streaming ``chat.completion`` / ``text_completion`` object (``specedge``: our stats)."""
     content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
     return {"id": completion_id(chat), "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [_choice(chat, finish or "length", **content)],
-            "usage": usage(prompt_len, len(ids)), "specedge": stats}
+            "usage": usage(prompt_len, len(ids), cached_tokens), "specedge": stats}
 
 
 def _event(cid: str, model: str, chat: bool, choices: list, **extra) -> str:
@@ -345,6 +347,7 @@ def stream_chunk(cid: str, model: str, delta: str, finish: str | None, chat: boo
     return _event(cid, model, chat, [_choice(chat, finish, **content)], **extra)
 
 
-def usage_chunk(cid: str, model: str, chat: bool, prompt_tokens: int, completion_tokens: int) -> str:
+def usage_chunk(cid: str, model: str, chat: bool, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> str:
     """The last chunk of a stream with ``include_usage``: no choices, the whole request's usage."""
-    return _event(cid, model, chat, [], usage=usage(prompt_tokens, completion_tokens))
+    return _event(cid, model, chat, [], usage=usage(prompt_tokens, completion_tokens, cached_tokens))

@@ -197,5 +197,6 @@ def test_response_shapes():
     chunk = json.loads(stream_chunk("c", "m", "x", None, True, role=True, with_usage=True)[6:])
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "x"} and chunk["usage"] is None
     assert "usage" not in json.loads(stream_chunk("c", "m", "x", None, False)[6:])
-    last = json.loads(usage_chunk("c", "m", True, 3, 4)[6:])
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    last = json.loads(usage_chunk("c", "m", True, 3, 4, cached_tokens=2)[6:])
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                                       "prompt_tokens_details": {"cached_tokens": 2}}
