@@ -208,6 +208,33 @@ def test_engine_results_bit_identical_to_unsharded(pipe, tiny6, sampling):
 
 
 @pytest.mark.ray
+def test_prefix_caching_across_stages_equals_the_unsharded_engine_without_it(ray_session, tiny6):
+    """Every stage shares the same cached pages: a prompt that extends a finished session's starts
+    on them, and its KV and first token are those of an unsharded engine that computed them all."""
+    from deploy.verifier.pipeline import PipelineRunner
+
+    pipe = PipelineRunner(TINY, 2, cpus_per_stage=0.5, torch_threads=STAGE_THREADS, prefix_caching=True)
+    try:
+        model, vocab = tiny6.model, tiny6.vocab_size
+        ref = VerifierEngine(model, eos_token_ids=tiny6.eos_token_ids)
+        eng = VerifierEngine(model, eos_token_ids=tiny6.eos_token_ids, runner=pipe, prefix_caching=True)
+        rng = random.Random(5)
+        a = [rng.randrange(3, vocab) for _ in range(40)]
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        firsts = []
+        for e in (ref, eng):
+            e.open([OpenRequest("a", a, params)])
+            while not e.sessions["a"].finished:  # its KV is cached as it finishes
+                e.verify([VerifyRequest("a", DraftTree.empty(), len(e.sessions["a"].prefix))])
+            b = e.sessions["a"].prefix + [5, 6]
+            firsts.append(e.open([OpenRequest("b", b, params)])[0].first_token)
+        assert eng.prefix_tokens[1] == 32 and firsts[0] == firsts[1]
+        _assert_same_kv(ref.runner, pipe, ["b"])
+    finally:
+        pipe.shutdown()
+
+
+@pytest.mark.ray
 def test_truncate_and_failed_forward_across_stages(pipe, tiny6):
     ref = ModelRunner(tiny6.model)
     ids = list(range(10, 30))
