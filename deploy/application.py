@@ -26,7 +26,8 @@ def verifier_options(cfg: AppConfig) -> dict:
                            "num_gpus": vc.num_gpus_per_stage if vc.pipeline_parallel_size == 1 else 0},
         request_router_config=RequestRouterConfig(
             request_router_class=SessionAffinityRouter, request_routing_stats_period_s=1.0,
-            request_router_kwargs={"version_margin": vc.version_affinity_margin}),
+            request_router_kwargs={"version_margin": vc.version_affinity_margin,
+                                   "prefix_margin": vc.prefix_affinity_margin}),
         health_check_period_s=10,
         graceful_shutdown_timeout_s=5,
     )

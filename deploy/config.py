@@ -134,6 +134,10 @@ class VerifierConfig(_Strict):
     prefix_caching: bool = Field(True, description="share the KV pages of a prompt's prefix computed before (a "
                                                    "system prompt, an earlier turn) within a tenant and target "
                                                    "version; exact: deploy/verifier/prefix_cache.py")
+    prefix_affinity_margin: int = Field(4, ge=0, description="an open whose prompt begins like an earlier open's "
+                                                             "prefers that open's replica while its load is within "
+                                                             "this many of the least-loaded replica's "
+                                                             "(deploy/router/affinity.py)")
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
 
     def kv_pool_tokens(self) -> int:

@@ -15,15 +15,29 @@ replica's: with ``max_ongoing_requests`` in the thousands a holder is never "ful
 every session of a popular version would pile onto the replica that loaded it first.
 Past the margin the open goes to the least loaded, which loads the version (milliseconds
 for a LoRA) and becomes a holder too.
+
+An open whose prompt begins like an earlier open's (same tenant and version, the same first
+1, 2, 4, ... whole KV pages) prefers the replica that earlier open went to, where those pages
+may still be in the prefix cache (:mod:`deploy.verifier.prefix_cache`): a conversation's next
+turn, a re-open of an evicted session, a shared system prompt. The longest remembered prefix
+wins, again only within ``prefix_margin`` sessions (``verifier.prefix_affinity_margin``) of the
+least-loaded replica: a system prompt every chat shares would otherwise send them all to one.
+This router remembers the last :data:`MAX_PREFIXES` prefixes it routed (``on_request_routed``);
+each router process its own, as Ray Serve LLM's prefix-aware router does.
 """
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 DEFAULT_VERSION_MARGIN = 4  # verifier.version_affinity_margin's default
+DEFAULT_PREFIX_MARGIN = 4  # verifier.prefix_affinity_margin's default
+PAGE = 16  # the verifier's KV page (deploy.verifier.native.PAGE_SIZE): the prefix cache shares whole pages
+PREFIX_PAGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # prefix lengths remembered, in pages
+MAX_PREFIXES = 1 << 16
 
 
 def replica_of(session_id: str) -> str | None:
@@ -33,10 +47,13 @@ def replica_of(session_id: str) -> str | None:
 
 class SessionAffinityRouter(FIFOMixin, RequestRouter):
     version_margin = DEFAULT_VERSION_MARGIN
+    prefix_margin = DEFAULT_PREFIX_MARGIN
 
-    def initialize_state(self, version_margin: int = DEFAULT_VERSION_MARGIN, **kwargs):
+    def initialize_state(self, version_margin: int = DEFAULT_VERSION_MARGIN,
+                         prefix_margin: int = DEFAULT_PREFIX_MARGIN, **kwargs):
         """The deployment's ``request_router_kwargs`` (deploy/application.py)."""
-        self.version_margin = version_margin
+        self.version_margin, self.prefix_margin = version_margin, prefix_margin
+        self._prefixes: OrderedDict[int, str] = OrderedDict()  # prefix key -> the replica its last open went to
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -49,10 +66,43 @@ class SessionAffinityRouter(FIFOMixin, RequestRouter):
                 if r.replica_id.unique_id == tag:
                     return [[r]]
         ranked = sorted(candidate_replicas, key=_load)
+        holder = self._prefix_holder(ranked, prefix_keys(pending_request))
+        if holder is not None:
+            return [[holder], [r for r in ranked if r is not holder][:2]]
         version = _version_of(pending_request)
         if version:
             return version_ranks(ranked, version, self.version_margin)
         return [ranked[:2]]
+
+    def _prefix_holder(self, ranked: list[RunningReplica], keys: list[int]) -> RunningReplica | None:
+        """The replica the longest remembered prefix of ``keys`` went to, if within the margin."""
+        by_tag = {r.replica_id.unique_id: r for r in ranked}
+        for key in keys:
+            r = by_tag.get(self._prefixes.get(key))
+            if r is not None:
+                return r if _sessions(r) <= _sessions(ranked[0]) + self.prefix_margin else None
+        return None
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """An open went to ``replica_id``: its prompt's prefixes are remembered there."""
+        for key in prefix_keys(pending_request):
+            self._prefixes[key] = replica_id.unique_id
+            self._prefixes.move_to_end(key)
+        while len(self._prefixes) > MAX_PREFIXES:
+            self._prefixes.popitem(last=False)
+
+
+def prefix_keys(pending_request: PendingRequest | None) -> list[int]:
+    """Keys of an open's prompt + history prefixes of :data:`PREFIX_PAGES` whole pages (each
+    with a token after it: the verifier computes at least one), with its tenant and version;
+    longest first. None for any other call."""
+    kwargs = pending_request.kwargs if pending_request is not None else {}
+    body = kwargs.get("body")
+    if kwargs.get("session_id") or not isinstance(body, dict) or not isinstance(body.get("prompt_ids"), list):
+        return []
+    tokens = list(body["prompt_ids"]) + list(body.get("generated") or ())
+    scope = (kwargs.get("tenant"), body.get("model"))
+    return [hash((scope, tuple(tokens[: n * PAGE]))) for n in reversed(PREFIX_PAGES) if n * PAGE < len(tokens)]
 
 
 def _sessions(r: RunningReplica) -> int:

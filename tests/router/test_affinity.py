@@ -104,6 +104,48 @@ def test_the_margin_comes_from_the_deployments_router_kwargs():
 
     cfg = AppConfig(verifier={"version_affinity_margin": 7})
     rc = verifier_options(cfg)["request_router_config"]
-    assert rc.request_router_kwargs == {"version_margin": 7}
+    assert rc.request_router_kwargs == {"version_margin": 7, "prefix_margin": 4}
     assert router(**rc.request_router_kwargs).version_margin == 7
     assert router().version_margin == DEFAULT_VERSION_MARGIN == AppConfig().verifier.version_affinity_margin
+
+
+def opened(rt, replicas, body, tenant="t"):
+    """An open routed as Serve would: the first replica of the first rank, then ``on_request_routed``."""
+    req = request(tenant=tenant, body=body)
+    chosen = asyncio.run(rt.choose_replicas(replicas, req))[0][0]
+    rt.on_request_routed(req, chosen.replica_id, None)
+    chosen.routing_stats["sessions"] += 1
+    return chosen.replica_id.unique_id
+
+
+def test_an_open_that_begins_like_an_earlier_one_goes_to_its_replica_within_the_margin():
+    from deploy.router.affinity import PAGE, prefix_keys
+    from deploy.verifier.native import PAGE_SIZE
+
+    assert PAGE == PAGE_SIZE
+    reps = [replica(f"r{i}") for i in range(4)]
+    rt = router(prefix_margin=2)
+    turn1 = list(range(3, 3 + 3 * PAGE))
+    first = opened(rt, reps, {"prompt_ids": turn1})
+    turn2 = turn1 + [7] * (2 * PAGE)  # the next turn of that conversation
+    assert opened(rt, reps, {"prompt_ids": turn2}) == first  # r0 holds 1 session, the others 0: within 2
+    assert opened(rt, reps, {"prompt_ids": turn2}, tenant="other") != first  # another tenant's cache is apart
+    assert opened(rt, reps, {"prompt_ids": turn2, "model": "code"}) != first  # and another version's
+    assert opened(rt, reps, {"prompt_ids": turn2 + [8]}) == first  # now 3 sessions there
+    assert opened(rt, reps, {"prompt_ids": turn2 + [9]}) != first  # 3 > the least loaded's 1 + 2
+    assert opened(rt, reps, {"prompt_ids": [5] * PAGE}) is not None  # no whole page with a token after it
+    assert prefix_keys(request(tenant="t", body={"prompt_ids": [5] * PAGE})) == []
+    assert prefix_keys(request(session_id="r0.x", body={"prompt_ids": turn2})) == []  # not an open
+    assert len(prefix_keys(request(tenant="t", body={"prompt_ids": turn2}))) == 3  # 1, 2 and 4 pages
+
+
+def test_a_shared_system_prompt_does_not_pile_every_chat_onto_one_replica():
+    from deploy.router.affinity import PAGE
+
+    reps = [replica(f"r{i}") for i in range(4)]
+    rt = router(prefix_margin=2)
+    system = list(range(10, 10 + 2 * PAGE))
+    for i in range(40):
+        opened(rt, reps, {"prompt_ids": system + [100 + i] * PAGE})
+    spread = sorted(r.routing_stats["sessions"] for r in reps)
+    assert sum(spread) == 40 and spread[-1] - spread[0] <= 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import pytest
@@ -54,6 +55,24 @@ def two_replicas(ray_session):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def test_a_prompt_that_begins_like_an_earlier_one_reaches_its_replica_and_cached_pages(two_replicas):
+    """Prefix affinity (deploy/router/affinity.py) and the prefix cache across two replicas: while
+    a session holds a prompt's pages on one replica (and the router has seen that replica's load
+    rise), the same prompt opened again still goes there, not to the idle replica, and starts on
+    the first two pages the live session shares."""
+    h = {"Authorization": "Bearer alpha-key-123"}
+    with httpx.Client(base_url=two_replicas, timeout=60, headers=h) as c:
+        for a in (20, 220):
+            body = {"prompt_ids": list(range(a, a + 40)), "sampling": {"max_tokens": 8}}
+            first = c.post("/v1/sessions", json=body).json()
+            time.sleep(2.5)  # the replicas' routing stats (every 1 s) now show the first one busier
+            again = c.post("/v1/sessions", json=body).json()
+            for sid in (first["session_id"], again["session_id"]):
+                assert c.delete(f"/v1/sessions/{sid}").status_code == 200
+            assert again["session_id"].split(".")[0] == first["session_id"].split(".")[0], (first, again)
+            assert (first["cached_tokens"], again["cached_tokens"]) == (0, 32)
 
 
 def test_greedy_8_concurrent_sessions_match_reference_with_affinity(two_replicas, reference_model):
