@@ -147,7 +147,8 @@ def tiny6():
 def pipe(request, ray_session):
     from deploy.verifier.pipeline import PipelineRunner
 
-    runner = PipelineRunner(TINY, request.param, cpus_per_stage=0.5, torch_threads=STAGE_THREADS)
+    # stage pools with prefix caching: an engine without it never shares or caches a page there
+    runner = PipelineRunner(TINY, request.param, cpus_per_stage=0.5, torch_threads=STAGE_THREADS, prefix_caching=True)
     yield runner
     runner.shutdown()
 
@@ -208,30 +209,26 @@ def test_engine_results_bit_identical_to_unsharded(pipe, tiny6, sampling):
 
 
 @pytest.mark.ray
-def test_prefix_caching_across_stages_equals_the_unsharded_engine_without_it(ray_session, tiny6):
+def test_prefix_caching_across_stages_equals_the_unsharded_engine_without_it(pipe, tiny6):
     """Every stage shares the same cached pages: a prompt that extends a finished session's starts
     on them, and its KV and first token are those of an unsharded engine that computed them all."""
-    from deploy.verifier.pipeline import PipelineRunner
-
-    pipe = PipelineRunner(TINY, 2, cpus_per_stage=0.5, torch_threads=STAGE_THREADS, prefix_caching=True)
-    try:
-        model, vocab = tiny6.model, tiny6.vocab_size
-        ref = VerifierEngine(model, eos_token_ids=tiny6.eos_token_ids)
-        eng = VerifierEngine(model, eos_token_ids=tiny6.eos_token_ids, runner=pipe, prefix_caching=True)
-        rng = random.Random(5)
-        a = [rng.randrange(3, vocab) for _ in range(40)]
-        params = SamplingParams(max_tokens=8, ignore_eos=True)
-        firsts = []
-        for e in (ref, eng):
-            e.open([OpenRequest("a", a, params)])
-            while not e.sessions["a"].finished:  # its KV is cached as it finishes
-                e.verify([VerifyRequest("a", DraftTree.empty(), len(e.sessions["a"].prefix))])
-            b = e.sessions["a"].prefix + [5, 6]
-            firsts.append(e.open([OpenRequest("b", b, params)])[0].first_token)
-        assert eng.prefix_tokens[1] == 32 and firsts[0] == firsts[1]
-        _assert_same_kv(ref.runner, pipe, ["b"])
-    finally:
-        pipe.shutdown()
+    model, vocab = tiny6.model, tiny6.vocab_size
+    ref = VerifierEngine(model, eos_token_ids=tiny6.eos_token_ids)
+    eng = VerifierEngine(model, eos_token_ids=tiny6.eos_token_ids, runner=pipe, prefix_caching=True)
+    rng = random.Random(5 + pipe.pipeline_parallel_size)  # a prompt no other run of this test cached
+    a = [rng.randrange(3, vocab) for _ in range(40)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    firsts = []
+    sa, sb = f"pc{pipe.pipeline_parallel_size}-a", f"pc{pipe.pipeline_parallel_size}-b"
+    for e in (ref, eng):
+        e.open([OpenRequest(sa, a, params)])
+        while not e.sessions[sa].finished:  # its KV is cached as it finishes
+            e.verify([VerifyRequest(sa, DraftTree.empty(), len(e.sessions[sa].prefix))])
+        b = e.sessions[sa].prefix + [5, 6]
+        firsts.append(e.open([OpenRequest(sb, b, params)])[0].first_token)
+    assert eng.prefix_tokens[1] == 32 and firsts[0] == firsts[1]
+    _assert_same_kv(ref.runner, pipe, [sb])
+    eng.close(sb, cache=False)
 
 
 @pytest.mark.ray
