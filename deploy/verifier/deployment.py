@@ -362,7 +362,8 @@ class VerifierCore:
         sid = f"{self.tag}.{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
-        self._opens.append((OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant), tenant, fut))
+        req = OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant)  # shares within a tenant
+        self._opens.append((req, tenant, fut))
         client = body.get("client") or {}
         # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
         # agent's default): the open's hint then weighs a tree against them, as later hints will
@@ -720,8 +721,8 @@ class VerifierCore:
         edge = self.client.get(res.sid)
         reply = (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
-            "cached_tokens": res.cached_tokens, "finished": res.finished, "finish_reason": res.finish_reason, "depth_hint": depth,
-            "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint,
+            "cached_tokens": res.cached_tokens, "finished": res.finished, "finish_reason": res.finish_reason,
+            "depth_hint": depth, "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint,
             "model": self.versions.name_of(res.sid), "close_on_finish": edge is not None and edge.close_on_finish})
         self._close_if_finished(res.sid, res.finished)
         return reply
