@@ -31,6 +31,7 @@ from deploy.verifier.sampling import SamplingParams
 from edge_agent.metrics import EDGE_METRICS, EdgeMetrics
 from tests.conftest import free_port
 from tests.router.oracle_edge import oracle_generate
+from tests.serve_apps import delete_app
 from tests.test_dashboards import (DASH, RULES, board_exprs, label_values_to_promql, load_boards, rule_exprs,
                                    substitute, variable_queries)
 
@@ -84,7 +85,7 @@ class Prometheus:
 def app_url(ray_session):
     serve.run(build_app(ARGS), name=APP, route_prefix=f"/{APP}")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
-    serve.delete(APP)
+    delete_app(APP)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from edge_agent.cli import main as cli_main
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.transport import HttpTransport, Transport
 from tests.edge_agent.helpers import noisy_copy
+from tests.serve_apps import delete_app
 
 pytestmark = pytest.mark.ray
 
@@ -47,7 +48,7 @@ def app_args(topology: str = "split") -> dict:
 def server(ray_session):
     serve.run(build_app(app_args()), name=APP, route_prefix=f"/{APP}")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
-    serve.delete(APP)
+    delete_app(APP)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def colocated(ray_session):
     name = f"{APP}-colocated"
     serve.run(build_app(app_args("colocated")), name=name, route_prefix=f"/{name}")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{name}"
-    serve.delete(name)
+    delete_app(name)
 
 
 def prompts(n: int, seed: int = 5, lo: int = 20, hi: int = 40) -> list[list[int]]:

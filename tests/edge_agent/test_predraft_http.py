@@ -24,6 +24,7 @@ from deploy.verifier.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.transport import HttpTransport
+from tests.serve_apps import delete_app
 
 pytestmark = pytest.mark.ray
 
@@ -43,7 +44,7 @@ def server(ray_session):
             "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 16}]}}
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def prompt(seed: int) -> list[int]:
@@ -113,7 +114,7 @@ def wide_server(ray_session):
             "router": {"tenants": [{"name": "edge", "api_key": KEY, "max_sessions": 16}]}}
     serve.run(build_app(args), name=APP + "wide", route_prefix=f"/{APP}wide")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{APP}wide"
-    serve.delete(APP + "wide")
+    delete_app(APP + "wide")
 
 
 def test_the_early_record_reaches_the_client_before_the_forward_ends(wide_server):

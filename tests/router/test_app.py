@@ -18,6 +18,7 @@ from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from tests.router.oracle_edge import oracle_generate, replica_killer
+from tests.serve_apps import delete_app
 
 pytestmark = pytest.mark.ray
 
@@ -50,7 +51,7 @@ def two_replicas(ray_session):
     url = deploy("two", {"target": TINY, "verifier": {"num_replicas": 2, "batch_wait_ms": 5},
                          "router": {"tenants": TENANTS}}, ray_session)
     yield url
-    serve.delete("two")
+    delete_app("two")
 
 
 def run(coro):
@@ -202,7 +203,7 @@ def test_eviction_and_replica_restart_lose_nothing(ray_session, reference_model)
     try:
         results = run(main())
     finally:
-        serve.delete("evict")
+        delete_app("evict")
     assert killed, "the replica was not found"
     for (out, _), ref in zip(results, refs):
         assert out == ref

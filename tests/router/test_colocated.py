@@ -15,6 +15,7 @@ from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from tests.router.oracle_edge import oracle_generate, replica_killer
 from tests.router.test_app import TINY, VOCAB, prompts, reference_model  # noqa: F401 (a fixture)
+from tests.serve_apps import delete_app
 
 pytestmark = pytest.mark.ray
 
@@ -55,7 +56,7 @@ def test_one_deployment_batches_concurrent_sessions_exactly(ray_session, referen
         r = httpx.get(f"{url}/v1/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
         assert r.status_code == 200 and r.json()["replica"] == stats["replica"] and "router_admission" in r.json()
     finally:
-        serve.delete(APP)
+        delete_app(APP)
 
 
 def test_a_killed_replica_loses_nothing(ray_session, reference_model):
@@ -69,7 +70,7 @@ def test_a_killed_replica_loses_nothing(ray_session, reference_model):
     try:
         results = generate_all(url, ps, refs, on_round=kill_once, max_reopens=60)
     finally:
-        serve.delete(f"{APP}-kill")
+        delete_app(f"{APP}-kill")
     assert killed, "the replica was not found"
     for (out, _), ref in zip(results, refs):
         assert out == ref

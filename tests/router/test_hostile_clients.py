@@ -22,6 +22,7 @@ from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from tests.router.hostile import Canary, drop_request, slow_request
 from tests.router.oracle_edge import oracle_generate
+from tests.serve_apps import delete_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.exclusive]  # timeouts of seconds: run with the machine to itself
 
@@ -51,7 +52,7 @@ def url(ray_session, request):
     name = f"hostile-{request.param}"
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     yield f"http://127.0.0.1:{ray_session['http_port']}/{name}"
-    serve.delete(name)
+    delete_app(name)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 from ray import serve
 
 from tests.router.test_app import deploy
+from tests.serve_apps import delete_app
 
 pytestmark = pytest.mark.ray
 
@@ -25,7 +26,7 @@ CHAT = [{"role": "user", "content": "Say hello"}]
 @pytest.fixture(scope="module")
 def url(ray_session):
     yield deploy(APP, {"target": TARGET, "router": {"tenants": TENANTS}}, ray_session)
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def client(url: str, key: str = KEY) -> openai.OpenAI:

@@ -22,6 +22,7 @@ from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.transport import HttpTransport
 from tests.edge_agent.helpers import noisy_copy
+from tests.serve_apps import delete_app
 
 pytestmark = pytest.mark.ray
 
@@ -60,7 +61,7 @@ def test_pp2_app_from_config_file_with_edge_agent(ray_session):
         results = asyncio.run(main())
         stats = serve.get_deployment_handle("Verifier", app_name="pp2").get_stats.remote().result()
     finally:
-        serve.delete("pp2")
+        delete_app("pp2")
     for res, p in zip(results, prompts * 2):
         assert res.token_ids == reference_decode(target, p, SamplingParams(**SAMPLING))
         assert res.stats.reopens == 0

@@ -20,6 +20,7 @@ from deploy.verifier.models import load_model
 from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams
 from tests.verifier.test_lora import ALL, make_adapter, merged
+from tests.serve_apps import delete_app
 
 pytestmark = pytest.mark.ray
 pytest.importorskip("peft")
@@ -124,7 +125,7 @@ def test_config_updates_add_then_remove_a_version_without_a_restart(ray_session,
                 assert step(None).status_code == 200
             assert c.get("/v1/stats").json()["uptime_seconds"] >= up0 + time.time() - t0 - 1.0  # not restarted
     finally:
-        serve.delete(f"versions-{topology}")
+        delete_app(f"versions-{topology}")
     refs = {"code": merged(base, paths["code"]), "chat": merged(base, paths["chat"]), None: base}
     assert out["code"] == reference_decode(refs["code"], PROMPT, GREEDY)
     assert out[None] == reference_decode(base, PROMPT, GREEDY)
