@@ -200,3 +200,31 @@ def test_a_prompt_with_nobody_left_decoding_is_prefilled_in_one_forward():
     assert asyncio.run(after_a_finished_generation()) == [300]
     paced = asyncio.run(beside_a_decoding_session())
     assert len(paced) > 1 and sum(paced) == 300, paced  # chunks in the gaps of the other session's rounds
+
+
+def test_an_evicted_session_is_re_opened_from_the_prefix_cache_not_recomputed():
+    """The replica evicts a session (KV budget, idle timeout): its pages stay cached, so the edge's
+    re-open with its history computes only the tail past the last whole page, and goes on exactly
+    as the session would have."""
+    from deploy.protocol import ReplyFrame, VerifyFrame
+    from tests.verifier.test_replica_run_ahead import decode_rest, make_core, open_session, prompt
+
+    core = make_core(run_ahead_tokens=0)
+    sampling = {"max_tokens": 40, "ignore_eos": True}
+    p = prompt(41, 30)
+
+    async def main():
+        other = make_core(run_ahead_tokens=0)  # the reference, on a replica of its own: nothing cached here
+        ref = await decode_rest(other, await open_session(other, p, sampling), ahead=False)
+        d = await open_session(core, p, sampling)
+        n, done, got = d["prefix_len"], d["finished"], [d["first_token"]]
+        for _ in range(10):  # some rounds, then the replica evicts it
+            status, raw = await core.verify(d["session_id"], "dev", VerifyFrame(n, [], []).encode())
+            r = ReplyFrame.decode(raw)
+            got, n = got + r.tokens([]), r.prefix_len
+        await core._evict(d["session_id"], "kv_budget")
+        again = await open_session(core, p, sampling, history=got)
+        assert again["cached_tokens"] == (len(p) + len(got) - 2) // 16 * 16 > 0  # feed: history[:-1]
+        assert got + await decode_rest(core, again, ahead=False) == ref
+
+    asyncio.run(main())
