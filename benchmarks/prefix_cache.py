@@ -79,9 +79,9 @@ def run(model: str = "embedded", dtype: str = "auto", n: int = 10, max_tokens: i
         for mode in (MODES if i % 2 == 0 else MODES[::-1]):
             eng = engines[mode]
             turn1 = encode_chat(tok, [{"role": "user", "content": q1}])
-            cost, res = _open(eng, f"c{i}", turn1, answer)
+            cost, _ = _open(eng, f"c{i}", turn1, answer)
             costs[mode]["turn1"].append(cost)
-            answers[mode] = [res.first_token] + _decode(eng, f"c{i}")[1:]
+            answers[mode] = _decode(eng, f"c{i}")  # the first token and the rest
             eng.close(f"c{i}")
             text = tok.decode(answers[mode], skip_special_tokens=True)
             turn2 = encode_chat(tok, [{"role": "user", "content": q1}, {"role": "assistant", "content": text},

@@ -43,6 +43,7 @@ from deploy.verifier.acceptance import (ChainAcceptance, check_proposals, more_c
                                         rejection_walk_tree, sparse_rejection, walk_tree)
 from deploy.verifier.batch import SeqInput, chunk_input, tree_input
 from deploy.verifier.exit_heads import EarlyExit
+from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.runner import ModelRunner
 from deploy.verifier.sampling import SamplingParams, make_generator, sample_token, target_probs
 from deploy.verifier.tree import DraftTree, TreeLimits
@@ -391,7 +392,7 @@ class VerifierEngine:
             if s.sid not in self.prefilling:  # closed while its chunk ran
                 continue
             p.fed += n
-            if self.prefix_caching:
+            if self.prefix_caching and p.fed // PAGE_SIZE > (p.fed - n) // PAGE_SIZE:  # a new whole page
                 self.runner.cache_prefix(s.sid, p.feed[: p.fed], self._salt(s))
             if not done:
                 continue
