@@ -26,6 +26,15 @@
  * layers' linears of the embedded model took 7.4 / 9.1 / 10.8 / 17.6 ms at 8 / 12 / 16 / 32
  * rows on one core here; with them 6.0 / 6.3 / 8.1 / 15.4, and ~5.7 ms at 1-4 rows either way
  * (the memory stream; `python -m benchmarks.linear_rows`).
+ *
+ * The prefetches bring the stream into L2 (T1), not L1 (T0): an L1 prefetch holds one of the
+ * core's few L1 miss buffers until its line arrives, so while the groups compute, few lines
+ * are in flight and the stream and the arithmetic add up instead of overlapping. On one core of
+ * an AMD EPYC Zen 4 (KVM, ~18 GB/s read by one core; `benchmarks.linear_rows`, 2026-11-27) the
+ * 30 layers' linears took 11.9 / 11.6 / 15.6 / 21.9 / 21.6 / 26.0 / 43.4 ms at 1 / 2 / 4 / 8 / 12 /
+ * 16 / 32 rows with T0 and PF 16, and 10.1 / 11.1 / 12.3 / 10.9 / 14.0 / 18.5 / 35.7 with T1 and
+ * PF 32: flat at the memory stream up to 8 rows. The arithmetic is untouched (a prefetch changes
+ * no result).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -36,7 +45,7 @@
 #define MB 6                /* rows of x per group: MB x NV accumulators + NV weights in registers */
 #define MT 64               /* rows of x per tile */
 #define KC 48               /* k pairs per chunk: KC x NBLK x 2 bf16 = 12 KiB of weights */
-#define PF 16               /* k pairs the prefetch runs ahead when one group streams a whole block */
+#define PF 32               /* k pairs the prefetch runs ahead when one group streams a whole block */
 
 int linear_bf16_supported(void) {
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
@@ -79,7 +88,7 @@ static void block_##R(const uint32_t *restrict x, size_t xs, const uint16_t *res
     for (int kp = 0; kp < kc; kp++) {                                                             \
         const uint16_t *wk = wc + (size_t)kp * NBLK * 2;                                          \
         for (int c = 0; c < lpi; c++, pf += 64)                                                   \
-            if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T0);                                       \
+            if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T1);                                       \
         __m512bh wv[NV];                                                                          \
         for (int j = 0; j < NV; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void *)(wk + j * 32)); \
         for (int i = 0; i < R; i++) {                                                             \
