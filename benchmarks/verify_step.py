@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from deploy import gc_policy
+from deploy.config import AppConfig
 from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.tree import DraftTree, TreeLimits
@@ -254,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_sweep and prefix == prefixes[0]:
             cases += [Case(model, prefix, 1, n, rng, chain_tree, "sweep", graphs) for n in (1, 3, 7, 63)]
             cases += [Case(model, prefix, 16, n, rng, chain_tree, "sweep", graphs) for n in (1, 3)]
+        # the served replica's collector (deploy/gc_policy.py): what is alive now frozen, young collections
+        # rarer; with Python's default a third of a 1 x 17-row round's CPU samples were in gc_collect_main
+        gc_policy.settle(AppConfig().gc_gen0_threshold)
         rows += measure(cases, args.runs, args.warmup, args.burst)
         del cases
     vllm = None
