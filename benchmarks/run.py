@@ -1029,7 +1029,9 @@ def main(argv=None) -> int:
                     help="each configuration's modes N times, in alternating order, pooled into one row "
                          "(--full: 2; otherwise 1)")
     ap.add_argument("--out-dir", default=str(RESULTS))
-    ap.add_argument("--no-latest", action="store_true", help="--full: do not overwrite latest.json")
+    ap.add_argument("--no-latest", action="store_true",
+                    help="--full: do not overwrite latest.json (a run of a subset of the modes, or without the "
+                         "vLLM rows, never does)")
     args = ap.parse_args(argv)
     name = "smoke" if args.smoke else "full" if args.full else "predraft" if args.predraft else "quick"
     base = PLANS[name]
@@ -1249,8 +1251,15 @@ def main(argv=None) -> int:
         "wall_minutes": (time.time() - t_start) / 60,
         "headline": {f"rtt{int(r)}_s{s}": ratios(rows, r, s) for r, s in plan.configs()},
     }
-    paths = write_results(run_id, conditions, rows, extras, out_dir,
-                          latest=(name == "full" and not args.no_latest and complete))
+    # latest.json is the reference the README quotes: only a whole run replaces it (every configuration,
+    # every mode of the plan, the vLLM rows measured), never a run of a few modes or one without the peers
+    whole = (complete and set(base.modes) <= set(plan.modes)
+             and all(peer_status.get(m) == "measured" for m in PEER_MODES if m in base.modes))
+    latest = name == "full" and not args.no_latest and whole
+    if name == "full" and not args.no_latest and not whole:
+        log("latest.json kept: this run is not a whole --full run (a subset of the modes, or the vLLM rows "
+            "missing)")
+    paths = write_results(run_id, conditions, rows, extras, out_dir, latest=latest)
     print()
     print(markdown_table(rows))
     print()

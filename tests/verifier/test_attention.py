@@ -1,6 +1,7 @@
 """Tree attention: the C kernel agrees with the torch reference, and a row's output is
 bit-identical whatever the batch, the tree's layout, the page placement or the thread count
-(the kernel reduces each row over its logical sequence in a fixed order)."""
+(the kernel reduces each row over its logical sequence in a fixed order, alone or in a group of
+a tree's rows)."""
 
 from __future__ import annotations
 
@@ -52,10 +53,12 @@ def test_kernel_matches_the_torch_reference(dtype, tol):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 90), st.lists(st.integers(-1, 40), min_size=1, max_size=40), st.integers(0, 2 ** 31),
-       st.sampled_from([torch.bfloat16, torch.float32]), st.integers(1, 2))
-def test_a_tree_row_equals_the_same_sequence_decoded_contiguously(prefix, raw_parents, seed, dtype, threads):
+       st.sampled_from([torch.bfloat16, torch.float32]), st.integers(1, 2), st.booleans())
+def test_a_tree_row_equals_the_same_sequence_decoded_contiguously(prefix, raw_parents, seed, dtype, threads, grouped):
     """Row j of a tree (prefix + ancestors, scattered in the pool, batched with other rows) is
-    bit-identical to one row over the same keys laid out contiguously on other pages."""
+    bit-identical to one row over the same keys laid out contiguously on other pages. ``grouped``:
+    the tree's rows consecutive, as the engine lays them out (the kernel attends them as one
+    group, each prefix page converted once for all), else shuffled among the other rows."""
     rng = random.Random(seed)
     parents = [p if p < j else -1 for j, p in enumerate(raw_parents)]
     n = len(parents)
@@ -64,7 +67,8 @@ def test_a_tree_row_equals_the_same_sequence_decoded_contiguously(prefix, raw_pa
     tree_pages = rng.sample(range(16), -(-(prefix + n) // PAGE_SIZE))
     other = [rng.randrange(16) for _ in range(3)]
     rows = [(0, prefix, signed64(b)) for b in bits] + [(1, rng.randint(1, 40), 0)]
-    rng.shuffle(rows)
+    if not grouped:
+        rng.shuffle(rows)
     q = torch.randn(len(rows), Hq, D, generator=torch.Generator().manual_seed(seed % 1000)).to(dtype)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
