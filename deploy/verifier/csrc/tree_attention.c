@@ -14,6 +14,11 @@
  * from a gathered group of tree keys, so a tree node's output is bit-identical to decoding
  * the same token one at a time over the same logical sequence.
  *
+ * Groups: consecutive rows of one session with one row_len (a draft tree's root and nodes, as
+ * the engine lays them out) are attended together, each prefix K and V page converted to
+ * float32 once for all of them; a row's arithmetic is the same alone or in a group, so the
+ * grouping depends on the batch and the results do not.
+ *
  * Layout (per layer): K pages [num_pages, Hkv, D, PS] (keys transposed inside a page so
  * one vector holds one dimension of PS keys), V pages [num_pages, Hkv, PS, D].
  * Queries [N, Hq, D], output float32 [N, Hq, D]. Grouped-query attention: query head h
