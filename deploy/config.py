@@ -229,6 +229,11 @@ class PacingConfig(_Strict):
                     "counted against small trees when choosing the budget. 3.0: measured on one EPYC core, "
                     "2.1-3.5 in two runs (benchmarks.run --full: the split table's non-forward ms per token "
                     "at ~1.4 and at 9 tokens per request); 0 weighs the forward alone")
+    tree_margin: float = Field(
+        0.10, ge=0, le=1,
+        description="from 2 sessions up, a tree budget is hinted only when predicted this much better (in verified "
+                    "tokens per server CPU-second) than no tree: the idle server time and per-request proxy work "
+                    "that tree rounds cause are not in the prediction (deploy/verifier/pacing.py); 0: none")
     sessions_hold_s: float = Field(
         1.0, ge=0, le=60,
         description="the sessions the tree budget weighs are the most that were open within this many seconds: "

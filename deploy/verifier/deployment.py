@@ -158,7 +158,8 @@ class VerifierCore:
         budgets = tuple(b for b in p.tree_budgets if b <= vc.max_tree_nodes) or (vc.max_tree_nodes,)
         self.pacer = Pacer(p.min_depth, min(p.max_depth, vc.max_tree_depth), p.default_depth, budgets,
                            min(p.default_tree_budget, vc.max_tree_nodes), p.ema,
-                           round_overhead_s=p.round_overhead_ms / 1000.0, fill=vc.batch_fill)
+                           round_overhead_s=p.round_overhead_ms / 1000.0, tree_margin=p.tree_margin,
+                           fill=vc.batch_fill)
         tenants = config.router.load_tenants()  # reads router.tenants_file, once
         self.sched = FairScheduler(weights={tn.name: tn.weight for tn in tenants})
         self._limits = Limits(vc.kv_budget_tokens, vc.max_sessions,

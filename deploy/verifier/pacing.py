@@ -157,6 +157,7 @@ class Pacer:
     explore_alone: int = 4  # ... every Nth for a session alone when that tree is within explore_margin
     explore_margin: float = 0.15
     round_overhead_s: float = 0.0  # server CPU per request outside the forward
+    tree_margin: float = 0.0  # from 2 sessions up, a tree must be predicted this much better than no tree
     fill: float = 2.0  # verifier.batch_fill: a forward waits for sessions due within fill x its time
     _tokens_per_round: dict[int, float] = field(default_factory=dict)
     _no_tree_hints: int = 0
@@ -240,10 +241,22 @@ class Pacer:
     def best_budget(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
         """The budget that pays best now (no exploration); the default until measured. ``ahead``:
         the tokens a no-tree request brings back (``verifier.run_ahead_tokens + 1`` for an edge
-        that takes run-ahead replies, else 1); ``away_s``: the edge's time away per round (its RTT)."""
+        that takes run-ahead replies, else 1); ``away_s``: the edge's time away per round (its RTT).
+
+        From 2 sessions up a tree must be predicted ``tree_margin`` better than no tree. What the
+        rate leaves out falls on trees alone: while the sessions are away for their round trips the
+        server idles and its per-second costs (Ray's processes) add up per token, and every round
+        is a request through the proxy. Measured on the Zen 4 host (runs `20261127-235748-full`
+        and a rerun, 2 sessions, RTT 15 ms): where the pacer took trees (2.75 nodes a round, the
+        server core 0.75 busy) `edge_full` read x0.96 of `server_ar`; where it kept to run-ahead,
+        x1.07. A session alone is in every forward it has, so it takes what pays."""
         if self.cost.count < 3:
             return self.default_budget
-        return max(self.budgets, key=lambda n: self._rate(sessions, n, ahead, away_s))
+        rate = {n: self._rate(sessions, n, ahead, away_s) for n in self.budgets}
+        best = max(self.budgets, key=rate.__getitem__)
+        if best > 0 and 0 in rate and sessions >= 2 and rate[best] < (1 + self.tree_margin) * rate[0]:
+            return 0
+        return best
 
     def budget_hint(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
         """The hint a reply carries: :meth:`best_budget`, and, while that is "no tree", every

@@ -265,3 +265,22 @@ def test_one_unlucky_first_round_does_not_rule_a_budget_out():
     expected = p.expected_tokens(4)
     p.observe_round(4, 1)
     assert p.expected_tokens(2) < p.expected_tokens(4) == pytest.approx(0.8 * expected + 0.2 * 1)
+
+
+def test_from_two_sessions_a_tree_must_pay_by_the_margin():
+    """Zen 4 host, 2 sessions: where the pacer took trees that its model said paid a little,
+    `edge_full` read x0.96 of `server_ar` (idle server time and per-request work fall on trees
+    alone); on run-ahead x1.07. From 2 sessions up a tree must be predicted ``tree_margin``
+    better than no tree; a session alone takes whatever pays."""
+    p = _flat_then_linear_pacer(0.0, ((1, 1.3), (2, 1.45), (4, 1.6)))
+    best = p.best_budget(2, ahead=9)
+    assert best > 0
+    gain = p._rate(2, best, 9) / p._rate(2, 0, 9) - 1
+    assert 0 < gain < 0.5
+    p.tree_margin = gain * 0.9  # the tree pays by more than the margin: taken
+    assert p.best_budget(2, ahead=9) == best
+    p.tree_margin = gain * 1.1  # by less: no tree
+    assert p.best_budget(2, ahead=9) == 0 and p.budget_hint(2, ahead=9) == 0
+    assert p.best_budget(1, ahead=9) > 0  # alone: the margin does not apply
+    p.tree_margin = 1.0
+    assert p.best_budget(1, ahead=9) > 0
