@@ -1255,10 +1255,11 @@ def main(argv=None) -> int:
     # every mode of the plan, the vLLM rows measured), never a run of a few modes or one without the peers
     whole = (complete and set(base.modes) <= set(plan.modes)
              and all(peer_status.get(m) == "measured" for m in PEER_MODES if m in base.modes))
-    latest = name == "full" and not args.no_latest and whole
-    if name == "full" and not args.no_latest and not whole:
+    latest = name == "full" and not args.no_latest
+    if latest and not whole:
         log("latest.json kept: this run is not a whole --full run (a subset of the modes, or the vLLM rows "
             "missing)")
+        latest = False
     paths = write_results(run_id, conditions, rows, extras, out_dir, latest=latest)
     print()
     print(markdown_table(rows))

@@ -81,10 +81,10 @@ static inline void prefetch_page(const void *p, size_t bytes, int locality) {
  * head_dim as a compile-time constant (64, 128) or the runtime D (generic), NR the query heads
  * per KV head, which lets the compiler keep accumulators in registers. */
 #define DEFINE_GROUP(NAME, T, LOAD, DC, NR)                                                        \
-static void NAME(const T *restrict q, size_t qstride, const T *restrict kc, const T *restrict vc,  \
+static void NAME(const T *restrict q, const T *restrict kc, const T *restrict vc,                  \
                  const int32_t *restrict bt, int32_t len, const int64_t *restrict bits, int G,     \
                  int h, int nrep_, int Hkv, int D, float scale, float *restrict out,                \
-                 size_t ostride, float *restrict scratch, int smax) {                              \
+                 size_t rstride, float *restrict scratch, int smax) {                              \
     float *restrict qf = scratch;                            /* [G][NR][DC] */                     \
     float *restrict kt = qf + (size_t)GMAX * MAXREP * (DC);  /* [DC][PS] keys, transposed */       \
     float *restrict vt = kt + (size_t)(DC) * PS;             /* [PS][DC] values of one page */     \
@@ -97,7 +97,7 @@ static void NAME(const T *restrict q, size_t qstride, const T *restrict kc, cons
         for (int i = 0; i < (NR); i++)                                                             \
             for (int d = 0; d < (DC); d++)                                                         \
                 qf[((size_t)r * (NR) + i) * (DC) + d] =                                            \
-                    LOAD(q[(size_t)r * qstride + (size_t)(h * (NR) + i) * (DC) + d]) * scale;      \
+                    LOAD(q[(size_t)r * rstride + (size_t)(h * (NR) + i) * (DC) + d]) * scale;      \
         ne[r] = 0;                                                                                 \
         for (int j = 0; j < 64; j++)                                                               \
             if (bits[r] >> j & 1) epos[r][ne[r]++] = len + j;                                      \
@@ -181,7 +181,7 @@ static void NAME(const T *restrict q, size_t qstride, const T *restrict kc, cons
         }                                                                                          \
         for (int i = 0; i < (NR); i++) {                                                           \
             const float inv = 1.0f / tot[r][i];                                                    \
-            float *o = out + (size_t)r * ostride + (size_t)(h * (NR) + i) * (DC);                  \
+            float *o = out + (size_t)r * rstride + (size_t)(h * (NR) + i) * (DC);                  \
             for (int d = 0; d < (DC); d++) o[d] = a[i][d] * inv;                                   \
         }                                                                                          \
     }                                                                                              \
@@ -232,28 +232,28 @@ int NAME(const T *q, const T *kc, const T *vc, const int32_t *block_table, int b
                 const T *qr = q + (size_t)r * Hq * D;                                              \
                 const int32_t *bt = block_table + (size_t)row_seq[r] * bt_stride;                  \
                 float *o = out + (size_t)r * Hq * D;                                               \
-                const size_t qs = (size_t)Hq * D;                                                  \
+                const size_t qs = (size_t)Hq * D;  /* a row's stride in q and out */              \
                 const int32_t len = row_len[r];                                                    \
                 const int64_t *bits = row_bits + r;                                                \
                 /* compile-time head_dim and query heads per KV head where common: the     */   \
                 /* accumulators stay in registers; every instance computes the same bits     */   \
                 const int key = D * 16 + nrep;                                                     \
                 switch (key) {                                                                     \
-                case 64 * 16 + 1: NAME##_d64r1(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 64 * 16 + 2: NAME##_d64r2(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 64 * 16 + 3: NAME##_d64r3(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 64 * 16 + 4: NAME##_d64r4(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 128 * 16 + 1: NAME##_d128r1(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 128 * 16 + 2: NAME##_d128r2(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 128 * 16 + 4: NAME##_d128r4(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 64 * 16 + 1: NAME##_d64r1(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 64 * 16 + 2: NAME##_d64r2(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 64 * 16 + 3: NAME##_d64r3(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 64 * 16 + 4: NAME##_d64r4(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 128 * 16 + 1: NAME##_d128r1(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 128 * 16 + 2: NAME##_d128r2(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 128 * 16 + 4: NAME##_d128r4(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
                 default:                                                                           \
                 switch (D) {                                                                       \
-                case 16: NAME##_d16(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 32: NAME##_d32(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 64: NAME##_d64(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 96: NAME##_d96(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                case 128: NAME##_d128(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
-                default: NAME##_dany(qr, qs, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); \
+                case 16: NAME##_d16(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 32: NAME##_d32(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 64: NAME##_d64(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 96: NAME##_d96(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                case 128: NAME##_d128(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); break; \
+                default: NAME##_dany(qr, kc, vc, bt, len, bits, G, h, nrep, Hkv, D, scale, o, qs, scratch, smax); \
                 }                                                                                  \
                 }                                                                                  \
             }                                                                                      \
