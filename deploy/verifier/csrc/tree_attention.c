@@ -131,11 +131,18 @@ static void NAME(const T *restrict q, const T *restrict kc, const T *restrict vc
         for (int i = 0; i < (NR); i++) {                                                           \
             const int S = len + ne[r];                                                             \
             float *s = sc + ((size_t)r * (NR) + i) * smax;                                         \
-            float m = -INFINITY;                                                                   \
-            for (int p = 0; p < S; p++) m = s[p] > m ? s[p] : m;                                   \
+            /* the max lane by lane, then across lanes: the same value in any order (it feeds    */ \
+            /* only s - m, and exp of +0 and -0 are both 1), and vectorised                        */ \
             float lane[PS];                                                                        \
-            for (int l = 0; l < PS; l++) lane[l] = 0.0f;                                           \
+            for (int l = 0; l < PS; l++) lane[l] = -INFINITY;                                      \
             int p = 0;                                                                             \
+            for (; p + PS <= S; p += PS)                                                           \
+                for (int l = 0; l < PS; l++) lane[l] = s[p + l] > lane[l] ? s[p + l] : lane[l];    \
+            for (; p < S; p++) lane[p % PS] = s[p] > lane[p % PS] ? s[p] : lane[p % PS];           \
+            float m = -INFINITY;                                                                   \
+            for (int l = 0; l < PS; l++) m = lane[l] > m ? lane[l] : m;                            \
+            for (int l = 0; l < PS; l++) lane[l] = 0.0f;                                           \
+            p = 0;                                                                                 \
             for (; p + PS <= S; p += PS)                                                           \
                 for (int l = 0; l < PS; l++) { s[p + l] = exp_neg(s[p + l] - m); lane[l] += s[p + l]; } \
             for (; p < S; p++) { s[p] = exp_neg(s[p] - m); lane[p % PS] += s[p]; }                 \
