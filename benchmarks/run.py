@@ -160,8 +160,9 @@ PLANS = {
     "predraft": Plan("predraft", "embedded", "auto", rtts=[15, 50], rtt_sessions=1, sessions=[4], sessions_rtt=15,
                      prompts=4, max_tokens=64, depth=3, modes=["edge_full", "edge_predraft"],
                      extra_configs=[(50, 4)], exit_layers=[12, 20]),
-    # 30 configurations, each twice: ~20 min on an idle 2-core machine (~45-90 min on a loaded one)
-    "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 4, 16],
+    # the RTT sweep at 4 sessions and the load sweep of issue 15 (1-32 sessions at 15 ms), each configuration
+    # twice: ~45 min on the Zen 4 host of 2 vCPUs, ~90 min or more on a loaded one
+    "full": Plan("full", "embedded", "auto", rtts=[0, 15, 50, 100], rtt_sessions=4, sessions=[1, 2, 4, 8, 16, 32],
                  sessions_rtt=15, prompts=8, max_tokens=64, depth=None, calib_depths=[2, 3, 4], calib_prompts=2,
                  calib_tokens=24, generations_per_session=3, repeats=2),
 }
