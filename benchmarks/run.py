@@ -998,7 +998,7 @@ def main(argv=None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="a few minutes: 2 RTTs, 1-2 sessions, short outputs")
     g.add_argument("--full", action="store_true",
-                   help="the published table, each configuration twice (~20 min idle, up to ~90 min loaded)")
+                   help="the published table, each configuration twice (~45 min on an idle 2-vCPU host, more loaded)")
     g.add_argument("--predraft", action="store_true", help="issue 19: edge_full vs edge_predraft, RTT 15/50 x 1/4 sessions")
     ap.add_argument("--smoke", action="store_true", help="tiny random target, 1 prompt per config (tests)")
     ap.add_argument("--draft", default=None, help="auto | embedded-draft | ngram | a load_model spec")
