@@ -51,6 +51,20 @@ def test_kernel_matches_the_torch_reference(dtype, tol):
     assert (a.float() - b.float()).abs().max() < tol
 
 
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 31, 40, 47])
+def test_the_softmax_max_is_found_wherever_the_largest_score_lies(length):
+    # scores hundreds apart: a max that missed one lane or the tail past the last whole vector
+    # would leave exp of a large positive number (inf or garbage), far from the stable reference
+    k, v = _pages(4, torch.float32, seed=length)
+    plan = _plan([[2, 0, 3, 1]], [(0, length, 0)])
+    g = torch.Generator().manual_seed(length)
+    for scale in (20.0, 60.0):
+        q = torch.randn(1, Hq, D, generator=g)
+        a = tree_attention(q, k, v, plan, scale, kernel=True)
+        b = torch_attention(q, k, v, plan, scale)
+        assert torch.isfinite(a).all() and (a - b).abs().max() < 1e-4
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 90), st.lists(st.integers(-1, 40), min_size=1, max_size=40), st.integers(0, 2 ** 31),
        st.sampled_from([torch.bfloat16, torch.float32]), st.integers(1, 2), st.booleans())
