@@ -89,6 +89,7 @@ class Window:
     verify_forwards: int = 0  # the verifier's verify forwards (0: not known, e.g. vLLM)
     verify_sessions: int = 0  # session rounds in them
     verify_rows: int = 0  # token rows in them (roots + verified nodes + prefill chunks)
+    prefill_tokens: int = 0  # prompt tokens the replica computed (prefill forwards and chunks in verify forwards)
     verify_requests: int = 0  # verify requests the replica answered
     verify_request_seconds: float = 0.0  # their seconds in the replica, arrival to reply (run-ahead: every step)
     forward_cpu_s_prefill: float = float("nan")  # CPU seconds of the forwards' own thread: prefill forwards
@@ -199,6 +200,8 @@ def row(mode: str, rtt_ms: float, sessions: int, w: Window, edge: dict, edges_pr
                                       if w.verify_forwards and w.tokens_emitted else float("nan")),
         "prefill_cpu_ms_per_token": (1e3 * w.forward_cpu_s_prefill / w.tokens_emitted
                                      if w.tokens_emitted else float("nan")),
+        "prefill_tokens_per_generation": (w.prefill_tokens / gens if (gens := edge.get("generations"))
+                                          else float("nan")),
         # detached run-ahead: the share of edge requests that found their session's run full (it had stopped
         # decoding before the request came: forwards it sat out)
         "run_ahead_full_share": (w.takeovers_full / takeovers if (takeovers := w.takeovers_running + w.takeovers_full

@@ -176,6 +176,7 @@ class VerifierCore:
         self.busy_seconds = 0.0
         self.busy_cpu_seconds = {"prefill": 0.0, "verify": 0.0}  # the forwards' own CPU time, by kind
         self.verify_totals = [0, 0, 0]  # verify forwards, sessions and rows in them (monotonic)
+        self.prefill_tokens_total = 0  # prompt tokens computed: prefill forwards and chunks riding verify forwards
         self.request_totals = [0, 0.0]  # verify requests answered, seconds they spent in this replica
         self.arrivals = ArrivalModel()  # when each session's next round is due (batch filling)
         self.fill_waits = 0  # forwards held for sessions due back
@@ -226,7 +227,7 @@ class VerifierCore:
                 "pacing_classes": self.versions.states(),
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
                 "verify_forwards_total": self.verify_totals[0], "verify_sessions_total": self.verify_totals[1],
-                "verify_rows_total": self.verify_totals[2],
+                "verify_rows_total": self.verify_totals[2], "prefill_tokens_total": self.prefill_tokens_total,
                 "verify_requests_total": self.request_totals[0], "verify_request_seconds_total": self.request_totals[1],
                 "run_ahead_takeovers": dict(self.takeovers),
                 "prefix_cache": self.engine.prefix_cache_stats(),
@@ -241,6 +242,7 @@ class VerifierCore:
     def _on_forward(self, st: ForwardStats) -> None:
         self.busy_seconds += st.seconds
         self.busy_cpu_seconds["prefill" if st.kind == "prefill" else "verify"] += st.cpu_seconds
+        self.prefill_tokens_total += st.tokens if st.kind == "prefill" else st.prefill_tokens
         if st.kind == "prefill":
             self._prefill_token_s = _ema(self._prefill_token_s, st.seconds / max(st.tokens, 1), 0.3)
         elif st.prefill_tokens and self._verify_s:  # what the chunk added to a verify forward of its rows

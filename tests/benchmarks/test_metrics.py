@@ -58,6 +58,10 @@ def test_row_splits_the_server_cpu_into_forwards_request_path_and_background():
     f = row("edge_full", 15.0, 4, replace(w, verify_forwards=80, verify_rows=240), {"tokens": 200}, 4, by_role=by_role)
     assert f["verify_forward_cpu_ms"] == pytest.approx(50.0) and f["rows_per_forward"] == pytest.approx(3.0)
     assert f["verify_forwards_per_token"] == pytest.approx(0.4) and f["prefill_cpu_ms_per_token"] == pytest.approx(5.0)
+    # prompt tokens the replica computed, per generation: the same prompts must cost every mode the same
+    g = row("edge_full", 15.0, 4, replace(w, prefill_tokens=364), {"tokens": 200, "generations": 4}, 4)
+    assert g["prefill_tokens_per_generation"] == pytest.approx(91.0)
+    assert math.isnan(f["prefill_tokens_per_generation"])  # no generations counted
     # forward CPU per token = verify forwards per token x their cost + prefill per token
     assert f["cpu_ms_per_token_forward"] == pytest.approx(
         f["verify_forwards_per_token"] * f["verify_forward_cpu_ms"] + f["prefill_cpu_ms_per_token"])

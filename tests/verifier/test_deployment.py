@@ -93,6 +93,9 @@ def test_a_prefill_chunk_is_costed_and_sized_against_the_forward_it_rides_in():
     # 0.2 x 4 waiting x the 24-row forward's 32 ms / 1 ms a token
     assert core._prefill_budget(24) == pytest.approx(25, abs=1)
     assert core._prefill_budget(24) > core._prefill_budget()
+    # the prompt tokens computed (GET /v1/stats; benchmarks count them per generation): chunks and prefill forwards
+    core._on_forward(ForwardStats("prefill", 1, 50, 0.050))
+    assert core.stats()["prefill_tokens_total"] == 20 * 8 + 50
 
 
 def test_a_forward_of_detached_steps_alone_prefills_until_an_edge_is_due_back():
@@ -184,8 +187,9 @@ def test_a_prompt_with_nobody_left_decoding_is_prefilled_in_one_forward():
     async def after_a_finished_generation():
         first = await open_session(core, prompt(30), sampling, close_on_finish=True)
         await decode_rest(core, first, ahead=False, close=False)  # its last reply closes it
-        n = len(core.forwards)
+        n, fed = len(core.forwards), core.stats()["prefill_tokens_total"]
         await open_session(core, long, sampling, close_on_finish=True)  # at once, as the next user's
+        assert core.stats()["prefill_tokens_total"] - fed == 300  # what the benchmarks count per generation
         return prefills_of(n)
 
     async def beside_a_decoding_session():
@@ -193,8 +197,9 @@ def test_a_prompt_with_nobody_left_decoding_is_prefilled_in_one_forward():
         sid, at = other["session_id"], other["prefix_len"]
         status, _ = await core.verify(sid, "dev", VerifyFrame(at, [], []).encode())  # it verified just now
         assert status == 200
-        n = len(core.forwards)
+        n, fed = len(core.forwards), core.stats()["prefill_tokens_total"]
         await open_session(core, prompt(33, 300), sampling)  # not `long`: that one's pages are cached now
+        assert core.stats()["prefill_tokens_total"] - fed == 300  # chunks riding verify forwards count too
         return prefills_of(n)
 
     assert asyncio.run(after_a_finished_generation()) == [300]
