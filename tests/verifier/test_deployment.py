@@ -199,7 +199,7 @@ def test_a_prompt_with_nobody_left_decoding_is_prefilled_in_one_forward():
         assert status == 200
         n, fed = len(core.forwards), core.stats()["prefill_tokens_total"]
         await open_session(core, prompt(33, 300), sampling)  # not `long`: that one's pages are cached now
-        assert core.stats()["prefill_tokens_total"] - fed == 300  # chunks riding verify forwards count too
+        assert core.stats()["prefill_tokens_total"] - fed == 300  # paced chunks add up to the prompt
         return prefills_of(n)
 
     assert asyncio.run(after_a_finished_generation()) == [300]
