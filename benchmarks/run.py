@@ -390,7 +390,7 @@ class Server(_Accounting):
                 **{f"forward_cpu_s_{k}": s1["busy_cpu_seconds"][k] - s0["busy_cpu_seconds"][k] for k in ("prefill", "verify")},
                 **{f"verify_{k}": s1[f"verify_{k}_total"] - s0[f"verify_{k}_total"]
                    for k in ("forwards", "sessions", "rows", "requests", "request_seconds")},
-                "prefill_tokens": s1.get("prefill_tokens_total", 0) - s0.get("prefill_tokens_total", 0),
+                "prefill_tokens": s1["prefill_tokens_total"] - s0["prefill_tokens_total"],
                 **{f"takeovers_{k}": s1["run_ahead_takeovers"][k] - s0["run_ahead_takeovers"][k]
                    for k in ("running", "full", "stopped")}}, cpu
 
