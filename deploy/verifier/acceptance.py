@@ -87,17 +87,19 @@ def walk_tree(
     generator: torch.Generator | None,
     max_emit: int | None = None,
     stop_ids: frozenset[int] = frozenset(),
+    penalties=None,  # Penalties of the session's history (deploy/verifier/penalties.py), or None
 ) -> TreeAcceptance:
     """Walk ``tree`` by sampling the target at each visited node.
 
     ``max_emit`` caps emitted tokens (accepted + bonus), so a session never samples past
     its max_tokens and its generator stays in step with target-only decoding; a sampled
-    stop token (EOS / stop id) ends the walk as the bonus token.
+    stop token (EOS / stop id) ends the walk as the bonus token. With ``penalties`` each
+    visited node's row is penalised with its own history (the session's and its ancestors).
     """
     accepted: list[int] = []
     pos = 0  # forward row of the current node (0 = root)
     while True:  # only visited rows are read
-        row = logits[pos]
+        row = logits[pos] if penalties is None else penalties.apply(logits[pos], [tree.tokens[a] for a in accepted])
         tok = greedy_token(row) if params.greedy else sample_token(row, params, generator)
         if tok in stop_ids or (max_emit is not None and len(accepted) + 1 >= max_emit):
             return TreeAcceptance(tuple(accepted), tok)
@@ -191,8 +193,11 @@ def rejection_sample_chain(
     params: SamplingParams,
     generator: torch.Generator | None,
     max_entries: int = 64,
+    penalties=None,  # Penalties of the session's history: row i is penalised after draft_tokens[:i]
 ) -> ChainAcceptance:
     """Server half of DSSD-split rejection sampling (q >= p: accept w.p. p/q)."""
+    if penalties is not None:
+        logits = torch.stack([penalties.apply(logits[i], draft_tokens[:i]) for i in range(len(draft_tokens) + 1)])
     for i, (x, q) in enumerate(zip(draft_tokens, draft_q)):
         if params.greedy:  # greedy target = point mass: the argmax is the correction itself
             best = greedy_token(logits[i])
@@ -337,17 +342,19 @@ def rejection_walk_tree(
     generator: torch.Generator | None,
     max_emit: int | None = None,
     stop_ids: frozenset[int] = frozenset(),
+    penalties=None,
 ) -> TreeAcceptance:
     """Walk a tree of sampled siblings by multi-draft rejection sampling (module docstring);
-    ``max_emit`` / ``stop_ids`` end the walk as in :func:`walk_tree`. Greedy targets follow
+    ``max_emit`` / ``stop_ids`` / ``penalties`` as in :func:`walk_tree`. Greedy targets follow
     the argmax, as :func:`walk_tree` does (a point mass accepts exactly the matching child)."""
     if params.greedy:
-        return walk_tree(tree, logits, params, generator, max_emit, stop_ids)
+        return walk_tree(tree, logits, params, generator, max_emit, stop_ids, penalties)
     accepted: list[int] = []
     pos = 0
     while True:
         kids = tree.children[pos]
-        p = target_probs(logits[pos], params).double().cpu()  # [vocab]
+        row = logits[pos] if penalties is None else penalties.apply(logits[pos], [tree.tokens[a] for a in accepted])
+        p = target_probs(row, params).double().cpu()  # [vocab]
         if kids:
             i, tok = multi_draft_step(p, proposals[pos].dense(p.shape[0]), [tree.tokens[c] for c in kids], generator)
         else:

@@ -43,7 +43,9 @@ from deploy.verifier.acceptance import (ChainAcceptance, check_proposals, more_c
                                         rejection_walk_tree, sparse_rejection, walk_tree)
 from deploy.verifier.batch import SeqInput, chunk_input, tree_input
 from deploy.verifier.exit_heads import EarlyExit
+from deploy.verifier.logprobs import TokenLogprob, token_logprobs
 from deploy.verifier.native import PAGE_SIZE
+from deploy.verifier.penalties import penalties_for
 from deploy.verifier.runner import ModelRunner
 from deploy.verifier.sampling import SamplingParams, make_generator, sample_token, target_probs
 from deploy.verifier.tree import DraftTree, TreeLimits
@@ -69,6 +71,10 @@ class Session:
     def num_generated(self) -> int:
         return len(self.prefix) - self.prompt_len
 
+    def penalties(self, vocab: int, device):
+        """Penalties of its history now (None unless its params penalise)."""
+        return penalties_for(self.params, self.prefix[: self.prompt_len], self.prefix[self.prompt_len:], vocab, device)
+
 
 @dataclass(frozen=True)
 class OpenRequest:
@@ -88,6 +94,7 @@ class OpenResult:
     finished: bool
     finish_reason: str | None
     cached_tokens: int = 0  # of the prompt + history, taken from the prefix cache (not computed)
+    first_logprob: TokenLogprob | None = None  # when the params ask for logprobs
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class VerifyResult:
     finished: bool
     finish_reason: str | None
     verified: int = 0  # nodes of the tree verified (all of them unless truncated)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when the params ask for them
 
 
 @dataclass(frozen=True)
@@ -402,9 +410,12 @@ class VerifierEngine:
                 self._emit(s, list(p.generated))
                 first = None
             else:
-                first = sample_token(lg[0], s.params, s.generator)
+                pen = s.penalties(self.vocab_size, lg.device)
+                first = sample_token(lg[0] if pen is None else pen.apply(lg[0]), s.params, s.generator)
+                lp = token_logprobs(lg[:1], [first], s.params.logprobs)[0] if s.params.logprobs is not None else None
                 self._emit(s, [first])
-            out.append(OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason, p.cached))
+            out.append(OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason, p.cached,
+                                  lp if not p.generated else None))
         return out
 
     def close(self, sid: str, cache: bool = True) -> None:
@@ -547,23 +558,29 @@ class VerifierEngine:
         keep = self._prefill_keep(chunks)
         walks = []
         for (i, s, tree, kept, n_prefix, props), lg in zip(todo, logits):
+            pen = s.penalties(self.vocab_size, lg.device)
             if props is None:
-                acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids)
+                acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids,
+                                penalties=pen)
             else:
                 acc = rejection_walk_tree(tree, lg, props, s.params, s.generator, max_emit=self._remaining(s),
-                                          stop_ids=s.stop_ids)
+                                          stop_ids=s.stop_ids, penalties=pen)
             root = len(s.prefix) - 1  # node j was written at root + 1 + j
             keep[s.sid] = (1, [root + 1 + a for a in acc.accepted])  # the root and the accepted path
             # the reply names nodes of the tree the edge sent
             path = acc.accepted if kept is None else tuple(kept[a] for a in acc.accepted)
-            walks.append((i, s, acc, path, [tree.tokens[a] for a in acc.accepted] + [acc.bonus], n_prefix))
+            emitted = [tree.tokens[a] for a in acc.accepted] + [acc.bonus]
+            lps = None
+            if s.params.logprobs is not None:  # row 0 emitted the first token, node a's row the one after it
+                lps = token_logprobs(lg[[0] + [a + 1 for a in acc.accepted]], emitted, s.params.logprobs)
+            walks.append((i, s, acc, path, emitted, n_prefix, lps))
         self._commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
         self.opened += self._finish_prefill(chunks, pre_logits)
-        for i, s, acc, path, emitted, verified in walks:
+        for i, s, acc, path, emitted, verified, lps in walks:
             s.last_used = time.monotonic()
             self._emit(s, emitted)
             out[i] = VerifyResult(s.sid, path, acc.bonus, tuple(emitted), len(s.prefix), s.finished, s.finish_reason,
-                                  verified)
+                                  verified, lps)
         return out  # type: ignore[return-value]
 
     def verify_chain(self, requests: list[ChainVerifyRequest]) -> list[ChainVerifyResult | SpecError]:
@@ -584,6 +601,8 @@ class VerifierEngine:
                 s = self.get(r.sid)
                 if s.finished:
                     raise SessionFinished(f"session {r.sid!r} is finished ({s.finish_reason})")
+                if s.params.logprobs is not None:  # a rejection's token is the edge's sample: no target row for it
+                    raise InvalidRequest("logprobs are served in tree mode only, not in chain mode")
                 if r.more:
                     refill = self._chain_more(s, r)
                     seen.add(r.sid)
@@ -636,11 +655,13 @@ class VerifierEngine:
         keep = {}
         results = []
         for (i, s, toks, q, more), lg in zip(todo, logits):
+            pen = s.penalties(self.vocab_size, lg.device)
             if more:  # the edge's rejection state was lost with the session: a whole new one
-                rej, tail = sparse_rejection(target_probs(lg[0], s.params).cpu(), 0.0, self.chain_top_k, s.generator)
+                row = lg[0] if pen is None else pen.apply(lg[0])
+                rej, tail = sparse_rejection(target_probs(row, s.params).cpu(), 0.0, self.chain_top_k, s.generator)
                 acc = ChainAcceptance(0, None, rej, tail)
             else:
-                acc = rejection_sample_chain(toks, q, lg, s.params, s.generator, self.chain_top_k)
+                acc = rejection_sample_chain(toks, q, lg, s.params, s.generator, self.chain_top_k, penalties=pen)
             accepted = toks[: acc.num_accepted]
             cut = next((j for j, t in enumerate(accepted) if t in s.stop_ids), None)
             if cut is not None:  # a stop token among the accepted ends the session there

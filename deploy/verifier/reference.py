@@ -1,7 +1,7 @@
 """Target-only autoregressive decoding: the ground truth the lossless tests compare to.
 
 Deliberately independent of the engine's runner: it uses the model's own HF forward
-with a ``DynamicCache``, one token per step, and the same sampler
+with a ``DynamicCache``, one token per step, penalties from the history so far, and the same sampler
 (:func:`deploy.verifier.sampling.sample_token`, one uniform per token), so a seeded
 speculative run and this reference follow the same sample path.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from deploy.verifier.penalties import penalties_for
 from deploy.verifier.sampling import SamplingParams, make_generator, sample_token
 
 
@@ -27,7 +28,8 @@ def reference_decode(model, prompt: list[int], params: SamplingParams, eos_token
     max_len = getattr(model.config, "max_position_embeddings", 1 << 16)
     while True:
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]  # [vocab]
-        tok = sample_token(logits.float(), params, g)
+        pen = penalties_for(params, prompt, out, logits.shape[-1], logits.device)  # the history so far
+        tok = sample_token(logits.float() if pen is None else pen.apply(logits), params, g)
         out.append(tok)
         if tok in stop or len(out) >= params.max_tokens or len(prompt) + len(out) >= max_len - 1:
             return out

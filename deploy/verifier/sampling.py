@@ -18,6 +18,7 @@ from deploy.errors import InvalidSamplingParams
 from deploy.verifier import native
 
 
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
 
 
@@ -49,10 +50,19 @@ class SamplingParams:
     max_tokens: int = 128
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # vLLM's penalties (deploy/verifier/penalties.py): on the raw logits, each position's own history
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # reply with each emitted token's log-prob and this many alternatives
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def validate(self, vocab_size: int, max_tokens_limit: int = 1 << 20) -> "SamplingParams":
         def bad(msg):
@@ -73,6 +83,13 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not (0 <= t < vocab_size):
                 bad(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):  # OpenAI's range
+                bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0.0 < self.repetition_penalty <= 100.0):
+            bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return self
 
     @classmethod
@@ -89,14 +106,15 @@ class SamplingParams:
             if not isinstance(stops, (list, tuple)) or len(stops) > 64:
                 raise InvalidSamplingParams("stop_token_ids must be a list of at most 64 token ids")
             d["stop_token_ids"] = tuple(_integer("stop_token_ids[]", t) for t in stops)
-        for k in ("temperature", "top_p"):
+        for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if k in d:
                 d[k] = _number(k, d[k])
         for k in ("top_k", "max_tokens"):
             if k in d:
                 d[k] = _integer(k, d[k])
-        if d.get("seed") is not None:
-            d["seed"] = _integer("seed", d["seed"])
+        for k in ("seed", "logprobs"):
+            if d.get(k) is not None:
+                d[k] = _integer(k, d[k])
         if "ignore_eos" in d and not isinstance(d["ignore_eos"], bool):
             raise InvalidSamplingParams(f"ignore_eos must be true or false, got {d['ignore_eos']!r}")
         return cls(**d)
@@ -106,6 +124,8 @@ class SamplingParams:
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "seed": self.seed, "max_tokens": self.max_tokens,
             "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "logprobs": self.logprobs,
         }
 
 

@@ -1,0 +1,35 @@
+"""The target's log-probabilities of emitted tokens (OpenAI ``logprobs`` / ``top_logprobs``).
+
+As vLLM reports them by default (raw log-probs): the log-softmax of the target's logits at
+the token's position, in float32, before penalties, temperature, top-k and top-p. Pure torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-prob and the ``top`` most likely tokens at its position."""
+
+    token: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
+    """rows: [m, vocab] logits, row i the position that emitted ``tokens[i]``; ``top``: alternatives each."""
+    if not tokens:
+        return ()
+    lp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)  # [m, vocab]
+    chosen = lp.gather(1, torch.as_tensor(tokens, device=lp.device).view(-1, 1))[:, 0].tolist()  # [m]
+    if top > 0:
+        vals, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)  # [m, top]
+        vals, ids = vals.tolist(), ids.tolist()
+    else:
+        vals, ids = [[]] * len(tokens), [[]] * len(tokens)
+    return tuple(TokenLogprob(t, c, tuple(i), tuple(v)) for t, c, i, v in zip(tokens, chosen, ids, vals))
