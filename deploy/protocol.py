@@ -69,6 +69,14 @@ true makes the same promise for the session's first request: when the open's bud
 the session decodes on from its first token, detached, while the open's reply and that
 request are on the wire. Plain trees only (no ``F_CHAIN``, ``F_RESAMPLED``, ``F_MORE``, ``F_TREEQ``, ``F_EARLY``).
 
+Log-probs (``R_LOGPROBS``; OpenAI's ``logprobs``): a session whose sampling params carry
+``logprobs`` (k alternatives) gets, with every tree reply, the target's log-prob of each emitted
+token and its top k: u16 m (the tokens emitted), u8 k, m f32, then m * k ids u32 and m * k
+log-probs f32, at the very end of the frame (4 + 8 k bytes a token); the open's reply carries the
+first token's as JSON (``first_logprob``). Other sessions never see the flag. Tree mode only:
+the replica serves such a session no run-ahead, and chain mode refuses it (a rejection's token is
+the edge's sample).
+
 Acceptance classes (ours): how many tokens a tree of ``n`` nodes brings a round depends on the
 draft that built it and on how it was built (stop-and-wait or proactive, the depth policy,
 pre-drafting), not only on the target. An open's ``client.draft`` names that class; the
@@ -94,7 +102,7 @@ exit heads answers the flag with 400; clients send it only when ``GET /v1/model`
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -115,8 +123,54 @@ F_AHEAD = 64  # request flag: the server may run ahead (decode on past the bonus
 EARLY_MAGIC = 0x4545  # "EE"
 _EARLY_HEAD = struct.Struct("<HBBIHHIf")  # magic, ver, flags, prefix_len, layer, n_acc, token, confidence
 R_FINISHED, R_HAS_BONUS, R_REJECTED, R_TRUNCATED, R_TAIL, R_AHEAD = 1, 2, 4, 8, 16, 32  # reply flags
+R_LOGPROBS = 64  # reply flag: the target's log-probs of the emitted tokens (sessions whose sampling asks)
+_LOGPROBS_HEAD = struct.Struct("<HB")  # R_LOGPROBS: tokens m, alternatives k per token
 FINISH_CODES = {None: 0, "stop": 1, "length": 2}
 FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-prob under the target and its ``top`` most likely alternatives."""
+
+    token: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"token": self.token, "logprob": self.logprob, "top_ids": list(self.top_ids),
+                "top_logprobs": list(self.top_logprobs)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TokenLogprob":
+        return cls(int(d["token"]), float(d["logprob"]), tuple(d["top_ids"]), tuple(d["top_logprobs"]))
+
+
+def _encode_logprobs(lps: list[TokenLogprob]) -> bytes:
+    """``R_LOGPROBS``'s bytes: u16 m, u8 k, m logprobs f32, m * k ids u32, m * k logprobs f32."""
+    k = len(lps[0].top_ids) if lps else 0
+    if any(len(lp.top_ids) != k or len(lp.top_logprobs) != k for lp in lps):
+        raise ValueError("every token carries the same number of alternatives")
+    ids = [i for lp in lps for i in lp.top_ids]
+    vals = [v for lp in lps for v in lp.top_logprobs]
+    return (_LOGPROBS_HEAD.pack(len(lps), k) + struct.pack(f"<{len(lps)}f", *(lp.logprob for lp in lps))
+            + struct.pack(f"<{len(ids)}I", *ids) + struct.pack(f"<{len(vals)}f", *vals))
+
+
+def _decode_logprobs(data: bytes, off: int, tokens: list[int]) -> list[TokenLogprob]:
+    """The ``R_LOGPROBS`` section at ``off``, which must end the frame, for the emitted ``tokens``."""
+    if len(data) < off + _LOGPROBS_HEAD.size:
+        raise InvalidRequest("malformed reply frame")
+    m, k = _LOGPROBS_HEAD.unpack_from(data, off)
+    off += _LOGPROBS_HEAD.size
+    if m != len(tokens) or len(data) != off + 4 * m + 8 * m * k:
+        raise InvalidRequest("malformed reply frame")
+    chosen = struct.unpack_from(f"<{m}f", data, off)
+    ids = struct.unpack_from(f"<{m * k}I", data, off + 4 * m)
+    vals = struct.unpack_from(f"<{m * k}f", data, off + 4 * m + 4 * m * k)
+    return [TokenLogprob(t, c, ids[j * k:(j + 1) * k], vals[j * k:(j + 1) * k])
+            for j, (t, c) in enumerate(zip(tokens, chosen))]
 
 
 def _encode_proposals(proposals, n: int) -> bytes:
@@ -251,6 +305,8 @@ class ReplyFrame:
     tail_ids: list[int] = field(default_factory=list)  # i.i.d. samples of p's tail
     tail_probs: list[float] = field(default_factory=list)  # p of each
     ahead: list[int] = field(default_factory=list)  # R_AHEAD: tokens the server decoded past the bonus
+    # R_LOGPROBS: per emitted token, in order (tokens() lists them), when the session's sampling asks
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def emitted(self) -> int:
@@ -260,6 +316,12 @@ class ReplyFrame:
     def tokens(self, sent: list[int]) -> list[int]:
         """Those tokens, in order, given the tree's tokens as sent."""
         return [sent[i] for i in self.accepted] + ([self.bonus] if self.bonus is not None else []) + self.ahead
+
+    def token_logprobs(self, sent: list[int]) -> list[TokenLogprob] | None:
+        """``logprobs`` with their tokens (a decoded frame knows accepted nodes, not their tokens)."""
+        if self.logprobs is None:
+            return None
+        return [replace(lp, token=t) for lp, t in zip(self.logprobs, self.tokens(sent))]
 
     @property
     def has_tail(self) -> bool:
@@ -276,7 +338,8 @@ class ReplyFrame:
     def encode(self) -> bytes:
         flags = (R_FINISHED if self.finished else 0) | (R_HAS_BONUS if self.bonus is not None else 0) | (
             R_REJECTED if self.rejected else 0) | (R_TRUNCATED if self.verified is not None else 0) | (
-            R_TAIL if self.has_tail else 0) | (R_AHEAD if self.ahead else 0)
+            R_TAIL if self.has_tail else 0) | (R_AHEAD if self.ahead else 0) | (
+            R_LOGPROBS if self.logprobs is not None else 0)
         k = len(self.reject_top_ids)
         head = _REP_HEAD.pack(MAGIC, VERSION, flags, FINISH_CODES[self.finish_reason], 0, len(self.accepted),
                               self.prefix_len, self.bonus or 0, min(self.depth_hint, 255),
@@ -288,6 +351,8 @@ class ReplyFrame:
                 f"<{m}f", *self.tail_probs)
         if self.ahead:
             tail += struct.pack(f"<H{len(self.ahead)}I", len(self.ahead), *self.ahead)
+        if self.logprobs is not None:
+            tail += _encode_logprobs(self.logprobs)
         return b"".join([head, struct.pack(f"<{len(self.accepted)}H", *self.accepted),
                          struct.pack(f"<{k}I", *self.reject_top_ids), struct.pack(f"<{k}f", *self.reject_top_probs),
                          tail])
@@ -300,12 +365,14 @@ class ReplyFrame:
         truncated, has_tail, has_ahead = bool(flags & R_TRUNCATED), bool(flags & R_TAIL), bool(flags & R_AHEAD)
         size = _REP_HEAD.size + 2 * n + 8 * k + 2 * truncated
         if magic != MAGIC or ver != VERSION or flags & ~(R_FINISHED | R_HAS_BONUS | R_REJECTED | R_TRUNCATED | R_TAIL
-                                                         | R_AHEAD):
+                                                         | R_AHEAD | R_LOGPROBS):
             raise InvalidRequest("malformed reply frame")
         mass, m = _TAIL_HEAD.unpack_from(data, size) if has_tail and len(data) >= size + _TAIL_HEAD.size else (0.0, 0)
         size += _TAIL_HEAD.size + 8 * m if has_tail else 0
         (a,) = struct.unpack_from("<H", data, size) if has_ahead and len(data) >= size + 2 else (0,)
-        if len(data) != size + (2 + 4 * a if has_ahead else 0) or has_ahead and not (a and flags & R_HAS_BONUS):
+        end = size + (2 + 4 * a if has_ahead else 0)  # where R_LOGPROBS begins
+        if (len(data) != end if not flags & R_LOGPROBS else len(data) < end) or has_ahead and not (
+                a and flags & R_HAS_BONUS):
             raise InvalidRequest("malformed reply frame")
         off = _REP_HEAD.size
         acc = list(struct.unpack_from(f"<{n}H", data, off)); off += 2 * n
@@ -316,9 +383,12 @@ class ReplyFrame:
         tail_ids = list(struct.unpack_from(f"<{m}I", data, off)); off += 4 * m
         tail_probs = list(struct.unpack_from(f"<{m}f", data, off)); off += 4 * m
         ahead = list(struct.unpack_from(f"<{a}I", data, off + 2)) if has_ahead else []
-        return cls(acc, bonus if flags & R_HAS_BONUS else None, prefix_len, bool(flags & R_FINISHED),
-                   FINISH_NAMES.get(fin), depth, budget, bool(flags & R_REJECTED), ids, probs, verified,
-                   mass, tail_ids, tail_probs, ahead)
+        out = cls(acc, bonus if flags & R_HAS_BONUS else None, prefix_len, bool(flags & R_FINISHED),
+                  FINISH_NAMES.get(fin), depth, budget, bool(flags & R_REJECTED), ids, probs, verified,
+                  mass, tail_ids, tail_probs, ahead)
+        if flags & R_LOGPROBS:  # its tokens: the accepted nodes' (unknown here: -1), the bonus, the run-ahead
+            out.logprobs = _decode_logprobs(data, end, [-1] * n + ([bonus] if flags & R_HAS_BONUS else []) + ahead)
+        return out
 
 
 @dataclass
@@ -429,6 +499,7 @@ class OpenSession(_Body):
 class SessionOpened(_Body):
     session_id: str
     first_token: int | None
+    first_logprob: dict | None = None  # TokenLogprob.to_dict() of the first token, when the sampling asks
     prefix_len: int
     cached_tokens: int = 0  # of the prompt + history, found in the server's prefix cache (not computed)
     finished: bool

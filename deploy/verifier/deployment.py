@@ -71,6 +71,7 @@ class EdgeClient:
     run_from_open: bool = False  # the open asked for run-ahead from its first token (ClientInfo.run_ahead)
     draft: str | None = None  # its draft class (ClientInfo.draft): whose acceptance estimates pace it
     close_on_finish: bool = False  # the open asked the replica to close it with its finishing reply
+    logprobs: bool = False  # its replies carry the target's log-probs: no run-ahead (R_LOGPROBS)
 
 
 @dataclass
@@ -371,8 +372,10 @@ class VerifierCore:
         # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
         # agent's default): the open's hint then weighs a tree against them, as later hints will
         self.client[sid] = EdgeClient(float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0),
-                                      self._ahead_tokens(True), bool(client.get("run_ahead")),
-                                      _draft_class(client.get("draft")), bool(body.get("close_on_finish")))
+                                      self._ahead_tokens(params.logprobs is None),
+                                      bool(client.get("run_ahead")) and params.logprobs is None,
+                                      _draft_class(client.get("draft")), bool(body.get("close_on_finish")),
+                                      params.logprobs is not None)
         self._wake.set()
         return await fut
 
@@ -393,7 +396,7 @@ class VerifierCore:
         edge = self.client.setdefault(session_id, EdgeClient())
         if f.draft_ms or f.rtt_ms:
             edge.draft_ms, edge.rtt_ms = f.draft_ms, f.rtt_ms
-        edge.ahead = ahead = self._ahead_tokens(f.ahead)
+        edge.ahead = ahead = self._ahead_tokens(f.ahead and not edge.logprobs)
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self._ensure_loop()
@@ -724,6 +727,7 @@ class VerifierCore:
         edge = self.client.get(res.sid)
         reply = (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
+            "first_logprob": res.first_logprob.to_dict() if res.first_logprob is not None else None,
             "cached_tokens": res.cached_tokens, "finished": res.finished, "finish_reason": res.finish_reason,
             "depth_hint": depth, "budget_hint": budget, "tokenizer_fingerprint": self.fingerprint,
             "model": self.versions.name_of(res.sid), "close_on_finish": edge is not None and edge.close_on_finish})
@@ -888,7 +892,8 @@ class VerifierCore:
             return self._reply_run(p.tenant, p.session_id, run, depth, budget)
         if tree_mode:
             frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
-                               depth, budget, verified=res.verified if res.verified < len(req.tree) else None)
+                               depth, budget, verified=res.verified if res.verified < len(req.tree) else None,
+                               logprobs=list(res.logprobs) if res.logprobs is not None else None)
         else:
             frame = ReplyFrame.of_chain(res, depth, budget)
         self._reply_sent(p.session_id, now, not (res.finished or refill), res.finished)

@@ -6,19 +6,9 @@ the token's position, in float32, before penalties, temperature, top-k and top-p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """An emitted token's log-prob and the ``top`` most likely tokens at its position."""
-
-    token: int
-    logprob: float
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
+from deploy.protocol import TokenLogprob
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
