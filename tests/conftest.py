@@ -18,6 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # one thread: on a shared 2-core machine two threads per test process thrash (10-40x slower)
 torch.set_num_threads(int(os.environ.get("SPECEDGE_TEST_THREADS", "1")))
+# without a GPU the CUDA path's Triton kernels run under Triton's interpreter (tests/verifier/interpreted.py);
+# Triton reads this when it is imported, so it is set before any test imports it
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_xdist_make_scheduler(config, log):

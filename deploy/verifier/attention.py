@@ -11,8 +11,9 @@ Two implementations of the same function:
 - the C kernel (:mod:`deploy.verifier.native`, CPU, bf16/fp32): reads pages in place and
   reduces each row over its logical sequence in a fixed order, so a row's output is
   bit-identical whatever batch, tree shape or padding it comes with (batch invariance);
-- on CUDA, the same walk as a Triton kernel (:mod:`deploy.verifier.cuda.kernels`), equally
-  batch-invariant;
+- on CUDA, a Triton kernel (:mod:`deploy.verifier.cuda.kernels`) that reads a session's keys once
+  for all its rows and query heads (tensor-core tiles), reducing each row's logical sequence in
+  blocks and chunks at fixed logical positions: equally batch-invariant;
 - :func:`torch_attention`: gathers each row's keys and calls SDPA (any device and dtype;
   the reference the kernels are tested against; not batch-invariant in bf16).
 
@@ -24,12 +25,13 @@ rounding) and pays a gather; the kernel needs neither.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from deploy.verifier import cuda, native
+from deploy.verifier.cuda.plan import BLOCK_M, DevicePlan
 from deploy.verifier.native import PAGE_SIZE
 
 
@@ -42,19 +44,10 @@ class AttentionPlan:
     row_len: torch.Tensor  # [N] int32: contiguous logical positions [0, row_len) seen by the row
     row_bits: torch.Tensor  # [N] int64: tree positions row_len + j seen by the row (bit j)
     max_len: int  # the longest logical sequence of any row
-    _positions: tuple | None = field(default=None, repr=False, compare=False)
 
     def to(self, device) -> "AttentionPlan":
         return AttentionPlan(self.block_table.to(device), self.row_seq.to(device), self.row_len.to(device),
                              self.row_bits.to(device), self.max_len)
-
-    def logical_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's logical sequence as session positions, left-aligned: [N, S] int64, and its
-        length [N] int32 (the Triton kernel's input; built once per forward, read by every layer)."""
-        if self._positions is None:
-            pos, valid = row_positions(self)
-            self._positions = (pos.contiguous(), valid.sum(1).to(torch.int32))
-        return self._positions
 
 
 KERNEL_MAX_HEADS_PER_KV = 8  # MAXREP in the source
@@ -66,16 +59,18 @@ def use_kernel(device: torch.device, dtype: torch.dtype, heads: int = 1, kv_head
     """Whether a kernel runs this: on CUDA the Triton kernel (Triton installed); on the CPU the C
     kernel (bf16/fp32, a head layout it handles, built here)."""
     if device.type == "cuda":
-        return heads % kv_heads == 0 and head_dim <= KERNEL_MAX_HEAD_DIM and cuda.available(device)
+        return (heads % kv_heads == 0 and heads // kv_heads <= BLOCK_M and head_dim <= KERNEL_MAX_HEAD_DIM
+                and cuda.available(device))
     shape_ok = (heads % kv_heads == 0 and heads // kv_heads <= KERNEL_MAX_HEADS_PER_KV and head_dim % 4 == 0
                 and head_dim <= KERNEL_MAX_HEAD_DIM)
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and shape_ok
             and native.load() is not None)
 
 
-def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: AttentionPlan,
+def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: AttentionPlan | DevicePlan,
                    scale: float, kernel: bool | None = None) -> torch.Tensor:
-    """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] (q's dtype)."""
+    """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] (q's dtype).
+    A :class:`DevicePlan` only for the CUDA kernel."""
     if kernel is None:
         kernel = use_kernel(q.device, q.dtype, q.shape[1], k_pages.shape[1], q.shape[2])
     if not kernel:
@@ -83,6 +78,8 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     if q.device.type == "cuda":
         from deploy.verifier.cuda import kernels
 
+        if isinstance(plan, AttentionPlan):  # a forward builds its DevicePlan once for every layer
+            plan = DevicePlan.of(plan, q.device, q.shape[1], k_pages.shape[1])
         return kernels.tree_attention(q, k_pages, v_pages, plan, scale)
     lib = native.load()
     N, Hq, D = q.shape

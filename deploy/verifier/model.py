@@ -41,6 +41,7 @@ from deploy.verifier.attention import tree_attention, use_kernel
 from deploy.verifier.batch import PackedBatch
 from deploy.verifier.checkpoint import SUPPORTED_ROPE, SUPPORTED_TYPES, unsupported_rope, unsupported_type
 from deploy.verifier.cuda.graphs import LayerGraphs
+from deploy.verifier.cuda.plan import DevicePlan
 from deploy.verifier.glue import make_glue
 from deploy.verifier.kv_pool import KVPool
 from deploy.verifier.lora import add_lora, row_groups
@@ -301,7 +302,12 @@ class DecoderModel:
         h = self.embed_rows(batch.input_ids.to(self.device), hidden)
         cos, sin = self._rope(batch.positions)
         where = pool.locate(batch.slots.to(self.device))
-        plan = batch.plan if self.device.type == "cpu" else batch.plan.to(self.device)
+        if self.device.type == "cpu":
+            plan = batch.plan
+        elif self.kernel:  # the CUDA kernel's plan, built once for every layer
+            plan = DevicePlan.of(batch.plan, self.device, self.spec.num_heads, self.spec.num_kv_heads)
+        else:
+            plan = batch.plan.to(self.device)
         if self.stack is not None and not lora and (on_layer is None or hasattr(on_layer, "layers")):
             return self.stack(h, cos, sin, pool, where, plan, on_layer, batch)
         return self.run_layers(h, cos, sin, pool, where, plan, lora, on_layer, batch)
@@ -315,7 +321,7 @@ class DecoderModel:
                    lora=(), on_layer=None, batch: PackedBatch | None = None) -> torch.Tensor:
         """The layers in torch ops and kernels: h [N, D] -> h [N, D]; each layer writes its K/V
         of the rows into ``pool`` at ``where`` (page, offset) [N] each. On CUDA (Triton kernels,
-        a plan with its logical positions built) nothing here waits on the host, so a CUDA graph
+        its DevicePlan built) nothing here waits on the host, so a CUDA graph
         can capture it (:mod:`deploy.verifier.cuda.graphs`)."""
         s, g = self.spec, self.glue
         N = h.shape[0]

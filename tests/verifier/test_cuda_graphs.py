@@ -1,7 +1,8 @@
-"""The host side of the CUDA graphs (deploy/verifier/cuda/graphs.py), on the CPU: which graph a
-forward runs in, and that a graph's static inputs say what the batch says: each real row attends
-exactly its keys through the padded plan, padding rows attend nothing and write only the pool's
-scratch slot. (Capture and replay run in tests/verifier/test_cuda.py, on a GPU.)"""
+"""The host side of the CUDA graphs (deploy/verifier/cuda/graphs.py): which graph a forward runs
+in, and that a graph's static inputs say what the batch says: the attention kernel (on a GPU, or
+under Triton's interpreter) gives each real row of the padded plan exactly its keys, padding rows
+attend nothing and write only the pool's scratch slot. (Capture and replay run in
+tests/verifier/test_cuda.py, on a GPU.)"""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ import torch
 from deploy.errors import KVCapacityExceeded
 from deploy.verifier.attention import torch_attention
 from deploy.verifier.batch import chunk_input, pack, tree_input
-from deploy.verifier.cuda.graphs import (MAX_INTS, MIN_PAGES, MIN_WIDTH, ROW_BUCKETS, GraphShape, StaticPlan,
-                                         bucket_rows, fill_inputs, pow2_at_least)
+from deploy.verifier.cuda.graphs import (MAX_INTS, MIN_PAGES, MIN_WIDTH, ROW_BUCKETS, GraphShape, bucket_rows,
+                                         fill_inputs, pow2_at_least)
+from deploy.verifier.cuda.plan import CHUNK, rows_per_tile, session_tiles
 from deploy.verifier.kv_pool import KVPool
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.tree import DraftTree
+from tests.verifier.interpreted import kernels_and_device
 
-Hq, Hkv, D = 4, 2, 8
+Hq, Hkv, D = 4, 2, 16
+RPT = rows_per_tile(Hq, Hkv)
 
 
 def test_a_forward_runs_in_the_smallest_bucket_that_holds_it():
@@ -27,21 +31,24 @@ def test_a_forward_runs_in_the_smallest_bucket_that_holds_it():
     largest = ROW_BUCKETS[-1]
     assert bucket_rows(largest) == largest and bucket_rows(largest + 1) is None
     assert [pow2_at_least(n, 64) for n in (1, 64, 65, 1000)] == [64, 64, 128, 1024]
-    assert GraphShape.of(3, 70, 5) == GraphShape(4, 128, 8)
-    assert GraphShape.of(1, 1, 1) == GraphShape(1, MIN_WIDTH, MIN_PAGES)
-    assert GraphShape.of(272, 1041, 66) == GraphShape(384, 2048, 128)  # 16 sessions x 16 nodes at prefix 1024
-    assert GraphShape.of(largest + 1, 10, 1) is None  # past the largest bucket: eager
-    wide = GraphShape(largest, 8192, 1024)
-    assert wide.num_ints > MAX_INTS and GraphShape.of(largest, 8000, 600) is None  # inputs too large: eager
+    assert GraphShape.of(3, 2, RPT, 70, 5) == GraphShape(4, 2, RPT, 128, 8)
+    assert GraphShape.of(1, 1, RPT, 1, 1) == GraphShape(1, 1, RPT, MIN_WIDTH, MIN_PAGES)
+    # 16 sessions x 16 nodes at prefix 1024: 272 rows in 32 tiles; keys up to 2048 wide (4 chunks)
+    shape = GraphShape.of(272, 32, RPT, 1041, 66)
+    assert shape == GraphShape(384, 32, RPT, 2048, 128) and shape.chunks == 2048 // CHUNK
+    assert GraphShape.of(5, 5, RPT, 10, 1).tiles == 8 and GraphShape.of(3, 3, RPT, 10, 1).tiles == 4
+    assert GraphShape.of(largest + 1, 1, RPT, 10, 1) is None  # past the largest bucket: eager
+    wide = GraphShape(largest, largest, RPT, 8192, 4096)
+    assert wide.num_ints > MAX_INTS and GraphShape.of(largest, largest, RPT, 8000, 4000) is None  # too large: eager
 
 
 def test_fields_tile_the_buffer_without_overlap():
-    shape = GraphShape(4, 64, 8)
+    shape = GraphShape(4, 2, RPT, 64, 8)
     buf = torch.arange(shape.num_ints)
     f = shape.fields(buf)
     seen = torch.cat([t.reshape(-1) for t in f.values()])
     assert sorted(seen.tolist()) == list(range(shape.num_ints))
-    assert f["bt"].shape == (4, 8) and f["pos"].shape == (4, 64)
+    assert f["bt"].shape == (4, 8) and f["tiles"].shape == (2, RPT)
 
 
 def _random_tree(rng: random.Random, n: int, vocab: int):
@@ -67,37 +74,19 @@ def _batch(rng: random.Random, pool: KVPool):
     return pack(items, pool)
 
 
-def _static_attention(q, k_pages, v_pages, plan: StaticPlan, rows: int, scale: float) -> torch.Tensor:
-    """What the Triton kernel computes from a graph's plan, in torch: row r attends the keys at
-    positions[r, :lengths[r]] of session row_seq[r] (float32, one row at a time)."""
-    out = torch.zeros(rows, Hq, D)
-    for r in range(rows):
-        n = int(plan.lengths[r])
-        if not n:
-            continue
-        pos = plan.positions[r, :n]
-        page = plan.block_table[plan.row_seq[r], pos // PAGE_SIZE]
-        off = pos % PAGE_SIZE
-        k = k_pages[page, :, :, off].float()  # [n, Hkv, D]
-        v = v_pages[page, :, off, :].float()
-        qr = q[r].float().view(Hkv, Hq // Hkv, D)
-        w = torch.softmax(torch.einsum("gjd,ngd->gjn", qr, k) * scale, -1)
-        out[r] = torch.einsum("gjn,ngd->gjd", w, v).reshape(Hq, D)
-    return out
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_a_graphs_inputs_give_each_real_row_its_keys_and_padding_rows_none(seed):
+    kernels, device = kernels_and_device()
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pool = KVPool(1, Hkv, D, 4096, torch.float32)
     scratch = pool.scratch_slot()
     batch = _batch(rng, pool)
     N, plan = batch.num_tokens, batch.plan
-    shape = GraphShape.of(N, plan.max_len, plan.block_table.shape[1])
+    tiles = session_tiles(plan.row_seq, RPT)
+    shape = GraphShape.of(N, len(tiles), RPT, plan.max_len, plan.block_table.shape[1])
     buf = torch.full((shape.num_ints,), -7, dtype=torch.long)  # stale values: must not matter
-    f = shape.fields(buf)
-    used = fill_inputs(f, batch, scratch)
+    used = fill_inputs(shape.fields(buf), batch, tiles, scratch)
     assert used <= shape.num_ints
     fresh = torch.full_like(buf, -7)
     fresh[:used] = buf[:used]  # only the ints a replay's copy carries
@@ -106,16 +95,16 @@ def test_a_graphs_inputs_give_each_real_row_its_keys_and_padding_rows_none(seed)
     assert torch.equal(f["page"][:N] * PAGE_SIZE + f["off"][:N], batch.slots)
     pad = slice(N, shape.rows)
     assert (f["page"][pad] * PAGE_SIZE + f["off"][pad] == scratch).all()  # padding rows write scratch only
-    assert (f["lengths"][pad] == 0).all() and (f["ids"][pad] == 0).all()
+    assert (f["ids"][pad] == 0).all() and not (f["tiles"] >= N).any()  # padding rows are in no tile
     assert not any(scratch // PAGE_SIZE in s.pages for s in pool.sessions.values())
 
     k_pages = torch.randn(pool.num_pages, Hkv, D, PAGE_SIZE)
     v_pages = torch.randn(pool.num_pages, Hkv, PAGE_SIZE, D)
     q = torch.randn(shape.rows, Hq, D)
-    static = StaticPlan(f["bt"], f["seq"], f["pos"], f["lengths"])
-    got = _static_attention(q, k_pages, v_pages, static, shape.rows, D ** -0.5)
-    want = torch_attention(q[:N], k_pages, v_pages, plan, D ** -0.5)
-    assert torch.allclose(got[:N], want, atol=1e-5)
+    got = kernels.tree_attention(q.to(device), k_pages.to(device), v_pages.to(device),
+                                 shape.plan({k: t.to(device) for k, t in f.items()}), D ** -0.5).cpu()
+    want = torch_attention(q[:N].double(), k_pages.double(), v_pages.double(), plan, D ** -0.5)
+    assert (got[:N].double() - want).abs().max() < 1e-5
     assert (got[N:] == 0).all()
 
 

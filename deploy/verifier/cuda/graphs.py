@@ -1,15 +1,13 @@
 """CUDA graphs of the layer stack: a forward as one replay instead of hundreds of launches.
 
-On a GPU the verify round of a small target is bound by the host, not the GPU: a 1-row
-round of the embedded SmolLM2 launched 432 kernels with the H100 busy 2.2 ms of a 16-21 ms
-round (``benchmarks/verify_step.py --device cuda``, 2026-11-27). :class:`LayerGraphs`
+A small forward on a GPU is bound by its kernel launches, not the GPU. :class:`LayerGraphs`
 captures :meth:`deploy.verifier.model.DecoderModel.run_layers` (with the embedding and RoPE
 tables before it) once per shape and replays it (CUDA graphs, as vLLM and gpt-fast do for
 decode steps).
 
 Shapes. A graph replays fixed shapes at fixed addresses, so a forward of ``N`` rows runs in
-the graph of the smallest row bucket ``>= N`` (:data:`ROW_BUCKETS`), with its rows' logical
-sequences padded to a power-of-two width and its block table to a power-of-two page count.
+the graph of the smallest row bucket ``>= N`` (:data:`ROW_BUCKETS`), with its attention tiles,
+its longest row (the attention's chunk count) and its block table padded to powers of two.
 Padding rows embed token 0 at position 0, attend no key and write their K/V into the pool's
 scratch slot (:meth:`deploy.verifier.kv_pool.KVPool.scratch_slot`); every op of the stack is
 row-wise, so they touch no real row. A real row gets the bits of the eager CUDA path: the
@@ -31,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deploy.errors import KVCapacityExceeded
+from deploy.verifier.cuda.plan import DevicePlan, logical_lengths, num_chunks, rows_per_tile, session_tiles
 from deploy.verifier.native import PAGE_SIZE
 
 # powers of two to 128 rows, then multiples of 128: the GEMMs run in 128-row chunks anyway
@@ -39,7 +38,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128) + tuple(range(256, 1025, 128))
 MIN_WIDTH = 64  # logical keys per row, at least (a power of two)
 MIN_PAGES = 4  # block table entries per session, at least (a power of two)
 MAX_INTS = 1 << 22  # a graph's int inputs, at most (32 MiB): a larger forward runs eagerly
-_ROW_FIELDS = ("ids", "rope_pos", "page", "off", "seq", "lengths")  # one int per row each
+_ROW_FIELDS = ("ids", "rope_pos", "page", "off", "seq", "row_len", "bits")  # one int per row each
 # one capture at a time in the process: a capture begins with a device-wide synchronize, which
 # fails while another thread's stream is capturing (an edge agent's drafter and an in-process
 # engine capture on their own threads)
@@ -59,64 +58,63 @@ def pow2_at_least(n: int, floor: int) -> int:
 @dataclass(frozen=True)
 class GraphShape:
     rows: int  # a row bucket
-    width: int  # logical keys per row (the attention plan's positions table)
+    tiles: int  # attention tiles (a power of two; never more than the rows)
+    rows_per_tile: int  # of the model's head layout (cuda.plan.rows_per_tile)
+    width: int  # logical keys per row, at most: sets the attention's chunk count
     pages: int  # block table entries per session
 
     @classmethod
-    def of(cls, num_rows: int, max_len: int, table_pages: int) -> "GraphShape | None":
-        """The graph a forward of ``num_rows`` rows runs in (None: it runs eagerly)."""
+    def of(cls, num_rows: int, num_tiles: int, rows_per_tile: int, max_len: int,
+           table_pages: int) -> "GraphShape | None":
+        """The graph a forward of ``num_rows`` rows in ``num_tiles`` tiles runs in (None: eagerly)."""
         rows = bucket_rows(num_rows)
         if rows is None:
             return None
-        shape = cls(rows, pow2_at_least(max_len, MIN_WIDTH), pow2_at_least(table_pages, MIN_PAGES))
+        shape = cls(rows, min(pow2_at_least(num_tiles, 1), rows), rows_per_tile, pow2_at_least(max_len, MIN_WIDTH),
+                    pow2_at_least(table_pages, MIN_PAGES))
         return shape if shape.num_ints <= MAX_INTS else None
 
     @property
     def num_ints(self) -> int:
-        return self.rows * (len(_ROW_FIELDS) + self.pages + self.width)
+        return self.rows * (len(_ROW_FIELDS) + self.pages) + self.tiles * self.rows_per_tile
+
+    @property
+    def chunks(self) -> int:
+        return num_chunks(self.width)
 
     def fields(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of an int64 buffer [num_ints]: one [rows] per row field, then the block table
-        [rows, pages] (a session per row at most), then the logical positions [rows, width]."""
+        """Views of an int64 buffer [num_ints]: one [rows] per row field, then the attention tiles
+        [tiles, rows_per_tile], then the block table [rows, pages] (a session per row at most)."""
         r, out, at = self.rows, {}, 0
         for name in _ROW_FIELDS:
             out[name], at = buf[at: at + r], at + r
-        out["bt"], at = buf[at: at + r * self.pages].view(r, self.pages), at + r * self.pages
-        out["pos"] = buf[at: at + r * self.width].view(r, self.width)
+        n = self.tiles * self.rows_per_tile
+        out["tiles"], at = buf[at: at + n].view(self.tiles, self.rows_per_tile), at + n
+        out["bt"] = buf[at: at + r * self.pages].view(r, self.pages)
         return out
 
-
-@dataclass
-class StaticPlan:
-    """The attention plan a graph's tree attention reads (the Triton kernel's inputs)."""
-
-    block_table: torch.Tensor  # [rows, pages] int64
-    row_seq: torch.Tensor  # [rows] int64: the row's session (row of block_table)
-    positions: torch.Tensor  # [rows, width] int64: the row's logical sequence, left-aligned
-    lengths: torch.Tensor  # [rows] int64: its length (0 for padding rows)
-
-    def logical_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.positions, self.lengths
+    def plan(self, f: dict[str, torch.Tensor]) -> DevicePlan:
+        """The attention plan of a graph's input views (their logical lengths computed on the device)."""
+        return DevicePlan(f["bt"], f["seq"], f["row_len"], f["bits"], logical_lengths(f["row_len"], f["bits"]),
+                          f["tiles"], self.chunks)
 
 
-def fill_inputs(f: dict[str, torch.Tensor], batch, scratch_slot: int) -> int:
-    """Write ``batch`` (N rows, packed, its plan on the host) into the host views ``f`` of a
-    graph's inputs, padding rows after it; returns how many leading ints of the buffer hold
-    them (the rest is stale and unread)."""
+def fill_inputs(f: dict[str, torch.Tensor], batch, tiles: torch.Tensor, scratch_slot: int) -> int:
+    """Write ``batch`` (N rows, packed, its plan on the host; ``tiles`` its attention tiles) into
+    the host views ``f`` of a graph's inputs, padding rows and tiles after it; returns how many
+    leading ints of the buffer hold them (the rest is stale and unread)."""
     N, plan = batch.num_tokens, batch.plan
-    rows, width = f["pos"].shape
-    pos, lengths = plan.logical_positions()  # [N, S] long, [N] int32 (what the eager kernel reads)
-    S = pos.shape[1]
     f["ids"][:N], f["ids"][N:] = batch.input_ids, 0
     f["rope_pos"][:N], f["rope_pos"][N:] = batch.positions, 0
     f["page"][:N], f["page"][N:] = batch.slots // PAGE_SIZE, scratch_slot // PAGE_SIZE
     f["off"][:N], f["off"][N:] = batch.slots % PAGE_SIZE, scratch_slot % PAGE_SIZE
     f["seq"][:N], f["seq"][N:] = plan.row_seq, 0
-    f["lengths"][:N], f["lengths"][N:] = lengths, 0
+    f["row_len"][:N], f["row_len"][N:] = plan.row_len, 0  # padding rows are in no tile: never read
+    f["bits"][:N], f["bits"][N:] = plan.row_bits, 0
+    f["tiles"][: len(tiles)], f["tiles"][len(tiles):] = tiles, -1
     bt = plan.block_table  # [B, P]: entries past it are never read (no row reaches them)
     f["bt"][: bt.shape[0], : bt.shape[1]] = bt
-    f["pos"][:N, :S] = pos
-    return f["pos"].storage_offset() - f["ids"].storage_offset() + N * width
+    return f["bt"].storage_offset() - f["ids"].storage_offset() + bt.shape[0] * f["bt"].shape[1]
 
 
 @dataclass(eq=False)
@@ -157,7 +155,11 @@ class LayerGraphs:
     def __call__(self, batch, pool, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """The stream after the layers [N, D] for ``batch`` (its plan on the host), or None where
         the forward must run eagerly (no bucket fits it, or the pool has no page for scratch)."""
-        shape = GraphShape.of(batch.num_tokens, batch.plan.max_len, batch.plan.block_table.shape[1])
+        s = self.model.spec
+        rows_per = rows_per_tile(s.num_heads, s.num_kv_heads)
+        tiles = session_tiles(batch.plan.row_seq, rows_per)  # [T, rows_per]
+        shape = GraphShape.of(batch.num_tokens, len(tiles), rows_per, batch.plan.max_len,
+                              batch.plan.block_table.shape[1])
         if shape is None:
             return None
         state = self._pools.get(pool)
@@ -169,7 +171,7 @@ class LayerGraphs:
         g = state.graphs.get(shape)
         if g is None:
             g = state.graphs[shape] = self._new(shape)
-        self._copy_in(g, batch, state.scratch_slot)
+        self._copy_in(g, batch, tiles, state.scratch_slot)
         N = batch.num_tokens
         if g.hidden is not None:
             g.hidden[:N].copy_(hidden)
@@ -185,11 +187,11 @@ class LayerGraphs:
                       torch.zeros(shape.num_ints, dtype=torch.long, device=m.device), hidden)
 
     @staticmethod
-    def _copy_in(g: _Graph, batch, scratch_slot: int) -> None:
+    def _copy_in(g: _Graph, batch, tiles: torch.Tensor, scratch_slot: int) -> None:
         """The batch into the graph's inputs: filled on the host, one asynchronous copy."""
         if g.copied is not None:
             g.copied.synchronize()  # the last copy has read the pinned buffer
-        used = fill_inputs(g.host_fields, batch, scratch_slot)
+        used = fill_inputs(g.host_fields, batch, tiles, scratch_slot)
         g.dev[:used].copy_(g.host[:used], non_blocking=True)
         g.copied = torch.cuda.Event()
         g.copied.record()
@@ -199,8 +201,7 @@ class LayerGraphs:
         m, f = self.model, g.dev_fields
         h = m.embed_rows(f["ids"], g.hidden)
         cos, sin = m._rope(f["rope_pos"])
-        plan = StaticPlan(f["bt"], f["seq"], f["pos"], f["lengths"])
-        return m.run_layers(h, cos, sin, pool, (f["page"], f["off"]), plan)
+        return m.run_layers(h, cos, sin, pool, (f["page"], f["off"]), g.shape.plan(f))
 
     def _capture(self, g: _Graph, pool) -> None:
         """Run the stack once on a side stream (compiles the Triton kernels, sets up cuBLAS:

@@ -18,47 +18,147 @@ import torch
 import triton
 import triton.language as tl
 
+from deploy.verifier.cuda.plan import BLOCK_M, CHUNK, DevicePlan, group_width
 from deploy.verifier.native import PAGE_SIZE
 
-KEY_BLOCK = 32  # keys per step of a row's walk
+BLOCK_N = 32  # keys per step of a tile's walk
 NUM_WARPS = 4  # fixed: the layout of a block (hence the order of its sums) must not vary
+NUM_STAGES = 2
+LOG2E = 1.4426950408889634  # the softmax runs in base 2: exp(x) = exp2(x log2 e)
 
 
 @triton.jit
-def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, len_ptr, out_ptr,
-                           bt_stride, pos_stride, group, scale,
+def _tree_lanes(lane, row_len, bits):
+    """Session positions of logical key indices ``lane`` [BLOCK_N] of one row: the contiguous
+    part as is, then the k-th set bit j of ``bits`` at ``row_len + j``."""
+    j = tl.arange(0, 64)
+    setb = (bits >> j) & 1  # [64]
+    rank = tl.sum(tl.where(j[None, :] < j[:, None], setb[None, :], 0), 1)  # [64] set bits below j
+    hit = (setb[None, :] == 1) & (rank[None, :] == (lane - row_len)[:, None])  # [BLOCK_N, 64]
+    return tl.where(lane < row_len, lane, row_len + tl.sum(tl.where(hit, j[None, :], 0), 1))
+
+
+@triton.jit
+def _softmax_step(s, b0, n, m_i, l_i, qk_scale, BLOCK_N: tl.constexpr):
+    """One key block of the online softmax (log2 domain): raw scores s [BLOCK_M, BLOCK_N] of keys
+    b0.. for rows of logical length n [BLOCK_M] -> (p, alpha, m, l). A row with no key here
+    (b0 >= n) keeps its state exactly (alpha 1, p 0)."""
+    valid = (b0 + tl.arange(0, BLOCK_N))[None, :] < n[:, None]
+    s = tl.where(valid, s * qk_scale, float("-inf"))
+    active = b0 < n
+    m_new = tl.where(active, tl.maximum(m_i, tl.max(s, 1)), m_i)
+    m_sub = tl.where(active, m_new, 0.0)  # finite: no inf - inf in the rows left as they are
+    alpha = tl.where(active, tl.exp2(m_i - m_sub), 1.0)
+    p = tl.where(valid, tl.exp2(s - m_sub[:, None]), 0.0)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, len_ptr, bits_ptr, n_ptr, tiles_ptr, out_ptr,
+                           pacc_ptr, pm_ptr, pl_ptr, bt_stride, nch, qk_scale,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           PS: tl.constexpr, BLOCK: tl.constexpr):
+                           PS: tl.constexpr, GP: tl.constexpr, RPT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    c0 = tl.program_id(2) * CHUNK
+    m = tl.arange(0, BLOCK_M)
+    slot = m // GP  # [BLOCK_M] the row of the tile, then the query head of its group
+    g = m % GP
+    row = tl.load(tiles_ptr + t * RPT + slot)
+    live = (row >= 0) & (g < HQ // HKV)
+    row = tl.where(row >= 0, row, 0).to(tl.int64)
+    n = tl.where(live, tl.load(n_ptr + row), 0)  # [BLOCK_M] logical lengths
+    n_max = tl.max(n, 0)
+    if c0 < n_max:
+        rlen = tl.load(len_ptr + row)
+        bits = tl.load(bits_ptr + row)
+        seq = tl.load(seq_ptr + tl.load(tiles_ptr + t * RPT)).to(tl.int64)
+        # keys below tree_start are the same session positions for every row: one key block for the tile
+        tree_start = tl.min(tl.where(live & (bits != 0), rlen, 1 << 30), 0)
+        c_end = tl.minimum(c0 + CHUNK, n_max)
+        u_end = tl.maximum(tl.minimum(tree_start // BLOCK_N * BLOCK_N, c_end), c0)
+        h = kvh * (HQ // HKV) + g
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(q_ptr + (row * HQ + h)[:, None] * D + d[None, :], mask=live[:, None] & dm[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_D]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lanes = tl.arange(0, BLOCK_N)
+        for b0 in range(c0, u_end, BLOCK_N):  # shared key blocks: K/V read once for the whole tile
+            lane = b0 + lanes
+            lm = lane < n_max
+            page = tl.load(bt_ptr + seq * bt_stride + lane // PS, mask=lm, other=0).to(tl.int64)
+            head = page * HKV + kvh
+            kt = tl.load(k_ptr + head[None, :] * (D * PS) + d[:, None] * PS + (lane % PS)[None, :],
+                         mask=dm[:, None] & lm[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]; K pages [Hkv, D, PS]
+            v = tl.load(v_ptr + (head * PS + lane % PS)[:, None] * D + d[None, :], mask=lm[:, None] & dm[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK_D]; V pages [Hkv, PS, D]
+            p, alpha, m_i, l_i = _softmax_step(tl.dot(q, kt, input_precision=PREC), b0, n, m_i, l_i, qk_scale,
+                                               BLOCK_N)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        for b0 in range(u_end, c_end, BLOCK_N):  # the tree's blocks: each row its own keys (its ancestors)
+            lane = b0 + lanes
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for r in range(0, RPT):
+                rr = tl.load(tiles_ptr + t * RPT + r)
+                if rr >= 0:
+                    nr = tl.load(n_ptr + rr)
+                    pos = _tree_lanes(lane, tl.load(len_ptr + rr), tl.load(bits_ptr + rr))
+                    lm = lane < nr
+                    page = tl.load(bt_ptr + seq * bt_stride + pos // PS, mask=lm, other=0).to(tl.int64)
+                    kt = tl.load(k_ptr + (page * HKV + kvh)[None, :] * (D * PS) + d[:, None] * PS + (pos % PS)[None, :],
+                                 mask=dm[:, None] & lm[None, :], other=0.0)
+                    s = tl.where((slot == r)[:, None], tl.dot(q, kt, input_precision=PREC), s)
+            p, alpha, m_i, l_i = _softmax_step(s, b0, n, m_i, l_i, qk_scale, BLOCK_N)
+            scaled = acc * alpha[:, None]
+            acc = scaled
+            for r in range(0, RPT):
+                rr = tl.load(tiles_ptr + t * RPT + r)
+                if rr >= 0:
+                    nr = tl.load(n_ptr + rr)
+                    pos = _tree_lanes(lane, tl.load(len_ptr + rr), tl.load(bits_ptr + rr))
+                    lm = lane < nr
+                    page = tl.load(bt_ptr + seq * bt_stride + pos // PS, mask=lm, other=0).to(tl.int64)
+                    v = tl.load(v_ptr + ((page * HKV + kvh) * PS + pos % PS)[:, None] * D + d[None, :],
+                                mask=lm[:, None] & dm[None, :], other=0.0)
+                    acc = tl.where((slot == r)[:, None], tl.dot(p.to(v.dtype), v, scaled, input_precision=PREC), acc)
+        # a row within one chunk is final here; a longer row leaves this chunk's partial for the merge
+        whole = tl.cdiv(n, CHUNK) == 1
+        od = (row * HQ + h)[:, None] * D + d[None, :]
+        tl.store(out_ptr + od, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=(live & whole & (c0 == 0))[:, None] & dm[None, :])
+        part = live & ~whole & (c0 < n)
+        pidx = (row * HQ + h) * nch + c0 // CHUNK
+        tl.store(pacc_ptr + pidx[:, None] * BLOCK_D + d[None, :], acc, mask=part[:, None] & dm[None, :])
+        tl.store(pm_ptr + pidx, m_i, mask=part)
+        tl.store(pl_ptr + pidx, l_i, mask=part)
+
+
+@triton.jit
+def _merge_chunks_kernel(pacc_ptr, pm_ptr, pl_ptr, n_ptr, out_ptr, nch,
+                         HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+    """A row longer than one chunk: its chunks' partials folded in ascending order."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    kvh = h // group
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    q = tl.load(q_ptr + (row * HQ + h) * D + d, mask=dm, other=0.0).to(tl.float32)  # [BLOCK_D]
-    seq = tl.load(seq_ptr + row).to(tl.int64)
-    n = tl.load(len_ptr + row)  # the row's logical length: prefix + its tree ancestors and itself
-    m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)  # running max (a scalar)
-    l_i = tl.sum(tl.zeros([BLOCK], tl.float32), 0)  # running softmax denominator
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)  # logical indices of this block of keys
-        im = i < n
-        phys = tl.load(pos_ptr + row * pos_stride + i, mask=im, other=0)  # their positions in the session
-        page = tl.load(bt_ptr + seq * bt_stride + phys // PS, mask=im, other=0).to(tl.int64)
-        off = phys % PS
-        kd = im[:, None] & dm[None, :]
-        k = tl.load(k_ptr + (page * HKV + kvh)[:, None] * (D * PS) + d[None, :] * PS + off[:, None],
-                    mask=kd, other=0.0).to(tl.float32)  # [BLOCK, BLOCK_D]; K pages are [Hkv, D, PS]
-        s = tl.where(im, tl.sum(k * q[None, :], 1) * scale, float("-inf"))  # [BLOCK]
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(v_ptr + (page * HKV + kvh)[:, None] * (PS * D) + off[:, None] * D + d[None, :],
-                    mask=kd, other=0.0).to(tl.float32)  # [BLOCK, BLOCK_D]; V pages are [Hkv, PS, D]
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        m_i = m_new
-    tl.store(out_ptr + (row * HQ + h) * D + d, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dm)
+    k = tl.cdiv(tl.load(n_ptr + row), CHUNK)
+    if k > 1:
+        d = tl.arange(0, BLOCK_D)
+        base = (row * HQ + h) * nch
+        m_i = tl.load(pm_ptr + base)
+        l_i = tl.load(pl_ptr + base)
+        acc = tl.load(pacc_ptr + base * BLOCK_D + d)
+        for c in range(1, k):
+            m_c = tl.load(pm_ptr + base + c)
+            m_new = tl.maximum(m_i, m_c)
+            a = tl.exp2(m_i - m_new)
+            b = tl.exp2(m_c - m_new)
+            l_i = l_i * a + tl.load(pl_ptr + base + c) * b
+            acc = acc * a + tl.load(pacc_ptr + (base + c) * BLOCK_D + d) * b
+            m_i = m_new
+        tl.store(out_ptr + (row * HQ + h) * D + d, (acc / l_i).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -122,21 +222,34 @@ def _swiglu_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * I + i, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=m)
 
 
-def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan, scale: float) -> torch.Tensor:
+def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DevicePlan,
+                   scale: float) -> torch.Tensor:
     """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] (q's
-    dtype, rounded once from the float32 sums)."""
+    dtype, rounded once from the float32 sums). Rows in no tile of ``plan`` get zeros."""
     N, Hq, D = q.shape
     Hkv = k_pages.shape[1]
-    positions, lengths = plan.logical_positions()  # [N, S] int64, [N] int32
     q = q.contiguous()
-    out = torch.empty_like(q)
-    if N == 0:
+    out = torch.zeros_like(q)
+    T, rpt = plan.tiles.shape
+    if N == 0 or T == 0:
         return out
+    block_d = max(16, triton.next_power_of_2(D))  # tl.dot wants every dimension >= 16
+    nch = plan.chunks
+    parts = N * Hq * nch if nch > 1 else 1
+    pacc = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
+    pm = torch.empty(parts, dtype=torch.float32, device=q.device)
+    pl = torch.empty(parts, dtype=torch.float32, device=q.device)
+    gp = group_width(Hq, Hkv)
+    assert rpt == BLOCK_M // gp, "the plan's tiles were built for another head layout"
     bt = plan.block_table
-    _tree_attention_kernel[(N, Hq)](
-        q, k_pages, v_pages, bt, plan.row_seq, positions, lengths, out, bt.shape[1], positions.shape[1],
-        Hq // Hkv, scale, HQ=Hq, HKV=Hkv, D=D, BLOCK_D=triton.next_power_of_2(D), PS=PAGE_SIZE, BLOCK=KEY_BLOCK,
-        num_warps=NUM_WARPS)
+    _tree_attention_kernel[(T, Hkv, nch)](
+        q, k_pages, v_pages, bt, plan.row_seq, plan.row_len, plan.row_bits, plan.lengths, plan.tiles, out,
+        pacc, pm, pl, bt.shape[1], nch, scale * LOG2E, HQ=Hq, HKV=Hkv, D=D, BLOCK_D=block_d, PS=PAGE_SIZE, GP=gp,
+        RPT=rpt, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=CHUNK, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if nch > 1:
+        _merge_chunks_kernel[(N, Hq)](pacc, pm, pl, plan.lengths, out, nch, HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=CHUNK,
+                                      num_warps=1)
     return out
 
 
