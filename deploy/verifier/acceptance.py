@@ -88,6 +88,7 @@ def walk_tree(
     max_emit: int | None = None,
     stop_ids: frozenset[int] = frozenset(),
     penalties=None,  # Penalties of the session's history (deploy/verifier/penalties.py), or None
+    argmax: list[int] | None = None,  # [n + 1] each row's greedy token, found for the whole batch at once
 ) -> TreeAcceptance:
     """Walk ``tree`` by sampling the target at each visited node.
 
@@ -95,12 +96,16 @@ def walk_tree(
     its max_tokens and its generator stays in step with target-only decoding; a sampled
     stop token (EOS / stop id) ends the walk as the bonus token. With ``penalties`` each
     visited node's row is penalised with its own history (the session's and its ancestors).
+    ``argmax`` (:func:`deploy.verifier.sampling.greedy_rows`) stands in for greedy rows without penalties.
     """
     accepted: list[int] = []
     pos = 0  # forward row of the current node (0 = root)
     while True:  # only visited rows are read
-        row = logits[pos] if penalties is None else penalties.apply(logits[pos], [tree.tokens[a] for a in accepted])
-        tok = greedy_token(row) if params.greedy else sample_token(row, params, generator)
+        if params.greedy and penalties is None and argmax is not None:
+            tok = argmax[pos]
+        else:
+            row = logits[pos] if penalties is None else penalties.apply(logits[pos], [tree.tokens[a] for a in accepted])
+            tok = greedy_token(row) if params.greedy else sample_token(row, params, generator)
         if tok in stop_ids or (max_emit is not None and len(accepted) + 1 >= max_emit):
             return TreeAcceptance(tuple(accepted), tok)
         nxt = next((c for c in tree.children[pos] if tree.tokens[c] == tok), None)

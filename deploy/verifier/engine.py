@@ -47,7 +47,7 @@ from deploy.verifier.logprobs import TokenLogprob, token_logprobs
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.penalties import penalties_for
 from deploy.verifier.runner import ModelRunner
-from deploy.verifier.sampling import SamplingParams, make_generator, sample_token, target_probs
+from deploy.verifier.sampling import SamplingParams, greedy_rows, make_generator, sample_token, target_probs
 from deploy.verifier.tree import DraftTree, TreeLimits
 
 
@@ -557,11 +557,13 @@ class VerifierEngine:
         logits, pre_logits = logits[: len(items)], logits[len(items):]
         keep = self._prefill_keep(chunks)
         walks = []
-        for (i, s, tree, kept, n_prefix, props), lg in zip(todo, logits):
+        # on a GPU, every row's argmax in one launch and one copy (not a launch and a sync per visited row)
+        argmax = greedy_rows(logits) if logits and logits[0].is_cuda else [None] * len(logits)
+        for (i, s, tree, kept, n_prefix, props), lg, top in zip(todo, logits, argmax):
             pen = s.penalties(self.vocab_size, lg.device)
             if props is None:
                 acc = walk_tree(tree, lg, s.params, s.generator, max_emit=self._remaining(s), stop_ids=s.stop_ids,
-                                penalties=pen)
+                                penalties=pen, argmax=top)
             else:
                 acc = rejection_walk_tree(tree, lg, props, s.params, s.generator, max_emit=self._remaining(s),
                                           stop_ids=s.stop_ids, penalties=pen)

@@ -173,6 +173,30 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     return idx
 
 
+def greedy_rows(parts: list[torch.Tensor]) -> list[list[int]]:
+    """The argmax of every row of ``parts`` (each [n_i, vocab]), as :func:`greedy_token` picks it.
+    Consecutive views of one [R, vocab] tensor (what a forward's logits split into) take one
+    launch and one copy to the host; other parts one each."""
+    if not parts:
+        return []
+    first, vocab = parts[0], parts[0].shape[-1]
+    rows = [p.shape[0] for p in parts]
+    at = first.storage_offset()
+    one = all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+              for p in parts)
+    for p, n in zip(parts, rows):
+        one = one and p.storage_offset() == at
+        at += n * vocab
+    if not one:
+        return [p.argmax(-1).tolist() for p in parts]
+    ids = first.as_strided((sum(rows), vocab), (vocab, 1), first.storage_offset()).argmax(-1).tolist()  # [R]
+    out, at = [], 0
+    for n in rows:
+        out.append(ids[at: at + n])
+        at += n
+    return out
+
+
 def greedy_token(logits: torch.Tensor) -> int:
     """``torch.argmax`` of one logits row [vocab] (the first largest; a NaN counts as the
     largest): the native pass on a CPU bf16 row (~10x torch's on one core), torch elsewhere."""

@@ -235,3 +235,15 @@ def test_greedy_token_is_torch_argmax():
     assert greedy_token(rows[2]) == int(torch.argmax(rows[2]))  # a view into a batch
     assert greedy_token(rows[:, 7]) == int(torch.argmax(rows[:, 7]))  # strided
     assert greedy_token(rows[1].float()) == int(torch.argmax(rows[1].float()))  # float32: torch's
+
+
+def test_greedy_rows_of_a_split_forward_equal_each_rows_greedy_token():
+    from deploy.verifier.sampling import greedy_rows, greedy_token
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 5, (23, 40), generator=g).to(torch.bfloat16)  # many ties: the first max wins
+    parts = list(torch.split(logits, [1, 9, 0, 4, 9]))
+    want = [[greedy_token(r) for r in p] for p in parts]
+    assert greedy_rows(parts) == want
+    assert greedy_rows([p.clone() for p in parts]) == want  # separate tensors: one launch each
+    assert greedy_rows(parts[::-1]) == want[::-1] and greedy_rows([]) == []
