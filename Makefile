@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 # compiling the whole venv up front (92 CPU-s in a clean clone's `make test`)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install model adapters bench-versions prometheus demo test test-fast bench bench-quick bench-engine bench-peers bench-request-path loadtest clean
+.PHONY: install model adapters bench-versions prometheus demo test test-fast bench bench-quick bench-engine bench-peers bench-request-path loadtest gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -97,6 +97,22 @@ $(VLLM_STAMP): benchmarks/peers/install_vllm.sh
 	PY=$(PY) VLLM_VENV=$(VLLM_VENV) bash benchmarks/peers/install_vllm.sh
 
 bench-peers: $(VLLM_STAMP)
+
+# On a GPU machine, one command: the CUDA tests, then the verify round at the Llama-3-8B shape (random
+# weights made on the device) next to its floors (benchmarks/gpu_round.py); the JSON lands in
+# benchmarks/results/ named for the date and the card. It runs the machine's own Python (torch, Triton,
+# transformers); without network, fetch pydantic's wheels here first (scripts/gpu_wheels.sh, into .whl/)
+GPU_PY ?= python3
+GPU_SITE := /tmp/specedge-gpu-site
+CUDA_TESTS := tests/verifier/test_cuda.py tests/verifier/test_cuda_kernels.py tests/verifier/test_cuda_graphs.py \
+	tests/verifier/test_cuda_plan.py tests/benchmarks/test_cuda_invariance.py
+gpu-check:
+	if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	export PYTHONPATH=$(GPU_SITE) HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1; \
+	$(GPU_PY) -m pytest -q -p no:cacheprovider --timeout=600 $(CUDA_TESTS); a=$$?; \
+	$(GPU_PY) -m benchmarks.verify_step --device cuda --shape llama3-8b --prefixes 1024 --sessions 1,8,32 \
+		--nodes 0,8,32 --runs 3 --burst 4 --warmup 2 --out benchmarks/results; b=$$?; \
+	test $$a -eq 0 -a $$b -eq 0
 
 loadtest: model
 	$(BIN)/python -m loadtests.run --scenario edge --users 1000,3000 --spawn-rate 50 --duration 120s

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.model_shapes import SHAPES, random_model
 from deploy import gc_policy
 from deploy.config import AppConfig
 from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--weights", default="embedded", choices=("embedded", "random"),
                     help="random: the embedded model's shapes with random weights (same work per round; for "
                          "a machine without the model files, such as a GPU box with no network)")
+    ap.add_argument("--shape", default="embedded", choices=("embedded", *SHAPES),
+                    help="a real model's shape with random weights made on the device (benchmarks/model_shapes.py); "
+                         "on cuda each case is reported next to its floors (benchmarks/gpu_round.py)")
     ap.add_argument("--cuda-graphs", default="on", choices=("on", "off"),
                     help="CUDA: replay the layer stack as captured graphs (on, the engine's default) or launch "
                          "every kernel (off)")
@@ -228,13 +232,17 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     from deploy.verifier import cuda as cuda_kernels
     from deploy.verifier.attention import use_kernel
+    from benchmarks import gpu_round
+    from deploy.verifier.model import DecoderModel
     from deploy.verifier.models import EMBEDDED_SHAPES, load_model, tiny_random_model
 
     prefixes = [int(x) for x in args.prefixes.split(",")]
     sessions = [int(x) for x in args.sessions.split(",")]
     nodes = [int(x) for x in args.nodes.split(",")]
     device = torch.device(args.device)
-    if args.weights == "embedded":
+    if args.shape != "embedded":  # the engine takes the DecoderModel: the transformers copy is freed
+        model = DecoderModel(random_model(args.shape, getattr(torch, args.dtype), device))
+    elif args.weights == "embedded":
         model = load_model("embedded", dtype=args.dtype, device=args.device).model
     else:
         model = tiny_random_model(seed=0, dtype=getattr(torch, args.dtype), **EMBEDDED_SHAPES).to(device)
@@ -242,7 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
         attention = "Triton kernel" if cuda_kernels.available(device) else "torch SDPA (not batch-invariant)"
     else:
         attention = "C kernel" if use_kernel(device, model.dtype) else "torch fallback"
-    cond = dict(model="SmolLM2-135M-Instruct (embedded)" + (", random weights" if args.weights == "random" else ""),
+    name = ("SmolLM2-135M-Instruct (embedded)" + (", random weights" if args.weights == "random" else "")
+            if args.shape == "embedded" else f"{args.shape} shape, random weights")
+    cond = dict(model=name,
                 dtype=args.dtype, device=device_name(device), core=args.core, cpu=cpu_name(),
                 torch=torch.__version__, threads=1, prefixes=prefixes, sessions=sessions, nodes=nodes,
                 runs=args.runs, burst=args.burst, warmup=args.warmup, tree_shape="draft-shaped (4,3,2,2 then chains), random tokens",
@@ -251,6 +261,14 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(0)
     rows = []
     graphs = args.cuda_graphs == "on"
+    if device.type == "cuda" and graphs:  # each case next to its floors, in this process
+        for prefix in prefixes:
+            rows += gpu_round.measure_cases(model, prefix, sessions, nodes, rng, args.runs, args.burst, args.warmup)
+        cond["loadavg_end"] = round(os.getloadavg()[0], 1)
+        result = {"conditions": cond, "rows": rows, "ratios": {str(p): gpu_round.gpu_ratios(rows, p) for p in prefixes},
+                  "targets": gpu_round.TARGETS}
+        publish(result, gpu_round.gpu_markdown(result), _out_path(args.out, cond))
+        return result
     for prefix in prefixes:
         cases = [Case(model, prefix, b, n, rng, graphs=graphs) for b in sessions for n in nodes]
         if not args.no_sweep and prefix == prefixes[0]:
@@ -276,8 +294,17 @@ def main(argv: list[str] | None = None) -> dict:
     cond["loadavg_end"] = round(os.getloadavg()[0], 1)
     result = {"conditions": cond, "rows": rows, "vllm": vllm,
               "ratios": {str(p): ratios(rows, vllm, p) for p in prefixes}, "targets": TARGETS}
-    publish(result, markdown(result), args.out)
+    publish(result, markdown(result), _out_path(args.out, cond))
     return result
+
+
+def _out_path(out: str, cond: dict) -> Path:
+    """``out``, or in the directory ``out`` a file named for the date and the device (a GPU's card name)."""
+    p = Path(out)
+    if not p.is_dir():
+        return p
+    card = "".join(ch if ch.isalnum() else "-" for ch in cond["device"].lower()).strip("-")
+    return p / f"verify-step-{time.strftime('%Y%m%d-%H%M%S')}-{card}.json"
 
 
 if __name__ == "__main__":

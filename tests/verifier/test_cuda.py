@@ -281,3 +281,20 @@ def test_an_edge_agent_drafting_on_cuda_against_the_engine_on_cuda_equals_target
         agent.close()
     assert res.token_ids == truth
     assert res.stats.accepted_tokens > 0 and drafter.runner.model.graphs.captures > 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_cuda_bf16_greedy_output_is_batch_invariant_across_attention_chunks(seed):
+    """A Llama-3-8B head layout (GQA groups of 4, head dim 128; 2 layers): prompts of 470-560
+    tokens, so sessions decode across the attention's first chunk boundary (cuda.plan.CHUNK) with
+    trees and other sessions beside them: output equals one-token decoding, token for token."""
+    from deploy.verifier.cuda.plan import CHUNK
+    from tests.verifier.test_batch_invariance import batched_decode, one_token_decode
+
+    model = tiny_random_model(seed=seed, dtype=torch.bfloat16, num_heads=8, num_kv_heads=2, hidden_size=1024,
+                              intermediate_size=512, num_layers=2).to("cuda")
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    prompts = {f"p{i}": random_prompt(rng, model.config.vocab_size, CHUNK - 42, CHUNK + 48) for i in range(3)}
+    truths = {sid: one_token_decode(model, (), p, params) for sid, p in prompts.items()}
+    assert batched_decode(model, (), prompts, params, truths, rng) == truths
