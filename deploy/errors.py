@@ -19,8 +19,22 @@ class SpecError(Exception):
         self.message = message
         self.details = details
 
+    @property
+    def type(self) -> str:
+        """OpenAI's error ``type`` for this status."""
+        return ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
     def to_dict(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message, **self.details}}
+        """OpenAI's error object (``message``, ``type``, ``param``, ``code``) plus this error's details."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.details.get("param"),
+                          "code": self.code, **self.details}}
+
+
+# OpenAI's error types by HTTP status (what its clients and vLLM's answer carry)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error"}
+DERIVED_FIELDS = ("type", "param")  # of to_dict's error object: not details when an error is rebuilt from JSON
 
 
 class InvalidRequest(SpecError):

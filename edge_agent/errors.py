@@ -31,7 +31,7 @@ def error_from_json(status: int, body: dict | None, retry_after: float | None = 
     err = (body or {}).get("error") if isinstance(body, dict) else None
     code = (err or {}).get("code", "")
     message = (err or {}).get("message", f"HTTP {status}")
-    details = {k: v for k, v in (err or {}).items() if k not in ("code", "message")}
+    details = {k: v for k, v in (err or {}).items() if k not in ("code", "message", *E.DERIVED_FIELDS)}
 
     def subclasses(c):
         for s in c.__subclasses__():

@@ -26,9 +26,11 @@ from ray.exceptions import RayActorError, RayError
 
 from deploy import gc_policy
 from deploy.config import BASE_ALIAS, DEV_API_KEY, AppConfig, versions_update
-from deploy.errors import InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError, UpstreamTimeout
+from deploy.errors import (DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError,
+                           UpstreamTimeout)
 from deploy.metrics import router_metrics
-from deploy.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
+from deploy.protocol import (EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, TokenLogprob, VerifyFrame, asks_early,
+                             record)
 from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.early import stream_verify
@@ -113,7 +115,7 @@ def _raise_for(status: int, payload) -> None:
     if status == 200:
         return
     err = dict(payload.get("error", {})) if isinstance(payload, dict) else {}
-    e = SpecError(err.pop("message", "error"), **{k: v for k, v in err.items() if k != "code"})
+    e = SpecError(err.pop("message", "error"), **{k: v for k, v in err.items() if k not in ("code", *DERIVED_FIELDS)})
     e.status, e.code = status, err.get("code", "error")
     try:
         raise e
@@ -498,58 +500,43 @@ class Router:
         tok = await self.tokenizer()
         req = oai.parse_completion(body, tok, chat)
         info = await self.info()
+        req = req.with_max_tokens(info["max_model_len"])
         oai.check_model(req.model, self._model_names(info), self._versions)
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = await self._server_drafter() if req.mode == "sd" else None
         version = req.model if req.model in self._versions else None
         rounds = self._server_decode(tenant, req.prompt, req.sampling, drafter, version)
         await anext(rounds)  # opens the server session
-        texts = self._texts(rounds, tok, req.stop)
+        deltas = oai.texts(rounds, tok, req.stop)
         served = version or info["model"]
+        headers = None
+        if req.ignored:
+            log.warning(oai.ignored_warning(req.ignored))
+            headers = {oai.IGNORED_FIELDS_HEADER: ", ".join(req.ignored)}
         if req.stream:
-            return _ClosingStream(self._sse(texts, req, served), media_type="text/event-stream")
-        text, ids, finish, stats = "", [], None, {}
-        async for delta, finish, ids, stats in texts:
-            text += delta
-        return oai.completion_response(served, text, ids, len(req.prompt), finish, chat,
-                                       {**stats, "token_ids": ids}, stats.get("cached_tokens", 0))
+            return _ClosingStream(oai.sse(deltas, req, served, tok), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await oai.whole_response(deltas, req, served, tok), headers=headers)
 
-    async def _texts(self, rounds, tok, stops: tuple[str, ...]):
-        """The decoded text of a server decode, cut at the first ``stop`` string (OpenAI).
+    # -- vLLM's tokenizer and version endpoints -----------------------------------------------
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        self.tenants.authenticate(request.headers.get("authorization"))
+        body = await self._json(request)
+        tok, info = await self.tokenizer(), await self.info()
+        oai.check_model(body.get("model"), self._model_names(info), self._versions)
+        return oai.tokenize(body, tok, info["max_model_len"])
 
-        Yields (new text, finish reason or None, all generated ids so far, stats) per round
-        with new tokens (the text may be empty: held back, or no tokenizer); closes ``rounds``
-        (and with it the server session) as soon as a stop string ends the text, and when
-        this generator is closed or abandoned."""
-        text, ids = oai.TextStream(stops), []
-        try:
-            async for new, finish, stats in rounds:
-                ids.extend(new)
-                delta, stopped = text.push(tok.decode(ids, skip_special_tokens=True) if tok is not None else "",
-                                           final=finish is not None)
-                finish = "stop" if stopped else finish
-                if new or finish:
-                    yield delta, finish, ids, stats
-                if finish:
-                    return
-        finally:
-            await rounds.aclose()
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        self.tenants.authenticate(request.headers.get("authorization"))
+        body = await self._json(request)
+        tok, info = await self.tokenizer(), await self.info()
+        oai.check_model(body.get("model"), self._model_names(info), self._versions)
+        return oai.detokenize(body, tok, info["vocab_size"])
 
-    async def _sse(self, texts, req: oai.CompletionRequest, model: str):
-        """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last; with
-        ``stream_options.include_usage`` a last chunk with ``choices: []`` and the usage."""
-        cid, ids, first, stats = oai.completion_id(req.chat), [], True, {}
-        try:
-            async for delta, finish, ids, stats in texts:
-                yield oai.stream_chunk(cid, model, delta, finish, req.chat, role=first, with_usage=req.include_usage)
-                first = False
-            if req.include_usage:
-                yield oai.usage_chunk(cid, model, req.chat, len(req.prompt), len(ids), stats.get("cached_tokens", 0))
-        except SpecError as e:
-            yield f"data: {json.dumps(e.to_dict())}\n\n"
-        finally:
-            await texts.aclose()
-        yield "data: [DONE]\n\n"
+    @api.get("/version")
+    async def version(self):
+        return oai.server_version()
 
     async def _server_drafter(self):
         def load():
@@ -563,9 +550,9 @@ class Router:
                              version: str | None = None):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
 
-        Yields (new token ids, finish reason, stats) per round; the first item, as soon as
-        the session is open, carries no tokens (a caller awaits it to answer a refused open
-        with its own status). The session is closed however the generator ends: by the replica
+        Yields an :class:`~deploy.router.openai.Round` per round; the first, as soon as the
+        session is open, carries no tokens (a caller awaits it to answer a refused open with its
+        own status). The session is closed however the generator ends: by the replica
         with its finishing reply (``close_on_finish``), else here.
         """
         # a drafter's trees are a client kind of their own for the replica's acceptance estimates
@@ -580,11 +567,13 @@ class Router:
             params = SamplingParams.from_dict(sampling)  # validated by the open
         history = list(prompt) + [opened["first_token"]]
         rounds, drafted, finish = 0, 0, None
+        wants_logprobs = sampling.get("logprobs") is not None
         try:
-            yield [], None, {}
+            yield oai.Round([], None, {})
             finish = opened.get("finish_reason") if opened["finished"] else None
             cached = {"cached_tokens": opened.get("cached_tokens", 0)}  # prompt tokens the prefix cache held
-            yield [opened["first_token"]], finish, cached
+            first_lp = [TokenLogprob.from_dict(opened["first_logprob"])] if wants_logprobs else None
+            yield oai.Round([opened["first_token"]], finish, cached, first_lp)
             while finish is None:
                 # a model drafter computes: keep it off the router's event loop
                 tree, proposals = (await asyncio.to_thread(drafter.draft_round, list(history),
@@ -599,8 +588,9 @@ class Router:
                 rounds += 1
                 drafted += len(tokens)
                 finish = reply.finish_reason if reply.finished else None
-                yield new, finish, {**cached, "rounds": rounds, "draft_tokens": drafted,
-                                    "tokens_per_round": (len(history) - len(prompt) - 1) / max(rounds, 1)}
+                yield oai.Round(new, finish, {**cached, "rounds": rounds, "draft_tokens": drafted,
+                                              "tokens_per_round": (len(history) - len(prompt) - 1) / max(rounds, 1)},
+                                reply.token_logprobs(tokens))
         finally:
             if finish is None or not opened.get("close_on_finish"):
                 await self._close_shielded(tenant, sid)

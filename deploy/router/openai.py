@@ -5,11 +5,14 @@ the router then decodes on the server, either plain autoregressive (an empty tre
 round: one target step, batched with everyone else's verifies) or server-side
 speculative decoding (a drafter in the router builds the trees). Pure module.
 
-Follows the OpenAI API reference (completions, chat completions, models): what the
-server implements is parsed and type-checked here (ranges are the verifier's own
-check, :meth:`deploy.verifier.sampling.SamplingParams.validate`); what it does not
-implement (logprobs, penalties, tools, ...) is refused with a 400 unless the request
-asks for its no-op value, and unknown fields are refused, never silently ignored.
+Follows the OpenAI API reference (completions, chat completions, models) as vLLM serves
+it: what the server implements is parsed and type-checked here (ranges are the verifier's
+own check, :meth:`deploy.verifier.sampling.SamplingParams.validate`), with vLLM's extras
+(``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``chat_template_kwargs``);
+what changes the output but is not implemented (tools, ``response_format``, ``logit_bias``,
+...) is refused with a 400 unless the request asks for its no-op value; unknown fields are
+accepted and ignored, as vLLM does, and named back (:attr:`CompletionRequest.ignored`) for
+the caller's warning and response header. ``max_tokens`` defaults to the rest of the context.
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from deploy.errors import InvalidRequest, ModelNotFound
+from deploy.errors import InvalidRequest, InvalidSamplingParams, ModelNotFound, SpecError
 
 MODES = ("ar", "sd")
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
-DEFAULT_MAX_TOKENS = 128
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"  # the response names the request's unknown fields, ignored
 
 # this project's extras beyond OpenAI's fields (vLLM-style sampling, server decode mode)
-EXTRAS = {"mode", "top_k", "stop_token_ids", "ignore_eos", "max_completion_tokens"}
+EXTRAS = {"mode", "top_k", "stop_token_ids", "ignore_eos", "max_completion_tokens", "repetition_penalty"}
 # accepted and ignored: they change nothing about the generated text
 IGNORED = {"user", "metadata", "parallel_tool_calls"}
+# chat_template_kwargs the server sets itself (the rest go to the template, e.g. Qwen3's enable_thinking)
+TEMPLATE_OWN = {"conversation", "tokenize", "return_dict", "return_tensors", "tools", "documents", "chat_template",
+                "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
 
 
 def _is_number(v) -> bool:
@@ -47,10 +53,6 @@ def _is_zero(v) -> bool:
 
 # not implemented: accepted only at their no-op value, a 400 otherwise
 NOOP = {
-    "logprobs": _is_default(None, False),
-    "top_logprobs": _is_default(None),
-    "presence_penalty": _is_zero,
-    "frequency_penalty": _is_zero,
     "logit_bias": _is_default(None, {}),
     "tools": _is_default(None, []),
     "functions": _is_default(None, []),
@@ -66,7 +68,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_
           "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"} | EXTRAS | IGNORED
 FIELDS = {False: COMMON | {"prompt", "echo", "suffix", "best_of"},
           True: COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-                          "response_format", "store"}}
+                          "response_format", "store", "chat_template_kwargs"}}
 
 # chat roles -> the chat template's; 'developer' is OpenAI's newer name for system instructions
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -85,15 +87,27 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()  # OpenAI ``stop``: the text ends before the first of these
     include_usage: bool = False  # ``stream_options.include_usage``: a last chunk with the usage
     model: str | None = None  # None: the served model
+    ignored: tuple[str, ...] = ()  # unknown fields, accepted and ignored (vLLM's behaviour)
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token when the request wants log-probs, else None."""
+        return self.sampling.get("logprobs")
+
+    def with_max_tokens(self, max_model_len: int) -> "CompletionRequest":
+        """``max_tokens`` unset: the rest of the context (vLLM's default)."""
+        if self.sampling.get("max_tokens") is not None:
+            return self
+        return replace(self, sampling={**self.sampling, "max_tokens": max(1, max_model_len - len(self.prompt) - 1)})
 
 
 def parse_completion(body: dict, tokenizer, chat: bool) -> CompletionRequest:
     """A /v1/completions (``chat=False``) or /v1/chat/completions body -> the request, or InvalidRequest."""
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    _check_fields(body, chat)
+    ignored = _check_fields(body, chat)
     if chat:
-        ids = chat_prompt(body.get("messages"), tokenizer)
+        ids = chat_prompt(body.get("messages"), tokenizer, _template_kwargs(body.get("chat_template_kwargs")))
     else:
         ids = completion_prompt(body.get("prompt"), tokenizer)
     stream = _opt(body, "stream", bool, False)
@@ -105,17 +119,30 @@ def parse_completion(body: dict, tokenizer, chat: bool) -> CompletionRequest:
         raise InvalidRequest(f"'mode' must be one of {MODES}")
     if _opt(body, "n", int, 1) != 1:
         raise InvalidRequest("only n=1 is supported")
-    return CompletionRequest(list(ids), _sampling(body), chat, stream, mode, stop,
-                             _include_usage(body.get("stream_options"), stream), _opt(body, "model", str, None))
+    return CompletionRequest(list(ids), _sampling(body, chat), chat, stream, mode, stop,
+                             _include_usage(body.get("stream_options"), stream), _opt(body, "model", str, None),
+                             ignored)
 
 
-def _check_fields(body: dict, chat: bool) -> None:
-    unknown = sorted(set(body) - FIELDS[chat])
-    if unknown:
-        raise InvalidRequest(f"unsupported fields: {unknown}")
+def _check_fields(body: dict, chat: bool) -> tuple[str, ...]:
+    """The unknown fields (ignored); a 400 for an unimplemented field at other than its no-op value."""
     for key, is_noop in NOOP.items():
-        if key in body and not is_noop(body[key]):
-            raise InvalidRequest(f"'{key}' is not supported by this server (only its default value is accepted)")
+        if key in body and key in FIELDS[chat] and not is_noop(body[key]):
+            raise InvalidRequest(f"'{key}' is not supported by this server (only its default value is accepted)",
+                                 param=key)
+    return tuple(sorted(set(body) - FIELDS[chat]))
+
+
+def _template_kwargs(v) -> dict:
+    """vLLM's ``chat_template_kwargs``: extra variables for the chat template (e.g. ``enable_thinking``)."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    own = sorted(set(v) & TEMPLATE_OWN)
+    if own:
+        raise InvalidRequest(f"'chat_template_kwargs' may not set {own}", param="chat_template_kwargs")
+    return v
 
 
 def _opt(body: dict, key: str, kind: type, default):
@@ -124,7 +151,7 @@ def _opt(body: dict, key: str, kind: type, default):
     if v is None:
         return default
     if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-        raise InvalidRequest(f"'{key}' must be {'an' if kind is int else 'a'} {kind.__name__}, got {v!r}")
+        raise InvalidRequest(f"'{key}' must be {'an' if kind is int else 'a'} {kind.__name__}, got {v!r}", param=key)
     return v
 
 
@@ -138,7 +165,7 @@ def _finite(body: dict, key: str, default: float) -> float:
             return float(v)
     except OverflowError:
         pass
-    raise InvalidRequest(f"'{key}' must be a finite number, got {v!r}")
+    raise InvalidRequest(f"'{key}' must be a finite number, got {v!r}", param=key)
 
 
 def _token_ids(v, what: str) -> list[int]:
@@ -147,11 +174,25 @@ def _token_ids(v, what: str) -> list[int]:
     return v
 
 
-def _sampling(body: dict) -> dict:
-    """The sampling dict (SamplingParams fields); ranges are checked by ``check_sampling``."""
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token, or None. Chat: ``logprobs`` true and ``top_logprobs``; completions:
+    ``logprobs`` is the number of alternatives."""
+    if not chat:
+        return _opt(body, "logprobs", int, None)
+    top = _opt(body, "top_logprobs", int, None)
+    if not _opt(body, "logprobs", bool, False):
+        if top is not None:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+def _sampling(body: dict, chat: bool) -> dict:
+    """The sampling dict (SamplingParams fields); ranges are checked by ``check_sampling``.
+    ``max_tokens`` None: unset (:meth:`CompletionRequest.with_max_tokens`)."""
     max_tokens = _opt(body, "max_tokens", int, None)
     if max_tokens is None:
-        max_tokens = _opt(body, "max_completion_tokens", int, DEFAULT_MAX_TOKENS)
+        max_tokens = _opt(body, "max_completion_tokens", int, None)
     return {
         "temperature": _finite(body, "temperature", 1.0),  # OpenAI's default
         "top_p": _finite(body, "top_p", 1.0),
@@ -160,6 +201,10 @@ def _sampling(body: dict) -> dict:
         "seed": _opt(body, "seed", int, None),
         "stop_token_ids": _token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
         "ignore_eos": _opt(body, "ignore_eos", bool, False),
+        "presence_penalty": _finite(body, "presence_penalty", 0.0),
+        "frequency_penalty": _finite(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _finite(body, "repetition_penalty", 1.0),
+        "logprobs": _logprobs(body, chat),
     }
 
 
@@ -167,7 +212,14 @@ def check_sampling(sampling: dict, vocab_size: int) -> None:
     """The verifier's own range check (InvalidSamplingParams, a 400), run before a response starts."""
     from deploy.verifier.sampling import SamplingParams  # imports torch: only when a request needs it
 
-    SamplingParams.from_dict(sampling).validate(vocab_size)
+    try:
+        SamplingParams.from_dict({k: v for k, v in sampling.items() if v is not None or k != "max_tokens"}
+                                 ).validate(vocab_size)
+    except InvalidSamplingParams as e:  # its message starts with the field's name
+        name = e.message.split(" ", 1)[0]
+        if name in SamplingParams.__dataclass_fields__:
+            e.details.setdefault("param", name)
+        raise
 
 
 def _stop(v) -> tuple[str, ...]:
@@ -202,8 +254,9 @@ def completion_prompt(prompt, tokenizer) -> list[int]:
     raise InvalidRequest("'prompt' must be a non-empty string or a list of token ids")
 
 
-def chat_prompt(messages, tokenizer) -> list[int]:
-    """/v1/chat/completions ``messages`` -> prompt ids through the tokenizer's chat template."""
+def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None) -> list[int]:
+    """/v1/chat/completions ``messages`` -> prompt ids through the tokenizer's chat template
+    (``template_kwargs``: extra template variables)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list of {role, content}")
     msgs = [chat_message(i, m) for i, m in enumerate(messages)]
@@ -212,8 +265,9 @@ def chat_prompt(messages, tokenizer) -> list[int]:
     from jinja2 import TemplateError  # chat templates are jinja; a template may raise on a conversation
 
     try:
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    except (TemplateError, ValueError) as e:
+        ids = tokenizer.apply_chat_template(msgs, **{"add_generation_prompt": True, **(template_kwargs or {}),
+                                                     "tokenize": True})
+    except (TemplateError, ValueError, TypeError) as e:
         raise InvalidRequest(f"the chat template refused these messages: {e}") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
 
@@ -313,19 +367,41 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _choice(chat: bool, finish: str | None, **content) -> dict:
-    choice = {"index": 0, **content, "finish_reason": finish}
-    if not chat:
-        choice["logprobs"] = None
-    return choice
+def _choice(chat: bool, finish: str | None, logprobs: dict | None = None, **content) -> dict:
+    return {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish}
+
+
+# -- logprobs ------------------------------------------------------------------------------
+def token_text(tokenizer, token: int) -> str:
+    """A token as the logprobs name it: its decoded text (``token_id:<id>`` without a tokenizer, as vLLM)."""
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
+
+def logprobs_object(tokenizer, lps, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's ``logprobs`` of a choice for these :class:`~deploy.protocol.TokenLogprob` (None: none).
+
+    Chat: ``{"content": [{token, logprob, bytes, top_logprobs}]}``; completions: ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (token -> logprob) and ``text_offset`` from ``offset``."""
+    if lps is None:
+        return None
+    names = [token_text(tokenizer, lp.token) for lp in lps]
+    tops = [[(token_text(tokenizer, i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)] for lp in lps]
+    if chat:
+        return {"content": [{"token": n, "logprob": lp.logprob, "bytes": list(n.encode()),
+                             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top]}
+                            for n, lp, top in zip(names, lps, tops)]}
+    offsets = [offset + sum(len(n) for n in names[:j]) for j in range(len(names))]
+    return {"tokens": names, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
 
 
 def completion_response(model: str, text: str, ids: list[int], prompt_len: int, finish: str | None,
-                        chat: bool, stats: dict, cached_tokens: int = 0) -> dict:
+                        chat: bool, stats: dict, cached_tokens: int = 0, logprobs: dict | None = None) -> dict:
     """A non-streaming ``chat.completion`` / ``text_completion`` object (``specedge``: our stats)."""
     content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
     return {"id": completion_id(chat), "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [_choice(chat, finish or "length", **content)],
+            "created": int(time.time()), "model": model,
+            "choices": [_choice(chat, finish or "length", logprobs, **content)],
             "usage": usage(prompt_len, len(ids), cached_tokens), "specedge": stats}
 
 
@@ -336,7 +412,7 @@ def _event(cid: str, model: str, chat: bool, choices: list, **extra) -> str:
 
 
 def stream_chunk(cid: str, model: str, delta: str, finish: str | None, chat: bool, *, role: bool = False,
-                 with_usage: bool = False) -> str:
+                 with_usage: bool = False, logprobs: dict | None = None) -> str:
     """One SSE chunk; ``role``: the chat stream's first delta names the assistant; ``with_usage``:
     OpenAI's ``"usage": null`` on every chunk but the last when ``include_usage`` is set."""
     if chat:
@@ -344,10 +420,137 @@ def stream_chunk(cid: str, model: str, delta: str, finish: str | None, chat: boo
     else:
         content = {"text": delta}
     extra = {"usage": None} if with_usage else {}
-    return _event(cid, model, chat, [_choice(chat, finish, **content)], **extra)
+    return _event(cid, model, chat, [_choice(chat, finish, logprobs, **content)], **extra)
 
 
 def usage_chunk(cid: str, model: str, chat: bool, prompt_tokens: int, completion_tokens: int,
                 cached_tokens: int = 0) -> str:
     """The last chunk of a stream with ``include_usage``: no choices, the whole request's usage."""
     return _event(cid, model, chat, [], usage=usage(prompt_tokens, completion_tokens, cached_tokens))
+
+
+# -- a generation -> OpenAI responses ---------------------------------------------------------
+@dataclass(frozen=True)
+class Round:
+    """New tokens of a generation (a server decode's round, an edge agent's step)."""
+
+    tokens: list[int]
+    finish: str | None  # "stop" | "length" | None: more to come
+    stats: dict
+    logprobs: list | None = None  # TokenLogprob per token, when the request wants them
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Text released to the client after a round (stop strings applied)."""
+
+    text: str
+    finish: str | None
+    ids: list[int]  # all generated ids so far
+    stats: dict
+    logprobs: list | None  # this round's tokens'
+
+
+async def texts(rounds, tokenizer, stops: tuple[str, ...]):
+    """:class:`Round` s -> :class:`TextDelta` s, cut at the first ``stop`` string (OpenAI). Yields
+    per round with new tokens (the text may be empty: held back, or no tokenizer); closes ``rounds``
+    as soon as a stop string ends the text, and when this generator is closed or abandoned."""
+    text, ids = TextStream(stops), []
+    try:
+        async for r in rounds:
+            ids.extend(r.tokens)
+            delta, stopped = text.push(tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None
+                                       else "", final=r.finish is not None)
+            finish = "stop" if stopped else r.finish
+            if r.tokens or finish:
+                yield TextDelta(delta, finish, list(ids), r.stats, r.logprobs)
+            if finish:
+                return
+    finally:
+        await rounds.aclose()
+
+
+async def whole_response(deltas, req: CompletionRequest, model: str, tokenizer) -> dict:
+    """A non-streaming response from the :func:`texts` of a generation."""
+    text, d, lps = "", None, [] if req.logprobs is not None else None
+    async for d in deltas:
+        text += d.text
+        if lps is not None:
+            lps += d.logprobs or []
+    ids, stats = (d.ids, d.stats) if d is not None else ([], {})
+    return completion_response(model, text, ids, len(req.prompt), d.finish if d else None, req.chat,
+                               {**stats, "token_ids": ids}, stats.get("cached_tokens", 0),
+                               logprobs_object(tokenizer, lps, req.chat))
+
+
+async def sse(deltas, req: CompletionRequest, model: str, tokenizer, on_error=None):
+    """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last; with
+    ``stream_options.include_usage`` a last chunk with ``choices: []`` and the usage. An error
+    after the stream began is an ``{"error"}`` event (``on_error`` sees it first)."""
+    cid, ids, first, stats, offset = completion_id(req.chat), [], True, {}, 0
+    try:
+        async for d in deltas:
+            lp = logprobs_object(tokenizer, d.logprobs, req.chat, offset) if req.logprobs is not None else None
+            yield stream_chunk(cid, model, d.text, d.finish, req.chat, role=first, with_usage=req.include_usage,
+                               logprobs=lp)
+            offset += len(d.text)
+            first, ids, stats = False, d.ids, d.stats
+        if req.include_usage:
+            yield usage_chunk(cid, model, req.chat, len(req.prompt), len(ids), stats.get("cached_tokens", 0))
+    except SpecError as e:
+        if on_error is not None:
+            on_error(e)
+        yield f"data: {json.dumps(e.to_dict())}\n\n"
+    finally:
+        await deltas.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def ignored_warning(fields: tuple[str, ...]) -> str:
+    """vLLM's log line for a request's ignored fields."""
+    return f"The following fields were present in the request but ignored: {set(fields)}"
+
+
+# -- vLLM's /tokenize, /detokenize, /version ---------------------------------------------------
+TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt",
+                   "chat_template_kwargs", "return_token_strs"}
+
+
+def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
+    """vLLM's ``POST /tokenize``: a ``prompt`` (text) or chat ``messages`` -> ``count``, ``tokens``,
+    ``max_model_len`` (and ``token_strs`` when asked)."""
+    if tokenizer is None:
+        raise InvalidRequest("this deployment's target has no tokenizer")
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        raise InvalidRequest("send a 'prompt' (text) or chat 'messages'")
+    if "messages" in body:
+        kwargs = {**_template_kwargs(body.get("chat_template_kwargs")),
+                  "add_generation_prompt": _opt(body, "add_generation_prompt", bool, True)}
+        ids = chat_prompt(body["messages"], tokenizer, kwargs)
+    else:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise InvalidRequest("'prompt' must be a string", param="prompt")
+        ids = tokenizer(prompt, add_special_tokens=_opt(body, "add_special_tokens", bool, True))["input_ids"]
+    out = {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids), "token_strs": None}
+    if _opt(body, "return_token_strs", bool, False):
+        out["token_strs"] = tokenizer.convert_ids_to_tokens(list(ids))
+    return out
+
+
+def detokenize(body: dict, tokenizer, vocab_size: int) -> dict:
+    """vLLM's ``POST /detokenize``: ``tokens`` -> ``prompt`` (the text)."""
+    if tokenizer is None:
+        raise InvalidRequest("this deployment's target has no tokenizer")
+    ids = _token_ids(body.get("tokens") if isinstance(body, dict) else None, "tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"token ids {bad[:4]} are outside the vocabulary [0, {vocab_size})", param="tokens")
+    return {"prompt": tokenizer.decode(ids)}
+
+
+def server_version() -> dict:
+    """vLLM's ``GET /version``: this package's version."""
+    from importlib.metadata import version
+
+    return {"version": version("specedge-serve")}

@@ -1,13 +1,15 @@
 """OpenAI-compatible parsing, validation, stop strings and response shapes (pure, no Ray)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from deploy.errors import InvalidRequest, InvalidSamplingParams, ModelNotFound
+from deploy.protocol import TokenLogprob
 from deploy.router.openai import (TextStream, chat_message, check_model, check_sampling, completion_response,
-                                  find_stop, model_list, parse_completion, stop_prefix_len, stream_chunk,
-                                  usage_chunk)
+                                  detokenize, find_stop, logprobs_object, model_list, parse_completion, server_version,
+                                  stop_prefix_len, stream_chunk, tokenize, usage_chunk)
 
 VOCAB = 512
 
@@ -36,7 +38,10 @@ def test_completion_prompt_text_or_ids(tok):
     assert parse_completion({"prompt": [5, 6]}, None, False).prompt == [5, 6]
     req = parse_completion({"prompt": "Hello", "mode": "sd"}, tok, False)
     assert req.prompt == tok("Hello")["input_ids"] and req.sampling["temperature"] == 1.0  # OpenAI's default
-    assert req.mode == "sd" and req.sampling["max_tokens"] == 128
+    assert req.mode == "sd" and req.sampling["max_tokens"] is None  # unset: the rest of the context
+    assert req.with_max_tokens(2048).sampling["max_tokens"] == 2048 - len(req.prompt) - 1
+    assert parse_completion({"prompt": "Hello", "max_tokens": 9}, tok, False).with_max_tokens(2048).sampling[
+        "max_tokens"] == 9
 
 
 def test_content_parts_join_text_and_assistant_null_is_empty(tok):
@@ -92,18 +97,78 @@ def test_bad_requests(tok, body, chat):
 
 
 @pytest.mark.parametrize("field,value,chat", [
-    ("logprobs", True, True), ("top_logprobs", 2, True), ("logprobs", 1, False), ("logprobs", 0, False),
-    ("presence_penalty", 0.5, True), ("frequency_penalty", -1, False), ("presence_penalty", "0", True),
     ("logit_bias", {"5": 10}, True), ("tools", [{"type": "function"}], True), ("tool_choice", "auto", True),
     ("functions", [{"name": "f"}], True), ("function_call", "auto", True),
     ("response_format", {"type": "json_object"}, True), ("echo", True, False), ("suffix", "end", False),
-    ("best_of", 2, False), ("store", True, True),
-    ("frobnicate", 1, False), ("messages", [], False), ("prompt", "x", True), ("echo", False, True),
+    ("best_of", 2, False), ("store", True, True), ("logit_bias", {"5": 10}, False),
 ])
-def test_unimplemented_and_unknown_fields_are_400(tok, field, value, chat):
+def test_unimplemented_fields_are_400_naming_the_field(tok, field, value, chat):
     body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRequest) as e:
         parse_completion({**body, field: value}, tok, chat)
+    err = e.value.to_dict()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error" and err["code"] == "invalid_request"
+    assert field in err["message"]
+
+
+@pytest.mark.parametrize("fields,chat", [({"frobnicate": 1}, False), ({"messages": [], "guided_json": {}}, False),
+                                         ({"prompt": "x", "echo": False}, True), ({"spaces_between": True}, True)])
+def test_unknown_fields_are_ignored_and_named(tok, fields, chat):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    req = parse_completion({**body, **fields}, tok, chat)
+    assert req.ignored == tuple(sorted(fields)) and replace(req, ignored=()) == parse_completion(body, tok, chat)
+
+
+@pytest.mark.parametrize("body,chat,want", [
+    ({"logprobs": True}, True, 0), ({"logprobs": True, "top_logprobs": 5}, True, 5), ({"logprobs": False}, True, None),
+    ({}, True, None), ({"logprobs": 3}, False, 3), ({"logprobs": 0}, False, 0), ({}, False, None),
+])
+def test_logprobs_fields(tok, body, chat, want):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    req = parse_completion({**base, **body}, tok, chat)
+    assert req.logprobs == want and req.sampling["logprobs"] == want
+
+
+@pytest.mark.parametrize("body,chat,param", [
+    ({"top_logprobs": 2}, True, "top_logprobs"), ({"logprobs": 1}, True, "logprobs"),
+    ({"logprobs": True}, False, "logprobs"), ({"presence_penalty": "0"}, True, "presence_penalty"),
+    ({"repetition_penalty": None, "frequency_penalty": float("nan")}, False, "frequency_penalty"),
+    ({"chat_template_kwargs": {"tokenize": False}}, True, "chat_template_kwargs"),
+    ({"chat_template_kwargs": [1]}, True, "chat_template_kwargs"),
+])
+def test_bad_logprobs_penalties_and_template_kwargs_are_400(tok, body, chat, param):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    with pytest.raises(InvalidRequest) as e:
+        parse_completion({**base, **body}, tok, chat)
+    assert e.value.to_dict()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("sampling,param", [({"logprobs": 21}, "logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                                            ({"frequency_penalty": -3}, "frequency_penalty"),
+                                            ({"repetition_penalty": 0}, "repetition_penalty")])
+def test_logprobs_and_penalty_ranges_are_the_verifiers(sampling, param):
+    body = {"prompt": [1, 2], **sampling}
+    with pytest.raises(InvalidSamplingParams) as e:
+        check_sampling(parse_completion(body, None, False).sampling, VOCAB)
+    assert e.value.to_dict()["error"]["param"] == param
+
+
+def test_penalties_reach_the_sampling_params(tok):
+    req = parse_completion({"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2},
+                           tok, False)
+    assert (req.sampling["presence_penalty"], req.sampling["frequency_penalty"],
+            req.sampling["repetition_penalty"]) == (0.5, -1.0, 1.2)
+    check_sampling(req.sampling, VOCAB)
+
+
+def test_chat_template_kwargs_reach_the_template(tok):
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = parse_completion({"messages": msgs}, tok, True).prompt
+    no_gen = parse_completion({"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}}, tok, True)
+    assert no_gen.prompt == chat_ids(tok, msgs)[: len(no_gen.prompt)] and len(no_gen.prompt) < len(plain)
+    # a variable the template does not use changes nothing (Qwen3's enable_thinking on another template)
+    assert parse_completion({"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}, tok,
+                            True).prompt == plain
 
 
 def test_noop_values_and_harmless_fields_are_accepted(tok):
@@ -115,7 +180,9 @@ def test_noop_values_and_harmless_fields_are_accepted(tok):
             "stop": ["\n\n", "END"]}
     req = parse_completion(body, tok, True)
     assert req.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": 4, "max_tokens": 7, "seed": 3,
-                            "stop_token_ids": [2], "ignore_eos": True}
+                            "stop_token_ids": [2], "ignore_eos": True, "presence_penalty": 0.0,
+                            "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": None}
+    assert req.ignored == ()
     assert req.include_usage and req.stop == ("\n\n", "END") and req.model == "m"
     req = parse_completion({"prompt": "hi", "echo": False, "suffix": None, "best_of": 1, "logprobs": None,
                             "stop": "END"}, tok, False)
@@ -200,3 +267,34 @@ def test_response_shapes():
     last = json.loads(usage_chunk("c", "m", True, 3, 4, cached_tokens=2)[6:])
     assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                                                        "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+def test_logprobs_objects(tok):
+    hello, world = tok("Hello world", add_special_tokens=False)["input_ids"][:2]
+    lps = [TokenLogprob(hello, -0.5, (hello, world), (-0.5, -1.5)), TokenLogprob(world, -1.0, (world, hello), (-1.0, -2.0))]
+    chat = logprobs_object(tok, lps, True)["content"]
+    assert [c["token"] for c in chat] == ["Hello", " world"] and chat[1]["logprob"] == -1.0
+    assert chat[0]["top_logprobs"][1] == {"token": " world", "logprob": -1.5, "bytes": list(b" world")}
+    cmpl = logprobs_object(tok, lps, False, offset=3)
+    assert cmpl == {"tokens": ["Hello", " world"], "token_logprobs": [-0.5, -1.0],
+                    "top_logprobs": [{"Hello": -0.5, " world": -1.5}, {" world": -1.0, "Hello": -2.0}],
+                    "text_offset": [3, 8]}
+    assert logprobs_object(tok, None, True) is None
+    assert logprobs_object(None, lps[:1], False)["tokens"] == [f"token_id:{hello}"]
+
+
+def test_tokenize_detokenize_version(tok):
+    out = tokenize({"prompt": "Hello world"}, tok, 2048)
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 2048 and out["token_strs"] is None
+    assert detokenize({"tokens": out["tokens"]}, tok, VOCAB * 100)["prompt"] == "Hello world"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tokenize({"messages": msgs}, tok, 2048)["tokens"] == chat_ids(tok, msgs)
+    assert tokenize({"prompt": "Hi", "return_token_strs": True}, tok, 9)["token_strs"] == tok.convert_ids_to_tokens(
+        tok("Hi")["input_ids"])
+    for bad in ({}, {"prompt": 5}, {"prompt": "a", "messages": msgs}):
+        with pytest.raises(InvalidRequest):
+            tokenize(bad, tok, 2048)
+    for bad in ({"tokens": [VOCAB]}, {"tokens": "x"}, {}):
+        with pytest.raises(InvalidRequest):
+            detokenize(bad, tok, VOCAB)
+    assert server_version()["version"]

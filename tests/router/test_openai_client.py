@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from ray import serve
 
 from tests.router.test_app import deploy
@@ -94,17 +95,18 @@ def test_completion_stop_string_cuts_the_text(oai, served, stream):
 
 @pytest.mark.parametrize("error,args", [
     (openai.NotFoundError, {"model": "gpt-4o"}),
-    (openai.BadRequestError, {"logprobs": True}),
+    (openai.BadRequestError, {"logit_bias": {"5": 3}}),
+    (openai.BadRequestError, {"top_logprobs": 3}),  # needs logprobs
     (openai.BadRequestError, {"n": 2}),
     (openai.BadRequestError, {"n": "two"}),
-    (openai.BadRequestError, {"presence_penalty": 1.0}),
+    (openai.BadRequestError, {"presence_penalty": 3.0}),
     (openai.BadRequestError, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
     (openai.BadRequestError, {"response_format": {"type": "json_object"}}),
     (openai.BadRequestError, {"messages": [{"role": "user", "content": 5}]}),
     (openai.BadRequestError, {"messages": [{"content": "no role"}]}),
     (openai.BadRequestError, {"messages": [{"role": "user", "content": [{"type": "image_url",
                                                                          "image_url": {"url": "http://x/y.png"}}]}]}),
-    (openai.BadRequestError, {"extra_body": {"frobnicate": 1}}),
+    (openai.BadRequestError, {"extra_body": {"repetition_penalty": 0}}),
     (openai.BadRequestError, {"max_tokens": 0}),
     (openai.BadRequestError, {"temperature": 500, "stream": True}),  # refused before the stream starts
     (openai.BadRequestError, {"top_p": 0, "stream": True}),
@@ -157,3 +159,109 @@ def test_abandoned_request_closes_its_session(url, served):
     wait_for_no_sessions(url)
     with client(url, ONE_KEY) as c:
         assert c.completions.create(model=served, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+# -- vLLM-level API: ignored fields, error objects, logprobs, penalties, tokenizer endpoints -------
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from deploy.config import ModelConfig
+    from deploy.verifier.models import load_model
+
+    return load_model(TARGET["model"], dtype="float32", tokenizer=TARGET["tokenizer"],
+                      seed=ModelConfig(**TARGET).seed).model
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(url, oai, served):
+    r = post(url, "/v1/chat/completions", {"model": served, "messages": CHAT, "max_tokens": 2, "temperature": 0,
+                                           "frobnicate": 1, "guided_json": {"type": "object"}})
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "frobnicate, guided_json"
+    assert "x-ignored-fields" not in post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).headers
+    raw = oai.chat.completions.with_raw_response.create(model=served, messages=CHAT, max_tokens=2,
+                                                        extra_body={"frobnicate": 1})
+    assert raw.headers["x-ignored-fields"] == "frobnicate" and raw.parse().choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("body,status,param", [({"logit_bias": {"5": 3}}, 400, "logit_bias"),
+                                               ({"tools": [{"type": "function"}]}, 400, "tools"),
+                                               ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+                                               ({"temperature": "hot"}, 400, "temperature"),
+                                               ({"top_p": 0}, 400, "top_p"), ({"model": "gpt-4o"}, 404, None)])
+def test_errors_carry_message_type_param_code(url, served, body, status, param):
+    r = post(url, "/v1/chat/completions", {"model": served, "messages": CHAT, "max_tokens": 2, **body})
+    err = r.json()["error"]
+    assert r.status_code == status and err["param"] == param and err["message"] and err["code"]
+    assert err["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+
+
+def reference_logprobs(model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """[len(out), vocab]: the target's float32 log-softmax at each emitted position."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out])).logits[0].float()  # [L, vocab]
+    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) + len(out) - 1], -1)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_chat_logprobs_are_the_targets(oai, served, target, mode):
+    r = oai.chat.completions.create(model=served, messages=CHAT, temperature=0, max_tokens=8, logprobs=True,
+                                    top_logprobs=3, extra_body={"mode": mode, "ignore_eos": True})
+    ids, prompt_len = r.model_extra["specedge"]["token_ids"], r.usage.prompt_tokens
+    prompt = oai.post("/../tokenize", cast_to=object, body={"messages": CHAT})["tokens"]  # the same template
+    assert len(prompt) == prompt_len
+    ref = reference_logprobs(target, prompt, ids)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(ids) == 8
+    assert torch.allclose(torch.tensor([c.logprob for c in content]), ref[range(len(ids)), ids], atol=1e-4)
+    for c, row in zip(content, ref):
+        assert len(c.top_logprobs) == 3
+        assert torch.allclose(torch.tensor([t.logprob for t in c.top_logprobs]), torch.topk(row, 3).values, atol=1e-4)
+
+
+def test_streamed_completion_logprobs_cover_every_token(oai, served, target):
+    prompt = [5, 9, 200, 31, 7]
+    chunks = list(oai.completions.create(model=served, prompt=prompt, temperature=0.8, seed=4, max_tokens=10,
+                                         logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    whole = oai.completions.create(model=served, prompt=prompt, temperature=0.8, seed=4, max_tokens=10, logprobs=2,
+                                   extra_body={"ignore_eos": True})
+    ids = whole.model_extra["specedge"]["token_ids"]
+    ref = reference_logprobs(target, prompt, ids)
+    assert torch.allclose(torch.tensor(whole.choices[0].logprobs.token_logprobs), ref[range(len(ids)), ids], atol=1e-4)
+    assert lps == whole.choices[0].logprobs.token_logprobs  # a seeded sample repeats, streamed or not
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_greedy_penalised_output_is_penalised_target_decoding(oai, served, target, mode):
+    from deploy.verifier.reference import reference_decode
+    from deploy.verifier.sampling import SamplingParams
+
+    prompt = [5, 9, 200, 31, 7, 9, 9]
+    pen = dict(presence_penalty=-2.0, frequency_penalty=-1.0)  # a flat random target: pull towards repeats
+    want = reference_decode(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=0.5, **pen))
+    assert want != reference_decode(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    r = oai.completions.create(model=served, prompt=prompt, temperature=0, max_tokens=24, **pen,
+                               extra_body={"repetition_penalty": 0.5, "mode": mode, "ignore_eos": True})
+    assert r.model_extra["specedge"]["token_ids"] == want
+
+
+def test_chat_template_kwargs_and_max_tokens_default(url, oai, served):
+    base = oai.chat.completions.create(model=served, messages=CHAT, max_tokens=1)
+    no_gen = oai.chat.completions.create(model=served, messages=CHAT, max_tokens=1,
+                                         extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert no_gen.usage.prompt_tokens < base.usage.prompt_tokens
+    max_len = post(url, "/tokenize", {"prompt": "x"}).json()["max_model_len"]
+    prompt = [7] * (max_len - 5)  # max_tokens unset: the rest of the context
+    r = oai.completions.create(model=served, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and 1 <= r.usage.completion_tokens <= 4
+
+
+def test_tokenize_detokenize_version(url, served):
+    t = post(url, "/tokenize", {"model": served, "prompt": "Hello world"}).json()
+    assert t["count"] == len(t["tokens"]) > 0
+    assert post(url, "/detokenize", {"model": served, "tokens": t["tokens"]}).json() == {"prompt": "Hello world"}
+    assert post(url, "/detokenize", {"tokens": [-1]}).status_code == 400
+    assert post(url, "/tokenize", {"model": "gpt-4o", "prompt": "x"}).status_code == 404
+    assert httpx.get(url + "/version", timeout=30).json()["version"]
