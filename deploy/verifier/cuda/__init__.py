@@ -7,9 +7,10 @@ threads when a batch has few rows. Each choice changes the rounding of every row
 session's greedy output in bf16 would depend on who shares its batch. This package keeps
 every row's arithmetic fixed (the guarantee of DESIGN.md, "batch invariance"):
 
-- tree attention and RMSNorm as Triton kernels (:mod:`.kernels`): one program per row (and
-  head), the keys reduced over the row's own logical sequence in fixed blocks (RoPE with the
-  K/V write, and SwiGLU, are Triton kernels too, for fewer launches);
+- tree attention and RMSNorm as Triton kernels (:mod:`.kernels`): attention reads a session's
+  keys once for all its rows and query heads, and reduces each row's logical sequence in blocks
+  and chunks at fixed positions; RMSNorm one row per program (RoPE with the K/V write, and
+  SwiGLU, are Triton kernels too, for fewer launches);
 - the linears as GEMMs of a fixed row count (:func:`deploy.verifier.row_chunks.in_row_chunks`):
   the same shape, so the same kernel and the same per-row arithmetic whatever the batch.
 

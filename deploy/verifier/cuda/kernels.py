@@ -2,14 +2,21 @@
 with the residual add before it, and (for fewer launches; row-wise, so invariant by nature)
 RoPE with the K/V write into the pool, and SwiGLU.
 
-Each program owns one row (attention: one row and one query head) and reduces it in an
-order fixed by the row alone: attention walks the row's logical KV sequence (its prefix,
-then its tree ancestors and itself; :mod:`deploy.verifier.attention`) in blocks of
-:data:`KEY_BLOCK` keys with an online softmax (FlashAttention's recurrence, Dao et al. 2022,
-one query row per program); RMSNorm sums one row's squares in one block. No block size,
-warp count or split depends on the batch, so a row's result is bit-identical whatever rows
-share the launch (``tests/verifier/test_cuda.py``). Imported only where Triton runs
-(:func:`deploy.verifier.cuda.available`).
+Tree attention (SpecInfer's tree mask over a paged cache; FlashAttention's online softmax,
+Dao et al. 2022; split-KV partials merged as flash-decoding does). One program per (tile, KV
+head, chunk), :mod:`deploy.verifier.cuda.plan`: a tile is up to ``BLOCK_M / group`` rows of one
+session, so its rows x the group's query heads form one ``tl.dot`` operand and each key block
+is read once for all of them. A row's logical sequence (its contiguous positions, then its tree
+ancestors and itself, :mod:`deploy.verifier.attention`) is reduced in blocks of
+:data:`BLOCK_N` keys at fixed logical positions, within chunks of ``CHUNK`` keys whose partials
+are folded in ascending order. Blocks below every row's tree are shared by the tile; a block
+that reaches into the trees is gathered per row (its ancestors' positions found from its bits)
+and multiplied with the same tile shape, keeping that row's product. A row's bits thus depend
+on its logical sequence alone (with the tensor cores' products a function of one row and one
+column), not on its batch, its tile, or where its tree sits: a tree row equals the decode of
+the same sequence. No tile size, warp count, stage count or split depends on the batch.
+RMSNorm sums one row's squares in one block. Imported only where Triton runs
+(:func:`deploy.verifier.cuda.available`; tests also run it under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -71,8 +78,8 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, len_ptr, bits_p
     n = tl.where(live, tl.load(n_ptr + row), 0)  # [BLOCK_M] logical lengths
     n_max = tl.max(n, 0)
     if c0 < n_max:
-        rlen = tl.load(len_ptr + row)
-        bits = tl.load(bits_ptr + row)
+        rlen = tl.load(len_ptr + row).to(tl.int32)
+        bits = tl.load(bits_ptr + row).to(tl.int64)
         seq = tl.load(seq_ptr + tl.load(tiles_ptr + t * RPT)).to(tl.int64)
         # keys below tree_start are the same session positions for every row: one key block for the tile
         tree_start = tl.min(tl.where(live & (bits != 0), rlen, 1 << 30), 0)
@@ -106,25 +113,24 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, len_ptr, bits_p
                 rr = tl.load(tiles_ptr + t * RPT + r)
                 if rr >= 0:
                     nr = tl.load(n_ptr + rr)
-                    pos = _tree_lanes(lane, tl.load(len_ptr + rr), tl.load(bits_ptr + rr))
+                    pos = _tree_lanes(lane, tl.load(len_ptr + rr).to(tl.int32), tl.load(bits_ptr + rr).to(tl.int64))
                     lm = lane < nr
                     page = tl.load(bt_ptr + seq * bt_stride + pos // PS, mask=lm, other=0).to(tl.int64)
                     kt = tl.load(k_ptr + (page * HKV + kvh)[None, :] * (D * PS) + d[:, None] * PS + (pos % PS)[None, :],
                                  mask=dm[:, None] & lm[None, :], other=0.0)
                     s = tl.where((slot == r)[:, None], tl.dot(q, kt, input_precision=PREC), s)
             p, alpha, m_i, l_i = _softmax_step(s, b0, n, m_i, l_i, qk_scale, BLOCK_N)
-            scaled = acc * alpha[:, None]
-            acc = scaled
-            for r in range(0, RPT):
+            acc = acc * alpha[:, None]
+            for r in range(0, RPT):  # row r's rows of acc are replaced once: until then they hold acc * alpha
                 rr = tl.load(tiles_ptr + t * RPT + r)
                 if rr >= 0:
                     nr = tl.load(n_ptr + rr)
-                    pos = _tree_lanes(lane, tl.load(len_ptr + rr), tl.load(bits_ptr + rr))
+                    pos = _tree_lanes(lane, tl.load(len_ptr + rr).to(tl.int32), tl.load(bits_ptr + rr).to(tl.int64))
                     lm = lane < nr
                     page = tl.load(bt_ptr + seq * bt_stride + pos // PS, mask=lm, other=0).to(tl.int64)
                     v = tl.load(v_ptr + ((page * HKV + kvh) * PS + pos % PS)[:, None] * D + d[None, :],
                                 mask=lm[:, None] & dm[None, :], other=0.0)
-                    acc = tl.where((slot == r)[:, None], tl.dot(p.to(v.dtype), v, scaled, input_precision=PREC), acc)
+                    acc = tl.where((slot == r)[:, None], tl.dot(p.to(v.dtype), v, acc, input_precision=PREC), acc)
         # a row within one chunk is final here; a longer row leaves this chunk's partial for the merge
         whole = tl.cdiv(n, CHUNK) == 1
         od = (row * HQ + h)[:, None] * D + d[None, :]
