@@ -98,8 +98,16 @@ class VerifierConfig(_Strict):
     max_tree_nodes: int = Field(64, ge=1, le=1024)
     max_tree_depth: int = Field(32, ge=1, le=1024)
     max_prompt_tokens: int = Field(8192, ge=1)
-    kv_budget_tokens: int = Field(262_144, ge=256, description="LRU-evict sessions above this many KV tokens; the "
-                                                               "replica's KV pool holds this plus one batch")
+    kv_budget_tokens: int | None = Field(262_144, ge=256, description="a cap: LRU-evict sessions above this many "
+                                                                      "KV tokens, the pool holding this plus one "
+                                                                      "batch, unless memory gives less; null: as "
+                                                                      "many as gpu_memory_utilization gives")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="the share of the device's memory this "
+                                                                       "replica (or each stage) may use (vLLM's "
+                                                                       "meaning; on CPU the host's): the KV pool "
+                                                                       "gets what the weights, the largest forward "
+                                                                       "and the CUDA graphs leave "
+                                                                       "(deploy/verifier/kv_sizing.py)")
     prefill_chunk_tokens: int = Field(256, ge=1, description="most prompt tokens per forward while verify rounds "
                                                               "wait (chunked prefill); max_batch_tokens otherwise")
     compile: bool = Field(False, description="torch.compile the forward's elementwise glue (dynamic shapes; "
@@ -140,10 +148,16 @@ class VerifierConfig(_Strict):
                                                              "(deploy/router/affinity.py)")
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
 
+    def batch_room_tokens(self) -> int:
+        """Pool room beyond the sessions' budget for one full batch of new tokens (every
+        session's tree, each starting on a fresh page)."""
+        return self.max_batch_tokens + 16 * self.max_batch_sessions * 2
+
     def kv_pool_tokens(self) -> int:
-        """Pool capacity: the eviction budget plus room for one full batch of new tokens
-        (every session's tree, each starting on a fresh page)."""
-        return self.kv_budget_tokens + self.max_batch_tokens + 16 * self.max_batch_sessions * 2
+        """Pool capacity by the cap alone: the eviction budget plus one batch (pipeline stages)."""
+        if self.kv_budget_tokens is None:
+            raise ValueError("verifier.kv_budget_tokens is null: the pool is sized from memory")
+        return self.kv_budget_tokens + self.batch_room_tokens()
 
 
 class TenantConfig(_Strict):
@@ -272,7 +286,29 @@ class ServerDraftConfig(_Strict):
         return self
 
 
+def _when(path: list[str], const, then: dict) -> dict:
+    """JSON schema: if the value at ``path`` is ``const``, the object must satisfy ``then``."""
+    cond: dict = {"const": const}
+    for key in reversed(path):
+        cond = {"properties": {key: cond}, "required": [key]}
+    return {"if": cond, "then": then}
+
+
+_GPU_PER_STAGE = {"properties": {"verifier": {"properties": {"num_gpus_per_stage": {"exclusiveMinimum": 0}},
+                                              "required": ["num_gpus_per_stage"]}}, "required": ["verifier"]}
+# the wiring checks of AppConfig._resource_wiring that a JSON schema can state (the Helm chart's schema)
+WIRING_SCHEMA = {"allOf": [
+    _when(["target", "device"], "cuda", _GPU_PER_STAGE),
+    _when(["server_draft", "model", "device"], "cuda", {"anyOf": [
+        {"properties": {"server_draft": {"properties": {"enabled": {"const": False}}, "required": ["enabled"]}}},
+        {"allOf": [_GPU_PER_STAGE, {"properties": {"topology": {"const": "colocated"}}, "required": ["topology"]}]},
+    ]}),
+]}
+
+
 class AppConfig(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=WIRING_SCHEMA)
+
     target: ModelConfig = Field(default_factory=ModelConfig)
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
@@ -308,6 +344,30 @@ class AppConfig(_Strict):
                                  "(use topology split to scale out)")
         return self
 
+    @model_validator(mode="after")
+    def _resource_wiring(self):
+        """Mistakes in the resource wiring, refused before anything loads (each with its fix)."""
+        vc, t, d = self.verifier, self.target, self.server_draft
+        if t.device == "cuda" and vc.num_gpus_per_stage == 0:
+            raise ValueError("target.device cuda needs verifier.num_gpus_per_stage > 0: Ray gives a replica (or "
+                             "pipeline stage) no GPU otherwise")
+        if d.enabled and d.model is not None and d.model.device == "cuda" and not (
+                self.topology == "colocated" and vc.num_gpus_per_stage > 0):
+            raise ValueError("server_draft.model.device cuda: the server-side drafter runs in the Router "
+                             "deployment, which holds a GPU only with topology colocated and "
+                             "verifier.num_gpus_per_stage > 0; use device cpu, or no model (prompt lookup)")
+        if vc.pipeline_parallel_size > 1 and vc.kv_budget_tokens is None:
+            raise ValueError("verifier.pipeline_parallel_size > 1 needs verifier.kv_budget_tokens: pipeline "
+                             "stages size their KV pools by the cap, not yet from memory")
+        layers, context = _checkpoint_dims(t)
+        if layers is not None and vc.pipeline_parallel_size > layers:
+            raise ValueError(f"verifier.pipeline_parallel_size {vc.pipeline_parallel_size} is more stages than "
+                             f"the target's {layers} layers")
+        if context is not None and t.max_model_len is not None and t.max_model_len > context:
+            raise ValueError(f"target.max_model_len {t.max_model_len} is beyond the checkpoint's context "
+                             f"(max_position_embeddings {context})")
+        return self
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":
         return cls(**(yaml.safe_load(Path(path).read_text()) or {}))
@@ -328,6 +388,22 @@ def versions_update(cfg: AppConfig, user_config) -> AppConfig:
                          "(adapters, max_loaded_adapters)")
     target = {**cfg.target.model_dump(), **user_config}
     return AppConfig.model_validate({**cfg.model_dump(), "target": target})
+
+
+def _checkpoint_dims(target: ModelConfig) -> tuple[int | None, int | None]:
+    """The target's layer count and context length, read without loading weights (tiny-random's
+    shape, the embedded model's, a local or hub-cached config.json); None where unknown."""
+    from deploy.model_source import config_json, context_length
+    from deploy.verifier.checkpoint import tiny_config
+    from deploy.verifier.models import EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX
+
+    if target.model.startswith(TINY_PREFIX):
+        c = tiny_config(**(target.tiny_config or {}))
+        return c["num_hidden_layers"], c["max_position_embeddings"]
+    if target.model in EMBEDDED_ALIASES:
+        return EMBEDDED_SHAPES["num_layers"], EMBEDDED_SHAPES["max_position_embeddings"]
+    c = config_json(target.model)
+    return (None, None) if c is None else (c.get("num_hidden_layers"), context_length(c))
 
 
 def _check_unique(tenants: list[TenantConfig]) -> None:

@@ -303,7 +303,7 @@ class VerifierState:
         for tenant in list(core.owner.values()):
             by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
         a, b, knee = core.pacer.cost.coefficients()
-        return cls(by_tenant, core.engine.kv_tokens(), core.cfg.verifier.kv_budget_tokens,
+        return cls(by_tenant, core.engine.kv_tokens(), core.kv_plan.budget_tokens,
                    core.pending(), a, b, knee)
 
 

@@ -242,3 +242,61 @@ def test_colocated_app_is_the_router_alone_with_the_verifiers_resources():
     assert app._bound_deployment.init_args[0] is None  # no verifier handle: it builds its own
     assert verifier_deployment(AppConfig(topology="colocated")) == "Router"
     assert verifier_deployment(AppConfig()) == "Verifier"
+
+
+# -- resource wiring (issue 53): each mistake refused at validation, before any weights load ----------
+def _checkpoint(tmp_path, **over) -> str:
+    import json
+
+    cfg = dict(model_type="llama", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+               vocab_size=512, max_position_embeddings=2048, **over)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)  # no weights at all: validation must not need them
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"target": {"device": "cuda"}}, "target.device cuda needs verifier.num_gpus_per_stage > 0"),
+    ({"target": {"device": "cuda"}, "verifier": {"num_gpus_per_stage": 1},
+      "server_draft": {"model": {"model": "embedded", "device": "cuda"}}}, "runs in the Router deployment"),
+    ({"server_draft": {"model": {"model": "embedded", "device": "cuda"}}, "topology": "colocated"},
+     "runs in the Router deployment"),  # colocated, but no GPU reserved
+    ({"target": {"model": "tiny-random", "tiny_config": {"num_layers": 3}}, "verifier": {"pipeline_parallel_size": 4}},
+     "pipeline_parallel_size 4 is more stages than the target's 3 layers"),
+    ({"target": {"model": "embedded", "max_model_len": 8193}}, "max_model_len 8193 is beyond the checkpoint's "
+                                                               "context (max_position_embeddings 8192)"),
+    ({"verifier": {"pipeline_parallel_size": 2, "kv_budget_tokens": None}}, "needs verifier.kv_budget_tokens"),
+    ({"verifier": {"gpu_memory_utilization": 0}}, "gpu_memory_utilization"),
+    ({"verifier": {"gpu_memory_utilization": 1.5}}, "gpu_memory_utilization"),
+])
+def test_each_wiring_mistake_is_refused(args, message):
+    import re
+
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        AppConfig(**args)
+
+
+def test_wiring_that_is_right_passes():
+    AppConfig(target={"device": "cuda"}, verifier={"num_gpus_per_stage": 1})
+    AppConfig(target={"device": "cuda"}, verifier={"num_gpus_per_stage": 1}, topology="colocated",
+              server_draft={"model": {"model": "embedded", "device": "cuda"}})
+    AppConfig(server_draft={"enabled": False, "model": {"model": "embedded", "device": "cuda"}})
+    AppConfig(target={"model": "tiny-random", "tiny_config": {"num_layers": 3}}, verifier={"pipeline_parallel_size": 3})
+    AppConfig(target={"model": "embedded", "max_model_len": 8192})
+    assert AppConfig(verifier={"kv_budget_tokens": None}).verifier.kv_budget_tokens is None
+
+
+def test_a_local_checkpoint_is_checked_from_its_config_json(tmp_path):
+    path = _checkpoint(tmp_path)
+    AppConfig(target={"model": path, "max_model_len": 2048}, verifier={"pipeline_parallel_size": 4})
+    with pytest.raises(ValidationError, match="5 is more stages than the target's 4 layers"):
+        AppConfig(target={"model": path}, verifier={"pipeline_parallel_size": 5})
+    with pytest.raises(ValidationError, match="max_model_len 4096 is beyond the checkpoint's context"):
+        AppConfig(target={"model": path, "max_model_len": 4096})
+
+
+def test_a_checkpoint_without_a_context_gets_its_familys(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="qwen3", num_hidden_layers=2)))
+    with pytest.raises(ValidationError, match="max_position_embeddings 32768"):
+        AppConfig(target={"model": str(tmp_path), "max_model_len": 40000})

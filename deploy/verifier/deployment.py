@@ -38,19 +38,19 @@ from deploy.errors import (InvalidRequest, ModelNotFound, PrefixMismatch, Sessio
                            SpecError, TokenizerMismatch, VersionUnavailable)
 from deploy.metrics import RoundStats, VerifierMetrics
 from deploy.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.engine import (ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifierEngine,
-                                    VerifyRequest)
+from deploy.verifier.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
 from deploy.verifier.batch_fill import ArrivalModel, fill_wait
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, SessionUse, choose_victims
+from deploy.verifier.startup import start_target
 from deploy.verifier.versions import TargetVersions
-from deploy.verifier.models import load_target, tokenizer_fingerprint
+from deploy.verifier.models import tokenizer_fingerprint
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.run_ahead import RunAhead
 from deploy.verifier.sampling import SamplingParams
 from deploy.verifier.scheduler import FairScheduler, Pending
-from deploy.verifier.tree import DraftTree, TreeLimits
+from deploy.verifier.tree import DraftTree
 from deploy.verifier.truncation import GainCalibration, choose_prefixes, node_gains
 
 log = logging.getLogger("ray.serve")
@@ -145,14 +145,9 @@ class VerifierCore:
         if vc.torch_threads:
             torch.set_num_threads(vc.torch_threads)
         t = config.target
-        self.loaded = loaded or load_target(t, weights_only=True)
         self.tag = replica_tag
-        self.engine = VerifierEngine(
-            self.loaded.model, eos_token_ids=self.loaded.eos_token_ids,
-            limits=TreeLimits(vc.max_tree_nodes, vc.max_tree_depth),
-            max_model_len=t.max_model_len, runner=runner, chain_top_k=vc.chain_top_k,
-            on_forward=self._on_forward, kv_capacity_tokens=vc.kv_pool_tokens(),
-            max_batch_tokens=vc.max_batch_tokens, compile=vc.compile, prefix_caching=vc.prefix_caching)
+        started = start_target(config, self._on_forward, runner, loaded)  # KV pool sized from memory
+        self.loaded, self.engine, self.kv_plan = started.loaded, started.engine, started.kv_plan
         # exit heads: early results mid-forward for edges that ask (deploy/verifier/early_stream.py)
         self.early = EarlyStreams.attach(self.engine, vc.early_exit, self.loaded.model)
         p = config.pacing
@@ -163,7 +158,7 @@ class VerifierCore:
                            fill=vc.batch_fill)
         tenants = config.router.load_tenants()  # reads router.tenants_file, once
         self.sched = FairScheduler(weights={tn.name: tn.weight for tn in tenants})
-        self._limits = Limits(vc.kv_budget_tokens, vc.max_sessions,
+        self._limits = Limits(self.kv_plan.budget_tokens, vc.max_sessions,
                               quotas={tn.name: tn.kv_quota_tokens for tn in tenants if tn.kv_quota_tokens},
                               weights={tn.name: tn.weight for tn in tenants})
         self.metrics = VerifierMetrics.create([tn.name for tn in tenants])
@@ -216,7 +211,7 @@ class VerifierCore:
         a, b, knee = self.pacer.cost.coefficients()
         verifies = [f for f in self.forwards if f.kind != "prefill"]
         return {"replica": self.tag, "sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
-                "kv_used_tokens": self.engine.kv_used_tokens(), "kv_pool_tokens": self.cfg.verifier.kv_pool_tokens(),
+                "kv_used_tokens": self.engine.kv_used_tokens(), **self.kv_plan.stats(),
                 "forwards": len(self.forwards), "verify_forwards": len(verifies),
                 "tokens_emitted": self.tokens_emitted,
                 "pending": self.pending(), "busy_seconds": self.busy_seconds,

@@ -238,6 +238,21 @@ class DecoderModel:
         self.graphs = LayerGraphs(self) if graphs and self.kernel and cuda.available(self.device) else None
         self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
 
+    def share_weights(self, hf_model) -> None:
+        """Point ``hf_model``'s Q/K/V and gate/up weights (the model this one was built from) at
+        views of the fused matrices, so the separate copies are freed: a replica keeps both
+        models, which held those weights twice. Values and shapes are unchanged."""
+        inner = hf_model.model
+        for i, w in zip(range(self.first, self.last), self.layers):
+            a, m = inner.layers[i].self_attn, inner.layers[i].mlp
+            for fused, parts in ((w.qkv.weight, (a.q_proj, a.k_proj, a.v_proj)),
+                                 (w.gate_up.weight, (m.gate_proj, m.up_proj))):
+                row = 0
+                for lin in parts:
+                    n = lin.weight.shape[0]
+                    lin.weight = torch.nn.Parameter(fused[row:row + n], requires_grad=False)
+                    row += n
+
     def layer_linears(self) -> list[Linear]:
         """Every linear of this stage's layers, in the order a forward runs them."""
         return [f for w in self.layers for f in (w.qkv, w.o, w.gate_up, w.down)]

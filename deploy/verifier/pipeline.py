@@ -171,7 +171,7 @@ def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bo
         prune(loaded.model, first, last, keep_head)
         return loaded
     device = resolve_device(model_cfg.device)
-    dtype = resolve_dtype(model_cfg.dtype, device)
+    dtype = resolve_dtype(model_cfg.dtype, device, model_cfg.model)
     model = read_weights(path, dtype, device, first, last, keep_head)
     tok = load_tokenizer(str(path), model_cfg.tokenizer) if with_tokenizer else None
     return loaded_model(model, tok, model_cfg.model, model_cfg.seed, device, dtype)

@@ -1,0 +1,42 @@
+"""What a verifier replica does at start, without Serve: load the target (``target.model``), size
+its KV pool from the memory it may use (:mod:`deploy.verifier.kv_sizing`) and build the engine.
+:class:`deploy.verifier.deployment.VerifierCore` and ``benchmarks.full_size`` both run this."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from deploy.config import AppConfig
+from deploy.verifier.engine import VerifierEngine
+from deploy.verifier.kv_sizing import KVPlan, cap_plan, sized_runner
+from deploy.verifier.models import LoadedModel, load_target
+from deploy.verifier.tree import TreeLimits
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class ReplicaTarget:
+    loaded: LoadedModel
+    engine: VerifierEngine
+    kv_plan: KVPlan
+
+
+def start_target(config: AppConfig, on_forward=None, runner=None, loaded: LoadedModel | None = None) -> ReplicaTarget:
+    """The replica's target and engine. ``runner``: a pipeline's (its stages sized by the cap), with
+    ``loaded`` its model shell; else the target is loaded here and its pool sized from memory.
+    Raises :class:`deploy.verifier.kv_sizing.DoesNotFit` when it cannot hold one session."""
+    vc, t = config.verifier, config.target
+    loaded = loaded or load_target(t, weights_only=True)
+    if runner is None:
+        runner, plan = sized_runner(loaded, vc, t.max_model_len)
+    else:
+        plan = cap_plan(loaded, vc, t.max_model_len)
+    log.info("%s: %s", loaded.name, plan.describe())
+    engine = VerifierEngine(
+        loaded.model, eos_token_ids=loaded.eos_token_ids, limits=TreeLimits(vc.max_tree_nodes, vc.max_tree_depth),
+        max_model_len=t.max_model_len, runner=runner, chain_top_k=vc.chain_top_k, on_forward=on_forward,
+        kv_capacity_tokens=plan.capacity_tokens, max_batch_tokens=vc.max_batch_tokens, compile=vc.compile,
+        prefix_caching=vc.prefix_caching)
+    return ReplicaTarget(loaded, engine, plan)
