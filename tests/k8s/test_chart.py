@@ -222,6 +222,11 @@ def test_gpu_worker_group_matches_verifier(values, rendered, serve_builder):
     ({"app.verifier.pipeline_paralel_size": 2}, "additional properties 'pipeline_paralel_size' not allowed"),
     ({"app.verifier.pipeline_parallel_size": 0}, "/app/verifier/pipeline_parallel_size"),
     ({"app.target.dtype": "fp8"}, "/app/target/dtype"),
+    # the resource wiring AppConfig refuses (issue 53), refused by the schema before Serve sees it
+    ({"app.target.device": "cuda", "app.verifier.num_gpus_per_stage": 0},
+     "/app/verifier/num_gpus_per_stage': exclusiveMinimum"),
+    ({"app.target.device": "cuda", "app.verifier.num_gpus_per_stage": 1, "app.server_draft.model.model": "embedded",
+      "app.server_draft.model.device": "cuda"}, "/app/topology': value must be 'colocated'"),
     ({"tenants.entries": [{"name": "a b", "api_key": "0123456789"}]}, "/tenants/entries/0/name"),
     ({"gpuWorker": {"gpusPerPod": 2}}, "additional properties 'gpuWorker' not allowed"),
 ])
