@@ -47,6 +47,11 @@ _SESSIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _DEPTH = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 _NODES = (0.5, 1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)  # le=0.5: empty trees (server-only AR)
+# vLLM's buckets for its time-to-first-token and end-to-end request latency histograms
+_TTFT_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+           80.0, 160.0, 640.0, 2560.0)
+_E2E_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+          960.0, 1920.0, 7680.0)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,17 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _c("prefill_tokens", "Prompt + history tokens prefilled at open.", ("tenant",)),
     _c("prefix_cache_hit_tokens", "Of the prompt + history tokens at open, those taken from the prefix cache "
                                   "(not computed; hit rate = this / prefill_tokens).", ("tenant",)),
+    # -- requests as vLLM counts them (a request = a session: open to finishing reply) --------------
+    _h("time_to_first_token_seconds", "From an open reaching the replica to its first token (the open's reply; "
+                                      "re-opens from history not counted).", _TTFT_S, ("tenant",)),
+    _h("e2e_request_latency_seconds", "From an open reaching the replica to the reply that finishes the session "
+                                      "(EOS, stop token, max_tokens).", _E2E_S, ("tenant",)),
+    _c("prompt_tokens", "Prompt tokens prefilled for new sessions (a re-open's history not counted).", ("tenant",)),
+    _c("generation_tokens", "Tokens generated: the opens' first tokens and every token a verify round emitted.",
+       ("tenant",)),
+    _c("request_success", "Sessions finished, by finish reason.", ("tenant", "finished_reason")),
+    _g("num_requests_running", "Sessions this replica holds (opened and not closed or finished)."),
+    _g("num_requests_waiting", "Opens waiting for their prefill or being prefilled in this replica."),
     # -- the verifier's forwards and queue ----------------------------------------------------
     _h("verify_batch_sessions", "Sessions in one target forward (with a prefill chunk riding along, if any).",
        _SESSIONS, ("kind",)),
@@ -258,16 +274,18 @@ class RoundStats:
     finished: bool
     truncated: int = 0  # nodes sent but cut by the replica (not verified)
     version: str = "base"  # the session's target version
+    finish_reason: str | None = None  # "stop" | "length" when it finished
 
     @classmethod
     def of(cls, tenant: str, req, res, version: str = "base") -> "RoundStats":
         """From the engine's ``VerifyRequest``/``VerifyResult`` or ``ChainVerifyRequest``/``ChainVerifyResult``."""
         if hasattr(req, "tree"):
             return cls(tenant, "tree", res.verified, len(res.accepted), len(res.tokens), res.finished,
-                       len(req.tree) - res.verified, version)
+                       len(req.tree) - res.verified, version, res.finish_reason)
         # chain: a rejected round emits no bonus; the residual sample it owes arrives with the next frame
         emitted = res.num_accepted + (res.bonus is not None) + (req.resampled is not None)
-        return cls(tenant, "chain", len(req.tokens), res.num_accepted, emitted, res.finished, version=version)
+        return cls(tenant, "chain", len(req.tokens), res.num_accepted, emitted, res.finished, version=version,
+                   finish_reason=res.finish_reason)
 
 
 @dataclass(frozen=True)
@@ -295,6 +313,7 @@ class VerifierState:
     cost_fixed_s: float
     cost_per_token_s: float
     cost_knee_rows: float = 0.0
+    waiting: int = 0  # opens not yet prefilled
 
     @classmethod
     def of(cls, core) -> "VerifierState":
@@ -304,7 +323,15 @@ class VerifierState:
             by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
         a, b, knee = core.pacer.cost.coefficients()
         return cls(by_tenant, core.engine.kv_tokens(), core.kv_plan.budget_tokens,
-                   core.pending(), a, b, knee)
+                   core.pending(), a, b, knee, len(core._opens) + len(core._prefilling))
+
+
+def _remember(book: "OrderedDict[str, float]", sid: str, t: float) -> None:
+    """``book[sid] = t``, the oldest entries dropped beyond :data:`MAX_TRACKED_SESSIONS`."""
+    book[sid] = t
+    book.move_to_end(sid)
+    while len(book) > MAX_TRACKED_SESSIONS:
+        book.popitem(last=False)
 
 
 # -- aggregators -----------------------------------------------------------------------------------
@@ -317,6 +344,7 @@ class VerifierMetrics:
     refresh_s: float = 1.0
     clock: Any = time.monotonic
     _last_reply: "OrderedDict[str, float]" = field(default_factory=OrderedDict)
+    _arrived: "OrderedDict[str, float]" = field(default_factory=OrderedDict)  # sid -> when its open arrived
     _seen_tenants: set[str] = field(default_factory=set)
     _last_refresh: float = float("-inf")
     _hints: list[int] = field(default_factory=lambda: [0, 0, 0])  # depth sum, budget sum, rounds
@@ -362,12 +390,37 @@ class VerifierMetrics:
             self.exporter.observe("specedge_edge_reported_draft_depth", t.depth, lab)
 
     @never_raises
-    def on_open(self, tenant: str, sid: str, prefix_len: int, cached_tokens: int = 0) -> None:
+    def on_arrival(self, sid: str) -> None:
+        """An open reached the replica (the start of its TTFT and end-to-end latency)."""
+        _remember(self._arrived, sid, self.clock())
+
+    @never_raises
+    def on_open(self, tenant: str, sid: str, prefix_len: int, cached_tokens: int = 0, first_token: bool = False,
+                finish_reason: str | None = None) -> None:
+        """An open answered; ``first_token``: it sampled one (a new session, not a re-open);
+        ``finish_reason``: that token already finished it."""
         self._seen_tenants.add(tenant)
-        self.exporter.inc("specedge_sessions_opened", 1, {"tenant": tenant})
-        self.exporter.inc("specedge_prefill_tokens", prefix_len, {"tenant": tenant})
-        self.exporter.inc("specedge_prefix_cache_hit_tokens", cached_tokens, {"tenant": tenant})
-        self._touch(sid, self.clock())  # the open reply carries the first token
+        lab, now = {"tenant": tenant}, self.clock()
+        self.exporter.inc("specedge_sessions_opened", 1, lab)
+        self.exporter.inc("specedge_prefill_tokens", prefix_len, lab)
+        self.exporter.inc("specedge_prefix_cache_hit_tokens", cached_tokens, lab)
+        if first_token:
+            self.exporter.inc("specedge_prompt_tokens", prefix_len - 1, lab)
+            self.exporter.inc("specedge_generation_tokens", 1, lab)
+            if sid in self._arrived:
+                self.exporter.observe("specedge_time_to_first_token_seconds", now - self._arrived[sid], lab)
+        else:  # a re-open: its request began before this replica saw it
+            self._arrived.pop(sid, None)
+        if finish_reason is not None:
+            self._finished(tenant, sid, finish_reason, now)
+        self._touch(sid, now)  # the open reply carries the first token
+
+    def _finished(self, tenant: str, sid: str, reason: str, now: float) -> None:
+        lab = {"tenant": tenant}
+        self.exporter.inc("specedge_request_success", 1, {**lab, "finished_reason": reason})
+        start = self._arrived.pop(sid, None)
+        if start is not None:
+            self.exporter.observe("specedge_e2e_request_latency_seconds", now - start, lab)
 
     @never_raises
     def on_round(self, tenant: str, sid: str, req, res, depth_hint: int = 0, budget_hint: int = 0,
@@ -389,9 +442,12 @@ class VerifierMetrics:
         for pos in range(min(r.accepted, MAX_POSITIONS)):
             e.inc("specedge_spec_decode_num_accepted_tokens_per_pos", 1, {**vlab, "position": str(pos)})
         e.observe("specedge_draft_tree_nodes", r.draft_tokens, lab)
+        e.inc("specedge_generation_tokens", r.emitted, {"tenant": r.tenant})
         if sid is None:
             return
         now = self.clock()
+        if r.finished:
+            self._finished(r.tenant, sid, r.finish_reason or "stop", now)
         last = self._last_reply.get(sid)
         if last is not None and r.emitted > 0:
             e.observe("specedge_inter_token_latency_seconds", (now - last) / r.emitted, lab)
@@ -403,13 +459,11 @@ class VerifierMetrics:
     @never_raises
     def on_evict(self, sid: str, reason: str) -> None:
         self._last_reply.pop(sid, None)
+        self._arrived.pop(sid, None)
         self.exporter.inc("specedge_evictions", 1, {"reason": reason})
 
     def _touch(self, sid: str, now: float) -> None:
-        self._last_reply[sid] = now
-        self._last_reply.move_to_end(sid)
-        while len(self._last_reply) > MAX_TRACKED_SESSIONS:
-            self._last_reply.popitem(last=False)
+        _remember(self._last_reply, sid, now)
 
     # gauges ----------------------------------------------------------------------------
     @never_raises
@@ -431,6 +485,8 @@ class VerifierMetrics:
         e.set("specedge_kv_tokens_in_use", s.kv_tokens, {})
         e.set("specedge_kv_tokens_capacity", s.kv_capacity, {})
         e.set("specedge_pending_requests", s.pending, {})
+        e.set("specedge_num_requests_running", sum(s.sessions_by_tenant.values()), {})
+        e.set("specedge_num_requests_waiting", s.waiting, {})
         e.set("specedge_forward_cost_fixed_seconds", s.cost_fixed_s, {})
         e.set("specedge_forward_cost_per_token_seconds", s.cost_per_token_s, {})
         e.set("specedge_forward_cost_knee_rows", s.cost_knee_rows, {})

@@ -251,3 +251,67 @@ def test_edge_metrics_observe_and_serve():
         em.close()
     assert "specedge_edge_round_latency_seconds_bucket" in body
     assert "specedge_edge_generated_tokens_total 80.0" in body
+
+
+def test_vllm_request_metrics_ttft_e2e_tokens_and_finish(vm):
+    clock = vm.clock
+    vm.on_arrival("s1")
+    clock.t += 0.25
+    vm.on_open("alpha", "s1", prefix_len=12, first_token=True)
+    clock.t += 1.0
+    req, res = tree_round([5, 6], [-1, 0], [0, 1], bonus=4)
+    vm.on_round("alpha", "s1", req, res)
+    clock.t += 0.5
+    req, res = tree_round([5], [-1], [], bonus=4, finished=True)
+    vm.on_round("alpha", "s1", req, res)
+    assert val(vm, "specedge_time_to_first_token_seconds_sum", tenant="alpha") == pytest.approx(0.25)
+    assert val(vm, "specedge_e2e_request_latency_seconds_sum", tenant="alpha") == pytest.approx(1.75)
+    assert val(vm, "specedge_prompt_tokens_total", tenant="alpha") == 11
+    assert val(vm, "specedge_generation_tokens_total", tenant="alpha") == 1 + 3 + 1
+    assert val(vm, "specedge_request_success_total", tenant="alpha", finished_reason="stop") == 1
+    assert "s1" not in vm._arrived
+    # a re-open (no first token) is no new request; one finished by its first token ends at its open
+    vm.on_arrival("r")
+    vm.on_open("beta", "r", prefix_len=30)
+    vm.on_arrival("one")
+    clock.t += 0.1
+    vm.on_open("beta", "one", prefix_len=5, first_token=True, finish_reason="length")
+    assert val(vm, "specedge_time_to_first_token_seconds_count", tenant="beta") == 1
+    assert val(vm, "specedge_e2e_request_latency_seconds_sum", tenant="beta") == pytest.approx(0.1)
+    assert val(vm, "specedge_request_success_total", tenant="beta", finished_reason="length") == 1
+    assert val(vm, "specedge_prompt_tokens_total", tenant="beta") == 4
+    vm.on_arrival("gone")
+    vm.on_evict("gone", "idle_timeout")
+    assert not vm._arrived
+
+
+def test_requests_running_and_waiting_gauges(vm):
+    vm.record_state(VerifierState({"alpha": 3, "beta": 1}, 0, 4096, 0, 0.0, 0.0, waiting=2))
+    assert val(vm, "specedge_num_requests_running") == 4 and val(vm, "specedge_num_requests_waiting") == 2
+
+
+def test_a_real_verifier_core_counts_a_request_from_open_to_finish():
+    import asyncio
+
+    from deploy.config import AppConfig
+    from deploy.protocol import ReplyFrame, VerifyFrame as Frame
+    from deploy.verifier.deployment import VerifierCore
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"}))
+
+    async def main():
+        _, opened = await core.open_session("dev", {"prompt_ids": [5, 6, 7, 8], "sampling": {"max_tokens": 3, "ignore_eos": True}})
+        prefix, finished = opened["prefix_len"], opened["finished"]
+        while not finished:
+            _, reply = await core.verify(opened["session_id"], "dev", Frame(prefix, [9], [-1]).encode())
+            reply = ReplyFrame.decode(reply)
+            prefix, finished = reply.prefix_len, reply.finished
+
+    asyncio.run(main())
+    m = core.metrics
+    assert val(m, "specedge_time_to_first_token_seconds_count", tenant="dev") == 1
+    assert val(m, "specedge_e2e_request_latency_seconds_count", tenant="dev") == 1
+    assert val(m, "specedge_generation_tokens_total", tenant="dev") == 3
+    assert val(m, "specedge_prompt_tokens_total", tenant="dev") == 4
+    core.metrics.refresh(core, force=True)
+    assert val(m, "specedge_num_requests_waiting") == 0

@@ -363,6 +363,7 @@ class VerifierCore:
         self._ensure_loop()
         req = OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant)  # shares within a tenant
         self._opens.append((req, tenant, fut))
+        self.metrics.on_arrival(sid)
         client = body.get("client") or {}
         # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
         # agent's default): the open's hint then weighs a tree against them, as later hints will
@@ -712,7 +713,8 @@ class VerifierCore:
 
     def _open_reply(self, item: tuple[str, OpenResult]) -> tuple[int, dict]:
         tenant, res = item
-        self.metrics.on_open(tenant, res.sid, res.prefix_len, res.cached_tokens)
+        self.metrics.on_open(tenant, res.sid, res.prefix_len, res.cached_tokens, first_token=res.first_token is not None,
+                             finish_reason=res.finish_reason if res.finished else None)
         self.tokens_emitted += res.first_token is not None
         now = time.monotonic()
         if not res.finished:
