@@ -300,3 +300,10 @@ def test_a_checkpoint_without_a_context_gets_its_familys(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="qwen3", num_hidden_layers=2)))
     with pytest.raises(ValidationError, match="max_position_embeddings 32768"):
         AppConfig(target={"model": str(tmp_path), "max_model_len": 40000})
+
+
+def test_the_gpu_quickstart_config_validates():
+    app = yaml.safe_load((REPO / "deploy" / "config-gpu.yaml").read_text())["applications"][0]
+    cfg = AppConfig(**app["args"])
+    assert cfg.target.device == "cuda" and cfg.verifier.num_gpus_per_stage == 1
+    assert cfg.verifier.kv_budget_tokens is None and cfg.verifier.gpu_memory_utilization == 0.9

@@ -205,7 +205,7 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 def probe_forward(model, rows: int, max_model_len: int, logit_rows: int) -> int:
     """Run one forward of ``rows`` prompt rows (sessions of at most ``max_model_len``, ``logit_rows``
     logits rows in all) through ``model`` (a :class:`deploy.verifier.model.DecoderModel`) on a scratch
-    pool of just that size; the rows it ran. What a replica's largest forward holds at once."""
+    pool of just that size; the scratch pool's bytes. What a replica's largest forward holds at once."""
     from deploy.verifier.batch import chunk_input, pack
 
     pool = model.new_pool(rows + 64 * ((rows + max_model_len - 1) // max_model_len))
@@ -224,7 +224,7 @@ def probe_forward(model, rows: int, max_model_len: int, logit_rows: int) -> int:
             model.logits(h[batch.logit_index.to(h.device)])
     finally:
         model.graphs = graphs
-    return rows
+    return pool.k.numel() * pool.k.element_size() + pool.v.numel() * pool.v.element_size()
 
 
 def measure(model, loaded_model: torch.nn.Module, utilization: float, max_batch_tokens: int,
@@ -245,9 +245,9 @@ def measure(model, loaded_model: torch.nn.Module, utilization: float, max_batch_
     other = max(0, total - free - torch.cuda.memory_reserved(dev))
     torch.cuda.reset_peak_memory_stats(dev)
     with torch.inference_mode():
-        probe_forward(model, max_batch_tokens, max_model_len, logit_rows)
+        scratch = probe_forward(model, max_batch_tokens, max_model_len, logit_rows)
     torch.cuda.synchronize(dev)
-    act = max(0, torch.cuda.max_memory_allocated(dev) - weights)
+    act = max(0, torch.cuda.max_memory_allocated(dev) - weights - scratch)
     torch.cuda.empty_cache()
     graphs = act * min(GRAPH_ROWS, max_batch_tokens) // max_batch_tokens if model.graphs is not None else 0
     return MemoryUse(f"cuda:{dev.index or 0}", total, utilization, weights, act, graphs, other)

@@ -72,7 +72,9 @@ def test_a_target_that_cannot_fit_is_refused_with_the_numbers():
 
 def test_probe_forward_runs_the_largest_batch():
     m = DecoderModel(tiny_random_model(seed=0, num_layers=2))
-    assert probe_forward(m, 300, 128, 40) == 300  # three sessions of 128, 128 and 44 rows
+    scratch = probe_forward(m, 300, 128, 40)  # three sessions of 128, 128 and 44 rows
+    pages = (300 + 64 * 3 + 15) // PAGE_SIZE  # the scratch pool: the rows and room for each session's pages
+    assert scratch == pages * PAGE_SIZE * 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, fp32
 
 
 def _core(**verifier) -> VerifierCore:
