@@ -32,26 +32,32 @@ import torch
 SHAPES = json.loads((Path(__file__).with_name("model_shapes.json")).read_text())
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mistral": "MistralForCausalLM"}
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "COMPLETE")
 
 
 def shape_names() -> list[str]:
     return [k for k in SHAPES if not k.startswith("_")]
 
 
-def tokenizer_files() -> list[Path]:
-    """The embedded SmolLM2 tokenizer's files (tokenizer.json, its config, the chat template)."""
-    from deploy.verifier.models import ensure_embedded_model
+def tokenizer_files(where: Path | None = None) -> list[Path]:
+    """The tokenizer files in ``where`` (default: the embedded SmolLM2's, converted if need be):
+    tokenizer.json, its config, the chat template; a GPU box without the embedded weights needs
+    only these."""
+    from deploy.verifier.models import EMBEDDED_NAME, cache_dir, ensure_embedded_model
 
-    return [p for p in sorted(ensure_embedded_model().iterdir()) if p.is_file() and p.name not in MODEL_FILES]
+    if where is None:
+        where = cache_dir() / "models" / EMBEDDED_NAME
+        where = where if (where / "tokenizer.json").exists() else ensure_embedded_model()
+    return [p for p in sorted(Path(where).iterdir())
+            if p.is_file() and p.name not in MODEL_FILES and p.suffix != ".safetensors"]
 
 
 @torch.no_grad()
 def write_checkpoint(config: dict, out: Path, device: str = "cpu", seed: int = 0, std: float = 0.02,
-                     shard_bytes: int = 4 << 30) -> Path:
+                     shard_bytes: int = 4 << 30, tokenizer: Path | None = None) -> Path:
     """A safetensors checkpoint of ``config`` (a config.json dict) with random weights drawn on
     ``device`` in the config's ``torch_dtype`` (N(0, std) matrices, unit norms, zero biases), in
-    shards of at most ``shard_bytes`` with their index, plus the embedded tokenizer's files. Reused
+    shards of at most ``shard_bytes`` with their index, plus the tokenizer's files (:func:`tokenizer_files`). Reused
     when ``out`` holds a complete one of the same config."""
     from safetensors.torch import save_file
 
@@ -98,7 +104,7 @@ def write_checkpoint(config: dict, out: Path, device: str = "cpu", seed: int = 0
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": config.get("bos_token_id"),
                                                             "eos_token_id": config.get("eos_token_id")}))
-    for f in tokenizer_files():
+    for f in tokenizer_files(tokenizer):
         shutil.copy(f, out / f.name)
     done.write_text("")
     return out
@@ -220,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shape", default="small", choices=shape_names())
     ap.add_argument("--out", type=Path, help="checkpoint directory (default .cache/full_size/SHAPE; reused)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--tokenizer", type=Path, help="directory with the tokenizer files (default: the embedded model's)")
     ap.add_argument("--sessions", default="1,8,32", help="concurrency levels")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -244,10 +251,11 @@ def main(argv: list[str] | None = None) -> dict:
     spec = SHAPES[a.shape]
     out = a.out or cache_dir() / "full_size" / a.shape
     t0 = time.perf_counter()
-    target_dir = write_checkpoint(spec["config"], out, device)
+    target_dir = write_checkpoint(spec["config"], out, device, tokenizer=a.tokenizer)
     draft_shape = spec["draft"] if a.draft == "paired" and spec["draft"] else a.shape
     draft_dir = target_dir if draft_shape == a.shape else write_checkpoint(
-        SHAPES[draft_shape]["config"], out.parent / f"{out.name}-draft-{draft_shape}", device, seed=1)
+        SHAPES[draft_shape]["config"], out.parent / f"{out.name}-draft-{draft_shape}", device, seed=1,
+        tokenizer=a.tokenizer)
     print(f"checkpoints {target_dir} and {draft_dir} ({time.perf_counter() - t0:.1f} s)")
 
     max_len = min(a.max_model_len, spec["config"]["max_position_embeddings"])

@@ -28,6 +28,12 @@ def test_the_checkpoint_has_the_shape_the_tokenizer_and_shards(tmp_path):
     w = loaded.model.model.layers[1].mlp.up_proj.weight
     assert w.shape == (128, 64) and 0.015 < w.float().std() < 0.025
     assert torch.equal(loaded.model.model.norm.weight, torch.ones(64, dtype=torch.bfloat16))
+    tok = tmp_path / "tok"  # a tokenizer directory alone (a GPU box without the embedded weights)
+    tok.mkdir()
+    for f in full_size.tokenizer_files():
+        (tok / f.name).write_bytes(f.read_bytes())
+    other = full_size.write_checkpoint(full_size.SHAPES["small-draft"]["config"], tmp_path / "d", tokenizer=tok)
+    assert sorted(p.name for p in full_size.tokenizer_files(other)) == sorted(p.name for p in tok.iterdir())
     stamp = (out / "COMPLETE").stat().st_mtime_ns
     assert full_size.write_checkpoint(cfg, out) == out and (out / "COMPLETE").stat().st_mtime_ns == stamp  # reused
 
