@@ -358,7 +358,7 @@ class AppConfig(_Strict):
                              "verifier.num_gpus_per_stage > 0; use device cpu, or no model (prompt lookup)")
         if vc.pipeline_parallel_size > 1 and vc.kv_budget_tokens is None:
             raise ValueError("verifier.pipeline_parallel_size > 1 needs verifier.kv_budget_tokens: pipeline "
-                             "stages size their KV pools by the cap, not yet from memory")
+                             "stages hold pools of one size, the cap's (each checks at start that it fits its device)")
         layers, context = _checkpoint_dims(t)
         if layers is not None and vc.pipeline_parallel_size > layers:
             raise ValueError(f"verifier.pipeline_parallel_size {vc.pipeline_parallel_size} is more stages than "

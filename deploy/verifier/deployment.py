@@ -42,6 +42,7 @@ from deploy.verifier.engine import ChainVerifyRequest, ForwardStats, OpenRequest
 from deploy.verifier.batch_fill import ArrivalModel, fill_wait
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, SessionUse, choose_victims
+from deploy.verifier.kv_sizing import Sizing
 from deploy.verifier.startup import start_target
 from deploy.verifier.versions import TargetVersions
 from deploy.verifier.models import tokenizer_fingerprint
@@ -914,7 +915,8 @@ class VerifierReplica(VerifierCore):
                                   gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads,
                                   kv_capacity_tokens=vc.kv_pool_tokens(), compile=vc.compile,
                                   early_exit=vc.early_exit,  # each stage builds the heads of its exit layers
-                                  prefix_caching=vc.prefix_caching)
+                                  prefix_caching=vc.prefix_caching,
+                                  sizing=Sizing.of(vc, cfg.target.max_model_len))  # each stage checks its pool fits
             loaded = runner.loaded
         super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)
         gc_policy.settle(cfg.gc_gen0_threshold)  # the weights, tokenizer and Ray's state: frozen

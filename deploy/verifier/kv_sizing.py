@@ -5,7 +5,8 @@ cgroup's limit). The pool gets what is left of that after the weights, the large
 activations (``verifier.max_batch_tokens`` rows), the CUDA graphs and what else the device
 already holds; ``verifier.kv_budget_tokens`` (with room for one batch) caps it when set. A target
 that cannot hold its weights and one ``max_model_len`` session plus one batch is refused at
-start (:class:`DoesNotFit`, naming the numbers).
+start (:class:`DoesNotFit`, naming the numbers). Pipeline stages hold pools of one size, the
+cap's, and each checks at start that its own device holds it (:func:`check_stage`).
 
 On CUDA the weights, the other holders and the activations are measured (allocator statistics
 around a forward of ``max_batch_tokens`` rows on a scratch pool); on a CPU the activations are
@@ -21,8 +22,10 @@ from pathlib import Path
 
 import torch
 
+from deploy.verifier.cuda.graphs import ROW_BUCKETS
+
 GIB = 1 << 30
-GRAPH_ROWS = 1024  # the largest CUDA graph row bucket (deploy/verifier/cuda/graphs.py ROW_BUCKETS)
+GRAPH_ROWS = ROW_BUCKETS[-1]  # the largest CUDA graph
 
 
 class DoesNotFit(ValueError):
@@ -253,6 +256,38 @@ def measure(model, loaded_model: torch.nn.Module, utilization: float, max_batch_
     return MemoryUse(f"cuda:{dev.index or 0}", total, utilization, weights, act, graphs, other)
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """What sizing a pool takes from the config (picklable: pipeline stages get it)."""
+
+    utilization: float
+    max_batch_tokens: int
+    logit_rows: int  # logits rows of the largest forward: every session's tree
+    max_model_len: int | None  # None: the checkpoint's context
+    batch_room_tokens: int
+    cap_tokens: int | None
+
+    @classmethod
+    def of(cls, vc, max_model_len: int | None) -> "Sizing":
+        """From a :class:`deploy.config.VerifierConfig` and the context the engine serves."""
+        return cls(vc.gpu_memory_utilization, vc.max_batch_tokens, vc.max_batch_sessions * (vc.max_tree_nodes + 1),
+                   max_model_len, vc.batch_room_tokens(), vc.kv_budget_tokens)
+
+    def plan(self, model, loaded_model: torch.nn.Module) -> KVPlan:
+        """The pool of ``model`` (a DecoderModel, or a stage's slice, built from ``loaded_model``)
+        from what :func:`measure` finds; :class:`DoesNotFit` as :func:`plan` raises it."""
+        logits = self.logit_rows if model.is_last else 0
+        max_len = self.max_model_len or getattr(model.config, "max_position_embeddings", 1 << 16)
+        memory = measure(model, loaded_model, self.utilization, self.max_batch_tokens, max_len, logits)
+        kv_bytes = 2 * model.num_local_layers * model.spec.num_kv_heads * model.spec.head_dim * model.dtype.itemsize
+        return plan(memory, kv_bytes, max_len, self.batch_room_tokens, self.cap_tokens)
+
+
+def max_len_of(loaded, max_model_len: int | None) -> int:
+    """The context the engine serves: ``target.max_model_len``, else the checkpoint's."""
+    return max_model_len or getattr(loaded.model.config, "max_position_embeddings", 1 << 16)
+
+
 def sized_runner(loaded, vc, max_model_len: int | None):
     """What a replica runs at start for its target: the forward (:class:`DecoderModel`), the memory
     it may use (:func:`measure`), the pool that fits (:func:`plan`), and the
@@ -263,21 +298,32 @@ def sized_runner(loaded, vc, max_model_len: int | None):
 
     model = DecoderModel(loaded.model, compile=vc.compile)
     model.share_weights(loaded.model)  # the weights once, before they are measured
-    max_len = max_model_len or getattr(loaded.model.config, "max_position_embeddings", 1 << 16)
-    logit_rows = vc.max_batch_sessions * (vc.max_tree_nodes + 1)
-    memory = measure(model, loaded.model, vc.gpu_memory_utilization, vc.max_batch_tokens, max_len, logit_rows)
-    kv_bytes = model.spec.num_kv_heads * model.spec.head_dim * 2 * model.num_local_layers * model.dtype.itemsize
     try:
-        p = plan(memory, kv_bytes, max_len, vc.batch_room_tokens(), vc.kv_budget_tokens)
+        p = Sizing.of(vc, max_len_of(loaded, max_model_len)).plan(model, loaded.model)
     except DoesNotFit as e:
         raise DoesNotFit(f"{loaded.name}: {e}") from None
     return ModelRunner(model, kv_capacity_tokens=p.capacity_tokens, compile=vc.compile,
                        prefix_caching=vc.prefix_caching), p
 
 
+def check_stage(model, loaded_model: torch.nn.Module, sizing: Sizing, capacity_tokens: int, name: str) -> KVPlan:
+    """A pipeline stage's check at start: its pool of ``capacity_tokens`` (every stage's is the same,
+    from ``kv_budget_tokens``) must fit the memory ``sizing`` gives it; :class:`DoesNotFit` otherwise."""
+    where = f"{name} layers [{model.first}, {model.last})"
+    try:
+        p = sizing.plan(model, loaded_model)
+    except DoesNotFit as e:
+        raise DoesNotFit(f"{where}: {e}") from None
+    if p.capacity_tokens < capacity_tokens:
+        raise DoesNotFit(f"{where}: verifier.kv_budget_tokens {sizing.cap_tokens:,} plus one batch needs "
+                         f"{capacity_tokens:,} KV tokens, the stage's memory holds {p.capacity_tokens:,} "
+                         f"({p.describe()}). Lower verifier.kv_budget_tokens, raise "
+                         f"verifier.gpu_memory_utilization or add stages")
+    return p
+
+
 def cap_plan(loaded, vc, max_model_len: int | None) -> KVPlan:
-    """The pool ``verifier.kv_budget_tokens`` alone gives (pipeline stages, whose memory this
-    process does not see)."""
-    max_len = max_model_len or getattr(loaded.model.config, "max_position_embeddings", 1 << 16)
+    """The pool ``verifier.kv_budget_tokens`` alone gives (pipeline stages: each checks at start that
+    it fits its own device, :func:`check_stage`)."""
     kv_bytes = Shape.of(loaded.model.config).kv_bytes_per_token(loaded.dtype.itemsize)
-    return plan(None, kv_bytes, max_len, vc.batch_room_tokens(), vc.kv_budget_tokens)
+    return plan(None, kv_bytes, max_len_of(loaded, max_model_len), vc.batch_room_tokens(), vc.kv_budget_tokens)

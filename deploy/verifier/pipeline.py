@@ -75,6 +75,8 @@ from deploy.verifier.models import (TINY_PREFIX, LoadedModel, load_target, load_
                                     resolve_dtype, safetensors_dir)
 from deploy.verifier.batch import SeqInput
 from deploy.verifier.exit_heads import ExitHeads, exit_rows
+from deploy.verifier.kv_sizing import Sizing, check_stage
+from deploy.verifier.model import DecoderModel
 from deploy.verifier.native import PAGE_SIZE
 from deploy.verifier.runner import Keep, ModelRunner
 
@@ -200,7 +202,8 @@ class PipelineStage:
 
     def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None,
                  kv_capacity_tokens: int = 1 << 16, compile: bool = False,
-                 early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False):
+                 early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False,
+                 sizing: Sizing | None = None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
         here = ()
@@ -213,7 +216,10 @@ class PipelineStage:
 
             self.heads = load_heads(early_exit, loaded.model, here)  # copies the head's subset rows
             prune(loaded.model, first, last)  # then the rest of the head goes (unless this is the last stage)
-        self.runner = ModelRunner(loaded.model, first, last, kv_capacity_tokens=kv_capacity_tokens, compile=compile,
+        model = DecoderModel(loaded.model, first, last, compile)
+        if sizing is not None:  # the same pool in every stage: refused here if this device cannot hold it
+            self.kv_plan = check_stage(model, loaded.model, sizing, kv_capacity_tokens, loaded.name)
+        self.runner = ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens, compile=compile,
                                   prefix_caching=prefix_caching)
         m = loaded.model
         self.info = LoadedModel(ModelShell(m.config, getattr(m, "generation_config", None)), loaded.tokenizer,
@@ -327,7 +333,8 @@ class PipelineRunner:
                  cpus_per_stage: float | None = None, gpus_per_stage: float | None = None,
                  torch_threads: int | None = None, use_placement_group: bool = True,
                  kv_capacity_tokens: int = 1 << 16, compile: bool = False,
-                 early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False):
+                 early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False,
+                 sizing: Sizing | None = None):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pp = pipeline_parallel_size
@@ -358,7 +365,7 @@ class PipelineRunner:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i + STAGE_BUNDLE_OFFSET)
             self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens, compile,
-                                                                early_exit, prefix_caching))
+                                                                early_exit, prefix_caching, sizing))
         self.loaded: LoadedModel = ray.get(self.stages[0].describe.remote())
         ray.get([s.stats.remote() for s in self.stages])  # every stage loaded
         self.exit_heads: StageExits | None = None  # the exits the stages hold (the engine's ``exit_heads``)
@@ -534,7 +541,7 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
                  gpus_per_stage: float | None = None, torch_threads: int | None = None,
                  weighting: Weighting = "flops", kv_capacity_tokens: int = 1 << 16,
                  compile: bool = False, early_exit: EarlyExitConfig | None = None,
-                 prefix_caching: bool = False) -> ModelRunner | PipelineRunner:
+                 prefix_caching: bool = False, sizing: Sizing | None = None) -> ModelRunner | PipelineRunner:
     """The runner of a verifier replica; ``runner.loaded`` is what its engine is built from.
 
     pp == 1: the whole target in this process and a plain ModelRunner (today's
@@ -556,4 +563,4 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
     return PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
                           gpus_per_stage=gpus_per_stage, torch_threads=torch_threads,
                           kv_capacity_tokens=kv_capacity_tokens, compile=compile, early_exit=early_exit,
-                          prefix_caching=prefix_caching)
+                          prefix_caching=prefix_caching, sizing=sizing)

@@ -119,3 +119,23 @@ def test_a_replica_holds_each_weight_once():
     assert torch.equal(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv)
     rope = model.model.rotary_emb.inv_freq
     assert core.kv_plan.memory.weights == Shape.of(model.config).weight_bytes(4) + rope.numel() * 4
+
+
+def test_a_pipeline_stage_checks_that_the_shared_pool_fits_its_device():
+    from deploy.config import ModelConfig, VerifierConfig
+    from deploy.verifier.kv_sizing import Sizing
+    from deploy.verifier.pipeline import PipelineStage
+
+    target = ModelConfig(model="tiny-random", dtype="float32", tiny_config={"num_layers": 2})
+    vc = VerifierConfig(kv_budget_tokens=4096, max_batch_tokens=64, max_batch_sessions=4)
+    stage = PipelineStage(target, 1, 2, kv_capacity_tokens=vc.kv_pool_tokens(), sizing=Sizing.of(vc, 1024))
+    assert stage.kv_plan.capped and stage.runner.pool.capacity_tokens >= vc.kv_pool_tokens()
+    assert stage.kv_plan.kv_bytes_per_token == 2 * 1 * 2 * 16 * 4  # this stage's one layer
+    # memory that holds a session but not the cap: refused, naming the stage and both numbers
+    kv = stage.kv_plan.kv_bytes_per_token
+    m = stage.kv_plan.memory
+    util = (m.weights + m.activations + 3000 * kv) / m.total
+    tight = VerifierConfig(kv_budget_tokens=4096, max_batch_tokens=64, max_batch_sessions=4, gpu_memory_utilization=util)
+    with pytest.raises(DoesNotFit, match=r"layers \[1, 2\): verifier.kv_budget_tokens 4,096 plus one batch needs "
+                                         r"4,288 KV tokens, the stage's memory holds (2,99\d|3,000) "):
+        PipelineStage(target, 1, 2, kv_capacity_tokens=tight.kv_pool_tokens(), sizing=Sizing.of(tight, 1024))
