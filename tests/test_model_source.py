@@ -3,14 +3,12 @@ checkpoint read only their layers; ``dtype: auto`` follows the checkpoint's ``to
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
+from benchmarks import full_size
 from deploy.config import ModelConfig
 from deploy.model_source import checkpoint_dtype, config_json, context_length, hub_dir
-from benchmarks import full_size
 from deploy.verifier.checkpoint import tiny_config
 from deploy.verifier.models import load_weights, resolve_dtype, safetensors_dir
 
