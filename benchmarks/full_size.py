@@ -245,7 +245,6 @@ def main(argv: list[str] | None = None) -> dict:
     from deploy.config import AppConfig
     from deploy.verifier.models import cache_dir, load_weights, resolve_device
     from deploy.verifier.startup import start_target
-    from edge_agent.drafter import ModelDrafter
 
     device = resolve_device(a.device)
     spec = SHAPES[a.shape]
@@ -267,39 +266,13 @@ def main(argv: list[str] | None = None) -> dict:
     started = start_target(cfg)  # what a replica runs for target.model: DIR
     _sync(device)
     load_s = time.perf_counter() - t0
-    plan = started.kv_plan
-    print(f"target {a.shape} ({started.loaded.dtype}, {device}) loaded in {load_s:.1f} s; {plan.describe()}")
-    draft_model = load_weights(str(draft_dir), device=device).model
+    print(f"target {a.shape} ({started.loaded.dtype}, {device}) loaded in {load_s:.1f} s; {started.kv_plan.describe()}")
+    draft_model = started.loaded.model if draft_dir == target_dir else load_weights(str(draft_dir), device=device).model
+    result = {"shape": a.shape, "draft": draft_shape, "device": device, "dtype": str(started.loaded.dtype),
+              "load_s": load_s, "kv": started.kv_plan.stats()}
     engine = BatchingEngine(started.engine, a.window_ms / 1e3)
-    levels = [int(x) for x in a.sessions.split(",")]
-    g = torch.Generator().manual_seed(0)
-    vocab = min(started.engine.vocab_size, SHAPES[draft_shape]["config"]["vocab_size"])
-    prompts = [torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(max(levels))]
-    ctx = a.prompt_len + a.max_tokens + 64
-    drafters = [ModelDrafter(draft_model, max_context=ctx) for _ in range(max(levels))]
-    result = {"shape": a.shape, "draft": draft_shape, "device": device, "dtype": str(started.loaded.dtype), "load_s": load_s,
-              "kv": plan.stats(), "levels": []}
     try:
-        for n in levels:
-            row = {"sessions": n}
-            for kind, budget in (("ar", 0), ("sd", a.budget)):
-                engine.batches.clear()
-                t0 = time.perf_counter()
-                runs = asyncio.run(run_sessions(engine, drafters[:n], prompts[:n], a.max_tokens, budget, a.depth,
-                                                started.loaded.name))
-                wall = time.perf_counter() - t0
-                row[kind] = {"tokens_per_s_per_session": sum(len(r.token_ids) / s for r, s in runs) / n,
-                             "tokens_per_s": sum(len(r.token_ids) for r, _ in runs) / wall,
-                             "mean_batch": sum(engine.batches) / max(1, len(engine.batches)),
-                             "accepted_per_round": sum(r.stats.accepted_tokens for r, _ in runs)
-                             / max(1, sum(r.stats.rounds for r, _ in runs))}
-                row[f"{kind}_tokens"] = [r.token_ids for r, _ in runs]
-            row["greedy_equal"] = row.pop("sd_tokens") == row.pop("ar_tokens")
-            result["levels"].append(row)
-            print(f"{n:3d} sessions: one-token decoding {row['ar']['tokens_per_s_per_session']:.1f} tok/s/session "
-                  f"(batch {row['ar']['mean_batch']:.1f}); edge trees of {a.budget} "
-                  f"{row['sd']['tokens_per_s_per_session']:.1f} tok/s/session (batch {row['sd']['mean_batch']:.1f}, "
-                  f"{row['sd']['accepted_per_round']:.2f} accepted a round); greedy equal: {row['greedy_equal']}")
+        result["levels"] = sweep(engine, draft_model, a, started.loaded.name)
     finally:
         engine.stop()
     if a.json:
@@ -307,6 +280,41 @@ def main(argv: list[str] | None = None) -> dict:
     if not all(r["greedy_equal"] for r in result["levels"]):
         raise SystemExit("greedy outputs differ from one-token decoding by the same engine")
     return result
+
+
+def sweep(engine: BatchingEngine, draft_model, a: argparse.Namespace, name: str) -> list[dict]:
+    """Per concurrency level of ``a.sessions``: one-token decoding (tree budget 0) and edge trees of
+    ``a.budget`` nodes, session i on the same random prompt i in both; their outputs must be equal."""
+    from edge_agent.drafter import ModelDrafter
+
+    levels = [int(x) for x in a.sessions.split(",")]
+    g = torch.Generator().manual_seed(0)
+    vocab = min(engine.vocab_size, draft_model.config.vocab_size)
+    prompts = [torch.randint(0, vocab, (a.prompt_len,), generator=g).tolist() for _ in range(max(levels))]
+    drafters = [ModelDrafter(draft_model, max_context=a.prompt_len + a.max_tokens + 64) for _ in range(max(levels))]
+    rows = []
+    for n in levels:
+        row: dict = {"sessions": n}
+        tokens = {}
+        for kind, budget in (("ar", 0), ("sd", a.budget)):
+            engine.batches.clear()
+            t0 = time.perf_counter()
+            runs = asyncio.run(run_sessions(engine, drafters[:n], prompts[:n], a.max_tokens, budget, a.depth, name))
+            wall = time.perf_counter() - t0
+            tokens[kind] = [r.token_ids for r, _ in runs]
+            row[kind] = {"tokens_per_s_per_session": sum(len(r.token_ids) / s for r, s in runs) / n,
+                         "tokens_per_s": sum(len(r.token_ids) for r, _ in runs) / wall,
+                         "mean_batch": sum(engine.batches) / max(1, len(engine.batches)),
+                         "accepted_per_round": sum(r.stats.accepted_tokens for r, _ in runs)
+                         / max(1, sum(r.stats.rounds for r, _ in runs))}
+        row["greedy_equal"] = tokens["sd"] == tokens["ar"]
+        rows.append(row)
+        ar, sd = row["ar"], row["sd"]
+        print(f"{n:3d} sessions: one-token decoding {ar['tokens_per_s_per_session']:.1f} tok/s/session "
+              f"(batch {ar['mean_batch']:.1f}); edge trees of {a.budget} {sd['tokens_per_s_per_session']:.1f} "
+              f"tok/s/session (batch {sd['mean_batch']:.1f}, {sd['accepted_per_round']:.2f} accepted a round); "
+              f"greedy equal: {row['greedy_equal']}")
+    return rows
 
 
 def _sync(device: str) -> None:

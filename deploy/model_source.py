@@ -37,6 +37,6 @@ def context_length(config: dict) -> int | None:
 
 
 def checkpoint_dtype(config: dict) -> str | None:
-    """``torch_dtype`` (transformers 4) or ``dtype`` (5) of a config.json: 'bfloat16', 'float16', ...; None if absent."""
+    """``torch_dtype`` (transformers 4) or ``dtype`` (5) of a config.json ('bfloat16', ...); None if absent."""
     d = config.get("torch_dtype") or config.get("dtype")
     return str(d).removeprefix("torch.") if d else None

@@ -63,4 +63,5 @@ def test_stages_of_a_hub_cached_target_read_only_their_layers(hub_cache):
     names = {n for n, _ in stage.model.named_parameters()}
     assert names and all(n.startswith("model.layers.1.") for n in names), sorted(names)
     whole = load_weights(str(hub_cache), dtype="float32")
-    assert torch.equal(stage.model.model.layers[1].mlp.down_proj.weight, whole.model.model.layers[1].mlp.down_proj.weight)
+    down = stage.model.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(down, whole.model.model.layers[1].mlp.down_proj.weight)

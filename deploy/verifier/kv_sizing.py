@@ -141,7 +141,8 @@ class KVPlan:
     def describe(self) -> str:
         m = self.memory
         head = (f"KV pool {self.capacity_tokens:,} tokens ({self.budget_tokens:,} for sessions: "
-                f"{self.sessions:,} of max_model_len {self.max_model_len:,}; {_gib(self.capacity_tokens * self.kv_bytes_per_token)})")
+                f"{self.sessions:,} of max_model_len {self.max_model_len:,}; "
+                f"{_gib(self.capacity_tokens * self.kv_bytes_per_token)})")
         if m is None:
             return head + " from verifier.kv_budget_tokens"
         return (head + f"{' capped by verifier.kv_budget_tokens' if self.capped else ''}; {m.device}: "

@@ -135,7 +135,8 @@ def test_a_pipeline_stage_checks_that_the_shared_pool_fits_its_device():
     kv = stage.kv_plan.kv_bytes_per_token
     m = stage.kv_plan.memory
     util = (m.weights + m.activations + 3000 * kv) / m.total
-    tight = VerifierConfig(kv_budget_tokens=4096, max_batch_tokens=64, max_batch_sessions=4, gpu_memory_utilization=util)
+    tight = VerifierConfig(kv_budget_tokens=4096, max_batch_tokens=64, max_batch_sessions=4,
+                           gpu_memory_utilization=util)
     with pytest.raises(DoesNotFit, match=r"layers \[1, 2\): verifier.kv_budget_tokens 4,096 plus one batch needs "
                                          r"4,288 KV tokens, the stage's memory holds (2,99\d|3,000) "):
         PipelineStage(target, 1, 2, kv_capacity_tokens=tight.kv_pool_tokens(), sizing=Sizing.of(tight, 1024))
