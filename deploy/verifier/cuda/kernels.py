@@ -28,21 +28,29 @@ import triton.language as tl
 from deploy.verifier.cuda.plan import BLOCK_M, CHUNK, DevicePlan, group_width
 from deploy.verifier.native import PAGE_SIZE
 
-BLOCK_N = 32  # keys per step of a tile's walk
+BLOCK_N = PAGE_SIZE  # keys per step of a tile's walk: one page, so a block is contiguous in the pool
+assert CHUNK % BLOCK_N == 0
 NUM_WARPS = 4  # fixed: the layout of a block (hence the order of its sums) must not vary
+ATTN_WARPS = 8  # the attention tile's: at 4 its registers spill (bf16, head dim 128, sm_90; tests/verifier/test_cuda_compile.py)
 NUM_STAGES = 2
 LOG2E = 1.4426950408889634  # the softmax runs in base 2: exp(x) = exp2(x log2 e)
 
 
 @triton.jit
-def _tree_lanes(lane, row_len, bits):
-    """Session positions of logical key indices ``lane`` [BLOCK_N] of one row: the contiguous
-    part as is, then the k-th set bit j of ``bits`` at ``row_len + j``."""
+def _tree_nodes(i, bits):
+    """The tree node of each tree lane ``i`` [BLOCK_N] of one row (i-th key past its contiguous
+    part): the i-th set bit of ``bits``; 0 where ``i`` is out of range (a masked lane)."""
     j = tl.arange(0, 64)
-    setb = (bits >> j) & 1  # [64]
-    rank = tl.sum(tl.where(j[None, :] < j[:, None], setb[None, :], 0), 1)  # [64] set bits below j
-    hit = (setb[None, :] == 1) & (rank[None, :] == (lane - row_len)[:, None])  # [BLOCK_N, 64]
-    return tl.where(lane < row_len, lane, row_len + tl.sum(tl.where(hit, j[None, :], 0), 1))
+    setb = ((bits >> j) & 1).to(tl.int32)  # [64]
+    rank = tl.cumsum(setb, 0) - setb  # [64] set bits below j
+    hit = (setb[None, :] == 1) & (rank[None, :] == i[:, None])  # [BLOCK_N, 64]
+    return tl.sum(tl.where(hit, j[None, :], 0), 1)
+
+
+@triton.jit
+def _slot_value(x, one):
+    """The entry of ``x`` [BLOCK_M] where ``one`` holds (exactly one lane): a register reduction."""
+    return tl.sum(tl.where(one, x, 0), 0)
 
 
 @triton.jit
@@ -58,6 +66,14 @@ def _softmax_step(s, b0, n, m_i, l_i, qk_scale, BLOCK_N: tl.constexpr):
     alpha = tl.where(active, tl.exp2(m_i - m_sub), 1.0)
     p = tl.where(valid, tl.exp2(s - m_sub[:, None]), 0.0)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _block_step(q, kt, v, b0, n, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    """One key block for a tile: q [BLOCK_M, BLOCK_D], keys kt [BLOCK_D, BLOCK_N] and values v
+    [BLOCK_N, BLOCK_D] at logical positions b0..; rows with n <= b0 keep their state exactly."""
+    p, alpha, m_i, l_i = _softmax_step(tl.dot(q, kt, input_precision=PREC), b0, n, m_i, l_i, qk_scale, BLOCK_N)
+    return m_i, l_i, tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
 
 
 @triton.jit
@@ -95,42 +111,43 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, len_ptr, bits_p
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         lanes = tl.arange(0, BLOCK_N)
         for b0 in range(c0, u_end, BLOCK_N):  # shared key blocks: K/V read once for the whole tile
-            lane = b0 + lanes
-            lm = lane < n_max
-            page = tl.load(bt_ptr + seq * bt_stride + lane // PS, mask=lm, other=0).to(tl.int64)
-            head = page * HKV + kvh
-            kt = tl.load(k_ptr + head[None, :] * (D * PS) + d[:, None] * PS + (lane % PS)[None, :],
-                         mask=dm[:, None] & lm[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]; K pages [Hkv, D, PS]
-            v = tl.load(v_ptr + (head * PS + lane % PS)[:, None] * D + d[None, :], mask=lm[:, None] & dm[None, :],
-                        other=0.0)  # [BLOCK_N, BLOCK_D]; V pages [Hkv, PS, D]
-            p, alpha, m_i, l_i = _softmax_step(tl.dot(q, kt, input_precision=PREC), b0, n, m_i, l_i, qk_scale,
-                                               BLOCK_N)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        for b0 in range(u_end, c_end, BLOCK_N):  # the tree's blocks: each row its own keys (its ancestors)
-            lane = b0 + lanes
-            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for r in range(0, RPT):
-                rr = tl.load(tiles_ptr + t * RPT + r)
-                if rr >= 0:
-                    nr = tl.load(n_ptr + rr)
-                    pos = _tree_lanes(lane, tl.load(len_ptr + rr).to(tl.int32), tl.load(bits_ptr + rr).to(tl.int64))
-                    lm = lane < nr
-                    page = tl.load(bt_ptr + seq * bt_stride + pos // PS, mask=lm, other=0).to(tl.int64)
-                    kt = tl.load(k_ptr + (page * HKV + kvh)[None, :] * (D * PS) + d[:, None] * PS + (pos % PS)[None, :],
-                                 mask=dm[:, None] & lm[None, :], other=0.0)
-                    s = tl.where((slot == r)[:, None], tl.dot(q, kt, input_precision=PREC), s)
-            p, alpha, m_i, l_i = _softmax_step(s, b0, n, m_i, l_i, qk_scale, BLOCK_N)
-            acc = acc * alpha[:, None]
-            for r in range(0, RPT):  # row r's rows of acc are replaced once: until then they hold acc * alpha
-                rr = tl.load(tiles_ptr + t * RPT + r)
-                if rr >= 0:
-                    nr = tl.load(n_ptr + rr)
-                    pos = _tree_lanes(lane, tl.load(len_ptr + rr).to(tl.int32), tl.load(bits_ptr + rr).to(tl.int64))
-                    lm = lane < nr
-                    page = tl.load(bt_ptr + seq * bt_stride + pos // PS, mask=lm, other=0).to(tl.int64)
-                    v = tl.load(v_ptr + ((page * HKV + kvh) * PS + pos % PS)[:, None] * D + d[None, :],
-                                mask=lm[:, None] & dm[None, :], other=0.0)
-                    acc = tl.where((slot == r)[:, None], tl.dot(p.to(v.dtype), v, acc, input_precision=PREC), acc)
+            # a block is one page: contiguous [D, PS] keys and [PS, D] values; keys past n_max (still in the
+            # session's page) are read but masked out of the softmax, values there are read as zeros
+            head = tl.load(bt_ptr + seq * bt_stride + b0 // PS).to(tl.int64) * HKV + kvh
+            kt = tl.load(k_ptr + head * (D * PS) + d[:, None] * PS + lanes[None, :], mask=dm[:, None],
+                         other=0.0)  # [BLOCK_D, BLOCK_N]; K pages [Hkv, D, PS]
+            v = tl.load(v_ptr + head * (PS * D) + lanes[:, None] * D + d[None, :],
+                        mask=((b0 + lanes) < n_max)[:, None] & dm[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            m_i, l_i, acc = _block_step(q, kt, v, b0, n, m_i, l_i, acc, qk_scale, BLOCK_N, PREC)
+        # blocks reaching into the trees: row by row, each its own keys (its ancestors) through the same
+        # tile shape, the other rows' state left exactly as it is (their n masked to 0)
+        jn = tl.arange(0, 64)
+        node_page = tl.load(bt_ptr + seq * bt_stride + (tree_start + jn) // PS,
+                            mask=((tree_start + jn) // PS < bt_stride) & (u_end < c_end), other=0).to(tl.int64)
+        for r in range(0, RPT):
+            one = (slot == r) & (g == 0)
+            nr = _slot_value(n, one)
+            rl = _slot_value(rlen, one)
+            rbits = _slot_value(bits, one)
+            n_r = tl.where(slot == r, n, 0)
+            for b0 in range(u_end, tl.minimum(c_end, nr), BLOCK_N):
+                lane = b0 + lanes
+                tree = (lane >= rl) & (lane < nr)
+                node = _tree_nodes(lane - rl, rbits)  # node j sits at tree_start + j (batch.tree_input)
+                nhead = tl.gather(node_page, node, 0) * HKV + kvh
+                noff = (tree_start + node) % PS
+                head = tl.load(bt_ptr + seq * bt_stride + b0 // PS).to(tl.int64) * HKV + kvh
+                kt = tl.where(tree[None, :],
+                              tl.load(k_ptr + nhead[None, :] * (D * PS) + d[:, None] * PS + noff[None, :],
+                                      mask=dm[:, None] & tree[None, :], other=0.0),
+                              tl.load(k_ptr + head * (D * PS) + d[:, None] * PS + lanes[None, :], mask=dm[:, None],
+                                      other=0.0))
+                v = tl.where(tree[:, None],
+                             tl.load(v_ptr + (nhead * PS + noff)[:, None] * D + d[None, :],
+                                     mask=tree[:, None] & dm[None, :], other=0.0),
+                             tl.load(v_ptr + head * (PS * D) + lanes[:, None] * D + d[None, :],
+                                     mask=(lane < rl)[:, None] & dm[None, :], other=0.0))
+                m_i, l_i, acc = _block_step(q, kt, v, b0, n_r, m_i, l_i, acc, qk_scale, BLOCK_N, PREC)
         # a row within one chunk is final here; a longer row leaves this chunk's partial for the merge
         whole = tl.cdiv(n, CHUNK) == 1
         od = (row * HQ + h)[:, None] * D + d[None, :]
@@ -228,6 +245,15 @@ def _swiglu_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * I + i, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=m)
 
 
+def attention_meta(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """The attention kernel's compile-time arguments for a model's head layout and dtype (the same
+    for every batch): its constexprs, ``num_warps`` and ``num_stages``."""
+    gp = group_width(heads, kv_heads)
+    return dict(HQ=heads, HKV=kv_heads, D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PS=PAGE_SIZE,
+                GP=gp, RPT=BLOCK_M // gp, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=CHUNK,
+                PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=ATTN_WARPS, num_stages=NUM_STAGES)
+
+
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DevicePlan,
                    scale: float) -> torch.Tensor:
     """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] (q's
@@ -239,23 +265,20 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     T, rpt = plan.tiles.shape
     if N == 0 or T == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(D))  # tl.dot wants every dimension >= 16
+    meta = attention_meta(q.dtype, Hq, Hkv, D)
+    assert rpt == meta["RPT"], "the plan's tiles were built for another head layout"
     nch = plan.chunks
     parts = N * Hq * nch if nch > 1 else 1
-    pacc = torch.empty(parts * block_d, dtype=torch.float32, device=q.device)
+    pacc = torch.empty(parts * meta["BLOCK_D"], dtype=torch.float32, device=q.device)
     pm = torch.empty(parts, dtype=torch.float32, device=q.device)
     pl = torch.empty(parts, dtype=torch.float32, device=q.device)
-    gp = group_width(Hq, Hkv)
-    assert rpt == BLOCK_M // gp, "the plan's tiles were built for another head layout"
     bt = plan.block_table
-    _tree_attention_kernel[(T, Hkv, nch)](
-        q, k_pages, v_pages, bt, plan.row_seq, plan.row_len, plan.row_bits, plan.lengths, plan.tiles, out,
-        pacc, pm, pl, bt.shape[1], nch, scale * LOG2E, HQ=Hq, HKV=Hkv, D=D, BLOCK_D=block_d, PS=PAGE_SIZE, GP=gp,
-        RPT=rpt, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=CHUNK, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _tree_attention_kernel[(T, Hkv, nch)](q, k_pages, v_pages, bt, plan.row_seq, plan.row_len, plan.row_bits,
+                                          plan.lengths, plan.tiles, out, pacc, pm, pl, bt.shape[1], nch, scale * LOG2E,
+                                          **meta)
     if nch > 1:
-        _merge_chunks_kernel[(N, Hq)](pacc, pm, pl, plan.lengths, out, nch, HQ=Hq, D=D, BLOCK_D=block_d, CHUNK=CHUNK,
-                                      num_warps=1)
+        _merge_chunks_kernel[(N, Hq)](pacc, pm, pl, plan.lengths, out, nch, HQ=Hq, D=D, BLOCK_D=meta["BLOCK_D"],
+                                      CHUNK=CHUNK, num_warps=1)
     return out
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK_M = 64  # query heads (rows x GQA group, padded to a power of two) per tile
-CHUNK = 512  # keys per split: boundaries at fixed logical positions (a multiple of the page size)
+CHUNK = 256  # keys per split: boundaries at fixed logical positions (a multiple of the page size)
 
 
 def group_width(heads: int, kv_heads: int) -> int:
