@@ -55,6 +55,10 @@ def test_one_deployment_batches_concurrent_sessions_exactly(ray_session, referen
         assert tags == {stats["replica"]}  # session ids carry the one replica's tag
         r = httpx.get(f"{url}/v1/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
         assert r.status_code == 200 and r.json()["replica"] == stats["replica"] and "router_admission" in r.json()
+        # the pool's capacity as the replica sized it, in tokens and in sessions of max_model_len (issue 53)
+        kv = {k: r.json()[k] for k in ("kv_pool_tokens", "kv_budget_tokens", "kv_capacity_sessions", "memory")}
+        assert kv["kv_pool_tokens"] == stats["kv_pool_tokens"] > kv["kv_budget_tokens"] >= kv["kv_capacity_sessions"] >= 1
+        assert kv["memory"]["device"] == "cpu" and kv["memory"]["for_kv"] > 0
     finally:
         delete_app(APP)
 
