@@ -74,8 +74,8 @@ def _attend(kernels, device, q, k, v, plan: AttentionPlan) -> torch.Tensor:
     return kernels.tree_attention(q.to(device), k.to(device), v.to(device), dp, D ** -0.5).cpu()
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("group, dtype, tol", [(g, torch.bfloat16, 2e-2) for g in (1, 2, 3, 4, 5, 8)]
+                         + [(g, torch.float32, 2e-5) for g in (3, 8)])
 def test_kernel_equals_a_float64_reference(group, dtype, tol):
     kernels, device = kernels_and_device()
     rng = random.Random(group * 7 + (dtype == torch.float32))
@@ -100,7 +100,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_its_trees_layout(seed):
     Hq = group * KV_HEADS
     k, v = _pool(torch.bfloat16, seed)
     prefix = rng.choice([rng.randint(1, 40), rng.randint(CHUNK - 20, CHUNK + 20), rng.randint(1000, 1060)])
-    parents = _random_parents(rng, rng.randint(rows_per_tile(Hq, KV_HEADS), 64))  # past one tile
+    parents = _random_parents(rng, min(64, rng.randint(rows_per_tile(Hq, KV_HEADS), rows_per_tile(Hq, KV_HEADS) + 8)))
     tree = [(prefix, 0)] + [(prefix, signed64(b)) for b in ancestor_bits(parents)]
     n = len(parents)
     tree_pages = list(range(0, -(-(prefix + n) // PAGE_SIZE)))
@@ -119,7 +119,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_its_trees_layout(seed):
     back[order] = batched
     assert torch.equal(back[: len(tree)], alone)
 
-    for j in rng.sample(range(1, len(tree)), 3):  # node j - 1 decoded over its sequence, contiguous
+    for j in rng.sample(range(1, len(tree)), 2):  # node j - 1 decoded over its sequence, contiguous
         row_len, bits = tree[j]
         seq = list(range(prefix)) + [prefix + i for i in range(n) if (bits >> i) & 1]
         k2, v2 = k.clone(), v.clone()
