@@ -61,7 +61,7 @@ from typing import Callable
 import torch
 
 from deploy.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
-from deploy.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
+from deploy.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, TokenLogprob, VerifyFrame
 from deploy.verifier.acceptance import Rejection, ResidualSampler
 from deploy.verifier.sampling import SamplingParams
 from edge_agent.depth import DepthPolicy, Telemetry
@@ -94,7 +94,7 @@ class AgentConfig:
     # (the chain's first token guesses the bonus, the rest become the next tree's first levels)
     proactive_max: int | None = None
     max_reopens: int = 16  # consecutive re-opens without a verified round before giving up
-    max_overload_waits: int = 32
+    max_overload_waits: int = 32  # 429s waited out (Retry-After) per request; the next one is raised
     ping_every: int = 16  # rounds between RTT pings (0 = only at open)
     check_tokenizer: bool = True
     send_confidence: bool = True  # one byte per node (cumulative draft log-prob): the server's truncation uses it
@@ -359,16 +359,18 @@ class EdgeAgent:
                                             # our first round then asks for run-ahead if the hint is 0
                                             run_ahead=self.config.run_ahead and stats.verify_rule == "match"),
                           close_on_finish=True)  # no close round trip before the next open
-        for _ in range(self.config.max_overload_waits):
+        for attempt in range(self.config.max_overload_waits + 1):
             try:
                 sess = await self.transport.open(req)
                 if sess.close_on_finish:
                     self._closes_itself[sess.session_id] = sess.finished
                 return sess
             except Overloaded as e:
+                if attempt == self.config.max_overload_waits:
+                    raise
                 stats.overload_waits += 1
                 await asyncio.sleep(e.retry_after)
-        raise EdgeError("the server stayed overloaded; giving up")
+        raise AssertionError("unreachable")
 
     async def _ping(self, stats: GenerationStats) -> None:
         try:
@@ -381,10 +383,13 @@ class EdgeAgent:
     # -- generation ----------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | dict | None = None, *,
                        chat: bool = False, on_tokens: Callable[[list[int]], None] | None = None,
-                       on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                       on_text: Callable[[str], None] | None = None,
+                       on_logprobs: Callable[[list], None] | None = None) -> GenerationResult:
         """Generate from ``prompt`` (text needs a tokenizer); returns ids, text and stats.
 
-        ``on_tokens`` gets each verified batch of token ids, ``on_text`` the new text.
+        ``on_tokens`` gets each verified batch of token ids, ``on_text`` the new text; when the
+        sampling asks for ``logprobs``, ``on_logprobs`` gets the batch's target log-probs
+        (:class:`~deploy.protocol.TokenLogprob`, one per token) just before ``on_tokens``.
         """
         cfg = self.config
         info = await self.model_info()
@@ -399,9 +404,11 @@ class EdgeAgent:
         stats = GenerationStats()
         generated: list[int] = []
 
-        def emit(toks: list[int]) -> None:
+        def emit(toks: list[int], logprobs: list | None = None) -> None:
             if not toks:
                 return
+            if on_logprobs is not None and logprobs is not None:
+                on_logprobs(logprobs)
             generated.extend(toks)
             if on_tokens is not None:
                 on_tokens(toks)
@@ -416,11 +423,13 @@ class EdgeAgent:
         rule = self.verify_policy.choose(params) if cfg.verify == "auto" else cfg.verify
         if rule == "tree-rejection" and params.greedy:
             rule = "match"  # a point-mass target accepts the argmax's child whatever the rule: SpecExec trees
+        if rule == "rejection" and params.logprobs is not None:
+            rule = "match"  # a chain's rejected token is the edge's sample: the server has log-probs for trees only
         stats.verify_rule = rule
         sess = await self._open(prompt_ids, [], params, stats)
         stats.ttft_s = time.perf_counter() - t_start
         if sess.first_token is not None:
-            emit([sess.first_token])
+            emit([sess.first_token], [TokenLogprob.from_dict(sess.first_logprob)] if sess.first_logprob else None)
         finished, finish_reason = sess.finished, sess.finish_reason
         if rule == "rejection":
             if not finished:
@@ -499,7 +508,7 @@ class EdgeAgent:
                     predrafted = hit.builder.forwards
                 else:  # a miss: proactive alignment or a fresh tree, as without early results
                     al = ds.on_reply(list(reply.accepted), reply.bonus, emitted)
-                emit(emitted)
+                emit(emitted, reply.token_logprobs(list(tree.tokens)))
                 stats.rounds += 1
                 verified = len(tree) if reply.verified is None else reply.verified  # the server may cut a prefix
                 if len(tree):
@@ -789,7 +798,7 @@ class EdgeAgent:
             stats.draft_ms.append(s * 1e3)
 
     async def _verify(self, sid: str, frame: VerifyFrame, stats: GenerationStats, on_early=None):
-        for _ in range(self.config.max_overload_waits):
+        for attempt in range(self.config.max_overload_waits + 1):
             try:
                 if on_early is not None:  # early results (F_EARLY) go to the pre-draft cache
                     reply = await self.transport.verify(sid, frame, on_early=on_early)
@@ -799,9 +808,11 @@ class EdgeAgent:
                     self._closes_itself[sid] = True
                 return reply
             except Overloaded as e:  # not applied: resend the same frame later
+                if attempt == self.config.max_overload_waits:
+                    raise
                 stats.overload_waits += 1
                 await asyncio.sleep(e.retry_after)
-        raise EdgeError("the server stayed overloaded; giving up")
+        raise AssertionError("unreachable")
 
     async def _safe_close(self, sid: str) -> None:
         """End a session: the server closed it with its finishing reply (``close_on_finish``), so

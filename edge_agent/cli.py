@@ -2,7 +2,10 @@
 
     edge-agent generate --server http://host:port --api-key KEY --prompt "..." [--chat]
     edge-agent generate --local --target embedded --draft ngram --prompt "..."
+    edge-agent serve --server http://host:port --api-key KEY --draft embedded-draft [--port 8100]
     edge-agent info --server http://host:port
+
+``serve`` is a local OpenAI server (edge_agent/server.py) that drafts every request here.
 
 Text streams to stdout as the server verifies it; a one-line summary (tokens, tokens/s,
 accepted tokens per round, alignment rate, RTT) ends the run on stderr, or everything
@@ -54,6 +57,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--model", help="target version to verify against (a name of the server's target.adapters); "
                                    "default: the base")
+    agent_opts(g)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, ids, stats) and nothing else")
+    g.add_argument("--metrics-port", type=int, help="expose Prometheus metrics on 127.0.0.1:PORT (edge_agent.metrics)")
+    g.add_argument("--metrics-linger", type=float, default=0.0,
+                   help="seconds to keep serving metrics after the generation (for a scrape)")
+
+    s = sub.add_parser("serve", help="a local OpenAI server (/v1/chat/completions, /v1/completions, /v1/models) "
+                                     "drafting here, verified by the server")
+    server_opts(s)
+    agent_opts(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8100, help="port (0: any free one, printed at start)")
+    s.add_argument("--max-concurrency", type=int, default=8,
+                   help="generations at once (each holds a draft KV cache; more requests wait their turn)")
+    return p
+
+
+def agent_opts(g) -> None:
+    """The draft and how the agent drafts and verifies (``generate`` and ``serve``)."""
     g.add_argument("--predraft", action="store_true",
                    help="early-exit pre-drafting: when the server has exit heads (GET /v1/model lists early_exit_layers), "
                         "draft the next tree from its early results mid-round (WebSocket, or streamed HTTP POST with --no-ws)")
@@ -89,18 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=int, default=32, help="draft-tree nodes")
     g.add_argument("--topk", type=int, default=4, help="children per expanded node (1 = chain)")
     g.add_argument("--max-expand", type=int, default=8, help="nodes expanded per draft forward")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, ids, stats) and nothing else")
-    g.add_argument("--metrics-port", type=int, help="expose Prometheus metrics on 127.0.0.1:PORT (edge_agent.metrics)")
-    g.add_argument("--metrics-linger", type=float, default=0.0,
-                   help="seconds to keep serving metrics after the generation (for a scrape)")
-    return p
 
 
 def _ids(s: str) -> list[int]:
@@ -189,9 +206,37 @@ async def _info(a) -> int:
     return 0
 
 
-async def _generate(a) -> int:
+def _draft_and_tokenizer(a, info, local_tok=None):
+    """The ``--draft`` (loaded once) and the tokenizer the edge uses: ``--tokenizer``, the draft's, the
+    local target's, else the embedded one; it must be the target's (fingerprints)."""
     from deploy.verifier.models import tokenizer_fingerprint
 
+    drafter, tok = load_drafter(a.draft, device=a.device, dtype=a.dtype, seed=a.draft_seed,
+                                vocab_size=info.vocab_size)
+    if a.tokenizer:
+        tok = load_tokenizer(a.tokenizer)
+    elif tok is None:
+        tok = local_tok
+    if tok is None and info.tokenizer_fingerprint != "none":
+        tok = load_tokenizer("embedded")
+    if tok is not None and info.tokenizer_fingerprint != "none" and tokenizer_fingerprint(tok) != \
+            info.tokenizer_fingerprint:
+        from edge_agent.errors import TokenizerMismatch
+
+        raise TokenizerMismatch(
+            f"the edge tokenizer (fingerprint {tokenizer_fingerprint(tok)}) is not the target's "
+            f"({info.tokenizer_fingerprint}, model {info.model}); pass --tokenizer or a draft sharing it")
+    return drafter, tok
+
+
+def _agent_config(a, **kw) -> AgentConfig:
+    return AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
+                       budget=a.budget, topk=a.topk, max_expand=a.max_expand, verify=a.verify,
+                       predraft=a.predraft, guesses=a.guesses, run_ahead=a.run_ahead,
+                       verify_state=_verify_state(a), **kw)
+
+
+async def _generate(a) -> int:
     local_tok = None
     if a.local:
         transport, local_tok = _local_transport(a)
@@ -199,28 +244,11 @@ async def _generate(a) -> int:
         transport = _transport(a)
     async with transport:
         info = await transport.model_info()
-        drafter, tok = load_drafter(a.draft, device=a.device, dtype=a.dtype, seed=a.draft_seed,
-                                    vocab_size=info.vocab_size)
-        if a.tokenizer:
-            tok = load_tokenizer(a.tokenizer)
-        elif tok is None:
-            tok = local_tok
-        if tok is None and info.tokenizer_fingerprint != "none":
-            tok = load_tokenizer("embedded")
-        if tok is not None and info.tokenizer_fingerprint != "none" and tokenizer_fingerprint(tok) != \
-                info.tokenizer_fingerprint:
-            from edge_agent.errors import TokenizerMismatch
-
-            raise TokenizerMismatch(
-                f"the edge tokenizer (fingerprint {tokenizer_fingerprint(tok)}) is not the target's "
-                f"({info.tokenizer_fingerprint}, model {info.model}); pass --tokenizer or a draft sharing it")
+        drafter, tok = _draft_and_tokenizer(a, info, local_tok)
         if a.prompt is not None and tok is None:
             raise SystemExit("error: the target has no tokenizer; use --prompt-ids")
         prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
-        cfg = AgentConfig(mode=a.mode, depth_policy=a.depth_policy, depth=a.depth, max_depth=a.max_depth,
-                          budget=a.budget, topk=a.topk, max_expand=a.max_expand, verify=a.verify, model=a.model,
-                          predraft=a.predraft, guesses=a.guesses, run_ahead=a.run_ahead,
-                          verify_state=_verify_state(a))
+        cfg = _agent_config(a, model=a.model)
         agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
         metrics = None
         if a.metrics_port is not None:
@@ -257,6 +285,32 @@ async def _generate(a) -> int:
     return 0
 
 
+async def _serve(a) -> int:
+    """``edge-agent serve``: load the draft once, serve OpenAI's API on ``--host:--port`` until SIGTERM/Ctrl-C."""
+    from edge_agent.metrics import EdgeMetrics
+    from edge_agent.server import AgentPool, EdgeServer, serve
+    from edge_agent.transport import HttpTransport, RetryPolicy
+
+    if not a.server:
+        raise SystemExit("error: give --server URL (the cloud's router)")
+    # a local client gets the cloud's 429 and connection failures at once, never a wait of ours
+    transport = HttpTransport(a.server, api_key=a.api_key, ws=a.ws, timeout_s=a.timeout,
+                              retry=RetryPolicy(attempts=2, max_retry_after_s=0.0))
+    info = await transport.model_info()
+    drafter, tok = _draft_and_tokenizer(a, info)
+    pool = AgentPool(transport, drafter, tok, _agent_config(a, max_overload_waits=0), a.max_concurrency)
+    server = EdgeServer(pool, info, EdgeMetrics(), a.server)
+
+    def announce(host: str, port: int) -> None:
+        print(f"[edge-agent] serving {info.model} (OpenAI API) on http://{host}:{port}/v1: draft "
+              f"{getattr(drafter, 'name', a.draft)}, verified by {a.server}, mode {a.mode}, verify {a.verify}; "
+              f"/health and /metrics on the same port", file=sys.stderr, flush=True)
+
+    await serve(server.app, a.host, a.port, announce)
+    print("[edge-agent] stopped", file=sys.stderr, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from deploy.errors import Forbidden, Overloaded, SpecError, Unauthorized
     from edge_agent.errors import ConnectionLost, EdgeError, ServerUnreachable, TokenizerMismatch
@@ -264,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     a = build_parser().parse_args(argv)
     try:
-        return asyncio.run(_info(a) if a.command == "info" else _generate(a))
+        command = {"info": _info, "generate": _generate, "serve": _serve}[a.command]
+        return asyncio.run(command(a))
     except ServerUnreachable as e:
         print(f"error: cannot reach the server at {a.server}: is it running and is the URL right? ({e})",
               file=sys.stderr)

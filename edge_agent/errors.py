@@ -47,3 +47,9 @@ def error_from_json(status: int, body: dict | None, retry_after: float | None = 
     e = E.SpecError(message, **details)
     e.status, e.code = status, code or f"http_{status}"
     return e
+
+
+class CloudUnavailable(SpecError):
+    """``edge-agent serve``: the cloud server could not be reached, or broke off a generation."""
+
+    status, code = 503, "cloud_unavailable"

@@ -53,6 +53,11 @@ EDGE_METRICS: dict[str, MetricSpec] = {m.name: m for m in [
                buckets=_TPS, component="edge"),
     MetricSpec("specedge_edge_mean_draft_depth", "gauge", "Mean draft depth of the last generation.",
                component="edge"),
+    # edge-agent serve (edge_agent/server.py): the local OpenAI server's requests
+    MetricSpec("specedge_edge_serve_requests", "counter", "Local OpenAI requests answered, by endpoint and "
+                                                          "HTTP status.", ("endpoint", "status"), component="edge"),
+    MetricSpec("specedge_edge_serve_requests_running", "gauge", "Local OpenAI generations in flight.",
+               component="edge"),
 ]}
 
 
@@ -90,6 +95,13 @@ class EdgeMetrics:
             e.observe("specedge_edge_generation_tokens_per_second", stats.tokens / stats.seconds, {})
         if stats.rounds:
             e.set("specedge_edge_mean_draft_depth", stats.depth_sum / stats.rounds, {})
+
+    def on_request(self, endpoint: str, status: int) -> None:
+        """A local OpenAI request answered (``edge-agent serve``)."""
+        self._exp.inc("specedge_edge_serve_requests", 1, {"endpoint": endpoint, "status": str(status)})
+
+    def set_running(self, n: int) -> None:
+        self._exp.set("specedge_edge_serve_requests_running", n, {})
 
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
         """Expose ``/metrics`` on ``addr:port`` (0 = any free port); returns the port."""

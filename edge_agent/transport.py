@@ -52,12 +52,14 @@ class ModelInfo:
     max_tree_nodes: int
     max_tree_depth: int
     early_exit_layers: tuple[int, ...] = ()  # the server streams early results (F_EARLY) from these exits
+    max_model_len: int | None = None  # the target's context (None: an older server did not say)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelInfo":
         return cls(str(d["model"]), int(d["vocab_size"]), tuple(int(e) for e in d.get("eos_token_ids", ())),
                    str(d.get("tokenizer_fingerprint", "none")), int(d.get("max_tree_nodes", 64)),
-                   int(d.get("max_tree_depth", 32)), tuple(int(x) for x in d.get("early_exit_layers") or ()))
+                   int(d.get("max_tree_depth", 32)), tuple(int(x) for x in d.get("early_exit_layers") or ()),
+                   int(d["max_model_len"]) if d.get("max_model_len") else None)
 
 
 class Transport:
@@ -156,6 +158,7 @@ class LocalTransport(Transport):
             self.closes_on_finish.add(sid)
             self._close_if_finished(sid, res.finished)
         return SessionOpened(session_id=sid, first_token=res.first_token, prefix_len=res.prefix_len,
+                             first_logprob=res.first_logprob.to_dict() if res.first_logprob is not None else None,
                              finished=res.finished, finish_reason=res.finish_reason,
                              depth_hint=self._depth_hint(req.client.draft_ms, req.client.rtt_ms),
                              budget_hint=self.budget_hint, tokenizer_fingerprint=self.fingerprint,
@@ -201,7 +204,8 @@ class LocalTransport(Transport):
         if frame.q is not None:
             return ReplyFrame.of_chain(res, depth, self.budget_hint).encode()
         return ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
-                          depth, self.budget_hint).encode()
+                          depth, self.budget_hint,
+                          logprobs=list(res.logprobs) if res.logprobs is not None else None).encode()
 
     async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
         if self.before_verify is not None:
