@@ -104,6 +104,9 @@ def write_checkpoint(config: dict, out: Path, device: str = "cpu", seed: int = 0
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": config.get("bos_token_id"),
                                                             "eos_token_id": config.get("eos_token_id")}))
+    del shards, t
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the replica's start measures what the device holds
     for f in tokenizer_files(tokenizer):
         shutil.copy(f, out / f.name)
     done.write_text("")

@@ -217,16 +217,17 @@ def load_weights(model: str = "embedded", *, dtype: str | torch.dtype = "auto", 
                  attn_implementation: str = "auto", tokenizer: str | None = None, seed: int = 0,
                  tiny_config: dict | None = None) -> LoadedModel:
     """The target for the verifier's own forward (:mod:`deploy.verifier.model`), which needs its
-    weights, not transformers' modules: ``tiny-random`` and a local safetensors directory (the
-    embedded model included) are read by :mod:`deploy.verifier.checkpoint` without importing
-    transformers' modeling code (~5 s of CPU per replica); a GGUF file or a hub id goes through
-    :func:`load_model`. Same arguments and the same weights as :func:`load_model`."""
+    weights, not transformers' modules: ``tiny-random``, a local safetensors directory (the embedded
+    model included) and a hub id's snapshot in the hub cache are read by
+    :mod:`deploy.verifier.checkpoint` without importing transformers' modeling code (~5 s of CPU per
+    replica); a GGUF file or a hub id not in the cache goes through :func:`load_model`. Same
+    arguments and the same weights as :func:`load_model`."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, model)
     resolve_attn(attn_implementation, device)  # the same refusals as load_model
     tiny = model.startswith(TINY_PREFIX)
     path = None if tiny else safetensors_dir(model)
-    if not tiny and path is None:  # a GGUF file or a hub id
+    if not tiny and path is None:  # a GGUF file or a hub id not in the cache
         return load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
                           tokenizer=tokenizer, seed=seed, tiny_config=tiny_config)
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None

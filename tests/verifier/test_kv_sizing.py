@@ -8,8 +8,8 @@ import torch
 
 from deploy.config import AppConfig
 from deploy.verifier.deployment import VerifierCore
-from deploy.verifier.kv_sizing import (GIB, DoesNotFit, MemoryUse, Shape, activation_bytes, plan, probe_forward,
-                                       tensor_bytes)
+from deploy.verifier.kv_sizing import (GIB, DoesNotFit, MemoryUse, Shape, activation_bytes, device_memory, plan,
+                                       probe_forward, tensor_bytes)
 from deploy.verifier.model import DecoderModel
 from deploy.verifier.models import tiny_random_model
 from deploy.verifier.native import PAGE_SIZE
@@ -140,3 +140,10 @@ def test_a_pipeline_stage_checks_that_the_shared_pool_fits_its_device():
     with pytest.raises(DoesNotFit, match=r"layers \[1, 2\): verifier.kv_budget_tokens 4,096 plus one batch needs "
                                          r"4,288 KV tokens, the stage's memory holds (2,99\d|3,000) "):
         PipelineStage(target, 1, 2, kv_capacity_tokens=tight.kv_pool_tokens(), sizing=Sizing.of(tight, 1024))
+
+
+def test_host_memory_is_the_machine_or_its_cgroup_limit():
+    import os
+
+    total = device_memory("cpu")
+    assert 0 < total <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
