@@ -181,6 +181,18 @@ def test_logprobs_are_the_targets(edge, target):
     assert all(len(x.top_logprobs) == 2 for x in content)
 
 
+def test_penalised_greedy_output_is_penalised_target_decoding(edge, target):
+    model, _tok = target
+    pen = dict(presence_penalty=-2.0, frequency_penalty=-1.0)  # a flat random target: pull towards repeats
+    want = reference_decode(model, PROMPT, SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=0.5,
+                                                          **pen))
+    assert want != reference_decode(model, PROMPT, SamplingParams(max_tokens=16, ignore_eos=True))
+    with edge.client() as c:
+        r = c.completions.create(model=edge.model, prompt=PROMPT, temperature=0, max_tokens=16, **pen,
+                                 extra_body={"repetition_penalty": 0.5, "ignore_eos": True})
+    assert r.model_extra["specedge"]["token_ids"] == want
+
+
 def test_two_concurrent_clients_share_one_draft(edge, target):
     model, tok = target
     want = tok.decode(reference_decode(model, PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)),
@@ -239,6 +251,7 @@ def test_ignored_and_unsupported_fields(edge):
         c.completions.create(model=edge.model, prompt=PROMPT, max_tokens=2, presence_penalty=9)
 
 
+@pytest.mark.exclusive  # answers timed in seconds
 def test_cloud_shedding_and_a_stopped_cloud_give_openai_errors_then_sigterm_stops_it(ray_session):
     """A tenant allowed one session: a second request is the cloud's 429, at once; the cloud app
     deleted: an OpenAI error (503 cloud_unavailable) within seconds, never a hang; SIGTERM: a clean exit."""
