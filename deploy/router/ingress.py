@@ -520,19 +520,21 @@ class Router:
     # -- vLLM's tokenizer and version endpoints -----------------------------------------------
     @api.post("/tokenize")
     async def tokenize(self, request: Request):
-        self.tenants.authenticate(request.headers.get("authorization"))
-        body = await self._json(request)
-        tok, info = await self.tokenizer(), await self.info()
-        oai.check_model(body.get("model"), self._model_names(info), self._versions)
+        body, tok, info = await self._tokenizer_request(request)
         return oai.tokenize(body, tok, info["max_model_len"])
 
     @api.post("/detokenize")
     async def detokenize(self, request: Request):
+        body, tok, info = await self._tokenizer_request(request)
+        return oai.detokenize(body, tok, info["vocab_size"])
+
+    async def _tokenizer_request(self, request: Request) -> tuple[dict, object, dict]:
+        """A tenant's /tokenize or /detokenize: (its body, the target's tokenizer, the verifier's info)."""
         self.tenants.authenticate(request.headers.get("authorization"))
         body = await self._json(request)
         tok, info = await self.tokenizer(), await self.info()
         oai.check_model(body.get("model"), self._model_names(info), self._versions)
-        return oai.detokenize(body, tok, info["vocab_size"])
+        return body, tok, info
 
     @api.get("/version")
     async def version(self):
