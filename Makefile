@@ -98,21 +98,26 @@ $(VLLM_STAMP): benchmarks/peers/install_vllm.sh
 
 bench-peers: $(VLLM_STAMP)
 
-# On a GPU machine, one command: the CUDA tests, then the verify round at the Llama-3-8B shape (random
-# weights made on the device) next to its floors (benchmarks/gpu_round.py); the JSON lands in
-# benchmarks/results/ named for the date and the card. It runs the machine's own Python (torch, Triton,
-# transformers); without network, fetch pydantic's wheels here first (scripts/gpu_wheels.sh, into .whl/)
+# On a GPU machine, one command: the CUDA tests; the verify round at the Llama-3-8B shape (random
+# weights made on the device) next to its floors (benchmarks/gpu_round.py); a random-weight Llama-3-8B
+# checkpoint through the replica's own loading path with edge agents against it (benchmarks/full_size.py).
+# JSON lands in benchmarks/results/, named for the date and the card. It runs the machine's own Python
+# (torch, Triton, transformers); without network, run scripts/gpu_bundle.sh here first and carry .gpu/
 GPU_PY ?= python3
 GPU_SITE := /tmp/specedge-gpu-site
 CUDA_TESTS := tests/verifier/test_cuda.py tests/verifier/test_cuda_kernels.py tests/verifier/test_cuda_graphs.py \
 	tests/verifier/test_cuda_plan.py tests/benchmarks/test_cuda_invariance.py
 gpu-check:
-	if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	if [ -d .gpu/wheels ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+		--target $(GPU_SITE) .gpu/wheels/*.whl; fi
 	export PYTHONPATH=$(GPU_SITE) HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1; \
 	$(GPU_PY) -m pytest -q -p no:cacheprovider --timeout=600 $(CUDA_TESTS); a=$$?; \
 	$(GPU_PY) -m benchmarks.verify_step --device cuda --shape llama3-8b --prefixes 1024 --sessions 1,8,32 \
 		--nodes 0,8,32 --runs 3 --burst 4 --warmup 2 --out benchmarks/results; b=$$?; \
-	test $$a -eq 0 -a $$b -eq 0
+	$(GPU_PY) -m benchmarks.full_size --shape llama3-8b --device cuda --out /tmp/full_size/llama3-8b \
+		$$([ -d .gpu/tokenizer ] && echo --tokenizer .gpu/tokenizer) \
+		--json benchmarks/results/full-size-llama3-8b-$$(date +%Y%m%d-%H%M%S).json; c=$$?; \
+	test $$a -eq 0 -a $$b -eq 0 -a $$c -eq 0
 
 loadtest: model
 	$(BIN)/python -m loadtests.run --scenario edge --users 1000,3000 --spawn-rate 50 --duration 120s

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-SHAPES = json.loads((Path(__file__).with_name("model_shapes.json")).read_text())
+from benchmarks.model_shapes import CATALOGUE
+
+SHAPES = CATALOGUE  # name -> hub_id, draft, config (benchmarks/model_shapes.json)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "mistral": "MistralForCausalLM"}
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "COMPLETE")

@@ -1,20 +1,17 @@
 """Real model shapes with random weights made on the device (no checkpoint download): what a GPU
-benchmark needs to do a real-size model's work per round (``benchmarks/verify_step.py --shape``)."""
+benchmark needs to do a real-size model's work per round (``benchmarks/verify_step.py --shape``).
+The shapes are ``benchmarks/model_shapes.json`` (the checkpoints' config.json fields), shared with
+``benchmarks/full_size.py`` and the Helm values' memory test."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-# config.json fields of the published checkpoints (their shapes only)
-SHAPES = {
-    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
-                      rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "qwen3-14b": dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, num_hidden_layers=40,
-                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, intermediate_size=17408,
-                      rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False),
-}
+CATALOGUE = json.loads(Path(__file__).with_name("model_shapes.json").read_text())  # name -> hub_id, draft, config
+SHAPES = {name: entry["config"] for name, entry in CATALOGUE.items() if not name.startswith("_")}
 
 
 def random_model(shape: str | dict, dtype: torch.dtype, device: str | torch.device, seed: int = 0):
@@ -22,7 +19,7 @@ def random_model(shape: str | dict, dtype: torch.dtype, device: str | torch.devi
     weights drawn on ``device`` (N(0, 0.02), norms 1): an 8B model in about a second on a GPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(SHAPES[shape]) if isinstance(shape, str) else dict(shape)
+    fields = {k: v for k, v in (SHAPES[shape] if isinstance(shape, str) else shape).items() if k != "torch_dtype"}
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     with torch.device(device):
