@@ -30,8 +30,19 @@ DRAFT_HELP = ("draft model: 'ngram' (prompt lookup, no model), 'embedded-draft' 
               "(.safetensors with vocab_map)")
 
 
+def _package_version() -> str:
+    """The installed ``specedge-serve`` version (what the cloud's ``GET /version`` reports too)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specedge-serve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edge-agent", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def server_opts(sp):

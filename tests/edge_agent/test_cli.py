@@ -160,3 +160,11 @@ def test_metrics_port_exposes_edge_metrics(capsys):
     t.join()
     assert rc == 0
     assert "specedge_edge_spec_decode_num_drafts_total" in scraped["text"]
+
+
+def test_version_is_the_installed_packages(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"edge-agent {version('specedge-serve')}"
