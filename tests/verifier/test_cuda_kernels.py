@@ -16,6 +16,7 @@ from deploy.verifier.batch import ancestor_bits, signed64
 from deploy.verifier.cuda.plan import CHUNK, DevicePlan, rows_per_tile
 from deploy.verifier.native import PAGE_SIZE
 from tests.verifier.interpreted import kernels_and_device
+from tests.verifier.test_attention import _plan  # tables: each session's pages; rows: (session, row_len, bits)
 
 KV_HEADS, D = 2, 32
 POOL_PAGES = 600
@@ -39,17 +40,6 @@ def _session_rows(rng: random.Random, kind: str, start: int, n: int) -> list[tup
     if kind == "chunk":
         return [(start + 1 + i, 0) for i in range(n)]
     return [(start + 1, 0)]
-
-
-def _plan(tables: list[list[int]], rows: list[tuple[int, int, int]]) -> AttentionPlan:
-    """tables: each session's pages; rows: (session, row_len, bits), in any order."""
-    bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    lens = [r[1] + bin(r[2] & (2 ** 64 - 1)).count("1") for r in rows]
-    return AttentionPlan(bt, torch.tensor([r[0] for r in rows], dtype=torch.int32),
-                         torch.tensor([r[1] for r in rows], dtype=torch.int32),
-                         torch.tensor([r[2] for r in rows], dtype=torch.int64), max(lens))
 
 
 def _random_batch(rng: random.Random, sessions: int, max_nodes: int, pages=range(POOL_PAGES)):
