@@ -292,6 +292,20 @@ def test_metrics_reach_prometheus_with_plausible_values(prometheus, traffic):
     assert traffic["cached"] == [0, 32]  # (a re-open after an idle eviction may find its pages too)
     assert 32 <= total("ray_specedge_prefix_cache_hit_tokens_total") < total("ray_specedge_prefill_tokens_total")
 
+    # vLLM's request metrics: 11 new sessions (the idle and held ones, 2 completions, 6 oracle generations,
+    # the agent's; re-opens are no new request), 9 of them finished, each with its first token at the open
+    assert total("ray_specedge_time_to_first_token_seconds_count") == 11
+    assert total("ray_specedge_e2e_request_latency_seconds_count") == 9
+    assert total("ray_specedge_request_success_total") == 9
+    assert total("ray_specedge_generation_tokens_total") == emitted + 11
+    assert total("ray_specedge_prompt_tokens_total") == 3 + 3 + 2 * 40 + 6 * 5 + 4
+    e2e = p.value(f"histogram_quantile(0.5, sum by (le) (ray_specedge_e2e_request_latency_seconds_bucket{{{SEL}}}))")
+    ttft = p.value(f"histogram_quantile(0.5, sum by (le) (ray_specedge_time_to_first_token_seconds_bucket{{{SEL}}}))")
+    assert 0 < ttft < e2e < 60
+    assert total("ray_specedge_num_requests_running") >= 0
+    # the idle replica's loop refreshes its gauges every 5 s: no open waits any more
+    p.wait(f"sum(ray_specedge_num_requests_waiting{{{SEL}}})", lambda v: v == 0, timeout=60)
+
     # router: shedding and errors by reason/status; Ray Serve's own HTTP metrics next to them
     assert total("ray_specedge_router_shed_requests_total", ', reason="tenant_sessions"') == 1
     assert total("ray_specedge_router_errors_total", ', status="401"') == 1
@@ -319,6 +333,8 @@ def test_metrics_reach_prometheus_with_plausible_values(prometheus, traffic):
     assert p.value("sum(specedge_edge_spec_decode_num_accepted_tokens_total)") <= \
         p.value("sum(specedge_edge_spec_decode_num_draft_tokens_total)")
     for spec in EDGE_METRICS.values():
+        if spec.name.startswith("specedge_edge_serve_"):  # edge-agent serve's own: tests/edge_agent/test_serve.py
+            continue
         name = spec.exposed("") + ("_count" if spec.kind == "histogram" else "")
         assert p.query(name), f"{name} missing"
 
