@@ -143,7 +143,8 @@ def test_bad_logprobs_penalties_and_template_kwargs_are_400(tok, body, chat, par
     assert e.value.to_dict()["error"]["param"] == param
 
 
-@pytest.mark.parametrize("sampling,param", [({"logprobs": 21}, "logprobs"), ({"presence_penalty": 2.5}, "presence_penalty"),
+@pytest.mark.parametrize("sampling,param", [({"logprobs": 21}, "logprobs"),
+                                            ({"presence_penalty": 2.5}, "presence_penalty"),
                                             ({"frequency_penalty": -3}, "frequency_penalty"),
                                             ({"repetition_penalty": 0}, "repetition_penalty")])
 def test_logprobs_and_penalty_ranges_are_the_verifiers(sampling, param):
@@ -154,8 +155,8 @@ def test_logprobs_and_penalty_ranges_are_the_verifiers(sampling, param):
 
 
 def test_penalties_reach_the_sampling_params(tok):
-    req = parse_completion({"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2},
-                           tok, False)
+    body = {"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2}
+    req = parse_completion(body, tok, False)
     assert (req.sampling["presence_penalty"], req.sampling["frequency_penalty"],
             req.sampling["repetition_penalty"]) == (0.5, -1.0, 1.2)
     check_sampling(req.sampling, VOCAB)
@@ -271,7 +272,8 @@ def test_response_shapes():
 
 def test_logprobs_objects(tok):
     hello, world = tok("Hello world", add_special_tokens=False)["input_ids"][:2]
-    lps = [TokenLogprob(hello, -0.5, (hello, world), (-0.5, -1.5)), TokenLogprob(world, -1.0, (world, hello), (-1.0, -2.0))]
+    lps = [TokenLogprob(hello, -0.5, (hello, world), (-0.5, -1.5)),
+           TokenLogprob(world, -1.0, (world, hello), (-1.0, -2.0))]
     chat = logprobs_object(tok, lps, True)["content"]
     assert [c["token"] for c in chat] == ["Hello", " world"] and chat[1]["logprob"] == -1.0
     assert chat[0]["top_logprobs"][1] == {"token": " world", "logprob": -1.5, "bytes": list(b" world")}

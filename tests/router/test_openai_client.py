@@ -240,7 +240,8 @@ def test_greedy_penalised_output_is_penalised_target_decoding(oai, served, targe
 
     prompt = [5, 9, 200, 31, 7, 9, 9]
     pen = dict(presence_penalty=-2.0, frequency_penalty=-1.0)  # a flat random target: pull towards repeats
-    want = reference_decode(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=0.5, **pen))
+    want = reference_decode(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=0.5,
+                                                           **pen))
     assert want != reference_decode(target, prompt, SamplingParams(max_tokens=24, ignore_eos=True))
     r = oai.completions.create(model=served, prompt=prompt, temperature=0, max_tokens=24, **pen,
                                extra_body={"repetition_penalty": 0.5, "mode": mode, "ignore_eos": True})
