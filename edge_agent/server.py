@@ -81,6 +81,10 @@ class AgentPool:
         self.busy -= 1
         self._idle.put_nowait(agent)
 
+    @property
+    def draft_name(self) -> str:
+        return getattr(self._first, "name", type(self._first).__name__)
+
     def close(self) -> None:
         self.executor.shutdown()
 
@@ -161,7 +165,7 @@ class EdgeServer:
     async def health(self, request: Request) -> Response:
         agents = self.pool.members
         return JSONResponse({"status": "ok", "model": self.info.model, "cloud": self.cloud_url,
-                             "draft": getattr(self.pool._first, "name", type(self.pool._first).__name__),
+                             "draft": self.pool.draft_name,
                              "agents": len(agents), "running": self.pool.busy,
                              # what the agents share: the draft's weights (models) and the draft thread
                              "draft_models": len({id(getattr(a.drafter, "model", a.drafter)) for a in agents}),
@@ -209,6 +213,7 @@ class EdgeServer:
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
                     task.cancel()
+                    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
             return JSONResponse(task.result(), headers=headers)
         except SpecError as e:
             return error_response(e)

@@ -241,6 +241,16 @@ def test_a_client_that_drops_mid_stream_leaves_no_cloud_session(edge, cloud):
     assert edge.health()["running"] == 0
 
 
+def test_a_client_that_gives_up_on_a_whole_response_leaves_no_cloud_session(edge, cloud):
+    body = {"model": edge.model, "prompt": PROMPT, "temperature": 0, "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client drops the connection while the generation runs
+        httpx.post(edge.url + "/v1/completions", json=body, timeout=2.0)
+    deadline = time.monotonic() + 5
+    while (cloud_sessions(cloud) or edge.health()["running"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cloud_sessions(cloud) == 0 and edge.health()["running"] == 0
+
+
 def test_ignored_and_unsupported_fields(edge):
     body = {"model": edge.model, "prompt": PROMPT, "max_tokens": 2, "frobnicate": 1}
     r = httpx.post(edge.url + "/v1/completions", json=body, timeout=60)
