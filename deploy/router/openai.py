@@ -113,12 +113,13 @@ def parse_completion(body: dict, tokenizer, chat: bool) -> CompletionRequest:
     stream = _opt(body, "stream", bool, False)
     stop = _stop(body.get("stop"))
     if stop and tokenizer is None:
-        raise InvalidRequest("'stop' strings need a tokenizer; this target has none: use 'stop_token_ids'")
+        raise InvalidRequest("'stop' strings need a tokenizer; this target has none: use 'stop_token_ids'",
+                             param="stop")
     mode = body.get("mode") or "ar"
     if mode not in MODES:
-        raise InvalidRequest(f"'mode' must be one of {MODES}")
+        raise InvalidRequest(f"'mode' must be one of {MODES}", param="mode")
     if _opt(body, "n", int, 1) != 1:
-        raise InvalidRequest("only n=1 is supported")
+        raise InvalidRequest("only n=1 is supported", param="n")
     return CompletionRequest(list(ids), _sampling(body, chat), chat, stream, mode, stop,
                              _include_usage(body.get("stream_options"), stream), _opt(body, "model", str, None),
                              ignored)
@@ -170,7 +171,7 @@ def _finite(body: dict, key: str, default: float) -> float:
 
 def _token_ids(v, what: str) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        raise InvalidRequest(f"'{what}' must be a list of token ids")
+        raise InvalidRequest(f"'{what}' must be a list of token ids", param=what)
     return v
 
 
@@ -226,9 +227,9 @@ def _stop(v) -> tuple[str, ...]:
     """OpenAI ``stop``: a string or a list of up to 4 (non-empty) strings."""
     stops = [v] if isinstance(v, str) else [] if v is None else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise InvalidRequest("'stop' must be a non-empty string or a list of non-empty strings")
+        raise InvalidRequest("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
     if len(stops) > MAX_STOP:
-        raise InvalidRequest(f"'stop' takes at most {MAX_STOP} strings")
+        raise InvalidRequest(f"'stop' takes at most {MAX_STOP} strings", param="stop")
     return tuple(stops)
 
 
@@ -237,9 +238,9 @@ def _include_usage(options, stream: bool) -> bool:
     if options is None:
         return False
     if not stream:
-        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true")
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise InvalidRequest("'stream_options' must be {\"include_usage\": true|false}")
+        raise InvalidRequest("'stream_options' must be {\"include_usage\": true|false}", param="stream_options")
     return _opt(options, "include_usage", bool, False)
 
 
@@ -247,18 +248,19 @@ def completion_prompt(prompt, tokenizer) -> list[int]:
     """/v1/completions ``prompt``: a non-empty string (needs a tokenizer) or list of token ids."""
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
-            raise InvalidRequest("this deployment's target has no tokenizer: send 'prompt' as token ids")
+            raise InvalidRequest("this deployment's target has no tokenizer: send 'prompt' as token ids",
+                                 param="prompt")
         return tokenizer(prompt)["input_ids"]
     if isinstance(prompt, list) and prompt:
         return _token_ids(prompt, "prompt")
-    raise InvalidRequest("'prompt' must be a non-empty string or a list of token ids")
+    raise InvalidRequest("'prompt' must be a non-empty string or a list of token ids", param="prompt")
 
 
 def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None) -> list[int]:
     """/v1/chat/completions ``messages`` -> prompt ids through the tokenizer's chat template
     (``template_kwargs``: extra template variables)."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty list of {role, content}")
+        raise InvalidRequest("'messages' must be a non-empty list of {role, content}", param="messages")
     msgs = [chat_message(i, m) for i, m in enumerate(messages)]
     if tokenizer is None:
         raise InvalidRequest("this deployment's target has no tokenizer; use /v1/sessions with token ids")
@@ -268,7 +270,7 @@ def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None) -> lis
         ids = tokenizer.apply_chat_template(msgs, **{"add_generation_prompt": True, **(template_kwargs or {}),
                                                      "tokenize": True})
     except (TemplateError, ValueError, TypeError) as e:
-        raise InvalidRequest(f"the chat template refused these messages: {e}") from None
+        raise InvalidRequest(f"the chat template refused these messages: {e}", param="messages") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
 
 
@@ -277,20 +279,20 @@ def chat_message(i: int, m) -> dict:
     text parts (joined with newlines, as vLLM does), null only for the assistant."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise InvalidRequest(f"{where} must be an object with 'role' and 'content'")
+        raise InvalidRequest(f"{where} must be an object with 'role' and 'content'", param=where)
     role = m.get("role")
     if role not in ROLES:
-        raise InvalidRequest(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}")
+        raise InvalidRequest(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", param=where)
     extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and v is not None)
     if extra:
-        raise InvalidRequest(f"{where}: unsupported fields {extra} (no tools, audio or refusals)")
+        raise InvalidRequest(f"{where}: unsupported fields {extra} (no tools, audio or refusals)", param=where)
     content = m.get("content")
     if content is None and role == "assistant":  # OpenAI: optional for the assistant only
         content = ""
     elif isinstance(content, list) and content:
         content = "\n".join(_text_part(f"{where}.content[{j}]", p) for j, p in enumerate(content))
     elif not isinstance(content, str):
-        raise InvalidRequest(f"{where}.content must be a string or a non-empty list of text parts")
+        raise InvalidRequest(f"{where}.content must be a string or a non-empty list of text parts", param=where)
     return {"role": ROLES[role], "content": content}
 
 
@@ -298,7 +300,7 @@ def _text_part(where: str, part) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise InvalidRequest(f"{where}: only text content parts are supported, got {kind!r}")
+    raise InvalidRequest(f"{where}: only text content parts are supported, got {kind!r}", param=where)
 
 
 def check_model(requested: str | None, served: tuple[str, ...], versions: tuple[str, ...] | list[str] = ()) -> None:

@@ -300,3 +300,13 @@ def test_tokenize_detokenize_version(tok):
         with pytest.raises(InvalidRequest):
             detokenize(bad, tok, VOCAB)
     assert server_version()["version"]
+
+
+@pytest.mark.parametrize("body,chat,param", [({"prompt": "x", "n": 2}, False, "n"), ({"prompt": ""}, False, "prompt"),
+                                             ({"prompt": "x", "stop": 5}, False, "stop"),
+                                             ({"messages": [{"role": "wizard", "content": "hi"}]}, True, "messages[0]"),
+                                             ({"messages": []}, True, "messages")])
+def test_errors_name_their_field(tok, body, chat, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse_completion(body, tok, chat)
+    assert e.value.to_dict()["error"]["param"] == param
