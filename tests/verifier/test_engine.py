@@ -8,6 +8,7 @@ forward) and, independently, ``model.generate(do_sample=False)``.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -396,9 +397,8 @@ def sample_two_tokens_via_chain(model, params: SamplingParams, k: int = 3,
     """Chain mode; the test plays the edge: drafts from a fixed q, sends q(x), resamples on rejection."""
     eng = VerifierEngine(model, eos_token_ids=(), chain_top_k=V_STAT)
     sids = [f"c{i}" for i in range(STAT_SESSIONS)]
-    eng.open([OpenRequest(sid, STAT_PROMPT, SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i, max_tokens=8),
-        generated=(STAT_ROOT,)) for i, sid in enumerate(sids)])
+    eng.open([OpenRequest(sid, STAT_PROMPT, replace(params, seed=i, max_tokens=8), generated=(STAT_ROOT,))
+              for i, sid in enumerate(sids)])
     q = torch.softmax(torch.linspace(2.0, -2.0, V_STAT), 0)  # [V] context-free draft distribution
     edge_g = {sid: torch.Generator().manual_seed(50_000 + i) for i, sid in enumerate(sids)}
     emitted = {sid: [] for sid in sids}

@@ -16,7 +16,8 @@ from deploy.verifier.reference import reference_decode
 from deploy.verifier.sampling import SamplingParams, target_probs
 from deploy.verifier.tree import DraftTree
 from tests.verifier.test_engine import (EOS, STAT_PROMPT, STAT_ROOT, STAT_SESSIONS, V_STAT, counts_of, drive,
-                                        generated, model_small, random_prompt, stat_tree)  # noqa: F401
+                                        generated, model_small, random_prompt, sample_two_tokens_via_chain,
+                                        stat_tree)  # noqa: F401
 from tests.verifier.test_sampling import chi_square_pvalue
 
 PENALISED = [SamplingParams(presence_penalty=1.5), SamplingParams(frequency_penalty=0.7),
@@ -106,3 +107,10 @@ def test_the_statistic_catches_penalties_with_the_wrong_history(model_small, mon
     monkeypatch.setattr(penalties_module.Penalties, "apply", lambda self, logits, extra=(): right(self, logits))
     samples = sample_two_penalised(model_small, STAT_PARAMS)
     assert chi_square_pvalue(counts_of(samples), exact_penalised_joint(model_small, STAT_PARAMS)) < 1e-6
+
+
+def test_chain_rejection_sampling_with_penalties_follows_the_penalised_target(model_small):
+    """Chain mode (DSSD split): each chain position's p is penalised after the chain tokens before it (the
+    penalised joint is far from the plain one: test_sampled_tokens_with_penalties_follow_the_penalised_target)."""
+    samples = sample_two_tokens_via_chain(model_small, STAT_PARAMS)
+    assert chi_square_pvalue(counts_of(samples), exact_penalised_joint(model_small, STAT_PARAMS)) > 1e-3
