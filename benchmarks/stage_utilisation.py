@@ -1,6 +1,6 @@
 """Pipeline stage utilisation with 1 vs several verify batches in flight.
 
-DESIGN.md "Sharding large targets": a replica's stages only stay busy if several
+docs/engine.md, "Sharding a large target": a replica's stages only stay busy if several
 verify batches are in the pipeline at once (stage i on batch b+1 while stage i+1 is on
 batch b). This benchmark runs ``VerifierEngine(model, runner=PipelineRunner(...))`` with
 K threads, each verifying its own disjoint set of sessions in a loop (K = batches in

@@ -1,102 +1,13 @@
 """The edge <-> cloud protocol: JSON for session control, compact binary for verify.
 
-HTTP (all under ``/v1``, ``Authorization: Bearer <tenant key>``):
-
-- ``GET  /v1/health``; ``GET /v1/model`` -> name, vocab size, eos ids, tokenizer
-  fingerprint, tree limits.
-- ``POST /v1/sessions`` JSON :class:`OpenSession` -> JSON :class:`SessionOpened`.
-  With ``generated_ids`` it re-opens an evicted/lost session from the edge's history.
-- ``POST /v1/sessions/{id}/verify`` binary :class:`VerifyFrame` -> binary
-  :class:`ReplyFrame` (``application/octet-stream``); errors are JSON 4xx.
-- ``WS   /v1/sessions/{id}/ws``: the same binary frames, one reply per request, so a
-  round costs one RTT on a warm connection; an error arrives as a JSON text frame.
-- ``DELETE /v1/sessions/{id}``. A session opened with ``close_on_finish`` is closed by the
-  server with the reply that finishes it (the open's reply echoes the flag when the server
-  does so): its edge saves a round trip per generation; a later request for it answers 410,
-  a close 200.
-
-Uplink is 20 bytes + 6 bytes per draft node (token u32, parent i16); downlink 24 bytes
-+ 2 bytes per accepted node: DSSD/PicoSpec's "token ids only" goal by construction.
-Trees go in priority order (every prefix of the node list is a tree) and may carry one
-confidence byte per node (``F_CONF``: the node's cumulative draft log-probability,
-:func:`deploy.verifier.truncation.encode_confidence`), 7 bytes per node in all: the server
-verifies the prefix that pays off for the batch at hand and, when it cut the tree, says how
-many nodes it verified (``R_TRUNCATED`` + u16).
-
-Chain mode (``F_CHAIN``; DSSD/PicoSpec split rejection sampling,
-:mod:`deploy.verifier.acceptance`): parents form a chain and each node carries q(x) as f32,
-10 bytes per draft token uplink; the residual sample owed after a rejection rides in the
-next frame (``F_RESAMPLED`` + u32, which also counts in its ``prefix_len``). A reply with
-``R_REJECTED`` has no bonus; it carries, exactly enough for the edge to sample
-norm(max(0, p - q)) with its own q:
-
-- the head of p: K entries (ids u32, then probs f32; K in the header), all of p's support
-  when it fits in the replica's ``chain_top_k`` (top-k / top-p requests, peaked rows):
-  24 + 2 * accepted + 8 * K bytes, and nothing else;
-- otherwise also ``R_TAIL``: f32 tail mass (p outside the head), u16 m, m candidate ids
-  u32 and their p as f32 -- i.i.d. samples of p's tail for the edge's rejection sampler:
-  6 + 8 * m more bytes. The replica sends the fewest entries K + m for which a bound on
-  the chance that the candidates run out (from q(x) - p(x) <= TV(p, q) of the rejected
-  token) is <= 1e-3, each at most ``chain_top_k`` (64: at most 1054 bytes; measured on
-  the embedded pair ~170 bytes per rejection at T = 0.7, ~350 at T = 1.0).
-
-If they do run out, the edge sends ``F_MORE`` (with ``F_CHAIN``, no nodes, 20 bytes,
-``prefix_len`` counting the owed token) and gets a refill: ``R_REJECTED | R_TAIL`` with
-K = 0 and ``chain_top_k`` fresh candidates, with no forward (the replica kept p's tail).
-A session that owes nothing (re-opened from the edge's history) answers ``F_MORE`` with a
-whole new rejection reply for its next position. Greedy chains never see a rejection: the
-bonus is the correction. Flags a decoder does not know are errors, never ignored.
-
-Tree rejection sampling (``F_TREEQ``; multi-draft, :mod:`deploy.verifier.acceptance`): a tree
-whose siblings the edge drew without replacement from a proposal q, listed in drawing order,
-followed by q itself for every position: n + 1 counts (u8; root first, 0 for a leaf), then
-every entry's id (u32), then every weight (u16; q(x) = w_x / sum w). The server holds p and
-this q, so it samples every residual itself: the reply is the tree reply (no ``R_REJECTED``),
-and such trees are never truncated. 6 bytes per node + 1 per position + 6 per proposal entry.
-
-Run-ahead (``F_AHEAD``; ours): while the replica's tree budget is 0 (trees do not pay at its
-load), a plain round trip per token keeps each session out of a share of the forwards. A frame
-with this flag lets the replica decode on past the bonus, one token per forward, in the batches
-it runs anyway, up to ``verifier.run_ahead_tokens``, stopping as soon as the budget turns
-non-zero, the session finishes or its client goes; the reply then carries the tokens after
-the bonus (``R_AHEAD``: u16 m, m tokens u32, 2 + 4 m bytes at the end). Each is the target's
-own next token (greedy) or a sample of p (sampled), exactly as plain decoding would emit it.
-After a reply whose budget hint is 0 the session decodes on, detached, until its next request:
-an ``F_AHEAD`` frame at the reply's ``prefix_len`` takes that run over (the reply starts with the
-tokens decoded meanwhile; a tree it carries is not verified, ``R_TRUNCATED`` with 0), any other
-frame for the session then is a 409 ``prefix_mismatch``. An open whose ``client.run_ahead`` is
-true makes the same promise for the session's first request: when the open's budget hint is 0,
-the session decodes on from its first token, detached, while the open's reply and that
-request are on the wire. Plain trees only (no ``F_CHAIN``, ``F_RESAMPLED``, ``F_MORE``, ``F_TREEQ``, ``F_EARLY``).
-
-Log-probs (``R_LOGPROBS``; OpenAI's ``logprobs``): a session whose sampling params carry
-``logprobs`` (k alternatives) gets, with every tree reply, the target's log-prob of each emitted
-token and its top k: u16 m (the tokens emitted), u8 k, m f32, then m * k ids u32 and m * k
-log-probs f32, at the very end of the frame (4 + 8 k bytes a token); the open's reply carries the
-first token's as JSON (``first_logprob``). Other sessions never see the flag. Tree mode only:
-the replica serves such a session no run-ahead, and chain mode refuses it (a rejection's token is
-the edge's sample).
-
-Acceptance classes (ours): how many tokens a tree of ``n`` nodes brings a round depends on the
-draft that built it and on how it was built (stop-and-wait or proactive, the depth policy,
-pre-drafting), not only on the target. An open's ``client.draft`` names that class; the
-replica keeps the tree budget's acceptance estimates per (target version, class), at most
-``pacing.max_draft_classes`` classes per version (sessions of further classes share the
-version's estimates), so one kind of client does not set another's budget. The router's
-server-side drafter opens its sessions as ``server/<drafter>``.
-
-Early results (``F_EARLY``; the early-exit paper §3): a tree frame with this flag asks for an
-:class:`EarlyFrame` after each of the server's exit layers, *during* the verify forward: the
-path and next token that exit's walk of the tree gives, and its probability. Binary, its own
-magic (``EE``), 20 bytes + 2 per accepted node; zero or more of them precede the round's reply
-frame on the socket. Over HTTP POST a flagged frame sent with ``Accept: EARLY_STREAM_MEDIA_TYPE``
-gets a streamed (chunked) response of records, each a u32 length and a message: the early
-frames as they come, then the reply frame, or (once the stream has begun) the error as JSON
-(``{"status", "error"}``, as on the socket); without that ``Accept`` the flag is served as a
-plain reply, so POST clients that predate the stream are unchanged. The reply is the last layer's, exactly as
-without the flag (early frames are guesses for pre-drafting, never output). A server without
-exit heads answers the flag with 400; clients send it only when ``GET /v1/model`` lists
-``early_exit_layers``, so older clients and servers never meet it.
+Contract: :class:`OpenSession` / :class:`SessionOpened` are the JSON bodies of an open;
+:class:`VerifyFrame`, :class:`ReplyFrame` and :class:`EarlyFrame` are the binary frames of a
+round (little-endian, protocol version 1), each with ``encode`` and ``decode``. A decoder raises
+:class:`InvalidRequest` on a short, malformed or inconsistent frame and on any flag it does not
+know (never ignored), :class:`PayloadTooLarge` past the node limit. Uplink is 20 bytes + 6 per
+draft node, downlink 24 bytes + 2 per accepted node (DSSD/PicoSpec's "token ids only"). The
+spec -- endpoints, frame layouts, every ``F_*`` / ``R_*`` flag and what it promises -- is
+``docs/protocol.md``.
 """
 
 from __future__ import annotations

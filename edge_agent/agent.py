@@ -1,6 +1,7 @@
 """The edge agent: draft locally, verify remotely, stream what the target accepts.
 
-:class:`EdgeAgent.generate` runs one generation (DESIGN.md steps 1-6): open a session,
+:class:`EdgeAgent.generate` runs one generation (docs/protocol.md, "One generation, end to
+end", steps 1-6): open a session,
 then rounds of *draft a tree -> send it -> (proactively draft) -> apply the reply*
 until the server says the session finished. Modes (benchmarks compare them):
 
@@ -111,7 +112,7 @@ class AgentConfig:
     # proactive mode, match rule, no early results: next trees drafted during a round for its likeliest
     # outcomes by the draft's own estimate (edge_agent/predraft.py), before SpecEdge §4.2's chain; 0 = the
     # chain only. Off by default: on the embedded pair 6 guesses hit 26% of rounds for ~7x the edge's draft
-    # forwards, and one session's ITL did not move (README, "Guesses of the edge's own")
+    # forwards, and one session's ITL did not move (docs/benchmarks.md, "Guesses")
     guesses: int = 0
     # verify="auto": a JSON file keeping the measured acceptance per (target, draft) pair across
     # processes (edge_agent.verify_policy.PolicyStore); None keeps it in this agent's memory only

@@ -26,8 +26,8 @@ verified nodes the tree left unfed (its leaves: their ``q(t | v)`` is needed), a
 outcomes become entries, drafted most probable first in the time the reply is away. SpecEdge's
 single proactive chain is the one outcome "the path to the best leaf, then the leaf's top
 token"; with the server truncating trees by prefix that leaf is often not even verified.
-Measured on the embedded pair at one session (README, "Guesses of the edge's own"): 6 guesses
-hit 26-32 % of rounds for ~7x the edge's draft forwards, and ITL did not move beyond noise;
+Measured on the embedded pair at one session (docs/benchmarks.md, "Guesses of the edge's
+own"): 6 guesses hit 26-32 % of rounds for ~7x the edge's draft forwards, and ITL did not move beyond noise;
 ``AgentConfig.guesses`` is 0 by default.
 
 Only the choice of the next draft depends on early results or guesses; every emitted token

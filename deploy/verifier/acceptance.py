@@ -1,64 +1,16 @@
 """Acceptance rules: which draft nodes the target keeps, and the bonus token.
 
-Tree walk by target sampling (DESIGN.md step 4; SpecInfer/SpecExec-style "sample, then
-match"): at the root sample the target's next token; if a child of the current node
-carries that token, accept the child and continue from it; otherwise the sample is the
-bonus token and the round ends. Every emitted token is a sample of the target at its
-own prefix, so the output is the target's (greedy: identical; sampling: same
-distribution) for any tree and without draft probabilities.
+- :func:`walk_tree`: tree walk by target sampling ("sample, then match"; SpecInfer/SpecExec):
+  exact for any tree, no draft probabilities.
+- :func:`rejection_sample_chain`: chain rejection sampling (Leviathan et al. 2023, split as
+  DSSD §3 / PicoSpec §3.3): the server accepts x_i w.p. min(1, p_i(x_i) / q_i(x_i)); a
+  rejection returns a :class:`Rejection` from which the edge's :class:`ResidualSampler`
+  samples norm(max(0, p - q)) exactly with its own q.
+- :func:`rejection_walk_tree`: tree rejection sampling (multi-draft; SpecInfer §4.2 / SpecTr,
+  siblings drawn without replacement as in Sequoia §3.2) over a :class:`Proposal` per node.
 
-Chain rejection sampling (Leviathan et al. 2023; split DSSD-style, dssd.txt §3,
-picospec.txt §3.3): the edge samples each draft token x_i from its draft distribution q_i
-and sends q_i(x_i); the server accepts x_i with probability min(1, p_i(x_i) / q_i(x_i)).
-If all k are accepted the server samples the bonus from p at position k + 1. On the
-first rejection the replacement must be a sample of the residual
-norm(max(0, p - q)), which needs both distributions in full: p lives on the server, q on
-the edge. The server sends a :class:`Rejection` and the edge samples the residual from
-it with its own full q (:class:`ResidualSampler`), exactly in every case:
-
-- p's support fits in ``max_entries`` (top-k / top-p requests, peaked rows): the reply
-  carries all of p; the edge computes the residual outright.
-- otherwise the reply carries a *head* (the largest entries of p, ids and values) and
-  *tail candidates*: i.i.d. samples y_j of p restricted to the rest, with p(y_j). The edge
-  runs rejection sampling from the residual with p as the proposal: a proposal is
-  accepted with probability max(0, 1 - q(y) / p(y)), so what it accepts follows
-  norm(max(0, p - q)) (per-proposal acceptance is TV(p, q)). Head proposals cost nothing
-  (the edge knows the head; their refusals are collapsed into one draw); each tail
-  proposal uses up one candidate. If the candidates run out, the session kept p's tail
-  and the edge asks for more (``more``): fresh i.i.d. samples continue the same
-  rejection sampler, so the result stays exact; the server picks the head size and the
-  number of candidates so that this happens with probability <= ``EXHAUST_P``.
-
-Greedy targets need none of this: the argmax is the correction itself.
-
-Tree rejection sampling (multi-draft; SpecInfer §4.2 / SpecTr, in the without-replacement
-form of Recursive Speculative Decoding, Jeon et al. 2024, and Sequoia §3.2): the edge draws
-the children c_1..c_m of a node *one after another without replacement* from a proposal q
-it chooses and sends in full (:class:`Proposal`: a sparse distribution, exactly what the
-edge sampled from). The server, which holds p, verifies the children in their wire order:
-
-    p_1 = p, q_1 = q
-    accept c_i  w.p. min(1, p_i(c_i) / q_i(c_i))              (then descend into c_i)
-    else        p_{i+1} = norm(max(0, p_i - q_i)),  q_{i+1} = norm(q_i with c_i removed)
-    all m rejected: emit a sample of p_{m+1}                  (the round's last token)
-
-Why this is exact for trees built the way the edge builds them (and which rule is not):
-given everything drawn before it, c_i is a sample of q_i (that is what drawing without
-replacement means), so the i-th step is Leviathan's rejection sampling of p_i with proposal
-q_i, whose output -- c_i if accepted, else a sample of p_{i+1} -- follows p_i; a sample of
-p_{i+1} is in turn produced exactly by step i + 1 (or drawn directly after the last child).
-By induction the token emitted at a node follows p; below an accepted child the same holds
-with that child's own p and q. This needs two properties of the tree, which the edge's
-:class:`edge_agent.sampled_tree.SampledTreeSession` keeps: (1) whether a node has an i-th
-child is decided before that child is drawn, from what was drawn earlier only (the shape
-comes from acceptance rates, never from the sampled tokens; nothing is pruned after it is
-drawn), and (2) siblings go on the wire in the order they were drawn. Hence the server
-never truncates such a tree by node value (only the depth clip at the context end, which
-depends on depth alone). The rule without the q update (SpecInfer's i.i.d.-sibling rule,
-q_{i+1} = q) is *wrong* for siblings drawn without replacement, and the SpecExec/TreeBuilder
-trees (deterministic top-k children) are not samples of any q: for those the exact
-rejection rule degenerates to "accept c_i w.p. p_i(c_i)", i.e. sample-then-match, which is
-what :func:`walk_tree` does. The tests show the statistic catches both mistakes.
+Each emitted token follows the target's distribution at its prefix (greedy: the target's
+argmax). The rules and why they are exact (and which rules are not) are ``docs/acceptance.md``.
 """
 
 from __future__ import annotations

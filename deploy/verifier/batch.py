@@ -3,7 +3,8 @@
 A :class:`SeqInput` is one session's share of a forward: new tokens, their RoPE
 positions, the logical KV positions they are written to, and what each one attends
 (``row_len``: the contiguous positions ``[0, row_len)``; ``row_bits``: tree positions
-``row_len + j``). Two shapes cover every caller (DESIGN.md step 4):
+``row_len + j``). Two shapes cover every caller (docs/protocol.md, "One generation,
+end to end", step 4):
 
 - :func:`chunk_input`: a run of consecutive tokens (a prompt chunk, a re-open's history, a
   decode step's root): token ``i`` at position ``L + i`` sees ``[0, L + i]``;

@@ -1,6 +1,7 @@
 """The verification engine: sessions, batched prefill, batched tree verification.
 
-Pure torch, no Ray (DESIGN.md steps 1, 4-6; SpecEdge §4.1 "disaggregated decoding"):
+Pure torch, no Ray (docs/protocol.md, "One generation, end to end", steps 1, 4-6; SpecEdge
+§4.1 "disaggregated decoding"):
 the edge sends a draft tree for a session; the engine verifies trees of many sessions
 in **one** target forward (every session's tokens packed on one axis, tree attention by
 ancestor bitmasks, positions = prefix length + depth, KV read and written in place in

@@ -10,7 +10,7 @@ pool), SwiGLU. Four implementations of the same functions, chosen once per model
   batch-invariant (:mod:`deploy.verifier.cuda`);
 - :class:`NativeGlue` (CPU, bf16): one C call per function (``csrc/glue.c`` through
   :mod:`deploy.verifier.native`) instead of ~40 small torch ops per layer. Measured on the
-  embedded SmolLM2-135M, one core: see ``benchmarks/verify_step.py`` and the README's
+  embedded SmolLM2-135M, one core: see ``benchmarks/verify_step.py`` and docs/benchmarks.md's
   engine table. Row-wise with a fixed reduction order, so batch-invariant like the rest of
   the forward; it agrees with the torch glue up to bf16 rounding of float32 sums
   (``tests/verifier/test_glue.py``).

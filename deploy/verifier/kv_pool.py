@@ -6,7 +6,7 @@ the tree-attention kernel reads) and V as ``[L, pages, Hkv, PS, D]``. A session 
 of pages (its block table); logical position ``p`` is slot ``p % PS`` of page
 ``pages[p // PS]``.
 
-Lifecycle of a round (DESIGN.md step 4): :meth:`reserve` gives a session the pages for its
+Lifecycle of a round (docs/protocol.md, step 4): :meth:`reserve` gives a session the pages for its
 new tokens (root + tree nodes, or a prompt chunk) at logical positions ``[length, length +
 n)``; the forward writes their K/V there in place (:meth:`write`); :meth:`commit` keeps the
 first ``keep_contiguous`` of them plus the listed tree positions, moved down behind them

@@ -1,6 +1,6 @@
 """Balanced contiguous split of a decoder's layers over pipeline stages.
 
-A sharded verifier replica (DESIGN.md "Sharding large targets") runs stage ``i`` on
+A sharded verifier replica (docs/engine.md, "Sharding a large target") runs stage ``i`` on
 layers ``[bounds[i], bounds[i + 1])``; stage 0 also owns the token embedding and the
 last stage the final norm + LM head. A pipeline runs at the pace of its slowest stage,
 so the split minimises the largest stage cost, where a stage's cost is the sum of its

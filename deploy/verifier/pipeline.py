@@ -1,6 +1,6 @@
 """Pipeline-parallel verifier: one replica's target sharded over N Ray stage actors.
 
-DESIGN.md "Sharding large targets": stage ``i`` is a Ray actor holding a
+docs/engine.md, "Sharding a large target": stage ``i`` is a Ray actor holding a
 :class:`~deploy.verifier.runner.ModelRunner` for its contiguous slice of decoder layers
 (stage 0 also the embedding, the last stage the final norm + LM head) and a KV pool for
 that slice (every stage's pool receives the same reserve/commit/drop calls, so pages and
