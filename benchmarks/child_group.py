@@ -1,7 +1,7 @@
 """A harness's server child: in a process group of its own, started once more when Ray's node
 timed out starting, stopped together with whatever it left behind.
 
-The harnesses (:class:`benchmarks.run.Server`, :func:`loadtests.run.start_server`, the ``serve
+The harnesses (:class:`benchmarks.run_harness.Server`, :func:`loadtests.run.start_server`, the ``serve
 run`` test) start their server with ``start_new_session=True``: the child leads a new process
 group, and every Ray process it starts, or a failed start leaves, belongs to that group. Stopping
 signals only what we started: the child, then the group we created for it.

@@ -4,7 +4,7 @@ frames, :mod:`deploy.protocol`).
 
 ``python -m benchmarks.request_path [--rounds 300] [--nodes 8] [--repeats 2] [--smoke]``
 
-- The Serve app (:class:`benchmarks.run.Server`: ``serve_proc`` under ``taskset -c 0``, Ray with
+- The Serve app (:class:`benchmarks.run_harness.Server`: ``serve_proc`` under ``taskset -c 0``, Ray with
   one CPU, the verifier with one torch thread) serves ``--target`` (default ``tiny-random``: the
   forward is cheap, so the request path dominates what is measured).
 - This process is the edge, pinned to core 1: :class:`edge_agent.transport.HttpTransport`, the
@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 from benchmarks.proc_stats import CpuSnapshot
-from benchmarks.run import API_KEY, EDGE_CORE, PLANS, REPO, RESULTS, SERVER_CORE, Server, app_config, log
+from benchmarks.run_harness import Server, log
+from benchmarks.run_plan import API_KEY, EDGE_CORE, PLANS, REPO, RESULTS, SERVER_CORE, app_config
 from deploy.request_path import RequestPathConfig, add_cli_options
 
 HOPS = ("proxy", "router", "verifier")  # the request path, in order

@@ -25,7 +25,9 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.run import (REPO, RESULTS, EdgeWorker, Plan, Server, app_config, fmt, log, prompt_ids, run_config)
+from benchmarks.run_harness import EdgeWorker, Server, log, run_config
+from benchmarks.run_plan import REPO, RESULTS, Plan, app_config, prompt_ids
+from benchmarks.run_report import fmt
 
 VERSIONS = {v: str(REPO / "deploy" / "artifacts" / "versions" / v) for v in ("code", "docs")}
 PHASES = {"base": [None], "code": ["code"], "docs": ["docs"], "mixed": [None, "code", "docs"]}

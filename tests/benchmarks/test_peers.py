@@ -8,7 +8,7 @@ import pytest
 from benchmarks.edge_proc import openai_counts
 from benchmarks.metrics import aggregate
 from benchmarks.peers import NGRAM_SPEC, vllm_server_cmd, vllm_unavailable_reason, vllm_version
-from benchmarks.run import PLANS, peer_skip_reason
+from benchmarks.run_plan import PLANS, peer_skip_reason
 
 
 def test_unavailable_reason_names_the_fix(tmp_path):

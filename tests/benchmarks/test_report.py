@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from benchmarks.run import (cpu_split_table, headline_table, markdown_table, ratio_cell, ratios, readme_section,
-                            render_readme, targets_table)
+from benchmarks.run_report import (cpu_split_table, headline_table, markdown_table, ratio_cell, ratios, readme_section,
+                                   render_readme, targets_table)
 
 
 def _row(mode, rtt, ses, srv, busy=float("nan"), itl=50.0):

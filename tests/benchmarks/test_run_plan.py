@@ -5,7 +5,9 @@ from dataclasses import asdict, replace
 import pytest
 
 from benchmarks.metrics import Window
-from benchmarks.run import PLANS, app_config, config_row, main, repeat_order
+from benchmarks.run import main
+from benchmarks.run_plan import PLANS, app_config, repeat_order
+from benchmarks.run_report import config_row
 from tests.benchmarks.test_child_group import FAKE_SERVE
 
 
@@ -77,7 +79,7 @@ def test_server_start_retries_once_when_rays_node_times_out(tmp_path, monkeypatc
     # the harness starts the server once more. Any other failure is reported at once, with its log
     import sys
 
-    import benchmarks.run as run
+    import benchmarks.run_harness as run
 
     script = FAKE_SERVE if fails == "startup timeout" else FAKE_SERVE.replace("The current node", "Another node")
     port = run.free_port()
@@ -121,7 +123,7 @@ time.sleep(300)
 def test_a_start_is_judged_by_ready_or_the_end_not_by_a_stray_line(tmp_path, monkeypatch, script):
     import sys
 
-    import benchmarks.run as run
+    import benchmarks.run_harness as run
 
     code = STRAY_THEN_FAIL if script == "fail" else STRAY_THEN_READY
     monkeypatch.setattr(run, "pinned", lambda cmd, core, nice: [sys.executable, "-c", code])

@@ -15,7 +15,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from benchmarks.run import LATEST_KEYS, MODES
+from benchmarks.run_plan import MODES
+from benchmarks.run_report import LATEST_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 
