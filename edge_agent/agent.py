@@ -100,7 +100,7 @@ class AgentConfig:
     check_tokenizer: bool = True
     send_confidence: bool = True  # one byte per node (cumulative draft log-prob): the server's truncation uses it
     # F_AHEAD (match rule, no early results): while the server's tree budget is 0 it may decode on past the
-    # bonus in the forwards it runs anyway and reply with several tokens (deploy/protocol.py, "Run-ahead")
+    # bonus in the forwards it runs anyway and reply with several tokens (docs/protocol.md, "Run-ahead")
     run_ahead: bool = True
     verify: str = "match"  # match | rejection (chains with q(x)) | tree-rejection (sampled trees with q) | auto
     # the target version to verify against (FlexSpec: a LoRA fine-tune of the base; None: the base); one
