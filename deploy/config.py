@@ -393,9 +393,8 @@ def versions_update(cfg: AppConfig, user_config) -> AppConfig:
 def _checkpoint_dims(target: ModelConfig) -> tuple[int | None, int | None]:
     """The target's layer count and context length, read without loading weights (tiny-random's
     shape, the embedded model's, a local or hub-cached config.json); None where unknown."""
-    from deploy.model_source import config_json, context_length
-    from deploy.verifier.checkpoint import tiny_config
-    from deploy.verifier.models import EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX
+    from deploy.model_source import (EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, config_json, context_length,
+                                     tiny_config)
 
     if target.model.startswith(TINY_PREFIX):
         c = tiny_config(**(target.tiny_config or {}))

@@ -1,10 +1,18 @@
-"""A model spec's ``config.json`` before any weights load: from a local directory, or from the
-Hugging Face hub cache for a hub id (never downloaded). No torch: config validation reads it."""
+"""A model spec's ``config.json`` before any weights load: from a local directory, the Hugging
+Face hub cache for a hub id (never downloaded), or the built-in names (``tiny-random``'s config,
+the embedded model's shapes). No torch: config validation reads it in the router."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+TINY_PREFIX = "tiny-random"  # a model spec: a random tiny Llama built in code (tests)
+EMBEDDED_ALIASES = {"embedded", "smollm2", "smollm2-135m", "smollm2-135m-instruct"}
+# The embedded SmolLM2-135M-Instruct's shapes in tiny_llama_config's terms: a random model of the
+# same work per token where the weights cannot come (a GPU box with no network; benchmarks)
+EMBEDDED_SHAPES = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                       intermediate_size=1536, max_position_embeddings=8192)
 
 # transformers' context length per family where config.json leaves it out (configuration_<family>.py)
 DEFAULT_CONTEXT = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
@@ -40,3 +48,13 @@ def checkpoint_dtype(config: dict) -> str | None:
     """``torch_dtype`` (transformers 4) or ``dtype`` (5) of a config.json ('bfloat16', ...); None if absent."""
     d = config.get("torch_dtype") or config.get("dtype")
     return str(d).removeprefix("torch.") if d else None
+
+
+def tiny_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 4096) -> dict:
+    """``config.json`` of a tiny Llama for tests (also what transformers' ``LlamaConfig`` takes)."""
+    return dict(model_type="llama", vocab_size=vocab_size, hidden_size=hidden_size,
+                intermediate_size=intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+                tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rms_norm_eps=1e-5)

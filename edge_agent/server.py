@@ -1,5 +1,5 @@
 """``edge-agent serve``: a long-running local OpenAI server whose generations are drafted here
-and verified by the cloud (DESIGN.md "One generation, end to end", steps 1-6, per request).
+and verified by the cloud (docs/protocol.md, "One generation, end to end", steps 1-6, per request).
 
 The draft model loads once. Each request is one :meth:`EdgeAgent.generate` against the cloud
 (edge drafting, proactive drafting, the configured verification rule), run by an agent from

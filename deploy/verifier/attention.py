@@ -1,4 +1,5 @@
-"""Tree attention over the paged KV pool (DESIGN.md step 4; SpecInfer-style tree masks).
+"""Tree attention over the paged KV pool (docs/protocol.md, "One generation, end to end", step 4;
+SpecInfer-style tree masks).
 
 A query row attends its session's *logical* KV sequence: the positions ``[0, row_len)``
 (prefix, root, or a prompt chunk up to itself), then, for every set bit ``j`` of

