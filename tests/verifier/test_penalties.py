@@ -114,3 +114,53 @@ def test_chain_rejection_sampling_with_penalties_follows_the_penalised_target(mo
     penalised joint is far from the plain one: test_sampled_tokens_with_penalties_follow_the_penalised_target)."""
     samples = sample_two_tokens_via_chain(model_small, STAT_PARAMS)
     assert chi_square_pvalue(counts_of(samples), exact_penalised_joint(model_small, STAT_PARAMS)) > 1e-3
+
+
+def sample_two_via_tree_rejection(model, params: SamplingParams) -> list[tuple[int, int]]:
+    """Tree rejection sampling (issue 17's rule); the test plays the edge: every sibling set drawn
+    without replacement from a context-free draft q's proposal, sent with the tree."""
+    from deploy.verifier.acceptance import draw_without_replacement, make_proposal
+
+    q = torch.softmax(torch.linspace(1.5, -1.5, V_STAT), 0)  # [V]
+    prop = make_proposal(q, V_STAT)
+    g = torch.Generator().manual_seed(77)
+    eng = VerifierEngine(model, eos_token_ids=())
+    sids = [f"r{i}" for i in range(STAT_SESSIONS)]
+    eng.open([OpenRequest(sid, STAT_PROMPT, SamplingParams(**{**params.to_dict(), "seed": i, "max_tokens": 8}),
+                          generated=(STAT_ROOT,)) for i, sid in enumerate(sids)])
+
+    def tree(depth2: bool):
+        kids = draw_without_replacement(prop, 3, g)
+        tokens, parents, props = list(kids), [-1] * 3, [(prop.ids, prop.weights)] + [None] * 3
+        if depth2:
+            tokens += draw_without_replacement(prop, 2, g)
+            parents += [0, 0]
+            props[1] = (prop.ids, prop.weights)
+            props += [None, None]
+        return DraftTree(tuple(tokens), tuple(parents)), tuple(props)
+
+    reqs = []
+    for sid in sids:
+        t, props = tree(True)
+        reqs.append(VerifyRequest(sid, t, len(STAT_PROMPT) + 1, proposals=props))
+    while reqs:
+        eng.verify(reqs)
+        reqs = []
+        for sid in sids:
+            if eng.sessions[sid].num_generated < 3:
+                t, props = tree(False)
+                reqs.append(VerifyRequest(sid, t, len(eng.sessions[sid].prefix), proposals=props))
+    return [tuple(generated(eng, sid)[1:3]) for sid in sids]
+
+
+def test_tree_rejection_sampling_with_penalties_follows_the_penalised_target(model_small):
+    samples = sample_two_via_tree_rejection(model_small, STAT_PARAMS)
+    assert chi_square_pvalue(counts_of(samples), exact_penalised_joint(model_small, STAT_PARAMS)) > 1e-3
+
+
+def test_the_tree_rejection_statistic_catches_the_wrong_history(model_small, monkeypatch):
+    """Test of the test: each node penalised with the session's history alone fails."""
+    right = penalties_module.Penalties.apply
+    monkeypatch.setattr(penalties_module.Penalties, "apply", lambda self, logits, extra=(): right(self, logits))
+    samples = sample_two_via_tree_rejection(model_small, STAT_PARAMS)
+    assert chi_square_pvalue(counts_of(samples), exact_penalised_joint(model_small, STAT_PARAMS)) < 1e-6
