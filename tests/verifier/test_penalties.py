@@ -125,7 +125,7 @@ def sample_two_via_tree_rejection(model, params: SamplingParams) -> list[tuple[i
     prop = make_proposal(q, V_STAT)
     g = torch.Generator().manual_seed(77)
     eng = VerifierEngine(model, eos_token_ids=())
-    sids = [f"r{i}" for i in range(STAT_SESSIONS)]
+    sids = [f"r{i}" for i in range(2 * STAT_SESSIONS)]  # the wrong history sits near 1e-6 at STAT_SESSIONS
     eng.open([OpenRequest(sid, STAT_PROMPT, SamplingParams(**{**params.to_dict(), "seed": i, "max_tokens": 8}),
                           generated=(STAT_ROOT,)) for i, sid in enumerate(sids)])
 
