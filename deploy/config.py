@@ -208,6 +208,10 @@ class RouterConfig(_Strict):
                                     "this long (deploy/router/probe.py); 0 = off")
     request_timeout_s: float = Field(300.0, gt=0, description="504 if one verifier call (an open with its "
                                                               "prefill, a verify round) takes longer")
+    open_deadline_s: float = Field(5.0, gt=0, description="an open's first token comes within this or it is "
+                                   "shed 429 with Retry-After: at the door when the prefill queue predicts it, "
+                                   "else at the deadline (deploy/router/open_deadline.py); the "
+                                   "x-open-deadline-s header may ask for less")
 
     @field_validator("tenants")
     @classmethod

@@ -34,6 +34,7 @@ from deploy.protocol import (EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, T
 from deploy.router import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.early import stream_verify
+from deploy.router.open_deadline import DEADLINE_HEADER, PrefillForecast, deadline_refusal, request_deadline
 from deploy.router.fast_shed import RECEIVED_AT, ShedFastPath, admission_refusal
 from deploy.router.probe import LoadProbe
 from deploy.router.tenants import TenantRegistry, TenantState
@@ -150,6 +151,7 @@ class Router:
         self.admission = AdmissionControl(limit, weights={t.name: t.weight for t in tenants},
                                           retry_after_s=rc.retry_after_s, max_retry_after_s=rc.max_retry_after_s,
                                           objective_s=rc.latency_objective_s)
+        self.prefill = PrefillForecast(retry_after_s=rc.retry_after_s)
         self.metrics = router_metrics()
         self._info: dict | None = None
         self._loaded: dict[str, object] = {}  # tokenizer, server drafter: see _load_once
@@ -237,6 +239,13 @@ class Router:
         finally:
             self.admission.finished(tenant, latency)
 
+    async def _deadlined(self, deadline_s: float, call):
+        """``call``'s result, or 429 at ``deadline_s`` (the call is cancelled: Serve drops its prefill)."""
+        try:
+            return await _within(call, deadline_s)
+        except asyncio.TimeoutError:
+            raise deadline_refusal(deadline_s, self.admission.retry_after) from None
+
     async def info(self) -> dict:
         if self._info is None:
             self._info = await self._call("info")
@@ -304,18 +313,29 @@ class Router:
         return data
 
     # -- session protocol -------------------------------------------------------------
-    async def open(self, tenant: TenantState, body: dict) -> dict:
+    async def open(self, tenant: TenantState, body: dict, deadline_header: str | None = None) -> dict:
         try:
             req = OpenSession(**body)
+            deadline = request_deadline(deadline_header, self.cfg.router.open_deadline_s)
         except ValidationError as e:
             raise InvalidRequest(f"invalid open request: {e.errors(include_url=False)[:3]}") from None
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        tokens = len(req.prompt_ids) + len(req.generated_ids)
+        refused = self.prefill.refusal(tokens, deadline)
+        if refused is not None:
+            raise refused
         self.tenants.admit_session(tenant)
+        work, t0, took = self.prefill.started(tokens), time.perf_counter(), None
         try:
-            status, payload = await self._admitted_call("open", "open_session", tenant=tenant.config.name,
-                                                        body=req.model_dump())
+            status, payload = await self._deadlined(
+                deadline, self._admitted_call("open", "open_session", tenant=tenant.config.name,
+                                              body=req.model_dump()))
+            took = time.perf_counter() - t0
             _raise_for(status, payload)
             self.tenants.session_opened(tenant, payload["session_id"], bool(payload.get("close_on_finish")))
         finally:
+            self.prefill.finished(tokens, work, took)
             self.tenants.open_done(tenant)
         if payload.get("first_token") is not None:
             self.tenants.session_used(tenant, payload["session_id"], 1)
@@ -367,7 +387,7 @@ class Router:
     @api.post("/v1/sessions")
     async def open_session(self, request: Request):
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        return await self.open(tenant, await self._json(request))
+        return await self.open(tenant, await self._json(request), request.headers.get(DEADLINE_HEADER))
 
     @api.post("/v1/sessions/{sid}/verify")
     async def verify_http(self, sid: str, request: Request):
