@@ -96,6 +96,7 @@ class AgentConfig:
     proactive_max: int | None = None
     max_reopens: int = 16  # consecutive re-opens without a verified round before giving up
     max_overload_waits: int = 32  # 429s waited out (Retry-After) per request; the next one is raised
+    open_deadline_s: float = 120.0  # a shed open is retried (Retry-After, jittered) within this, then raised
     ping_every: int = 16  # rounds between RTT pings (0 = only at open)
     check_tokenizer: bool = True
     send_confidence: bool = True  # one byte per node (cumulative draft log-prob): the server's truncation uses it
@@ -360,6 +361,7 @@ class EdgeAgent:
                                             # our first round then asks for run-ahead if the hint is 0
                                             run_ahead=self.config.run_ahead and stats.verify_rule == "match"),
                           close_on_finish=True)  # no close round trip before the next open
+        t0 = time.monotonic()
         for attempt in range(self.config.max_overload_waits + 1):
             try:
                 sess = await self.transport.open(req)
@@ -367,10 +369,14 @@ class EdgeAgent:
                     self._closes_itself[sess.session_id] = sess.finished
                 return sess
             except Overloaded as e:
-                if attempt == self.config.max_overload_waits:
-                    raise
+                wait = e.retry_after * (1 + random.random() / 2)  # jitter: shed agents do not return together
+                spent = time.monotonic() - t0
+                if attempt == self.config.max_overload_waits or spent + wait > self.config.open_deadline_s:
+                    raise Overloaded(f"the cloud shed this open {attempt + 1} times in {spent:.1f} s ({e.reason}); "
+                                     f"gave up within the agent's open deadline of {self.config.open_deadline_s:g} s",
+                                     retry_after=e.retry_after, reason=e.reason) from None
                 stats.overload_waits += 1
-                await asyncio.sleep(e.retry_after)
+                await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
     async def _ping(self, stats: GenerationStats) -> None:

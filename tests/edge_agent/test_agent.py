@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
-from deploy.errors import InvalidSamplingParams
+from deploy.errors import InvalidSamplingParams, Overloaded
 from deploy.verifier.engine import VerifierEngine
 from deploy.verifier.models import tiny_random_model
 from deploy.verifier.reference import reference_decode
@@ -347,3 +348,37 @@ def test_agents_sharing_one_draft_executor_stay_lossless_and_leave_it_open(engin
         assert shared.submit(CRITICAL, lambda: "open").result(timeout=5) == "open"
     finally:
         shared.shutdown()
+
+
+class ShedsOpens(LocalTransport):
+    """Answers the first ``sheds`` opens 429 (as the router's open deadline does)."""
+
+    def __init__(self, engine, sheds: int):
+        super().__init__(engine)
+        self.sheds, self.opens = sheds, 0
+
+    async def open(self, req):
+        self.opens += 1
+        if self.opens <= self.sheds:
+            raise Overloaded("shed", retry_after=0.05, reason="open_deadline")
+        return await super().open(req)
+
+
+def test_a_shed_open_is_retried_with_jitter_then_given_up_within_the_deadline(engine, draft):
+    transport = ShedsOpens(engine, sheds=2)
+    agent = EdgeAgent(transport, ModelDrafter(draft), config=AgentConfig(open_deadline_s=5.0))
+    try:
+        res = asyncio.run(agent.generate(PROMPT, GREEDY))
+    finally:
+        agent.close()
+    assert len(res.token_ids) == 40 and res.stats.overload_waits == 2 and transport.opens == 3
+
+    transport = ShedsOpens(engine, sheds=10**6)
+    agent = EdgeAgent(transport, ModelDrafter(draft), config=AgentConfig(open_deadline_s=0.3))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Overloaded, match="gave up within the agent's open deadline of 0.3 s") as e:
+            asyncio.run(agent.generate(PROMPT, GREEDY))
+    finally:
+        agent.close()
+    assert time.monotonic() - t0 < 0.6 and 2 <= transport.opens <= 8 and e.value.reason == "open_deadline"
