@@ -59,6 +59,7 @@ class Counters:
         self.verify_ms = defaultdict(list)  # tenant -> latencies of successful verifies
         self.verify_at = defaultdict(list)  # tenant -> epoch seconds of those verifies
         self.shed_ms: list[float] = []
+        self.open_ms: list[float] = []  # latencies of admitted opens (the first token's time)
         self.shed_at: list[float] = []  # epoch seconds of those 429s
         self.shed_why: list[str] = []  # and their reasons
         self.shed_connect_ms: list[float] = []  # of each 429's time, what went to (re)connecting its WebSocket
@@ -76,7 +77,7 @@ class Counters:
                 "verify_at": {t: [round(x, 2) for x in v] for t, v in self.verify_at.items()},
                 "shed_ms": [round(x, 2) for x in self.shed_ms], "shed_at": [round(x, 2) for x in self.shed_at],
                 "shed_why": self.shed_why, "shed_connect_ms": [round(x, 2) for x in self.shed_connect_ms],
-                "ws_lost": dict(self.ws_lost),
+                "ws_lost": dict(self.ws_lost), "open_ms": [round(x, 2) for x in self.open_ms],
                 "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag]}
 
 
@@ -294,6 +295,7 @@ class EdgeUser(FastHttpUser):
             status, data, headers, ms = self._request("POST", "/v1/sessions", "open", data=body.encode())
             if status == 200:
                 STATS.add(self.tenant, "opens")
+                STATS.open_ms.append(ms)
                 return json.loads(data)
             if status in (429, 503):
                 self._backoff(status, data, headers, ms)

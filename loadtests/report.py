@@ -75,7 +75,7 @@ def merge_counters(paths: list[Path]) -> dict:
     tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int), "ws_lost": defaultdict(int),
               "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
-              "verify_at": defaultdict(list), "shed_ms": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], "loop_lag_ms": [], "processes": 0}
+              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], "loop_lag_ms": [], "processes": 0}
     for p in paths:
         d = json.loads(Path(p).read_text())
         merged["processes"] += 1
@@ -92,6 +92,7 @@ def merge_counters(paths: list[Path]) -> dict:
             for t, v in d[key].items():
                 merged[key][t].extend(v)
         merged["shed_ms"].extend(d["shed_ms"])
+        merged["open_ms"].extend(d.get("open_ms", []))
         merged["loop_lag_ms"].extend(d.get("loop_lag_ms", []))
         merged["shed_at"].extend(d.get("shed_at", [None] * len(d["shed_ms"])))
         merged["shed_why"].extend(d.get("shed_why", [None] * len(d["shed_ms"])))
@@ -322,6 +323,10 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "shed_429": shed, "shed_reasons": dict(counters["shed_reasons"]),
         "shed_ms": {"p50": percentile(counters["shed_ms"], 50), "p99": percentile(counters["shed_ms"], 99)},
         "shed_ms_window": {"p50": percentile(shed_win, 50), "p99": percentile(shed_win, 99)},
+        # admitted opens (the time to the first token, client side) and those past router.open_deadline_s
+        "open_ms": {"p50": percentile(counters["open_ms"], 50), "p99": percentile(counters["open_ms"], 99),
+                    "past_deadline": sum(ms > rc.open_deadline_s * 1e3 for ms in counters["open_ms"]),
+                    "deadline_s": rc.open_deadline_s},
         "shed_split": shed_split(counters, server_stats, window),
         "probe": probe_summary(out / "probe.json", window),
         "unavailable_503": unavailable, "reopens": tot("reopens"), "ws_lost": dict(counters["ws_lost"]),
@@ -354,6 +359,9 @@ def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
          "detail": f"errors={s['errors']:g} locust_failures={s['locust_failures']:g} {s['error_kinds']}"},
         {"name": "every session closed", "ok": s["sessions"]["unclosed"] == 0 and s["sessions"]["opened"] > 0,
          "detail": json.dumps(s["sessions"])},
+        {"name": "no admitted open past its deadline", "ok": s["open_ms"]["past_deadline"] == 0,
+         "detail": f"past {s['open_ms']['deadline_s']:g} s: {s['open_ms']['past_deadline']:g}; admitted-open p50 / "
+                   f"p99 {_f(s['open_ms']['p50'], 0)} / {_f(s['open_ms']['p99'], 0)} ms"},
         {"name": "output lossless under load", "ok": s["acceptance"]["diverged_sessions"] == 0,
          "detail": f"diverged sessions={s['acceptance']['diverged_sessions']:g} (greedy fp32 target)"},
     ]
@@ -525,6 +533,8 @@ def markdown(s: dict) -> str:
         f"{_split(s.get('shed_split'))} |",
         f"| latency probe (loadtests/probe.py: one light client in its own process) p50 / p99 (ms) | | "
         f"{_probe_cell(s.get('probe'))} |",
+        f"| admitted opens p50 / p99 (ms); past the {s['open_ms']['deadline_s']:g} s deadline | "
+        f"{_f(s['open_ms']['p50'], 0)} / {_f(s['open_ms']['p99'], 0)}; {s['open_ms']['past_deadline']:g} | |",
         f"| 503 (verifier restarting) / re-opens | {s['unavailable_503']:g} / {s['reopens']:g} | |",
         f"| WebSocket rounds lost with their connection (re-opened) | {sum(s.get('ws_lost', {}).values()):g} "
         f"{s.get('ws_lost') or ''} | |",

@@ -193,3 +193,16 @@ def test_the_latency_probe_is_summarised_per_kind_and_status_inside_the_window(t
     assert pr["by_status"]["verify 200"]["n"] == 10
     assert "10 of them" in _probe_text(pr, "429") and _probe_text(pr, "503") == ""
     assert probe_summary(tmp_path / "absent.json", (0, 1)) is None
+
+
+@pytest.mark.parametrize("open_ms,past", [([100.0] * 99 + [1900.0], 0), ([100.0] * 99 + [5001.0], 1)])
+def test_admitted_opens_past_the_deadline_fail_the_check(tmp_path, open_ms, past):
+    cfg = scenario("smoke")
+    _counters(tmp_path / "counters.json", {"gold": {}, "bronze": {}}, {"gold": 75, "bronze": 25})
+    data = json.loads((tmp_path / "counters.json").read_text())
+    (tmp_path / "counters.json").write_text(json.dumps({**data, "open_ms": open_ms}))
+    s = summarize(tmp_path, cfg, _meta(), None)
+    assert s["open_ms"]["past_deadline"] == past and s["open_ms"]["p50"] == 100.0
+    check = next(c for c in s["checks"] if c["name"] == "no admitted open past its deadline")
+    assert check["ok"] == (past == 0)
+    assert "admitted opens p50 / p99" in markdown(s)
