@@ -69,6 +69,20 @@ def _softmax_step(s, b0, n, m_i, l_i, qk_scale, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _page_block(k_ptr, v_ptr, table_ptr, b0, kvh, d, dm, lanes, v_valid, HKV: tl.constexpr, D: tl.constexpr,
+                PS: tl.constexpr):
+    """The key block at logical position b0 of a session (``table_ptr``: its block-table row) for KV
+    head ``kvh``: one page, contiguous keys [BLOCK_D, PS] (K pages [Hkv, D, PS]) and values
+    [PS, BLOCK_D] (V pages [Hkv, PS, D]), values zero where ``v_valid`` [PS] is false. Keys there are
+    read as they are (still the session's page): the softmax masks them."""
+    head = tl.load(table_ptr + b0 // PS).to(tl.int64) * HKV + kvh
+    kt = tl.load(k_ptr + head * (D * PS) + d[:, None] * PS + lanes[None, :], mask=dm[:, None], other=0.0)
+    v = tl.load(v_ptr + head * (PS * D) + lanes[:, None] * D + d[None, :], mask=v_valid[:, None] & dm[None, :],
+                other=0.0)
+    return kt, v
+
+
+@triton.jit
 def _block_step(q, kt, v, b0, n, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     """One key block for a tile: q [BLOCK_M, BLOCK_D], keys kt [BLOCK_D, BLOCK_N] and values v
     [BLOCK_N, BLOCK_D] at logical positions b0..; rows with n <= b0 keep their state exactly."""
@@ -111,13 +125,8 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, len_ptr, bits_p
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         lanes = tl.arange(0, BLOCK_N)
         for b0 in range(c0, u_end, BLOCK_N):  # shared key blocks: K/V read once for the whole tile
-            # a block is one page: contiguous [D, PS] keys and [PS, D] values; keys past n_max (still in the
-            # session's page) are read but masked out of the softmax, values there are read as zeros
-            head = tl.load(bt_ptr + seq * bt_stride + b0 // PS).to(tl.int64) * HKV + kvh
-            kt = tl.load(k_ptr + head * (D * PS) + d[:, None] * PS + lanes[None, :], mask=dm[:, None],
-                         other=0.0)  # [BLOCK_D, BLOCK_N]; K pages [Hkv, D, PS]
-            v = tl.load(v_ptr + head * (PS * D) + lanes[:, None] * D + d[None, :],
-                        mask=((b0 + lanes) < n_max)[:, None] & dm[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            kt, v = _page_block(k_ptr, v_ptr, bt_ptr + seq * bt_stride, b0, kvh, d, dm, lanes, (b0 + lanes) < n_max,
+                                HKV, D, PS)
             m_i, l_i, acc = _block_step(q, kt, v, b0, n, m_i, l_i, acc, qk_scale, BLOCK_N, PREC)
         # blocks reaching into the trees: row by row, each its own keys (its ancestors) through the same
         # tile shape, the other rows' state left exactly as it is (their n masked to 0)
@@ -136,17 +145,14 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, len_ptr, bits_p
                 node = _tree_nodes(lane - rl, rbits)  # node j sits at tree_start + j (batch.tree_input)
                 nhead = tl.gather(node_page, node, 0) * HKV + kvh
                 noff = (tree_start + node) % PS
-                head = tl.load(bt_ptr + seq * bt_stride + b0 // PS).to(tl.int64) * HKV + kvh
+                kt, v = _page_block(k_ptr, v_ptr, bt_ptr + seq * bt_stride, b0, kvh, d, dm, lanes, lane < rl, HKV, D,
+                                    PS)  # the block's own page, below the row's tree
                 kt = tl.where(tree[None, :],
                               tl.load(k_ptr + nhead[None, :] * (D * PS) + d[:, None] * PS + noff[None, :],
-                                      mask=dm[:, None] & tree[None, :], other=0.0),
-                              tl.load(k_ptr + head * (D * PS) + d[:, None] * PS + lanes[None, :], mask=dm[:, None],
-                                      other=0.0))
+                                      mask=dm[:, None] & tree[None, :], other=0.0), kt)
                 v = tl.where(tree[:, None],
                              tl.load(v_ptr + (nhead * PS + noff)[:, None] * D + d[None, :],
-                                     mask=tree[:, None] & dm[None, :], other=0.0),
-                             tl.load(v_ptr + head * (PS * D) + lanes[:, None] * D + d[None, :],
-                                     mask=(lane < rl)[:, None] & dm[None, :], other=0.0))
+                                     mask=tree[:, None] & dm[None, :], other=0.0), v)
                 m_i, l_i, acc = _block_step(q, kt, v, b0, n_r, m_i, l_i, acc, qk_scale, BLOCK_N, PREC)
         # a row within one chunk is final here; a longer row leaves this chunk's partial for the merge
         whole = tl.cdiv(n, CHUNK) == 1
