@@ -24,7 +24,7 @@ def request_deadline(header: str | None, default_s: float) -> float:
     if header is None:
         return default_s
     value = float(header)
-    if not value > 0 or value != value:
+    if not value > 0:  # NaN too
         raise ValueError(f"{DEADLINE_HEADER} must be a positive number of seconds, got {header!r}")
     return min(value, default_s)
 
