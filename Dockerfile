@@ -39,12 +39,13 @@ COPY --chown=ray:users pyproject.toml README.md ./
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir "${TORCH_SPEC}"
 
+COPY --chown=ray:users specdec ./specdec
 COPY --chown=ray:users deploy ./deploy
 COPY --chown=ray:users edge_agent ./edge_agent
 # (DL3013: this installs the project itself; its dependency ranges live in pyproject.toml)
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[serve]" \
-    && python -m deploy.verifier.models
+    && python -m specdec.model.loading
 
 # KubeRay runs `ray start` itself; this only makes `docker run IMAGE` show the usage.
 CMD ["serve", "--help"]

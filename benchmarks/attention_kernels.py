@@ -4,10 +4,10 @@ One layer of attention for the embedded target's shapes (9 query heads, 3 KV hea
 dim 64), bf16, one thread pinned to one core, over the paged pool, for decode batches and
 draft trees:
 
-- ``kernel``: the C kernel (``deploy/verifier/csrc/tree_attention.c``): reads pages in place,
+- ``kernel``: the C kernel (``specdec/model/csrc/tree_attention.c``): reads pages in place,
   each row reduced over its own logical sequence;
 - ``gather+sdpa``: gather each row's keys from the pool, masked SDPA with GQA (the torch
-  fallback, :func:`deploy.verifier.attention.torch_attention`);
+  fallback, :func:`specdec.model.attention.torch_attention`);
 - ``session sdpa``: per-session SDPA over the session's contiguous KV with the tree mask (the
   issue's baseline: needs a contiguous copy of each session's KV from the pages);
 - ``flex``: FlexAttention (``torch.compile``; CPU inductor template) with a block mask over
@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from deploy.verifier.attention import AttentionPlan, row_positions, torch_attention, tree_attention
-from deploy.verifier.batch import ancestor_bits, signed64
-from deploy.verifier.native import PAGE_SIZE
+from specdec.model.attention import AttentionPlan, row_positions, torch_attention, tree_attention
+from specdec.model.batch import ancestor_bits, signed64
+from specdec.model.native import PAGE_SIZE
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Hq, Hkv, D = 9, 3, 64

@@ -2,8 +2,8 @@
 
 For each op of the forward at the embedded SmolLM2-135M's shapes, in bf16: the share of rows
 whose bits differ between the row computed alone and the same row inside a batch of M rows,
-for torch's own kernel and for the one the verifier runs on CUDA (:mod:`deploy.verifier.cuda`,
-:mod:`deploy.verifier.row_chunks`), and the time of one call at each M. A row that differs
+for torch's own kernel and for the one the verifier runs on CUDA (:mod:`specdec.model.cuda`,
+:mod:`specdec.model.row_chunks`), and the time of one call at each M. A row that differs
 here is a greedy token that may change with who shares the batch.
 ``python -m benchmarks.cuda_invariance`` prints markdown and writes JSON to
 ``benchmarks/results/cuda_invariance.json``.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.verify_step import publish
-from deploy.verifier.models import EMBEDDED_SHAPES
+from specdec.model.loading import EMBEDDED_SHAPES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HIDDEN, INTER, VOCAB = (EMBEDDED_SHAPES[k] for k in ("hidden_size", "intermediate_size", "vocab_size"))
@@ -45,7 +45,7 @@ def _differing(batched: torch.Tensor, alone) -> float:
 
 
 def linear_cases(g):
-    from deploy.verifier.model import Linear
+    from specdec.model.linear import Linear
 
     for name, (n, k) in {"qkv": ((HQ + 2 * HKV) * HEAD_DIM, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
                          "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}.items():
@@ -54,7 +54,7 @@ def linear_cases(g):
 
 
 def norm_case(g):
-    from deploy.verifier.glue import make_glue, rms_norm
+    from specdec.model.glue import make_glue, rms_norm
 
     w = torch.randn(HIDDEN, generator=g).bfloat16().cuda()
     glue = make_glue(torch.device("cuda"), torch.bfloat16)
@@ -63,8 +63,8 @@ def norm_case(g):
 
 def attention_rows(M: int, g):
     """M decode rows of sessions with prefixes 64..1024 (session 0's row first), one page each 16."""
-    from deploy.verifier.attention import AttentionPlan
-    from deploy.verifier.native import PAGE_SIZE
+    from specdec.model.attention import AttentionPlan
+    from specdec.model.native import PAGE_SIZE
 
     lens = [300] + [int(x) for x in torch.randint(64, 1024, (M - 1,), generator=g)]
     width = -(-max(lens) // PAGE_SIZE)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("cuda_invariance needs a CUDA device")
-    from deploy.verifier.attention import torch_attention, tree_attention
+    from specdec.model.attention import torch_attention, tree_attention
 
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ Three figures (the goals of the draft: forward cost <= 1/4 of a target forward, 
 3. **acceptance**: mean tokens per verify round (accepted + bonus) on MT-Bench
    first-turn prompts, greedy. A self-contained best-first tree drafter (SpecExec-style:
    each draft forward expands the best frontier nodes by cumulative log-prob, top-k
-   children, 32-node budget) drafts; ``deploy.verifier.engine.VerifierEngine`` verifies
+   children, 32-node budget) drafts; ``specdec.engine.VerifierEngine`` verifies
    on the target in fp32.
 
 ``python -m benchmarks.draft_quality [--prompts 8] [--max-tokens 128] [--nodes 32]``
@@ -118,7 +118,7 @@ class TreeDrafter:
     """
 
     def __init__(self, draft, nodes: int = 32, width: int = 4, top_k: int = 8):
-        from deploy.verifier.runner import ModelRunner
+        from specdec.model.runner import ModelRunner
 
         self.draft, self.runner = draft, ModelRunner(draft)
         self.nodes, self.width, self.top_k = nodes, width, top_k
@@ -146,8 +146,8 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def draft_tree(self, prefix: list[int]):
-        from deploy.verifier.batch import chunk_input, tree_input
-        from deploy.verifier.tree import DraftTree
+        from specdec.model.batch import chunk_input, tree_input
+        from specdec.tree import DraftTree
 
         if self.runner.kv_length("s") > len(prefix) - 1:  # never happens with a consistent verifier
             self.runner.truncate("s", len(prefix) - 1)
@@ -192,9 +192,9 @@ class TreeDrafter:
 @torch.inference_mode()
 def tree_acceptance(draft, target, tok, questions: list[dict], n_prompts: int, max_tokens: int, nodes: int,
                     width: int, top_k: int, eos: tuple[int, ...]) -> dict:
-    from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
-    from deploy.verifier.sampling import SamplingParams
-    from deploy.verifier.tree import TreeLimits
+    from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest
+    from specdec.sampling import SamplingParams
+    from specdec.tree import TreeLimits
 
     engine = VerifierEngine(target, eos_token_ids=eos, limits=TreeLimits(max_nodes=max(64, nodes)))
     per_round: list[int] = []
@@ -247,7 +247,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-    from deploy.verifier.models import cache_dir, load_model
+    from specdec.model.loading import cache_dir, load_model
     from edge_agent.draft_model import load_draft
 
     skip = set(filter(None, args.skip.split(",")))

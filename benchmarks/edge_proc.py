@@ -65,7 +65,7 @@ class Edge:
         torch.set_num_threads(int(cmd.get("threads", 1)))
         kind = cmd["draft"]
         if cmd.get("tokenizer"):
-            from deploy.verifier.models import load_tokenizer
+            from specdec.model.loading import load_tokenizer
 
             self.tokenizer = load_tokenizer("embedded")
         if kind == "ngram":
@@ -75,7 +75,7 @@ class Edge:
 
             self.draft_model = load_draft(None, kind, dtype=cmd.get("dtype", "auto"))
         else:
-            from deploy.verifier.models import load_model
+            from specdec.model.loading import load_model
 
             self.draft_model = load_model(kind, dtype=cmd.get("dtype", "auto"), seed=int(cmd.get("seed", 0)),
                                           tiny_config=cmd.get("tiny_config")).model

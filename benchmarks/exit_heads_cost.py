@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from deploy.verifier.early_stream import EarlyStreams
-from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
-from deploy.verifier.exit_heads import ALIASES, ExitHeads
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import DraftTree
+from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest
+from specdec.exit_heads import ALIASES, ExitHeads
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree
 
 OUT = Path(__file__).resolve().parent / "results" / "exit_heads_cost.json"
 
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     lm = load_model("embedded", dtype="bfloat16")
     model = lm.model

@@ -45,7 +45,7 @@ def tokenizer_files(where: Path | None = None) -> list[Path]:
     """The tokenizer files in ``where`` (default: the embedded SmolLM2's, converted if need be):
     tokenizer.json, its config, the chat template; a GPU box without the embedded weights needs
     only these."""
-    from deploy.verifier.models import EMBEDDED_NAME, cache_dir, ensure_embedded_model
+    from specdec.model.loading import EMBEDDED_NAME, cache_dir, ensure_embedded_model
 
     if where is None:
         where = cache_dir() / "models" / EMBEDDED_NAME
@@ -63,7 +63,7 @@ def write_checkpoint(config: dict, out: Path, device: str = "cpu", seed: int = 0
     when ``out`` holds a complete one of the same config."""
     from safetensors.torch import save_file
 
-    from deploy.verifier.checkpoint import CausalLMWeights, CheckpointConfig
+    from specdec.model.checkpoint import CausalLMWeights, CheckpointConfig
 
     out = Path(out)
     config = {"architectures": [ARCHITECTURES[config["model_type"]]], **config}
@@ -204,7 +204,7 @@ async def run_sessions(engine: BatchingEngine, drafts, prompts: list[list[int]],
                        depth: int, name: str) -> list:
     """One generation per prompt, concurrently, each by its own edge agent (``drafts[i]``); tree
     budget 0: one-token decoding through the same path."""
-    from deploy.verifier.sampling import SamplingParams
+    from specdec.sampling import SamplingParams
     from edge_agent.agent import AgentConfig, EdgeAgent
     from edge_agent.transport import LocalTransport
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
 
     from deploy.config import AppConfig
-    from deploy.verifier.models import cache_dir, load_weights, resolve_device
+    from specdec.model.loading import cache_dir, load_weights, resolve_device
     from deploy.verifier.startup import start_target
 
     device = resolve_device(a.device)

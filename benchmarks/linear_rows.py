@@ -1,7 +1,7 @@
 """The target's linear layers alone, against the rows in a forward: where they stop streaming.
 
 A forward of the embedded SmolLM2-135M streams 212 MB of layer weights (plus the 57 MB LM
-head) through :class:`deploy.verifier.model.Linear`. With few rows that stream bounds it (the
+head) through :class:`specdec.model.linear.Linear`. With few rows that stream bounds it (the
 memory); with many, the VDPBF16PS arithmetic does. This times one pass over every linear of the
 30 layers (fused QKV, O, fused gate/up, down: the packed weights on huge pages, in the order a
 forward reads them, exactly as the engine holds them) and the LM head, at each row count, one
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     from benchmarks.verify_step import cpu_name
-    from deploy.verifier.model import DecoderModel
-    from deploy.verifier.models import load_model
+    from specdec.model.decoder import DecoderModel
+    from specdec.model.loading import load_model
 
     dm = DecoderModel(load_model("embedded", dtype="bfloat16", device="cpu").model)
     rows = [int(x) for x in args.rows.split(",")]

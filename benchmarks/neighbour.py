@@ -29,8 +29,8 @@ import time
 NEIGHBOUR = """
 import os, torch
 os.sched_setaffinity(0, {%d}); torch.set_num_threads(1)
-from deploy.verifier.batch import chunk_input
-from deploy.verifier.runner import ModelRunner
+from specdec.model.batch import chunk_input
+from specdec.model.runner import ModelRunner
 from edge_agent.draft_model import load_draft
 r = ModelRunner(load_draft(None, "embedded-draft", dtype="bfloat16"), kv_capacity_tokens=4096)
 ids = list(range(100, 400))
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     from benchmarks.verify_step import Case
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     lm = load_model("embedded", dtype="bfloat16", device="cpu")
     rng = random.Random(0)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from deploy.config import AppConfig
-from deploy.protocol import ReplyFrame, VerifyFrame
+from specdec.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.deployment import VerifierCore
 
 RESULTS = Path(__file__).resolve().parent / "results"

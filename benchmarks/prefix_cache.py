@@ -9,7 +9,7 @@ the conversations before) and turn 2 finds turn 1 and the answer (a finished ses
 stay cached).
 
 Reported per mode: prompt tokens, those computed, the prefill's CPU seconds (the opening
-thread's, :meth:`deploy.verifier.engine.VerifierEngine.open`) and its wall time (time to first
+thread's, :meth:`specdec.engine.VerifierEngine.open`) and its wall time (time to first
 token at the engine), per turn; the answers of both modes must be the same tokens. Written to
 ``benchmarks/results/prefix-cache-<date>.json``. ``python -m benchmarks.prefix_cache``
 (embedded SmolLM2, bf16, ~3 min on a 2-core AVX2 host).
@@ -36,7 +36,7 @@ def conversations(n: int) -> list[list[str]]:
 
 
 def _open(engine, sid: str, prompt: list[int], params) -> tuple[dict, object]:
-    from deploy.verifier.engine import OpenRequest
+    from specdec.engine import OpenRequest
 
     hits = engine.prefix_tokens[1]
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -48,8 +48,8 @@ def _open(engine, sid: str, prompt: list[int], params) -> tuple[dict, object]:
 
 def _decode(engine, sid: str) -> list[int]:
     """Greedy target decoding (an empty tree per round) to the end; the generated tokens."""
-    from deploy.verifier.engine import VerifyRequest
-    from deploy.verifier.tree import DraftTree
+    from specdec.engine import VerifyRequest
+    from specdec.tree import DraftTree
 
     s = engine.sessions[sid]
     while not s.finished:
@@ -60,9 +60,9 @@ def _decode(engine, sid: str) -> list[int]:
 def run(model: str = "embedded", dtype: str = "auto", n: int = 10, max_tokens: int = 64) -> dict:
     import torch
 
-    from deploy.verifier.engine import VerifierEngine
-    from deploy.verifier.models import load_model, load_tokenizer
-    from deploy.verifier.sampling import SamplingParams
+    from specdec.engine import VerifierEngine
+    from specdec.model.loading import load_model, load_tokenizer
+    from specdec.sampling import SamplingParams
     from edge_agent.agent import encode_chat
 
     torch.set_num_threads(1)

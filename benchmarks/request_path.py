@@ -1,6 +1,6 @@
 """The cheapest request path for edges: CPU microseconds per verify round in each server hop,
 HTTP ``POST /v1/sessions/{id}/verify`` vs the WebSocket ``/v1/sessions/{id}/ws`` (same binary
-frames, :mod:`deploy.protocol`).
+frames, :mod:`specdec.protocol`).
 
 ``python -m benchmarks.request_path [--rounds 300] [--nodes 8] [--repeats 2] [--smoke]``
 
@@ -72,7 +72,7 @@ def per_round(cpu_s: dict[str, float], idle_rate: dict[str, float], wall_s: floa
 
 async def _rounds(transport: str, url: str, sessions: int, rounds: int, warmup: int, nodes: int, vocab: int,
                   seed: int, server: Server, roles: dict[int, str]) -> dict:
-    from deploy.protocol import OpenSession, VerifyFrame
+    from specdec.protocol import OpenSession, VerifyFrame
     from edge_agent.transport import HttpTransport
 
     rng = random.Random(seed)

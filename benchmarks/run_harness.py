@@ -342,8 +342,8 @@ def calibrate(args) -> None:
 
     import torch
 
-    from deploy.verifier.engine import VerifierEngine
-    from deploy.verifier.models import load_model
+    from specdec.engine import VerifierEngine
+    from specdec.model.loading import load_model
     from edge_agent.agent import AgentConfig, EdgeAgent
     from edge_agent.transport import LocalTransport
 

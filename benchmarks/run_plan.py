@@ -147,7 +147,7 @@ def prompt_ids(plan: Plan, n: int) -> tuple[list[list[int]], list[str]]:
     ps = mixed(n)
     if plan.target.startswith("tiny"):  # no tokenizer: bytes as token ids (vocabulary 512)
         return [list(p.text.encode()[:48]) for p in ps], [f"{p.dataset}:{p.id}" for p in ps]
-    from deploy.verifier.models import load_tokenizer
+    from specdec.model.loading import load_tokenizer
     from edge_agent.agent import encode_prompt
 
     tok = load_tokenizer("embedded")

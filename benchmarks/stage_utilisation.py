@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from deploy.config import ModelConfig
-from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import DraftTree, TreeLimits
+from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree, TreeLimits
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -155,7 +155,7 @@ def pipeline_rows(args, cfg: ModelConfig) -> tuple[list[dict], list]:
 
 def single_process_row(args, cfg: ModelConfig) -> dict:
     """The unsharded verifier in this process, 1 batch at a time (forward time / window)."""
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     torch.set_num_threads(args.threads_per_stage)
     loaded = load_model(cfg.model, dtype=cfg.dtype, device="cpu", seed=cfg.seed, tiny_config=cfg.tiny_config)

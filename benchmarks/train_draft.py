@@ -169,7 +169,7 @@ def generate_batch(model, prompts: list[list[int]], temps: list[float], max_new:
 
 
 def stage_gen(args) -> None:
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     work = Path(args.work)
     (work / "data").mkdir(parents=True, exist_ok=True)
@@ -318,7 +318,7 @@ def kd_loss(logits: torch.Tensor, tid: torch.Tensor, tpr: torch.Tensor, msk: tor
 
 def stage_train(args) -> None:
     from edge_agent.draft_model import build_draft, save_artifact
-    from deploy.verifier.models import load_model, tokenizer_fingerprint
+    from specdec.model.loading import load_model, tokenizer_fingerprint
 
     torch.manual_seed(args.seed)
     work = Path(args.work)

@@ -5,7 +5,7 @@
 2. ``feats``: one forward per sequence with hidden states: for every response position, the
    residual stream after each exit layer and the final layer's top-32 next-token
    distribution (the distillation target; the exits are trained to agree with it).
-3. ``train``: each exit's adapter (:class:`deploy.verifier.exit_heads.ExitAdapter`) alone,
+3. ``train``: each exit's adapter (:class:`specdec.exit_heads.ExitAdapter`) alone,
    soft cross-entropy to the final top-32 restricted to the vocabulary subset (the paper
    backpropagates each exit's loss into its own adapter; the target stays frozen), AdamW.
 4. held-out agreement (exit argmax == final argmax) for the trained head and for the
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.train_draft import generate_batch, template_prompts
-from deploy.verifier.exit_heads import ALIASES, ExitAdapter, ExitHeads
+from specdec.exit_heads import ALIASES, ExitAdapter, ExitHeads
 
 DEFAULT_LAYERS = (8, 12, 16, 20)
 
@@ -180,7 +180,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(ALIASES["embedded"]))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     lm = load_model("embedded", dtype="bfloat16")
     work = Path(args.work)

@@ -139,7 +139,7 @@ def encode(tok, instruction: str, answer: str, max_len: int) -> tuple[list[int],
 def train(version: str, steps: int, batch: int, max_len: int, lr: float, seed: int, out: Path) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     lm = load_model("embedded", dtype="float32", device="cpu")
     tok = lm.tokenizer

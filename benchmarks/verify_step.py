@@ -37,9 +37,9 @@ import torch
 from benchmarks.model_shapes import SHAPES, random_model
 from deploy import gc_policy
 from deploy.config import AppConfig
-from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import DraftTree, TreeLimits
+from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree, TreeLimits
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"decode_1_vs_vllm": 1.2, "decode_16_vs_vllm": 1.2, "tree_1x16_vs_decode_1": 1.3,
@@ -80,7 +80,7 @@ class Case:
         self.engine = VerifierEngine(model, limits=TreeLimits(max_nodes=64, max_depth=64),
                                      kv_capacity_tokens=sessions * (prefix + 512),
                                      on_forward=lambda st: self.forward_s.append(st.seconds))
-        if not graphs:  # CUDA: every forward eager (deploy/verifier/cuda/graphs.py)
+        if not graphs:  # CUDA: every forward eager (specdec/model/cuda/graphs.py)
             self.engine.runner.model.graphs = None
         self.sids = [f"b{sessions}-n{nodes}-{i}" for i in range(sessions)]
         params = SamplingParams(max_tokens=1 << 16, ignore_eos=True)
@@ -230,11 +230,11 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
-    from deploy.verifier import cuda as cuda_kernels
-    from deploy.verifier.attention import use_kernel
+    from specdec.model import cuda as cuda_kernels
+    from specdec.model.attention import use_kernel
     from benchmarks import gpu_round
-    from deploy.verifier.model import DecoderModel
-    from deploy.verifier.models import EMBEDDED_SHAPES, load_model, tiny_random_model
+    from specdec.model.decoder import DecoderModel
+    from specdec.model.loading import EMBEDDED_SHAPES, load_model, tiny_random_model
 
     prefixes = [int(x) for x in args.prefixes.split(",")]
     sessions = [int(x) for x in args.sessions.split(",")]

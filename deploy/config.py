@@ -27,7 +27,7 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """Which target to load (see :func:`deploy.verifier.models.load_model`)."""
+    """Which target to load (see :func:`specdec.model.loading.load_model`)."""
 
     model: str = Field("embedded", description="'embedded', 'tiny-random', a .gguf file, an HF dir or id")
     tokenizer: str | None = Field(None, description="tokenizer source when it differs from the model")
@@ -66,7 +66,7 @@ class ModelConfig(_Strict):
 
 
 class EarlyExitConfig(_Strict):
-    """Exit heads in the verify forward (the early-exit paper; deploy/verifier/exit_heads.py):
+    """Exit heads in the verify forward (the early-exit paper; specdec/exit_heads.py):
     edges that ask (``F_EARLY``, WebSocket) get each exit's guess of their round mid-forward."""
 
     enabled: bool = Field(False, description="load exit heads and answer F_EARLY requests; off: such requests 400")
@@ -134,14 +134,14 @@ class VerifierConfig(_Strict):
                                          "for any K, only the bytes and refill round trips change")
     truncate_trees: bool = Field(True, description="per batch, verify the prefix of each priority-ordered tree that "
                                                    "maximises expected tokens per forward second "
-                                                   "(deploy/verifier/truncation.py)")
+                                                   "(specdec/truncation.py)")
     run_ahead_tokens: int = Field(8, ge=0, le=1024,
                                   description="while the tree budget is 0, decode a session that asks (F_AHEAD) on "
                                               "past its bonus for up to this many tokens in the following forwards, "
                                               "and reply once with all of them; 0 = off (deploy/verifier/run_ahead.py)")
     prefix_caching: bool = Field(True, description="share the KV pages of a prompt's prefix computed before (a "
                                                    "system prompt, an earlier turn) within a tenant and target "
-                                                   "version; exact: deploy/verifier/prefix_cache.py")
+                                                   "version; exact: specdec/model/prefix_cache.py")
     prefix_affinity_margin: int = Field(4, ge=0, description="an open whose prompt begins like an earlier open's "
                                                              "prefers that open's replica while its load is within "
                                                              "this many of the least-loaded replica's "
@@ -397,7 +397,7 @@ def versions_update(cfg: AppConfig, user_config) -> AppConfig:
 def _checkpoint_dims(target: ModelConfig) -> tuple[int | None, int | None]:
     """The target's layer count and context length, read without loading weights (tiny-random's
     shape, the embedded model's, a local or hub-cached config.json); None where unknown."""
-    from deploy.model_source import (EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, config_json, context_length,
+    from specdec.model_source import (EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, config_json, context_length,
                                      tiny_config)
 
     if target.model.startswith(TINY_PREFIX):

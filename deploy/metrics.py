@@ -11,7 +11,7 @@
 - **Exporters** apply the updates: :class:`RayServeExporter` (``ray.serve.metrics``, so the
   metrics leave through Ray's metrics export port with a ``ray_`` prefix and Serve's
   ``application``/``deployment``/``replica`` labels) and :class:`PrometheusClientExporter`
-  (``prometheus_client``; the edge agent and the unit tests).
+  (``prometheus_client``; the edge agent and the unit tests), both declared in :mod:`specdec.metrics`.
 
 Spec-decode counters follow vLLM's names (``num_drafts``, ``num_draft_tokens``,
 ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``): a *draft* is one verify round,
@@ -29,12 +29,13 @@ against this table (``tests/test_dashboards.py``) and against a real Prometheus
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Sequence
+
+from specdec.metrics import Exporter, MetricSpec, PrometheusClientExporter, never_raises
 
 log = logging.getLogger("ray.serve")
 
@@ -52,22 +53,6 @@ _TTFT_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0
            80.0, 160.0, 640.0, 2560.0)
 _E2E_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
           960.0, 1920.0, 7680.0)
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One metric: ``name`` without the exporter's prefix (Ray adds ``ray_``)."""
-
-    name: str
-    kind: str  # "counter" | "histogram" | "gauge"
-    description: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] = ()
-    component: str = "verifier"  # "verifier" | "router" | "edge": who exports it
-
-    def exposed(self, prefix: str = "ray_") -> str:
-        """The name Prometheus sees (counters get ``_total``; histograms add ``_bucket/_sum/_count``)."""
-        return prefix + self.name + ("_total" if self.kind == "counter" else "")
 
 
 def _c(name, desc, labels=(), component="verifier"):
@@ -90,7 +75,7 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _c("spec_decode_num_draft_tokens", "Draft tokens (tree nodes) verified (sent minus those the replica cut).",
        TMV),
     _c("spec_decode_num_truncated_tokens", "Draft tokens sent but not verified: server-side truncation at batch "
-                                           "time (deploy/verifier/truncation.py).", TMV),
+                                           "time (specdec/truncation.py).", TMV),
     _c("spec_decode_num_accepted_tokens", "Draft tokens accepted (the bonus token not counted).", TMV),
     _c("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position on the accepted path.",
        TMV + ("position",)),
@@ -158,32 +143,7 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
 ]}
 
 
-def never_raises(fn):
-    """Metrics must never break serving: log the first failure of each method, then stay quiet."""
-    failed = []
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001
-            if not failed:
-                failed.append(True)
-                log.exception("metrics: %s failed (further failures are not logged)", fn.__qualname__)
-            return None
-
-    return wrapper
-
-
 # -- exporters -------------------------------------------------------------------------------------
-class Exporter(Protocol):
-    def inc(self, name: str, value: float, labels: dict[str, str]) -> None: ...
-
-    def observe(self, name: str, value: float, labels: dict[str, str]) -> None: ...
-
-    def set(self, name: str, value: float, labels: dict[str, str]) -> None: ...
-
-
 class RayServeExporter:
     """``ray.serve.metrics`` Counter/Histogram/Gauge, created in the replica that exports them."""
 
@@ -208,37 +168,6 @@ class RayServeExporter:
 
     def set(self, name, value, labels):
         self._m[name].set(value, tags=labels)
-
-
-class PrometheusClientExporter:
-    """``prometheus_client`` metrics in ``registry`` (a fresh one by default)."""
-
-    def __init__(self, specs: Iterable[MetricSpec], registry=None):
-        import prometheus_client as pc
-
-        self.registry = registry if registry is not None else pc.CollectorRegistry()
-        self._m: dict[str, Any] = {}
-        for s in specs:
-            if s.kind == "counter":  # prometheus_client appends _total itself
-                m = pc.Counter(s.name, s.description, s.labels, registry=self.registry)
-            elif s.kind == "histogram":
-                m = pc.Histogram(s.name, s.description, s.labels, buckets=s.buckets, registry=self.registry)
-            else:
-                m = pc.Gauge(s.name, s.description, s.labels, registry=self.registry)
-            self._m[s.name] = m
-
-    def _child(self, name, labels):
-        m = self._m[name]
-        return m.labels(**labels) if labels else m
-
-    def inc(self, name, value, labels):
-        self._child(name, labels).inc(value)
-
-    def observe(self, name, value, labels):
-        self._child(name, labels).observe(value)
-
-    def set(self, name, value, labels):
-        self._child(name, labels).set(value)
 
 
 def specs_for(component: str) -> list[MetricSpec]:
@@ -360,7 +289,7 @@ class VerifierMetrics:
     # events ------------------------------------------------------------------------
     @never_raises
     def on_forward(self, st) -> None:
-        """One target forward (``deploy.verifier.engine.ForwardStats``)."""
+        """One target forward (``specdec.engine.ForwardStats``)."""
         e, kind = self.exporter, {"kind": st.kind}
         e.observe("specedge_verify_batch_sessions", st.sessions, kind)
         e.observe("specedge_verify_batch_tokens", st.tokens, kind)
@@ -522,7 +451,7 @@ class RouterMetrics:
 
     @never_raises
     def on_error(self, e) -> None:
-        """A ``deploy.errors.SpecError`` about to be answered (HTTP or WebSocket)."""
+        """A ``specdec.errors.SpecError`` about to be answered (HTTP or WebSocket)."""
         status = int(getattr(e, "status", 500))
         self.exporter.inc("specedge_router_errors", 1, {"status": str(status), "code": str(getattr(e, "code", "error"))})
         reason = getattr(e, "reason", None)

@@ -19,7 +19,7 @@ Verification rules (``AgentConfig.verify``):
 - ``rejection`` (DSSD / PicoSpec split rejection sampling): draft *chains* sampled from the
   draft's q with q(x) per token; the server accepts x w.p. min(1, p/q), and on a rejection
   the edge samples the replacement from the residual norm(max(0, p - q)) with its own q and
-  the reply's part of p (:class:`deploy.verifier.acceptance.ResidualSampler`; when those
+  the reply's part of p (:class:`specdec.acceptance.ResidualSampler`; when those
   candidates run out it asks for more, a round trip without a forward), then carries the
   token in its next frame. Accepts far more than sample-then-match at temperature > 0;
   greedy output is the same. Proactive drafting extends the chain while a reply is in
@@ -61,10 +61,10 @@ from typing import Callable
 
 import torch
 
-from deploy.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
-from deploy.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, TokenLogprob, VerifyFrame
-from deploy.verifier.acceptance import Rejection, ResidualSampler
-from deploy.verifier.sampling import SamplingParams
+from specdec.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
+from specdec.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, TokenLogprob, VerifyFrame
+from specdec.acceptance import Rejection, ResidualSampler
+from specdec.sampling import SamplingParams
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.draft_executor import CRITICAL, DraftExecutor
 from edge_agent.drafter import Drafter
@@ -322,7 +322,7 @@ class EdgeAgent:
     def _check_compat(self, info: ModelInfo) -> None:
         if not self.config.check_tokenizer:
             return
-        from deploy.verifier.models import tokenizer_fingerprint
+        from specdec.model.loading import tokenizer_fingerprint
 
         mine = tokenizer_fingerprint(self.tokenizer)
         if self.tokenizer is not None and info.tokenizer_fingerprint not in ("none", mine):
@@ -349,7 +349,7 @@ class EdgeAgent:
 
     async def _open(self, prompt: list[int], generated: list[int], params: SamplingParams,
                     stats: GenerationStats) -> SessionOpened:
-        from deploy.verifier.models import tokenizer_fingerprint
+        from specdec.model.loading import tokenizer_fingerprint
 
         t = self.telemetry
         req = OpenSession(prompt_ids=prompt, generated_ids=generated, sampling=params.to_dict(), model=self.config.model,
@@ -396,7 +396,7 @@ class EdgeAgent:
 
         ``on_tokens`` gets each verified batch of token ids, ``on_text`` the new text; when the
         sampling asks for ``logprobs``, ``on_logprobs`` gets the batch's target log-probs
-        (:class:`~deploy.protocol.TokenLogprob`, one per token) just before ``on_tokens``.
+        (:class:`~specdec.protocol.TokenLogprob`, one per token) just before ``on_tokens``.
         """
         cfg = self.config
         info = await self.model_info()
@@ -835,6 +835,6 @@ class EdgeAgent:
 
 
 def _rejection(reply: ReplyFrame) -> Rejection:
-    """The edge's half of a rejection reply (:mod:`deploy.verifier.acceptance`)."""
+    """The edge's half of a rejection reply (:mod:`specdec.acceptance`)."""
     return Rejection(tuple(reply.reject_top_ids), tuple(reply.reject_top_probs), reply.tail_mass,
                      tuple(reply.tail_ids), tuple(reply.tail_probs))

@@ -138,7 +138,7 @@ def _ids(s: str) -> list[int]:
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    from deploy.verifier.models import EMBEDDED_ALIASES, ensure_embedded_model
+    from specdec.model.loading import EMBEDDED_ALIASES, ensure_embedded_model
 
     if spec in ("none", ""):
         return None
@@ -148,7 +148,7 @@ def load_tokenizer(spec: str):
 
 def load_drafter(spec: str, *, device: str, dtype: str, seed: int, vocab_size: int | None):
     """(drafter, tokenizer or None) for a ``--draft`` spec."""
-    from deploy.verifier.models import EMBEDDED_ALIASES, TINY_PREFIX, load_model
+    from specdec.model.loading import EMBEDDED_ALIASES, TINY_PREFIX, load_model
     from edge_agent.drafter import ModelDrafter, NgramDrafter, NullDrafter
 
     if spec == "ngram":
@@ -199,9 +199,9 @@ def _transport(a):
 
 
 def _local_transport(a):
-    from deploy.verifier.engine import VerifierEngine
-    from deploy.verifier.models import load_model, tokenizer_fingerprint
-    from deploy.verifier.tree import TreeLimits
+    from specdec.engine import VerifierEngine
+    from specdec.model.loading import load_model, tokenizer_fingerprint
+    from specdec.tree import TreeLimits
     from edge_agent.transport import LocalTransport
 
     lm = load_model(a.target, dtype=a.dtype, device="cpu")
@@ -220,7 +220,7 @@ async def _info(a) -> int:
 def _draft_and_tokenizer(a, info, local_tok=None):
     """The ``--draft`` (loaded once) and the tokenizer the edge uses: ``--tokenizer``, the draft's, the
     local target's, else the embedded one; it must be the target's (fingerprints)."""
-    from deploy.verifier.models import tokenizer_fingerprint
+    from specdec.model.loading import tokenizer_fingerprint
 
     drafter, tok = load_drafter(a.draft, device=a.device, dtype=a.dtype, seed=a.draft_seed,
                                 vocab_size=info.vocab_size)
@@ -323,7 +323,7 @@ async def _serve(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deploy.errors import Forbidden, Overloaded, SpecError, Unauthorized
+    from specdec.errors import Forbidden, Overloaded, SpecError, Unauthorized
     from edge_agent.errors import ConnectionLost, EdgeError, ServerUnreachable, TokenizerMismatch
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -20,7 +20,7 @@ The committed artifact holds only what the target file cannot give: the trained
 layers, norm and head bias (bf16), and ``vocab_map`` (``edge_agent/artifacts/
 embedded-draft.safetensors`` + ``.json``). :func:`load_draft` assembles the full draft
 from it and the target. The result is an HF ``LlamaForCausalLM`` (so
-``deploy.verifier.runner.ModelRunner`` can drive it) whose ``lm_head`` outputs ``V'``
+``specdec.model.runner.ModelRunner`` can drive it) whose ``lm_head`` outputs ``V'``
 logits and which carries ``vocab_map`` (LongTensor ``[V']``) as a buffer.
 """
 
@@ -122,7 +122,7 @@ def _target_parts(target: str | Path | None):
     """(config, embedding [V, D] fp32) of the target: HF dir (reads one tensor) or GGUF file."""
     from transformers import AutoConfig
 
-    from deploy.verifier.models import EMBEDDED_ALIASES, ensure_embedded_model, load_model
+    from specdec.model.loading import EMBEDDED_ALIASES, ensure_embedded_model, load_model
 
     if target is None or str(target) in EMBEDDED_ALIASES:
         target = ensure_embedded_model()
@@ -149,7 +149,7 @@ def load_draft(target_dir_or_gguf: str | Path | None = None, artifact: str | Pat
     """
     from safetensors.torch import load_file
 
-    from deploy.verifier.models import resolve_device, resolve_dtype
+    from specdec.model.loading import resolve_device, resolve_dtype
 
     path = resolve_artifact(artifact)
     tensors = load_file(str(path))

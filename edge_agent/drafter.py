@@ -6,9 +6,9 @@ specific drafting technique"):
 
 - :class:`ModelDrafter`: any Llama-family HF causal LM that shares the target's
   tokenizer, run by the verifier's own forward and KV pool
-  (:class:`deploy.verifier.runner.ModelRunner`). The pool holds the verified prefix
+  (:class:`specdec.model.runner.ModelRunner`). The pool holds the verified prefix
   (committed) and, past it, one entry per fed tree node; each fed node sees the prefix and
-  its own ancestors only (ancestor bits, :mod:`deploy.verifier.batch`), so all nodes of a
+  its own ancestors only (ancestor bits, :mod:`specdec.model.batch`), so all nodes of a
   tree, and the proactive chain behind it, live in one cache (at most 64 fed nodes per
   tree). After a verification the pool is compacted to the accepted path (+ reused
   proactive nodes): rollback moves a few entries, never recomputes. An optional ``vocab_map`` ([V_draft] long) maps a reduced draft head's
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deploy.verifier.batch import MAX_TREE_BITS, SeqInput, chunk_input, signed64
-from deploy.verifier.model import DecoderModel
-from deploy.verifier.runner import ModelRunner
+from specdec.model.batch import MAX_TREE_BITS, SeqInput, chunk_input, signed64
+from specdec.model.decoder import DecoderModel
+from specdec.model.runner import ModelRunner
 from edge_agent.tree_builder import ROOT
 
 _PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF draft model -> its DecoderModel

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deploy.verifier.sampling import SamplingParams, sample_from_probs, target_probs
-from deploy.verifier.tree import DraftTree
+from specdec.sampling import SamplingParams, sample_from_probs, target_probs
+from specdec.tree import DraftTree
 from edge_agent.drafter import Candidates, Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeBuilder, TreeConfig
 
@@ -228,7 +228,7 @@ class ChainDraftSession:
     Each draft token is *sampled* from the draft's distribution q processed with the
     request's sampling parameters (greedy: its argmax), and q is kept: its value at the
     token goes uplink, and on a rejection the whole q is the edge's half of the residual
-    norm(max(0, p - q)) (:class:`deploy.verifier.acceptance.ResidualSampler`).
+    norm(max(0, p - q)) (:class:`specdec.acceptance.ResidualSampler`).
 
     Proactive drafting (SpecEdge §4.2) extends the chain past the sent tokens while the
     reply is in flight. If every sent token is accepted and the server's bonus equals the

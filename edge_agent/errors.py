@@ -1,8 +1,8 @@
-"""Edge-side errors (the server's typed errors are :mod:`deploy.errors`)."""
+"""Edge-side errors (the server's typed errors are :mod:`specdec.errors`)."""
 
 from __future__ import annotations
 
-from deploy.errors import SpecError
+from specdec.errors import SpecError
 
 
 class EdgeError(Exception):
@@ -26,7 +26,7 @@ class TokenizerMismatch(EdgeError):
 
 def error_from_json(status: int, body: dict | None, retry_after: float | None = None) -> SpecError:
     """Rebuild the server's typed error from its JSON body (``{"error": {"code", "message"}}``)."""
-    from deploy import errors as E
+    from specdec import errors as E
 
     err = (body or {}).get("error") if isinstance(body, dict) else None
     code = (err or {}).get("code", "")

@@ -15,7 +15,7 @@ process, and Prometheus' target labels tell agents apart.
 
 from __future__ import annotations
 
-from deploy.metrics import MetricSpec, PrometheusClientExporter
+from specdec.metrics import MetricSpec, PrometheusClientExporter
 
 _S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -1,7 +1,7 @@
 """The pre-draft cache (early-exit paper §3 steps 4-6, Appendix A, Algorithm 1).
 
 While a verify round is in flight the server streams early results (``F_EARLY``,
-:class:`deploy.protocol.EarlyFrame`): after an exit layer, the accepted path of the tree
+:class:`specdec.protocol.EarlyFrame`): after an exit layer, the accepted path of the tree
 sent and the next token that exit's walk gives, with its probability. For each distinct
 guess the edge drafts the *next* tree as if that guess were the round's outcome, highest
 confidence first (the paper's priority queue), one draft forward per :meth:`step`, and
@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from deploy.protocol import EarlyFrame
+from specdec.protocol import EarlyFrame
 from edge_agent.drafter import ExpandRequest
 from edge_agent.drafting import DraftSession
 from edge_agent.tree_builder import ROOT, TreeBuilder

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deploy.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
+from specdec.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 from edge_agent.errors import error_from_json
 from edge_agent.transport import ModelInfo, Transport
 

@@ -2,7 +2,7 @@
 SpecInfer §4.2 / SpecTr, siblings without replacement as in Recursive Speculative Decoding and
 Sequoia §3.2; split edge/cloud as DSSD §3 and PicoSpec §3.3 split chains).
 
-The server's rule (:mod:`deploy.verifier.acceptance`, "tree rejection sampling") is exact when
+The server's rule (:mod:`specdec.acceptance`, "tree rejection sampling") is exact when
 (1) whether a node gets an i-th child is decided before that child is drawn, from what was
 drawn before only, and (2) siblings go on the wire in drawing order. This builder keeps both:
 
@@ -13,7 +13,7 @@ drawn before only, and (2) siblings go on the wire in drawing order. This builde
   draft forward per level). Nothing is pruned after it is drawn.
 - Level by level, one draft forward feeds the nodes that get children; each one's draft
   distribution, processed with the request's temperature / top-k / top-p, becomes a sparse
-  proposal (:func:`~deploy.verifier.acceptance.make_proposal`: its largest entries, u16
+  proposal (:func:`~specdec.acceptance.make_proposal`: its largest entries, u16
   weights) and its children are drawn from it one after another without replacement
   (fewer when the proposal's support is smaller: that depends on the parent alone).
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deploy.verifier.acceptance import Proposal, draw_without_replacement, make_proposal
-from deploy.verifier.sampling import SamplingParams, target_probs
-from deploy.verifier.tree import DraftTree
+from specdec.acceptance import Proposal, draw_without_replacement, make_proposal
+from specdec.sampling import SamplingParams, target_probs
+from specdec.tree import DraftTree
 from edge_agent.drafter import Drafter, ExpandRequest
 from edge_agent.drafting import Alignment
 from edge_agent.tree_builder import ROOT, TreeConfig

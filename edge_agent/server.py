@@ -5,7 +5,7 @@ The draft model loads once. Each request is one :meth:`EdgeAgent.generate` again
 (edge drafting, proactive drafting, the configured verification rule), run by an agent from
 :class:`AgentPool`: agents share the draft's weights, one :class:`DraftExecutor` (one worker
 thread for every draft forward) and one transport; each holds its own draft KV cache. Requests
-and responses are OpenAI's, parsed and shaped by :mod:`deploy.router.openai` (pure), so the
+and responses are OpenAI's, parsed and shaped by :mod:`specdec.openai` (pure), so the
 text is the cloud target's exactly. A client that goes away cancels its generation, which
 closes its cloud session; cloud errors become OpenAI error objects with their status (429 with
 ``Retry-After``; 503 ``cloud_unavailable`` when the cloud cannot be reached). Starlette on
@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from deploy.errors import InvalidRequest, Overloaded, SpecError
-from deploy.router import openai as oai
+from specdec.errors import InvalidRequest, Overloaded, SpecError
+from specdec import openai as oai
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.draft_executor import DraftExecutor
 from edge_agent.errors import CloudUnavailable, ConnectionLost, EdgeError, ServerUnreachable
@@ -240,7 +240,7 @@ class EdgeServer:
         return req
 
     async def _rounds(self, req: oai.CompletionRequest):
-        """The request's generation as :class:`~deploy.router.openai.Round` s: the first carries the first
+        """The request's generation as :class:`~specdec.openai.Round` s: the first carries the first
         token (or raises the open's error, as an OpenAI error); the generation is cancelled, and its cloud
         session closed, when this generator is closed early."""
         agent = await self.pool.acquire()

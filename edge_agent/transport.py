@@ -1,6 +1,6 @@
 """How the edge reaches a verifier: over HTTP/WebSocket, or in-process.
 
-:class:`Transport` is the four calls of the protocol (:mod:`deploy.protocol`): model
+:class:`Transport` is the four calls of the protocol (:mod:`specdec.protocol`): model
 info, open (also re-open from history), verify (binary frames), close, plus a ping for
 RTT. The agent's logic is identical over both implementations:
 
@@ -15,7 +15,7 @@ RTT. The agent's logic is identical over both implementations:
   5xx that is not the app's JSON error: a proxy answering for a replica that died) raises
   :class:`~edge_agent.errors.ConnectionLost` (it may or may not have been applied), and
   the agent re-opens the session from its history instead of guessing.
-- :class:`LocalTransport`: a :class:`deploy.verifier.engine.VerifierEngine` in this
+- :class:`LocalTransport`: a :class:`specdec.engine.VerifierEngine` in this
   process (``edge-agent --local``, fast tests). Frames (trees, and chains of the rejection
   rule) still go through the binary codec; the engine runs in a worker thread so the event
   loop (and proactive drafting) keep going; an optional simulated RTT; a SpecEdge §4.3
@@ -35,8 +35,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from deploy.errors import SessionEvicted, SessionNotFound, SpecError
-from deploy.protocol import (EARLY_STREAM_MEDIA_TYPE, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened,
+from specdec.errors import SessionEvicted, SessionNotFound, SpecError
+from specdec.protocol import (EARLY_STREAM_MEDIA_TYPE, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened,
                              VerifyFrame)
 from edge_agent.errors import ConnectionLost, ServerUnreachable, error_from_json
 
@@ -63,7 +63,7 @@ class ModelInfo:
 
 
 class Transport:
-    """The protocol, as async calls. Errors are :mod:`deploy.errors` / :mod:`edge_agent.errors`."""
+    """The protocol, as async calls. Errors are :mod:`specdec.errors` / :mod:`edge_agent.errors`."""
 
     async def model_info(self) -> ModelInfo:
         raise NotImplementedError
@@ -143,8 +143,8 @@ class LocalTransport(Transport):
                          tuple(e.exit_heads.layers) if getattr(e, "exit_heads", None) is not None else ())
 
     async def open(self, req: OpenSession) -> SessionOpened:
-        from deploy.verifier.engine import OpenRequest
-        from deploy.verifier.sampling import SamplingParams
+        from specdec.engine import OpenRequest
+        from specdec.sampling import SamplingParams
 
         req = OpenSession.model_validate_json(req.model_dump_json())  # as it would arrive
         sid = uuid.uuid4().hex
@@ -177,9 +177,9 @@ class LocalTransport(Transport):
             self.evicted.add(sid)
 
     def _verify(self, sid: str, body: bytes, on_early=None) -> bytes:
-        from deploy.errors import InvalidRequest
-        from deploy.verifier.engine import ChainVerifyRequest, VerifyRequest
-        from deploy.verifier.tree import DraftTree
+        from specdec.errors import InvalidRequest
+        from specdec.engine import ChainVerifyRequest, VerifyRequest
+        from specdec.tree import DraftTree
 
         if sid in self.evicted:
             raise SessionEvicted(f"session {sid!r} was evicted")
@@ -258,7 +258,7 @@ class HttpTransport(Transport):
     # hop; `python -m benchmarks.request_path`); falls back to POST where the upgrade is refused
     ws: bool = True
     # POST rounds with F_EARLY (only an agent that pre-drafts sets it) accept the streamed response: early
-    # frames, then the reply (deploy/protocol.py); off: the flag is served as a plain reply, no early frames
+    # frames, then the reply (specdec/protocol.py); off: the flag is served as a plain reply, no early frames
     stream_early: bool = True
     timeout_s: float = 60.0
     connect_timeout_s: float = 5.0

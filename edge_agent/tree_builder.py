@@ -25,8 +25,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from deploy.verifier.tree import DraftTree
-from deploy.verifier.truncation import encode_confidence
+from specdec.tree import DraftTree
+from specdec.truncation import encode_confidence
 
 ROOT = -1  # the root: the last verified token (prefix[-1])
 

@@ -1,6 +1,6 @@
 """Which verification rule a request gets (``AgentConfig.verify = "auto"``; issue 17).
 
-All rules are exact (:mod:`deploy.verifier.acceptance`); they differ in speed only. The issue
+All rules are exact (:mod:`specdec.acceptance`); they differ in speed only. The issue
 asks the agent to pick "per request from temperature and measured acceptance":
 
 - greedy requests -> ``match`` (sample-then-match trees): with a point-mass target every
@@ -41,7 +41,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.verifier.sampling import SamplingParams
+from specdec.sampling import SamplingParams
 
 SAMPLED_RULES = ("match", "rejection", "tree-rejection")  # ties on the estimate go to the earlier rule
 # measured tokens per verify round, embedded pair (benchmarks/results/README.md, "Sampled generation")

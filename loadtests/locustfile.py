@@ -7,7 +7,7 @@ session with that reply; an unfinished one is closed with ``DELETE``), then idle
 synthetic tree from the target's known greedy continuation (:mod:`loadtests.synthetic_tree`),
 waits the simulated draft time (depth x its device's ms per forward) plus its RTT (each user
 has its own, log-normal around the median, jittered per round), and sends the binary
-:class:`deploy.protocol.VerifyFrame` carrying that draft time and RTT, so the server's
+:class:`specdec.protocol.VerifyFrame` carrying that draft time and RTT, so the server's
 pacing sees what a real edge would report; it follows the server's depth and tree-budget
 hints unless the config fixes them. A share of the users (``ws_share``) verifies over one
 WebSocket per session, as the edge agent does by default; the rest POST each round.
@@ -33,7 +33,7 @@ import gevent
 import websocket  # websocket-client: plain sockets, which Locust's gevent patches cooperative
 from locust import FastHttpUser, between, events, task
 
-from deploy.protocol import ReplyFrame, VerifyFrame
+from specdec.protocol import ReplyFrame, VerifyFrame
 from loadtests.synthetic_tree import AcceptanceModel, expected_accepted, synthetic_tree
 
 CFG: dict = {}

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from deploy.protocol import ReplyFrame, VerifyFrame
+from specdec.protocol import ReplyFrame, VerifyFrame
 from loadtests.report import percentile
 
 

@@ -31,9 +31,9 @@ def build_workload(cfg: LoadTestConfig) -> dict:
     """Prompts, greedy continuations and model facts, as a JSON-able dict for the users."""
     import torch
 
-    from deploy.verifier.models import load_target
-    from deploy.verifier.reference import reference_decode
-    from deploy.verifier.sampling import SamplingParams
+    from specdec.model.loading import load_target
+    from specdec.reference import reference_decode
+    from specdec.sampling import SamplingParams
 
     t0 = time.perf_counter()
     t = cfg.app_config().target

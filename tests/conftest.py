@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # one thread: on a shared 2-core machine two threads per test process thrash (10-40x slower)
 torch.set_num_threads(int(os.environ.get("SPECEDGE_TEST_THREADS", "1")))
-# without a GPU the CUDA path's Triton kernels run under Triton's interpreter (tests/verifier/interpreted.py);
+# without a GPU the CUDA path's Triton kernels run under Triton's interpreter (tests/specdec/model/interpreted.py);
 # Triton reads this when it is imported, so it is set before any test imports it
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,7 +55,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from deploy.verifier.models import tiny_random_model
+    from specdec.model.loading import tiny_random_model
 
     return tiny_random_model(seed=0)
 
@@ -63,7 +63,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def embedded():
     """The real SmolLM2-135M-Instruct in fp32 (exact greedy comparisons need fp32)."""
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     return load_model("embedded", dtype="float32", device="cpu")
 

@@ -9,12 +9,12 @@ import pytest
 
 from deploy.metrics import (MAX_POSITIONS, METRICS, EdgeTelemetry, PrometheusClientExporter, RoundStats,
                             RouterMetrics, VerifierMetrics, VerifierState, specs_for)
-from deploy.errors import InvalidRequest, Overloaded, SessionEvicted
-from deploy.protocol import VerifyFrame
-from deploy.verifier.engine import (ChainVerifyRequest, ChainVerifyResult, ForwardStats, VerifyRequest,
+from specdec.errors import InvalidRequest, Overloaded, SessionEvicted
+from specdec.protocol import VerifyFrame
+from specdec.engine import (ChainVerifyRequest, ChainVerifyResult, ForwardStats, VerifyRequest,
                                     VerifyResult)
 from deploy.verifier.scheduler import Pending
-from deploy.verifier.tree import DraftTree
+from specdec.tree import DraftTree
 from edge_agent.agent import GenerationStats
 from edge_agent.metrics import EDGE_METRICS, EdgeMetrics
 
@@ -294,7 +294,7 @@ def test_a_real_verifier_core_counts_a_request_from_open_to_finish():
     import asyncio
 
     from deploy.config import AppConfig
-    from deploy.protocol import ReplyFrame, VerifyFrame as Frame
+    from specdec.protocol import ReplyFrame, VerifyFrame as Frame
     from deploy.verifier.deployment import VerifierCore
 
     core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"}))

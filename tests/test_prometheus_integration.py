@@ -25,9 +25,9 @@ from ray import serve
 
 from deploy.application import build_app
 from deploy.metrics import METRICS
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.model.loading import tiny_random_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from edge_agent.metrics import EDGE_METRICS, EdgeMetrics
 from tests.conftest import free_port
 from tests.router.oracle_edge import oracle_generate

@@ -15,7 +15,7 @@ import yaml
 from benchmarks.child_group import start_healthy, stop_group
 from deploy.application import build_app
 from deploy.config import AppConfig
-from deploy.protocol import ReplyFrame, VerifyFrame
+from specdec.protocol import ReplyFrame, VerifyFrame
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE = str(Path(sys.executable).with_name("serve"))

@@ -41,7 +41,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from deploy.errors import Overloaded
+from specdec.errors import Overloaded
 
 
 def inflight_limit(max_pending: int, max_queued_batches: int | None, batch_sessions: int, verifier_replicas: int,

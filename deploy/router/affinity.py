@@ -18,7 +18,7 @@ for a LoRA) and becomes a holder too.
 
 An open whose prompt begins like an earlier open's (same tenant and version, the same first
 1, 2, 4, ... whole KV pages) prefers the replica that earlier open went to, where those pages
-may still be in the prefix cache (:mod:`deploy.verifier.prefix_cache`): a conversation's next
+may still be in the prefix cache (:mod:`specdec.model.prefix_cache`): a conversation's next
 turn, a re-open of an evicted session, a shared system prompt. The longest remembered prefix
 wins, again only within ``prefix_margin`` sessions (``verifier.prefix_affinity_margin``) of the
 least-loaded replica: a system prompt every chat shares would otherwise send them all to one.
@@ -35,7 +35,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 DEFAULT_VERSION_MARGIN = 4  # verifier.version_affinity_margin's default
 DEFAULT_PREFIX_MARGIN = 4  # verifier.prefix_affinity_margin's default
-PAGE = 16  # the verifier's KV page (deploy.verifier.native.PAGE_SIZE): the prefix cache shares whole pages
+PAGE = 16  # the verifier's KV page (specdec.model.native.PAGE_SIZE): the prefix cache shares whole pages
 PREFIX_PAGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # prefix lengths remembered, in pages
 MAX_PREFIXES = 1 << 16
 

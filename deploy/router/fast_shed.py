@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import Callable
 
-from deploy.errors import Overloaded, SpecError
+from specdec.errors import Overloaded, SpecError
 
 RECEIVED_AT = "specedge.received_at"  # scope key: perf_counter() when a POST reached the fast path
 

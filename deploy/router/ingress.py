@@ -1,7 +1,7 @@
 """Router / ingress deployment (FastAPI): auth, tenants, admission, sticky routing.
 
-Endpoints are documented in :mod:`deploy.protocol`; OpenAI-compatible server-only
-modes in :mod:`deploy.router.openai`. Every input is validated here or by the
+Endpoints are documented in :mod:`specdec.protocol`; OpenAI-compatible server-only
+modes in :mod:`specdec.openai`. Every input is validated here or by the
 verifier before it can touch a session; errors are JSON ``{"error": {code, message}}``
 with a 4xx status (429 carries ``Retry-After``). Verifier calls carry
 ``session_id=`` so :class:`deploy.router.affinity.SessionAffinityRouter` pins them to
@@ -26,12 +26,12 @@ from ray.exceptions import RayActorError, RayError
 
 from deploy import gc_policy
 from deploy.config import BASE_ALIAS, DEV_API_KEY, AppConfig, versions_update
-from deploy.errors import (DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError,
+from specdec.errors import (DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError,
                            UpstreamTimeout)
 from deploy.metrics import router_metrics
-from deploy.protocol import (EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, TokenLogprob, VerifyFrame, asks_early,
+from specdec.protocol import (EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, TokenLogprob, VerifyFrame, asks_early,
                              record)
-from deploy.router import openai as oai
+from specdec import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.early import stream_verify
 from deploy.router.open_deadline import DEADLINE_HEADER, PrefillForecast, deadline_refusal, request_deadline
@@ -254,14 +254,14 @@ class Router:
     async def tokenizer(self):
         """The target's tokenizer (None for tiny test models), loaded at the first OpenAI request, in the
         load's worker thread with every module an OpenAI request needs later: torch (through
-        ``deploy.verifier.models`` and the sampling params' check) and jinja2 (chat templates). The split
+        ``specdec.model.loading`` and the sampling params' check) and jinja2 (chat templates). The split
         router imports none of them until then, and a first import on the event loop stalled it 5.5 s on
         a loaded 2-core host, long enough to answer 408 to opens whose bodies had arrived."""
 
         def load():
             import jinja2  # noqa: F401
-            import deploy.verifier.sampling  # noqa: F401
-            from deploy.verifier.models import load_tokenizer
+            import specdec.sampling  # noqa: F401
+            from specdec.model.loading import load_tokenizer
 
             return load_tokenizer(self.cfg.target.model, self.cfg.target.tokenizer)
 
@@ -399,7 +399,7 @@ class Router:
         return Response(reply, media_type="application/octet-stream")
 
     async def _verify_streamed(self, tenant: TenantState, sid: str, body: bytes):
-        """POST verify of an ``F_EARLY`` frame that accepts the stream (deploy/protocol.py): a
+        """POST verify of an ``F_EARLY`` frame that accepts the stream (specdec/protocol.py): a
         chunked response of records, the early frames as the forward yields them, then the reply.
         The status is sent with the first record, so an error before any early frame is a plain
         error response (its status, Retry-After); after one, the error is the last record (JSON)."""
@@ -510,7 +510,7 @@ class Router:
         return info["model"], self.cfg.target.model, BASE_ALIAS
 
     async def _openai(self, request: Request, chat: bool):
-        """/v1/completions and /v1/chat/completions (see :mod:`deploy.router.openai`).
+        """/v1/completions and /v1/chat/completions (see :mod:`specdec.openai`).
 
         All that can be refused is refused before a response starts (the body, the model,
         the sampling parameters, the server session's open), so each error keeps its own
@@ -572,7 +572,7 @@ class Router:
                              version: str | None = None):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
 
-        Yields an :class:`~deploy.router.openai.Round` per round; the first, as soon as the
+        Yields an :class:`~specdec.openai.Round` per round; the first, as soon as the
         session is open, carries no tokens (a caller awaits it to answer a refused open with its
         own status). The session is closed however the generator ends: by the replica
         with its finishing reply (``close_on_finish``), else here.
@@ -584,7 +584,7 @@ class Router:
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
         params = None
         if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)
-            from deploy.verifier.sampling import SamplingParams  # torch: only where a drafter runs anyway
+            from specdec.sampling import SamplingParams  # torch: only where a drafter runs anyway
 
             params = SamplingParams.from_dict(sampling)  # validated by the open
         history = list(prompt) + [opened["first_token"]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deploy.errors import Overloaded
+from specdec.errors import Overloaded
 
 DEADLINE_HEADER = "x-open-deadline-s"
 

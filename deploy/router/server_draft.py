@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from deploy.config import AppConfig
-from deploy.verifier.tree import DraftTree
+from specdec.tree import DraftTree
 
 DRAFT_THREAD_NAME = "srv-draft"  # what /proc/<pid>/task/<tid>/comm shows for the drafting thread
 PROMPT_LOOKUP_NAMES = ("prompt-lookup", "ngram")
@@ -164,7 +164,7 @@ def load_server_drafter(cfg: AppConfig):
     mc = sd.model
     if mc is None or mc.model in PROMPT_LOOKUP_NAMES:
         return PromptLookupDrafter(depth=sd.depth)
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     if mc.model == "embedded-draft" or mc.model.endswith(".safetensors"):
         from edge_agent.draft_model import load_draft

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from deploy.config import TenantConfig, hash_api_key
-from deploy.errors import Overloaded, Unauthorized
+from specdec.errors import Overloaded, Unauthorized
 
 
 @dataclass

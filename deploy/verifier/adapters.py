@@ -1,7 +1,7 @@
 """Target versions on a replica: declared, loaded on first use, evicted LRU (FlexSpec §III-B).
 
 Modelled on Ray Serve's model multiplexing (``@serve.multiplexed``,
-``max_num_models_per_replica``): a version (a LoRA adapter, :mod:`deploy.verifier.lora`)
+``max_num_models_per_replica``): a version (a LoRA adapter, :mod:`specdec.model.lora`)
 is read from disk the first time a forward needs it, and the least recently used ones are
 dropped once more than ``max_loaded`` are held. A forward that needs more versions than
 that holds them all for its duration (as a multiplexed model still serving a request
@@ -14,7 +14,7 @@ validated when it is declared (its config, then every weight's name and shape ag
 base): one that fails is kept as *unavailable* with the reason, so its opens answer 503
 ``model_unavailable`` while the base and the other versions are served as declared (a
 raising ``reconfigure`` would make Serve stop the replica, every session with it). Each
-version's content fingerprint (:func:`deploy.verifier.lora.fingerprint`) is kept: an
+version's content fingerprint (:func:`specdec.model.lora.fingerprint`) is kept: an
 adapter rewritten in place counts as re-pointed at the next update, and a load that finds
 other bytes than were validated (or unreadable ones) marks the version unavailable rather
 than serving its sessions other weights. Pure torch, no Ray.
@@ -26,15 +26,15 @@ import logging
 from collections import OrderedDict
 from pathlib import Path
 
-from deploy.errors import ModelNotFound, SpecError, UnsupportedModel, VersionUnavailable
-from deploy.verifier.lora import LoraAdapter, check, fingerprint
+from specdec.errors import ModelNotFound, SpecError, UnsupportedModel, VersionUnavailable
+from specdec.model.lora import LoraAdapter, check, fingerprint
 
 log = logging.getLogger("ray.serve")
 
 
 class AdapterRegistry:
     def __init__(self, model=None, declared: dict[str, str] | None = None, max_loaded: int = 4):
-        """``model``: the replica's :class:`deploy.verifier.model.DecoderModel` (None: a runner
+        """``model``: the replica's :class:`specdec.model.decoder.DecoderModel` (None: a runner
         whose weights live elsewhere, e.g. pipeline stages, which serves the base only)."""
         self.model = model
         self.declared: dict[str, str] = {}

@@ -1,6 +1,6 @@
 """Verifier replica: the target model, the engine, and a continuous batching loop.
 
-Thin Serve adapter over :class:`deploy.verifier.engine.VerifierEngine`. Requests of
+Thin Serve adapter over :class:`specdec.engine.VerifierEngine`. Requests of
 many sessions queue here while their edges draft (SpecEdge §4.3); a loop takes a batch
 (weighted-fair across tenants, :mod:`deploy.verifier.scheduler`), runs ONE target
 forward in a worker thread, and answers each request with its reply frame and pacing
@@ -34,25 +34,25 @@ from ray import serve
 
 from deploy import gc_policy
 from deploy.config import AppConfig, versions_update
-from deploy.errors import (InvalidRequest, ModelNotFound, PrefixMismatch, SessionEvicted, SessionNotFound,
+from specdec.errors import (InvalidRequest, ModelNotFound, PrefixMismatch, SessionEvicted, SessionNotFound,
                            SpecError, TokenizerMismatch, VersionUnavailable)
 from deploy.metrics import RoundStats, VerifierMetrics
-from deploy.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
+from specdec.protocol import ReplyFrame, VerifyFrame
+from specdec.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
 from deploy.verifier.batch_fill import ArrivalModel, fill_wait
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, SessionUse, choose_victims
 from deploy.verifier.kv_sizing import Sizing
 from deploy.verifier.startup import start_target
 from deploy.verifier.versions import TargetVersions
-from deploy.verifier.models import tokenizer_fingerprint
-from deploy.verifier.native import PAGE_SIZE
+from specdec.model.loading import tokenizer_fingerprint
+from specdec.model.native import PAGE_SIZE
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.run_ahead import RunAhead
-from deploy.verifier.sampling import SamplingParams
+from specdec.sampling import SamplingParams
 from deploy.verifier.scheduler import FairScheduler, Pending
-from deploy.verifier.tree import DraftTree
-from deploy.verifier.truncation import GainCalibration, choose_prefixes, node_gains
+from specdec.tree import DraftTree
+from specdec.truncation import GainCalibration, choose_prefixes, node_gains
 
 log = logging.getLogger("ray.serve")
 
@@ -800,7 +800,7 @@ class VerifierCore:
                 self._forget(sid, f"model_unavailable: {e.message}")
 
     def _truncate(self, trees: list, base_rows: int) -> list:
-        """Server-side truncation at batch time (:mod:`deploy.verifier.truncation`): each
+        """Server-side truncation at batch time (:mod:`specdec.truncation`): each
         tree's request gets the prefix length that maximises expected verified tokens per
         second of this forward, by the measured cost curve and calibrated node gains."""
         if not trees or not self.cfg.verifier.truncate_trees or self.pacer.cost.count < 3:

@@ -1,10 +1,10 @@
 """Early frames from the replica's verify forward to the router (the early-exit paper §3, step 3).
 
 The forward runs on the replica's worker thread; after each exit layer the engine's hook
-(:mod:`deploy.verifier.exit_heads`) hands this module the early results of the batch's trees
+(:mod:`specdec.exit_heads`) hands this module the early results of the batch's trees
 that asked for them (with pipeline stages: the worker thread, as soon as the stage holding
 the exit is done, while later stages compute; :mod:`deploy.verifier.pipeline`). They are
-encoded (:class:`deploy.protocol.EarlyFrame`) and put, thread-safely, on the asyncio queue
+encoded (:class:`specdec.protocol.EarlyFrame`) and put, thread-safely, on the asyncio queue
 of their request, which the replica's streaming method (``Verifier.verify_stream``, a Serve
 streaming call) yields to the router while the forward is still running; the router writes
 them to the edge's WebSocket (or a streamed POST response) at once. The
@@ -18,9 +18,9 @@ import asyncio
 from typing import AsyncIterator
 
 from deploy.config import EarlyExitConfig
-from deploy.errors import InvalidRequest
-from deploy.protocol import EarlyFrame, VerifyFrame
-from deploy.verifier.exit_heads import EarlyResult, ExitHeads
+from specdec.errors import InvalidRequest
+from specdec.protocol import EarlyFrame, VerifyFrame
+from specdec.exit_heads import EarlyResult, ExitHeads
 
 
 def load_heads(cfg: EarlyExitConfig, hf_model, layers=None) -> ExitHeads | None:
@@ -47,7 +47,7 @@ class EarlyStreams:
         """Load the heads (if on) into ``engine``; early requests then get results mid-forward.
         Pipeline stages hold their exits' heads themselves (built with ``early_exit``,
         :class:`deploy.verifier.pipeline.PipelineRunner`); the engine gets their layout."""
-        from deploy.verifier.runner import ModelRunner
+        from specdec.model.runner import ModelRunner
 
         if not cfg.enabled or isinstance(engine.runner, ModelRunner):
             heads = load_heads(cfg, hf_model)

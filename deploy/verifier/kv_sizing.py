@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from deploy.verifier.cuda.graphs import ROW_BUCKETS
+from specdec.model.cuda.graphs import ROW_BUCKETS
 
 GIB = 1 << 30
 GRAPH_ROWS = ROW_BUCKETS[-1]  # the largest CUDA graph
@@ -208,9 +208,9 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 
 def probe_forward(model, rows: int, max_model_len: int, logit_rows: int) -> int:
     """Run one forward of ``rows`` prompt rows (sessions of at most ``max_model_len``, ``logit_rows``
-    logits rows in all) through ``model`` (a :class:`deploy.verifier.model.DecoderModel`) on a scratch
+    logits rows in all) through ``model`` (a :class:`specdec.model.decoder.DecoderModel`) on a scratch
     pool of just that size; the scratch pool's bytes. What a replica's largest forward holds at once."""
-    from deploy.verifier.batch import chunk_input, pack
+    from specdec.model.batch import chunk_input, pack
 
     pool = model.new_pool(rows + 64 * ((rows + max_model_len - 1) // max_model_len))
     items, left, i = [], rows, 0
@@ -292,10 +292,10 @@ def max_len_of(loaded, max_model_len: int | None) -> int:
 def sized_runner(loaded, vc, max_model_len: int | None):
     """What a replica runs at start for its target: the forward (:class:`DecoderModel`), the memory
     it may use (:func:`measure`), the pool that fits (:func:`plan`), and the
-    :class:`~deploy.verifier.runner.ModelRunner` over both. ``vc``: a
+    :class:`~specdec.model.runner.ModelRunner` over both. ``vc``: a
     :class:`deploy.config.VerifierConfig`; ``max_model_len`` None: the checkpoint's context."""
-    from deploy.verifier.model import DecoderModel
-    from deploy.verifier.runner import ModelRunner
+    from specdec.model.decoder import DecoderModel
+    from specdec.model.runner import ModelRunner
 
     model = DecoderModel(loaded.model, compile=vc.compile)
     model.share_weights(loaded.model)  # the weights once, before they are measured

@@ -22,7 +22,7 @@ tree and run-ahead replies of ``R`` tokens (:mod:`deploy.verifier.run_ahead`),
 observed mean per budget bucket (EMA), interpolated in log(n) where a bucket has no data yet.
 A budget of 0 ("no tree": plain decoding, no draft forwards on the edge) is one of the
 choices. The same cost curve decides, per batch, how many nodes of each tree are verified
-(:mod:`deploy.verifier.truncation`).
+(:mod:`specdec.truncation`).
 
 Why ``O`` and the measured ``S`` count (run `20261124-135219-full`, 2 sessions, RTT 15 ms):
 the hint chose one-node trees, which the model without them said paid. Measured, the forward

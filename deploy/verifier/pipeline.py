@@ -1,12 +1,12 @@
 """Pipeline-parallel verifier: one replica's target sharded over N Ray stage actors.
 
 docs/engine.md, "Sharding a large target": stage ``i`` is a Ray actor holding a
-:class:`~deploy.verifier.runner.ModelRunner` for its contiguous slice of decoder layers
+:class:`~specdec.model.runner.ModelRunner` for its contiguous slice of decoder layers
 (stage 0 also the embedding, the last stage the final norm + LM head) and a KV pool for
 that slice (every stage's pool receives the same reserve/commit/drop calls, so pages and
 slots agree across stages). The split is computed by :mod:`deploy.verifier.layer_split`.
 
-:class:`PipelineRunner` has the runner interface :class:`~deploy.verifier.engine.VerifierEngine`
+:class:`PipelineRunner` has the runner interface :class:`~specdec.engine.VerifierEngine`
 uses (``forward``, ``commit``, ``abort``, ``drop``, ``truncate``, ``kv_tokens``,
 ``kv_length``), so ``VerifierEngine(model, runner=PipelineRunner(...))`` is a sharded
 verifier. One forward chains the stages through object refs,
@@ -41,13 +41,13 @@ provided each stage uses as many torch threads as the unsharded process (in fp32
 GEMM splits a small matrix's rows among threads and computes tail rows with another kernel;
 1 vs 2 threads differ by ~1e-6).
 
-Early exits (the early-exit paper; :mod:`deploy.verifier.exit_heads`): a stage whose slice
+Early exits (the early-exit paper; :mod:`specdec.exit_heads`): a stage whose slice
 holds an exit layer ``x`` (``first < x <= last``) also holds that exit's head (adapter, final
 norm, the LM head's subset rows: the stage loads the target's norm and head to build it, then
 drops the whole head unless it is the last stage). For a batch with early requests it returns
 two objects, its hidden states and the exit's subset logits of the early trees' rows; the
 replica waits for the second while later stages compute, walks the trees with it and hands
-the early frames to the replica's stream (:meth:`~deploy.verifier.exit_heads.EarlyExit.walk`).
+the early frames to the replica's stream (:meth:`~specdec.exit_heads.EarlyExit.walk`).
 The final logits still come from the last stage only: the output is unchanged.
 
 Tensor parallelism inside a stage is not implemented: a row-parallel linear sums
@@ -70,15 +70,15 @@ import torch
 
 from deploy.config import EarlyExitConfig, ModelConfig
 from deploy.verifier.layer_split import Weighting, split_layers
-from deploy.verifier.checkpoint import CheckpointConfig, prune, read_weights, tiny_config
-from deploy.verifier.models import (TINY_PREFIX, LoadedModel, load_target, load_tokenizer, loaded_model, resolve_device,
+from specdec.model.checkpoint import CheckpointConfig, prune, read_weights, tiny_config
+from specdec.model.loading import (TINY_PREFIX, LoadedModel, load_target, load_tokenizer, loaded_model, resolve_device,
                                     resolve_dtype, safetensors_dir)
-from deploy.verifier.batch import SeqInput
-from deploy.verifier.exit_heads import ExitHeads, exit_rows
+from specdec.model.batch import SeqInput
+from specdec.exit_heads import ExitHeads, exit_rows
 from deploy.verifier.kv_sizing import Sizing, check_stage
-from deploy.verifier.model import DecoderModel
-from deploy.verifier.native import PAGE_SIZE
-from deploy.verifier.runner import Keep, ModelRunner
+from specdec.model.decoder import DecoderModel
+from specdec.model.native import PAGE_SIZE
+from specdec.model.runner import Keep, ModelRunner
 
 log = logging.getLogger("ray.serve")
 
@@ -238,7 +238,7 @@ class PipelineStage:
     def forward_early(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None,
                       picks: list[tuple[int, str]]):
         """:meth:`forward`, and the exits' subset logits [R, K] of the rows of the batch items
-        ``picks`` names (:func:`~deploy.verifier.exit_heads.exit_rows`): two return values
+        ``picks`` names (:func:`~specdec.exit_heads.exit_rows`): two return values
         (called with ``num_returns=2``), so the replica gets the second without waiting for the
         later stages."""
         early = {"rows": {}, "seconds": 0.0, "cpu_seconds": 0.0}
@@ -425,7 +425,7 @@ class PipelineRunner:
     def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None, on_layer=None):
         """Chain the stages; returns one logits tensor [len(logit_rows), vocab] per item.
 
-        ``on_layer``: an :class:`~deploy.verifier.exit_heads.EarlyExit` (the engine's hook for a
+        ``on_layer``: an :class:`~specdec.exit_heads.EarlyExit` (the engine's hook for a
         batch with early requests): each stage holding an exit also returns the exit's logits
         of the early trees' rows, and this thread walks the trees with them as soon as that
         stage is done, while the later stages compute."""

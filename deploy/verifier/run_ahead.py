@@ -8,7 +8,7 @@ and the replica. Measured before this module (`benchmarks.run --full`, 16 sessio
 15 ms, one server core): 13.6 sessions per forward instead of 16, and 5.50 ms of server CPU
 per token against 4.53 for server-side decoding (`server_ar`).
 
-A request that opts in (``F_AHEAD``, :mod:`deploy.protocol`) lets the replica keep the
+A request that opts in (``F_AHEAD``, :mod:`specdec.protocol`) lets the replica keep the
 session in the following forwards, one token each, as the server-side loop would, and answer
 once with all of them: the first round's accepted nodes and bonus, then the tokens past it,
 at most ``verifier.run_ahead_tokens`` of them. A run stops early when the best budget turns
@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deploy.protocol import ReplyFrame
-from deploy.verifier.engine import VerifyResult
+from specdec.protocol import ReplyFrame
+from specdec.engine import VerifyResult
 
 
 @dataclass

@@ -8,10 +8,10 @@ import logging
 from dataclasses import dataclass
 
 from deploy.config import AppConfig
-from deploy.verifier.engine import VerifierEngine
+from specdec.engine import VerifierEngine
 from deploy.verifier.kv_sizing import KVPlan, cap_plan, sized_runner
-from deploy.verifier.models import LoadedModel, load_target
-from deploy.verifier.tree import TreeLimits
+from specdec.model.loading import LoadedModel, load_target
+from specdec.tree import TreeLimits
 
 log = logging.getLogger("ray.serve")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from deploy.verifier.adapters import AdapterRegistry
-from deploy.verifier.model import DecoderModel
+from specdec.model.decoder import DecoderModel
 from deploy.verifier.pacing import Pacer
 
 BASE = "base"  # the metrics label of the base target

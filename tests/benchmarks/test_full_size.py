@@ -10,7 +10,7 @@ import sys
 import torch
 
 from benchmarks import full_size
-from deploy.verifier.models import load_weights
+from specdec.model.loading import load_weights
 
 ARGS = ["--shape", "small", "--draft", "self", "--max-tokens", "12", "--prompt-len", "24",
         "--gpu-memory-utilization", "0.02"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from benchmarks import gpu_round
-from deploy.verifier.model import DecoderModel
-from deploy.verifier.models import tiny_random_model
+from specdec.model.decoder import DecoderModel
+from specdec.model.loading import tiny_random_model
 
 
 def test_cases_are_measured_next_to_their_floors_and_the_targets_read_from_them():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from benchmarks import linear_rows
-from deploy.verifier.model import Linear
+from specdec.model.linear import Linear
 
 
 def test_figures_follow_the_best_pass(monkeypatch):

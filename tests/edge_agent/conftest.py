@@ -2,7 +2,7 @@
 
 import pytest
 
-from deploy.verifier.models import tiny_random_model
+from specdec.model.loading import tiny_random_model
 from tests.edge_agent.helpers import noisy_copy
 
 

@@ -37,7 +37,7 @@ def hf_topk(model, context: list[int], k: int) -> tuple[list[int], list[float]]:
 def sampled_generations(model, engine, config, prompt: list[int], n: int, length: int, rtt_ms: float = 0.0) -> list:
     """``n`` generations of ``length`` tokens at temperature 1 (seeds 0..n-1, EOS ignored) by one
     agent on ``LocalTransport(engine, rtt_ms=rtt_ms)`` drafting with a noisy copy of ``model``, under ``config``."""
-    from deploy.verifier.sampling import SamplingParams
+    from specdec.sampling import SamplingParams
     from edge_agent.agent import EdgeAgent
     from edge_agent.drafter import ModelDrafter
     from edge_agent.transport import LocalTransport
@@ -58,7 +58,7 @@ def sampled_generations(model, engine, config, prompt: list[int], n: int, length
 def sequence_probs(model, prompt: list[int], params, length: int) -> dict[tuple[int, ...], float]:
     """The target's probability of every sequence of its next ``length`` tokens after ``prompt`` under
     ``params`` (a tiny vocabulary: V^length sequences), from one batched forward per position."""
-    from deploy.verifier.sampling import target_probs
+    from specdec.sampling import target_probs
 
     v = model.config.vocab_size
     rows: dict[tuple[int, ...], list[float]] = {}

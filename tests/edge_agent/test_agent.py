@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from deploy.errors import InvalidSamplingParams, Overloaded
-from deploy.verifier.engine import VerifierEngine
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import TreeLimits
+from specdec.errors import InvalidSamplingParams, Overloaded
+from specdec.engine import VerifierEngine
+from specdec.model.loading import tiny_random_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.errors import TokenizerMismatch
@@ -185,7 +185,7 @@ def test_embedded_model_greedy_through_the_agent(embedded):
     params = SamplingParams(max_tokens=24)
     ref = reference_decode(embedded.model, prompt, params, embedded.eos_token_ids)
     eng = VerifierEngine(embedded.model, eos_token_ids=embedded.eos_token_ids)
-    from deploy.verifier.models import tokenizer_fingerprint
+    from specdec.model.loading import tokenizer_fingerprint
 
     for drafter, mode in ((NgramDrafter(), "stop-and-wait"),
                           (ModelDrafter(noisy_copy(embedded.model, 0.0, num_layers=4)), "proactive")):
@@ -294,8 +294,8 @@ def test_rejection_rule_through_the_agent_samples_the_target_distribution():
     """The agent end to end (proactive chains, reuse, edge residual samples, refills) over
     LocalTransport on an 8-token vocabulary with K = 2: tokens 2-3 and 4-5 of 5 follow the
     target's marginals."""
-    from tests.verifier.test_engine import counts_of
-    from tests.verifier.test_sampling import chi_square_pvalue
+    from tests.specdec.test_engine import counts_of
+    from tests.specdec.test_sampling import chi_square_pvalue
 
     v, length, n = 8, 5, 800
     small = tiny_random_model(seed=1, vocab_size=v)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.model.loading import tiny_random_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from edge_agent.cli import main
 from tests.conftest import free_port
 

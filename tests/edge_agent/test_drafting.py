@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from deploy.verifier.models import tiny_random_model
+from specdec.model.loading import tiny_random_model
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.drafting import DraftSession
 from edge_agent.tree_builder import ROOT, TreeConfig
@@ -151,7 +151,7 @@ def test_deep_drafting_stops_at_the_drafters_tree_positions(draft_model):
     """A round that feeds 8 nodes per forward for many levels (deep server hints on easy text)
     runs out of the draft KV's 64 tree positions: drafting and the proactive chain stop there
     (they raised ValueError before), and the tree stays within its budget."""
-    from deploy.verifier.batch import MAX_TREE_BITS
+    from specdec.model.batch import MAX_TREE_BITS
 
     d = ModelDrafter(draft_model)
     s = DraftSession(d, TreeConfig(budget=64, topk=4, max_expand=8, max_depth=32))
@@ -193,8 +193,8 @@ def test_ngram_drafter_proposes_what_followed():
 def test_uncommitted_tree_entries_are_seen_only_by_rows_that_name_them():
     """What the drafter relies on: entries written past the committed prefix (held) are
     invisible to rows whose bits do not name them; compaction turns a path into prefix."""
-    from deploy.verifier.batch import SeqInput, chunk_input
-    from deploy.verifier.runner import ModelRunner
+    from specdec.model.batch import SeqInput, chunk_input
+    from specdec.model.runner import ModelRunner
 
     m = tiny_random_model(seed=0)
     r = ModelRunner(m)

@@ -10,11 +10,11 @@ import torch
 from ray import serve
 
 from deploy.application import build_app
-from deploy.errors import Unauthorized
-from deploy.protocol import OpenSession, VerifyFrame
-from deploy.verifier.acceptance import Proposal, draw_without_replacement
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.errors import Unauthorized
+from specdec.protocol import OpenSession, VerifyFrame
+from specdec.acceptance import Proposal, draw_without_replacement
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.cli import main as cli_main
 from edge_agent.drafter import ModelDrafter, NgramDrafter

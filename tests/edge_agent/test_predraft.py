@@ -15,12 +15,12 @@ import time
 import pytest
 import torch
 
-from deploy.verifier.engine import VerifierEngine
-from deploy.verifier.exit_heads import ExitHeads
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import TreeLimits
+from specdec.engine import VerifierEngine
+from specdec.exit_heads import ExitHeads
+from specdec.model.loading import tiny_random_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeLimits
 from edge_agent import transport as transport_module
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from deploy.verifier.models import tiny_random_model
+from specdec.model.loading import tiny_random_model
 from edge_agent.drafter import ModelDrafter
 from edge_agent.drafting import DraftSession
 from edge_agent.predraft import PreDraftCache

@@ -17,10 +17,10 @@ import pytest
 from ray import serve
 
 from deploy.application import build_app
-from deploy.errors import PrefixMismatch
-from deploy.protocol import EARLY_STREAM_MEDIA_TYPE, EarlyFrame, RecordReader, ReplyFrame, VerifyFrame
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.errors import PrefixMismatch
+from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, EarlyFrame, RecordReader, ReplyFrame, VerifyFrame
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.transport import HttpTransport

@@ -15,17 +15,17 @@ import asyncio
 
 import pytest
 
-from deploy.verifier.engine import VerifierEngine
-from deploy.verifier.exit_heads import ExitHeads
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import TreeLimits
+from specdec.engine import VerifierEngine
+from specdec.exit_heads import ExitHeads
+from specdec.model.loading import tiny_random_model
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.transport import LocalTransport
 from tests.edge_agent.helpers import marginal, noisy_copy, sequence_probs
-from tests.verifier.test_engine import counts_of
-from tests.verifier.test_sampling import chi_square_pvalue
+from tests.specdec.test_engine import counts_of
+from tests.specdec.test_sampling import chi_square_pvalue
 
 V = 8
 PROMPT = [3, 5, 7, 1, 4]
@@ -88,8 +88,8 @@ def test_sampled_output_with_predrafting_is_the_targets_distribution(target, dra
 
 def test_the_agent_statistic_catches_a_wrong_acceptance_rule(target, draft, monkeypatch):
     """Test of the test: the replica accepting any child in the target's top-2 fails it."""
-    from deploy.verifier import engine as engine_module
-    from tests.verifier.test_acceptance import wrong_top2
+    from specdec import engine as engine_module
+    from tests.specdec.test_acceptance import wrong_top2
 
     monkeypatch.setattr(engine_module, "walk_tree", wrong_top2)
     samples, *_ = sample_with_predraft(target, draft, SAMPLES_WRONG_RULE)

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.verifier.engine import VerifierEngine
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import TreeLimits
+from specdec.engine import VerifierEngine
+from specdec.model.loading import tiny_random_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig
 from edge_agent.drafter import ModelDrafter
 from edge_agent.sampled_tree import PRIOR_RATES, plan_shape
 from edge_agent.transport import LocalTransport
 from tests.edge_agent.helpers import marginal, sampled_generations, sequence_probs
 from tests.edge_agent.test_agent import EOS, PROMPT, run_agent
-from tests.verifier.test_engine import counts_of
-from tests.verifier.test_sampling import chi_square_pvalue
+from tests.specdec.test_engine import counts_of
+from tests.specdec.test_sampling import chi_square_pvalue
 
 FIXED = dict(verify="tree-rejection", mode="stop-and-wait", depth_policy="fixed", depth=3, ping_every=0)
 

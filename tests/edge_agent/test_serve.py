@@ -18,8 +18,8 @@ import torch
 from ray import serve
 
 from deploy.application import build_app
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from tests.router.test_openai_client import reference_logprobs
 from tests.serve_apps import delete_app
 
@@ -101,7 +101,7 @@ def edge(cloud):
 @pytest.fixture(scope="module")
 def target():
     from deploy.config import ModelConfig
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     lm = load_model(TARGET["model"], dtype="float32", tokenizer=TARGET["tokenizer"], seed=ModelConfig(**TARGET).seed)
     return lm.model, lm.tokenizer

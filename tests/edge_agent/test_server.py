@@ -8,10 +8,10 @@ import logging
 import pytest
 from starlette.testclient import TestClient
 
-from deploy.errors import InvalidRequest, Overloaded
-from deploy.verifier.engine import VerifierEngine
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.errors import InvalidRequest, Overloaded
+from specdec.engine import VerifierEngine
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.errors import ConnectionLost, ServerUnreachable

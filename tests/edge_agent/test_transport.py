@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from deploy import errors as E
-from deploy.protocol import OpenSession, VerifyFrame
-from deploy.verifier.engine import VerifierEngine
-from deploy.verifier.models import tiny_random_model
+from specdec import errors as E
+from specdec.protocol import OpenSession, VerifyFrame
+from specdec.engine import VerifierEngine
+from specdec.model.loading import tiny_random_model
 from edge_agent.errors import error_from_json
 from edge_agent.transport import LocalTransport
 
@@ -71,7 +71,7 @@ def test_websocket_is_the_default_and_falls_back_to_post_where_the_upgrade_is_re
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from deploy.protocol import ReplyFrame
+    from specdec.protocol import ReplyFrame
     from edge_agent.transport import HttpTransport
 
     reply = ReplyFrame([0], 7, 12).encode()

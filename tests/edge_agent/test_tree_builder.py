@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy.verifier.tree import TreeLimits
+from specdec.tree import TreeLimits
 from edge_agent.tree_builder import ROOT, TreeBuilder, TreeConfig
 
 

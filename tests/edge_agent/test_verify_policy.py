@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from deploy.verifier.engine import VerifierEngine
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import TreeLimits
+from specdec.engine import VerifierEngine
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.transport import LocalTransport

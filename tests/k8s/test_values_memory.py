@@ -15,10 +15,10 @@ import yaml
 
 from benchmarks.full_size import SHAPES
 from deploy.config import AppConfig
-from deploy.verifier.checkpoint import CheckpointConfig
+from specdec.model.checkpoint import CheckpointConfig
 from deploy.verifier.kv_sizing import GIB, GRAPH_ROWS, DoesNotFit, KVPlan, MemoryUse, Shape, activation_bytes, plan
 from deploy.verifier.layer_split import split_layers
-from deploy.verifier.models import EMBEDDED_ALIASES
+from specdec.model.loading import EMBEDDED_ALIASES
 
 VALUES = sorted((Path(__file__).resolve().parents[2] / "k8s" / "values").glob("*.yaml"))
 # what torch.cuda.mem_get_info reports as the total of each card (nvidia.com/gpu.product labels)

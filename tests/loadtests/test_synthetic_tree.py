@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from deploy.verifier.acceptance import walk_tree
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import DraftTree, TreeLimits
+from specdec.acceptance import walk_tree
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree, TreeLimits
 from loadtests.synthetic_tree import AcceptanceModel, expected_accepted, synthetic_tree
 
 VOCAB = 512

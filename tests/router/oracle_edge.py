@@ -12,7 +12,7 @@ import random
 
 import httpx
 
-from deploy.protocol import ReplyFrame, VerifyFrame
+from specdec.protocol import ReplyFrame, VerifyFrame
 from edge_agent.transport import is_app_error
 
 

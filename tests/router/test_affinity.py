@@ -120,7 +120,7 @@ def opened(rt, replicas, body, tenant="t"):
 
 def test_an_open_that_begins_like_an_earlier_one_goes_to_its_replica_within_the_margin():
     from deploy.router.affinity import PAGE, prefix_keys
-    from deploy.verifier.native import PAGE_SIZE
+    from specdec.model.native import PAGE_SIZE
 
     assert PAGE == PAGE_SIZE
     reps = [replica(f"r{i}") for i in range(4)]

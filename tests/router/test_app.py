@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from ray import serve
 
 from deploy.application import build_app
-from deploy.protocol import VerifyFrame
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.protocol import VerifyFrame
+from specdec.model.loading import tiny_random_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from tests.router.oracle_edge import oracle_generate, replica_killer
 from tests.serve_apps import delete_app
 
@@ -167,7 +167,7 @@ def test_bad_input_gets_4xx_and_leaves_the_session_intact(two_replicas, referenc
             frame = VerifyFrame(n, truth[:3], [-1, 0, 1][: len(truth[:3])]).encode()
             r = c.post(f"/v1/sessions/{sid}/verify", content=frame, headers=a)
             assert r.status_code == 200
-            from deploy.protocol import ReplyFrame
+            from specdec.protocol import ReplyFrame
 
             rep = ReplyFrame.decode(r.content)
             out += [truth[i] for i in rep.accepted] + ([rep.bonus] if rep.bonus is not None else [])
@@ -231,7 +231,7 @@ def test_openai_completions_server_only_modes(two_replicas, reference_model, mod
 def test_chain_mode_over_http_greedy_matches_reference(two_replicas, reference_model):
     """DSSD-style chain frames (q(x) per token) through the real app; greedy rejections
     come back with the target's token as the bonus."""
-    from deploy.protocol import ReplyFrame
+    from specdec.protocol import ReplyFrame
 
     p = prompts(1, seed=21)[0]
     ref = reference_decode(reference_model, p, SamplingParams(max_tokens=20))

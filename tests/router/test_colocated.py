@@ -11,8 +11,8 @@ import pytest
 from ray import serve
 
 from deploy.application import build_app
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from tests.router.oracle_edge import oracle_generate, replica_killer
 from tests.router.test_app import TINY, VOCAB, prompts, reference_model  # noqa: F401 (a fixture)
 from tests.serve_apps import delete_app

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from deploy.config import TenantConfig
-from deploy.errors import SpecError
+from specdec.errors import SpecError
 from deploy.metrics import router_metrics
 from deploy.router.admission import AdmissionControl
 from deploy.router.fast_shed import ShedFastPath, admission_refusal, shed_kind

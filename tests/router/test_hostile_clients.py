@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from ray import serve
 
 from deploy.application import build_app
-from deploy.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.protocol import ReplyFrame, VerifyFrame
+from specdec.model.loading import tiny_random_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from tests.router.hostile import Canary, drop_request, slow_request
 from tests.router.oracle_edge import oracle_generate
 from tests.serve_apps import delete_app

@@ -41,14 +41,14 @@ def test_a_slow_load_does_not_stall_the_loop_and_runs_once():
     assert len(ticks) >= 10 and max(gaps) < 0.2  # a load on the loop would stop it for 0.5 s
 
 
-HEAVY = ("torch", "transformers", "jinja2", "deploy.verifier.sampling", "deploy.router.server_draft")
+HEAVY = ("torch", "transformers", "jinja2", "specdec.sampling", "deploy.router.server_draft")
 
 FRESH_ROUTER = """
 import asyncio, importlib.abc, json, sys, threading
 from types import SimpleNamespace
 
 from deploy.config import AppConfig
-from deploy.router import openai as oai
+from specdec import openai as oai
 from deploy.router.ingress import Router
 
 HEAVY = %r
@@ -85,7 +85,7 @@ print(json.dumps(asyncio.run(main())))
 
 def test_the_routers_loads_import_torch_and_jinja_off_the_event_loop():
     # the loads themselves ran in a worker thread, but their imports ran on the loop: `from
-    # deploy.verifier.models import load_tokenizer` before the thread imported torch there (5.5 s
+    # specdec.model.loading import load_tokenizer` before the thread imported torch there (5.5 s
     # on a loaded host: the split soak's 408s). A fresh interpreter, as a split router replica starts
     import json
     import subprocess
@@ -95,6 +95,6 @@ def test_the_routers_loads_import_torch_and_jinja_off_the_event_loop():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     loop_thread, after_loads, after_request = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(after_loads) >= {"torch", "jinja2", "deploy.verifier.sampling", "deploy.router.server_draft"}
+    assert set(after_loads) >= {"torch", "jinja2", "specdec.sampling", "deploy.router.server_draft"}
     assert loop_thread not in after_loads.values(), after_loads
     assert after_request == after_loads  # the request's own steps import nothing heavy on the loop

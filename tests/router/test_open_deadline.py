@@ -2,7 +2,7 @@
 
 import pytest
 
-from deploy.errors import Overloaded
+from specdec.errors import Overloaded
 from deploy.router.open_deadline import PrefillForecast, deadline_refusal, request_deadline
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from deploy.errors import InvalidRequest, Overloaded
+from specdec.errors import InvalidRequest, Overloaded
 from deploy.router.ingress import Router
 
 

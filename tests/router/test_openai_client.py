@@ -169,7 +169,7 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 @pytest.fixture(scope="module")
 def target():
     from deploy.config import ModelConfig
-    from deploy.verifier.models import load_model
+    from specdec.model.loading import load_model
 
     return load_model(TARGET["model"], dtype="float32", tokenizer=TARGET["tokenizer"],
                       seed=ModelConfig(**TARGET).seed).model
@@ -235,8 +235,8 @@ def test_streamed_completion_logprobs_cover_every_token(oai, served, target):
 
 @pytest.mark.parametrize("mode", ["ar", "sd"])
 def test_greedy_penalised_output_is_penalised_target_decoding(oai, served, target, mode):
-    from deploy.verifier.reference import reference_decode
-    from deploy.verifier.sampling import SamplingParams
+    from specdec.reference import reference_decode
+    from specdec.sampling import SamplingParams
 
     prompt = [5, 9, 200, 31, 7, 9, 9]
     pen = dict(presence_penalty=-2.0, frequency_penalty=-1.0)  # a flat random target: pull towards repeats

@@ -7,9 +7,9 @@ import pytest
 from deploy.config import AppConfig
 from deploy.router.server_draft import (DRAFT_THREAD_NAME, ModelServerDrafter, PromptLookupDrafter,
                                         get_server_drafter)
-from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 
 
 def test_prompt_lookup_stays_the_default_and_by_name():

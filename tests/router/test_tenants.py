@@ -1,7 +1,7 @@
 import pytest
 
 from deploy.config import TenantConfig
-from deploy.errors import Overloaded, Unauthorized
+from specdec.errors import Overloaded, Unauthorized
 from deploy.router.affinity import replica_of
 from deploy.router.tenants import TenantRegistry, TokenBucket
 

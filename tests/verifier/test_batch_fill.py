@@ -78,11 +78,11 @@ def _sessions_per_forward(fill: float) -> tuple[float, list[list[int]], list[lis
     import random
 
     from deploy.config import AppConfig
-    from deploy.protocol import ReplyFrame, VerifyFrame
+    from specdec.protocol import ReplyFrame, VerifyFrame
     from deploy.verifier.deployment import VerifierCore
-    from deploy.verifier.models import load_target
-    from deploy.verifier.reference import reference_decode
-    from deploy.verifier.sampling import SamplingParams
+    from specdec.model.loading import load_target
+    from specdec.reference import reference_decode
+    from specdec.sampling import SamplingParams
 
     core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"batch_wait_ms": 0, "batch_fill": fill, "truncate_trees": False}))

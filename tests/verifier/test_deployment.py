@@ -76,7 +76,7 @@ def test_a_prefill_chunk_is_costed_and_sized_against_the_forward_it_rides_in():
     small forwards, a big batch's own time was charged to its chunk and the budget sank to the
     floor while a burst of prompts waited (forwards of 24 sessions took 4 prompt tokens each)."""
     from deploy.verifier.deployment import VerifierCore
-    from deploy.verifier.engine import ForwardStats
+    from specdec.engine import ForwardStats
 
     core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256}))
@@ -103,10 +103,10 @@ def test_a_forward_of_detached_steps_alone_prefills_until_an_edge_is_due_back():
     tokens as fit before the first edge is due back (all of the batch's budget when none is
     known), never fewer than the paced chunk; a round a client waits on keeps the paced chunk."""
     from deploy.verifier.deployment import QueuedRound, VerifierCore
-    from deploy.verifier.engine import VerifyRequest
+    from specdec.engine import VerifyRequest
     from deploy.verifier.run_ahead import RunAhead
     from deploy.verifier.scheduler import Pending
-    from deploy.verifier.tree import DraftTree
+    from specdec.tree import DraftTree
 
     core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256,
@@ -174,7 +174,7 @@ def test_a_prompt_with_nobody_left_decoding_is_prefilled_in_one_forward():
     round can come back, and the next prompt goes in as one prefill forward, not in paced chunks
     that each cost a whole forward (they did: 4 + 4 tokens, then the rest). While a session is still
     decoding, the prompt is still paced."""
-    from deploy.protocol import VerifyFrame
+    from specdec.protocol import VerifyFrame
     from tests.verifier.test_replica_run_ahead import decode_rest, make_core, open_session, prompt
 
     core = make_core(run_ahead_tokens=0, max_batch_tokens=2048)
@@ -211,7 +211,7 @@ def test_an_evicted_session_is_re_opened_from_the_prefix_cache_not_recomputed():
     """The replica evicts a session (KV budget, idle timeout): its pages stay cached, so the edge's
     re-open with its history computes only the tail past the last whole page, and goes on exactly
     as the session would have."""
-    from deploy.protocol import ReplyFrame, VerifyFrame
+    from specdec.protocol import ReplyFrame, VerifyFrame
     from tests.verifier.test_replica_run_ahead import decode_rest, make_core, open_session, prompt
 
     core = make_core(run_ahead_tokens=0)

@@ -8,11 +8,11 @@ import threading
 import pytest
 
 from deploy.config import EarlyExitConfig
-from deploy.errors import InvalidRequest
-from deploy.protocol import EarlyFrame, VerifyFrame
+from specdec.errors import InvalidRequest
+from specdec.protocol import EarlyFrame, VerifyFrame
 from deploy.verifier.early_stream import EarlyStreams, load_heads
-from deploy.verifier.engine import VerifierEngine
-from deploy.verifier.exit_heads import EarlyResult
+from specdec.engine import VerifierEngine
+from specdec.exit_heads import EarlyResult
 
 
 def test_a_replica_without_exit_heads_refuses_the_flag(tiny_model):

@@ -10,9 +10,9 @@ from deploy.config import AppConfig
 from deploy.verifier.deployment import VerifierCore
 from deploy.verifier.kv_sizing import (GIB, DoesNotFit, MemoryUse, Shape, activation_bytes, device_memory, plan,
                                        probe_forward, tensor_bytes)
-from deploy.verifier.model import DecoderModel
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.native import PAGE_SIZE
+from specdec.model.decoder import DecoderModel
+from specdec.model.loading import tiny_random_model
+from specdec.model.native import PAGE_SIZE
 
 QWEN3_14B = dict(model_type="qwen3", num_hidden_layers=40, hidden_size=5120, num_attention_heads=40,
                  num_key_value_heads=8, head_dim=128, intermediate_size=17408, vocab_size=151936,

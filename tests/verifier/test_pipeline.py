@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from deploy.config import ModelConfig
-from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest, VerifyResult
-from deploy.verifier.models import load_model
+from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest, VerifyResult
+from specdec.model.loading import load_model
 from deploy.verifier.pipeline import (ModelShell, load_stage, pipeline_bundles, pipeline_deployment_options,
                                       stage_resources)
-from deploy.verifier.batch import chunk_input, tree_input
-from deploy.verifier.runner import ModelRunner
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import DraftTree
+from specdec.model.batch import chunk_input, tree_input
+from specdec.model.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree
 
 TINY = ModelConfig(model="tiny-random", dtype="float32", seed=3, tiny_config={"num_layers": 6})
 

@@ -19,14 +19,14 @@ import torch
 
 from deploy.config import EarlyExitConfig, ModelConfig
 from deploy.verifier.early_stream import EarlyStreams
-from deploy.verifier.engine import OpenRequest, VerifierEngine, VerifyRequest, VerifyResult
-from deploy.verifier.exit_heads import ExitHeads
-from deploy.verifier.models import load_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.tree import DraftTree
-from tests.verifier.test_engine import random_prompt, random_tree
-from tests.verifier.test_engine_embedded import one_thread  # noqa: F401 (autouse: one torch thread)
+from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest, VerifyResult
+from specdec.exit_heads import ExitHeads
+from specdec.model.loading import load_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree
+from tests.specdec.test_engine import random_prompt, random_tree
+from tests.specdec.test_engine_embedded import one_thread  # noqa: F401 (autouse: one torch thread)
 
 # wide enough that the last stage's forward takes long next to the replica's walk of one tree
 WIDE = ModelConfig(model="tiny-random", dtype="float32", seed=5,

@@ -15,9 +15,9 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 from ray._common.utils import import_attr
 
-from deploy.verifier.models import tiny_random_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.model.loading import tiny_random_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.transport import HttpTransport

@@ -9,8 +9,8 @@ import asyncio
 
 from deploy.config import AppConfig
 from deploy.verifier.deployment import VerifierCore
-from deploy.verifier.models import load_model
-from deploy.verifier.sampling import SamplingParams
+from specdec.model.loading import load_model
+from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.replica_transport import ReplicaTransport

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from deploy.protocol import VerifyFrame
+from specdec.protocol import VerifyFrame
 from tests.verifier.test_replica_run_ahead import decode_rest, greedy_reference, make_core, open_session, prompt
 
 

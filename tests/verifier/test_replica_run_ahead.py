@@ -12,11 +12,11 @@ import random
 import pytest
 
 from deploy.config import AppConfig
-from deploy.protocol import ReplyFrame, VerifyFrame
+from specdec.protocol import ReplyFrame, VerifyFrame
 from deploy.verifier.deployment import VerifierCore
-from deploy.verifier.models import load_target
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.model.loading import load_target
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.replica_transport import ReplicaTransport

@@ -12,13 +12,13 @@ import random
 import torch
 
 from deploy.config import AppConfig
-from deploy.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.acceptance import Proposal, draw_without_replacement
+from specdec.protocol import ReplyFrame, VerifyFrame
+from specdec.acceptance import Proposal, draw_without_replacement
 from deploy.verifier.deployment import VerifierCore
-from deploy.verifier.models import load_target
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
-from deploy.verifier.truncation import encode_confidence
+from specdec.model.loading import load_target
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
+from specdec.truncation import encode_confidence
 
 VOCAB = 512
 

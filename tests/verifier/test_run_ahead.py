@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deploy.verifier.engine import VerifyResult
+from specdec.engine import VerifyResult
 from deploy.verifier.run_ahead import RunAhead
 
 

@@ -11,16 +11,16 @@ import asyncio
 import pytest
 
 from deploy.config import AppConfig
-from deploy.errors import ModelNotFound
+from specdec.errors import ModelNotFound
 from deploy.verifier.deployment import VerifierCore
-from deploy.verifier.models import load_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
+from specdec.model.loading import load_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.replica_transport import ReplicaTransport
 from tests.edge_agent.helpers import noisy_copy
-from tests.verifier.test_lora import ALL, make_adapter, merged
+from tests.specdec.model.test_lora import ALL, make_adapter, merged
 
 pytest.importorskip("peft")
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -94,7 +94,7 @@ def test_removed_version_answers_404_and_the_others_go_on(setup):
             opened[v] = payload
         out = await core.update_versions({"code": paths["code"]}, 1)
         assert out == {"versions": ["code"], "removed": ["chat"], "closed_sessions": 1, "unavailable": {}}
-        from deploy.protocol import VerifyFrame
+        from specdec.protocol import VerifyFrame
 
         status, err = await core.verify(opened["chat"]["session_id"], "dev",
                                         VerifyFrame(opened["chat"]["prefix_len"], [], []).encode())
@@ -118,7 +118,7 @@ def test_each_version_paces_by_its_own_acceptance(setup):
     core = make_core(loaded, paths)
     v = core.versions
     core.engine.sessions.clear()
-    from deploy.verifier.engine import Session
+    from specdec.engine import Session
 
     for sid, ver in (("s-base", None), ("s-code", "code")):
         core.engine.sessions[sid] = Session(sid, [1, 2], 2, GREEDY, None, frozenset(), adapter=ver)
@@ -145,7 +145,7 @@ def test_each_draft_class_paces_by_its_own_acceptance(setup):
     tokens a round; one shared estimate held whichever kind had run last."""
     loaded, paths, _ = setup
     from deploy.verifier.deployment import VerifierCore
-    from deploy.verifier.engine import Session
+    from specdec.engine import Session
 
     core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32", "adapters": paths},
                                   pacing={"max_draft_classes": 2}), loaded=loaded)
@@ -191,8 +191,8 @@ def test_bad_versions_fail_only_their_own_sessions_on_the_replica(setup, tmp_pat
     and another version's sessions verified in that same batch go on exactly."""
     import shutil
 
-    from deploy.protocol import ReplyFrame, VerifyFrame
-    from tests.verifier.test_lora import corrupt
+    from specdec.protocol import ReplyFrame, VerifyFrame
+    from tests.specdec.model.test_lora import corrupt
 
     loaded, paths, refs = setup
     broken = shutil.copytree(paths["code"], tmp_path / "broken")

@@ -15,11 +15,11 @@ import torch
 
 from deploy.config import AppConfig
 from deploy.verifier.deployment import VerifierCore
-from deploy.verifier.sampling import SamplingParams
+from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.replica_transport import ReplicaTransport
-from tests.verifier.test_engine_embedded import chat_prompt
+from tests.specdec.test_engine_embedded import chat_prompt
 
 peft = pytest.importorskip("peft")
 VERSIONS = Path(__file__).resolve().parents[2] / "deploy" / "artifacts" / "versions"

@@ -15,11 +15,11 @@ import pytest
 from ray import serve
 from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
-from deploy.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.models import load_model
-from deploy.verifier.reference import reference_decode
-from deploy.verifier.sampling import SamplingParams
-from tests.verifier.test_lora import ALL, make_adapter, merged
+from specdec.protocol import ReplyFrame, VerifyFrame
+from specdec.model.loading import load_model
+from specdec.reference import reference_decode
+from specdec.sampling import SamplingParams
+from tests.specdec.model.test_lora import ALL, make_adapter, merged
 from tests.serve_apps import delete_app
 
 pytestmark = pytest.mark.ray

@@ -1,0 +1,356 @@
+"""Acceptance rules: which draft nodes the target keeps, and the bonus token.
+
+- :func:`walk_tree`: tree walk by target sampling ("sample, then match"; SpecInfer/SpecExec):
+  exact for any tree, no draft probabilities.
+- :func:`rejection_sample_chain`: chain rejection sampling (Leviathan et al. 2023, split as
+  DSSD §3 / PicoSpec §3.3): the server accepts x_i w.p. min(1, p_i(x_i) / q_i(x_i)); a
+  rejection returns a :class:`Rejection` from which the edge's :class:`ResidualSampler`
+  samples norm(max(0, p - q)) exactly with its own q.
+- :func:`rejection_walk_tree`: tree rejection sampling (multi-draft; SpecInfer §4.2 / SpecTr,
+  siblings drawn without replacement as in Sequoia §3.2) over a :class:`Proposal` per node.
+
+Each emitted token follows the target's distribution at its prefix (greedy: the target's
+argmax). The rules and why they are exact (and which rules are not) are ``docs/acceptance.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import SamplingParams, greedy_token, sample_from_probs, sample_token, target_probs
+from specdec.tree import DraftTree
+
+EXHAUST_P = 1e-3  # target probability that a rejection's tail candidates run out (one more round trip)
+
+
+@dataclass(frozen=True)
+class TreeAcceptance:
+    accepted: tuple[int, ...]  # node indices of the accepted path, root's child first
+    bonus: int  # the target's sample after the last accepted node
+
+
+def walk_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,  # [n + 1, vocab]: row 0 = root, row i + 1 = node i
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    max_emit: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
+    penalties=None,  # Penalties of the session's history (specdec/penalties.py), or None
+    argmax: list[int] | None = None,  # [n + 1] each row's greedy token, found for the whole batch at once
+) -> TreeAcceptance:
+    """Walk ``tree`` by sampling the target at each visited node.
+
+    ``max_emit`` caps emitted tokens (accepted + bonus), so a session never samples past
+    its max_tokens and its generator stays in step with target-only decoding; a sampled
+    stop token (EOS / stop id) ends the walk as the bonus token. With ``penalties`` each
+    visited node's row is penalised with its own history (the session's and its ancestors).
+    ``argmax`` (:func:`specdec.sampling.greedy_rows`) stands in for greedy rows without penalties.
+    """
+    accepted: list[int] = []
+    pos = 0  # forward row of the current node (0 = root)
+    while True:  # only visited rows are read
+        if params.greedy and penalties is None and argmax is not None:
+            tok = argmax[pos]
+        else:
+            row = logits[pos] if penalties is None else penalties.apply(logits[pos], [tree.tokens[a] for a in accepted])
+            tok = greedy_token(row) if params.greedy else sample_token(row, params, generator)
+        if tok in stop_ids or (max_emit is not None and len(accepted) + 1 >= max_emit):
+            return TreeAcceptance(tuple(accepted), tok)
+        nxt = next((c for c in tree.children[pos] if tree.tokens[c] == tok), None)
+        if nxt is None:
+            return TreeAcceptance(tuple(accepted), tok)
+        accepted.append(nxt)
+        pos = nxt + 1
+
+
+# -- chain rejection sampling: the server half ----------------------------------------------
+@dataclass(frozen=True)
+class Rejection:
+    """What the edge needs after a rejection to sample norm(max(0, p - q)) exactly."""
+
+    head_ids: tuple[int, ...]  # the largest entries of p; all of its support when tail_mass == 0
+    head_probs: tuple[float, ...]
+    tail_mass: float = 0.0  # p's mass outside the head
+    tail_ids: tuple[int, ...] = ()  # i.i.d. samples of p restricted to the tail (proposals)
+    tail_probs: tuple[float, ...] = ()  # p(y) of each of them
+
+
+@dataclass(frozen=True)
+class ChainAcceptance:
+    num_accepted: int
+    bonus: int | None  # server-sampled when all k are accepted (greedy: also on a miss); None = edge resamples
+    rejection: Rejection | None = None  # on rejection: p at the rejected position, for the edge
+    tail: torch.Tensor | None = None  # [vocab] p with the head zeroed: kept to draw more candidates
+
+
+def draw(probs: torch.Tensor, n: int, generator: torch.Generator | None) -> list[int]:
+    """``n`` i.i.d. samples of ``probs`` ([vocab], unnormalised), one uniform each (inverse CDF)."""
+    cdf = torch.cumsum(probs.double(), dim=0)  # [vocab]
+    u = torch.rand(n, generator=generator, dtype=torch.float64) * cdf[-1]  # [n]
+    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1).tolist()
+    for j, i in enumerate(idx):
+        while probs[i] <= 0 and i > 0:  # never a zero-probability token at a rounding boundary
+            i -= 1
+        idx[j] = i
+    return idx
+
+
+def sparse_rejection(
+    p: torch.Tensor,  # [vocab] float32 on the CPU: the processed target distribution
+    gap: float,  # q(x) - p(x) of the rejected token: a lower bound on TV(p, q); <= 0 if unknown
+    max_entries: int,
+    generator: torch.Generator | None,
+) -> tuple[Rejection, torch.Tensor | None]:
+    """The downlink of a rejection, and p's tail to keep (None when all of p was sent).
+
+    With a head of n entries and tail mass t, an edge proposal is refused (or goes to the
+    tail and is refused) w.p. at most t / (t + TV) <= t / (t + gap) per tail candidate, so
+    m candidates run out w.p. <= (t / (t + gap))^m. The head size n (and m) minimise the
+    entries sent, n + m, subject to that bound <= EXHAUST_P, with n, m <= ``max_entries``;
+    if no head meets it (a tiny gap says little about TV), the fewest entries with m at the
+    cap. Either way the result is exact: running out costs a refill round trip, no more.
+    """
+    vals, ids = torch.sort(p, descending=True)
+    support = int((vals > 0).sum())
+    if support <= max_entries:  # all of p fits: the edge computes the residual outright
+        return Rejection(tuple(ids[:support].tolist()), tuple(vals[:support].tolist())), None
+    tails = torch.flip(torch.cumsum(torch.flip(vals[:support].double(), [0]), 0), [0])[: max_entries + 1]  # t_n
+    if gap > 0:
+        # (t / (t + gap))^m <= EXHAUST_P  <=>  m >= -log(EXHAUST_P) / log1p(gap / t)   [K + 1]
+        need = torch.ceil(-math.log(EXHAUST_P) / torch.log1p(gap / tails).clamp(min=1e-300))
+        m = need.clamp(1, max_entries)
+        cost = torch.arange(max_entries + 1, dtype=torch.float64) + m
+        if bool((need <= max_entries).any()):  # heads with which the bound can be met: the cheapest of them
+            cost = cost.masked_fill(need > max_entries, float("inf"))
+        n = int(max_entries - torch.argmin(torch.flip(cost, [0])))  # the largest head on ties
+        m_n = int(m[n])
+    else:  # nothing known about TV(p, q): the largest head and as many candidates
+        n, m_n = max_entries, max_entries
+    tail = p.clone()
+    tail[ids[:n]] = 0.0
+    ys = draw(tail, m_n, generator)
+    return Rejection(tuple(ids[:n].tolist()), tuple(vals[:n].tolist()), float(tail.double().sum()),
+                     tuple(ys), tuple(float(tail[y]) for y in ys)), tail
+
+
+def more_candidates(tail: torch.Tensor, n: int, generator: torch.Generator | None) -> Rejection:
+    """A refill: ``n`` fresh tail candidates of the same rejection (no head: the edge has it)."""
+    ys = draw(tail, n, generator)
+    return Rejection((), (), float(tail.double().sum()), tuple(ys), tuple(float(tail[y]) for y in ys))
+
+
+def rejection_sample_chain(
+    draft_tokens: list[int],
+    draft_q: list[float],  # q(x_i) the edge's draft gave its own token, one per draft token
+    logits: torch.Tensor,  # [k + 1, vocab]: row i predicts draft token i; row k the bonus
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    max_entries: int = 64,
+    penalties=None,  # Penalties of the session's history: row i is penalised after draft_tokens[:i]
+) -> ChainAcceptance:
+    """Server half of DSSD-split rejection sampling (q >= p: accept w.p. p/q)."""
+    if penalties is not None:
+        logits = torch.stack([penalties.apply(logits[i], draft_tokens[:i]) for i in range(len(draft_tokens) + 1)])
+    for i, (x, q) in enumerate(zip(draft_tokens, draft_q)):
+        if params.greedy:  # greedy target = point mass: the argmax is the correction itself
+            best = greedy_token(logits[i])
+            if best == x:
+                continue
+            return ChainAcceptance(i, best)
+        p = target_probs(logits[i], params)  # [vocab]
+        px = float(p[x])
+        u = torch.rand((), generator=generator, dtype=torch.float64).item()
+        if q > 0 and u < min(1.0, px / q):
+            continue
+        rej, tail = sparse_rejection(p.cpu(), q - px, max_entries, generator)
+        return ChainAcceptance(i, None, rej, tail)
+    bonus = sample_token(logits[len(draft_tokens)], params, generator)
+    return ChainAcceptance(len(draft_tokens), bonus)
+
+
+# -- the edge half ----------------------------------------------------------------------------
+class ResidualSampler:
+    """Samples norm(max(0, p - q)) from a :class:`Rejection` and the edge's full q.
+
+    Rejection sampling with proposal p: a proposal y is accepted w.p. max(0, 1 - q(y)/p(y)).
+    The head is known, so a round either accepts a head token (w.p. Z_H / (Z_H + t), drawn
+    from the head's residual, Z_H its mass) or proposes the next tail candidate (w.p.
+    t / (Z_H + t)); refused head proposals only repeat the round and are skipped.
+    :meth:`sample` returns None when the tail candidates run out: :meth:`extend` with a
+    refill and call it again (the process is memoryless, so this stays exact).
+    """
+
+    def __init__(self, rejection: Rejection, q: torch.Tensor, generator: torch.Generator | None):
+        self.q = q.double()  # [vocab] the edge's draft distribution at the rejected position
+        self.g = generator
+        self.tail_ids: list[int] = []
+        self.tail_probs: list[float] = []
+        self.reset(rejection)
+
+    def reset(self, rejection: Rejection) -> None:
+        """Start over from a whole new rejection of the same position (a re-opened session)."""
+        self.ids = torch.tensor(rejection.head_ids, dtype=torch.long)  # [n]
+        self.p_head = torch.tensor(rejection.head_probs, dtype=torch.float64)  # [n]
+        self.r_head = torch.clamp(self.p_head - self.q[self.ids], min=0.0)  # [n] the head's residual
+        self.tail_mass = float(rejection.tail_mass)
+        self.tail_ids, self.tail_probs = list(rejection.tail_ids), list(rejection.tail_probs)
+
+    def extend(self, more: Rejection) -> None:
+        self.tail_ids += more.tail_ids
+        self.tail_probs += more.tail_probs
+
+    def sample(self) -> int | None:
+        z_head, t = float(self.r_head.sum()), self.tail_mass
+        if t <= 0.0:  # all of p is known: the residual outright (p == q numerically: p itself)
+            return int(self.ids[sample_from_probs(self.r_head if z_head > 0 else self.p_head, self.g)])
+        while True:
+            u = torch.rand((), generator=self.g, dtype=torch.float64).item()
+            if u * (z_head + t) < z_head:
+                return int(self.ids[sample_from_probs(self.r_head, self.g)])
+            if not self.tail_ids:
+                return None
+            y, py = self.tail_ids.pop(0), self.tail_probs.pop(0)
+            if torch.rand((), generator=self.g, dtype=torch.float64).item() < 1.0 - float(self.q[y]) / py:
+                return y
+
+
+def residual_sample(rejection: Rejection, q: torch.Tensor, generator: torch.Generator | None) -> int | None:
+    """Edge half in one call: a sample of norm(max(0, p - q)), or None (ask for more candidates)."""
+    return ResidualSampler(rejection, q, generator).sample()
+
+
+# -- tree rejection sampling: multi-draft, siblings drawn without replacement ---------------------
+@dataclass(frozen=True)
+class Proposal:
+    """The distribution an edge drew one node's children from: q(x) = w_x / sum(w) on ``ids``
+    (integer weights, so edge and server hold the very same q)."""
+
+    ids: tuple[int, ...]
+    weights: tuple[int, ...]
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        q = torch.zeros(vocab, dtype=torch.float64)  # [vocab]
+        q[list(self.ids)] = torch.tensor(self.weights, dtype=torch.float64)
+        return q / q.sum()
+
+
+def check_proposals(tree: DraftTree, proposals, vocab: int) -> tuple[Proposal | None, ...]:
+    """Validate the wire's (ids, weights) per position (root, then node i) against ``tree``:
+    a position with children needs a proposal holding every child (distinct, weight >= 1);
+    a leaf carries none. Raises ValueError with the reason."""
+    if len(proposals) != len(tree) + 1:
+        raise ValueError(f"{len(proposals)} proposals for a tree of {len(tree)} nodes (need one per node + root)")
+    out: list[Proposal | None] = []
+    for pos, (kids, prop) in enumerate(zip(tree.children, proposals)):
+        ids, weights = (tuple(int(x) for x in prop[0]), tuple(int(w) for w in prop[1])) if prop else ((), ())
+        if not kids:
+            if ids:
+                raise ValueError(f"position {pos} has no children but carries a proposal")
+            out.append(None)
+            continue
+        if len(ids) != len(weights) or len(set(ids)) != len(ids):
+            raise ValueError(f"position {pos}: proposal ids must be distinct, one weight each")
+        if any(not (0 <= x < vocab) for x in ids) or any(w <= 0 for w in weights):
+            raise ValueError(f"position {pos}: proposal ids must be in the vocabulary and weights >= 1")
+        toks = [tree.tokens[c] for c in kids]
+        if len(set(toks)) != len(toks) or not set(toks) <= set(ids):
+            raise ValueError(f"position {pos}: children must be distinct tokens drawn from its proposal")
+        out.append(Proposal(ids, weights))
+    return tuple(out)
+
+
+def multi_draft_step(
+    p: torch.Tensor,  # [vocab] float64: the processed target distribution at the node
+    q: torch.Tensor,  # [vocab] float64: the proposal its children were drawn from (normalised)
+    children: list[int],  # the children's tokens, in the order they were drawn
+    generator: torch.Generator | None,
+) -> tuple[int | None, int]:
+    """One node of the recursive rule (module docstring): (index of the accepted child or
+    None, the emitted token)."""
+    r, q = p.clone(), q.clone()
+    for i, c in enumerate(children):
+        u = torch.rand((), generator=generator, dtype=torch.float64).item()
+        if u * float(q[c]) < float(r[c]):  # u < min(1, r(c) / q(c)), q(c) > 0
+            return i, c
+        nxt = torch.clamp(r - q, min=0.0)  # rejected: r(c) < q(c), so nxt sums to TV(r, q) > 0
+        z = float(nxt.sum())
+        if z > 1e-12:
+            r = nxt / z
+        else:  # r == q up to rounding: the rejection had probability ~0; drop c and go on with r
+            r[c] = 0.0
+            r = r / r.sum()
+        q[c] = 0.0  # without replacement: the next child was drawn from q without c
+        zq = float(q.sum())
+        if zq <= 0.0:
+            break
+        q = q / zq
+    return None, sample_from_probs(r, generator)
+
+
+def rejection_walk_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,  # [n + 1, vocab]: row 0 = root, row i + 1 = node i
+    proposals: tuple[Proposal | None, ...],  # per position (root, then node i): see check_proposals
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    max_emit: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
+    penalties=None,
+) -> TreeAcceptance:
+    """Walk a tree of sampled siblings by multi-draft rejection sampling (module docstring);
+    ``max_emit`` / ``stop_ids`` / ``penalties`` as in :func:`walk_tree`. Greedy targets follow
+    the argmax, as :func:`walk_tree` does (a point mass accepts exactly the matching child)."""
+    if params.greedy:
+        return walk_tree(tree, logits, params, generator, max_emit, stop_ids, penalties)
+    accepted: list[int] = []
+    pos = 0
+    while True:
+        kids = tree.children[pos]
+        row = logits[pos] if penalties is None else penalties.apply(logits[pos], [tree.tokens[a] for a in accepted])
+        p = target_probs(row, params).double().cpu()  # [vocab]
+        if kids:
+            i, tok = multi_draft_step(p, proposals[pos].dense(p.shape[0]), [tree.tokens[c] for c in kids], generator)
+        else:
+            i, tok = None, sample_from_probs(p, generator)
+        if tok in stop_ids or (max_emit is not None and len(accepted) + 1 >= max_emit) or i is None:
+            return TreeAcceptance(tuple(accepted), tok)
+        accepted.append(kids[i])
+        pos = kids[i] + 1
+
+
+# -- the edge half of tree rejection sampling ----------------------------------------------------
+Q_WEIGHT_MAX = 65535  # proposal weights are u16 on the wire
+
+
+def make_proposal(
+    q: torch.Tensor,  # [vocab] the draft's processed distribution at the node
+    max_entries: int,
+    mass: float = 0.999,
+) -> Proposal:
+    """The sparse proposal the edge draws a node's children from: q's largest entries, the
+    fewest holding ``mass`` (at most ``max_entries``), as u16 weights. Any proposal is exact
+    (the server sees this very q); truncating q only moves which tokens the drafts cover --
+    the target's mass outside the support is reached through the residual."""
+    vals, ids = torch.sort(q.double(), descending=True)
+    n = int(torch.searchsorted(torch.cumsum(vals, 0), torch.tensor([mass * float(vals.sum())],
+                                                                     dtype=torch.float64)).item()) + 1
+    n = max(1, min(n, max_entries, int((vals > 0).sum())))
+    w = torch.round(vals[:n] / vals[0] * Q_WEIGHT_MAX).long()  # [n]
+    keep = w > 0
+    return Proposal(tuple(ids[:n][keep].tolist()), tuple(w[keep].tolist()))
+
+
+def draw_without_replacement(proposal: Proposal, m: int, generator: torch.Generator | None) -> list[int]:
+    """``m`` children drawn one after another from the proposal, each without the ones before
+    (at most its support): c_i ~ q_i of the module docstring, in drawing order."""
+    w = torch.tensor(proposal.weights, dtype=torch.float64)  # [support]
+    out = []
+    for _ in range(min(m, len(proposal.ids))):
+        j = sample_from_probs(w, generator)
+        out.append(proposal.ids[j])
+        w[j] = 0.0
+    return out

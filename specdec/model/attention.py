@@ -1,0 +1,131 @@
+"""Tree attention over the paged KV pool (docs/protocol.md, "One generation, end to end", step 4;
+SpecInfer-style tree masks).
+
+A query row attends its session's *logical* KV sequence: the positions ``[0, row_len)``
+(prefix, root, or a prompt chunk up to itself), then, for every set bit ``j`` of
+``row_bits`` (one int64 per row: trees up to 64 nodes), the tree node at position
+``row_len + j``: its ancestors and itself. The plan is built once per forward and read by
+every layer.
+
+Two implementations of the same function:
+
+- the C kernel (:mod:`specdec.model.native`, CPU, bf16/fp32): reads pages in place and
+  reduces each row over its logical sequence in a fixed order, so a row's output is
+  bit-identical whatever batch, tree shape or padding it comes with (batch invariance);
+- on CUDA, a Triton kernel (:mod:`specdec.model.cuda.kernels`) that reads a session's keys once
+  for all its rows and query heads (tensor-core tiles), reducing each row's logical sequence in
+  blocks and chunks at fixed logical positions: equally batch-invariant;
+- :func:`torch_attention`: gathers each row's keys and calls SDPA (any device and dtype;
+  the reference the kernels are tested against; not batch-invariant in bf16).
+
+Chosen by measurement (``benchmarks/attention_kernels.py``): per-session SDPA over the
+pool cannot be batch-invariant for tree rows (masked keys inside SDPA's blocks change its
+rounding) and pays a gather; the kernel needs neither.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.model import cuda, native
+from specdec.model.cuda.plan import BLOCK_M, DevicePlan
+from specdec.model.native import PAGE_SIZE
+
+
+@dataclass
+class AttentionPlan:
+    """Where each packed query row reads its keys (built once per forward)."""
+
+    block_table: torch.Tensor  # [B, max_pages] int32: pool page of each session's logical page
+    row_seq: torch.Tensor  # [N] int32: the row's session (row of block_table)
+    row_len: torch.Tensor  # [N] int32: contiguous logical positions [0, row_len) seen by the row
+    row_bits: torch.Tensor  # [N] int64: tree positions row_len + j seen by the row (bit j)
+    max_len: int  # the longest logical sequence of any row
+
+    def to(self, device) -> "AttentionPlan":
+        return AttentionPlan(self.block_table.to(device), self.row_seq.to(device), self.row_len.to(device),
+                             self.row_bits.to(device), self.max_len)
+
+
+KERNEL_MAX_HEADS_PER_KV = 8  # MAXREP in the source
+KERNEL_MAX_HEAD_DIM = 256
+
+
+def use_kernel(device: torch.device, dtype: torch.dtype, heads: int = 1, kv_heads: int = 1,
+               head_dim: int = 64) -> bool:
+    """Whether a kernel runs this: on CUDA the Triton kernel (Triton installed); on the CPU the C
+    kernel (bf16/fp32, a head layout it handles, built here)."""
+    if device.type == "cuda":
+        return (heads % kv_heads == 0 and heads // kv_heads <= BLOCK_M and head_dim <= KERNEL_MAX_HEAD_DIM
+                and cuda.available(device))
+    shape_ok = (heads % kv_heads == 0 and heads // kv_heads <= KERNEL_MAX_HEADS_PER_KV and head_dim % 4 == 0
+                and head_dim <= KERNEL_MAX_HEAD_DIM)
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and shape_ok
+            and native.load() is not None)
+
+
+def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: AttentionPlan | DevicePlan,
+                   scale: float, kernel: bool | None = None) -> torch.Tensor:
+    """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] (q's dtype).
+    A :class:`DevicePlan` only for the CUDA kernel."""
+    if kernel is None:
+        kernel = use_kernel(q.device, q.dtype, q.shape[1], k_pages.shape[1], q.shape[2])
+    if not kernel:
+        return torch_attention(q, k_pages, v_pages, plan, scale)
+    if q.device.type == "cuda":
+        from specdec.model.cuda import kernels
+
+        if isinstance(plan, AttentionPlan):  # a forward builds its DevicePlan once for every layer
+            plan = DevicePlan.of(plan, q.device, q.shape[1], k_pages.shape[1])
+        return kernels.tree_attention(q, k_pages, v_pages, plan, scale)
+    lib = native.load()
+    N, Hq, D = q.shape
+    Hkv = k_pages.shape[1]
+    q = q.contiguous()
+    out = torch.empty(N, Hq, D, dtype=torch.float32)
+    fn = lib.tree_attention_bf16 if q.dtype == torch.bfloat16 else lib.tree_attention_f32
+    bt = plan.block_table
+    err = fn(q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), bt.data_ptr(), bt.shape[1],
+             plan.row_seq.data_ptr(), plan.row_len.data_ptr(), plan.row_bits.data_ptr(), out.data_ptr(),
+             N, Hq, Hkv, D, ctypes.c_float(scale), plan.max_len, torch.get_num_threads())
+    if err == 2:
+        raise ValueError(f"tree attention kernel: unsupported heads {Hq}/{Hkv} x {D} (see use_kernel)")
+    if err:
+        raise MemoryError("tree attention: scratch allocation failed")
+    return out.to(q.dtype)
+
+
+def row_positions(plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logical positions, left-aligned: positions [N, S] long, valid [N, S] bool."""
+    lens = plan.row_len.long()
+    bits = plan.row_bits
+    j = torch.arange(64, device=bits.device)
+    set_ = ((bits[:, None] >> j) & 1).bool()  # [N, 64]
+    n_extra = set_.sum(1)
+    S = int((lens + n_extra).max())
+    ar = torch.arange(S, device=bits.device)
+    pos = ar.expand(len(lens), S).clone()  # [N, S]
+    # the k-th set bit lands at column len + k with position len + j
+    rank = set_.long().cumsum(1) - 1  # [N, 64]
+    rows, cols = set_.nonzero(as_tuple=True)
+    pos[rows, lens[rows] + rank[rows, cols]] = lens[rows] + cols
+    valid = ar[None, :] < (lens + n_extra)[:, None]
+    return pos.masked_fill(~valid, 0), valid
+
+
+def torch_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: AttentionPlan,
+                    scale: float) -> torch.Tensor:
+    """Reference implementation: gather each row's keys [N, S, Hkv, D], masked SDPA with GQA."""
+    pos, valid = row_positions(plan)
+    pages = plan.block_table.long()[plan.row_seq.long()[:, None], pos // PAGE_SIZE]  # [N, S]
+    off = pos % PAGE_SIZE
+    k = k_pages[pages, :, :, off]  # [N, S, Hkv, D]
+    v = v_pages[pages, :, off, :]  # [N, S, Hkv, D]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),  # [N, H, 1, D], [N, Hkv, S, D]
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.squeeze(2)

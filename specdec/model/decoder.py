@@ -1,0 +1,286 @@
+"""The verifier's own forward for Llama-family decoders, over a packed batch and the KV pool.
+
+Supported: Llama (incl. SmolLM and Llama-3 RoPE scaling), Mistral without a sliding
+window, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm). Weights come from the checkpoint
+(:mod:`specdec.model.checkpoint`, no transformers) or any HF model with the same module names,
+and are re-laid out once: Q, K and V in one
+matrix, gate and up in another. A forward packs every session's new tokens on one token
+axis (no padding, :mod:`specdec.model.batch`), writes their K/V into the pool in place and
+reads the pool in place (:mod:`specdec.model.attention`); RoPE at explicit positions
+(prefix length + node depth); GQA without repeating K/V. A :class:`DecoderModel` may own a
+contiguous slice of layers (a pipeline stage): the first also embeds tokens, the last also
+owns the final norm and the LM head.
+
+Batch invariance (bf16): every op is row-wise and attention reduces each row over its own
+logical KV sequence in a fixed order, so a row's logits do not depend on the rest of its
+batch, its tree's shape, or padding. :class:`Linear` keeps that for the matrix multiplies:
+the native kernel (AVX512-BF16, or AVX2 + FMA) computes every output as one fixed chain
+whatever the row count; oneDNN (AVX512 CPUs without BF16) gives the same rows for every row
+count >= 2 but rounds a single row differently (K = 1536 here), so there a single row is
+computed as two; torch's own bf16 linear (older CPUs) is row-invariant (all checked by
+``tests/specdec/model/test_decoder.py``). On CUDA the linears run as GEMMs of a fixed row count and
+attention and RMSNorm as Triton kernels (:mod:`specdec.model.cuda`).
+
+Speed (CPU, bf16, ``benchmarks/verify_step.py``): the native linear streams the weights from
+memory at ~25 GB/s on one core for 1-4 rows, against ~11 GB/s for oneDNN's prepacked kernels
+(which were ~1.7x faster than ``F.linear``); the elementwise glue is one C call per function
+(:mod:`specdec.model.glue`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.errors import UnsupportedModel
+from specdec.model import cuda, hugepages
+from specdec.model.attention import tree_attention, use_kernel
+from specdec.model.batch import PackedBatch
+from specdec.model.checkpoint import SUPPORTED_ROPE, SUPPORTED_TYPES, unsupported_rope, unsupported_type
+from specdec.model.cuda.graphs import LayerGraphs
+from specdec.model.cuda.plan import DevicePlan
+from specdec.model.glue import make_glue
+from specdec.model.kv_pool import KVPool
+from specdec.model.linear import Linear
+from specdec.model.lora import add_lora, row_groups
+from specdec.model.native_stack import NativeStack
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What the forward needs of a model config (validated)."""
+
+    model_type: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    rms_eps: float
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, cfg) -> "DecoderSpec":
+        mt = getattr(cfg, "model_type", None)
+        if mt not in SUPPORTED_TYPES:
+            raise unsupported_type(mt)
+        sw = getattr(cfg, "sliding_window", None)
+        if sw is not None and (mt == "mistral" or getattr(cfg, "use_sliding_window", False)):
+            raise UnsupportedModel(f"{mt} with a sliding window ({sw}) is not supported: attention over the "
+                                   f"whole context would give different outputs")
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+            raise UnsupportedModel(f"{mt}: only full-attention layers are supported (layer_types "
+                                   f"{sorted(set(cfg.layer_types))})")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModel(f"activation {act!r} is not supported (SwiGLU with silu only)")
+        rope = getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if rope_type not in SUPPORTED_ROPE:
+            raise unsupported_rope(rope_type)
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        if heads % kv:
+            raise UnsupportedModel(f"{heads} attention heads are not a multiple of {kv} KV heads")
+        return cls(mt, cfg.hidden_size, heads, kv, head_dim, cfg.num_hidden_layers, float(cfg.rms_norm_eps),
+                   mt == "qwen3")
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor  # [D]
+    qkv: Linear  # [(Hq + 2 Hkv) * d, D]: Q, K, V in one matrix
+    q_norm: torch.Tensor | None  # [d] (Qwen3)
+    k_norm: torch.Tensor | None
+    o: Linear  # [D, Hq * d]
+    ln2: torch.Tensor  # [D]
+    gate_up: Linear  # [2 I, D]: gate and up in one matrix
+    down: Linear  # [D, I]
+
+
+def _cat_bias(*linears) -> torch.Tensor | None:
+    bs = [lin.bias for lin in linears]
+    if all(b is None for b in bs):
+        return None
+    return torch.cat([b.detach() if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype,
+                                                                    device=lin.weight.device)
+                      for b, lin in zip(bs, linears)])
+
+
+def _layer_weights(layer) -> LayerWeights:
+    a, m = layer.self_attn, layer.mlp
+    qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    return LayerWeights(
+        layer.input_layernorm.weight.detach(),
+        Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+               _cat_bias(a.q_proj, a.k_proj, a.v_proj)),
+        qn.weight.detach() if qn is not None else None, kn.weight.detach() if kn is not None else None,
+        Linear(a.o_proj.weight.detach(), a.o_proj.bias.detach() if a.o_proj.bias is not None else None),
+        layer.post_attention_layernorm.weight.detach(),
+        Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), _cat_bias(m.gate_proj, m.up_proj)),
+        Linear(m.down_proj.weight.detach(), m.down_proj.bias.detach() if m.down_proj.bias is not None else None))
+
+
+class DecoderModel:
+    """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head).
+    ``graphs``: on CUDA with the Triton kernels, replay the layer stack as CUDA graphs
+    (:mod:`specdec.model.cuda.graphs`; bit-equal to launching each kernel)."""
+
+    def __init__(self, hf_model, first: int = 0, last: int | None = None, compile: bool = False,
+                 graphs: bool = True):
+        cfg = hf_model.config
+        self.spec = spec = DecoderSpec.from_config(cfg)
+        self.config = cfg
+        inner = hf_model.model
+        self.first, self.last = first, spec.num_layers if last is None else last
+        if not 0 <= self.first < self.last <= spec.num_layers:
+            raise ValueError(f"layer slice [{first}, {last}) is outside 0..{spec.num_layers}")
+        self.is_first, self.is_last = self.first == 0, self.last == spec.num_layers
+        self.layers = [_layer_weights(inner.layers[i]) for i in range(self.first, self.last)]
+        self.embed = inner.embed_tokens.weight.detach() if self.is_first else None  # [V, D]
+        self.norm = inner.norm.weight.detach() if self.is_last else None
+        lm_bias = getattr(hf_model.lm_head, "bias", None) if self.is_last else None
+        self.lm_head = (Linear(hf_model.lm_head.weight.detach(), lm_bias.detach() if lm_bias is not None else None)
+                        if self.is_last else None)  # [V', D]
+        p = self.layers[0].qkv.weight
+        self.dtype, self.device = p.dtype, p.device
+        rot = inner.rotary_emb
+        self.inv_freq = rot.inv_freq.detach().float().to(self.device)  # [d / 2]
+        self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
+        self.kernel = use_kernel(self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.scale = spec.head_dim ** -0.5
+        self.glue = make_glue(self.device, self.dtype, compile)
+        self._weights_on_huge_pages()
+        self.stack = NativeStack(self) if NativeStack.supports(self) else None  # the layers in one native call
+        self.graphs = LayerGraphs(self) if graphs and self.kernel and cuda.available(self.device) else None
+        self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
+
+    def share_weights(self, hf_model) -> None:
+        """Point ``hf_model``'s Q/K/V and gate/up weights (the model this one was built from) at
+        views of the fused matrices, so the separate copies are freed: a replica keeps both
+        models, which held those weights twice. Values and shapes are unchanged."""
+        inner = hf_model.model
+        for i, w in zip(range(self.first, self.last), self.layers):
+            a, m = inner.layers[i].self_attn, inner.layers[i].mlp
+            for fused, parts in ((w.qkv.weight, (a.q_proj, a.k_proj, a.v_proj)),
+                                 (w.gate_up.weight, (m.gate_proj, m.up_proj))):
+                row = 0
+                for lin in parts:
+                    n = lin.weight.shape[0]
+                    lin.weight = torch.nn.Parameter(fused[row:row + n], requires_grad=False)
+                    row += n
+
+    def layer_linears(self) -> list[Linear]:
+        """Every linear of this stage's layers, in the order a forward runs them."""
+        return [f for w in self.layers for f in (w.qkv, w.o, w.gate_up, w.down)]
+
+    def _weights_on_huge_pages(self) -> None:
+        """The packed weights of every native linear, in the order a forward reads them, in one
+        huge-page mapping (:mod:`specdec.model.hugepages`): one stream, few TLB misses."""
+        lins = self.layer_linears() + [self.lm_head]
+        lins = [f for f in lins if f is not None and f.lib is not None]
+        for f, w in zip(lins, hugepages.arena([f.native_w for f in lins])):
+            f.native_w = w
+
+    def warmup(self, row_counts=(1, 2, 17)) -> None:
+        """Run the glue on dummy rows of each count (compiles them when ``compile=True``:
+        one graph for a single row, one dynamic graph for the rest)."""
+        s, g = self.spec, self.glue
+        for n in row_counts:
+            h = torch.zeros(n, s.hidden_size, dtype=self.dtype, device=self.device)
+            w = self.layers[0]
+            cos, sin = self._rope(torch.arange(n))
+            qkv = torch.zeros(n, s.num_heads + 2 * s.num_kv_heads, s.head_dim, dtype=self.dtype, device=self.device)
+            g.qk_rope(qkv, cos, sin, s.num_heads, s.num_kv_heads, w.q_norm, w.k_norm, s.rms_eps)
+            g.residual_norm(h, h, w.ln2, s.rms_eps)
+            g.swiglu(torch.zeros(n, w.gate_up.out_features, dtype=self.dtype, device=self.device))
+            g.norm(h, w.ln1, s.rms_eps)
+
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.layers)
+
+    def new_pool(self, capacity_tokens: int, prefix_caching: bool = False) -> KVPool:
+        s = self.spec
+        return KVPool(self.num_local_layers, s.num_kv_heads, s.head_dim, capacity_tokens, self.dtype, self.device,
+                      prefix_caching)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, d] in the model dtype (as HF: computed in float32, then cast)."""
+        freqs = positions.to(self.device).float()[:, None] * self.inv_freq[None, :]  # [N, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return ((emb.cos() * self.rope_scale).to(self.dtype)[:, None, :],
+                (emb.sin() * self.rope_scale).to(self.dtype)[:, None, :])
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch, pool: KVPool, hidden: torch.Tensor | None = None,
+                on_layer=None) -> torch.Tensor:
+        """Run this slice's layers; returns hidden states [N, D] (before the final norm).
+
+        The first slice embeds ``batch.input_ids``; later ones take ``hidden`` [N, D].
+        Every layer writes the batch's new K/V into ``pool`` at ``batch.slots``.
+        ``on_layer(n, h, batch)``, if given, sees the residual stream h [N, D] after each
+        layer (``n`` = layers run so far in the whole model) and must not change it
+        (exit heads, :mod:`specdec.exit_heads`). On CUDA a batch without LoRA rows or
+        ``on_layer`` replays a captured graph of this same code (:mod:`specdec.model.cuda.graphs`).
+        """
+        N = batch.num_tokens
+        # rows per LoRA target version; each adds its own delta to the fused linears (lora.py)
+        lora = row_groups(batch.adapter_rows, N, self.adapters, self.device) if batch.adapter_rows else []
+        if self.graphs is not None and not lora and on_layer is None:
+            h = self.graphs(batch, pool, hidden)
+            if h is not None:
+                return h
+        h = self.embed_rows(batch.input_ids.to(self.device), hidden)
+        cos, sin = self._rope(batch.positions)
+        where = pool.locate(batch.slots.to(self.device))
+        if self.device.type == "cpu":
+            plan = batch.plan
+        elif self.kernel:  # the CUDA kernel's plan, built once for every layer
+            plan = DevicePlan.of(batch.plan, self.device, self.spec.num_heads, self.spec.num_kv_heads)
+        else:
+            plan = batch.plan.to(self.device)
+        if self.stack is not None and not lora and (on_layer is None or hasattr(on_layer, "layers")):
+            return self.stack(h, cos, sin, pool, where, plan, on_layer, batch)
+        return self.run_layers(h, cos, sin, pool, where, plan, lora, on_layer, batch)
+
+    def embed_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The stream before the first local layer: the first slice embeds ids [N]; later ones
+        take ``hidden`` [N, D]."""
+        return F.embedding(input_ids, self.embed) if self.is_first else hidden.to(self.device, self.dtype)
+
+    def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, where, plan,
+                   lora=(), on_layer=None, batch: PackedBatch | None = None) -> torch.Tensor:
+        """The layers in torch ops and kernels: h [N, D] -> h [N, D]; each layer writes its K/V
+        of the rows into ``pool`` at ``where`` (page, offset) [N] each. On CUDA (Triton kernels,
+        its DevicePlan built) nothing here waits on the host, so a CUDA graph
+        can capture it (:mod:`specdec.model.cuda.graphs`)."""
+        s, g = self.spec, self.glue
+        N = h.shape[0]
+        Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        x = g.norm(h, self.layers[0].ln1, s.rms_eps)
+
+        def lin(f: Linear, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
+            return add_lora(f(x), x, lora, self.first + i, name) if lora else f(x)
+
+        for i, w in enumerate(self.layers):
+            qkv = lin(w.qkv, x, i, "qkv").view(N, Hq + 2 * Hkv, d)
+            q = g.rope_write(qkv, cos, sin, Hq, Hkv, w.q_norm, w.k_norm, s.rms_eps, pool, i, where)
+            o = tree_attention(q, pool.k[i], pool.v[i], plan, self.scale, self.kernel)  # [N, Hq, d]
+            h, x = g.residual_norm(h, lin(w.o, o.reshape(N, Hq * d), i, "o"), w.ln2, s.rms_eps)
+            down = lin(w.down, g.swiglu(lin(w.gate_up, x, i, "gate_up")), i, "down")
+            if i + 1 < len(self.layers):  # the residual and the next layer's input norm in one step
+                h, x = g.residual_norm(h, down, self.layers[i + 1].ln1, s.rms_eps)
+            else:
+                h = h + down
+            if on_layer is not None:
+                on_layer(self.first + i + 1, h, batch)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head for the given rows: [R, D] -> [R, V] in the model dtype."""
+        return self.lm_head(self.glue.norm(hidden, self.norm, self.spec.rms_eps))

@@ -1,0 +1,36 @@
+"""Target-only autoregressive decoding: the ground truth the lossless tests compare to.
+
+Deliberately independent of the engine's runner: it uses the model's own HF forward
+with a ``DynamicCache``, one token per step, penalties from the history so far, and the same sampler
+(:func:`specdec.sampling.sample_token`, one uniform per token), so a seeded
+speculative run and this reference follow the same sample path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.penalties import penalties_for
+from specdec.sampling import SamplingParams, make_generator, sample_token
+
+
+@torch.inference_mode()
+def reference_decode(model, prompt: list[int], params: SamplingParams, eos_token_ids=()) -> list[int]:
+    """Generated tokens (the stop token included, as the engine emits it)."""
+    from transformers import DynamicCache
+
+    stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    device = next(model.parameters()).device
+    g = make_generator(params)
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, L]
+    out: list[int] = []
+    max_len = getattr(model.config, "max_position_embeddings", 1 << 16)
+    while True:
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]  # [vocab]
+        pen = penalties_for(params, prompt, out, logits.shape[-1], logits.device)  # the history so far
+        tok = sample_token(logits.float() if pen is None else pen.apply(logits), params, g)
+        out.append(tok)
+        if tok in stop or len(out) >= params.max_tokens or len(prompt) + len(out) >= max_len - 1:
+            return out
+        ids = torch.tensor([[tok]], dtype=torch.long, device=device)

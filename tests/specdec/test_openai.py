@@ -1,0 +1,312 @@
+"""OpenAI-compatible parsing, validation, stop strings and response shapes (pure, no Ray)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from specdec.errors import InvalidRequest, InvalidSamplingParams, ModelNotFound
+from specdec.protocol import TokenLogprob
+from specdec.openai import (TextStream, chat_message, check_model, check_sampling, completion_response,
+                                  detokenize, find_stop, logprobs_object, model_list, parse_completion, server_version,
+                                  stop_prefix_len, stream_chunk, tokenize, usage_chunk)
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from specdec.model.loading import load_tokenizer
+
+    return load_tokenizer("embedded")
+
+
+def chat_ids(tok, msgs):
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_chat_prompt_is_token_ids(tok):
+    req = parse_completion(
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 5, "stream": True}, tok, True)
+    assert req.prompt == chat_ids(tok, [{"role": "user", "content": "hi"}])
+    assert req.sampling["temperature"] == 0 and req.sampling["max_tokens"] == 5
+    assert req.stream and req.mode == "ar" and req.chat and req.stop == () and not req.include_usage
+
+
+def test_completion_prompt_text_or_ids(tok):
+    assert parse_completion({"prompt": [5, 6]}, None, False).prompt == [5, 6]
+    req = parse_completion({"prompt": "Hello", "mode": "sd"}, tok, False)
+    assert req.prompt == tok("Hello")["input_ids"] and req.sampling["temperature"] == 1.0  # OpenAI's default
+    assert req.mode == "sd" and req.sampling["max_tokens"] is None  # unset: the rest of the context
+    assert req.with_max_tokens(2048).sampling["max_tokens"] == 2048 - len(req.prompt) - 1
+    assert parse_completion({"prompt": "Hello", "max_tokens": 9}, tok, False).with_max_tokens(2048).sampling[
+        "max_tokens"] == 9
+
+
+def test_content_parts_join_text_and_assistant_null_is_empty(tok):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    req = parse_completion({"messages": [{"role": "user", "content": parts}]}, tok, True)
+    assert req.prompt == chat_ids(tok, [{"role": "user", "content": "Hello\nworld"}])
+    assert chat_message(0, {"role": "assistant", "content": None}) == {"role": "assistant", "content": ""}
+    assert chat_message(0, {"role": "developer", "content": "be brief"})["role"] == "system"
+    # a message echoed back from a response (the client's model_dump) carries null fields
+    assert chat_message(0, {"role": "assistant", "content": "x", "tool_calls": None, "refusal": None})["content"] == "x"
+
+
+@pytest.mark.parametrize("msg", [
+    {"role": "user", "content": 5},
+    {"role": "user", "content": None},
+    {"role": "user"},
+    {"content": "hi"},
+    {"role": "wizard", "content": "hi"},
+    {"role": "tool", "content": "hi", "tool_call_id": "x"},
+    "hi",
+    {"role": "user", "content": []},
+    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]},
+    {"role": "user", "content": [{"type": "text", "text": 3}]},
+    {"role": "user", "content": ["hi"]},
+    {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]},
+])
+def test_bad_messages_are_400(tok, msg):
+    with pytest.raises(InvalidRequest):
+        parse_completion({"messages": [msg]}, tok, True)
+
+
+@pytest.mark.parametrize("body,chat", [
+    ({}, False), ({"prompt": ""}, False), ({"messages": []}, True), ({"messages": "hi"}, True),
+    ({"prompt": "x", "mode": "zz"}, False), ({"prompt": [1, True]}, False), ({"prompt": [1.5]}, False),
+    ({"prompt": "x", "n": 2}, False), ({"prompt": "x", "n": "1"}, False), ({"prompt": "x", "n": 1.0}, False),
+    ({"prompt": "x", "n": True}, False),
+    ({"prompt": "x", "temperature": "hot"}, False), ({"prompt": "x", "temperature": float("nan")}, False),
+    ({"prompt": "x", "temperature": float("inf")}, False), ({"prompt": "x", "top_p": 10 ** 400}, False),
+    ({"prompt": "x", "temperature": True}, False),
+    ({"prompt": "x", "max_tokens": 5.0}, False), ({"prompt": "x", "max_tokens": True}, False),
+    ({"prompt": "x", "max_tokens": "5"}, False), ({"prompt": "x", "seed": 1.5}, False),
+    ({"prompt": "x", "top_k": False}, False), ({"prompt": "x", "stream": "yes"}, False),
+    ({"prompt": "x", "stop_token_ids": [1, "2"]}, False), ({"prompt": "x", "model": 3}, False),
+    ({"prompt": "x", "stop": 5}, False), ({"prompt": "x", "stop": ""}, False),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, False), ({"prompt": "x", "stop": ["a", 1]}, False),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, False),  # needs stream
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, False),
+    ({"prompt": "x", "stream": True, "stream_options": {"bogus": True}}, False),
+])
+def test_bad_requests(tok, body, chat):
+    with pytest.raises(InvalidRequest):
+        parse_completion(body, tok, chat)
+
+
+@pytest.mark.parametrize("field,value,chat", [
+    ("logit_bias", {"5": 10}, True), ("tools", [{"type": "function"}], True), ("tool_choice", "auto", True),
+    ("functions", [{"name": "f"}], True), ("function_call", "auto", True),
+    ("response_format", {"type": "json_object"}, True), ("echo", True, False), ("suffix", "end", False),
+    ("best_of", 2, False), ("store", True, True), ("logit_bias", {"5": 10}, False),
+])
+def test_unimplemented_fields_are_400_naming_the_field(tok, field, value, chat):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    with pytest.raises(InvalidRequest) as e:
+        parse_completion({**body, field: value}, tok, chat)
+    err = e.value.to_dict()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error" and err["code"] == "invalid_request"
+    assert field in err["message"]
+
+
+@pytest.mark.parametrize("fields,chat", [({"frobnicate": 1}, False), ({"messages": [], "guided_json": {}}, False),
+                                         ({"prompt": "x", "echo": False}, True), ({"spaces_between": True}, True)])
+def test_unknown_fields_are_ignored_and_named(tok, fields, chat):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    req = parse_completion({**body, **fields}, tok, chat)
+    assert req.ignored == tuple(sorted(fields)) and replace(req, ignored=()) == parse_completion(body, tok, chat)
+
+
+@pytest.mark.parametrize("body,chat,want", [
+    ({"logprobs": True}, True, 0), ({"logprobs": True, "top_logprobs": 5}, True, 5), ({"logprobs": False}, True, None),
+    ({}, True, None), ({"logprobs": 3}, False, 3), ({"logprobs": 0}, False, 0), ({}, False, None),
+])
+def test_logprobs_fields(tok, body, chat, want):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    req = parse_completion({**base, **body}, tok, chat)
+    assert req.logprobs == want and req.sampling["logprobs"] == want
+
+
+@pytest.mark.parametrize("body,chat,param", [
+    ({"top_logprobs": 2}, True, "top_logprobs"), ({"logprobs": 1}, True, "logprobs"),
+    ({"logprobs": True}, False, "logprobs"), ({"presence_penalty": "0"}, True, "presence_penalty"),
+    ({"repetition_penalty": None, "frequency_penalty": float("nan")}, False, "frequency_penalty"),
+    ({"chat_template_kwargs": {"tokenize": False}}, True, "chat_template_kwargs"),
+    ({"chat_template_kwargs": [1]}, True, "chat_template_kwargs"),
+])
+def test_bad_logprobs_penalties_and_template_kwargs_are_400(tok, body, chat, param):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    with pytest.raises(InvalidRequest) as e:
+        parse_completion({**base, **body}, tok, chat)
+    assert e.value.to_dict()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("sampling,param", [({"logprobs": 21}, "logprobs"),
+                                            ({"presence_penalty": 2.5}, "presence_penalty"),
+                                            ({"frequency_penalty": -3}, "frequency_penalty"),
+                                            ({"repetition_penalty": 0}, "repetition_penalty")])
+def test_logprobs_and_penalty_ranges_are_the_verifiers(sampling, param):
+    body = {"prompt": [1, 2], **sampling}
+    with pytest.raises(InvalidSamplingParams) as e:
+        check_sampling(parse_completion(body, None, False).sampling, VOCAB)
+    assert e.value.to_dict()["error"]["param"] == param
+
+
+def test_penalties_reach_the_sampling_params(tok):
+    body = {"prompt": "hi", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2}
+    req = parse_completion(body, tok, False)
+    assert (req.sampling["presence_penalty"], req.sampling["frequency_penalty"],
+            req.sampling["repetition_penalty"]) == (0.5, -1.0, 1.2)
+    check_sampling(req.sampling, VOCAB)
+
+
+def test_chat_template_kwargs_reach_the_template(tok):
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = parse_completion({"messages": msgs}, tok, True).prompt
+    no_gen = parse_completion({"messages": msgs, "chat_template_kwargs": {"add_generation_prompt": False}}, tok, True)
+    assert no_gen.prompt == chat_ids(tok, msgs)[: len(no_gen.prompt)] and len(no_gen.prompt) < len(plain)
+    # a variable the template does not use changes nothing (Qwen3's enable_thinking on another template)
+    assert parse_completion({"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}, tok,
+                            True).prompt == plain
+
+
+def test_noop_values_and_harmless_fields_are_accepted(tok):
+    body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": False, "presence_penalty": 0,
+            "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "store": False, "user": "u-1", "metadata": {"k": "v"},
+            "top_logprobs": None, "n": 1, "max_completion_tokens": 7, "seed": 3, "top_k": 4, "ignore_eos": True,
+            "stop_token_ids": [2], "model": "m", "stream": True, "stream_options": {"include_usage": True},
+            "stop": ["\n\n", "END"]}
+    req = parse_completion(body, tok, True)
+    assert req.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": 4, "max_tokens": 7, "seed": 3,
+                            "stop_token_ids": [2], "ignore_eos": True, "presence_penalty": 0.0,
+                            "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": None}
+    assert req.ignored == ()
+    assert req.include_usage and req.stop == ("\n\n", "END") and req.model == "m"
+    req = parse_completion({"prompt": "hi", "echo": False, "suffix": None, "best_of": 1, "logprobs": None,
+                            "stop": "END"}, tok, False)
+    assert req.stop == ("END",)
+
+
+@pytest.mark.parametrize("sampling", [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0},
+                                      {"top_p": 0.0}, {"top_k": VOCAB + 1}, {"seed": -1}, {"seed": 2**64},
+                                      {"stop_token_ids": [VOCAB]}])
+def test_sampling_ranges_are_the_verifiers(sampling):
+    body = {"prompt": [1, 2], **sampling}
+    with pytest.raises(InvalidSamplingParams):
+        check_sampling(parse_completion(body, None, False).sampling, VOCAB)
+
+
+def test_sampling_defaults_pass_the_verifiers_check():
+    check_sampling(parse_completion({"prompt": [1, 2], "temperature": 0, "top_k": 0}, None, False).sampling, VOCAB)
+
+
+def test_no_tokenizer_needs_ids():
+    with pytest.raises(InvalidRequest):
+        parse_completion({"prompt": "text"}, None, False)
+    with pytest.raises(InvalidRequest):  # stop strings are matched on text
+        parse_completion({"prompt": [1, 2], "stop": "x"}, None, False)
+
+
+def test_model_names():
+    check_model(None, ("served", "alias"))
+    check_model("alias", ("served", "alias"))
+    with pytest.raises(ModelNotFound) as e:
+        check_model("gpt-4o", ("served",))
+    assert e.value.status == 404 and e.value.to_dict()["error"]["code"] == "model_not_found"
+    check_model("code", ("served",), ("code", "docs"))  # a target version
+    with pytest.raises(ModelNotFound, match="serves 'served' and its versions 'code', 'docs'"):
+        check_model("chat", ("served",), ("code", "docs"))
+    assert model_list("served", 7) == {"object": "list", "data": [
+        {"id": "served", "object": "model", "created": 7, "owned_by": "specedge"}]}
+
+
+def test_find_stop_and_prefix():
+    assert find_stop("hello world", ("wor", "lo")) == 3 and find_stop("abc", ("x",)) is None
+    assert find_stop("abc", ()) is None
+    assert stop_prefix_len("hello wo", ("world",)) == 2 and stop_prefix_len("hello", ("world",)) == 0
+    assert stop_prefix_len("ab", ("abc", "bx")) == 2
+
+
+def feed(stream: TextStream, pieces: list[str]) -> tuple[list[str], bool]:
+    text, out, stopped = "", [], False
+    for i, piece in enumerate(pieces):
+        text += piece
+        delta, stopped = stream.push(text, final=i == len(pieces) - 1)
+        out.append(delta)
+        if stopped:
+            break
+    return out, stopped
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 5])
+def test_text_stream_never_sends_part_of_a_stop_string(split):
+    full = "The answer is 42.\nEND of story"
+    pieces = [full[i:i + split] for i in range(0, len(full), split)]
+    out, stopped = feed(TextStream(("\nEND",)), pieces)
+    assert stopped and "".join(out) == "The answer is 42."
+    assert not any("\n" in d for d in out)
+
+
+def test_text_stream_flushes_a_held_tail_at_the_end_and_waits_for_utf8():
+    out, stopped = feed(TextStream(("END",)), ["ab", "cE", "N"])
+    assert out == ["ab", "c", "EN"] and not stopped
+    s = TextStream()
+    assert s.push("caf\ufffd", final=False) == ("caf", False)
+    assert s.push("café", final=True) == ("é", False)
+
+
+def test_response_shapes():
+    r = completion_response("m", "hi", [1, 2], 3, "stop", True, {})
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": "hi"} and r["usage"]["total_tokens"] == 5
+    assert completion_response("m", "hi", [1], 1, None, False, {})["choices"][0]["finish_reason"] == "length"
+    chunk = json.loads(stream_chunk("c", "m", "x", None, True, role=True, with_usage=True)[6:])
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "x"} and chunk["usage"] is None
+    assert "usage" not in json.loads(stream_chunk("c", "m", "x", None, False)[6:])
+    last = json.loads(usage_chunk("c", "m", True, 3, 4, cached_tokens=2)[6:])
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                                       "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+def test_logprobs_objects(tok):
+    hello, world = tok("Hello world", add_special_tokens=False)["input_ids"][:2]
+    lps = [TokenLogprob(hello, -0.5, (hello, world), (-0.5, -1.5)),
+           TokenLogprob(world, -1.0, (world, hello), (-1.0, -2.0))]
+    chat = logprobs_object(tok, lps, True)["content"]
+    assert [c["token"] for c in chat] == ["Hello", " world"] and chat[1]["logprob"] == -1.0
+    assert chat[0]["top_logprobs"][1] == {"token": " world", "logprob": -1.5, "bytes": list(b" world")}
+    cmpl = logprobs_object(tok, lps, False, offset=3)
+    assert cmpl == {"tokens": ["Hello", " world"], "token_logprobs": [-0.5, -1.0],
+                    "top_logprobs": [{"Hello": -0.5, " world": -1.5}, {" world": -1.0, "Hello": -2.0}],
+                    "text_offset": [3, 8]}
+    assert logprobs_object(tok, None, True) is None
+    assert logprobs_object(None, lps[:1], False)["tokens"] == [f"token_id:{hello}"]
+
+
+def test_tokenize_detokenize_version(tok):
+    out = tokenize({"prompt": "Hello world"}, tok, 2048)
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 2048 and out["token_strs"] is None
+    assert detokenize({"tokens": out["tokens"]}, tok, VOCAB * 100)["prompt"] == "Hello world"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tokenize({"messages": msgs}, tok, 2048)["tokens"] == chat_ids(tok, msgs)
+    assert tokenize({"prompt": "Hi", "return_token_strs": True}, tok, 9)["token_strs"] == tok.convert_ids_to_tokens(
+        tok("Hi")["input_ids"])
+    for bad in ({}, {"prompt": 5}, {"prompt": "a", "messages": msgs}):
+        with pytest.raises(InvalidRequest):
+            tokenize(bad, tok, 2048)
+    for bad in ({"tokens": [VOCAB]}, {"tokens": "x"}, {}):
+        with pytest.raises(InvalidRequest):
+            detokenize(bad, tok, VOCAB)
+    assert server_version()["version"]
+
+
+@pytest.mark.parametrize("body,chat,param", [({"prompt": "x", "n": 2}, False, "n"), ({"prompt": ""}, False, "prompt"),
+                                             ({"prompt": "x", "stop": 5}, False, "stop"),
+                                             ({"messages": [{"role": "wizard", "content": "hi"}]}, True, "messages[0]"),
+                                             ({"messages": []}, True, "messages")])
+def test_errors_name_their_field(tok, body, chat, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse_completion(body, tok, chat)
+    assert e.value.to_dict()["error"]["param"] == param
