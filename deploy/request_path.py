@@ -1,45 +1,16 @@
 """Ray Serve's request-path options, as the environment a Ray cluster is started with.
 
-Where an edge's verify round spends server CPU before it reaches the verifier
-(``benchmarks/request_path.py`` measures each hop): Serve's HTTP proxy actor parses the
-request and forwards it to the router replica over a Ray actor call, the router calls the
-verifier over another. Ray Serve 2.60 can take hops out:
+- ``ingress``: ``proxy`` (Serve's HTTP proxy actor -> router replica -> verifier), ``direct``
+  (the router replica serves HTTP/WebSocket on its own port, ``RAY_SERVE_ENABLE_DIRECT_INGRESS``)
+  or ``haproxy`` (HAProxy in front of the ingress replicas' ports, ``RAY_SERVE_ENABLE_HA_PROXY``).
+- ``throughput_optimized`` (``RAY_SERVE_THROUGHPUT_OPTIMIZED``): Serve's own bundle (gRPC between
+  replicas, user code on the event loop, buffered logs, frozen GC, direct ingress).
+- ``control_loop_s``, ``metrics_export_ms``: Serve's controller and replica metrics periods,
+  idle server CPU against reaction time; ``drain_s``: a stopping ingress replica's drain period.
 
-- ``proxy`` (Serve's default): clients -> proxy actor -> router replica -> verifier.
-- ``direct``: the router replica (the ingress) serves HTTP/WebSocket itself on a port of
-  its own (``RAY_SERVE_ENABLE_DIRECT_INGRESS``); clients skip the proxy. The proxy still
-  runs on ``http_options.port`` for anything else.
-- ``haproxy``: Serve runs HAProxy (Debian's ``haproxy``) on ``http_options.port`` in front of
-  the ingress replicas' own ports, in place of the Python proxy (``RAY_SERVE_ENABLE_HA_PROXY``);
-  it spreads clients over router replicas, as a Kubernetes Service would.
-
-``throughput_optimized`` (``RAY_SERVE_THROUGHPUT_OPTIMIZED``) adds Serve's own bundle: gRPC
-instead of Ray object transfers between replicas, user code on the replica's event loop,
-buffered request logs, GC frozen after start-up, and direct ingress.
-
-``control_loop_s`` (``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``) is not on the request path but is
-paid by the same server: Serve's controller reconciles every 0.1 s by default, which costs an
-idle one-core server ~35 ms of CPU per second in the controller and GCS. At 0.5 s the idle
-server (every Ray/Serve process of the benchmark app) fell from 121 to 92 ms of CPU per
-second (measured with every process pinned to one core); the price is that a dead replica is
-noticed and replaced up to 0.4 s later. ``metrics_export_ms``
-(``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS``): each replica hands Serve's own request metrics to Ray
-every 100 ms by default; at 1000 ms the idle benchmark app fell from 77 to 64 ms of CPU per second
-(20 s each, same pinning), and Prometheus, scraping every few seconds, sees no difference. The
-project's own metrics (:mod:`deploy.metrics`) are recorded as they happen either way.
-
-``drain_s`` (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``): a stopping ingress replica
-keeps serving for this long so that a balancer in front of it can deregister it, then finishes
-its in-flight requests. Ray's 30 s fits ``haproxy``; with ``direct`` nothing is in front, and
-the 30 s only delayed every stop (``serve run``'s Ctrl-C took 33 s instead of 7; an in-flight
-request still completes), so the default there is 0.
-
-These are read when Ray's processes import Serve, so they must be in the environment of
-the process that starts Ray (``ray start`` / ``ray.init``) — the Helm chart puts them in the
-Ray containers' env, the launchers here (:mod:`loadtests.server`, :mod:`deploy.demo`) pass
-:func:`serve_env` to their child. Session affinity is unaffected: it is the router's handle
-to the verifier that pins a session to its replica (:mod:`deploy.router.affinity`), whatever
-carried the request to the router.
+Read when Ray's processes import Serve, so :func:`serve_env` goes into the environment of the
+process that starts Ray. Session affinity does not depend on the ingress. Each hop and option:
+docs/protocol.md, "The request path through Ray Serve".
 """
 
 from __future__ import annotations
@@ -100,9 +71,8 @@ class RequestPathConfig(BaseModel):
 
     @property
     def drain_period_s(self) -> float:
-        """A stopping ingress replica's drain: with direct ingress clients connect to the replica
-        itself and no balancer has to deregister it, so Ray's 30 s only delayed every stop
-        (`serve run`'s Ctrl-C, the demo's) by 30 s."""
+        """A stopping ingress replica's drain: 0 with direct ingress (no balancer to deregister
+        from), Ray's 30 s otherwise, unless ``drain_s`` is set."""
         if self.drain_s is not None:
             return self.drain_s
         return 0.0 if self.ingress is Ingress.direct else 30.0

@@ -1,23 +1,13 @@
 """Target versions on a replica: declared, loaded on first use, evicted LRU (FlexSpec §III-B).
 
-Modelled on Ray Serve's model multiplexing (``@serve.multiplexed``,
-``max_num_models_per_replica``): a version (a LoRA adapter, :mod:`specdec.model.lora`)
-is read from disk the first time a forward needs it, and the least recently used ones are
-dropped once more than ``max_loaded`` are held. A forward that needs more versions than
-that holds them all for its duration (as a multiplexed model still serving a request
-outlives its eviction) and the set is trimmed back after it. A session's KV stays valid
-across an eviction: a reload reads the same weights.
+Like Ray Serve's model multiplexing: a version (a LoRA adapter, :mod:`specdec.model.lora`) is
+read from disk the first time a forward needs it, and the least recently used are dropped beyond
+``max_loaded``; a forward that needs more holds them all until it ends. A session's KV stays valid
+across an eviction (a reload reads the same weights, checked by content fingerprint).
 
-``update`` is the no-restart path (the deployment's ``reconfigure``): versions may be
-added, removed or re-pointed; it names the ones whose sessions must end. A version is
-validated when it is declared (its config, then every weight's name and shape against the
-base): one that fails is kept as *unavailable* with the reason, so its opens answer 503
-``model_unavailable`` while the base and the other versions are served as declared (a
-raising ``reconfigure`` would make Serve stop the replica, every session with it). Each
-version's content fingerprint (:func:`specdec.model.lora.fingerprint`) is kept: an
-adapter rewritten in place counts as re-pointed at the next update, and a load that finds
-other bytes than were validated (or unreadable ones) marks the version unavailable rather
-than serving its sessions other weights. Pure torch, no Ray.
+``update`` (the deployment's ``reconfigure``) adds, removes or re-points versions and names those
+whose sessions must end. A version that fails validation, or whose bytes changed since, is kept
+*unavailable* (503 ``model_unavailable``) while the others are served. Pure torch, no Ray.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""Batch filling: wait for the rounds that are about to arrive before starting a forward.
-
-Pipeline-aware batching (SpecEdge §4.3) verifies one group of sessions while the others are
-away (drafting, on the wire, or in the router). On a CPU the forward costs a fixed part
-(streaming the weights: ~17 ms for the embedded SmolLM2 on one core) plus ~1 ms per row once
-compute-bound, so a forward that starts with 2 sessions while 10 more are a few ms away pays
-the fixed part twice. Worse, on one core the router that relays those 10 rounds competes with
-the forward for the CPU: the rounds arrive one by one behind it and the next forward is small
-again. Measured before this module (`benchmarks.run`, 16 sessions, server on one core):
-4.4 sessions per forward for server-only decoding, 2.8 for edge-drafted rounds.
+"""Batch filling: wait for the rounds that are about to arrive before starting a forward (SpecEdge §4.3).
 
 :class:`ArrivalModel` learns, per session, how long it stays away between a reply and its next
 verify request (an EMA), so the replica knows when each session is due. :func:`fill_wait`
 decides how long the next forward waits: for the sessions due within ``fill`` x the predicted
-forward time (so a round waits at most that many forwards' time for company; the default 2.0
-measured +13-26 % tokens per whole-server CPU-second for edge-drafted rounds at 4 and 16
-sessions against 0.5, benchmarks/results/README.md "Evening A/Bs"),
-never for a session that is overdue beyond its usual away time (a user reading, a lost edge).
-One session alone never waits: with nobody else due the answer is 0.
+forward time, never for a session overdue beyond its usual away time (a user reading, a lost
+edge). One session alone never waits. Why: docs/engine.md, "Batch filling".
 
 Pure module: no Ray, no asyncio; the clock is passed in.
 """
@@ -78,10 +66,8 @@ def fill_wait(pending_rows: int, due: list[float], rows_per_session: float,
               cost: Callable[[int], float], fill: float, max_sessions: int, pending_sessions: int) -> float:
     """Seconds to hold the next forward: until the last session due within ``fill`` x the
     predicted forward time (of the batch with those sessions in it); 0 when none is.
-
-    ``due``: seconds until each away session is expected (sorted, from :meth:`ArrivalModel.due`);
-    ``cost(rows)``: the replica's measured forward seconds for a batch of ``rows`` token rows.
-    """
+    ``due``: seconds until each away session is expected, sorted (:meth:`ArrivalModel.due`);
+    ``cost(rows)``: the replica's forward seconds for ``rows`` token rows."""
     if fill <= 0 or not due or pending_sessions <= 0:
         return 0.0
     wait = 0.0

@@ -1,15 +1,11 @@
 """Early frames from the replica's verify forward to the router (the early-exit paper §3, step 3).
 
-The forward runs on the replica's worker thread; after each exit layer the engine's hook
-(:mod:`specdec.exit_heads`) hands this module the early results of the batch's trees
-that asked for them (with pipeline stages: the worker thread, as soon as the stage holding
-the exit is done, while later stages compute; :mod:`deploy.verifier.pipeline`). They are
-encoded (:class:`specdec.protocol.EarlyFrame`) and put, thread-safely, on the asyncio queue
-of their request, which the replica's streaming method (``Verifier.verify_stream``, a Serve
-streaming call) yields to the router while the forward is still running; the router writes
-them to the edge's WebSocket (or a streamed POST response) at once. The
-round's reply is the last item, unchanged. Early frames left over when the reply is ready
-are dropped: by then they are no use to the edge.
+After each exit layer the engine's hook (:mod:`specdec.exit_heads`, on the worker thread; with
+pipeline stages, as soon as the stage holding the exit is done) hands this module the early
+results of the batch's trees that asked for them. They are encoded
+(:class:`specdec.protocol.EarlyFrame`) and put, thread-safely, on their request's asyncio queue,
+which ``Verifier.verify_stream`` (a Serve streaming call) yields while the forward runs. The
+round's reply is the last item, unchanged; early frames still queued then are dropped.
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
-"""Pacing hints: draft depth (SpecEdge §4.3) and load-aware tree budget.
+"""Pacing hints: draft depth (SpecEdge §4.3) and the load-aware tree budget.
 
-Depth: the verifier always has a batch ready if each edge's cycle (draft time + RTT)
-matches the verifier's cycle (batch verify time), so the hint is
-``depth = (T_verify - RTT) / T_draft_per_forward`` clamped to the configured range,
-from the verify time the replica measures and the draft time / RTT each edge reports.
-
-Tree budget: verifying a tree is nearly free while the verifier is memory-bound and
-costs real compute when it is compute-bound (many sessions; any CPU). The forward time
-is measured per replica as a function of the rows in the batch, piecewise: flat while
-memory-bound, then linear, ``t(rows) = a + b * max(0, rows - knee)``
-(:class:`PiecewiseCost`, fitted over the mean forward time of each row count seen, the knee
-chosen by least squares). Every request also costs server CPU outside the forward: the
-proxy, the router, the replica's own handling and Ray's (``O``, ``pacing.round_overhead_ms``).
-With ``S`` sessions sharing the verifier and trees of ``n`` nodes (``E = E[tokens/round | n]``,
-one request per round), verified tokens per server CPU-second are
-``S * E / (t(S * (n + 1)) + S * O)``, with ``S`` here the sessions a forward of trees
-carries (measured: each session is away for its reply, RTT and draft every round; and at most
-what that time away allows, :meth:`Pacer._tree_sessions`); with no
-tree and run-ahead replies of ``R`` tokens (:mod:`deploy.verifier.run_ahead`),
-``S / (t(S) + S * O / R)``. The hint is the budget that maximizes it, with ``E`` the
-observed mean per budget bucket (EMA), interpolated in log(n) where a bucket has no data yet.
-A budget of 0 ("no tree": plain decoding, no draft forwards on the edge) is one of the
-choices. The same cost curve decides, per batch, how many nodes of each tree are verified
-(:mod:`specdec.truncation`).
-
-Why ``O`` and the measured ``S`` count (run `20261124-135219-full`, 2 sessions, RTT 15 ms):
-the hint chose one-node trees, which the model without them said paid. Measured, the forward
-cost 8.09 ms per verified token, `server_ar`'s 8.16: the trees' extra tokens only made up for
-forwards that carried 1.60 sessions, not 2 (run-ahead: 1.99). And at 1.4 tokens per request
-the server spent 2.33 ms per token outside the forward, against 1.08 at 9 tokens per request
-(run-ahead, 4 sessions). `edge_full` gave x0.93 of `server_ar`.
+Depth: ``depth = (T_verify - RTT) / T_draft_per_forward``, clamped, so that each edge's cycle
+(draft + RTT) matches the verifier's (one batch verify). Tree budget: the forward time is fitted
+per replica against the rows in the batch, ``t(rows) = a + b * max(0, rows - knee)``
+(:class:`PiecewiseCost`); with ``S`` sessions, ``n``-node trees, ``E = E[tokens/round | n]`` and
+``O`` server CPU per request outside the forward (``pacing.round_overhead_ms``), the hint is the
+``n`` (0 = no tree) that maximizes verified tokens per server CPU-second,
+``S * E / (t(S * (n + 1)) + S * O)``, or ``S / (t(S) + S * O / R)`` with no tree and run-ahead
+replies of ``R`` tokens. Why each term is there: docs/engine.md, "Speculation that never loses".
 
 Pure module.
 """
@@ -47,15 +25,8 @@ class PiecewiseCost:
     EMA of its forwards' seconds and how many it saw (capped at ``weight_cap``); the hinge is
     refitted over these means every ``refit_every`` observations, each weighted by its count.
     The knee is the candidate (0 or an observed row count) with the least squared relative
-    error; ``b >= 0``. With one row count seen so far the curve is flat at its mean.
-
-    A row count keeps its mean when the load moves elsewhere. A window of recent forwards did
-    not: with run-ahead every forward carries about one row per session, so after a few hundred
-    forwards the window could hold only those sizes, and a slope fitted over 3 and 4 rows is
-    mostly noise, which can make a tree look free. (Run `20261124-161905-full`, 4 sessions: the
-    hint asked for trees again, 5.45 rows per forward for 3.75 sessions, and the forwards cost
-    6.06 ms per token against `server_ar`'s 5.48. The window is a likely cause; it was not
-    traced.)"""
+    error; ``b >= 0``. With one row count seen so far the curve is flat at its mean. Per-count
+    means, not a window of recent forwards, so the slope survives a load that stays at one size."""
 
     ema: float = 0.1
     weight_cap: int = 32
@@ -104,10 +75,7 @@ def _best_hinge(points: list[tuple[float, float, float]]) -> tuple[float, float,
     """Weighted least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0`` over
     ``(x, t, weight)`` points, in relative error (weights ``weight / t^2``: a 16 ms forward
     matters as much as a 500 ms one), for every candidate knee (0 and each x but the largest);
-    the (a, b, knee) of least error.
-
-    One sort and one pass: with the observations ordered by x, the sums a knee needs are
-    suffix sums (h = x - knee on the points right of it, 0 elsewhere), so each knee costs O(1)."""
+    the (a, b, knee) of least error. O(1) per knee from suffix sums over the sorted points."""
     points = sorted(points)
     obs = [(x, y) for x, y, _ in points]
     ws = [n / max(y, 1e-6) ** 2 for _, y, n in points]
@@ -184,9 +152,7 @@ class Pacer:
 
     def observe_round(self, tree_nodes: int, emitted: int) -> None:
         """A bucket's first round moves the estimate from what was expected of it (interpolated
-        from the other buckets), not to itself: one unlucky round does not rule a budget out.
-        (Run-ahead sends a tree only every ``explore_every`` replies; a bucket that started at
-        one round's 1 token was not tried again within a benchmark configuration.)"""
+        from the other buckets), not to itself: one unlucky round does not rule a budget out."""
         b = self._bucket(tree_nodes)
         old = self._tokens_per_round.get(b)
         if old is None:
@@ -213,13 +179,7 @@ class Pacer:
         its reply, RTT and draft every round; a forward waits only for sessions due within
         ``fill`` x its time (:mod:`deploy.verifier.batch_fill`), so when they are away longer,
         each is in about ``t / (t + away)`` of the forwards. Run-ahead keeps every session in
-        every forward. (Full run `20261125-074518-full`, RTT 100 ms, 4 sessions: 1.6 tree nodes a
-        round, forwards carried 3.28 sessions against run-ahead's 4.0, `edge_full` x0.81 of
-        `server_ar`. In an RTT sweep at 4 sessions this cap alone cut the trees at RTT 100 from
-        1.63 to 0.99 nodes a round, and `edge_full` still read x0.90. The rest came from the
-        replica counting a session alone between generations
-        (:meth:`deploy.verifier.deployment.VerifierCore._load_sessions`); with both, no trees and
-        x1.08.)"""
+        every forward."""
         s = max(sessions, 1)
         s = min(s, max(self._tree_batch.get(s, s), 1.0))
         t = self.cost.predict(sessions * (n + 1))
@@ -243,13 +203,8 @@ class Pacer:
         the tokens a no-tree request brings back (``verifier.run_ahead_tokens + 1`` for an edge
         that takes run-ahead replies, else 1); ``away_s``: the edge's time away per round (its RTT).
 
-        From 2 sessions up a tree must be predicted ``tree_margin`` better than no tree. What the
-        rate leaves out falls on trees alone: while the sessions are away for their round trips the
-        server idles and its per-second costs (Ray's processes) add up per token, and every round
-        is a request through the proxy. Measured on the Zen 4 host (runs `20261127-235748-full`
-        and a rerun, 2 sessions, RTT 15 ms): where the pacer took trees (2.75 nodes a round, the
-        server core 0.75 busy) `edge_full` read x0.96 of `server_ar`; where it kept to run-ahead,
-        x1.07. A session alone is in every forward it has, so it takes what pays."""
+        From 2 sessions up a tree must be predicted ``tree_margin`` better than no tree (what the
+        rate leaves out falls on trees alone); a session alone takes what pays."""
         if self.cost.count < 3:
             return self.default_budget
         rate = {n: self._rate(sessions, n, ahead, away_s) for n in self.budgets}
@@ -264,15 +219,7 @@ class Pacer:
         never observed again, so the estimates stay current and trees come back when they pay.
 
         A session alone is asked for that tree every ``explore_alone``-th hint when it is predicted
-        within ``explore_margin`` of no tree: trying it then costs at most that margin and no other
-        session, and its estimate may come from trees of another shape (at several sessions the
-        depth hint caps a tree's depth, alone it does not). In one full run the estimates learnt
-        at 4 sessions, RTT 50-100 ms (1.2-1.4 tokens a round for 1-8 nodes), held one session on
-        run-ahead, 3.5 % short of no tree's predicted rate, for its whole configuration (a reply
-        per 9 tokens, a tree per 32 replies): 75 tokens per CPU-second, against 86-105 with trees
-        in the other runs. Tried for every session count, the same rule took trees that looked
-        close at 2 and 4 sessions and read up to 30 % below ``server_ar`` there in an A/B, so it is
-        for a session alone."""
+        within ``explore_margin`` of no tree: trying costs at most that margin and no other session."""
         best = self.best_budget(sessions, ahead, away_s)
         trees = [n for n in self.budgets if n > 0]
         if best == 0 and trees and self.cost.count >= 3:
@@ -288,9 +235,7 @@ class Pacer:
         """Draft forwards so that edge draft time + RTT ~= the verifier's cycle. With one
         session there is no other edge's batch to be late for (the verifier idles while this
         edge drafts), so the hint does not cap below the budget: the edge's own rule (FlexSpec's
-        K*) picks the depth. Measured before this rule (`benchmarks.run --full`, 1 session, RTT
-        15 ms): the capped hint held edge_full at depth 1.3 and 1.70 tokens per round, while a
-        fixed depth 2 gave 1.79 and 18 % more tokens per whole-server CPU-second."""
+        K*) picks the depth."""
         if budget <= 0:
             return 0  # no tree: no draft forwards
         if sessions <= 1:

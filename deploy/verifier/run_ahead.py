@@ -1,25 +1,15 @@
 """Run-ahead: decoding a session on past its bonus while trees do not pay.
 
-On a CPU the verify forward turns compute-bound at a few rows, so from a few sessions up the
-tree budget is 0 (:mod:`deploy.verifier.pacing`) and an edge decodes plainly: one token per
-round trip. A session is then absent from every forward that runs while its reply and next
-request are on the wire, and each token costs a whole request through the proxy, the router
-and the replica. Measured before this module (`benchmarks.run --full`, 16 sessions, RTT
-15 ms, one server core): 13.6 sessions per forward instead of 16, and 5.50 ms of server CPU
-per token against 4.53 for server-side decoding (`server_ar`).
+A request that opts in (``F_AHEAD``, :mod:`specdec.protocol`) lets the replica keep its session
+in the following forwards, one empty-tree round each, and answer once with the first round's
+accepted nodes and bonus, then at most ``verifier.run_ahead_tokens`` tokens past it. A run stops
+when the best budget turns non-zero, the session finishes, or its client goes. Between a reply
+and the edge's next request the run continues *detached*; that request (``F_AHEAD``, at the
+prefix the edge holds) takes it over, and the tree it carries is not verified (0 nodes verified).
 
-A request that opts in (``F_AHEAD``, :mod:`specdec.protocol`) lets the replica keep the
-session in the following forwards, one token each, as the server-side loop would, and answer
-once with all of them: the first round's accepted nodes and bonus, then the tokens past it,
-at most ``verifier.run_ahead_tokens`` of them. A run stops early when the best budget turns
-non-zero (trees pay again; the reply brings the hint), the session finishes, or its client
-goes. After a reply whose hint is still 0 the session keeps decoding *detached* while the
-reply and the edge's next request are on the wire (up to the same limit), so it misses no
-forward; that request (``F_AHEAD``, at the prefix the edge holds) takes the run over and its
-reply starts with the tokens decoded meanwhile. A tree it carries is not verified (the target's
-own tokens answer it; the reply says 0 nodes verified). Each step is a round with an empty
-tree, verified like any other, so what the edge receives is exactly what it would have decoded
-round by round (greedy: the target's tokens; sampled: the same draws from p, in order).
+Lossless: every step is a verified empty-tree round, so the edge receives exactly what
+round-by-round decoding gives (greedy: the target's tokens; sampled: the same draws from p, in
+order). Why: docs/engine.md, "Run-ahead when trees do not pay".
 
 Pure module: no Ray, no asyncio.
 """

@@ -1,23 +1,11 @@
 """A replica's target versions: names, the adapter registry, and per-version pacing (FlexSpec §III).
 
-A session names its version at open (``model``; the base by default, or by its own name).
-The frozen edge draft accepts differently against each version (FlexSpec §III-C's
-"performance collapse" when a fine-tune drifts away from what the draft learned), so with
-``pacing.per_version`` each version keeps its own acceptance statistics: its sessions get
-the tree budget and depth that its own tokens-per-round make best, while every version
-shares the replica's one forward-cost curve (the forward is shared). Off: one pacer for all,
-the acceptance of every version mixed.
-
-Within a version, sessions that name a draft class at open (``client.draft``) keep that
-class's own acceptance: how many tokens a tree brings depends on the draft and on how the edge
-builds it, and a replica serves several kinds of clients at once. Measured in the benchmark,
-where every client kind runs against one replica in turn (`benchmarks.run --full`, run
-`20261125-012856-full`, after one session): 4-node trees brought 1.51 tokens a round from the
-server-side drafter, 2.27-2.28 from the fixed-depth edges, 1.46 from `edge_full`'s (whose
-estimate also holds its trees of the 4-session RTT sweep, capped in depth) and 2.51 from the
-pre-drafting edge. One shared estimate held whichever kind ran last. At most
-``pacing.max_draft_classes`` classes per version (the name comes from the client); the rest
-share the version's estimates. Pure (no Ray).
+A session names its version at open (``model``; the base by default). With
+``pacing.per_version`` each version keeps its own acceptance statistics (FlexSpec §III-C: a frozen
+draft accepts differently against each fine-tune), so its sessions get the tree budget and depth
+its own tokens-per-round make best; every version shares the replica's forward-cost curve. Within
+a version, each draft class named at open (``client.draft``) keeps its own acceptance, at most
+``pacing.max_draft_classes`` per version; the rest share the version's. Pure (no Ray).
 """
 
 from __future__ import annotations
