@@ -63,7 +63,7 @@ import torch
 
 from specdec.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
 from specdec.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, TokenLogprob, VerifyFrame
-from specdec.acceptance import Rejection, ResidualSampler
+from specdec.residual import Rejection, ResidualSampler
 from specdec.sampling import SamplingParams
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.draft_executor import CRITICAL, DraftExecutor

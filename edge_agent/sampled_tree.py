@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.acceptance import Proposal, draw_without_replacement, make_proposal
+from specdec.proposal import Proposal, draw_without_replacement, make_proposal
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
 from edge_agent.drafter import Drafter, ExpandRequest

@@ -1,16 +1,17 @@
-"""Acceptance rules: which draft nodes the target keeps, and the bonus token.
+"""The server's acceptance rules: which draft nodes the target keeps, and the bonus token.
 
 - :func:`walk_tree`: tree walk by target sampling ("sample, then match"; SpecInfer/SpecExec):
-  exact for any tree, no draft probabilities.
+  any tree, no draft probabilities.
 - :func:`rejection_sample_chain`: chain rejection sampling (Leviathan et al. 2023, split as
-  DSSD §3 / PicoSpec §3.3): the server accepts x_i w.p. min(1, p_i(x_i) / q_i(x_i)); a
-  rejection returns a :class:`Rejection` from which the edge's :class:`ResidualSampler`
-  samples norm(max(0, p - q)) exactly with its own q.
+  DSSD §3 / PicoSpec §3.3): accept x_i w.p. min(1, p_i(x_i) / q_i(x_i)); a rejection returns a
+  :class:`~specdec.residual.Rejection`, from which the edge samples the residual
+  (:mod:`specdec.residual`).
 - :func:`rejection_walk_tree`: tree rejection sampling (multi-draft; SpecInfer §4.2 / SpecTr,
-  siblings drawn without replacement as in Sequoia §3.2) over a :class:`Proposal` per node.
+  siblings drawn without replacement as in Sequoia §3.2) over a
+  :class:`~specdec.proposal.Proposal` per node.
 
-Each emitted token follows the target's distribution at its prefix (greedy: the target's
-argmax). The rules and why they are exact (and which rules are not) are ``docs/acceptance.md``.
+Guarantee: each emitted token follows the target's distribution at its prefix (greedy: the
+target's argmax). The rules and why they are exact: ``docs/acceptance.md``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.proposal import Proposal
+from specdec.residual import Rejection
 from specdec.sampling import SamplingParams, greedy_token, sample_from_probs, sample_token, target_probs
 from specdec.tree import DraftTree
 
@@ -69,17 +72,6 @@ def walk_tree(
 
 # -- chain rejection sampling: the server half ----------------------------------------------
 @dataclass(frozen=True)
-class Rejection:
-    """What the edge needs after a rejection to sample norm(max(0, p - q)) exactly."""
-
-    head_ids: tuple[int, ...]  # the largest entries of p; all of its support when tail_mass == 0
-    head_probs: tuple[float, ...]
-    tail_mass: float = 0.0  # p's mass outside the head
-    tail_ids: tuple[int, ...] = ()  # i.i.d. samples of p restricted to the tail (proposals)
-    tail_probs: tuple[float, ...] = ()  # p(y) of each of them
-
-
-@dataclass(frozen=True)
 class ChainAcceptance:
     num_accepted: int
     bonus: int | None  # server-sampled when all k are accepted (greedy: also on a miss); None = edge resamples
@@ -107,12 +99,11 @@ def sparse_rejection(
 ) -> tuple[Rejection, torch.Tensor | None]:
     """The downlink of a rejection, and p's tail to keep (None when all of p was sent).
 
-    With a head of n entries and tail mass t, an edge proposal is refused (or goes to the
-    tail and is refused) w.p. at most t / (t + TV) <= t / (t + gap) per tail candidate, so
-    m candidates run out w.p. <= (t / (t + gap))^m. The head size n (and m) minimise the
-    entries sent, n + m, subject to that bound <= EXHAUST_P, with n, m <= ``max_entries``;
-    if no head meets it (a tiny gap says little about TV), the fewest entries with m at the
-    cap. Either way the result is exact: running out costs a refill round trip, no more.
+    All of p when its support fits in ``max_entries``; else a head of n entries and m tail
+    candidates, n, m <= ``max_entries``, the fewest entries n + m for which the candidates run
+    out w.p. <= (t_n / (t_n + gap))^m <= ``EXHAUST_P`` (t_n: p's mass outside the head; the
+    bound: ``docs/acceptance.md``); if no head meets it, the fewest entries with m at the cap.
+    Exact either way: running out costs a refill round trip (:func:`more_candidates`).
     """
     vals, ids = torch.sort(p, descending=True)
     support = int((vals > 0).sum())
@@ -172,104 +163,14 @@ def rejection_sample_chain(
     return ChainAcceptance(len(draft_tokens), bonus)
 
 
-# -- the edge half ----------------------------------------------------------------------------
-class ResidualSampler:
-    """Samples norm(max(0, p - q)) from a :class:`Rejection` and the edge's full q.
-
-    Rejection sampling with proposal p: a proposal y is accepted w.p. max(0, 1 - q(y)/p(y)).
-    The head is known, so a round either accepts a head token (w.p. Z_H / (Z_H + t), drawn
-    from the head's residual, Z_H its mass) or proposes the next tail candidate (w.p.
-    t / (Z_H + t)); refused head proposals only repeat the round and are skipped.
-    :meth:`sample` returns None when the tail candidates run out: :meth:`extend` with a
-    refill and call it again (the process is memoryless, so this stays exact).
-    """
-
-    def __init__(self, rejection: Rejection, q: torch.Tensor, generator: torch.Generator | None):
-        self.q = q.double()  # [vocab] the edge's draft distribution at the rejected position
-        self.g = generator
-        self.tail_ids: list[int] = []
-        self.tail_probs: list[float] = []
-        self.reset(rejection)
-
-    def reset(self, rejection: Rejection) -> None:
-        """Start over from a whole new rejection of the same position (a re-opened session)."""
-        self.ids = torch.tensor(rejection.head_ids, dtype=torch.long)  # [n]
-        self.p_head = torch.tensor(rejection.head_probs, dtype=torch.float64)  # [n]
-        self.r_head = torch.clamp(self.p_head - self.q[self.ids], min=0.0)  # [n] the head's residual
-        self.tail_mass = float(rejection.tail_mass)
-        self.tail_ids, self.tail_probs = list(rejection.tail_ids), list(rejection.tail_probs)
-
-    def extend(self, more: Rejection) -> None:
-        self.tail_ids += more.tail_ids
-        self.tail_probs += more.tail_probs
-
-    def sample(self) -> int | None:
-        z_head, t = float(self.r_head.sum()), self.tail_mass
-        if t <= 0.0:  # all of p is known: the residual outright (p == q numerically: p itself)
-            return int(self.ids[sample_from_probs(self.r_head if z_head > 0 else self.p_head, self.g)])
-        while True:
-            u = torch.rand((), generator=self.g, dtype=torch.float64).item()
-            if u * (z_head + t) < z_head:
-                return int(self.ids[sample_from_probs(self.r_head, self.g)])
-            if not self.tail_ids:
-                return None
-            y, py = self.tail_ids.pop(0), self.tail_probs.pop(0)
-            if torch.rand((), generator=self.g, dtype=torch.float64).item() < 1.0 - float(self.q[y]) / py:
-                return y
-
-
-def residual_sample(rejection: Rejection, q: torch.Tensor, generator: torch.Generator | None) -> int | None:
-    """Edge half in one call: a sample of norm(max(0, p - q)), or None (ask for more candidates)."""
-    return ResidualSampler(rejection, q, generator).sample()
-
-
 # -- tree rejection sampling: multi-draft, siblings drawn without replacement ---------------------
-@dataclass(frozen=True)
-class Proposal:
-    """The distribution an edge drew one node's children from: q(x) = w_x / sum(w) on ``ids``
-    (integer weights, so edge and server hold the very same q)."""
-
-    ids: tuple[int, ...]
-    weights: tuple[int, ...]
-
-    def dense(self, vocab: int) -> torch.Tensor:
-        q = torch.zeros(vocab, dtype=torch.float64)  # [vocab]
-        q[list(self.ids)] = torch.tensor(self.weights, dtype=torch.float64)
-        return q / q.sum()
-
-
-def check_proposals(tree: DraftTree, proposals, vocab: int) -> tuple[Proposal | None, ...]:
-    """Validate the wire's (ids, weights) per position (root, then node i) against ``tree``:
-    a position with children needs a proposal holding every child (distinct, weight >= 1);
-    a leaf carries none. Raises ValueError with the reason."""
-    if len(proposals) != len(tree) + 1:
-        raise ValueError(f"{len(proposals)} proposals for a tree of {len(tree)} nodes (need one per node + root)")
-    out: list[Proposal | None] = []
-    for pos, (kids, prop) in enumerate(zip(tree.children, proposals)):
-        ids, weights = (tuple(int(x) for x in prop[0]), tuple(int(w) for w in prop[1])) if prop else ((), ())
-        if not kids:
-            if ids:
-                raise ValueError(f"position {pos} has no children but carries a proposal")
-            out.append(None)
-            continue
-        if len(ids) != len(weights) or len(set(ids)) != len(ids):
-            raise ValueError(f"position {pos}: proposal ids must be distinct, one weight each")
-        if any(not (0 <= x < vocab) for x in ids) or any(w <= 0 for w in weights):
-            raise ValueError(f"position {pos}: proposal ids must be in the vocabulary and weights >= 1")
-        toks = [tree.tokens[c] for c in kids]
-        if len(set(toks)) != len(toks) or not set(toks) <= set(ids):
-            raise ValueError(f"position {pos}: children must be distinct tokens drawn from its proposal")
-        out.append(Proposal(ids, weights))
-    return tuple(out)
-
-
 def multi_draft_step(
     p: torch.Tensor,  # [vocab] float64: the processed target distribution at the node
     q: torch.Tensor,  # [vocab] float64: the proposal its children were drawn from (normalised)
     children: list[int],  # the children's tokens, in the order they were drawn
     generator: torch.Generator | None,
 ) -> tuple[int | None, int]:
-    """One node of the recursive rule (module docstring): (index of the accepted child or
+    """One node of the multi-draft rule (``docs/acceptance.md``): (index of the accepted child or
     None, the emitted token)."""
     r, q = p.clone(), q.clone()
     for i, c in enumerate(children):
@@ -301,7 +202,7 @@ def rejection_walk_tree(
     stop_ids: frozenset[int] = frozenset(),
     penalties=None,
 ) -> TreeAcceptance:
-    """Walk a tree of sampled siblings by multi-draft rejection sampling (module docstring);
+    """Walk a tree of sampled siblings by multi-draft rejection sampling (``docs/acceptance.md``);
     ``max_emit`` / ``stop_ids`` / ``penalties`` as in :func:`walk_tree`. Greedy targets follow
     the argmax, as :func:`walk_tree` does (a point mass accepts exactly the matching child)."""
     if params.greedy:
@@ -320,37 +221,3 @@ def rejection_walk_tree(
             return TreeAcceptance(tuple(accepted), tok)
         accepted.append(kids[i])
         pos = kids[i] + 1
-
-
-# -- the edge half of tree rejection sampling ----------------------------------------------------
-Q_WEIGHT_MAX = 65535  # proposal weights are u16 on the wire
-
-
-def make_proposal(
-    q: torch.Tensor,  # [vocab] the draft's processed distribution at the node
-    max_entries: int,
-    mass: float = 0.999,
-) -> Proposal:
-    """The sparse proposal the edge draws a node's children from: q's largest entries, the
-    fewest holding ``mass`` (at most ``max_entries``), as u16 weights. Any proposal is exact
-    (the server sees this very q); truncating q only moves which tokens the drafts cover --
-    the target's mass outside the support is reached through the residual."""
-    vals, ids = torch.sort(q.double(), descending=True)
-    n = int(torch.searchsorted(torch.cumsum(vals, 0), torch.tensor([mass * float(vals.sum())],
-                                                                     dtype=torch.float64)).item()) + 1
-    n = max(1, min(n, max_entries, int((vals > 0).sum())))
-    w = torch.round(vals[:n] / vals[0] * Q_WEIGHT_MAX).long()  # [n]
-    keep = w > 0
-    return Proposal(tuple(ids[:n][keep].tolist()), tuple(w[keep].tolist()))
-
-
-def draw_without_replacement(proposal: Proposal, m: int, generator: torch.Generator | None) -> list[int]:
-    """``m`` children drawn one after another from the proposal, each without the ones before
-    (at most its support): c_i ~ q_i of the module docstring, in drawing order."""
-    w = torch.tensor(proposal.weights, dtype=torch.float64)  # [support]
-    out = []
-    for _ in range(min(m, len(proposal.ids))):
-        j = sample_from_probs(w, generator)
-        out.append(proposal.ids[j])
-        w[j] = 0.0
-    return out

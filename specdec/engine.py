@@ -40,8 +40,9 @@ import torch
 
 from specdec.errors import (InvalidRequest, KVStateLost, ModelNotFound, PrefixMismatch, SessionFinished,
                            SessionNotFound, SpecError)
-from specdec.acceptance import (ChainAcceptance, check_proposals, more_candidates, rejection_sample_chain,
-                                        rejection_walk_tree, sparse_rejection, walk_tree)
+from specdec.acceptance import (ChainAcceptance, more_candidates, rejection_sample_chain, rejection_walk_tree,
+                                sparse_rejection, walk_tree)
+from specdec.proposal import check_proposals
 from specdec.model.batch import SeqInput, chunk_input, tree_input
 from specdec.exit_heads import EarlyExit
 from specdec.logprobs import TokenLogprob, token_logprobs
@@ -143,7 +144,7 @@ class ChainVerifyRequest:
 
 @dataclass(frozen=True)
 class ChainVerifyResult:
-    """On rejection (``bonus`` None, not finished): the edge's :class:`~specdec.acceptance.Rejection`,
+    """On rejection (``bonus`` None, not finished): the edge's :class:`~specdec.residual.Rejection`,
     head (``reject_top_*``: all of p when ``tail_mass`` is 0) and tail candidates."""
 
     sid: str

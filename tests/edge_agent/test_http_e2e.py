@@ -12,7 +12,7 @@ from ray import serve
 from deploy.application import build_app
 from specdec.errors import Unauthorized
 from specdec.protocol import OpenSession, VerifyFrame
-from specdec.acceptance import Proposal, draw_without_replacement
+from specdec.proposal import Proposal, draw_without_replacement
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from specdec import acceptance
-from specdec.acceptance import (Proposal, Rejection, ResidualSampler, TreeAcceptance, check_proposals,
-                                        draw_without_replacement, make_proposal, more_candidates,
-                                        rejection_sample_chain, rejection_walk_tree, residual_sample,
-                                        sparse_rejection, walk_tree)
+from specdec.acceptance import (TreeAcceptance, more_candidates, rejection_sample_chain, rejection_walk_tree,
+                                sparse_rejection, walk_tree)
+from specdec.proposal import Proposal, check_proposals, draw_without_replacement, make_proposal
+from specdec.residual import ResidualSampler
 from specdec.sampling import SamplingParams, sample_from_probs, sample_token, target_probs
 from specdec.tree import DraftTree
 from tests.specdec.test_sampling import chi_square_pvalue
@@ -325,33 +325,6 @@ def test_sampled_trees_accept_deep_and_beyond_the_first_sibling():
     assert later > 30 and deep > 60, (later, deep)
 
 
-def test_proposals_are_checked_against_the_tree():
-    tree = DraftTree((1, 2, 3), (-1, -1, 0))
-    good = [((1, 2, 4), (9, 5, 1)), ((3,), (7,)), None, None]
-    assert [p.ids if p else None for p in check_proposals(tree, good, V)] == [(1, 2, 4), (3,), None, None]
-    for bad in ([((1,), (9,)), ((3,), (7,)), None, None],  # child 2 not in the proposal
-                [((1, 2), (9, 0)), ((3,), (7,)), None, None],  # zero weight
-                [((1, 2), (9, 5)), ((3,), (7,)), ((0,), (1,)), None],  # a leaf with a proposal
-                [((1, 2), (9, 5)), ((3,), (7,)), None],  # one short
-                [((1, 1, 2), (9, 9, 5)), ((3,), (7,)), None, None]):  # duplicate ids
-        with pytest.raises(ValueError):
-            check_proposals(tree, bad, V)
-    with pytest.raises(ValueError):  # duplicate sibling tokens cannot be drawn without replacement
-        check_proposals(DraftTree((1, 1), (-1, -1)), [((1, 2), (3, 3)), None, None], V)
-
-
-def test_proposal_keeps_the_largest_entries_and_draws_without_replacement():
-    q = torch.tensor([0.05, 0.5, 0.3, 0.1, 0.05])
-    prop = make_proposal(q, 3)
-    assert prop.ids == (1, 2, 3) and prop.weights[0] == acceptance.Q_WEIGHT_MAX
-    assert make_proposal(q, 5, mass=0.85).ids == (1, 2, 3)  # the fewest entries holding the mass
-    g = torch.Generator().manual_seed(0)
-    draws = [tuple(draw_without_replacement(prop, 3, g)) for _ in range(3000)]
-    assert all(sorted(d) == [1, 2, 3] for d in draws)
-    firsts = {t: sum(d[0] == t for d in draws) / 3000 for t in (1, 2, 3)}
-    assert abs(firsts[1] - 0.5 / 0.9) < 0.03 and abs(firsts[3] - 0.1 / 0.9) < 0.02
-
-
 # -- the residual alone, on a vocabulary of 512 ------------------------------------------------
 VB = 512
 
@@ -510,21 +483,3 @@ def test_rejection_returns_the_sparse_target_distribution():
             assert all(y not in rej.head_ids for y in rej.tail_ids)
             assert torch.allclose(torch.tensor(rej.tail_probs), p[list(rej.tail_ids)])
             assert acc.tail is not None and float(acc.tail[list(rej.head_ids)].sum()) == 0
-
-
-def test_residual_sample_support():
-    g = torch.Generator().manual_seed(0)
-    rej = Rejection((0, 1, 2), (0.5, 0.3, 0.2))
-    q = torch.tensor([0.6, 0.1, 0.2, 0.1])  # residual: only token 1 has p > q
-    assert {residual_sample(rej, q, g) for _ in range(50)} == {1}
-    same = torch.tensor([0.5, 0.3, 0.2, 0.0])  # p == q: fall back to p itself
-    assert {residual_sample(rej, same, g) for _ in range(200)} <= {0, 1, 2}
-    # head (0, 1) and a tail candidate 3 that q covers entirely: only the head's residual or None
-    rej = Rejection((0, 1), (0.5, 0.3), 0.2, (3,), (0.2,))
-    q = torch.tensor([0.3, 0.3, 0.2, 0.2])
-    out = {residual_sample(rej, q, g) for _ in range(200)}
-    assert out <= {0, None} and 0 in out
-    sampler = ResidualSampler(Rejection((0,), (0.5,), 0.5, (), ()), torch.tensor([0.5, 0.0, 0.5]), g)
-    assert sampler.sample() is None  # no head residual, no candidate yet: ask for more
-    sampler.extend(Rejection((), (), 0.5, (1,), (0.4,)))
-    assert sampler.sample() == 1  # q(1) = 0: the candidate is accepted w.p. 1 - q/p = 1

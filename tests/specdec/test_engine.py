@@ -16,7 +16,7 @@ import torch
 from specdec.errors import (InvalidRequest, InvalidSamplingParams, InvalidTree, PrefixMismatch, SessionFinished,
                            SessionNotFound, SpecError)
 from specdec import engine as engine_module
-from specdec.acceptance import Rejection, ResidualSampler
+from specdec.residual import Rejection, ResidualSampler
 from specdec.engine import (ChainVerifyRequest, ChainVerifyResult, OpenRequest, VerifierEngine,
                                     VerifyRequest, VerifyResult)
 from specdec.model.loading import tiny_random_model

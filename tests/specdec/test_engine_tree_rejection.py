@@ -17,7 +17,7 @@ import torch
 
 from specdec.errors import InvalidRequest
 from specdec import acceptance
-from specdec.acceptance import draw_without_replacement, make_proposal
+from specdec.proposal import Proposal, draw_without_replacement, make_proposal
 from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest, VerifyResult
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
@@ -148,7 +148,7 @@ def test_greedy_tree_rejection_equals_reference(tiny_model):
         prop = make_proposal(q, 8)
         truth = want[s.num_generated]
         ids, weights = (prop.ids + (truth,), prop.weights + (1,)) if truth not in prop.ids else (prop.ids, prop.weights)
-        kids = draw_without_replacement(acceptance.Proposal(ids, weights), 3, g)
+        kids = draw_without_replacement(Proposal(ids, weights), 3, g)
         if rng.random() < 0.6 and truth not in kids:
             kids[-1] = truth
         tree = DraftTree(tuple(kids), (-1,) * len(kids))

@@ -119,7 +119,7 @@ def test_chain_rejection_sampling_with_penalties_follows_the_penalised_target(mo
 def sample_two_via_tree_rejection(model, params: SamplingParams) -> list[tuple[int, int]]:
     """Tree rejection sampling (issue 17's rule); the test plays the edge: every sibling set drawn
     without replacement from a context-free draft q's proposal, sent with the tree."""
-    from specdec.acceptance import draw_without_replacement, make_proposal
+    from specdec.proposal import draw_without_replacement, make_proposal
 
     q = torch.softmax(torch.linspace(1.5, -1.5, V_STAT), 0)  # [V]
     prop = make_proposal(q, V_STAT)

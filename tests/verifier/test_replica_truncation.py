@@ -13,7 +13,7 @@ import torch
 
 from deploy.config import AppConfig
 from specdec.protocol import ReplyFrame, VerifyFrame
-from specdec.acceptance import Proposal, draw_without_replacement
+from specdec.proposal import Proposal, draw_without_replacement
 from deploy.verifier.deployment import VerifierCore
 from specdec.model.loading import load_target
 from specdec.reference import reference_decode
