@@ -18,9 +18,8 @@ Two implementations of the same function:
 - :func:`torch_attention`: gathers each row's keys and calls SDPA (any device and dtype;
   the reference the kernels are tested against; not batch-invariant in bf16).
 
-Chosen by measurement (``benchmarks/attention_kernels.py``): per-session SDPA over the
-pool cannot be batch-invariant for tree rows (masked keys inside SDPA's blocks change its
-rounding) and pays a gather; the kernel needs neither.
+Per-session SDPA over the pool is not batch-invariant for tree rows (masked keys inside its
+blocks change its rounding); the kernels' measurements: docs/engine.md, "Tree attention".
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """A Llama-family target's weights without transformers: ``config.json`` + ``*.safetensors`` (or a
 tiny random Llama) read into a parameter-only module tree under the checkpoint's own names.
 
-The verifier never runs a Hugging Face forward (it has its own, :mod:`specdec.model.decoder`), yet
-building ``AutoModelForCausalLM`` just to hold the weights made every replica and pipeline stage
-import transformers' modeling code: ~5 s of CPU on the 2-core test host (``import torch`` 2.8 s,
-``from transformers import LlamaForCausalLM`` 7.9 s, ``AutoConfig.from_pretrained`` 6.9 s). Here
-torch and safetensors alone read the same checkpoint:
+- :class:`CheckpointConfig`: ``config.json`` with transformers' per-family defaults (llama,
+  mistral, qwen2, qwen3) and the RoPE parameters in one form (transformers 5's
+  ``rope_parameters`` or 4.x's ``rope_theta`` + ``rope_scaling``);
+- :func:`rope_frequencies`: RoPE (Su et al. 2021) with linear interpolation (Chen et al. 2023),
+  Llama 3.1's scaling or YaRN (Peng et al. 2023), in transformers' float32 operations, so cos/sin
+  are bit-equal;
+- :class:`CausalLMWeights`: the names :class:`specdec.model.decoder.DecoderModel`, the exit heads
+  and pipeline stages read (``model.layers[i].self_attn.q_proj`` ...). It has no forward.
 
-- :class:`CheckpointConfig`: ``config.json`` with the defaults transformers gives each supported
-  family (llama, mistral, qwen2, qwen3) where the file leaves a field out, and the RoPE
-  parameters in one form whether the file has ``rope_parameters`` (transformers 5) or
-  ``rope_theta`` + ``rope_scaling`` (4.x);
-- :func:`rope_frequencies`: the rotary inverse frequencies of RoPE (Su et al. 2021) with linear
-  position interpolation (Chen et al. 2023), Llama 3.1's frequency-dependent scaling, or YaRN
-  (Peng et al. 2023), in the same float32 operations as transformers, so cos/sin are bit-equal;
-- :class:`CausalLMWeights`: ``model.embed_tokens``, ``model.layers[i].self_attn.q_proj`` ...,
-  ``model.norm``, ``lm_head``, ``model.rotary_emb``: the names :class:`specdec.model.decoder.DecoderModel`,
-  the exit heads and pipeline stages read. It has no forward.
-
-``tests/specdec/model/test_checkpoint.py`` checks every tensor, the RoPE buffers and the logits against
-the model transformers builds from the same directory, per family and RoPE type.
+Why not transformers' model classes (their import cost): docs/engine.md, "Weights without
+transformers". ``tests/specdec/model/test_checkpoint.py`` checks every tensor, the RoPE buffers
+and the logits against transformers' model, per family and RoPE type.
 """
 
 from __future__ import annotations
@@ -226,7 +219,7 @@ class Rotary(nn.Module):
 
 def _embedding(n: int, dim: int) -> nn.Embedding:
     """nn.Embedding [n, dim]; built on the meta device without its random init: torch's meta
-    ``normal_`` imports torch._dynamo (2.9 s of CPU here), which nothing else in a replica needs."""
+    ``normal_`` imports torch._dynamo, which nothing else in a replica needs."""
     w = torch.empty(n, dim)
     return nn.Embedding(n, dim, _weight=w) if w.is_meta else nn.Embedding(n, dim)
 

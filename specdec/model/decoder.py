@@ -1,30 +1,20 @@
 """The verifier's own forward for Llama-family decoders, over a packed batch and the KV pool.
 
-Supported: Llama (incl. SmolLM and Llama-3 RoPE scaling), Mistral without a sliding
-window, Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm). Weights come from the checkpoint
-(:mod:`specdec.model.checkpoint`, no transformers) or any HF model with the same module names,
-and are re-laid out once: Q, K and V in one
-matrix, gate and up in another. A forward packs every session's new tokens on one token
-axis (no padding, :mod:`specdec.model.batch`), writes their K/V into the pool in place and
-reads the pool in place (:mod:`specdec.model.attention`); RoPE at explicit positions
-(prefix length + node depth); GQA without repeating K/V. A :class:`DecoderModel` may own a
-contiguous slice of layers (a pipeline stage): the first also embeds tokens, the last also
-owns the final norm and the LM head.
+Supported: Llama (incl. SmolLM and Llama-3 RoPE scaling), Mistral without a sliding window,
+Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm). Weights (:mod:`specdec.model.checkpoint`, or any
+HF model with the same module names) are re-laid out once: Q/K/V in one matrix, gate/up in
+another. A forward packs every session's new tokens on one token axis (no padding,
+:mod:`specdec.model.batch`), writes their K/V into the pool and reads it in place
+(:mod:`specdec.model.attention`); RoPE at explicit positions (prefix length + node depth); GQA
+without repeating K/V. A :class:`DecoderModel` may own a contiguous slice of layers (a pipeline
+stage): the first also embeds, the last also owns the final norm and LM head.
 
-Batch invariance (bf16): every op is row-wise and attention reduces each row over its own
-logical KV sequence in a fixed order, so a row's logits do not depend on the rest of its
-batch, its tree's shape, or padding. :class:`Linear` keeps that for the matrix multiplies:
-the native kernel (AVX512-BF16, or AVX2 + FMA) computes every output as one fixed chain
-whatever the row count; oneDNN (AVX512 CPUs without BF16) gives the same rows for every row
-count >= 2 but rounds a single row differently (K = 1536 here), so there a single row is
-computed as two; torch's own bf16 linear (older CPUs) is row-invariant (all checked by
-``tests/specdec/model/test_decoder.py``). On CUDA the linears run as GEMMs of a fixed row count and
-attention and RMSNorm as Triton kernels (:mod:`specdec.model.cuda`).
-
-Speed (CPU, bf16, ``benchmarks/verify_step.py``): the native linear streams the weights from
-memory at ~25 GB/s on one core for 1-4 rows, against ~11 GB/s for oneDNN's prepacked kernels
-(which were ~1.7x faster than ``F.linear``); the elementwise glue is one C call per function
-(:mod:`specdec.model.glue`).
+Batch invariance (bf16): every op is row-wise, attention reduces each row over its own KV in a
+fixed order, and :class:`Linear` computes each output as one fixed chain whatever the row count
+(oneDNN, which rounds a single row differently, gets a single row computed as two); so a row's
+logits do not depend on the rest of its batch, its tree's shape, or padding
+(``tests/specdec/model/test_decoder.py``). On CUDA: :mod:`specdec.model.cuda`. Kernels and their
+speed: docs/engine.md, "The engine, piece by piece".
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ pool), SwiGLU. Four implementations of the same functions, chosen once per model
 - :class:`CudaGlue` (CUDA): the norms, RoPE with the K/V write, and SwiGLU as Triton kernels,
   batch-invariant (:mod:`specdec.model.cuda`);
 - :class:`NativeGlue` (CPU, bf16): one C call per function (``csrc/glue.c`` through
-  :mod:`specdec.model.native`) instead of ~40 small torch ops per layer. Measured on the
-  embedded SmolLM2-135M, one core: see ``benchmarks/verify_step.py`` and docs/benchmarks.md's
-  engine table. Row-wise with a fixed reduction order, so batch-invariant like the rest of
-  the forward; it agrees with the torch glue up to bf16 rounding of float32 sums
-  (``tests/specdec/model/test_glue.py``).
+  :mod:`specdec.model.native`) instead of ~40 small torch ops per layer.
+
+Every implementation is row-wise with a fixed reduction order, so batch-invariant; the native
+glue agrees with the torch glue up to bf16 rounding of float32 sums
+(``tests/specdec/model/test_glue.py``).
 """
 
 from __future__ import annotations

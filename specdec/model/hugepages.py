@@ -1,18 +1,13 @@
 """CPU tensors backed by transparent huge pages (Linux THP).
 
-A decode step on a CPU streams the model's weights (212 MB of layer weights and a 57 MB
-LM head for the embedded SmolLM2-135M in bf16) and every row's KV pages through the core.
-From 4 KiB pages that stream takes a TLB miss every 4 KiB; one 2 MiB page covers 512 of them.
-Measured on the 2-core AMD EPYC these benchmarks run on (THP ``madvise``, one core): the LM
-head's packed weights stream at 15.9 GB/s from 4 KiB pages and 28.2 GB/s from huge pages.
-torch's CPU allocator does not ask for huge pages: under THP ``madvise`` its tensors stay on 4 KiB pages.
-
-:func:`empty` maps anonymous memory, asks for huge pages (``madvise(MADV_HUGEPAGE)``) before
-any page is touched and aligns the tensor to 2 MiB inside the mapping, so first writes fault
-in whole huge pages. :func:`arena` lays several tensors back to back in one such mapping (the
-weights in the order a forward reads them: one stream). The arithmetic does not change, only
-the address translation. Where huge pages cannot be had (not Linux, THP ``never``,
-``SPECEDGE_HUGEPAGES=0``, a non-CPU tensor) both fall back to ordinary tensors.
+A decode step on a CPU streams the weights and every row's KV pages; from 4 KiB pages that takes
+a TLB miss every 4 KiB, and torch's CPU allocator does not ask for huge pages. :func:`empty` maps
+anonymous memory, asks for huge pages (``madvise(MADV_HUGEPAGE)``) before any page is touched and
+aligns the tensor to 2 MiB; :func:`arena` lays several tensors back to back in one such mapping
+(the weights in the order a forward reads them: one stream). Only the address translation
+changes, not the arithmetic. Where huge pages cannot be had (not Linux, THP ``never``,
+``SPECEDGE_HUGEPAGES=0``, a non-CPU tensor) both fall back to ordinary tensors. Measured:
+docs/engine.md, "Weights and KV on huge pages".
 """
 
 from __future__ import annotations

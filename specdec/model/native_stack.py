@@ -1,16 +1,13 @@
 """A stage's decoder layers as one native call (``csrc/decoder.c``), bit for bit the per-op path.
 
-:meth:`specdec.model.decoder.DecoderModel.forward` runs each layer as 9 native calls from
-Python (linears, RoPE + KV write, tree attention and its cast, residual norms, SwiGLU); the
-calls' Python side (tensor allocations, pointer lookups, ctypes conversions) cost ~1 ms of a
-~10 ms decode step of the embedded SmolLM2-135M on one core. :class:`NativeStack` hands the
-same kernels every layer's weight addresses once (a table built at load) and runs the whole
-stack in one call, on scratch the C side allocates per call, so the outputs (hidden states
-and the K/V written into the pool) are the same bits (``tests/specdec/model/test_native_stack.py``).
+:class:`NativeStack` hands the kernels every layer's weight addresses once (a table built at load)
+and runs the whole stack in one call instead of 9 Python-side native calls per layer, on scratch
+the C side allocates per call; the outputs (hidden states and the K/V written into the pool) are
+the per-op forward's bits (``tests/specdec/model/test_native_stack.py``).
 
-It runs only what it was built for: CPU, bf16, the native linears, glue and attention kernel,
-no per-head q/k norms (Qwen3). The forward keeps the per-op path for LoRA deltas and for a
-per-layer hook that does not name its ``layers``; exit heads (which do) run between segments.
+It runs only what it was built for: CPU, bf16, the native linears, glue and attention kernel, no
+per-head q/k norms (Qwen3). The forward keeps the per-op path for LoRA deltas and for a per-layer
+hook that does not name its ``layers``; exit heads (which do) run between segments.
 """
 
 from __future__ import annotations

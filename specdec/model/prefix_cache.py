@@ -1,24 +1,19 @@
 """Automatic prefix caching: whole KV pages shared by the sessions whose tokens begin alike.
 
-A page holds the K/V of :data:`PAGE_SIZE` consecutive positions, and a position's K/V is a
-function of the tokens up to it (and of the weights): the engine is batch invariant
-(:mod:`specdec.model.decoder`), so the K/V a prompt chunk, a tree row or a one-token forward
-wrote for the same token path are the same bits. A session whose prompt starts with the tokens
-of cached pages takes those pages into its block table instead of computing them again; its
-output is the same token for token (vLLM's automatic prefix caching, with exact keys in place
-of its block hashes).
+Relies on batch invariance (:mod:`specdec.model.decoder`): a position's K/V is the same bits
+whichever forward wrote it, so a session whose prompt starts with the tokens of cached pages
+takes those pages into its block table and its output is unchanged token for token (vLLM's
+automatic prefix caching, with exact keys in place of its block hashes).
 
 - **Key** of a page: ``(parent, salt, tokens)``: the id of the cached page before it (0 for the
-  first), who may share it (``salt``: the tenant and target version, so no tenant can time
-  another's prompts and no version reads another's KV) and its ``PAGE_SIZE`` tokens as a tuple.
-  Keys compare exactly, so a match is never a collision. Ids never repeat: the pages cached
-  below an evicted page can never match again, and go as idle pages in their turn.
-- **Holders**: a cached page is held by every session whose block table lists it. No session
-  writes to a position below its committed length, and cached pages lie wholly below it (a
-  truncation into one copies it first: :meth:`specdec.model.kv_pool.KVPool.truncate`).
-- **Idle pages**: a cached page no session holds stays cached, and is the first to be reused
-  when the pool has no free page, least recently released first; a session releases its
-  deepest page first, so a sequence's tail goes before the prefix other prompts share.
+  first), ``salt`` (tenant and target version: no tenant can time another's prompts, no version
+  reads another's KV) and its ``PAGE_SIZE`` tokens. Exact keys: a match is never a collision.
+  Ids never repeat, so the pages below an evicted page can never match again.
+- **Holders**: every session whose block table lists the page. Cached pages lie wholly below a
+  session's committed length, so no session writes them (a truncation into one copies it first:
+  :meth:`specdec.model.kv_pool.KVPool.truncate`).
+- **Idle pages** (no holder) stay cached and are reused first when the pool has no free page,
+  least recently released first; a session releases its deepest page first.
 
 Pure Python: no torch, no Ray.
 """

@@ -1,13 +1,11 @@
 /* A stack of Llama-family decoder layers in bf16, one call for the whole stack.
  *
- * A forward of the embedded SmolLM2-135M runs 30 layers of 9 native calls each (the fused
- * QKV, O, gate/up and down linears, RoPE + KV write, tree attention, its float32 -> bf16
- * cast, two residual RMSNorms, SwiGLU): ~270 calls through ctypes, each with its tensor
- * allocations, pointer lookups and argument conversions in Python. That was ~1 ms of a
- * ~10 ms decode step on one core. Here the same kernels run in the same order from C, on
- * scratch buffers allocated once per call, so every output bit is the same as the
- * per-call path (model.py's ``DecoderModel.forward``, which keeps LoRA, exit heads and
- * Qwen3's q/k norms).
+ * The per-op forward makes 9 native calls per layer (the fused QKV, O, gate/up and down
+ * linears, RoPE + KV write, tree attention, its float32 -> bf16 cast, two residual RMSNorms,
+ * SwiGLU) through ctypes, each with its Python-side allocations and conversions. Here the same
+ * kernels run in the same order from C, on scratch buffers allocated once per call, so every
+ * output bit is the same as the per-op path (decoder.py's ``DecoderModel.forward``, which keeps
+ * LoRA, exit heads and Qwen3's q/k norms).
  *
  * Per layer, with h the residual stream [N, D] and x its normed copy:
  *   qkv = x Wqkv^T + b;  q, pool K/V <- rope(qkv);  a = attention(q, pool) (float32, cast to bf16)

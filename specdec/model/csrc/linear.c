@@ -1,11 +1,10 @@
 /* y = x W^T + b in bf16 on CPUs with AVX512-BF16 (or AVX2 + FMA: the second half of this file),
  * row-invariant by construction.
  *
- * Why our own: a decode step of a small model on one core is a stream of its weights through
- * the matrix multiplies. oneDNN's prepacked bf16 kernels reach ~11 GB/s on that stream for
- * 1-4 rows here (the embedded SmolLM2-135M: 212 MB of layer weights in ~19 ms), a third of
- * what one core reads from memory (~30 GB/s), and their M = 1 kernel rounds differently from
- * M >= 2, so the engine had to compute every single row as two.
+ * Why our own: a decode step of a small model on one core is a stream of its weights through the
+ * matrix multiplies; oneDNN's prepacked bf16 kernels reach a fraction of what one core reads from
+ * memory, and their M = 1 kernel rounds differently from M >= 2 (docs/engine.md, "Own bf16
+ * kernels on CPU", has the figures).
  *
  * Weights are packed once (linear_bf16_pack) into blocks of NV x 16 output features: for each
  * pair of k, the block's 16 NV features x 2 values lie together (VNNI order), so a block is
@@ -21,20 +20,12 @@
  * registers and parked in a float32 buffer between chunks (stored and reloaded exactly: the
  * chain is unchanged). So a block is read from memory once per tile, whatever the rows, and
  * the next chunk is prefetched while the groups work on this one: the memory stream and the
- * arithmetic overlap. One group (1-6 rows) streams each block in one pass. Before the chunks
- * (each group of 4 rows streamed the whole block, the next group re-read it from L2), the 30
- * layers' linears of the embedded model took 7.4 / 9.1 / 10.8 / 17.6 ms at 8 / 12 / 16 / 32
- * rows on one core here; with them 6.0 / 6.3 / 8.1 / 15.4, and ~5.7 ms at 1-4 rows either way
- * (the memory stream; `python -m benchmarks.linear_rows`).
+ * arithmetic overlap. One group (1-6 rows) streams each block in one pass.
  *
  * The prefetches bring the stream into L2 (T1), not L1 (T0): an L1 prefetch holds one of the
  * core's few L1 miss buffers until its line arrives, so while the groups compute, few lines
- * are in flight and the stream and the arithmetic add up instead of overlapping. On one core of
- * an AMD EPYC Zen 4 (KVM, ~18 GB/s read by one core; `benchmarks.linear_rows`, 2026-11-27) the
- * 30 layers' linears took 11.9 / 11.6 / 15.6 / 21.9 / 21.6 / 26.0 / 43.4 ms at 1 / 2 / 4 / 8 / 12 /
- * 16 / 32 rows with T0 and PF 16, and 10.1 / 11.1 / 12.3 / 10.9 / 14.0 / 18.5 / 35.7 with T1 and
- * PF 32: flat at the memory stream up to 8 rows. The arithmetic is untouched (a prefetch changes
- * no result).
+ * are in flight and the stream and the arithmetic add up instead of overlapping. A prefetch
+ * changes no result.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -188,17 +179,17 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, ui
  * still 2 bytes a weight. Output y[m, n] is one fixed chain of float32 FMAs over k in
  * increasing order (lane n % 8 of an accumulator; no horizontal reduction), plus the bias,
  * rounded once to bf16: whatever M, the blocking or threads, the same bits (batch invariance,
- * M = 1 included). torch's own bf16 linear on these CPUs is batch-invariant too but runs at
- * ~5 GFLOP/s (it widens element by element), and oneDNN's bf16 kernels need AVX512.
+ * M = 1 included). torch's own bf16 linear on these CPUs is batch-invariant too but widens
+ * element by element, and oneDNN's bf16 kernels need AVX512.
  *
- * Blocking: the FMA rate bounds this kernel from two rows up (~20-25 GFLOP/s on one Zen 1 core),
- * not the memory stream, so no chunking: a group of up to G2 rows runs over a strip of J
+ * Blocking: the FMA rate bounds this kernel from two rows up, not the memory stream, so no
+ * chunking: a group of up to G2 rows runs over a strip of J
  * vectors of 8 features of one weight block for the whole k range, its G2 x J accumulators in
  * registers (16 ymm); the block stays in L2 for the next strip and group. One row takes the
  * whole block (8 vectors) in one pass, two rows half of it; the first strip over a block prefetches
- * whole k pairs PF2 ahead (one row then streams at ~12 GB/s, what one core reads here). */
-#define G2 2   /* rows of x per group (groups of 3-4 rows over 16-feature strips ran ~25 % slower) */
-#define PF2 32 /* k pairs the prefetch runs ahead (8 KiB; one line of four, 8 ahead: the LM head at 5-7 GB/s) */
+ * whole k pairs PF2 ahead (one row then streams at what one core reads). */
+#define G2 2   /* rows of x per group (groups of 3-4 rows over 16-feature strips ran slower) */
+#define PF2 32 /* k pairs the prefetch runs ahead (8 KiB; one line of four, 8 ahead, was slower) */
 
 /* R rows of xf (float32, row stride xs) against J vectors (8 features each) of one weight
  * block, starting at vector j0, for all kps k pairs -> y[r][8 * j0 ...], rounded once.

@@ -1,23 +1,13 @@
 """CUDA graphs of the layer stack: a forward as one replay instead of hundreds of launches.
 
-A small forward on a GPU is bound by its kernel launches, not the GPU. :class:`LayerGraphs`
-captures :meth:`specdec.model.decoder.DecoderModel.run_layers` (with the embedding and RoPE
-tables before it) once per shape and replays it (CUDA graphs, as vLLM and gpt-fast do for
-decode steps).
-
-Shapes. A graph replays fixed shapes at fixed addresses, so a forward of ``N`` rows runs in
-the graph of the smallest row bucket ``>= N`` (:data:`ROW_BUCKETS`), with its attention tiles,
-its longest row (the attention's chunk count) and its block table padded to powers of two.
-Padding rows embed token 0 at position 0, attend no key and write their K/V into the pool's
-scratch slot (:meth:`specdec.model.kv_pool.KVPool.scratch_slot`); every op of the stack is
-row-wise, so they touch no real row. A real row gets the bits of the eager CUDA path: the
-same kernels on the same shapes (the GEMMs run at 128 rows either way,
-:mod:`specdec.model.row_chunks`), so batch invariance holds as before
-(``tests/specdec/model/test_cuda.py``). Forwards past the largest bucket (long prefill chunks),
-with LoRA rows or exit heads run eagerly.
-
-Inputs reach a graph through one host-to-device copy of a pinned int64 buffer (token ids,
-RoPE positions, write slots, the attention plan); nothing in a replay waits on the host.
+:class:`LayerGraphs` captures :meth:`specdec.model.decoder.DecoderModel.run_layers` (with the
+embedding and RoPE tables before it) once per shape and replays it, as vLLM and gpt-fast do for
+decode steps. A forward of ``N`` rows runs in the graph of the smallest bucket ``>= N``
+(:data:`ROW_BUCKETS`); padding rows attend no key and write their K/V into the pool's scratch
+slot, so a real row gets the eager CUDA path's bits (batch invariance holds;
+``tests/specdec/model/test_cuda.py``). Forwards past the largest bucket, with LoRA rows or exit
+heads run eagerly. Inputs arrive by one host-to-device copy of a pinned int64 buffer; nothing in a
+replay waits on the host. Padding rules: docs/gpu_attention.md, "CUDA graphs".
 """
 
 from __future__ import annotations

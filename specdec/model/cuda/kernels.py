@@ -1,21 +1,15 @@
 """Triton kernels of the batch-invariant CUDA path: tree attention over the paged pool, RMSNorm
-with the residual add before it, and (for fewer launches; row-wise, so invariant by nature)
-RoPE with the K/V write into the pool, and SwiGLU.
+with the residual add before it, and (row-wise, for fewer launches) RoPE with the K/V write into
+the pool, and SwiGLU.
 
-Tree attention (SpecInfer's tree mask over a paged cache; FlashAttention's online softmax,
-Dao et al. 2022; split-KV partials merged as flash-decoding does). One program per (tile, KV
-head, chunk), :mod:`specdec.model.cuda.plan`: a tile is up to ``BLOCK_M / group`` rows of one
-session, so its rows x the group's query heads form one ``tl.dot`` operand and each key block
-is read once for all of them. A row's logical sequence (its contiguous positions, then its tree
-ancestors and itself, :mod:`specdec.model.attention`) is reduced in blocks of
-:data:`BLOCK_N` keys at fixed logical positions, within chunks of ``CHUNK`` keys whose partials
-are folded in ascending order. Blocks below every row's tree are shared by the tile; a block
-that reaches into the trees is gathered per row (its ancestors' positions found from its bits)
-and multiplied with the same tile shape, keeping that row's product. A row's bits thus depend
-on its logical sequence alone (with the tensor cores' products a function of one row and one
-column), not on its batch, its tile, or where its tree sits: a tree row equals the decode of
-the same sequence. No tile size, warp count, stage count or split depends on the batch.
-RMSNorm sums one row's squares in one block. Imported only where Triton runs
+Tree attention: SpecInfer's tree mask over a paged cache, FlashAttention's online softmax (Dao et
+al. 2022), split-KV partials merged as flash-decoding does. One program per (tile, KV head,
+chunk) (:mod:`specdec.model.cuda.plan`); a row's logical sequence (:mod:`specdec.model.attention`)
+is reduced in blocks of :data:`BLOCK_N` keys at fixed logical positions, within chunks folded in
+ascending order, so a row's bits depend on its logical sequence alone: not on its batch, its tile
+or where its tree sits (a tree row equals the decode of the same sequence). No tile size, warp
+count, stage count or split depends on the batch. RMSNorm sums one row's squares in one block.
+How and why: docs/gpu_attention.md. Imported only where Triton runs
 (:func:`specdec.model.cuda.available`; tests also run it under Triton's interpreter).
 """
 
