@@ -244,9 +244,8 @@ class PacingConfig(_Strict):
     round_overhead_ms: float = Field(
         3.0, ge=0, le=1000,
         description="server CPU a verify request costs outside the forward (proxy, router, replica, Ray), "
-                    "counted against small trees when choosing the budget. 3.0: measured on one EPYC core, "
-                    "2.1-3.5 in two runs (benchmarks.run --full: the split table's non-forward ms per token "
-                    "at ~1.4 and at 9 tokens per request); 0 weighs the forward alone")
+                    "counted against small trees when choosing the budget (3.0: benchmarks.run --full's "
+                    "non-forward ms per token, results README); 0 weighs the forward alone")
     tree_margin: float = Field(
         0.10, ge=0, le=1,
         description="from 2 sessions up, a tree budget is hinted only when predicted this much better (in verified "

@@ -111,8 +111,8 @@ void glue_swiglu_bf16(const uint16_t *restrict gate_up, uint16_t *restrict out, 
 }
 
 /* torch.argmax of one bf16 row x[0 .. n): the index of the first largest value, a NaN counting
- * as the largest (the first NaN wins). The greedy token of a logits row: torch's bf16 argmax
- * (or a float32 copy) costs ~50 us per 49k-entry row on one core, this pass ~5 us. */
+ * as the largest (the first NaN wins): the greedy token of a logits row, without torch's float32
+ * copy (docs/engine.md, "Greedy tokens by a native bf16 argmax"). */
 #define ARGMAX_CHUNK 64
 int64_t glue_argmax_bf16(const uint16_t *restrict x, int64_t n) {
     /* the largest value by an integer key that orders like the floats (vectorises, unlike a
