@@ -12,31 +12,30 @@ lag and each shed answer's time are sampled (:mod:`deploy.router.probe`).
 
 
 import asyncio
-import contextvars
 import json
 import logging
 import time
-import uuid
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 
 from deploy import gc_policy
 from deploy.config import BASE_ALIAS, DEV_API_KEY, AppConfig, versions_update
-from specdec.errors import (DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, RequestTimeout, SpecError,
-                           UpstreamTimeout)
+from specdec.errors import DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, SpecError, UpstreamTimeout
 from deploy.metrics import router_metrics
-from specdec.protocol import (EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, TokenLogprob, VerifyFrame, asks_early,
-                             record)
+from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
 from specdec import openai as oai
 from deploy.router.admission import AdmissionControl, inflight_limit
+from deploy.router.body import json_object, read_body, within
 from deploy.router.early import stream_verify
 from deploy.router.open_deadline import DEADLINE_HEADER, PrefillForecast, deadline_refusal, request_deadline
 from deploy.router.fast_shed import RECEIVED_AT, ShedFastPath, admission_refusal
+from deploy.router.loads import Loads
 from deploy.router.probe import LoadProbe
+from deploy.router.server_decode import ClosingStream, ServerDecode
 from deploy.router.tenants import TenantRegistry, TenantState
 
 log = logging.getLogger("ray.serve")
@@ -74,42 +73,6 @@ class Unavailable(Overloaded):
     """The verifier replica is down or restarting: retry after a short wait."""
 
     status, code = 503, "unavailable"
-
-
-async def _within(aw, seconds: float):
-    """``await aw``, raising ``asyncio.TimeoutError`` after ``seconds``. On Python 3.11+ through
-    ``asyncio.timeout``: ``asyncio.wait_for`` runs ``aw`` in a task of its own, one more event-loop
-    hop (and task) per verifier call and per WebSocket frame on the router's busy loop."""
-    if not hasattr(asyncio, "timeout"):  # Python 3.10
-        return await asyncio.wait_for(aw, seconds)
-    async with asyncio.timeout(seconds):
-        return await aw
-
-
-def _no_constants(name: str):
-    raise InvalidRequest(f"body is not valid JSON: {name} is not a JSON number")
-
-
-def _parse_json(body: bytes):
-    """Strict JSON: no NaN/Infinity (Python's json accepts them), no recursion blow-up."""
-    try:
-        return json.loads(body or b"null", parse_constant=_no_constants)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise InvalidRequest("body is not valid JSON: nested too deeply") from None
-
-
-class _ClosingStream(StreamingResponse):
-    """A streaming response that closes its body generator however the response ends:
-    Starlette leaves it suspended when the client goes away mid-stream, and with it the
-    server session it holds (KV, a tenant slot) until the idle timeout."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 def _raise_for(status: int, payload) -> None:
@@ -154,10 +117,9 @@ class Router:
         self.prefill = PrefillForecast(retry_after_s=rc.retry_after_s)
         self.metrics = router_metrics()
         self._info: dict | None = None
-        self._loaded: dict[str, object] = {}  # tokenizer, server drafter: see _load_once
-        self._load_lock = asyncio.Lock()
+        self.loads = Loads(self.cfg)  # the tokenizer and the server drafter, at first use
+        self.server_decode = ServerDecode(self, self.loads.server_drafter)  # OpenAI requests
         self._created = int(time.time())  # the served model's "created" (OpenAI's /v1/models)
-        self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
         self._versions: list[str] = sorted(self.cfg.target.adapters)  # target versions (LoRA), see reconfigure
         self._versions_configured = False
         self.probe = LoadProbe(on_lag=self.metrics.on_loop_lag, stall_log_s=rc.loop_stall_log_s,
@@ -218,8 +180,8 @@ class Router:
         timeout = self.cfg.router.request_timeout_s
         try:
             if stream_to is not None:
-                return await _within(stream_verify(self.verifier, method, stream_to, kwargs), timeout)
-            return await _within(getattr(self.verifier, method).remote(**kwargs), timeout)
+                return await within(stream_verify(self.verifier, method, stream_to, kwargs), timeout)
+            return await within(getattr(self.verifier, method).remote(**kwargs), timeout)
         except asyncio.TimeoutError:
             raise UpstreamTimeout(f"the verifier did not answer {method} within {timeout:g} s") from None
         except (RayActorError, RayError) as e:
@@ -242,7 +204,7 @@ class Router:
     async def _deadlined(self, deadline_s: float, call):
         """``call``'s result, or 429 at ``deadline_s`` (the call is cancelled: Serve drops its prefill)."""
         try:
-            return await _within(call, deadline_s)
+            return await within(call, deadline_s)
         except asyncio.TimeoutError:
             raise deadline_refusal(deadline_s, self.admission.retry_after) from None
 
@@ -251,66 +213,12 @@ class Router:
             self._info = await self._call("info")
         return self._info
 
-    async def tokenizer(self):
-        """The target's tokenizer (None for tiny test models), loaded at the first OpenAI request, in the
-        load's worker thread with every module an OpenAI request needs later: torch (through
-        ``specdec.model.loading`` and the sampling params' check) and jinja2 (chat templates). The split
-        router imports none of them until then, and a first import on the event loop stalled it 5.5 s on
-        a loaded 2-core host, long enough to answer 408 to opens whose bodies had arrived."""
-
-        def load():
-            import jinja2  # noqa: F401
-            import specdec.sampling  # noqa: F401
-            from specdec.model.loading import load_tokenizer
-
-            return load_tokenizer(self.cfg.target.model, self.cfg.target.tokenizer)
-
-        return await self._load_once("tokenizer", load)
-
-    async def _load_once(self, key: str, load):
-        """``load()`` run once, in a worker thread: not on the event loop that serves every request.
-        There, importing transformers for the first /v1/completions stalled the loop ~4 s on a slow
-        2-core host (split topology: nothing else in the router imports it), and every request in
-        flight paid: opens whose bodies had arrived answered 408 (tests/router/test_hostile_clients.py's
-        soak). ``load`` does its own imports too. Concurrent callers wait for the one load."""
-        if key not in self._loaded:
-            async with self._load_lock:
-                if key not in self._loaded:
-                    self._loaded[key] = await asyncio.to_thread(load)
-        return self._loaded[key]
-
     async def _body(self, request: Request) -> bytes:
-        """The request body, bounded in size (413 from Content-Length, or as soon as the
-        bytes read exceed it) and in time (408 after ``router.body_timeout_s``)."""
-        rc = self.cfg.router
-        limit = rc.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and not declared.isdigit():
-            raise InvalidRequest("Content-Length must be a number of bytes")
-        if declared is not None and int(declared) > limit:
-            raise PayloadTooLarge(f"a body of {declared} bytes exceeds {limit}")
-        chunks: list[bytes] = []
-        size = 0
-
-        async def read() -> None:
-            nonlocal size
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"the body exceeds {limit} bytes")
-                chunks.append(chunk)
-
-        try:
-            await _within(read(), rc.body_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimeout(f"the request body did not arrive within {rc.body_timeout_s:g} s") from None
-        return b"".join(chunks)
+        """The request body, bounded in size (413) and in time (408): deploy/router/body.py."""
+        return await read_body(request, self.cfg.router.max_body_bytes, self.cfg.router.body_timeout_s)
 
     async def _json(self, request: Request) -> dict:
-        data = _parse_json(await self._body(request))
-        if not isinstance(data, dict):
-            raise InvalidRequest("body must be a JSON object")
-        return data
+        return json_object(await self._body(request))
 
     # -- session protocol -------------------------------------------------------------
     async def open(self, tenant: TenantState, body: dict, deadline_header: str | None = None) -> dict:
@@ -431,7 +339,7 @@ class Router:
                 if not task.done():  # the client left mid-round: the round still completes on the replica
                     task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-        return _ClosingStream(records(), media_type=EARLY_STREAM_MEDIA_TYPE)
+        return ClosingStream(records(), media_type=EARLY_STREAM_MEDIA_TYPE)
 
     @api.delete("/v1/sessions/{sid}")
     async def close_session(self, sid: str, request: Request):
@@ -455,7 +363,7 @@ class Router:
         try:
             while True:
                 try:
-                    msg = await _within(websocket.receive(), self.cfg.router.ws_idle_timeout_s)
+                    msg = await within(websocket.receive(), self.cfg.router.ws_idle_timeout_s)
                 except asyncio.TimeoutError:  # an idle socket holds a connection and a task: let it go
                     await websocket.close(code=4408, reason="idle timeout")
                     return
@@ -510,32 +418,14 @@ class Router:
         return info["model"], self.cfg.target.model, BASE_ALIAS
 
     async def _openai(self, request: Request, chat: bool):
-        """/v1/completions and /v1/chat/completions (see :mod:`specdec.openai`).
-
-        All that can be refused is refused before a response starts (the body, the model,
-        the sampling parameters, the server session's open), so each error keeps its own
-        status; only errors after the first round go inside a stream."""
+        """/v1/completions and /v1/chat/completions, decoded on the server (deploy/router/server_decode.py)."""
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
         body = await self._json(request)
-        tok = await self.tokenizer()
+        tok = await self.loads.tokenizer()
         req = oai.parse_completion(body, tok, chat)
         info = await self.info()
-        req = req.with_max_tokens(info["max_model_len"])
         oai.check_model(req.model, self._model_names(info), self._versions)
-        oai.check_sampling(req.sampling, info["vocab_size"])
-        drafter = await self._server_drafter() if req.mode == "sd" else None
-        version = req.model if req.model in self._versions else None
-        rounds = self._server_decode(tenant, req.prompt, req.sampling, drafter, version)
-        await anext(rounds)  # opens the server session
-        deltas = oai.texts(rounds, tok, req.stop)
-        served = version or info["model"]
-        headers = None
-        if req.ignored:
-            log.warning(oai.ignored_warning(req.ignored))
-            headers = {oai.IGNORED_FIELDS_HEADER: ", ".join(req.ignored)}
-        if req.stream:
-            return _ClosingStream(oai.sse(deltas, req, served, tok), media_type="text/event-stream", headers=headers)
-        return JSONResponse(await oai.whole_response(deltas, req, served, tok), headers=headers)
+        return await self.server_decode.respond(tenant, req, tok, info, self._versions)
 
     # -- vLLM's tokenizer and version endpoints -----------------------------------------------
     @api.post("/tokenize")
@@ -552,84 +442,10 @@ class Router:
         """A tenant's /tokenize or /detokenize: (its body, the target's tokenizer, the verifier's info)."""
         self.tenants.authenticate(request.headers.get("authorization"))
         body = await self._json(request)
-        tok, info = await self.tokenizer(), await self.info()
+        tok, info = await self.loads.tokenizer(), await self.info()
         oai.check_model(body.get("model"), self._model_names(info), self._versions)
         return body, tok, info
 
     @api.get("/version")
     async def version(self):
         return oai.server_version()
-
-    async def _server_drafter(self):
-        def load():
-            from deploy.router.server_draft import get_server_drafter  # imports in the worker thread too
-
-            return get_server_drafter(self.cfg)
-
-        return await self._load_once("drafter", load)
-
-    async def _server_decode(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter,
-                             version: str | None = None):
-        """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
-
-        Yields an :class:`~specdec.openai.Round` per round; the first, as soon as the
-        session is open, carries no tokens (a caller awaits it to answer a refused open with its
-        own status). The session is closed however the generator ends: by the replica
-        with its finishing reply (``close_on_finish``), else here.
-        """
-        # a drafter's trees are a client kind of their own for the replica's acceptance estimates
-        client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
-        opened = await self.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
-                                          "client": client, "close_on_finish": True})
-        sid, prefix_len = opened["session_id"], opened["prefix_len"]
-        params = None
-        if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)
-            from specdec.sampling import SamplingParams  # torch: only where a drafter runs anyway
-
-            params = SamplingParams.from_dict(sampling)  # validated by the open
-        history = list(prompt) + [opened["first_token"]]
-        rounds, drafted, finish = 0, 0, None
-        wants_logprobs = sampling.get("logprobs") is not None
-        try:
-            yield oai.Round([], None, {})
-            finish = opened.get("finish_reason") if opened["finished"] else None
-            cached = {"cached_tokens": opened.get("cached_tokens", 0)}  # prompt tokens the prefix cache held
-            first_lp = [TokenLogprob.from_dict(opened["first_logprob"])] if wants_logprobs else None
-            yield oai.Round([opened["first_token"]], finish, cached, first_lp)
-            while finish is None:
-                # a model drafter computes: keep it off the router's event loop
-                tree, proposals = (await asyncio.to_thread(drafter.draft_round, list(history),
-                                                           opened.get("budget_hint") or 8, params)
-                                   if drafter else (None, None))  # proposals: tree rejection sampling (T > 0)
-                tokens, parents = (list(tree.tokens), list(tree.parents)) if tree else ([], [])
-                frame = VerifyFrame(prefix_len, tokens, parents, proposals=proposals).encode()
-                reply = ReplyFrame.decode(await self.verify(tenant, sid, frame))
-                new = reply.tokens(tokens)
-                history.extend(new)
-                prefix_len = reply.prefix_len
-                rounds += 1
-                drafted += len(tokens)
-                finish = reply.finish_reason if reply.finished else None
-                yield oai.Round(new, finish, {**cached, "rounds": rounds, "draft_tokens": drafted,
-                                              "tokens_per_round": (len(history) - len(prompt) - 1) / max(rounds, 1)},
-                                reply.token_logprobs(tokens))
-        finally:
-            if finish is None or not opened.get("close_on_finish"):
-                await self._close_shielded(tenant, sid)
-
-    async def _close_shielded(self, tenant: TenantState, sid: str) -> None:
-        """Close a server session in a task of its own, awaited through ``asyncio.shield``: a
-        request cancelled meanwhile (the client went away) cannot interrupt it, so the session
-        frees its KV and the tenant's slot now rather than at the idle timeout. The task runs
-        outside the request's context: Serve cancels the verifier calls a cancelled request
-        made (its child requests), and would cancel the close with them."""
-        task = contextvars.Context().run(asyncio.get_running_loop().create_task, self._close_quietly(tenant, sid))
-        self._closing.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._closing.discard)
-        await asyncio.shield(task)
-
-    async def _close_quietly(self, tenant: TenantState, sid: str) -> None:
-        try:
-            await self.close(tenant, sid)
-        except SpecError as e:  # already gone (evicted, timed out) or the verifier is down
-            log.info("closing server session %s: %s", sid, e.message)

@@ -1,19 +1,18 @@
 """The router's one-time loads (tokenizer, server drafter) run off its event loop: while one is
 in progress the loop keeps serving (other coroutines run on time), and concurrent callers share
-the one load (deploy/router/ingress.py, ``Router._load_once``)."""
+the one load (deploy/router/loads.py, ``Loads.once``)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from types import SimpleNamespace
 
-from deploy.router.ingress import Router
+from deploy.config import AppConfig
+from deploy.router.loads import Loads
 
 
 def test_a_slow_load_does_not_stall_the_loop_and_runs_once():
-    RouterClass = Router.func_or_class
     calls = []
 
     def slow_load():  # e.g. the first import of transformers: seconds on a slow host
@@ -22,7 +21,7 @@ def test_a_slow_load_does_not_stall_the_loop_and_runs_once():
         return object()
 
     async def main():
-        me = SimpleNamespace(_loaded={}, _load_lock=asyncio.Lock())
+        loads = Loads(AppConfig())
         ticks = []
 
         async def ticker():  # what every other request on the loop needs: turns, on time
@@ -31,8 +30,7 @@ def test_a_slow_load_does_not_stall_the_loop_and_runs_once():
                 await asyncio.sleep(0.02)
                 ticks.append(time.monotonic())
 
-        a, b, _ = await asyncio.gather(RouterClass._load_once(me, "x", slow_load),
-                                       RouterClass._load_once(me, "x", slow_load), ticker())
+        a, b, _ = await asyncio.gather(loads.once("x", slow_load), loads.once("x", slow_load), ticker())
         return a, b, ticks
 
     a, b, ticks = asyncio.run(main())
@@ -45,11 +43,11 @@ HEAVY = ("torch", "transformers", "jinja2", "specdec.sampling", "deploy.router.s
 
 FRESH_ROUTER = """
 import asyncio, importlib.abc, json, sys, threading
-from types import SimpleNamespace
 
 from deploy.config import AppConfig
 from specdec import openai as oai
-from deploy.router.ingress import Router
+from deploy.router.ingress import Router  # noqa: F401  (what a split router replica imports at start)
+from deploy.router.loads import Loads
 
 HEAVY = %r
 imported_on = {}  # heavy module -> the thread that first imported it
@@ -62,13 +60,11 @@ class Spy(importlib.abc.MetaPathFinder):
 
 assert not [m for m in HEAVY if m in sys.modules], "the split router must not import these at start"
 sys.meta_path.insert(0, Spy())
-R = Router.func_or_class
 
 async def main():
-    me = SimpleNamespace(cfg=AppConfig(target={"model": "tiny-random"}), _loaded={}, _load_lock=asyncio.Lock())
-    me._load_once = lambda key, load: R._load_once(me, key, load)
-    await R.tokenizer(me)
-    await R._server_drafter(me)
+    loads = Loads(AppConfig(target={"model": "tiny-random"}))
+    await loads.tokenizer()
+    await loads.server_drafter()
     loop_thread = threading.current_thread().name
     before = dict(imported_on)
     # what an OpenAI request runs on the loop after those loads: nothing heavy left to import

@@ -1,0 +1,54 @@
+"""The router's one-time loads: the target's tokenizer and the server drafter.
+
+Each is loaded at the first request that needs it, once, in a worker thread (never on the event
+loop that serves every request), with the heavy imports (torch, transformers, jinja2) made in
+that thread too; concurrent callers wait for the one load. Why: docs/engine.md, "The router's
+one-time loads".
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from deploy.config import AppConfig
+
+
+class Loads:
+    """One-time loads for one router replica (``cfg``: its :class:`~deploy.config.AppConfig`)."""
+
+    def __init__(self, cfg: AppConfig):
+        self.cfg = cfg
+        self._loaded: dict[str, object] = {}
+        self._lock = asyncio.Lock()
+
+    async def once(self, key: str, load):
+        """``load()`` run once, in a worker thread; ``load`` does its own imports."""
+        if key not in self._loaded:
+            async with self._lock:
+                if key not in self._loaded:
+                    self._loaded[key] = await asyncio.to_thread(load)
+        return self._loaded[key]
+
+    async def tokenizer(self):
+        """The target's tokenizer (None for tiny test models), loaded with every module an OpenAI
+        request needs later: torch (``specdec.model.loading``, the sampling params' check) and jinja2
+        (chat templates)."""
+
+        def load():
+            import jinja2  # noqa: F401
+            import specdec.sampling  # noqa: F401
+            from specdec.model.loading import load_tokenizer
+
+            return load_tokenizer(self.cfg.target.model, self.cfg.target.tokenizer)
+
+        return await self.once("tokenizer", load)
+
+    async def server_drafter(self):
+        """The drafter of ``mode: sd`` requests (deploy/router/server_draft.py)."""
+
+        def load():
+            from deploy.router.server_draft import get_server_drafter  # imports in the worker thread too
+
+            return get_server_drafter(self.cfg)
+
+        return await self.once("drafter", load)

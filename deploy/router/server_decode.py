@@ -1,0 +1,135 @@
+"""Server-only decoding of OpenAI requests (/v1/completions, /v1/chat/completions) over the
+session protocol.
+
+In: a request validated by :mod:`specdec.openai` and the router's session protocol (``open``,
+``verify``, ``close``). The generation opens a server session, then runs verify rounds with an
+empty tree (``mode: ar``: one target step, batched with every other verify) or a server drafter's
+tree (``mode: sd``, :mod:`deploy.router.server_draft`) until the reply that finishes it. Out: an
+OpenAI response, whole or streamed (SSE). Guarantees: all that can be refused is refused before
+a response starts (the open included), so each error keeps its own status; the server session is
+closed however the generation ends, a client gone mid-stream included. How it fits: docs/router.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from specdec import openai as oai
+from specdec.errors import SpecError
+from specdec.protocol import ReplyFrame, TokenLogprob, VerifyFrame
+from deploy.router.tenants import TenantState
+
+log = logging.getLogger("ray.serve")
+
+
+class ClosingStream(StreamingResponse):
+    """A streaming response that closes its body generator however the response ends:
+    Starlette leaves it suspended when the client goes away mid-stream, and with it the
+    server session it holds (KV, a tenant slot) until the idle timeout."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class ServerDecode:
+    """OpenAI generations decoded on the server, through ``sessions`` (the Router: ``open(tenant,
+    body)``, ``verify(tenant, sid, frame)``, ``close(tenant, sid)``); ``drafter``: an async callable
+    that returns the server drafter (loaded once)."""
+
+    def __init__(self, sessions, drafter):
+        self.sessions = sessions
+        self.drafter = drafter
+        self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
+
+    async def respond(self, tenant: TenantState, req: oai.CompletionRequest, tok, info: dict,
+                      versions: list[str]):
+        """The response to ``req`` (its ``model`` already checked), for the verifier's ``info``;
+        ``versions``: the target versions a ``model`` may name."""
+        req = req.with_max_tokens(info["max_model_len"])
+        oai.check_sampling(req.sampling, info["vocab_size"])
+        drafter = await self.drafter() if req.mode == "sd" else None
+        version = req.model if req.model in versions else None
+        rounds = self.rounds(tenant, req.prompt, req.sampling, drafter, version)
+        await anext(rounds)  # opens the server session
+        deltas = oai.texts(rounds, tok, req.stop)
+        served = version or info["model"]
+        headers = None
+        if req.ignored:
+            log.warning(oai.ignored_warning(req.ignored))
+            headers = {oai.IGNORED_FIELDS_HEADER: ", ".join(req.ignored)}
+        if req.stream:
+            return ClosingStream(oai.sse(deltas, req, served, tok), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await oai.whole_response(deltas, req, served, tok), headers=headers)
+
+    async def rounds(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter,
+                     version: str | None = None):
+        """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
+
+        Yields an :class:`~specdec.openai.Round` per round; the first, as soon as the
+        session is open, carries no tokens (a caller awaits it to answer a refused open with its
+        own status). The session is closed however the generator ends: by the replica
+        with its finishing reply (``close_on_finish``), else here.
+        """
+        # a drafter's trees are a client kind of their own for the replica's acceptance estimates
+        client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
+        opened = await self.sessions.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
+                                                   "client": client, "close_on_finish": True})
+        sid, prefix_len = opened["session_id"], opened["prefix_len"]
+        params = None
+        if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)
+            from specdec.sampling import SamplingParams  # torch: only where a drafter runs anyway
+
+            params = SamplingParams.from_dict(sampling)  # validated by the open
+        history = list(prompt) + [opened["first_token"]]
+        rounds, drafted, finish = 0, 0, None
+        wants_logprobs = sampling.get("logprobs") is not None
+        try:
+            yield oai.Round([], None, {})
+            finish = opened.get("finish_reason") if opened["finished"] else None
+            cached = {"cached_tokens": opened.get("cached_tokens", 0)}  # prompt tokens the prefix cache held
+            first_lp = [TokenLogprob.from_dict(opened["first_logprob"])] if wants_logprobs else None
+            yield oai.Round([opened["first_token"]], finish, cached, first_lp)
+            while finish is None:
+                # a model drafter computes: keep it off the router's event loop
+                tree, proposals = (await asyncio.to_thread(drafter.draft_round, list(history),
+                                                           opened.get("budget_hint") or 8, params)
+                                   if drafter else (None, None))  # proposals: tree rejection sampling (T > 0)
+                tokens, parents = (list(tree.tokens), list(tree.parents)) if tree else ([], [])
+                frame = VerifyFrame(prefix_len, tokens, parents, proposals=proposals).encode()
+                reply = ReplyFrame.decode(await self.sessions.verify(tenant, sid, frame))
+                new = reply.tokens(tokens)
+                history.extend(new)
+                prefix_len = reply.prefix_len
+                rounds += 1
+                drafted += len(tokens)
+                finish = reply.finish_reason if reply.finished else None
+                yield oai.Round(new, finish, {**cached, "rounds": rounds, "draft_tokens": drafted,
+                                              "tokens_per_round": (len(history) - len(prompt) - 1) / max(rounds, 1)},
+                                reply.token_logprobs(tokens))
+        finally:
+            if finish is None or not opened.get("close_on_finish"):
+                await self._close_shielded(tenant, sid)
+
+    async def _close_shielded(self, tenant: TenantState, sid: str) -> None:
+        """Close a server session in a task of its own, awaited through ``asyncio.shield``: a
+        request cancelled meanwhile (the client went away) cannot interrupt it, so the session
+        frees its KV and the tenant's slot now rather than at the idle timeout. The task runs
+        outside the request's context: Serve cancels the verifier calls a cancelled request
+        made (its child requests), and would cancel the close with them."""
+        task = contextvars.Context().run(asyncio.get_running_loop().create_task, self._close_quietly(tenant, sid))
+        self._closing.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
+
+    async def _close_quietly(self, tenant: TenantState, sid: str) -> None:
+        try:
+            await self.sessions.close(tenant, sid)
+        except SpecError as e:  # already gone (evicted, timed out) or the verifier is down
+            log.info("closing server session %s: %s", sid, e.message)
