@@ -1,30 +1,24 @@
 """Prometheus metrics of the cloud side, in vLLM's three layers: stats -> aggregator -> exporter.
 
-- **Stats** are plain dataclasses of what one event observed: :class:`RoundStats` (one
-  verify round of one session), :class:`EdgeTelemetry` (what the edge reported in its
-  ``VerifyFrame``), :class:`VerifierState` (a snapshot of a replica), and the engine's own
-  ``ForwardStats`` (one target forward).
-- **Aggregators** (:class:`VerifierMetrics`, :class:`RouterMetrics`) turn stats into
-  metric updates with bounded labels: tenant (from config), mode (``tree`` | ``chain``),
-  forward kind, error code, shedding reason, accepted position (< :data:`MAX_POSITIONS`).
-  Never session ids.
-- **Exporters** apply the updates: :class:`RayServeExporter` (``ray.serve.metrics``, so the
-  metrics leave through Ray's metrics export port with a ``ray_`` prefix and Serve's
-  ``application``/``deployment``/``replica`` labels) and :class:`PrometheusClientExporter`
-  (``prometheus_client``; the edge agent and the unit tests), both declared in :mod:`specdec.metrics`.
+- **Stats**: plain dataclasses of what one event observed: :class:`RoundStats` (one verify round
+  of one session), :class:`EdgeTelemetry` (what the edge reported in its ``VerifyFrame``),
+  :class:`VerifierState` (a replica snapshot), the engine's ``ForwardStats`` (one forward).
+- **Aggregators** (:class:`VerifierMetrics`, :class:`RouterMetrics`) turn stats into metric
+  updates with bounded labels (tenant, mode, forward kind, error code, shedding reason, accepted
+  position < :data:`MAX_POSITIONS`), never session ids.
+- **Exporters**: :class:`RayServeExporter` (``ray.serve.metrics``: Ray's export port, ``ray_``
+  prefix, Serve's labels) and :class:`PrometheusClientExporter` (edge agent, unit tests), both
+  declared in :mod:`specdec.metrics`.
 
-Spec-decode counters follow vLLM's names (``num_drafts``, ``num_draft_tokens``,
-``num_accepted_tokens``, ``num_accepted_tokens_per_pos``): a *draft* is one verify round,
-*draft tokens* the tree nodes sent, *accepted tokens* the draft nodes on the accepted path
-(the bonus token not counted), so the mean acceptance length is
-``1 + num_accepted_tokens / num_drafts`` (SpecEdge Table 1 and Fig. 9 report it as generated
-tokens per verification). Trees make ``accepted / draft_tokens`` small by construction
-(one path out of a tree is accepted): compare acceptance *lengths*, not rates, across
-tree and chain modes.
+Spec-decode counters follow vLLM's names: a *draft* (``num_drafts``) is one verify round, *draft
+tokens* the tree nodes sent, *accepted tokens* the draft nodes on the accepted path (the bonus not
+counted), so the mean acceptance length is ``1 + num_accepted_tokens / num_drafts`` (SpecEdge
+Table 1, Fig. 9: tokens per verification). One path of a tree is accepted, so compare acceptance
+*lengths*, not rates, across tree and chain modes.
 
-Every metric is declared once in :data:`METRICS`; dashboards and alert rules are checked
-against this table (``tests/test_dashboards.py``) and against a real Prometheus
-(``tests/test_prometheus_integration.py``). No Ray import at module level.
+Every metric is declared once in :data:`METRICS`; dashboards and alert rules are checked against
+it (``tests/test_dashboards.py``, ``tests/test_prometheus_integration.py``). No Ray import at
+module level.
 """
 
 from __future__ import annotations

@@ -136,8 +136,7 @@ class Pacer:
 
     def observe_tree_batch(self, sessions: int, in_forward: int) -> None:
         """A forward of trees alone (no run-ahead step in it) carried ``in_forward`` of the
-        replica's ``sessions``: with trees each session is away for its reply, RTT and draft
-        every round, so forwards rarely carry them all, and a tree's forward serves fewer."""
+        replica's ``sessions``."""
         old = self._tree_batch.get(sessions)
         self._tree_batch[sessions] = in_forward if old is None else (1 - self.ema) * old + self.ema * in_forward
 
@@ -175,11 +174,8 @@ class Pacer:
 
     def _tree_sessions(self, sessions: int, n: int, away_s: float) -> float:
         """Sessions a forward of ``n``-node trees carries: measured (:meth:`observe_tree_batch`),
-        and at most what the sessions' time away allows. With trees each session is away for
-        its reply, RTT and draft every round; a forward waits only for sessions due within
-        ``fill`` x its time (:mod:`deploy.verifier.batch_fill`), so when they are away longer,
-        each is in about ``t / (t + away)`` of the forwards. Run-ahead keeps every session in
-        every forward."""
+        at most ``sessions * t / (t + away)`` when the sessions are away longer than ``fill`` x
+        the forward's time ``t`` (a forward does not wait for them: :mod:`deploy.verifier.batch_fill`)."""
         s = max(sessions, 1)
         s = min(s, max(self._tree_batch.get(s, s), 1.0))
         t = self.cost.predict(sessions * (n + 1))

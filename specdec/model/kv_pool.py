@@ -1,24 +1,17 @@
 """Paged KV pool, preallocated per replica (or per pipeline stage), written and read in place.
 
-The pool holds ``num_pages`` pages of :data:`PAGE_SIZE` token slots for every local layer
-(vLLM-style paging): K as ``[L, pages, Hkv, D, PS]`` (transposed inside a page, the layout
-the tree-attention kernel reads) and V as ``[L, pages, Hkv, PS, D]``. A session owns a list
-of pages (its block table); logical position ``p`` is slot ``p % PS`` of page
-``pages[p // PS]``.
+``num_pages`` pages of :data:`PAGE_SIZE` token slots per local layer (vLLM-style paging): K as
+``[L, pages, Hkv, D, PS]`` (transposed inside a page, as the tree-attention kernel reads it), V as
+``[L, pages, Hkv, PS, D]``. A session owns a block table; logical position ``p`` is slot
+``p % PS`` of page ``pages[p // PS]``.
 
-Lifecycle of a round (docs/protocol.md, step 4): :meth:`reserve` gives a session the pages for its
-new tokens (root + tree nodes, or a prompt chunk) at logical positions ``[length, length +
-n)``; the forward writes their K/V there in place (:meth:`write`); :meth:`commit` keeps the
-first ``keep_contiguous`` of them plus the listed tree positions, moved down behind them
-(at most ``depth`` entries move), and frees pages past the new length. Rollback is free:
-rejected entries are simply past the length. Memory accounting counts committed tokens
-(:attr:`tokens`) and pages held (:attr:`pages_in_use`).
-
-With ``prefix_caching`` the pool keeps a :class:`~specdec.model.prefix_cache.PrefixCache`:
-:meth:`share` starts a session on the cached pages of its prompt's longest cached prefix,
-:meth:`cache` offers a session's whole pages to later ones. A cached page is shared, never
-written: sessions write only past their committed length, and :meth:`truncate` copies a cached
-page before a session could write into it. Cached pages that no session holds count as free.
+A round (docs/protocol.md, step 4): :meth:`reserve` gives a session pages for its new tokens at
+``[length, length + n)``; the forward writes their K/V in place (:meth:`write`); :meth:`commit`
+keeps the first ``keep_contiguous`` plus the listed tree positions, moved down behind them (at most
+``depth`` entries move), and frees pages past the new length. Rollback is free: rejected entries
+are past the length. With ``prefix_caching`` (:class:`~specdec.model.prefix_cache.PrefixCache`)
+:meth:`share` starts a session on cached pages and :meth:`cache` offers its whole pages; a cached
+page is never written (:meth:`truncate` copies it first), and one no session holds counts as free.
 """
 
 from __future__ import annotations

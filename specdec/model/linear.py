@@ -38,9 +38,8 @@ class Linear:
     """y = x W^T + b with rows independent of the row count: x [M, K] -> [M, N].
 
     CPU bf16 with AVX512-BF16 or AVX2 + FMA: the native kernel (``csrc/linear.c``; W packed
-    once; every output one fixed dot-product chain, so any M, 1 included, gives the same rows;
-    with AVX512-BF16 ~2x oneDNN's weight-streaming rate at 1-4 rows, with AVX2 ~2.5-5x torch's
-    own bf16 linear). Other CPUs in bf16: W prepacked for oneDNN once where oneDNN runs bf16 (a
+    once; every output one fixed dot-product chain, so any M, 1 included, gives the same rows).
+    Other CPUs in bf16: W prepacked for oneDNN once where oneDNN runs bf16 (a
     single row is computed as two: the M = 1 kernel rounds differently), else ``F.linear``.
     CUDA: ``F.linear`` on a fixed number of rows at a time (:mod:`specdec.model.row_chunks`).
     Elsewhere: ``F.linear``.
