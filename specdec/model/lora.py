@@ -1,21 +1,16 @@
 """LoRA target versions in the verifier's forward: many adapters, one batch (FlexSpec §III-B/C).
 
-Cloud targets evolve by parameter-efficient fine-tuning while the edge's draft stays
-frozen (FlexSpec §III-B, the "update storm"). A version is a LoRA adapter on the base
-target in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``); sessions
-of different versions are verified in the same forward, multi-LoRA style: for every
-LoRA'd linear, ``y = x W^T + scale * (x A_i^T) B_i^T`` with ``i`` the row's adapter, rows
-of no adapter get the base alone.
+A version is a LoRA adapter on the base target in PEFT's format (``adapter_config.json`` +
+``adapter_model.safetensors``). Sessions of different versions share a forward, multi-LoRA style:
+every LoRA'd linear computes ``y = x W^T + scale * (x A_i^T) B_i^T`` with ``i`` the row's adapter;
+rows of no adapter get the base alone. Laid out on :mod:`specdec.model.decoder`'s fused matrices:
+q/k/v's A stacked (``[m r, D]``), their B block-diagonal in the fused output (``[(Hq + 2 Hkv) d,
+m r]``, zero rows for untouched modules), likewise gate/up; ``scale`` (``lora_alpha / r``, or
+``/ sqrt(r)`` with rsLoRA) folded into B.
 
-Layout follows :mod:`specdec.model.decoder`'s fused matrices: q/k/v's A matrices are
-stacked (``[m r, D]``) and their B matrices placed block-diagonally in the fused output
-(``[(Hq + 2 Hkv) d, m r]``, zero rows for modules the adapter does not touch), likewise
-gate/up; ``scale`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded into B.
-
-Batch invariance (bf16): a row's delta comes from the rows of its own adapter only, through
-:class:`specdec.model.linear.Linear` (which never multiplies a single bf16 row), and is
-added elementwise; so a row's output depends on neither the other rows nor their adapters
-(``tests/specdec/model/test_lora.py``). Pure torch, no Ray.
+Batch invariance (bf16): a row's delta comes from its own adapter's rows only, through
+:class:`specdec.model.linear.Linear`, and is added elementwise, so it depends on neither the other
+rows nor their adapters (``tests/specdec/model/test_lora.py``). Pure torch, no Ray.
 """
 
 from __future__ import annotations
