@@ -244,13 +244,13 @@ class EarlyExit:
 
     @classmethod
     def for_batch(cls, engine, requests, todo, sink) -> "EarlyExit | None":
-        """The hook for one :meth:`VerifierEngine.verify` batch: ``todo`` rows are (request index,
-        session, tree, kept node indices or None, ...); items follow ``todo``'s order. Trees walked
+        """The hook for one :meth:`VerifierEngine.verify` batch: ``todo`` holds its
+        :class:`~specdec.engine_types.TreeJob` s, in the order of the forward's items. Trees walked
         by another rule (tree rejection sampling: proposals) get no early result."""
         jobs = []
         for j, t in enumerate(todo):
-            i, s, tree, kept = t[0], t[1], t[2], t[3]
-            if not getattr(requests[i], "early", False) or (len(t) > 5 and t[5] is not None):
+            s, tree, kept = t.session, t.tree, t.kept
+            if not getattr(requests[t.index], "early", False) or t.proposals is not None:
                 continue
             jobs.append((j, WalkJob(s.sid, tree, s.params, s.generator, engine._remaining(s), s.stop_ids,
                                     len(s.prefix), tuple(kept) if kept is not None else None)))
