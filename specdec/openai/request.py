@@ -1,0 +1,301 @@
+"""OpenAI (chat) completion requests: parsed and type-checked, as vLLM serves the API.
+
+In: a /v1/completions or /v1/chat/completions body (a dict) and the target's tokenizer (None: token
+ids only). Out: a :class:`CompletionRequest` (prompt ids, the sampling dict), or
+:class:`~specdec.errors.InvalidRequest` (400, naming its ``param``). Ranges are the verifier's own
+check (:func:`check_sampling`); an unimplemented field is a 400 unless at its no-op value; unknown
+fields are ignored and named (:attr:`CompletionRequest.ignored`). What is accepted: docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from specdec.errors import InvalidRequest, InvalidSamplingParams, ModelNotFound
+
+MODES = ("ar", "sd")
+MAX_STOP = 4  # OpenAI: "up to 4 sequences"
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"  # the response names the request's unknown fields, ignored
+
+# this project's extras beyond OpenAI's fields (vLLM-style sampling, server decode mode)
+EXTRAS = {"mode", "top_k", "stop_token_ids", "ignore_eos", "max_completion_tokens", "repetition_penalty"}
+# accepted and ignored: they change nothing about the generated text
+IGNORED = {"user", "metadata", "parallel_tool_calls"}
+# chat_template_kwargs the server sets itself (the rest go to the template, e.g. Qwen3's enable_thinking)
+TEMPLATE_OWN = {"conversation", "tokenize", "return_dict", "return_tensors", "tools", "documents", "chat_template",
+                "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_default(*values):
+    """A check that a value is one of ``values``, type included (``0`` is not ``False``)."""
+    return lambda v: any(v is d or (v == d and type(v) is type(d)) for d in values)
+
+
+# not implemented: accepted only at their no-op value, a 400 otherwise
+NOOP = {
+    "logit_bias": _is_default(None, {}),
+    "tools": _is_default(None, []),
+    "functions": _is_default(None, []),
+    "tool_choice": _is_default(None, "none"),
+    "function_call": _is_default(None, "none"),
+    "response_format": _is_default(None, {"type": "text"}),
+    "store": _is_default(None, False),
+    "echo": _is_default(None, False),
+    "suffix": _is_default(None, ""),
+    "best_of": _is_default(None, 1),
+}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+          "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"} | EXTRAS | IGNORED
+FIELDS = {False: COMMON | {"prompt", "echo", "suffix", "best_of"},
+          True: COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                          "response_format", "store", "chat_template_kwargs"}}
+
+# chat roles -> the chat template's; 'developer' is OpenAI's newer name for system instructions
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MESSAGE_FIELDS = {"role", "content", "name"}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated OpenAI (chat) completion request, as the server decode needs it."""
+
+    prompt: list[int]
+    sampling: dict  # input of SamplingParams.from_dict
+    chat: bool = False
+    stream: bool = False
+    mode: str = "ar"
+    stop: tuple[str, ...] = ()  # OpenAI ``stop``: the text ends before the first of these
+    include_usage: bool = False  # ``stream_options.include_usage``: a last chunk with the usage
+    model: str | None = None  # None: the served model
+    ignored: tuple[str, ...] = ()  # unknown fields, accepted and ignored (vLLM's behaviour)
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token when the request wants log-probs, else None."""
+        return self.sampling.get("logprobs")
+
+    def with_max_tokens(self, max_model_len: int) -> "CompletionRequest":
+        """``max_tokens`` unset: the rest of the context (vLLM's default)."""
+        if self.sampling.get("max_tokens") is not None:
+            return self
+        return replace(self, sampling={**self.sampling, "max_tokens": max(1, max_model_len - len(self.prompt) - 1)})
+
+
+def parse_completion(body: dict, tokenizer, chat: bool) -> CompletionRequest:
+    """A /v1/completions (``chat=False``) or /v1/chat/completions body -> the request, or InvalidRequest."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    ignored = _check_fields(body, chat)
+    if chat:
+        ids = chat_prompt(body.get("messages"), tokenizer, chat_template_kwargs(body.get("chat_template_kwargs")))
+    else:
+        ids = completion_prompt(body.get("prompt"), tokenizer)
+    stream = optional(body, "stream", bool, False)
+    stop = _stop(body.get("stop"))
+    if stop and tokenizer is None:
+        raise InvalidRequest("'stop' strings need a tokenizer; this target has none: use 'stop_token_ids'",
+                             param="stop")
+    mode = body.get("mode") or "ar"
+    if mode not in MODES:
+        raise InvalidRequest(f"'mode' must be one of {MODES}", param="mode")
+    if optional(body, "n", int, 1) != 1:
+        raise InvalidRequest("only n=1 is supported", param="n")
+    return CompletionRequest(list(ids), _sampling(body, chat), chat, stream, mode, stop,
+                             _include_usage(body.get("stream_options"), stream), optional(body, "model", str, None),
+                             ignored)
+
+
+def _check_fields(body: dict, chat: bool) -> tuple[str, ...]:
+    """The unknown fields (ignored); a 400 for an unimplemented field at other than its no-op value."""
+    for key, is_noop in NOOP.items():
+        if key in body and key in FIELDS[chat] and not is_noop(body[key]):
+            raise InvalidRequest(f"'{key}' is not supported by this server (only its default value is accepted)",
+                                 param=key)
+    return tuple(sorted(set(body) - FIELDS[chat]))
+
+
+def chat_template_kwargs(v) -> dict:
+    """vLLM's ``chat_template_kwargs``: extra variables for the chat template (e.g. ``enable_thinking``)."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    own = sorted(set(v) & TEMPLATE_OWN)
+    if own:
+        raise InvalidRequest(f"'chat_template_kwargs' may not set {own}", param="chat_template_kwargs")
+    return v
+
+
+def optional(body: dict, key: str, kind: type, default):
+    """``body[key]`` of type ``kind`` (bool is not an int), ``default`` when absent or null."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise InvalidRequest(f"'{key}' must be {'an' if kind is int else 'a'} {kind.__name__}, got {v!r}", param=key)
+    return v
+
+
+def _finite(body: dict, key: str, default: float) -> float:
+    """``body[key]`` as a finite float (JSON numbers only; no NaN, no infinity)."""
+    v = body.get(key)
+    if v is None:
+        return default
+    try:
+        if _is_number(v) and math.isfinite(float(v)):
+            return float(v)
+    except OverflowError:
+        pass
+    raise InvalidRequest(f"'{key}' must be a finite number, got {v!r}", param=key)
+
+
+def token_ids(v, what: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise InvalidRequest(f"'{what}' must be a list of token ids", param=what)
+    return v
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token, or None. Chat: ``logprobs`` true and ``top_logprobs``; completions:
+    ``logprobs`` is the number of alternatives."""
+    if not chat:
+        return optional(body, "logprobs", int, None)
+    top = optional(body, "top_logprobs", int, None)
+    if not optional(body, "logprobs", bool, False):
+        if top is not None:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+def _sampling(body: dict, chat: bool) -> dict:
+    """The sampling dict (SamplingParams fields); ranges are checked by ``check_sampling``.
+    ``max_tokens`` None: unset (:meth:`CompletionRequest.with_max_tokens`)."""
+    max_tokens = optional(body, "max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = optional(body, "max_completion_tokens", int, None)
+    return {
+        "temperature": _finite(body, "temperature", 1.0),  # OpenAI's default
+        "top_p": _finite(body, "top_p", 1.0),
+        "top_k": optional(body, "top_k", int, 0),
+        "max_tokens": max_tokens,
+        "seed": optional(body, "seed", int, None),
+        "stop_token_ids": token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
+        "ignore_eos": optional(body, "ignore_eos", bool, False),
+        "presence_penalty": _finite(body, "presence_penalty", 0.0),
+        "frequency_penalty": _finite(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _finite(body, "repetition_penalty", 1.0),
+        "logprobs": _logprobs(body, chat),
+    }
+
+
+def check_sampling(sampling: dict, vocab_size: int) -> None:
+    """The verifier's own range check (InvalidSamplingParams, a 400), run before a response starts."""
+    from specdec.sampling import SamplingParams  # imports torch: only when a request needs it
+
+    try:
+        SamplingParams.from_dict({k: v for k, v in sampling.items() if v is not None or k != "max_tokens"}
+                                 ).validate(vocab_size)
+    except InvalidSamplingParams as e:  # its message starts with the field's name
+        name = e.message.split(" ", 1)[0]
+        if name in SamplingParams.__dataclass_fields__:
+            e.details.setdefault("param", name)
+        raise
+
+
+def _stop(v) -> tuple[str, ...]:
+    """OpenAI ``stop``: a string or a list of up to 4 (non-empty) strings."""
+    stops = [v] if isinstance(v, str) else [] if v is None else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequest("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(stops) > MAX_STOP:
+        raise InvalidRequest(f"'stop' takes at most {MAX_STOP} strings", param="stop")
+    return tuple(stops)
+
+
+def _include_usage(options, stream: bool) -> bool:
+    """OpenAI ``stream_options``: only with ``stream``; ``include_usage`` is its one option here."""
+    if options is None:
+        return False
+    if not stream:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise InvalidRequest("'stream_options' must be {\"include_usage\": true|false}", param="stream_options")
+    return optional(options, "include_usage", bool, False)
+
+
+def completion_prompt(prompt, tokenizer) -> list[int]:
+    """/v1/completions ``prompt``: a non-empty string (needs a tokenizer) or list of token ids."""
+    if isinstance(prompt, str) and prompt:
+        if tokenizer is None:
+            raise InvalidRequest("this deployment's target has no tokenizer: send 'prompt' as token ids",
+                                 param="prompt")
+        return tokenizer(prompt)["input_ids"]
+    if isinstance(prompt, list) and prompt:
+        return token_ids(prompt, "prompt")
+    raise InvalidRequest("'prompt' must be a non-empty string or a list of token ids", param="prompt")
+
+
+def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None) -> list[int]:
+    """/v1/chat/completions ``messages`` -> prompt ids through the tokenizer's chat template
+    (``template_kwargs``: extra template variables)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list of {role, content}", param="messages")
+    msgs = [chat_message(i, m) for i, m in enumerate(messages)]
+    if tokenizer is None:
+        raise InvalidRequest("this deployment's target has no tokenizer; use /v1/sessions with token ids")
+    from jinja2 import TemplateError  # chat templates are jinja; a template may raise on a conversation
+
+    try:
+        ids = tokenizer.apply_chat_template(msgs, **{"add_generation_prompt": True, **(template_kwargs or {}),
+                                                     "tokenize": True})
+    except (TemplateError, ValueError, TypeError) as e:
+        raise InvalidRequest(f"the chat template refused these messages: {e}", param="messages") from None
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
+
+
+def chat_message(i: int, m) -> dict:
+    """One OpenAI chat message -> ``{role, content: str}``; content may be a string or a list of
+    text parts (joined with newlines, as vLLM does), null only for the assistant."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise InvalidRequest(f"{where} must be an object with 'role' and 'content'", param=where)
+    role = m.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", param=where)
+    extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and v is not None)
+    if extra:
+        raise InvalidRequest(f"{where}: unsupported fields {extra} (no tools, audio or refusals)", param=where)
+    content = m.get("content")
+    if content is None and role == "assistant":  # OpenAI: optional for the assistant only
+        content = ""
+    elif isinstance(content, list) and content:
+        content = "\n".join(_text_part(f"{where}.content[{j}]", p) for j, p in enumerate(content))
+    elif not isinstance(content, str):
+        raise InvalidRequest(f"{where}.content must be a string or a non-empty list of text parts", param=where)
+    return {"role": ROLES[role], "content": content}
+
+
+def _text_part(where: str, part) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise InvalidRequest(f"{where}: only text content parts are supported, got {kind!r}", param=where)
+
+
+def check_model(requested: str | None, served: tuple[str, ...], versions: tuple[str, ...] | list[str] = ()) -> None:
+    """A request's ``model`` must name the served model (any of its names) or one of its target
+    versions; absent is fine. The 404 names what is served."""
+    if requested is not None and requested not in served and requested not in versions:
+        also = f" and its versions {', '.join(map(repr, versions))}" if versions else ""
+        raise ModelNotFound(f"model {requested!r} does not exist; this server serves {served[0]!r}{also}")
+
+
+def ignored_warning(fields: tuple[str, ...]) -> str:
+    """vLLM's log line for a request's ignored fields."""
+    return f"The following fields were present in the request but ignored: {set(fields)}"
