@@ -1,25 +1,20 @@
 """Tree attention over the paged KV pool (docs/protocol.md, "One generation, end to end", step 4;
 SpecInfer-style tree masks).
 
-A query row attends its session's *logical* KV sequence: the positions ``[0, row_len)``
-(prefix, root, or a prompt chunk up to itself), then, for every set bit ``j`` of
-``row_bits`` (one int64 per row: trees up to 64 nodes), the tree node at position
-``row_len + j``: its ancestors and itself. The plan is built once per forward and read by
-every layer.
+A query row attends its session's *logical* KV sequence: the positions ``[0, row_len)`` (prefix,
+root, or a prompt chunk up to itself), then, for every set bit ``j`` of ``row_bits`` (one int64
+per row: trees up to 64 nodes), the tree node at position ``row_len + j``: its ancestors and
+itself. The plan is built once per forward and read by every layer. Implementations:
 
-Two implementations of the same function:
+- the C kernel (:mod:`specdec.model.native`, CPU, bf16/fp32) and, on CUDA, the Triton kernel
+  (:mod:`specdec.model.cuda.kernels`): pages read in place, each row reduced over its logical
+  sequence in a fixed order, so a row's output is the same bits whatever batch, tree shape or
+  padding it comes with (batch invariance);
+- :func:`torch_attention`: gathers each row's keys and calls SDPA (any device and dtype; the
+  reference the kernels are tested against; not batch-invariant in bf16: masked keys inside
+  SDPA's blocks change its rounding).
 
-- the C kernel (:mod:`specdec.model.native`, CPU, bf16/fp32): reads pages in place and
-  reduces each row over its logical sequence in a fixed order, so a row's output is
-  bit-identical whatever batch, tree shape or padding it comes with (batch invariance);
-- on CUDA, a Triton kernel (:mod:`specdec.model.cuda.kernels`) that reads a session's keys once
-  for all its rows and query heads (tensor-core tiles), reducing each row's logical sequence in
-  blocks and chunks at fixed logical positions: equally batch-invariant;
-- :func:`torch_attention`: gathers each row's keys and calls SDPA (any device and dtype;
-  the reference the kernels are tested against; not batch-invariant in bf16).
-
-Per-session SDPA over the pool is not batch-invariant for tree rows (masked keys inside its
-blocks change its rounding); the kernels' measurements: docs/engine.md, "Tree attention".
+The kernels' measurements: docs/engine.md, "Tree attention".
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ without repeating K/V. A :class:`DecoderModel` may own a contiguous slice of lay
 stage): the first also embeds, the last also owns the final norm and LM head.
 
 Batch invariance (bf16): every op is row-wise, attention reduces each row over its own KV in a
-fixed order, and :class:`Linear` computes each output as one fixed chain whatever the row count
-(oneDNN, which rounds a single row differently, gets a single row computed as two); so a row's
-logits do not depend on the rest of its batch, its tree's shape, or padding
+fixed order, and :class:`Linear` gives a row the same result at any row count (the native kernel:
+one fixed chain per output; oneDNN, which rounds a single row differently: a single row computed
+as two); so a row's logits do not depend on the rest of its batch, its tree's shape, or padding
 (``tests/specdec/model/test_decoder.py``). On CUDA: :mod:`specdec.model.cuda`. Kernels and their
 speed: docs/engine.md, "The engine, piece by piece".
 """

@@ -11,7 +11,7 @@ pool), SwiGLU. Four implementations of the same functions, chosen once per model
 - :class:`NativeGlue` (CPU, bf16): one C call per function (``csrc/glue.c`` through
   :mod:`specdec.model.native`) instead of ~40 small torch ops per layer.
 
-Every implementation is row-wise with a fixed reduction order, so batch-invariant; the native
+The native and CUDA glue are row-wise with a fixed reduction order, so batch-invariant; the native
 glue agrees with the torch glue up to bf16 rounding of float32 sums
 (``tests/specdec/model/test_glue.py``).
 """
