@@ -1,38 +1,20 @@
 """Router-side admission control: shed with 429 *before* a request queues.
 
-A closed population of edge agents (each with one request outstanding) makes every queue
-in front of a saturated verifier grow to the population size, and then every answer, a 429
-included, takes population / throughput seconds. So the router bounds what it sends:
+:class:`AdmissionControl` bounds the requests one router has in flight to the verifiers:
 
-1. **A cap in batches.** At most ``limit`` requests are in flight to the verifiers, where
-   ``limit`` is one running batch plus ``max_queued_batches`` waiting ones per verifier
-   replica (``max_batch_sessions`` each), so a verify waits at most that many batch times
-   whatever the model's speed; ``max_pending_verifies`` is a ceiling in requests. A request
-   over the cap is answered 429 at once, without queueing.
-2. **Weighted fairness at the cap.** The verifier's weighted-fair scheduler only sees what
-   the router lets through, so at the cap a tenant still gets in while it has fewer than
-   its weight's share of ``limit`` in flight (shares over the tenants with requests in
-   flight); the total stays below ``2 * limit``.
-3. **Running sessions first.** A new session (its prefill) is admitted only while fewer
-   than ``limit / 2`` requests are in flight, or while its tenant has fewer than its weight's
-   share of ``limit / 2`` in flight (as in point 2: a tenant under its share is not kept from
-   opening the sessions it needs to use that share).
-4. **A latency objective.** With ``objective_s`` set, the cap follows what admitted rounds
-   actually see (a concurrency limit fitted by feedback, as TCP's AIMD or Netflix's
-   concurrency-limits): every window of ``window_s``, the p99 latency of the admitted verifies
-   of the last ``horizon`` windows (enough completions needed) is compared with the objective;
-   above it the cap shrinks in proportion (by at most a fifth per window, so one latency
-   spike of a shared machine does not halve it), well below it (and with the cap in use) it
-   grows by a tenth, never above the static cap of point 1 nor below ``min_limit``. By Little's law a round
-   waits about ``inflight / throughput``, so the cap settles where the p99 meets the objective
-   whatever the model's speed, the batch shape or the request path's own queues.
-5. **Adaptive Retry-After.** While more than a quarter of a window's requests are shed it
-   grows x1.5 (up to ``max_retry_after_s``), and it decays back to ``retry_after_s`` once
-   shedding stops, so compliant clients (the edge agent, the load-test user) come back
-   spread over a period that matches the excess instead of re-queueing every second.
+1. a cap of ``limit`` requests (:func:`inflight_limit`: one running plus ``max_queued_batches``
+   waiting batches per verifier replica, at most ``max_pending_verifies``); over it, 429 at once;
+2. weighted fairness at the cap: a tenant under its weight's share of ``limit`` still gets in
+   (the total stays below ``2 * limit``);
+3. running sessions first: an open is admitted while fewer than ``limit / 2`` are in flight, or
+   while its tenant is under its share of that half;
+4. with ``objective_s``, a cap fitted by feedback (AIMD on the admitted verifies' p99 latency per
+   window), between ``min_limit`` and the static cap;
+5. an adaptive Retry-After: x1.5 while over a quarter of a window is shed (up to
+   ``max_retry_after_s``), back to ``retry_after_s`` once shedding stops.
 
-Pure module (no Ray, no FastAPI): the Serve router calls :meth:`check`, :meth:`started`
-and :meth:`finished` around each verifier call.
+Why each rule: docs/router.md, "Admission control". Pure module (no Ray, no FastAPI): the Serve
+router calls :meth:`check`, :meth:`started` and :meth:`finished` around each verifier call.
 """
 
 from __future__ import annotations

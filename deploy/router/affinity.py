@@ -1,29 +1,19 @@
 """Session affinity: every request of a session reaches the replica holding its KV.
 
-A Ray Serve custom request router (``RequestRouter``). Session ids are
-``<replica unique id>.<random>``, minted by the verifier replica that prefilled them;
-a call that carries ``session_id=...`` goes to that replica. If the replica is gone
-(restart, scale-down) the call goes to any replica, which answers
-``404 session_not_found`` and the edge re-opens from its token history. Calls without
-a session id (opening a session) go to the replica with the fewest sessions / KV
-tokens (from ``record_routing_stats``), ties broken at random.
+:class:`SessionAffinityRouter`, a Ray Serve custom request router (``RequestRouter``):
 
-An open of a target version (a LoRA adapter, ``model``) prefers the replicas that hold
-it loaded, as Ray Serve's model multiplexing does, but only those whose load is within
-``version_margin`` sessions (``verifier.version_affinity_margin``) of the least-loaded
-replica's: with ``max_ongoing_requests`` in the thousands a holder is never "full", and
-every session of a popular version would pile onto the replica that loaded it first.
-Past the margin the open goes to the least loaded, which loads the version (milliseconds
-for a LoRA) and becomes a holder too.
+- a call with ``session_id=<replica unique id>.<random>`` goes to the replica that minted it; if
+  that replica is gone, to any replica, which answers ``404 session_not_found`` (the edge re-opens);
+- an open (no session id) goes to the replica with the fewest sessions / KV tokens (from
+  ``record_routing_stats``), ties broken at random;
+- an open of a target version prefers the replicas holding it loaded, within ``version_margin``
+  sessions (``verifier.version_affinity_margin``) of the least-loaded replica;
+- an open whose prompt begins like one of the last :data:`MAX_PREFIXES` routed opens (same tenant
+  and version, the same first 1, 2, 4, ... whole KV pages) prefers that open's replica (its prefix
+  cache), longest prefix first, within ``prefix_margin`` sessions
+  (``verifier.prefix_affinity_margin``) of the least-loaded replica.
 
-An open whose prompt begins like an earlier open's (same tenant and version, the same first
-1, 2, 4, ... whole KV pages) prefers the replica that earlier open went to, where those pages
-may still be in the prefix cache (:mod:`specdec.model.prefix_cache`): a conversation's next
-turn, a re-open of an evicted session, a shared system prompt. The longest remembered prefix
-wins, again only within ``prefix_margin`` sessions (``verifier.prefix_affinity_margin``) of the
-least-loaded replica: a system prompt every chat shares would otherwise send them all to one.
-This router remembers the last :data:`MAX_PREFIXES` prefixes it routed (``on_request_routed``);
-each router process its own, as Ray Serve LLM's prefix-aware router does.
+Why the margins: docs/router.md, "Session affinity".
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Router / ingress deployment (FastAPI): auth, tenants, admission, sticky routing.
+"""Router / ingress deployment (FastAPI): auth, tenants, admission, sticky routing, the session protocol.
 
-Endpoints are documented in :mod:`specdec.protocol`; OpenAI-compatible server-only
-modes in :mod:`specdec.openai`. Every input is validated here or by the
-verifier before it can touch a session; errors are JSON ``{"error": {code, message}}``
-with a 4xx status (429 carries ``Retry-After``). Verifier calls carry
-``session_id=`` so :class:`deploy.router.affinity.SessionAffinityRouter` pins them to
-the replica that holds the session's KV. Opens and verifies that admission control refuses
-are answered before FastAPI routes them (:mod:`deploy.router.fast_shed`); the router's loop
-lag and each shed answer's time are sampled (:mod:`deploy.router.probe`).
+Endpoints are documented in :mod:`specdec.protocol` (docs/protocol.md); the OpenAI-compatible
+routes decode on the server through :mod:`deploy.router.server_decode`. Every input is validated
+here or by the verifier before it can touch a session; errors are JSON ``{"error": {code,
+message}}`` with a 4xx status (429 carries ``Retry-After``). Verifier calls carry ``session_id=``
+so :class:`deploy.router.affinity.SessionAffinityRouter` pins them to the replica that holds the
+session's KV. Opens and verifies that admission control refuses are answered before FastAPI routes
+them (:mod:`deploy.router.fast_shed`); the router's loop lag and each shed answer's time are
+sampled (:mod:`deploy.router.probe`). The router's modules: docs/router.md.
 """
 
 

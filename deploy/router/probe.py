@@ -1,23 +1,12 @@
 """Where a 429's time goes on the server: the router's event-loop lag and the shed answers' own time.
 
-A shed request is decided without any verifier call, so what a client waits for it beyond the
-network is (a) the router's event loop reaching the request (its lag: every other request's
-work on the same loop, and the process waiting for a core) and (b) the answer itself (from
-the request reaching the router's ASGI app to the response sent). :class:`LoadProbe` measures
-both: ``run()`` sleeps ``interval_s`` over and over on the loop and records how late it wakes
-(the lag an arriving request meets), and the router records each shed answer's time. It also
-times the interpreter's garbage collections (``gc.callbacks``): a full collection over a
-thousand sessions' objects stops the loop as a whole, which the lag alone cannot tell apart from
-queued work. Each collection is recorded with its wall time, its thread's CPU time (wall well
-above CPU: the process waited for a core mid-collection), its generation (2: a full one) and the
-cyclic garbage it freed, so a long pause reads as a full walk, a preempted short one, or a pass
-freeing a reference cycle some request path leaves behind. The load
-test drains the samples once a second (``Router.probe_samples``) for its report; Prometheus
-gets the same as histograms. With ``stall_log_s`` a watchdog thread logs the loop thread's
-stack, once per stall, when the sampler has not run for that long: the lag says *that* the loop
-stopped, the stack says *what* stopped it (a 5.5 s first import of torch on the split router's
-loop answered 408 to opens whose bodies had arrived; found this way). Pure module (no Ray, no
-FastAPI).
+:class:`LoadProbe` samples, on the router's loop: how late a periodic ``interval_s`` sleep wakes
+(the lag an arriving request meets), each shed answer's time (recorded by the router), and each
+garbage collection (``gc.callbacks``: wall time, the thread's CPU time, generation, cyclic
+garbage freed). The load test drains the samples once a second (``Router.probe_samples``);
+Prometheus gets the same as histograms. With ``stall_log_s`` a watchdog thread logs the loop
+thread's stack, once per stall, when the sampler has not run for that long. Why each sample:
+docs/router.md, "Where a 429's time goes". Pure module (no Ray, no FastAPI).
 """
 
 from __future__ import annotations

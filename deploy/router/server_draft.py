@@ -1,30 +1,19 @@
-"""Server-side drafters for clients without a draft model (server-only speculative decoding).
+"""Server-side drafters for clients without a draft model (``mode: sd``, server-only speculative decoding).
 
-Two drafters, chosen by ``AppConfig.server_draft`` (:func:`get_server_drafter`):
+:func:`get_server_drafter` builds, once per config, the drafter ``AppConfig.server_draft`` names:
 
-- :class:`PromptLookupDrafter` (``server_draft.model`` unset, or ``model: prompt-lookup``):
-  training-free n-gram drafting, as in vLLM's ``ngram`` speculator: find the most recent
-  earlier occurrence of the history's last ``n`` tokens and propose what followed it as
-  a chain. Costs no model forward, so the server's verify batches carry the only compute.
-- :class:`ModelServerDrafter` (``server_draft.model`` names a model: ``embedded-draft``,
-  a draft artifact ``*.safetensors``, ``tiny-random``, an HF dir): the edge agent's own
-  tree drafter (:class:`edge_agent.drafting.DraftSession` over
-  :class:`edge_agent.drafter.ModelDrafter`, SpecExec/Sequoia-style trees, SpecEdge §4.2
-  "initial drafting") run *on the server*: ``server_draft.depth`` draft forwards per
-  round, stop-and-wait (no proactive drafting: the server has nothing to overlap with).
-  This is SpecEdge §5's server-only baseline ("tree-based speculative decoding entirely
-  on the server"): the draft model's forwards are server compute. At temperature > 0 it uses
-  the edge agent's tree-rejection rule when ``server_draft.sampled_rule`` says so (the
-  default): trees drawn from the draft (:class:`edge_agent.sampled_tree.SampledTreeSession`),
-  verified by multi-draft rejection sampling, so the baseline gets the same rule as the edge.
+- :class:`PromptLookupDrafter` (``server_draft.model`` unset or ``prompt-lookup``): n-gram
+  prompt lookup, as vLLM's ``ngram`` speculator; a chain, no model forward.
+- :class:`ModelServerDrafter` (a draft model): the edge agent's tree drafter run on the server
+  (SpecEdge §5's server-only baseline; trees as SpecEdge §4.2), ``server_draft.depth`` draft
+  forwards per round; at temperature > 0 with ``sampled_rule: tree-rejection``, sampled trees and
+  their proposals for multi-draft rejection sampling.
 
-:meth:`draft_round` is what the router calls: (tree, proposals or None).
-
-Cost accounting of the model drafter: every draft forward runs in one dedicated worker
-thread (OS thread name ``srv-draft``, set with ``prctl``) and :meth:`ModelServerDrafter.stats`
-sums its wall-clock seconds. The benchmarks add the thread's CPU time (read from
-``/proc/<router pid>/task/<tid>/stat``) to the verifier's busy time, so the server-only
-SD baseline pays for its drafting. Pure module apart from that thread.
+:meth:`draft_round` is what the router calls: history (token ids), budget (nodes), sampling params
+-> (a :class:`~specdec.tree.DraftTree`, proposals or None). The model drafter's forwards run in one
+thread named ``srv-draft`` whose wall-clock seconds :meth:`ModelServerDrafter.stats` sums, so the
+benchmarks can charge its CPU time to the server. The one import from ``deploy`` into ``edge_agent``.
+Why: docs/router.md, "Server-only decoding".
 """
 
 from __future__ import annotations
