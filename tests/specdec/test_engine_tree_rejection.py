@@ -23,8 +23,8 @@ from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
 from tests.specdec.test_acceptance import iid_sibling_step, residual_is_p_step
-from tests.specdec.test_engine import (EOS, STAT_PROMPT, STAT_ROOT, V_BIG, big_rows, case_id, counts_of, generated,
-                                        random_prompt)
+from tests.specdec.test_chain_verify import V_BIG, big_rows, case_id
+from tests.specdec.test_engine import EOS, STAT_PROMPT, STAT_ROOT, counts_of, generated, random_prompt
 from tests.specdec.test_sampling import chi_square_pvalue
 
 SESSIONS = 2500

@@ -15,9 +15,9 @@ from specdec.penalties import Penalties
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
+from tests.specdec.test_chain_verify import sample_two_tokens_via_chain
 from tests.specdec.test_engine import (EOS, STAT_PROMPT, STAT_ROOT, STAT_SESSIONS, V_STAT, counts_of, drive,
-                                        generated, model_small, random_prompt, sample_two_tokens_via_chain,
-                                        stat_tree)  # noqa: F401
+                                        generated, model_small, random_prompt, stat_tree)  # noqa: F401
 from tests.specdec.test_sampling import chi_square_pvalue
 
 PENALISED = [SamplingParams(presence_penalty=1.5), SamplingParams(frequency_penalty=0.7),
