@@ -10,8 +10,7 @@ vocabulary subset of ``K`` ids:
 ``U`` starts at zero, so an untrained head is the "logit lens" of that layer. Only the
 adapter trains (the paper backpropagates each exit's loss into its adapter alone), on the
 target's own final-layer distributions: ``benchmarks/train_exit_heads.py``. The subset head
-keeps the exit cheap: the LM head over all 49,152 ids costs ~8 layers per row of the
-embedded target, over K = 4096 ids under one layer.
+keeps the exit cheap (its cost: ``benchmarks/results/README.md``).
 
 :class:`EarlyExit` runs inside the verify forward (a per-layer hook of
 :class:`specdec.model.decoder.DecoderModel`): after an exit layer it takes the rows of the

@@ -1,25 +1,19 @@
 """Server-side tree truncation at batch time: how many nodes of each tree one forward verifies.
 
-Edges send their trees in priority order (best-first by cumulative draft log-probability,
-so every prefix of the node list is itself a tree: :meth:`edge_agent.tree_builder.TreeBuilder.to_tree`).
-When a batch is formed, the verifier knows what the edges could not: which sessions share
-this forward and what the forward costs at each size. It keeps, per session, the prefix of
-its tree that maximises expected verified tokens per second of *this* forward:
+Edges send their trees in priority order, so every prefix of the node list is a tree
+(:meth:`edge_agent.tree_builder.TreeBuilder.to_tree`), with one confidence byte per node.
+:func:`choose_prefixes` keeps, per session, the prefix that maximises expected verified tokens
+per second of *this* forward:
 
     maximise  (S + sum of kept gains) / t(R0 + S + kept nodes)
 
-over kept prefixes, where ``S`` sessions each emit one token for sure (the bonus), a kept
-node's gain is its probability of being accepted (its draft path probability, calibrated
-by the replica's observed acceptance; :class:`GainCalibration`), ``t`` is the replica's
-measured forward time per row count (:class:`deploy.verifier.pacing.PiecewiseCost`) and
-``R0`` rows are already in the batch (prefill chunks). Gains along a tree's priority order
-never increase (a child's path probability is at most its parent's), so taking nodes
-globally by gain keeps every session's kept set a prefix, and the optimum over "the best K
-nodes" for K = 0..N is the optimum over prefixes. Load changes take effect in the next
-batch, not a round trip later (SpecEdge §4.3's pacing acts a round later; this is ours).
-
-Lossless: a prefix of a parents-first tree is a tree, verified exactly like any other.
-Pure module.
+``S`` sessions each emit one token for sure (the bonus); a node's gain is its draft path
+probability calibrated by the observed acceptance (:func:`node_gains`, :class:`GainCalibration`);
+``t`` is the replica's forward time per row count (:class:`deploy.verifier.pacing.PiecewiseCost`);
+``R0`` rows are already in the batch (prefill chunks). Gains never increase along the order, so
+the best K nodes are prefixes. Load acts in the next batch (SpecEdge §4.3's pacing acts a round
+later; ``docs/engine.md``). Lossless: a prefix of a parents-first tree is a tree, verified like
+any other. Pure module.
 """
 
 from __future__ import annotations
