@@ -144,6 +144,7 @@ class VerifierEngine(Prefilling, ChainVerifier):
             raise KVStateLost(f"the KV commit of a batch failed ({type(e).__name__}); its sessions were "
                               "dropped: re-open from history", sessions=keep) from e
 
+    # -- close --------------------------------------------------------------------
     def close(self, sid: str, cache: bool = True) -> None:
         """End a session; its committed KV is offered to later prompts unless ``cache`` is False
         (KV that may be out of step)."""
@@ -208,6 +209,7 @@ class VerifierEngine(Prefilling, ChainVerifier):
             self._version_epoch[name] = self._version_epoch.get(name, 0) + 1
         return gone
 
+    # -- verify -------------------------------------------------------------------
     def _live(self, sid: str, prefix_len: int) -> Session:
         s = self.get(sid)
         if s.finished:

@@ -34,7 +34,6 @@ class PrefillState:
     cached: int = 0  # feed tokens found there
 
 
-
 class Prefilling:
     """The prefill half of :class:`~specdec.engine.VerifierEngine` (a mixin: its state --
     ``prefilling``, ``opened``, ``prefix_tokens`` -- and helpers -- ``_forward``, ``_commit``,
