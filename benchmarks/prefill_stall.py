@@ -50,7 +50,7 @@ def run(cfg: AppConfig, prompt_tokens: int = 4096, sessions: int = 8, warmup_s: 
 
         loops = [asyncio.create_task(verify_loop(p["session_id"], p["prefix_len"])) for _, p in opened]
         await asyncio.sleep(warmup_s)
-        warm = list(core.round_latencies)  # (the bounded record would drop them during the prefill)
+        warm = list(core.counters.round_latencies)  # (the bounded record would drop them during the prefill)
         t_open = time.monotonic()
         status, payload = await core.open_session(
             "dev", {"prompt_ids": [rng.randrange(3, vocab) for _ in range(prompt_tokens)], "sampling": sampling})
@@ -62,15 +62,15 @@ def run(cfg: AppConfig, prompt_tokens: int = 4096, sessions: int = 8, warmup_s: 
 
     status, payload, warm, t_open, t_done = asyncio.run(main())
     before = [s for t, s in warm if t_open - 0.8 * warmup_s < t < t_open - 0.3 * warmup_s]  # warmed up
-    during = [s for t, s in core.round_latencies if t_open <= t and t + s <= t_done]
-    rode = [f.prefill_tokens for f in core.forwards if f.kind == "verify" and f.prefill_tokens]
+    during = [s for t, s in core.counters.round_latencies if t_open <= t and t + s <= t_done]
+    rode = [f.prefill_tokens for f in core.counters.forwards if f.kind == "verify" and f.prefill_tokens]
     b, d = (statistics.median(x) if x else None for x in (before, during))
     return {"status": status, "prefix_len": payload.get("prefix_len"), "prompt_tokens": prompt_tokens,
             "sessions": sessions, "verify_ms_before": b and b * 1e3, "verify_ms_during": d and d * 1e3,
             "ratio": d / b if b and d else None, "rounds_before": len(before), "rounds_during": len(during),
             "chunks": len(rode), "chunk_tokens_max": max(rode, default=0),
             "chunk_tokens_median": statistics.median(rode) if rode else 0,
-            "max_forward_tokens": max(f.tokens for f in core.forwards), "ttft_s": t_done - t_open}
+            "max_forward_tokens": max(f.tokens for f in core.counters.forwards), "ttft_s": t_done - t_open}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -103,7 +103,7 @@ class Router:
         self._local = None  # the verifier replica object, when it lives in this replica
         if verifier is None:
             from deploy.router.in_process import InProcessVerifier
-            from deploy.verifier.deployment import VerifierReplica
+            from deploy.verifier.serve_replica import VerifierReplica
 
             self._local = VerifierReplica(config)
             verifier = InProcessVerifier(self._local)

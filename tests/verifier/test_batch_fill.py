@@ -115,7 +115,7 @@ def _sessions_per_forward(fill: float) -> tuple[float, list[list[int]], list[lis
                                                        in enumerate(zip(prompts, refs)))), 120)
 
     outs = asyncio.run(main())
-    forwards, sessions, _ = core.verify_totals
+    forwards, sessions = core.counters.verify_forwards, core.counters.verify_sessions
     return sessions / forwards, outs, refs
 
 

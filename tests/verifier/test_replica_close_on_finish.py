@@ -16,7 +16,7 @@ from tests.verifier.test_replica_run_ahead import decode_rest, greedy_reference,
 async def gone(core, sid: str) -> None:
     """The session is released everywhere in the replica; its requests answer 410, a close 200."""
     await asyncio.sleep(0.05)  # the engine's close runs on the worker thread, after the reply
-    assert sid not in core.engine.sessions and sid not in core.owner and sid not in core.client
+    assert sid not in core.engine.sessions and sid not in core.owner and sid not in core.sessions.client
     status, err = await core.verify(sid, "dev", VerifyFrame(0, [], []).encode())
     assert status == 410 and "finished and was closed" in err["error"]["message"], err
     assert core.stats()["evictions"] == 0  # closed as it finished: not an eviction

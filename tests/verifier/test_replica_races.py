@@ -147,7 +147,7 @@ def test_closes_racing_verify_forwards_leave_no_kv():
             await asyncio.wait_for(asyncio.gather(*(race(10 * wave + i) for i in range(10))), 60)
 
     asyncio.run(main())
-    assert not core.engine.sessions and not core.owner and not core.client
+    assert not core.engine.sessions and not core.owner and not core.sessions.client
     assert core.engine.kv_tokens() == 0 and core.engine.kv_used_tokens() == 0
 
 
@@ -170,4 +170,4 @@ def test_one_tenants_flood_evicts_its_own_sessions_not_the_others(quota):
     assert all(core.owner.get(d["session_id"]) == "beta" for d in beta)  # none of beta's was evicted
     alpha_kv = sum(16 for sid, t in core.owner.items() if t == "alpha")
     assert core.engine.kv_used_tokens() <= 256 and alpha_kv <= (quota or 256)
-    assert len(core.evicted) >= (14 - 64 // 16 if quota else 1)
+    assert len(core.sessions.evicted) >= (14 - 64 // 16 if quota else 1)

@@ -116,9 +116,9 @@ async def run_started(core, p: list[int], sampling: dict) -> tuple[dict, asyncio
     """A new session and its first F_AHEAD request in flight, returned once its first forward has run."""
     d = await open_session(core, p, sampling)
     sid, n = d["session_id"], d["prefix_len"]
-    before = core.tokens_emitted
+    before = core.counters.tokens_emitted
     task = asyncio.create_task(core.verify(sid, "dev", VerifyFrame(n, [], [], ahead=True).encode()))
-    while core.tokens_emitted == before:
+    while core.counters.tokens_emitted == before:
         await asyncio.sleep(0.0005)
     return d, task
 

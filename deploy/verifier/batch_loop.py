@@ -1,0 +1,157 @@
+"""The replica's continuous batching loop: when a forward runs, and what goes into it (SpecEdge §4.3).
+
+Requests of many sessions queue while their edges draft. The loop waits for work, lets a few
+more rounds join (``verifier.batch_wait_ms``, only when another session could; then batch filling,
+:mod:`deploy.verifier.batch_fill`), hands queued opens to the engine, takes a batch (weighted-fair
+across tenants, :mod:`deploy.verifier.scheduler`) and runs it with a prefill chunk riding along.
+With no verify round queued, a prompt waiting is prefilled in a paced chunk while some session is
+decoding (its round may come back at any time), else at once. What a forward does and how its
+requests are answered is its host's (:class:`deploy.verifier.deployment.VerifierCore`); one bad
+batch never stops the loop. Pure asyncio: no Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+from deploy.config import VerifierConfig
+from deploy.verifier.batch_fill import ArrivalModel, fill_wait
+from deploy.verifier.counters import ReplicaCounters
+from deploy.verifier.pacing import PiecewiseCost
+from deploy.verifier.prefill_budget import PrefillBudget
+from deploy.verifier.scheduler import FairScheduler, Pending
+
+log = logging.getLogger("ray.serve")
+
+IDLE_WAKE_S = 5.0  # an idle loop wakes this often (idle sweeps)
+
+
+class Forwards(Protocol):
+    """What the loop runs: the replica's forwards and the answers to their requests."""
+
+    def opens_waiting(self) -> tuple[int, int]: ...  # (opens queued, opens being prefilled)
+    def take_opens(self) -> list: ...
+    async def begin_opens(self, loop, opens: list) -> None: ...
+    async def run_verifies(self, loop, batch: list[Pending]) -> None: ...
+    async def run_prefill(self, loop, budget: int) -> None: ...
+    async def sweep_idle(self) -> int: ...
+    def refresh(self) -> None: ...
+
+
+class BatchLoop:
+    """The scheduler of verify rounds and the task that runs the replica's forwards."""
+
+    def __init__(self, cfg: VerifierConfig, sched: FairScheduler, engine, cost: PiecewiseCost,
+                 prefill: PrefillBudget, arrivals: ArrivalModel, counters: ReplicaCounters, host: Forwards):
+        self.cfg, self.sched, self.engine, self.cost = cfg, sched, engine, cost
+        self.prefill, self.arrivals, self.counters, self.host = prefill, arrivals, counters, host
+        self.wake: asyncio.Event | None = None
+        self.task: asyncio.Task | None = None
+        self.last_verify = 0.0  # when the last verify batch ran (monotonic)
+
+    def ensure(self) -> None:
+        """Start the loop in the running event loop, unless it runs."""
+        if self.task is None or self.task.done():
+            self.wake = asyncio.Event()
+            self.task = asyncio.get_running_loop().create_task(self.run())
+
+    def kick(self) -> None:
+        if self.wake is not None:
+            self.wake.set()
+
+    def enqueue(self, p: Pending) -> None:
+        """Queue a round and wake the loop; every round queued wakes it, from a request's handler
+        or from the loop itself (a run-ahead step queued by a reply), or it would wait for the
+        idle timeout."""
+        self.sched.add(p)
+        self.kick()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        vc, host = self.cfg, self.host
+        last_sweep = time.monotonic()
+        while True:
+            if not len(self.sched) and not any(host.opens_waiting()):
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=IDLE_WAKE_S)
+                except asyncio.TimeoutError:
+                    pass
+            if vc.batch_wait_ms > 0 and self.others_may_join():
+                await asyncio.sleep(vc.batch_wait_ms / 1000.0)  # let a few more requests join this forward
+            await self.fill_batch()
+            if time.monotonic() - last_sweep > min(IDLE_WAKE_S, vc.idle_timeout_s / 2):
+                await host.sweep_idle()
+                last_sweep = time.monotonic()
+            host.refresh()
+            try:
+                queued, prefilling = host.opens_waiting()
+                if queued:
+                    await host.begin_opens(loop, host.take_opens())
+                batch = self.sched.take(vc.max_batch_sessions, vc.max_batch_tokens)
+                if batch:  # a prefill chunk rides along
+                    await host.run_verifies(loop, batch)
+                    self.last_verify = time.monotonic()
+                elif host.opens_waiting()[1]:
+                    busy = self.decoding_recently()
+                    if busy and await self.request_arrives(max(0.002, 2 * self.prefill.verify_s)):
+                        continue  # a verify round came back: the next chunk rides along with it
+                    # the edges are drafting (or gone): prefill in the gap
+                    waiting = host.opens_waiting()[1]
+                    await host.run_prefill(loop, self.prefill.budget(waiting) if busy else vc.max_batch_tokens)
+            except Exception as e:  # never let one bad batch kill the loop
+                log.exception("verify loop error: %s", e)
+
+    def decoding_recently(self) -> bool:
+        """Whether a prompt waiting with no verify round queued is prefilled in paced chunks: some
+        session is decoding and verified a moment ago, so its next round may come back at any time.
+        With none left decoding nobody can come back, and paced chunks would only cost whole
+        forwards, each reading every weight."""
+        if time.monotonic() - self.last_verify >= max(0.05, 4 * self.prefill.verify_s):
+            return False
+        return any(not s.finished for s in list(self.engine.sessions.values()))  # a copy: closes run on the worker
+
+    def others_may_join(self) -> bool:
+        """Whether a request not yet queued could still join the next forward: the batch has room
+        and some session of this replica has no round queued. Else a batch wait is only latency."""
+        queued = len(self.sched.pending_sessions())
+        return queued < min(self.cfg.max_batch_sessions, len(self.engine.sessions))
+
+    async def fill_batch(self) -> None:
+        """Hold the forward for the sessions due back within ``batch_fill`` x its predicted time
+        (:mod:`deploy.verifier.batch_fill`); re-decided as each arrives, never past the first deadline."""
+        vc = self.cfg
+        if vc.batch_fill <= 0 or self.cost.count < 3 or not len(self.sched):
+            return
+        deadline = None
+        while True:
+            pending = self.sched.pending_sessions()
+            rows = self.sched.pending_tokens()
+            now = time.monotonic()
+            wait = fill_wait(rows, self.arrivals.due(now, pending), rows / max(len(pending), 1),
+                             self.cost.predict, vc.batch_fill, vc.max_batch_sessions, len(pending))
+            if deadline is None:
+                deadline = now + wait
+            wait = min(wait, deadline - now)
+            if wait <= 0.0005:
+                return
+            self.counters.fill_waits += 1
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                return
+
+    async def request_arrives(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a verify request; whether one is queued."""
+        if len(self.sched):
+            return True
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout=timeout)
+        except asyncio.TimeoutError:
+            pass
+        return bool(len(self.sched))

@@ -1,0 +1,63 @@
+"""The ``Verifier`` Serve deployment: a thin binding of :class:`deploy.verifier.deployment.VerifierCore`.
+
+The replica tag (Serve's replica id) prefixes session ids; ``pipeline_parallel_size > 1`` builds the
+replica's pipeline stages (:mod:`deploy.verifier.pipeline`) in its placement group. Serve's hooks
+(``reconfigure``, ``check_health``, ``record_routing_stats`` for
+:class:`deploy.router.affinity.SessionAffinityRouter`) map onto the core. The only verifier module
+that imports Ray Serve (as Ray Serve LLM keeps its server apart from its deployment).
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from deploy import gc_policy
+from deploy.config import AppConfig
+from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.kv_sizing import Sizing
+
+
+class VerifierReplica(VerifierCore):
+    """A Serve replica's :class:`VerifierCore`: the replica tag prefixes session ids. The
+    ``Verifier`` deployment (``split`` topology), or built inside the router replica
+    (``colocated``, :mod:`deploy.router.in_process`)."""
+
+    def __init__(self, config: dict):
+        cfg = AppConfig(**config)
+        tag = serve.get_replica_context().replica_id.unique_id
+        runner = loaded = None
+        vc = cfg.verifier
+        if vc.pipeline_parallel_size > 1:  # stages load their own layer slices; the replica holds no weights
+            from deploy.verifier.pipeline import build_runner
+
+            runner = build_runner(cfg.target, vc.pipeline_parallel_size, cpus_per_stage=vc.num_cpus,
+                                  gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads,
+                                  kv_capacity_tokens=vc.kv_pool_tokens(), compile=vc.compile,
+                                  early_exit=vc.early_exit,  # each stage builds the heads of its exit layers
+                                  prefix_caching=vc.prefix_caching,
+                                  sizing=Sizing.of(vc, cfg.target.max_model_len))  # each stage checks its pool fits
+            loaded = runner.loaded
+        super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)
+        gc_policy.settle(cfg.gc_gen0_threshold)  # the weights, tokenizer and Ray's state: frozen
+
+    def record_routing_stats(self) -> dict:
+        return {"sessions": len(self.engine.sessions), "kv_tokens": self.engine.kv_tokens(),
+                "pending": self.pending(), "adapters": self.versions.registry.held()}
+
+    async def reconfigure(self, user_config: dict) -> None:
+        """Serve's no-restart config update: the target versions (:meth:`VerifierCore.apply_user_config`)."""
+        await self.apply_user_config(user_config)
+
+    def check_health(self) -> None:
+        if self.loop.task is not None and self.loop.task.done():
+            raise RuntimeError("verify loop stopped")
+
+    async def info(self) -> dict:
+        return self.model_info()
+
+    async def get_stats(self, session_id: str | None = None) -> dict:
+        """Replica statistics; ``session_id`` routes the call to that session's replica."""
+        return self.stats()
+
+
+Verifier = serve.deployment(name="Verifier")(VerifierReplica)

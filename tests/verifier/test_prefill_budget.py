@@ -1,0 +1,84 @@
+"""Prefill budgets (deploy/verifier/prefill_budget.py) on an in-process VerifierCore: chunks sized
+from measured costs, larger for a burst of opens, and a forward of detached steps prefills until an
+edge is due back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deploy.config import AppConfig
+
+
+def test_a_burst_of_opens_gets_a_larger_prefill_chunk_than_one_long_prompt():
+    from deploy.verifier.deployment import VerifierCore
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256}))
+    core.prefill.verify_s, core.prefill.token_s = 0.020, 0.001  # measured: 20 ms a verify forward, 1 ms a prompt token
+    budgets = {}
+    for waiting in (1, 10, 100):
+        core._prefilling = {f"s{i}": ("dev", None) for i in range(waiting)}
+        budgets[waiting] = core.prefill.budget(len(core._prefilling))
+    # 0.2 of a verify forward per session waiting, at most prefill_chunk_tokens
+    assert budgets == {1: 4, 10: 40, 100: 256}
+
+
+def test_a_prefill_chunk_is_costed_and_sized_against_the_forward_it_rides_in():
+    """A chunk's cost is what its forward took beyond the cost curve's time for that forward's
+    verify rows, and its budget is a share of that forward's predicted time. Against one EMA of
+    small forwards, a big batch's own time was charged to its chunk and the budget sank to the
+    floor while a burst of prompts waited (forwards of 24 sessions took 4 prompt tokens each)."""
+    from deploy.verifier.deployment import VerifierCore
+    from specdec.engine import ForwardStats
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256}))
+    for rows in (32, 24, 16, 8, 2, 1):  # 10 ms flat to 2 rows, then 1 ms a row
+        for _ in range(3):
+            core._on_forward(ForwardStats("verify", rows, rows, 0.010 + 0.001 * max(0, rows - 2)))
+    core.pacer.cost.refit()
+    assert core.prefill.verify_s < 0.020  # the EMA still leans on the small forwards
+    core.prefill.token_s = 0.001
+    for _ in range(20):  # 24 sessions + 8 prompt tokens at 1 ms each: 40 ms
+        core._on_forward(ForwardStats("verify", 24, 32, 0.040, prefill_tokens=8))
+    assert core.prefill.token_s == pytest.approx(0.001, rel=0.05)
+    core._prefilling = {f"s{i}": ("dev", None) for i in range(4)}
+    # 0.2 x 4 waiting x the 24-row forward's 32 ms / 1 ms a token
+    assert core.prefill.budget(len(core._prefilling), 24) == pytest.approx(25, abs=1)
+    assert core.prefill.budget(len(core._prefilling), 24) > core.prefill.budget(len(core._prefilling))
+    # the prompt tokens computed (GET /v1/stats; benchmarks count them per generation): chunks and prefill forwards
+    core._on_forward(ForwardStats("prefill", 1, 50, 0.050))
+    assert core.stats()["prefill_tokens_total"] == 20 * 8 + 50
+
+
+def test_a_forward_of_detached_steps_alone_prefills_until_an_edge_is_due_back():
+    """Run-ahead steps of edges that are away wait on nobody: their forward carries as many prompt
+    tokens as fit before the first edge is due back (all of the batch's budget when none is
+    known), never fewer than the paced chunk; a round a client waits on keeps the paced chunk."""
+    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.rounds import QueuedRound
+    from specdec.engine import VerifyRequest
+    from deploy.verifier.run_ahead import RunAhead
+    from deploy.verifier.scheduler import Pending
+    from specdec.tree import DraftTree
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256,
+                                            "max_batch_tokens": 2048}))
+    core.prefill.verify_s, core.prefill.token_s = 0.010, 0.001  # 10 ms a forward (no curve yet), 1 ms a token
+    core._prefilling = {"p": ("dev", None)}
+
+    def step(sid, attached):
+        run = RunAhead(8, 10, fut=object() if attached else None)
+        return Pending("dev", sid, 1, QueuedRound(VerifyRequest(sid, DraftTree.empty(), 10), None, [], run))
+
+    paced = core.prefill.budget(len(core._prefilling), 1)
+    assert paced == 4  # 0.2 x 1 waiting x 10 ms / 1 ms a token: the 4-token floor
+    assert core.prefill.chunk([step("a", False)], len(core._prefilling), core.arrivals) == 2048  # nobody due back that we know of
+    core.arrivals.replied("a", 0.0)
+    core.arrivals.arrived("a", 0.030)  # "a" is away 30 ms a round trip
+    core.arrivals.replied("a", time.monotonic())
+    assert 10 <= core.prefill.chunk([step("a", False)], len(core._prefilling), core.arrivals) <= 20  # ~30 ms away - 10 ms forward, 1 ms a token
+    assert core.prefill.chunk([step("a", False), step("b", True)], len(core._prefilling), core.arrivals) == paced
