@@ -56,7 +56,7 @@ def test_dtype_auto_follows_the_checkpoint(tmp_path, hub_cache):
 
 
 def test_stages_of_a_hub_cached_target_read_only_their_layers(hub_cache):
-    from deploy.verifier.pipeline import load_stage
+    from deploy.verifier.pipeline_stage import load_stage
 
     assert safetensors_dir("acme/tiny") == hub_cache
     stage = load_stage(ModelConfig(model="acme/tiny", dtype="float32"), 1, 2)

@@ -124,7 +124,7 @@ def test_a_replica_holds_each_weight_once():
 def test_a_pipeline_stage_checks_that_the_shared_pool_fits_its_device():
     from deploy.config import ModelConfig, VerifierConfig
     from deploy.verifier.kv_sizing import Sizing
-    from deploy.verifier.pipeline import PipelineStage
+    from deploy.verifier.pipeline_stage import PipelineStage
 
     target = ModelConfig(model="tiny-random", dtype="float32", tiny_config={"num_layers": 2})
     vc = VerifierConfig(kv_budget_tokens=4096, max_batch_tokens=64, max_batch_sessions=4)

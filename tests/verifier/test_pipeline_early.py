@@ -129,7 +129,7 @@ def test_a_stages_early_frames_arrive_while_later_stages_compute(pipe, wide):
 def test_a_stage_of_the_embedded_checkpoint_builds_its_exits_and_drops_the_head(embedded):
     """Stage [0, 19) of the embedded target holds the artifact's exits 8, 12, 16 (not 20): built from
     the norm and tied head it loads for them, equal to the whole model's, then the head is gone."""
-    from deploy.verifier.pipeline import PipelineStage
+    from deploy.verifier.pipeline_stage import PipelineStage
 
     cfg = ModelConfig(model="embedded", dtype="float32", device="cpu")
     stage = PipelineStage(cfg, 0, 19, early_exit=EarlyExitConfig(enabled=True))

@@ -156,7 +156,7 @@ def test_tiny_weights_are_the_tiny_transformers_model():
 def test_the_replica_load_path_imports_no_transformers_modeling():
     """What a verifier replica and a pipeline stage load (tiny-random; the embedded model, whose
     tokenizer still comes from transformers' tokenization code) never imports a modeling module."""
-    code = ("import sys; from specdec.model.loading import load_weights; from deploy.verifier.pipeline import "
+    code = ("import sys; from specdec.model.loading import load_weights; from deploy.verifier.pipeline_stage import "
             "load_stage, target_config; from deploy.config import ModelConfig\n"
             "load_weights('tiny-random'); assert not [m for m in sys.modules if m.startswith('transformers')]\n"
             "m = load_weights('embedded', dtype='bfloat16'); load_stage(ModelConfig(model='embedded'), 3, 9)\n"
