@@ -56,8 +56,13 @@ class AheadRuns:
                 f"{run.base_prefix} (F_AHEAD): send F_AHEAD at that prefix, or re-open it",
                 server_prefix_len=run.base_prefix))
         del self.detached[sid]
-        kind = "running" if run.queued else "full" if run.full else "stopped"
-        setattr(self.takeovers, kind, getattr(self.takeovers, kind) + 1)
+        t = self.takeovers
+        if run.queued:
+            t.running += 1
+        elif run.full:
+            t.full += 1
+        else:
+            t.stopped += 1
         run.attach(fut, len(f.tokens))
         if not run.queued:  # it stopped (full, ended, or trees pay again): the reply is ready
             answer(fut, self.reply(tenant, sid, run, *self.hints(sid)))

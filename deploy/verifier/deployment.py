@@ -1,20 +1,15 @@
-"""Verifier replica core: the target model, the engine, and the edge protocol's requests.
+"""Verifier replica core: the target, the engine, and the edge protocol's requests (SpecEdge §4.3).
 
-Everything of a verifier replica but Serve (:mod:`deploy.verifier.serve_replica` binds it), usable
-in-process (tests, local mode, :mod:`edge_agent.replica_transport`); imports no Ray. A thin adapter
-over :class:`specdec.engine.VerifierEngine`: requests of many sessions queue here while their edges
-draft (SpecEdge §4.3); the batch loop (:mod:`deploy.verifier.batch_loop`) runs one target forward at
-a time on one worker thread, with a prefill chunk riding along
-(:mod:`deploy.verifier.prefill_budget`); each request is answered with its reply frame and pacing
-hints (:mod:`deploy.verifier.pacing`). Every engine call runs on that thread, so a close never races a
-forward. Sessions live here (KV cache, :mod:`deploy.verifier.sessions`); KV memory is bounded: the
-least-recently-used sessions are evicted (:mod:`deploy.verifier.eviction`), idle ones time out, and
-both answer ``410 session_evicted`` so the edge re-opens from its own token history. Run-ahead:
-:mod:`deploy.verifier.ahead_runs`; early frames: :mod:`deploy.verifier.early_stream`; LoRA target
-versions: :mod:`deploy.verifier.versions`.
-
-Methods return ``(status, payload)`` rather than raising, so errors cross the Ray boundary as
-plain data (:mod:`deploy.verifier.rounds`).
+Everything of a verifier replica but Serve (bound by :mod:`deploy.verifier.serve_replica`), usable
+in-process (tests, local mode, :mod:`edge_agent.replica_transport`); imports no Ray. Requests of many
+sessions queue while their edges draft; the batch loop (:mod:`deploy.verifier.batch_loop`) runs one
+target forward at a time, with a prefill chunk riding along (:mod:`deploy.verifier.prefill_budget`),
+and each request is answered with its reply frame and pacing hints (:mod:`deploy.verifier.hints`).
+Every engine call runs on one worker thread, so a close never races a forward. Sessions live here
+(their KV, :mod:`deploy.verifier.sessions`); the least-recently-used are evicted past the KV budget
+(:mod:`deploy.verifier.eviction`), idle ones time out, and both answer ``410 session_evicted`` so the
+edge re-opens from its own token history. Methods return ``(status, payload)`` rather than raising,
+so errors cross the Ray boundary as plain data (:mod:`deploy.verifier.rounds`).
 """
 
 from __future__ import annotations
