@@ -79,3 +79,17 @@ def test_an_evicted_session_is_re_opened_from_the_prefix_cache_not_recomputed():
         assert got + await decode_rest(core, again, ahead=False) == ref
 
     asyncio.run(main())
+
+
+def test_the_core_imports_without_ray():
+    """The Serve binding lives in deploy/verifier/serve_replica.py: the core and its parts import no Ray."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, deploy.verifier.deployment\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
