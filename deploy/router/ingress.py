@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
@@ -67,6 +68,12 @@ async def _spec_error(request: Request, e: SpecError):
         router_metrics().on_shed_answered(time.perf_counter() - request.scope[RECEIVED_AT])
     headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if isinstance(e, Overloaded) else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
+
+
+@dataclass(frozen=True)
+class VerifiedRound:
+    payload: bytes  # the reply frame as the verifier encoded it (what the wire routes answer)
+    reply: ReplyFrame  # the same, decoded once
 
 
 class Unavailable(Overloaded):
@@ -252,10 +259,21 @@ class Router:
         return payload
 
     async def verify(self, tenant: TenantState, sid: str, frame: bytes, send_early=None) -> bytes:
-        """One verify round; ``send_early``: where the early frames of an ``F_EARLY`` frame go."""
-        t0 = time.perf_counter()
+        """One verify round from the wire (HTTP, WebSocket), its frame checked before it queues;
+        ``send_early``: where the early frames of an ``F_EARLY`` frame go. Returns the reply frame."""
         self.tenants.check_rate(tenant)
-        f = VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)  # reject garbage before queueing
+        f = VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)
+        return (await self._verify(tenant, sid, f, frame, send_early)).payload
+
+    async def verify_frame(self, tenant: TenantState, sid: str, f: VerifyFrame) -> ReplyFrame:
+        """One verify round of a frame built here (server-side decoding): encoded once, and its
+        reply decoded once."""
+        self.tenants.check_rate(tenant)
+        return (await self._verify(tenant, sid, f, f.encode())).reply
+
+    async def _verify(self, tenant: TenantState, sid: str, f: VerifyFrame, frame: bytes,
+                      send_early=None) -> VerifiedRound:
+        t0 = time.perf_counter()
         early = {"stream_to": send_early} if send_early is not None and f.early else {}
         status, payload = await self._admitted_call("verify", "verify_stream" if early else "verify", session_id=sid,
                                                     tenant=tenant.config.name, frame=frame, **early)
@@ -267,7 +285,7 @@ class Router:
         if reply.finished:
             self.tenants.session_finished(tenant, sid)
         self.metrics.on_verify(tenant.config.name, time.perf_counter() - t0, self.admission.inflight)
-        return payload
+        return VerifiedRound(payload, reply)
 
     async def close(self, tenant: TenantState, sid: str) -> dict:
         status, payload = await self._call("close_session", session_id=sid, tenant=tenant.config.name)
@@ -425,7 +443,8 @@ class Router:
         req = oai.parse_completion(body, tok, chat)
         info = await self.info()
         oai.check_model(req.model, self._model_names(info), self._versions)
-        return await self.server_decode.respond(tenant, req, tok, info, self._versions)
+        return await self.server_decode.respond(tenant, req, tok, info, self._versions,
+                                                request.headers.get(DEADLINE_HEADER))
 
     # -- vLLM's tokenizer and version endpoints -----------------------------------------------
     @api.post("/tokenize")

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from specdec import openai as oai
 from specdec.errors import SpecError
-from specdec.protocol import ReplyFrame, TokenLogprob, VerifyFrame
+from specdec.protocol import TokenLogprob, VerifyFrame
 from deploy.router.tenants import TenantState
 
 log = logging.getLogger("ray.serve")
@@ -40,7 +40,7 @@ class ClosingStream(StreamingResponse):
 
 class ServerDecode:
     """OpenAI generations decoded on the server, through ``sessions`` (the Router: ``open(tenant,
-    body)``, ``verify(tenant, sid, frame)``, ``close(tenant, sid)``); ``drafter``: an async callable
+    body, deadline_header)``, ``verify_frame(tenant, sid, frame) -> ReplyFrame``, ``close(tenant, sid)``); ``drafter``: an async callable
     that returns the server drafter (loaded once)."""
 
     def __init__(self, sessions, drafter):
@@ -49,14 +49,15 @@ class ServerDecode:
         self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
 
     async def respond(self, tenant: TenantState, req: oai.CompletionRequest, tok, info: dict,
-                      versions: list[str]):
+                      versions: list[str], deadline_header: str | None = None):
         """The response to ``req`` (its ``model`` already checked), for the verifier's ``info``;
-        ``versions``: the target versions a ``model`` may name."""
+        ``versions``: the target versions a ``model`` may name; ``deadline_header``: the request's
+        open deadline (``x-open-deadline-s``), as on the session route."""
         req = req.with_max_tokens(info["max_model_len"])
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = await self.drafter() if req.mode == "sd" else None
         version = req.model if req.model in versions else None
-        rounds = self.rounds(tenant, req.prompt, req.sampling, drafter, version)
+        rounds = self.rounds(tenant, req.prompt, req.sampling, drafter, version, deadline_header)
         await anext(rounds)  # opens the server session
         deltas = oai.texts(rounds, tok, req.stop)
         served = version or info["model"]
@@ -69,7 +70,7 @@ class ServerDecode:
         return JSONResponse(await oai.whole_response(deltas, req, served, tok), headers=headers)
 
     async def rounds(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter,
-                     version: str | None = None):
+                     version: str | None = None, deadline_header: str | None = None):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
 
         Yields an :class:`~specdec.openai.Round` per round; the first, as soon as the
@@ -80,7 +81,7 @@ class ServerDecode:
         # a drafter's trees are a client kind of their own for the replica's acceptance estimates
         client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
         opened = await self.sessions.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
-                                                   "client": client, "close_on_finish": True})
+                                                   "client": client, "close_on_finish": True}, deadline_header)
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
         params = None
         if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)
@@ -102,8 +103,8 @@ class ServerDecode:
                                                            opened.get("budget_hint") or 8, params)
                                    if drafter else (None, None))  # proposals: tree rejection sampling (T > 0)
                 tokens, parents = (list(tree.tokens), list(tree.parents)) if tree else ([], [])
-                frame = VerifyFrame(prefix_len, tokens, parents, proposals=proposals).encode()
-                reply = ReplyFrame.decode(await self.sessions.verify(tenant, sid, frame))
+                reply = await self.sessions.verify_frame(tenant, sid, VerifyFrame(prefix_len, tokens, parents,
+                                                                                  proposals=proposals))
                 new = reply.tokens(tokens)
                 history.extend(new)
                 prefix_len = reply.prefix_len

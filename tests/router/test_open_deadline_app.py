@@ -44,12 +44,19 @@ def test_a_burst_of_opens_is_answered_within_the_deadline(ray_session):
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             await open_one(c)  # the first open measures the prefill rate
-            return await asyncio.gather(*[open_one(c) for _ in range(200)])
+            results = await asyncio.gather(*[open_one(c) for _ in range(200)])
+            # the OpenAI routes take the same header: a deadline no prefill meets is a 429
+            openai = await c.post("/v1/completions", json={"prompt": [rng.randrange(3, VOCAB) for _ in range(500)],
+                                                           "max_tokens": 2},
+                                  headers={**headers, "x-open-deadline-s": "0.001"})
+            return results, openai
 
     try:
-        results = asyncio.run(main())
+        results, openai = asyncio.run(main())
     finally:
         delete_app(APP)
+    assert openai.status_code == 429 and openai.headers.get("Retry-After"), openai.text
+    assert "deadline" in openai.json()["error"]["message"], openai.text
     ok = [t for s, t, _, _ in results if s == 200]
     shed = [(t, ra, why) for s, t, ra, why in results if s == 429]
     assert len(ok) + len(shed) == len(results), {s for s, *_ in results}

@@ -23,18 +23,17 @@ class FakeSessions:
         self.length, self.first_token = length, first_token
         self.emitted, self.opened, self.frames, self.closed = 0, None, [], []
 
-    async def open(self, tenant, body: dict) -> dict:
-        self.opened, self.emitted = body, 1
+    async def open(self, tenant, body: dict, deadline_header=None) -> dict:
+        self.opened, self.emitted, self.deadline_header = body, 1, deadline_header
         return {"session_id": "s.1", "prefix_len": len(body["prompt_ids"]), "first_token": self.first_token, "finished": False,
                 "close_on_finish": True, "cached_tokens": 2}
 
-    async def verify(self, tenant, sid: str, frame: bytes) -> bytes:
-        f = VerifyFrame.decode(frame)
+    async def verify_frame(self, tenant, sid: str, f: VerifyFrame) -> ReplyFrame:
         self.frames.append(f)
         self.emitted += 1
         done = self.emitted >= self.length
         return ReplyFrame([], 100 + self.emitted, f.prefix_len + 1, finished=done,
-                          finish_reason="length" if done else None).encode()
+                          finish_reason="length" if done else None)
 
     async def close(self, tenant, sid: str) -> dict:
         self.closed.append(sid)
@@ -100,8 +99,15 @@ def test_a_whole_response_and_a_refused_open_keeping_its_status():
     assert body["model"] == "served" and resp.headers["x-ignored-fields"] == "unknown"
 
     class Refusing(FakeSessions):
-        async def open(self, tenant, body):
+        async def open(self, tenant, body, deadline_header=None):
             raise Overloaded("full", retry_after=2.0)
 
     with pytest.raises(Overloaded):  # before any response starts: the client gets its 429
         asyncio.run(ServerDecode(Refusing(), no_drafter).respond("tenant", req, None, INFO, []))
+
+
+def test_the_open_deadline_header_reaches_the_open():
+    sessions = FakeSessions(length=2)
+    collect(ServerDecode(sessions, no_drafter).rounds("tenant", PROMPT, {"temperature": 0}, None,
+                                                      deadline_header="0.5"))
+    assert sessions.deadline_header == "0.5"
