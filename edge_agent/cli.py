@@ -23,6 +23,7 @@ import sys
 
 from edge_agent.agent import MAX_GUESSES, MODES, VERIFY_RULES, AgentConfig, EdgeAgent
 from edge_agent.depth import POLICIES
+from specdec.version import package_version
 
 DRAFT_HELP = ("draft model: 'ngram' (prompt lookup, no model), 'embedded-draft' (the project's trained draft "
               "for SmolLM2), 'embedded' (SmolLM2 itself), 'tiny-random' (random tiny Llama, tests), "
@@ -30,19 +31,9 @@ DRAFT_HELP = ("draft model: 'ngram' (prompt lookup, no model), 'embedded-draft' 
               "(.safetensors with vocab_map)")
 
 
-def _package_version() -> str:
-    """The installed ``specedge-serve`` version (what the cloud's ``GET /version`` reports too)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("specedge-serve")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edge-agent", description=__doc__.split("\n")[0])
-    p.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def server_opts(sp):

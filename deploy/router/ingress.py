@@ -29,6 +29,7 @@ from specdec.errors import DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTo
 from deploy.metrics import router_metrics
 from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
 from specdec import openai as oai
+from specdec.version import package_version
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.body import json_object, read_body, within
 from deploy.router.early import stream_verify
@@ -300,7 +301,7 @@ class Router:
 
     @api.get("/v1/model")
     async def model(self):
-        return await self.info()
+        return {**await self.info(), "version": package_version()}
 
     @api.get("/v1/stats")
     async def replica_stats(self, request: Request):

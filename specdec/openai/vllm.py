@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from specdec.errors import InvalidRequest
 from specdec.openai.request import chat_prompt, chat_template_kwargs, optional, token_ids
+from specdec.version import package_version
 
 
 def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
@@ -45,6 +46,4 @@ def detokenize(body: dict, tokenizer, vocab_size: int) -> dict:
 
 def server_version() -> dict:
     """vLLM's ``GET /version``: this package's version."""
-    from importlib.metadata import version
-
-    return {"version": version("specedge-serve")}
+    return {"version": package_version()}

@@ -265,4 +265,7 @@ def test_tokenize_detokenize_version(url, served):
     assert post(url, "/detokenize", {"model": served, "tokens": t["tokens"]}).json() == {"prompt": "Hello world"}
     assert post(url, "/detokenize", {"tokens": [-1]}).status_code == 400
     assert post(url, "/tokenize", {"model": "gpt-4o", "prompt": "x"}).status_code == 404
-    assert httpx.get(url + "/version", timeout=30).json()["version"]
+    from importlib.metadata import version
+
+    assert httpx.get(url + "/version", timeout=30).json()["version"] == version("specedge-serve")
+    assert httpx.get(url + "/v1/model", timeout=30).json()["version"] == version("specedge-serve")  # as edge-agent --version

@@ -1,0 +1,16 @@
+"""The installed ``specedge-serve`` version: what ``edge-agent --version``, the cloud's
+``GET /v1/model`` and vLLM's ``GET /version`` report."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+PACKAGE = "specedge-serve"
+
+
+def package_version() -> str:
+    """The installed distribution's version, or ``0+unknown`` when run from an uninstalled tree."""
+    try:
+        return version(PACKAGE)
+    except PackageNotFoundError:
+        return "0+unknown"
