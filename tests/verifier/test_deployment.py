@@ -1,5 +1,6 @@
-"""The replica's batch loop (in-process VerifierCore, no Serve): chunked prefill rides along
-the verify forwards, so a long prompt never stalls other sessions' verify rounds."""
+"""The replica core (deploy/verifier/deployment.py: in-process VerifierCore, no Serve): chunked
+prefill rides along the verify forwards, so a long prompt never stalls other sessions' verify rounds;
+a full KV pool fails an open clearly; an evicted session re-opens from the prefix cache."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_an_evicted_session_is_re_opened_from_the_prefix_cache_not_recomputed():
         other = make_core(run_ahead_tokens=0)  # the reference, on a replica of its own: nothing cached here
         ref = await decode_rest(other, await open_session(other, p, sampling), ahead=False)
         d = await open_session(core, p, sampling)
-        n, done, got = d["prefix_len"], d["finished"], [d["first_token"]]
+        n, got = d["prefix_len"], [d["first_token"]]
         for _ in range(10):  # some rounds, then the replica evicts it
             status, raw = await core.verify(d["session_id"], "dev", VerifyFrame(n, [], []).encode())
             r = ReplyFrame.decode(raw)
