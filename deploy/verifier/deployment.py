@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deploy.config import AppConfig, versions_update
+from deploy.config import AppConfig
 from deploy.metrics import RoundStats, VerifierMetrics
 from deploy.verifier.ahead_runs import AheadRuns
 from deploy.verifier.batch_fill import ArrivalModel
@@ -38,6 +38,7 @@ from deploy.verifier.run_ahead import RunAhead
 from deploy.verifier.scheduler import FairScheduler, Pending
 from deploy.verifier.sessions import EdgeClient, SessionBook, draft_class
 from deploy.verifier.startup import start_target
+from deploy.verifier.version_updates import VersionUpdates
 from deploy.verifier.versions import TargetVersions
 from specdec.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
 from specdec.errors import InvalidRequest, ModelNotFound, SessionEvicted, SpecError, TokenizerMismatch
@@ -89,8 +90,8 @@ class VerifierCore:
         self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
         self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
-        self.versions_error: str | None = None  # why the last target-versions update was refused
-        self._versions_configured = False  # a reconfigure took effect (the first one runs at start)
+        self.version_updates = VersionUpdates(config, self.versions, self.engine, self._on_worker,
+                                              self._end_version_session)
 
     @property
     def owner(self) -> dict[str, str]:
@@ -116,7 +117,7 @@ class VerifierCore:
                 "prefix_cache": self.engine.prefix_cache_stats(),
                 "evictions": len(self.sessions.evicted), "versions": self.versions.registry.served(),
                 "versions_unavailable": dict(self.versions.registry.unavailable),
-                "versions_error": self.versions_error}
+                "versions_error": self.version_updates.error}
 
     def pending(self) -> int:
         """Requests waiting for the engine: verify rounds and opens (queued or prefilling)."""
@@ -140,10 +141,14 @@ class VerifierCore:
     def refresh(self) -> None:
         self.metrics.refresh(self)
 
+    def _on_worker(self, fn, *args):
+        """Run ``fn(*args)`` on the worker thread (awaitable), after any forward queued there."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
     # -- session bookkeeping --------------------------------------------------------
     async def _evict(self, sid: str, reason: str) -> None:
         # on the worker thread, like every engine call: never beside a forward or a close
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, sid)
+        await self._on_worker(self.engine.close, sid)
         self._forget(sid, reason)
 
     def _forget(self, sid: str, reason: str) -> None:
@@ -178,7 +183,7 @@ class VerifierCore:
         self._drop(sid)
         self.sessions.close_finished(sid)
         # on the worker thread, like every engine call: after any forward already queued there
-        asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, sid)
+        self._on_worker(self.engine.close, sid)
 
     async def _enforce_budgets(self, protect: set[str]) -> None:
         """Evict above a tenant's KV quota, the replica's KV budget or its session limit
@@ -278,50 +283,27 @@ class VerifierCore:
         except SpecError as e:
             return error_reply(e)
         # on the worker thread: never while a forward that holds this session runs
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.close, session_id)
+        await self._on_worker(self.engine.close, session_id)
         self._drop(session_id)
         return 200, {"closed": session_id}
 
     async def update_versions(self, adapters: dict[str, str], max_loaded: int) -> dict:
-        """Add, remove or re-point target versions without a restart (on the worker thread,
-        between forwards). Sessions of a removed, re-pointed or rewritten version end: their
-        requests answer 404 ``model_not_found`` from then on; no other session is touched.
-        New versions are validated first: a bad one is listed under ``unavailable``."""
-        def apply():
-            gone = self.versions.update(adapters, max_loaded)
-            return gone, self.engine.drop_versions(gone)
-
-        gone, sids = await asyncio.get_running_loop().run_in_executor(self._executor, apply)
-        for sid in sids:
-            self.sessions.client.pop(sid, None)
-            if sid in self._prefilling:
-                answer(self._prefilling.pop(sid)[1], error_reply(ModelNotFound(
-                    f"the target version of this session was removed from this server ({sorted(gone)})")))
-            else:
-                self._forget(sid, "model_removed")
-        if gone:
-            log.info("target versions removed or changed: %s (%d sessions closed)", sorted(gone), len(sids))
-        return {"versions": self.versions.names(), "removed": sorted(gone), "closed_sessions": len(sids),
-                "unavailable": dict(self.versions.registry.unavailable)}
+        """Add, remove or re-point target versions without a restart (:mod:`deploy.verifier.version_updates`)."""
+        return await self.version_updates.update(adapters, max_loaded)
 
     async def apply_user_config(self, user_config: dict) -> None:
-        """The Serve ``user_config`` (``reconfigure``): the target versions (``target.adapters``),
-        validated like the app's config (:func:`deploy.config.versions_update`). An invalid
-        ``user_config`` fails the replica's start (Serve reports the deployment failed, with
-        the reason); on a running replica it is refused, logged and shown in ``/v1/stats``
-        (``versions_error``), the served versions unchanged: raising here would make Serve
-        stop the replica and every session on it. A version whose adapter fails validation
-        is served as unavailable (503 ``model_unavailable``), the others as declared."""
-        try:
-            target = versions_update(self.cfg, user_config).target
-        except ValueError as e:
-            if not self._versions_configured:
-                raise
-            self.versions_error = str(e)
-            log.error("target versions update refused, the served versions are unchanged: %s", e)
-            return
-        await self.update_versions(target.adapters, target.max_loaded_adapters)
-        self._versions_configured, self.versions_error = True, None
+        """The Serve ``user_config`` (``reconfigure``): the target versions, validated first."""
+        await self.version_updates.apply_user_config(user_config)
+
+    def _end_version_session(self, sid: str, gone: set[str]) -> None:
+        """A session whose target version was removed: a prefilling open answers 404 now, a live
+        session from then on."""
+        self.sessions.client.pop(sid, None)
+        if sid in self._prefilling:
+            answer(self._prefilling.pop(sid)[1], error_reply(ModelNotFound(
+                f"the target version of this session was removed from this server ({sorted(gone)})")))
+        else:
+            self._forget(sid, "model_removed")
 
     # -- forwards and their answers -------------------------------------------------------
     async def begin_opens(self, loop, opens) -> None:
