@@ -13,7 +13,7 @@ import time
 
 from specdec.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 from edge_agent.errors import error_from_json
-from edge_agent.transport import ModelInfo, Transport
+from edge_agent.transport.base import ModelInfo, Transport
 
 
 class ReplicaTransport(Transport):

@@ -21,7 +21,7 @@ from specdec.model.loading import tiny_random_model
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeLimits
-from edge_agent import transport as transport_module
+from edge_agent.transport import local as transport_module
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
 from edge_agent.transport import LocalTransport

@@ -1,26 +1,15 @@
-"""How the edge reaches a verifier: over HTTP/WebSocket, or in-process.
+"""The real server over HTTP: an ``httpx.AsyncClient`` with keep-alive (a verify round is one
+request on a warm connection: one RTT), or one WebSocket per session (``ws=True``, the default).
 
-:class:`Transport` is the four calls of the protocol (:mod:`specdec.protocol`): model
-info, open (also re-open from history), verify (binary frames), close, plus a ping for
-RTT. The agent's logic is identical over both implementations:
-
-- :class:`HttpTransport`: an ``httpx.AsyncClient`` with keep-alive (a verify round is one
-  request on a warm connection: one RTT), or one WebSocket per session (``ws=True``, the
-  default: it costs the server ~0.6x the CPU per round, and falls back to POST where a
-  proxy refuses the upgrade; a session's first round goes over POST while its socket
-  opens, so the upgrade adds no round trip). Early results (``F_EARLY``) arrive on the socket before the
-  reply, or over POST as a streamed response with ``stream_early``.
-  Timeouts; retries with exponential backoff where a retry is safe (connection refused,
-  503, 429 after ``Retry-After``); a verify whose reply is lost (a broken connection, or a
-  5xx that is not the app's JSON error: a proxy answering for a replica that died) raises
-  :class:`~edge_agent.errors.ConnectionLost` (it may or may not have been applied), and
-  the agent re-opens the session from its history instead of guessing.
-- :class:`LocalTransport`: a :class:`specdec.engine.VerifierEngine` in this
-  process (``edge-agent --local``, fast tests). Frames (trees, and chains of the rejection
-  rule) still go through the binary codec; the engine runs in a worker thread so the event
-  loop (and proactive drafting) keep going; an optional simulated RTT; a SpecEdge §4.3
-  pacing hint computed from the measured verify time and the edge's reported draft time
-  and RTT; and test hooks to evict sessions between rounds.
+- WebSocket: falls back to POST where a proxy refuses the upgrade; a session's first round goes
+  over POST while its socket opens, so the upgrade adds no round trip. Early results
+  (``F_EARLY``) arrive on the socket before the reply, or over POST as a streamed response
+  (``stream_early``).
+- Retries with exponential backoff where a retry is safe (connection refused, 503, 429 after
+  ``Retry-After``). A verify whose reply is lost (a broken connection, or a 5xx that is not the
+  app's JSON error: a proxy answering for a replica that died) raises
+  :class:`~edge_agent.errors.ConnectionLost`: it may or may not have been applied, so the agent
+  re-opens the session from its history instead of guessing.
 """
 
 from __future__ import annotations
@@ -29,213 +18,18 @@ import asyncio
 import json
 import logging
 import random
-import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Callable
 
 from specdec.errors import SessionEvicted, SessionNotFound, SpecError
 from specdec.protocol import (EARLY_STREAM_MEDIA_TYPE, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened,
                              VerifyFrame)
 from edge_agent.errors import ConnectionLost, ServerUnreachable, error_from_json
+from edge_agent.transport.base import ModelInfo, Transport
 
 log = logging.getLogger("edge_agent")
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    model: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    tokenizer_fingerprint: str
-    max_tree_nodes: int
-    max_tree_depth: int
-    early_exit_layers: tuple[int, ...] = ()  # the server streams early results (F_EARLY) from these exits
-    max_model_len: int | None = None  # the target's context (None: an older server did not say)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelInfo":
-        return cls(str(d["model"]), int(d["vocab_size"]), tuple(int(e) for e in d.get("eos_token_ids", ())),
-                   str(d.get("tokenizer_fingerprint", "none")), int(d.get("max_tree_nodes", 64)),
-                   int(d.get("max_tree_depth", 32)), tuple(int(x) for x in d.get("early_exit_layers") or ()),
-                   int(d["max_model_len"]) if d.get("max_model_len") else None)
-
-
-class Transport:
-    """The protocol, as async calls. Errors are :mod:`specdec.errors` / :mod:`edge_agent.errors`."""
-
-    async def model_info(self) -> ModelInfo:
-        raise NotImplementedError
-
-    async def open(self, req: OpenSession) -> SessionOpened:
-        raise NotImplementedError
-
-    async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
-        """One round. ``on_early(EarlyFrame)`` gets the early results of an ``F_EARLY`` frame as
-        they arrive, before the reply (WebSocket, in-process, and HTTP POST with ``stream_early``)."""
-        raise NotImplementedError
-
-    async def close(self, sid: str) -> None:
-        raise NotImplementedError
-
-    async def release(self, sid: str) -> None:
-        """A session the server closed itself (``close_on_finish``): drop what this side holds
-        for it, sending nothing."""
-
-    async def ping(self) -> float:
-        """Seconds for one network round trip (no model work)."""
-        raise NotImplementedError
-
-    async def aclose(self) -> None:
-        pass
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.aclose()
-
-
-# -- in-process ------------------------------------------------------------------------
-class LocalTransport(Transport):
-    """A verifier engine in this process, behind the same interface as the server."""
-
-    def __init__(self, engine, *, model_name: str = "local", tokenizer_fingerprint: str = "none",
-                 rtt_ms: float = 0.0, default_depth: int = 4, max_depth: int = 12, budget_hint: int = 32,
-                 before_verify: Callable[["LocalTransport", str, int], None] | None = None):
-        self.engine = engine
-        self.model_name = model_name
-        self.fingerprint = tokenizer_fingerprint
-        self.rtt_ms = rtt_ms
-        self.default_depth, self.max_depth, self.budget_hint = default_depth, max_depth, budget_hint
-        self.before_verify = before_verify  # test hook: (transport, sid, round) before each verify
-        self.rounds = 0
-        self.evicted: set[str] = set()
-        self.closes_on_finish: set[str] = set()  # sessions closed with their finishing reply, as the server does
-        self.verify_ms: float | None = None  # EMA of engine verify time (pacing)
-        self._lock = threading.Lock()  # one engine call at a time (agents may share a transport)
-
-    async def _net(self) -> None:
-        if self.rtt_ms > 0:
-            await asyncio.sleep(self.rtt_ms / 2e3)
-
-    async def _call(self, fn, *args):
-        await self._net()  # uplink
-        def run():
-            with self._lock:
-                return fn(*args)
-        out = await asyncio.to_thread(run)
-        await self._net()  # downlink
-        return out
-
-    def _depth_hint(self, draft_ms: float, rtt_ms: float) -> int:
-        """SpecEdge §4.3: depth such that edge draft time + RTT ≈ server verify time."""
-        if self.verify_ms is None or draft_ms <= 0:
-            return self.default_depth
-        d = round((self.verify_ms - rtt_ms) / draft_ms)
-        return max(1, min(self.max_depth, d))
-
-    async def model_info(self) -> ModelInfo:
-        e = self.engine
-        return ModelInfo(self.model_name, e.vocab_size, tuple(sorted(e.eos_token_ids)), self.fingerprint,
-                         e.limits.max_nodes, e.limits.max_depth,
-                         tuple(e.exit_heads.layers) if getattr(e, "exit_heads", None) is not None else ())
-
-    async def open(self, req: OpenSession) -> SessionOpened:
-        from specdec.engine import OpenRequest
-        from specdec.sampling import SamplingParams
-
-        req = OpenSession.model_validate_json(req.model_dump_json())  # as it would arrive
-        sid = uuid.uuid4().hex
-        params = SamplingParams.from_dict(req.sampling)
-        version = None if req.model in (None, "base", self.model_name) else req.model  # a LoRA target version
-        (res,) = await self._call(self.engine.open, [OpenRequest(sid, list(req.prompt_ids), params,
-                                                                 tuple(req.generated_ids), adapter=version)])
-        if isinstance(res, SpecError):
-            raise res
-        if req.close_on_finish:
-            self.closes_on_finish.add(sid)
-            self._close_if_finished(sid, res.finished)
-        return SessionOpened(session_id=sid, first_token=res.first_token, prefix_len=res.prefix_len,
-                             first_logprob=res.first_logprob.to_dict() if res.first_logprob is not None else None,
-                             finished=res.finished, finish_reason=res.finish_reason,
-                             depth_hint=self._depth_hint(req.client.draft_ms, req.client.rtt_ms),
-                             budget_hint=self.budget_hint, tokenizer_fingerprint=self.fingerprint,
-                             model=self.model_name, close_on_finish=req.close_on_finish)
-
-    def _close_if_finished(self, sid: str, finished: bool) -> None:
-        """``close_on_finish``: the session goes with its finishing reply (in the engine's thread)."""
-        if finished and sid in self.closes_on_finish:
-            self.closes_on_finish.discard(sid)
-            self.engine.close(sid)
-
-    def drop_session(self, sid: str, evicted: bool = True) -> None:
-        """Test hook: the server loses the session (evicted -> 410, else -> 404)."""
-        self.engine.close(sid)
-        if evicted:
-            self.evicted.add(sid)
-
-    def _verify(self, sid: str, body: bytes, on_early=None) -> bytes:
-        from specdec.errors import InvalidRequest
-        from specdec.engine import ChainVerifyRequest, VerifyRequest
-        from specdec.tree import DraftTree
-
-        if sid in self.evicted:
-            raise SessionEvicted(f"session {sid!r} was evicted")
-        frame = VerifyFrame.decode(body)
-        t0 = time.perf_counter()
-        if frame.q is None:  # a tree: sample, then match (with proposals: tree rejection sampling)
-            (res,) = self.engine.verify([VerifyRequest(sid, DraftTree(tuple(frame.tokens), tuple(frame.parents)),
-                                                       frame.prefix_len, proposals=frame.proposals,
-                                                       early=frame.early)], on_early=on_early if frame.early else None)
-        else:  # a chain with q(x): rejection sampling (the server's checks, as the replica makes them)
-            if any(p != i - 1 for i, p in enumerate(frame.parents)):
-                raise InvalidRequest("chain mode: parents must form a chain")
-            (res,) = self.engine.verify_chain([ChainVerifyRequest(sid, tuple(frame.tokens), tuple(frame.q),
-                                                                  frame.prefix_len, frame.resampled, frame.more)])
-        ms = (time.perf_counter() - t0) * 1e3
-        if not frame.more:  # a refill of residual candidates runs no forward
-            self.verify_ms = ms if self.verify_ms is None else 0.8 * self.verify_ms + 0.2 * ms
-        if isinstance(res, SpecError):
-            raise res
-        self._close_if_finished(sid, res.finished)
-        depth = self._depth_hint(frame.draft_ms, frame.rtt_ms)
-        if frame.q is not None:
-            return ReplyFrame.of_chain(res, depth, self.budget_hint).encode()
-        return ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
-                          depth, self.budget_hint,
-                          logprobs=list(res.logprobs) if res.logprobs is not None else None).encode()
-
-    async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
-        if self.before_verify is not None:
-            self.before_verify(self, sid, self.rounds)
-        self.rounds += 1
-        sink = _early_sink(asyncio.get_running_loop(), on_early, self.rtt_ms / 2e3) if on_early else None
-        return ReplyFrame.decode(await self._call(self._verify, sid, frame.encode(), sink))
-
-    async def close(self, sid: str) -> None:
-        self.closes_on_finish.discard(sid)
-        await self._call(self.engine.close, sid)
-
-    async def ping(self) -> float:
-        t0 = time.perf_counter()
-        await self._net()
-        await self._net()
-        return time.perf_counter() - t0
-
-
-def _early_sink(loop: asyncio.AbstractEventLoop, on_early, delay_s: float):
-    """The engine's ``on_early`` (worker thread, mid-forward) -> ``on_early(EarlyFrame)`` on the
-    event loop after the simulated downlink delay, through the wire codec."""
-    def sink(results) -> None:
-        for r in results:
-            f = EarlyFrame.decode(EarlyFrame(r.prefix_len, r.layer, list(r.accepted), r.token, r.confidence).encode())
-            loop.call_soon_threadsafe(loop.call_later, delay_s, on_early, f)
-    return sink
-
-
-# -- over the network ------------------------------------------------------------------------
 @dataclass
 class RetryPolicy:
     attempts: int = 4  # tries per call (first one included)
@@ -557,4 +351,3 @@ def _raise_json_error(text: str) -> None:
         body = None
     status = int(body.get("status", 400)) if isinstance(body, dict) else 400
     raise error_from_json(status, body, body.get("retry_after") if isinstance(body, dict) else None)
-

@@ -1,4 +1,5 @@
-"""Transport pieces: error mapping, local frames, and the edge install staying free of Ray."""
+"""HttpTransport: WebSocket by default with a fall-back to POST, a proxy's bare 5xx as a lost reply;
+and the edge install staying free of Ray and Serve."""
 
 from __future__ import annotations
 
@@ -10,52 +11,6 @@ import pytest
 
 from specdec import errors as E
 from specdec.protocol import OpenSession, VerifyFrame
-from specdec.engine import VerifierEngine
-from specdec.model.loading import tiny_random_model
-from edge_agent.errors import error_from_json
-from edge_agent.transport import LocalTransport
-
-
-@pytest.mark.parametrize("status,code,cls", [(410, "session_evicted", E.SessionEvicted),
-                                             (404, "session_not_found", E.SessionNotFound),
-                                             (401, "unauthorized", E.Unauthorized),
-                                             (409, "prefix_mismatch", E.PrefixMismatch),
-                                             (400, "invalid_tree", E.InvalidTree)])
-def test_error_codes_map_back_to_typed_errors(status, code, cls):
-    e = error_from_json(status, {"error": {"code": code, "message": "m", "extra": 1}})
-    assert type(e) is cls and e.message == "m" and e.details == {"extra": 1}
-
-
-def test_overloaded_keeps_retry_after_and_unknown_codes_keep_status():
-    e = error_from_json(429, {"error": {"code": "overloaded", "message": "busy"}}, retry_after=3.0)
-    assert isinstance(e, E.Overloaded) and e.retry_after == 3.0
-    e = error_from_json(429, {"error": {"code": "overloaded", "message": "busy", "retry_after": 0.5}})
-    assert e.retry_after == 0.5
-    e = error_from_json(418, None)
-    assert isinstance(e, E.SpecError) and e.status == 418 and e.code == "http_418"
-
-
-def test_local_transport_speaks_the_protocol_and_reports_lost_sessions():
-    eng = VerifierEngine(tiny_random_model(seed=0), eos_token_ids=[2])
-    tr = LocalTransport(eng, rtt_ms=2.0)
-
-    async def main():
-        info = await tr.model_info()
-        assert info.vocab_size == 512 and info.eos_token_ids == (2,)
-        s = await tr.open(OpenSession(prompt_ids=[1, 2, 3], sampling={"max_tokens": 8}))
-        assert s.prefix_len == 4 and s.first_token is not None and s.depth_hint >= 1
-        r = await tr.verify(s.session_id, VerifyFrame(prefix_len=4, tokens=[7, 8], parents=[-1, 0]))
-        assert r.prefix_len == 5 + len(r.accepted) and r.bonus is not None
-        with pytest.raises(E.PrefixMismatch):
-            await tr.verify(s.session_id, VerifyFrame(prefix_len=4, tokens=[], parents=[]))
-        tr.drop_session(s.session_id)
-        with pytest.raises(E.SessionEvicted):
-            await tr.verify(s.session_id, VerifyFrame(prefix_len=r.prefix_len, tokens=[], parents=[]))
-        with pytest.raises(E.SessionNotFound):
-            await tr.verify("nope", VerifyFrame(prefix_len=4, tokens=[], parents=[]))
-        assert await tr.ping() >= 0.002
-
-    asyncio.run(main())
 
 
 def test_edge_agent_imports_no_ray_or_serve():
