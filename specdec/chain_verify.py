@@ -1,4 +1,4 @@
-"""Chain verification: DSSD's split rejection sampling, batched (part of :class:`specdec.engine.VerifierEngine`).
+"""Chain verification: DSSD's split rejection sampling, batched (the engine's chain verifier).
 
 The edge sends chain drafts with the draft's q(x) of each token (:class:`ChainVerifyRequest`);
 one target forward verifies many sessions' chains and the server accepts x_i w.p.
@@ -12,18 +12,22 @@ emitted tokens follow the target's distribution (greedy: its argmax); ``docs/acc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from specdec.acceptance import ChainAcceptance, more_candidates, rejection_sample_chain, sparse_rejection
-from specdec.engine_types import ChainVerifyRequest, ChainVerifyResult, Session, tree_item
+from specdec.engine_types import ChainVerifyRequest, ChainVerifyResult, Session, check_ids, tree_item
 from specdec.errors import InvalidRequest, PrefixMismatch, SessionFinished, SpecError
+from specdec.model.batch import SeqInput
 from specdec.sampling import target_probs
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, TreeLimits
 
 
 @dataclass
 class ChainJob:
-    """One admitted request of a :meth:`ChainVerifier.verify_chain` batch."""
+    """One admitted request of a chain batch."""
 
     index: int  # of the request in the batch
     session: Session
@@ -33,12 +37,25 @@ class ChainJob:
 
 
 class ChainVerifier:
-    """The chain half of :class:`~specdec.engine.VerifierEngine` (a mixin: the state and helpers
-    -- ``get``, ``_live``, ``_emit``, ``_forward``, ``_commit``, ``_ready_versions`` -- are the engine's)."""
+    """DSSD's rules for chain requests: :meth:`admit` a batch, :meth:`walk` each job's rows,
+    :meth:`reply`. The engine runs the forward and commits the KV in between; the sessions (and
+    a rejection's pending state, ``Session.awaiting_resample`` and ``residual_tail``) are its.
 
-    def verify_chain(self, requests: list[ChainVerifyRequest]) -> list[ChainVerifyResult | SpecError]:
-        """Chain drafts with rejection sampling (DSSD), batched like trees: one result or error
-        per request, in order; an invalid request leaves its session intact."""
+    ``get``/``live``: the engine's session lookups (``live`` also checks the prefix length and
+    that the session is not finished); ``remaining``: tokens a session may still emit; ``emit``:
+    append tokens to a session and update its finished state."""
+
+    def __init__(self, *, get: Callable[[str], Session], live: Callable[[str, int], Session],
+                 remaining: Callable[[Session], int], emit: Callable[[Session, list[int]], None],
+                 vocab_size: int, limits: TreeLimits, top_k: int):
+        self.get, self.live, self.remaining, self.emit = get, live, remaining, emit
+        self.vocab_size = vocab_size
+        self.limits = limits  # a chain is validated as a tree
+        self.top_k = top_k  # head and tail candidates of a rejection's reply
+
+    def admit(self, requests: list[ChainVerifyRequest]) -> tuple[list, list[ChainJob]]:
+        """Per request, its error, its result (answered without a forward), or None for a job;
+        and the jobs for the forward. An invalid request leaves its session intact."""
         out: list = [None] * len(requests)
         todo: list[ChainJob] = []
         seen: set[str] = set()
@@ -46,29 +63,21 @@ class ChainVerifier:
             try:
                 if r.sid in seen:
                     raise InvalidRequest(f"session {r.sid!r} appears twice in one batch")
-                job = self._admit_chain(i, r, seen)
+                job = self._admit_one(i, r, seen)
                 if isinstance(job, ChainJob):
                     todo.append(job)
                 else:  # answered without a forward
                     out[i] = job
             except SpecError as e:
                 out[i] = e
-        failed = self._ready_versions({j.session.adapter for j in todo})
-        for j in todo:
-            if j.session.adapter in failed:
-                out[j.index] = failed[j.session.adapter]
-        todo = [j for j in todo if j.session.adapter not in failed]
-        if not todo:
-            return out
-        bid, logits = self._forward("chain", [tree_item(j.session, DraftTree.chain(j.tokens)) for j in todo])
-        walks = [self._walk_chain(j, lg) for j, lg in zip(todo, logits)]
-        # a chain's accepted nodes follow the root in place
-        self._commit(bid, {j.session.sid: (1 + len(accepted), []) for j, (_acc, accepted) in zip(todo, walks)})
-        for j, (acc, accepted) in zip(todo, walks):
-            out[j.index] = self._reply_chain(j.session, acc, accepted)
-        return out
+        return out, todo
 
-    def _admit_chain(self, i: int, r: ChainVerifyRequest, seen: set[str]) -> ChainJob | ChainVerifyResult:
+    @staticmethod
+    def item(job: ChainJob) -> SeqInput:
+        """The job's forward input: the session's root and its chain."""
+        return tree_item(job.session, DraftTree.chain(job.tokens))
+
+    def _admit_one(self, i: int, r: ChainVerifyRequest, seen: set[str]) -> ChainJob | ChainVerifyResult:
         """Validate a request (raising its error) and apply an owed resampled token; a job for
         the forward, or the result when none is needed."""
         s = self.get(r.sid)
@@ -77,7 +86,7 @@ class ChainVerifier:
         if s.params.logprobs is not None:  # a rejection's token is the edge's sample: no target row for it
             raise InvalidRequest("logprobs are served in tree mode only, not in chain mode")
         if r.more:
-            refill = self._chain_more(s, r)
+            refill = self._more(s, r)
             seen.add(r.sid)
             # re-opened: p of the next position takes a forward of the root alone
             return refill if refill is not None else ChainJob(i, s, [], [], fresh=True)
@@ -90,36 +99,36 @@ class ChainVerifier:
         if s.awaiting_resample:
             if r.resampled is None:
                 raise InvalidRequest("the previous round was rejected: send the resampled token")
-            self._check_ids([r.resampled], "resampled")
+            check_ids([r.resampled], self.vocab_size, "resampled")
             if r.prefix_len != len(s.prefix) + 1:
                 raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens, expected "
                                      f"{len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + 1)
             seen.add(r.sid)
             s.awaiting_resample, s.residual_tail = False, None
-            self._emit(s, [int(r.resampled)])
+            self.emit(s, [int(r.resampled)])
             if s.finished:
                 return ChainVerifyResult(s.sid, 0, None, prefix_len=len(s.prefix), finished=True,
                                          finish_reason=s.finish_reason)
         else:
             if r.resampled is not None:
                 raise InvalidRequest("no rejected round is pending: resampled must be absent")
-            self._live(r.sid, r.prefix_len)
+            self.live(r.sid, r.prefix_len)
             seen.add(r.sid)
         tokens = DraftTree.chain(r.tokens).tokens  # as ints
-        k = min(len(tokens), self._remaining(s) - 1)  # accepted + bonus within max_tokens
+        k = min(len(tokens), self.remaining(s) - 1)  # accepted + bonus within max_tokens
         return ChainJob(i, s, list(tokens[:k]), list(r.q[:k]))
 
-    def _walk_chain(self, job: ChainJob, logits) -> tuple[ChainAcceptance, list[int]]:
+    def walk(self, job: ChainJob, logits: torch.Tensor) -> tuple[ChainAcceptance, list[int]]:
         """Rejection-sample a job's chain with its rows (``logits`` [k + 1, vocab]): the
         acceptance and the accepted tokens (cut after a stop token)."""
         s = job.session
         pen = s.penalties(self.vocab_size, logits.device)
         if job.fresh:  # the edge's rejection state was lost with the session: a whole new one
             row = logits[0] if pen is None else pen.apply(logits[0])
-            rej, tail = sparse_rejection(target_probs(row, s.params).cpu(), 0.0, self.chain_top_k, s.generator)
+            rej, tail = sparse_rejection(target_probs(row, s.params).cpu(), 0.0, self.top_k, s.generator)
             acc = ChainAcceptance(0, None, rej, tail)
         else:
-            acc = rejection_sample_chain(job.tokens, job.q, logits, s.params, s.generator, self.chain_top_k,
+            acc = rejection_sample_chain(job.tokens, job.q, logits, s.params, s.generator, self.top_k,
                                          penalties=pen)
         accepted = job.tokens[: acc.num_accepted]
         cut = next((j for j, t in enumerate(accepted) if t in s.stop_ids), None)
@@ -127,17 +136,17 @@ class ChainVerifier:
             accepted, acc = accepted[: cut + 1], ChainAcceptance(cut + 1, None)
         return acc, accepted
 
-    def _reply_chain(self, s: Session, acc: ChainAcceptance, accepted: list[int]) -> ChainVerifyResult:
+    def reply(self, s: Session, acc: ChainAcceptance, accepted: list[int]) -> ChainVerifyResult:
         """Emit a walked chain's tokens; on a rejection the session then owes the resampled token."""
         s.last_used = time.monotonic()
-        self._emit(s, accepted + ([acc.bonus] if acc.bonus is not None else []))
+        self.emit(s, accepted + ([acc.bonus] if acc.bonus is not None else []))
         if acc.bonus is None and not s.finished:
             s.awaiting_resample, s.residual_tail = True, acc.tail
             return ChainVerifyResult.of_rejection(s.sid, acc.num_accepted, acc.rejection, len(s.prefix) + 1)
         return ChainVerifyResult(s.sid, acc.num_accepted, acc.bonus, prefix_len=len(s.prefix),
                                  finished=s.finished, finish_reason=s.finish_reason)
 
-    def _chain_more(self, s: Session, r: ChainVerifyRequest) -> ChainVerifyResult | None:
+    def _more(self, s: Session, r: ChainVerifyRequest) -> ChainVerifyResult | None:
         """A ``more`` request: fresh tail candidates of the pending rejection, or None when the
         session owes nothing (re-opened) and the next position needs a forward."""
         if s.params.greedy:
@@ -148,10 +157,10 @@ class ChainVerifier:
             raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens with the owed token, "
                                  f"expected {len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + s.awaiting_resample)
         if not s.awaiting_resample:
-            self._live(s.sid, len(s.prefix))
+            self.live(s.sid, len(s.prefix))
             return None
         if s.residual_tail is None:
             raise InvalidRequest("the rejection carried all of p: the edge needs nothing more")
         s.last_used = time.monotonic()
-        rej = more_candidates(s.residual_tail, self.chain_top_k, s.generator)
+        rej = more_candidates(s.residual_tail, self.top_k, s.generator)
         return ChainVerifyResult.of_rejection(s.sid, 0, rej, len(s.prefix) + 1)

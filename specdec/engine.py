@@ -4,8 +4,11 @@ Pure torch, no Ray (SpecEdge §4.1, disaggregated decoding; ``docs/engine.md``; 
 "One generation, end to end", steps 1, 4-6). :meth:`VerifierEngine.verify` verifies the draft
 trees of many sessions in one target forward (:mod:`specdec.model.runner`), walks each tree by
 sampling the target (:mod:`specdec.acceptance`), keeps the KV of the root and the accepted path
-and returns the accepted node indices and the bonus token. Prefill: :mod:`specdec.prefill`;
-chain drafts (DSSD): :mod:`specdec.chain_verify`; requests and results: :mod:`specdec.engine_types`.
+and returns the accepted node indices and the bonus token. The engine owns the session table, the
+target versions and every forward (packing, KV commit); its collaborators own the rest of their
+jobs: the sessions being prefilled and their chunks (:class:`specdec.prefill.PrefillQueue`) and
+DSSD's chain rules (:class:`specdec.chain_verify.ChainVerifier`). Requests and results:
+:mod:`specdec.engine_types`.
 
 Guarantees: lossless (greedy: the target's argmax; sampled: the target's distribution) and batch
 invariant -- a session's output is, token for token, that of decoding it alone one token at a time,
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 
 import torch
 
@@ -32,7 +34,7 @@ from specdec.exit_heads import EarlyExit
 from specdec.logprobs import token_logprobs
 from specdec.model.batch import SeqInput
 from specdec.model.runner import ModelRunner
-from specdec.prefill import Prefilling, PrefillState
+from specdec.prefill import PrefillChunk, PrefillQueue, PrefillState, admit_open
 from specdec.proposal import check_proposals
 from specdec.sampling import greedy_rows
 from specdec.tree import TreeLimits
@@ -42,11 +44,14 @@ __all__ = ["VerifierEngine", "Session", "OpenRequest", "OpenResult", "VerifyRequ
            "ChainVerifyRequest", "ChainVerifyResult", "ForwardStats"]
 
 
-class VerifierEngine(Prefilling, ChainVerifier):
+class VerifierEngine:
     """Sessions of one target (and its LoRA versions) on one KV pool: :meth:`open` /
     :meth:`begin_open` + :meth:`prefill_step`, :meth:`verify`, :meth:`verify_chain`, :meth:`close`.
     Each batch method takes a list of requests and returns one result or
-    :class:`~specdec.errors.SpecError` per request, in order; an invalid request touches no session."""
+    :class:`~specdec.errors.SpecError` per request, in order; an invalid request touches no session.
+
+    It keeps the session table (:attr:`sessions`), the target versions and the forwards; the
+    sessions being prefilled are its :attr:`prefill_queue`'s, DSSD's chain rules its :attr:`chains`'."""
 
     def __init__(self, model, *, eos_token_ids=(), limits: TreeLimits = TreeLimits(),
                  max_model_len: int | None = None, runner=None, chain_top_k: int = 64,
@@ -57,22 +62,37 @@ class VerifierEngine(Prefilling, ChainVerifier):
         self.runner = runner if runner is not None else ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens,
                                                                     compile=compile, prefix_caching=prefix_caching)
         self.prefix_caching = prefix_caching  # (a runner passed in is built with the same setting)
-        self.prefix_tokens = [0, 0]  # prompt tokens looked up in the prefix cache, and found there
         self.vocab_size = model.config.vocab_size
         self.max_batch_tokens = max_batch_tokens
-        self.prefilling: OrderedDict[str, PrefillState] = OrderedDict()
-        self.opened: list[OpenResult] = []  # completed by chunks inside verify forwards
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.limits = limits
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 1 << 16)
-        self.chain_top_k = chain_top_k
         self.sessions: dict[str, Session] = {}
+        self.prefill_queue = PrefillQueue(self.sessions, self.runner, vocab_size=self.vocab_size,
+                                          prefix_caching=prefix_caching, emit=self._emit, salt=self._salt)
+        self.chains = ChainVerifier(get=self.get, live=self._live, remaining=self._remaining, emit=self._emit,
+                                    vocab_size=self.vocab_size, limits=limits, top_k=chain_top_k)
         self.on_forward = on_forward  # callback(ForwardStats)
         self._batch_ids = itertools.count()
         self.exit_heads = None  # ExitHeads: early results mid-forward for requests with ``early``
         self._on_layer = None  # the next forward's per-layer hook (exit heads)
         self.version_failures: dict[str, SpecError] = {}  # sessions closed as their version failed to load
         self._version_epoch: dict[str, int] = {}  # a re-pointed version's cached KV is never matched again
+
+    @property
+    def prefilling(self) -> dict[str, PrefillState]:
+        """Sessions being prefilled (sid -> state), in arrival order."""
+        return self.prefill_queue.prefilling
+
+    @property
+    def prefix_tokens(self) -> list[int]:
+        """Prompt tokens looked up in the prefix cache, and found there."""
+        return self.prefill_queue.prefix_tokens
+
+    @property
+    def chain_top_k(self) -> int:
+        """Head and tail candidates of a chain rejection's reply."""
+        return self.chains.top_k
 
     # -- helpers ------------------------------------------------------------------
     def get(self, sid: str) -> Session:
@@ -88,11 +108,6 @@ class VerifierEngine(Prefilling, ChainVerifier):
     def kv_used_tokens(self) -> int:
         """KV pool capacity the sessions hold (whole pages)."""
         return self.runner.kv_used_tokens()
-
-    def _check_ids(self, ids, what: str) -> None:
-        for t in ids:
-            if not (0 <= int(t) < self.vocab_size):
-                raise InvalidRequest(f"{what}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
 
     def _emit(self, s: Session, tokens: list[int]) -> None:
         """Append emitted tokens and update the finished state."""
@@ -144,6 +159,67 @@ class VerifierEngine(Prefilling, ChainVerifier):
             raise KVStateLost(f"the KV commit of a batch failed ({type(e).__name__}); its sessions were "
                               "dropped: re-open from history", sessions=keep) from e
 
+    def _forward_prefilling(self, kind: str, items: list[SeqInput], chunks: list[PrefillChunk]):
+        """One forward of ``items`` with prefill ``chunks`` riding along after them."""
+        try:
+            return self._forward(kind, items + [c.item for c in chunks], sum(c.n for c in chunks))
+        except SpecError:  # the pool is full: the sessions being prefilled fail, the rest goes on
+            self.prefill_queue.fail(chunks)
+            raise
+
+    @staticmethod
+    def _fail_versions(jobs: list, out: list, failed: dict[str, SpecError]) -> list:
+        """Jobs whose version failed to load get its error as their result; the others go on."""
+        for j in jobs:
+            if j.session.adapter in failed:
+                out[j.index] = failed[j.session.adapter]
+        return [j for j in jobs if j.session.adapter not in failed]
+
+    # -- open (prefill: specdec.prefill) -----------------------------------------
+    def open(self, requests: list[OpenRequest]) -> list[OpenResult | SpecError]:
+        """Prefill new (or re-opened) sessions to the end; sample first tokens."""
+        out: list[OpenResult | SpecError | None] = list(self.begin_open(requests))
+        index = {r.sid: i for i, r in enumerate(requests) if out[i] is None}
+        while any(sid in self.prefill_queue for sid in index):
+            for res in self.prefill_step(self.max_batch_tokens, only=set(index)):
+                if res.sid in index:
+                    out[index[res.sid]] = res
+        for sid, e in self.take_version_failures().items():  # their version failed to load
+            if sid in index and out[index[sid]] is None:
+                out[index[sid]] = e
+        return out  # type: ignore[return-value]
+
+    def begin_open(self, requests: list[OpenRequest]) -> list[SpecError | None]:
+        """Validate and queue sessions for prefill; an error per invalid request, else None."""
+        out: list[SpecError | None] = [None] * len(requests)
+        for i, r in enumerate(requests):
+            try:
+                if r.sid in self.sessions or r.sid in self.prefill_queue:  # twice would share one KV
+                    raise InvalidRequest(f"session {r.sid!r} already exists")
+                state = admit_open(r, self.vocab_size, self.max_model_len, self.eos_token_ids)
+                self._check_version(r.adapter)
+                self.prefill_queue.add(state)
+            except SpecError as e:
+                out[i] = e
+        return out
+
+    def prefill_step(self, budget_tokens: int, only: set[str] | None = None) -> list[OpenResult]:
+        """One forward over at most ``budget_tokens`` queued prompt tokens (first come, first
+        served; ``only``: these sessions); returns the sessions whose prefill completed, with
+        their first token."""
+        chunks = self.prefill_queue.take(budget_tokens, only)
+        if self._ready_versions({c.state.session.adapter for c in chunks}):
+            chunks = self.prefill_queue.still_queued(chunks)
+        if not chunks:
+            return []
+        bid, logits = self._forward_prefilling("prefill", [], chunks)
+        self._commit(bid, self.prefill_queue.keep(chunks))
+        return self.prefill_queue.finish(chunks, logits)
+
+    def take_opened(self) -> list[OpenResult]:
+        """Opens completed by prefill chunks that rode along with verify forwards."""
+        return self.prefill_queue.take_opened()
+
     # -- close --------------------------------------------------------------------
     def close(self, sid: str, cache: bool = True) -> None:
         """End a session; its committed KV is offered to later prompts unless ``cache`` is False
@@ -152,7 +228,7 @@ class VerifierEngine(Prefilling, ChainVerifier):
         if s is not None and cache and self.prefix_caching:
             self._cache(s)
         self.runner.drop(sid)
-        self.prefilling.pop(sid, None)
+        self.prefill_queue.discard(sid)
 
     # -- prefix caching -----------------------------------------------------------------
     def _salt(self, s: Session) -> tuple:
@@ -243,30 +319,27 @@ class VerifierEngine(Prefilling, ChainVerifier):
                 out[i] = e
         if not jobs:
             return out  # type: ignore[return-value]
-        pre_items, chunks = self._prefill_items(prefill_tokens) if prefill_tokens > 0 else ([], [])
-        failed = self._ready_versions({j.session.adapter for j in jobs} | {p.session.adapter for p, _n, _d in chunks})
+        chunks = self.prefill_queue.take(prefill_tokens) if prefill_tokens > 0 else []
+        failed = self._ready_versions({j.session.adapter for j in jobs} | {c.state.session.adapter for c in chunks})
         if failed:  # a version that cannot be loaded fails its own sessions, not the batch
-            for j in jobs:
-                if j.session.adapter in failed:
-                    out[j.index] = failed[j.session.adapter]
-            jobs = [j for j in jobs if j.session.adapter not in failed]
-            pre_items, chunks = self._without_closed(pre_items, chunks)
+            jobs = self._fail_versions(jobs, out, failed)
+            chunks = self.prefill_queue.still_queued(chunks)
             if not jobs:
                 return out  # type: ignore[return-value]
         items = [tree_item(j.session, j.tree) for j in jobs]
         if on_early is not None and self.exit_heads is not None:  # exit heads walk the trees mid-forward
             self._on_layer = EarlyExit.for_batch(self, requests, jobs, on_early)
-        bid, logits = self._forward_prefilling("verify", items + pre_items, chunks)
+        bid, logits = self._forward_prefilling("verify", items, chunks)
         logits, pre_logits = logits[: len(items)], logits[len(items):]
         # on a GPU, every row's argmax in one launch and one copy (not a launch and a sync per visited row)
         argmax = greedy_rows(logits) if logits and logits[0].is_cuda else [None] * len(logits)
         walks = [self._walk_tree(j, lg, top) for j, lg, top in zip(jobs, logits, argmax)]
-        keep = self._prefill_keep(chunks)
+        keep = self.prefill_queue.keep(chunks)
         for j, acc in zip(jobs, walks):
             root = len(j.session.prefix) - 1  # node a was written at root + 1 + a
             keep[j.session.sid] = (1, [root + 1 + a for a in acc.accepted])  # the root and the accepted path
         self._commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
-        self.opened += self._finish_prefill(chunks, pre_logits)
+        self.prefill_queue.finish(chunks, pre_logits, hold=True)
         for j, lg, acc in zip(jobs, logits, walks):
             out[j.index] = self._reply_tree(j, lg, acc)
         return out  # type: ignore[return-value]
@@ -318,3 +391,19 @@ class VerifierEngine(Prefilling, ChainVerifier):
         self._emit(s, emitted)
         return VerifyResult(s.sid, path, acc.bonus, tuple(emitted), len(s.prefix), s.finished, s.finish_reason,
                             job.verified, lps)
+
+    # -- chain drafts (DSSD: specdec.chain_verify) ---------------------------------
+    def verify_chain(self, requests: list[ChainVerifyRequest]) -> list[ChainVerifyResult | SpecError]:
+        """Chain drafts with rejection sampling (DSSD), batched like trees: one result or error
+        per request, in order; an invalid request leaves its session intact."""
+        out, todo = self.chains.admit(requests)
+        todo = self._fail_versions(todo, out, self._ready_versions({j.session.adapter for j in todo}))
+        if not todo:
+            return out
+        bid, logits = self._forward("chain", [self.chains.item(j) for j in todo])
+        walks = [self.chains.walk(j, lg) for j, lg in zip(todo, logits)]
+        # a chain's accepted nodes follow the root in place
+        self._commit(bid, {j.session.sid: (1 + len(accepted), []) for j, (_acc, accepted) in zip(todo, walks)})
+        for j, (acc, accepted) in zip(todo, walks):
+            out[j.index] = self.chains.reply(j.session, acc, accepted)
+        return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.errors import InvalidRequest
 from specdec.logprobs import TokenLogprob
 from specdec.model.batch import SeqInput, tree_input
 from specdec.penalties import penalties_for
@@ -170,6 +171,13 @@ class TreeJob:
     kept: tuple[int, ...] | None  # after a clip: node j of ``tree`` is node kept[j] of the sent tree
     verified: int  # nodes of the sent tree verified (all of them unless truncated by ``limit``)
     proposals: tuple[Proposal | None, ...] | None  # tree rejection sampling: per position of ``tree``
+
+
+def check_ids(ids, vocab_size: int, what: str) -> None:
+    """Raise :class:`~specdec.errors.InvalidRequest` unless every token id is in the vocabulary."""
+    for t in ids:
+        if not (0 <= int(t) < vocab_size):
+            raise InvalidRequest(f"{what}: token id {t} is outside the vocabulary [0, {vocab_size})")
 
 
 def tree_item(s: Session, tree: DraftTree) -> SeqInput:
