@@ -21,7 +21,8 @@ import json
 import os
 import sys
 
-from edge_agent.agent import MAX_GUESSES, MODES, VERIFY_RULES, AgentConfig, EdgeAgent
+from edge_agent.agent import EdgeAgent
+from edge_agent.config import MAX_GUESSES, MODES, VERIFY_RULES, AgentConfig
 from edge_agent.depth import POLICIES
 from specdec.version import package_version
 

@@ -1,34 +1,13 @@
-"""Draft-depth control: fixed, server-paced (SpecEdge §4.3), FlexSpec (§IV-B), and both.
+"""Draft-depth control (docs/edge_agent.md, "Draft depth"): depth = draft forwards per tree.
 
-Depth = number of draft forwards per tree. The edge measures, continuously:
+:class:`Telemetry` is what the edge measures (draft forward time, RTT, the server's time as
+``base + slope * nodes``, a per-level acceptance ``alpha``); :class:`DepthPolicy` picks the next
+depth from it:
 
-- ``draft_ms``: time of one draft forward (EMA);
-- ``rtt_ms``: network round trip, from ``GET /v1/health`` pings (EMA);
-- ``server_ms`` as a function of tree size: the verify round time minus the RTT,
-  fitted online as ``base + slope * nodes`` (EMA least squares). The slope is the
-  marginal cost of one more draft node: server compute (FlexSpec's δ_cloud) *and* its
-  6 uplink bytes over the link (b / R_n), measured together because both grow with the
-  node count;
-- acceptance: a per-level acceptance probability ``alpha`` (EMA of the truncated
-  geometric model: a round that accepted ``a`` of ``K`` levels counts ``a`` successes
-  and one failure if ``a < K``); ``E[tokens | K] = sum_{i=0..K} alpha^i`` (the accepted
-  levels plus the bonus token).
-
-Policies:
-
-- ``fixed``: always ``depth``.
-- ``server``: the server's pacing hint (``depth_hint`` in each reply): the depth at
-  which ``edge draft time + RTT ≈ server verify time`` (SpecEdge §4.3), so verify
-  batches of many interleaved sessions stay full. Falls back to ``depth`` without one.
-- ``flexspec``: ``argmax_K E[tokens | K] / (T_fixed + K * T_marginal)`` with
-  ``T_fixed = RTT + base`` and ``T_marginal = draft_ms + slope * nodes_per_level``
-  (FlexSpec Eq. 11): the edge's own tokens per second.
+- ``fixed``: always ``depth``;
+- ``server``: the server's pacing hint, edge draft time + RTT ≈ server verify time (SpecEdge §4.3);
+- ``flexspec``: ``argmax_K E[tokens | K] / (T_fixed + K * T_marginal)`` (FlexSpec §IV-B, Eq. 11);
 - ``auto`` (default): FlexSpec's K*, capped by the server's hint when there is one.
-  The hint is the pipeline's time budget: drafting deeper makes this edge late for the
-  verifier's next batch (a bubble on the server and more verify work under load), so it
-  is an upper bound; below it, FlexSpec picks the depth that the measured acceptance,
-  RTT and link make most productive for this edge (shallower when acceptance drops or
-  the link slows, which the server cannot see).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from specdec.sampling import SamplingParams, sample_from_probs, target_probs
 from specdec.tree import DraftTree
 from edge_agent.drafter import Candidates, Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeBuilder, TreeConfig
+from edge_agent.tree_session import Alignment
 
 
 @dataclass
@@ -44,16 +45,10 @@ class _ProNode:
 
 
 @dataclass
-class Alignment:
-    """What the reply did to the proactive chain."""
-
-    attempted: bool  # a proactive token existed when the reply came
-    aligned: bool  # complete draft alignment
-    reused: int  # proactive tokens carried into the next tree
-
-
-@dataclass
 class DraftSession:
+    """The ``match`` rule's trees (a :class:`~edge_agent.tree_session.TreeSession`): grown by
+    cumulative log-prob, with a proactive chain below the best leaf while the reply is away."""
+
     drafter: Drafter
     config: TreeConfig = field(default_factory=TreeConfig)
     forward_times: list[float] = field(default_factory=list)  # seconds per draft forward

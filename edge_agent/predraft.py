@@ -1,43 +1,16 @@
-"""The pre-draft cache (early-exit paper §3 steps 4-6, Appendix A, Algorithm 1).
+"""The pre-draft cache (the early-exit paper §3 steps 4-6, Appendix A, Algorithm 1; docs/edge_agent.md,
+"Pre-drafting").
 
-While a verify round is in flight the server streams early results (``F_EARLY``,
-:class:`specdec.protocol.EarlyFrame`): after an exit layer, the accepted path of the tree
-sent and the next token that exit's walk gives, with its probability. For each distinct
-guess the edge drafts the *next* tree as if that guess were the round's outcome, highest
-confidence first (the paper's priority queue), one draft forward per :meth:`step`, and
-keeps it keyed by the guess. When the final reply (last layer) arrives:
+While a verify round is in flight, :class:`PreDraftCache` drafts the *next* tree for each guess of
+the round's outcome, most confident first, one draft forward per :meth:`~PreDraftCache.step`: the
+server's early results (``F_EARLY``, :meth:`~PreDraftCache.offer`) or the edge's own guesses
+(``q(path to v) * q(t | v)``, :meth:`~PreDraftCache.begin_round` with ``guess_nodes``). When the reply
+lands, :meth:`~PreDraftCache.take` finds the entry that matches it (a hit) and
+:meth:`~PreDraftCache.install` makes it the next tree, its draft KV kept; on a miss every entry is
+dropped. Entries share the draft session's KV cache (at most 64 fed nodes per round).
 
-- **hit**: an entry's path and token equal the reply's accepted path and bonus token; that
-  tree becomes the next round's tree at once (:meth:`install`): its draft KV stays, the
-  accepted path and the new root join the verified prefix, and only the forwards it still
-  lacks (usually none) run before it is sent;
-- **miss**: every entry is dropped and the agent goes on as without early results:
-  SpecEdge's proactive chain (complete draft alignment) or a fresh tree.
-
-**Guesses of the edge's own** (no early results; SpecEdge §4.2's proactive drafting, widened):
-the reply of a round is one outcome (the accepted path ends at some verified node ``v`` and
-the target's next token there, the bonus, is ``t``). The draft already estimates each one:
-``P(v, t) ~ q(path to v) * q(t | v)`` for every ``t`` among ``v``'s draft candidates that is not
-one of ``v``'s verified children (those would continue the path). Which nodes the server will
-verify is the edge's estimate too: the first ``verified`` nodes of the priority order sent (the
-count the last reply reported; the server truncates by prefix). At the start of the round
-(:meth:`PreDraftCache.begin_round` with ``guess_nodes``) one draft forward feeds the estimated-
-verified nodes the tree left unfed (its leaves: their ``q(t | v)`` is needed), and the likeliest
-outcomes become entries, drafted most probable first in the time the reply is away. SpecEdge's
-single proactive chain is the one outcome "the path to the best leaf, then the leaf's top
-token"; with the server truncating trees by prefix that leaf is often not even verified.
-Measured on the embedded pair at one session (docs/benchmarks.md, "Guesses of the edge's
-own"): 6 guesses hit 26-32 % of rounds for ~7x the edge's draft forwards, and ITL did not move beyond noise;
-``AgentConfig.guesses`` is 0 by default.
-
-Only the choice of the next draft depends on early results or guesses; every emitted token
-comes from the final reply, so the output is the target's in every case.
-
-Entries live in the draft session's one KV cache, beside the sent tree and the proactive
-chain: an entry's nodes hang below the sent tree's node at the end of its path (fed first
-when the draft had not fed it), so they see the prefix, that path and their own ancestors
-(:class:`edge_agent.drafter.ModelDrafter`'s ancestor bits; at most 64 fed nodes per round,
-shared by all of them).
+Guarantee: only the choice of the next draft depends on the guesses; every emitted token comes from
+the final reply, so the output is the target's.
 """
 
 from __future__ import annotations
@@ -49,6 +22,7 @@ from specdec.protocol import EarlyFrame
 from edge_agent.drafter import ExpandRequest
 from edge_agent.drafting import DraftSession
 from edge_agent.tree_builder import ROOT, TreeBuilder
+from edge_agent.tree_session import Alignment
 
 
 @dataclass
@@ -240,12 +214,15 @@ class PreDraftCache:
         self.prefix_len, self._guess_nodes = -1, None
         return hit
 
-    def install(self, e: Entry) -> None:
-        """Make ``e``'s tree the draft session's next tree (after a hit)."""
+    def install(self, e: Entry) -> Alignment:
+        """Make ``e``'s tree the draft session's next tree (after a hit); returns what that did to
+        the proactive chain (dropped)."""
         ds = self.ds
+        al = Alignment(bool(ds.chain), False, 0)
         new_prefix = ds.prefix + e.emitted
         live = [nid for nid, n in e.builder.nodes.items() if n.expanded]
         ds.drafter.advance(new_prefix, e.path_ids + [e.root_id], live)
         ds.prefix = new_prefix
         ds.builder = e.builder
         ds.sent, ds.chain = None, []
+        return al

@@ -35,8 +35,8 @@ from specdec.proposal import Proposal, draw_without_replacement, make_proposal
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
 from edge_agent.drafter import Drafter, ExpandRequest
-from edge_agent.drafting import Alignment
 from edge_agent.tree_builder import ROOT, TreeConfig
+from edge_agent.tree_session import Alignment
 
 PRIOR_RATES = (0.5, 0.15, 0.08, 0.05, 0.03, 0.02, 0.02, 0.02)  # a_i before measurements (i-th sibling)
 RATE_EMA = 0.05  # weight of one observation in a_i
@@ -91,8 +91,9 @@ class _Node:
 
 @dataclass
 class SampledTreeSession:
-    """One generation's sampled trees: :meth:`draft` builds a tree, :meth:`freeze` sends it
-    with :meth:`proposals`, :meth:`on_reply` applies the server's walk and learns the rates."""
+    """One generation's sampled trees (a :class:`~edge_agent.tree_session.TreeSession`):
+    :meth:`draft` builds a tree, :meth:`freeze` sends it with :meth:`proposals`, :meth:`on_reply`
+    applies the server's walk and learns the rates."""
 
     drafter: Drafter
     vocab_size: int
@@ -113,7 +114,7 @@ class SampledTreeSession:
         self.props: dict[int, Proposal] = {}  # position (-1 = root, else node index) -> proposal
         self.forwards = 0
 
-    # -- the interface the agent's tree loop uses (as DraftSession) ------------------------
+    # -- the rest of edge_agent.tree_session.TreeSession -----------------------------------
     def start(self, prefix: list[int], config: TreeConfig | None = None) -> None:
         if config is not None:
             self.config = config
@@ -127,7 +128,7 @@ class SampledTreeSession:
     def confidences(self, order: list[int]) -> None:
         return None  # the server never truncates these trees: no confidence bytes
 
-    def proactive_step(self, *args) -> bool:
+    def proactive_step(self) -> bool:
         return False
 
     def draft(self, depth: int) -> int:

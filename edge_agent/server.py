@@ -32,7 +32,7 @@ from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.draft_executor import DraftExecutor
 from edge_agent.errors import CloudUnavailable, ConnectionLost, EdgeError, ServerUnreachable
 from edge_agent.metrics import EdgeMetrics
-from edge_agent.transport import ModelInfo, Transport
+from edge_agent.transport.base import ModelInfo, Transport
 
 log = logging.getLogger("edge_agent.server")
 

@@ -1,36 +1,12 @@
-"""Which verification rule a request gets (``AgentConfig.verify = "auto"``; issue 17).
+"""Which verification rule a request gets (``AgentConfig.verify = "auto"``; issue 17; docs/edge_agent.md,
+"Choosing the rule").
 
-All rules are exact (:mod:`specdec.acceptance`); they differ in speed only. The issue
-asks the agent to pick "per request from temperature and measured acceptance":
-
-- greedy requests -> ``match`` (sample-then-match trees): with a point-mass target every
-  rule accepts exactly the argmax's child, and SpecExec trees cover the draft's top-k best.
-- temperature > 0 -> the rule with the highest *estimated acceptance* at that temperature
-  (rounded to 0.1): tokens per verify round trip, i.e. (accepted draft tokens + the one bonus
-  or residual token of each round) / (verify rounds + the rejection rule's refill round trips).
-  This is the benchmark's ``tokens_per_verify``; it leaves out prefill, time to first token and
-  the load of the moment, which polluted the whole-generation tokens per second used before.
-  The rules' per-round costs are taken as equal (they are close on the wire; chain rejection
-  costs the server more per token, see benchmarks/results/README.md, so ties go to trees).
-
-The estimate blends a temperature prior with what this agent measured: ``(PRIOR_ROUNDS x prior
-+ decayed measured tokens) / (PRIOR_ROUNDS + decayed measured round trips)``, so before anything is
-measured the prior decides and a few generations outweigh it. The prior is the embedded pair's
-measured tokens per verify round (benchmarks/results/README.md, "Sampled generation", the latest
-runs: 256 tokens per row, pooled over RTT 15 and 50): at T = 0.7 match 1.79, chain rejection 1.54,
-tree rejection 1.58; at T = 1.0 match 1.48, chain rejection 1.45, tree rejection 1.47; linear in
-between, constant outside. (The earlier, smaller runs had tree rejection ahead at T = 1.0, 1.695 vs
-1.61; the re-measure puts all three within its noise of about 0.2.) So every temperature starts on
-``match`` and the measurements decide, which a difference of 0.01-0.3 lets them do within a few
-generations. Every
-``explore_every``-th sampled request at a temperature runs the other rule with the least
-evidence, so a rule the prior ranks last is still measured, and a changed link, draft or prompt
-mix is noticed.
-
-:class:`PolicyStore` keeps the measured evidence in a small JSON file (default
-``$XDG_CACHE_HOME/specedge/verify_policy.json``, else ``~/.cache/...``), one entry per (target,
-draft) pair, so repeated ``edge-agent generate --verify auto`` runs learn; the CLI writes it
-unless ``--no-verify-state``.
+All rules are exact (:mod:`specdec.acceptance`); they differ in speed only. :class:`VerifyPolicy`:
+greedy -> ``match``; temperature > 0 -> the rule with the highest estimated tokens per verify round
+trip at that temperature (rounded to 0.1): a prior from the embedded pair's benchmark
+(benchmarks/results/README.md, "Sampled generation") blended with this agent's decayed
+measurements; every ``explore_every``-th sampled request measures the least-measured other rule.
+:class:`PolicyStore` keeps the evidence per (target, draft) pair in a JSON file across processes.
 """
 
 from __future__ import annotations

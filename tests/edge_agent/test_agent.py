@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from specdec.errors import InvalidSamplingParams, Overloaded
 from specdec.engine import VerifierEngine
@@ -15,6 +14,7 @@ from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
+from edge_agent.chain_rounds import ChainRounds
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.errors import TokenizerMismatch
 from edge_agent.transport import LocalTransport
@@ -273,13 +273,13 @@ def test_rejection_rule_sampled_runs_refills_reopens_and_stops(target, monkeypat
         agent.close()
     assert len(res.token_ids) == 50 and transport.lost == 2 and res.stats.reopens == 2
     owed_stops = []
-    send_owed = EdgeAgent._send_owed
+    send_owed = ChainRounds._send_owed
 
     async def spy(self, *args):  # a resampled stop token: the edge tells the server with an empty chain
         owed_stops.append(await send_owed(self, *args))
         return owed_stops[-1]
 
-    monkeypatch.setattr(EdgeAgent, "_send_owed", spy)
+    monkeypatch.setattr(ChainRounds, "_send_owed", spy)
     for stop in dict.fromkeys(first.token_ids[2:30]):
         res, _ = run_agent(eng, ModelDrafter(draft), SamplingParams(
             temperature=1.5, seed=3, max_tokens=50, stop_token_ids=(stop,), ignore_eos=True), **fixed)
