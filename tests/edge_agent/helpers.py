@@ -1,6 +1,8 @@
-"""Shared pieces of the edge-agent tests: a partially-agreeing draft for the tiny target, and for
-the distribution tests many seeded sampled generations through the agent and the target's exact
-distribution of its next tokens (with its marginals)."""
+"""Shared pieces of the edge-agent tests: one generation through an agent over LocalTransport
+(:func:`run_agent`, with the prompt and greedy parameters the agent tests share), a
+partially-agreeing draft for the tiny target, and for the distribution tests many seeded sampled
+generations through the agent and the target's exact distribution of its next tokens (with its
+marginals)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,25 @@ import copy
 import itertools
 
 import torch
+
+from specdec.sampling import SamplingParams
+
+EOS = [2]
+PROMPT = [1, 5, 9, 33, 7, 100, 200, 33, 7]
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def run_agent(engine, drafter, params, prompt=PROMPT, rtt_ms=0.0, before_verify=None, **cfg):
+    """One generation by an agent on ``LocalTransport(engine)`` configured with ``cfg``: (result, transport)."""
+    from edge_agent.agent import AgentConfig, EdgeAgent
+    from edge_agent.transport import LocalTransport
+
+    transport = LocalTransport(engine, rtt_ms=rtt_ms, before_verify=before_verify)
+    agent = EdgeAgent(transport, drafter, config=AgentConfig(**cfg))
+    try:
+        return asyncio.run(agent.generate(prompt, params)), transport
+    finally:
+        agent.close()
 
 
 def noisy_copy(model, scale: float = 0.005, seed: int = 1, num_layers: int | None = None):
@@ -37,7 +58,6 @@ def hf_topk(model, context: list[int], k: int) -> tuple[list[int], list[float]]:
 def sampled_generations(model, engine, config, prompt: list[int], n: int, length: int, rtt_ms: float = 0.0) -> list:
     """``n`` generations of ``length`` tokens at temperature 1 (seeds 0..n-1, EOS ignored) by one
     agent on ``LocalTransport(engine, rtt_ms=rtt_ms)`` drafting with a noisy copy of ``model``, under ``config``."""
-    from specdec.sampling import SamplingParams
     from edge_agent.agent import EdgeAgent
     from edge_agent.drafter import ModelDrafter
     from edge_agent.transport import LocalTransport

@@ -1,50 +1,21 @@
-"""EdgeAgent end to end over LocalTransport: lossless in every mode, re-open after loss."""
+"""EdgeAgent end to end over LocalTransport (the tree rules' rounds): lossless in every mode and tree shape."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
-from specdec.errors import InvalidSamplingParams, Overloaded
+from specdec.errors import InvalidSamplingParams
 from specdec.engine import VerifierEngine
 from specdec.model.loading import tiny_random_model
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
-from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.chain_rounds import ChainRounds
 from edge_agent.drafter import ModelDrafter, NgramDrafter
 from edge_agent.errors import TokenizerMismatch
 from edge_agent.transport import LocalTransport
-from tests.edge_agent.helpers import marginal, noisy_copy, sampled_generations, sequence_probs
-
-EOS = [2]
-PROMPT = [1, 5, 9, 33, 7, 100, 200, 33, 7]
-
-
-@pytest.fixture(scope="module")
-def engine(target):
-    return VerifierEngine(target, eos_token_ids=EOS, limits=TreeLimits(max_nodes=64, max_depth=16))
-
-
-def run_agent(engine, drafter, params, prompt=PROMPT, rtt_ms=0.0, before_verify=None, **cfg):
-    transport = LocalTransport(engine, rtt_ms=rtt_ms, before_verify=before_verify)
-    agent = EdgeAgent(transport, drafter, config=AgentConfig(**cfg))
-    try:
-        return asyncio.run(agent.generate(prompt, params)), transport
-    finally:
-        agent.close()
-
-
-GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def greedy_ref(target):
-    return reference_decode(target, PROMPT, GREEDY, EOS)
-
+from tests.edge_agent.helpers import EOS, GREEDY, PROMPT, noisy_copy, run_agent
 
 @pytest.mark.parametrize("mode", ["stop-and-wait", "proactive"])
 @pytest.mark.parametrize("policy", ["fixed", "server", "flexspec", "auto"])
@@ -130,31 +101,6 @@ def test_seeded_sampling_follows_the_target_only_sample_path(engine, target, dra
         assert res.token_ids == ref
 
 
-@pytest.mark.parametrize("evicted", [True, False])
-def test_session_dropped_mid_generation_is_reopened_without_loss(engine, draft, greedy_ref, evicted):
-    dropped = []
-
-    def drop(transport: LocalTransport, sid: str, rnd: int):
-        if rnd in (2, 5, 6):  # between rounds, three times (twice in a row)
-            transport.drop_session(sid, evicted=evicted)
-            dropped.append(sid)
-
-    for mode in ("stop-and-wait", "proactive"):
-        dropped.clear()
-        res, tr = run_agent(engine, ModelDrafter(draft), GREEDY, before_verify=drop, mode=mode)
-        assert res.token_ids == greedy_ref
-        assert res.stats.reopens == 3 and len(set(dropped)) == 3
-        assert not (set(engine.sessions) & set(dropped))
-
-
-def test_seeded_sampling_survives_reopen(engine, target, draft):
-    params = SamplingParams(temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
-    ref = reference_decode(target, PROMPT, params, EOS)
-    res, _ = run_agent(engine, ModelDrafter(draft), params,
-                       before_verify=lambda t, sid, r: t.drop_session(sid) if r == 3 else None)
-    assert res.token_ids == ref and res.stats.reopens == 1
-
-
 def test_stop_tokens_max_tokens_and_first_token_finish(engine, target, draft, greedy_ref):
     stop = greedy_ref[7]
     params = SamplingParams(max_tokens=40, stop_token_ids=(stop,), ignore_eos=True)
@@ -198,132 +144,6 @@ def test_embedded_model_greedy_through_the_agent(embedded):
         assert "".join(pieces) == res.text == tok.decode(ref, skip_special_tokens=True)
 
 
-# -- the rejection rule (issue 17): chains with q(x), split rejection sampling ---------------
-@pytest.mark.parametrize("mode", ["stop-and-wait", "proactive"])
-def test_rejection_rule_greedy_equals_target_only_decoding(engine, draft, greedy_ref, mode):
-    res, _ = run_agent(engine, ModelDrafter(draft), GREEDY, rtt_ms=4.0, mode=mode, verify="rejection")
-    assert res.token_ids == greedy_ref
-    st = res.stats
-    assert st.accepted_tokens > 0 and st.rejections == 0 and st.refills == 0  # greedy: the bonus corrects
-    assert st.tokens == 1 + st.rounds + st.accepted_tokens
-    assert (st.proactive_forwards > 0) == (mode == "proactive")
-    res, _ = run_agent(engine, NgramDrafter(), GREEDY, mode=mode, verify="rejection")
-    assert res.token_ids == greedy_ref
-
-
-def test_rejection_rule_proactive_chains_are_reused(engine, draft, greedy_ref):
-    res, _ = run_agent(engine, ModelDrafter(draft), GREEDY, rtt_ms=30.0, mode="proactive", verify="rejection",
-                       depth_policy="fixed", depth=2)
-    assert res.token_ids == greedy_ref
-    assert res.stats.aligned > 0 and res.stats.reused_tokens > 0
-
-
-def test_rejection_rule_zero_budget_hint_is_plain_decoding(engine, draft, greedy_ref):
-    transport = LocalTransport(engine, budget_hint=0)
-    agent = EdgeAgent(transport, ModelDrafter(draft), config=AgentConfig(verify="rejection"))
-    try:
-        res = asyncio.run(agent.generate(PROMPT, GREEDY))
-    finally:
-        agent.close()
-    assert res.token_ids == greedy_ref
-    assert res.stats.draft_tokens == 0 and res.stats.draft_forwards == 0 and res.stats.proactive_forwards == 0
-
-
-def test_rejection_rule_sampled_runs_refills_reopens_and_stops(target, monkeypatch):
-    """Temperature 1.5 with K = 1 on the server: rejections, residual samples at the edge and
-    refills; a seeded run repeats exactly (stop-and-wait, fixed depth: the rounds do not depend
-    on timing); sessions lost mid-generation (also while a refill is due) are re-opened without
-    loss; stop tokens and max_tokens end it as the server says."""
-    eng = VerifierEngine(target, eos_token_ids=EOS, limits=TreeLimits(max_nodes=64, max_depth=16), chain_top_k=1)
-    draft = noisy_copy(target, 0.3)
-    params = SamplingParams(temperature=1.5, seed=3, max_tokens=50, ignore_eos=True)
-    fixed = dict(verify="rejection", mode="stop-and-wait", depth_policy="fixed", depth=3)
-    first, _ = run_agent(eng, ModelDrafter(draft), params, **fixed)
-    st = first.stats
-    assert len(first.token_ids) == 50 and st.rejections > 5 and st.refills > 0 and st.finish_reason == "length"
-    again, _ = run_agent(eng, ModelDrafter(draft), params, **fixed)
-    assert again.token_ids == first.token_ids
-    drops = []
-
-    def drop(transport: LocalTransport, sid: str, rnd: int):
-        if rnd in (2, 3, 9, 10, 11, 17):
-            transport.drop_session(sid, evicted=rnd % 2 == 0)
-            drops.append(sid)
-
-    res, _ = run_agent(eng, ModelDrafter(draft), params, before_verify=drop, verify="rejection")
-    assert len(res.token_ids) == 50 and res.stats.reopens == len(drops) == 6
-
-    class LosesSessionOnRefill(LocalTransport):
-        """The session is lost just when the edge asks for more candidates: the re-opened one
-        answers with a whole new rejection of the same position."""
-
-        lost = 0
-
-        async def verify(self, sid, frame):
-            if frame.more and self.lost < 2:
-                self.lost += 1
-                self.drop_session(sid)
-            return await super().verify(sid, frame)
-
-    transport = LosesSessionOnRefill(eng)
-    agent = EdgeAgent(transport, ModelDrafter(draft), config=AgentConfig(**fixed))
-    try:
-        res = asyncio.run(agent.generate(PROMPT, params))
-    finally:
-        agent.close()
-    assert len(res.token_ids) == 50 and transport.lost == 2 and res.stats.reopens == 2
-    owed_stops = []
-    send_owed = ChainRounds._send_owed
-
-    async def spy(self, *args):  # a resampled stop token: the edge tells the server with an empty chain
-        owed_stops.append(await send_owed(self, *args))
-        return owed_stops[-1]
-
-    monkeypatch.setattr(ChainRounds, "_send_owed", spy)
-    for stop in dict.fromkeys(first.token_ids[2:30]):
-        res, _ = run_agent(eng, ModelDrafter(draft), SamplingParams(
-            temperature=1.5, seed=3, max_tokens=50, stop_token_ids=(stop,), ignore_eos=True), **fixed)
-        assert res.token_ids == first.token_ids[: first.token_ids.index(stop) + 1]
-        assert res.stats.finish_reason == "stop"
-    assert owed_stops and set(owed_stops) == {"stop"}
-    assert not eng.sessions  # every session was closed
-
-
-@pytest.mark.slow
-def test_rejection_rule_through_the_agent_samples_the_target_distribution():
-    """The agent end to end (proactive chains, reuse, edge residual samples, refills) over
-    LocalTransport on an 8-token vocabulary with K = 2: tokens 2-3 and 4-5 of 5 follow the
-    target's marginals."""
-    from tests.specdec.test_engine import counts_of
-    from tests.specdec.test_sampling import chi_square_pvalue
-
-    v, length, n = 8, 5, 800
-    small = tiny_random_model(seed=1, vocab_size=v)
-    eng = VerifierEngine(small, eos_token_ids=(), chain_top_k=2)
-    prompt, t = [3, 5, 7, 1], SamplingParams(temperature=1.0)
-
-    # a 2 ms RTT: each round's proactive chain (depth + 1 tokens) is drafted whole before the reply,
-    # however loaded the machine, so chains are carried over in every run (26 tokens here)
-    results = sampled_generations(small, eng, AgentConfig(verify="rejection", depth_policy="fixed", depth=2,
-                                                          ping_every=0), prompt, n, length, rtt_ms=2.0)
-    assert sum(r.stats.rejections for r in results) > 500 and sum(r.stats.refills for r in results) > 20
-    assert sum(r.stats.reused_tokens for r in results) > 10
-    joint = sequence_probs(small, prompt, t, length)
-    m23, m45 = marginal(joint, 1, 3), marginal(joint, 3, 5)
-    c23, c45 = counts_of(tuple(r.token_ids[1:3]) for r in results), counts_of(tuple(r.token_ids[3:]) for r in results)
-    # proactive drafting makes the rounds timing-dependent (not seed-repeatable): a lower bar
-    assert chi_square_pvalue(c23, m23) > 1e-4 and chi_square_pvalue(c45, m45) > 1e-4
-
-
-def test_the_summary_line_names_early_frames_and_rejections_only_when_there_were_some():
-    from edge_agent.agent import GenerationStats
-
-    plain = GenerationStats(tokens=10, rounds=4, accepted_tokens=6).summary()
-    assert "early frames" not in plain and "rejections" not in plain
-    pre = GenerationStats(tokens=10, rounds=4, early_frames=4, predraft_hits=1, predraft_misses=3, rejections=2)
-    assert "4 early frames, pre-draft hits 1/4, 2 rejections" in pre.summary()
-
-
 def test_agents_sharing_one_draft_executor_stay_lossless_and_leave_it_open(engine, draft, greedy_ref):
     """Several sessions on one device (an edge gateway, the benchmark's edge core) share one
     DraftExecutor: each output is still the target's own, and closing an agent does not stop the
@@ -350,35 +170,3 @@ def test_agents_sharing_one_draft_executor_stay_lossless_and_leave_it_open(engin
         shared.shutdown()
 
 
-class ShedsOpens(LocalTransport):
-    """Answers the first ``sheds`` opens 429 (as the router's open deadline does)."""
-
-    def __init__(self, engine, sheds: int):
-        super().__init__(engine)
-        self.sheds, self.opens = sheds, 0
-
-    async def open(self, req):
-        self.opens += 1
-        if self.opens <= self.sheds:
-            raise Overloaded("shed", retry_after=0.05, reason="open_deadline")
-        return await super().open(req)
-
-
-def test_a_shed_open_is_retried_with_jitter_then_given_up_within_the_deadline(engine, draft):
-    transport = ShedsOpens(engine, sheds=2)
-    agent = EdgeAgent(transport, ModelDrafter(draft), config=AgentConfig(open_deadline_s=5.0))
-    try:
-        res = asyncio.run(agent.generate(PROMPT, GREEDY))
-    finally:
-        agent.close()
-    assert len(res.token_ids) == 40 and res.stats.overload_waits == 2 and transport.opens == 3
-
-    transport = ShedsOpens(engine, sheds=10**6)
-    agent = EdgeAgent(transport, ModelDrafter(draft), config=AgentConfig(open_deadline_s=0.3))
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(Overloaded, match="gave up within the agent's open deadline of 0.3 s") as e:
-            asyncio.run(agent.generate(PROMPT, GREEDY))
-    finally:
-        agent.close()
-    assert time.monotonic() - t0 < 0.6 and 2 <= transport.opens <= 8 and e.value.reason == "open_deadline"
