@@ -23,6 +23,9 @@ from edge_agent.rounds import Edge, Generation, Rounds, edge_generator
 
 
 class ChainRounds(Rounds):
+    """One generation's rounds under the ``rejection`` rule; a round that ends in a rejection
+    leaves a residual sample owed to the server (or, candidates run out, a refill pending)."""
+
     def __init__(self, edge: Edge, link: SessionLink, gen: Generation, sess: SessionOpened):
         super().__init__(edge, link, gen, sess)
         params = gen.params
@@ -74,7 +77,8 @@ class ChainRounds(Rounds):
         """Draft and send a chain, apply the reply. Whether the generation ended."""
         cfg, cs, gen = self.config, self.cs, self.gen
         remaining = gen.params.max_tokens - len(gen.generated)
-        depth = self.edge.policy.choose(self.telemetry, self.depth_hint, 1.0, self.stats.rounds)  # a chain: 1 node/level
+        npl = 1.0  # a chain: one node per level
+        depth = self.edge.policy.choose(self.telemetry, self.depth_hint, npl, self.stats.rounds)
         cap = min(cfg.max_depth, gen.info.max_tree_depth, gen.info.max_tree_nodes, cfg.budget,
                   self.budget_hint or cfg.budget)
         depth = max(0, min(depth, remaining - 1, cap))

@@ -114,7 +114,7 @@ class PreDraftCache:
 
     # -- the edge's own guesses --------------------------------------------------------
     def _guess(self) -> None:
-        """Entries for the round's likeliest outcomes by the draft's estimate (module docstring);
+        """Entries for the round's likeliest outcomes by the draft's estimate (docs/edge_agent.md, "Pre-drafting");
         feeds the estimated-verified nodes left unfed first (one draft forward)."""
         k, self._guess_nodes = self._guess_nodes, None
         ds = self.ds

@@ -30,6 +30,9 @@ from edge_agent.tree_session import TreeSession
 
 
 class TreeRounds(Rounds):
+    """One generation's rounds under ``rule`` (``match`` or ``tree-rejection``), drafting through
+    a :class:`~edge_agent.tree_session.TreeSession`."""
+
     def __init__(self, edge: Edge, link: SessionLink, gen: Generation, sess: SessionOpened, rule: str):
         super().__init__(edge, link, gen, sess)
         cfg, info, params = edge.config, gen.info, gen.params
