@@ -246,7 +246,7 @@ class Router:
         try:
             status, payload = await self._deadlined(
                 deadline, self._admitted_call("open", "open_session", tenant=tenant.config.name,
-                                              body=req.model_dump()))
+                                              body=req.model_dump(), deadline_s=deadline))
             took = time.perf_counter() - t0
             _raise_for(status, payload)
             self.tenants.session_opened(tenant, payload["session_id"], bool(payload.get("close_on_finish")))

@@ -24,6 +24,7 @@ import torch
 
 from deploy.config import AppConfig
 from deploy.metrics import RoundStats, VerifierMetrics
+from deploy.router.open_deadline import PrefillForecast
 from deploy.verifier.ahead_runs import AheadRuns
 from deploy.verifier.batch_fill import ArrivalModel
 from deploy.verifier.batch_loop import BatchLoop
@@ -88,6 +89,7 @@ class VerifierCore:
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
+        self.open_forecast = PrefillForecast()  # this replica's prefill queue (tokens) and rate: opens' deadlines
         self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
         self.version_updates = VersionUpdates(config, self.versions, self.engine, self._on_worker,
@@ -202,7 +204,9 @@ class VerifierCore:
         return len(idle)
 
     # -- requests ---------------------------------------------------------------------
-    async def open_session(self, tenant: str, body: dict) -> tuple[int, dict]:
+    async def open_session(self, tenant: str, body: dict, deadline_s: float | None = None) -> tuple[int, dict]:
+        """Open a session; ``deadline_s``: its first token's deadline (issue 56), checked against this
+        replica's own prefill queue and rate: an open that would miss it is a 429 at once."""
         try:
             prompt = [int(t) for t in body["prompt_ids"]]
             generated = tuple(int(t) for t in body.get("generated_ids") or ())
@@ -218,6 +222,9 @@ class VerifierCore:
             return error_reply(e)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             return error_reply(InvalidRequest(f"malformed open request: {e}"))
+        tokens = len(prompt) + len(generated)
+        if deadline_s is not None and (refused := self.open_forecast.refusal(tokens, deadline_s)) is not None:
+            return error_reply(refused)
         sid = f"{self.tag}.{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self.loop.ensure()
@@ -232,7 +239,13 @@ class VerifierCore:
             self.runs.tokens(params.logprobs is None), bool(client.get("run_ahead")) and params.logprobs is None,
             draft_class(client.get("draft")), bool(body.get("close_on_finish")), params.logprobs is not None)
         self.loop.kick()
-        return await fut
+        work, t0, took = self.open_forecast.started(tokens), time.monotonic(), None
+        try:
+            out = await fut
+            took = time.monotonic() - t0 if out[0] == 200 else None
+            return out
+        finally:
+            self.open_forecast.finished(tokens, work, took)
 
     async def verify(self, session_id: str, tenant: str, frame: bytes) -> tuple[int, bytes | dict]:
         try:
