@@ -223,7 +223,7 @@ class ChainDraftSession:
     Each draft token is *sampled* from the draft's distribution q processed with the
     request's sampling parameters (greedy: its argmax), and q is kept: its value at the
     token goes uplink, and on a rejection the whole q is the edge's half of the residual
-    norm(max(0, p - q)) (:class:`specdec.acceptance.ResidualSampler`).
+    norm(max(0, p - q)) (:class:`specdec.residual.ResidualSampler`).
 
     Proactive drafting (SpecEdge §4.2) extends the chain past the sent tokens while the
     reply is in flight. If every sent token is accepted and the server's bonus equals the

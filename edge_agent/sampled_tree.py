@@ -13,7 +13,7 @@ drawn before only, and (2) siblings go on the wire in drawing order. This builde
   draft forward per level). Nothing is pruned after it is drawn.
 - Level by level, one draft forward feeds the nodes that get children; each one's draft
   distribution, processed with the request's temperature / top-k / top-p, becomes a sparse
-  proposal (:func:`~specdec.acceptance.make_proposal`: its largest entries, u16
+  proposal (:func:`~specdec.proposal.make_proposal`: its largest entries, u16
   weights) and its children are drawn from it one after another without replacement
   (fewer when the proposal's support is smaller: that depends on the parent alone).
 

@@ -38,7 +38,7 @@ from loadtests.synthetic_tree import AcceptanceModel, expected_accepted, synthet
 
 CFG: dict = {}
 STOPPING = False
-MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured, as the edge agent (edge_agent/transport.py)
+MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured, as the edge agent (edge_agent/transport/)
 WS_IDLE_CLOSE_S = 5.0  # a user about to sleep longer closes its WebSocket (uvicorn pings every 20 s)
 LOST = -1  # status of a WebSocket round whose connection died after the frame went out
 LAG_PROBE_S = 0.05  # how often this process's own loop lag is sampled (a 429's client-side share)
