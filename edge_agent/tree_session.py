@@ -10,7 +10,7 @@ log-prob, proactive chain, SpecEdge §4.2) and :class:`edge_agent.sampled_tree.S
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from specdec.tree import DraftTree
 from edge_agent.tree_builder import TreeConfig
@@ -25,6 +25,7 @@ class Alignment:
     reused: int  # proactive tokens carried into the next tree
 
 
+@runtime_checkable
 class TreeSession(Protocol):
     """One generation's draft trees, one round at a time."""
 
