@@ -88,4 +88,4 @@ def test_build_context_holds_what_copy_needs():
         assert (REPO / src).exists(), src
         assert included(src), f"{src} is excluded by .dockerignore"
     assert not included(".venv") and not included(".cache/models") and not included(".git")
-    assert (REPO / "deploy" / "verifier" / "models.py").exists()  # `python -m specdec.model.loading`
+    assert (REPO / "specdec" / "model" / "loading.py").exists()  # `python -m specdec.model.loading`
