@@ -397,7 +397,7 @@ def _checkpoint_dims(target: ModelConfig) -> tuple[int | None, int | None]:
     """The target's layer count and context length, read without loading weights (tiny-random's
     shape, the embedded model's, a local or hub-cached config.json); None where unknown."""
     from specdec.model_source import (EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, config_json, context_length,
-                                     tiny_config)
+                                      tiny_config)
 
     if target.model.startswith(TINY_PREFIX):
         c = tiny_config(**(target.tiny_config or {}))

@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from specdec.protocol import TokenLogprob
-from specdec.sampling import SamplingParams
 from edge_agent.chain_rounds import ChainRounds
 from edge_agent.config import AgentConfig
 from edge_agent.depth import DepthPolicy, Telemetry
@@ -32,6 +30,8 @@ from edge_agent.stats import GenerationResult, GenerationStats
 from edge_agent.transport.base import ModelInfo, Transport
 from edge_agent.tree_rounds import TreeRounds
 from edge_agent.verify_policy import PolicyStore, VerifyPolicy
+from specdec.protocol import TokenLogprob
+from specdec.sampling import SamplingParams
 
 __all__ = ["AgentConfig", "EdgeAgent", "GenerationResult", "GenerationStats", "TextStream", "encode_chat",
            "encode_prompt"]

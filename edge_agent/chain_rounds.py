@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import time
 
-from specdec.protocol import ReplyFrame, SessionOpened, VerifyFrame
-from specdec.residual import Rejection, ResidualSampler
 from edge_agent.drafting import ChainDraftSession
 from edge_agent.errors import EdgeError
 from edge_agent.link import LOST, SessionLink
 from edge_agent.rounds import Edge, Generation, Rounds, edge_generator
+from specdec.protocol import ReplyFrame, SessionOpened, VerifyFrame
+from specdec.residual import Rejection, ResidualSampler
 
 
 class ChainRounds(Rounds):

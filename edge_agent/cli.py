@@ -140,8 +140,8 @@ def load_tokenizer(spec: str):
 
 def load_drafter(spec: str, *, device: str, dtype: str, seed: int, vocab_size: int | None):
     """(drafter, tokenizer or None) for a ``--draft`` spec."""
-    from specdec.model.loading import EMBEDDED_ALIASES, TINY_PREFIX, load_model
     from edge_agent.drafter import ModelDrafter, NgramDrafter, NullDrafter
+    from specdec.model.loading import EMBEDDED_ALIASES, TINY_PREFIX, load_model
 
     if spec == "ngram":
         return NgramDrafter(), None
@@ -191,10 +191,10 @@ def _transport(a):
 
 
 def _local_transport(a):
+    from edge_agent.transport import LocalTransport
     from specdec.engine import VerifierEngine
     from specdec.model.loading import load_model, tokenizer_fingerprint
     from specdec.tree import TreeLimits
-    from edge_agent.transport import LocalTransport
 
     lm = load_model(a.target, dtype=a.dtype, device="cpu")
     engine = VerifierEngine(lm.model, eos_token_ids=lm.eos_token_ids, limits=TreeLimits(max_nodes=max(64, a.budget)))
@@ -315,8 +315,8 @@ async def _serve(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.errors import Forbidden, Overloaded, SpecError, Unauthorized
     from edge_agent.errors import ConnectionLost, EdgeError, ServerUnreachable, TokenizerMismatch
+    from specdec.errors import Forbidden, Overloaded, SpecError, Unauthorized
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     a = build_parser().parse_args(argv)

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from edge_agent.tree_builder import ROOT
 from specdec.model.batch import MAX_TREE_BITS, SeqInput, chunk_input, signed64
 from specdec.model.decoder import DecoderModel
 from specdec.model.runner import ModelRunner
-from edge_agent.tree_builder import ROOT
 
 _PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF draft model -> its DecoderModel
 _PACKED_LOCK = threading.Lock()

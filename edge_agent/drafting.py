@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.sampling import SamplingParams, sample_from_probs, target_probs
-from specdec.tree import DraftTree
 from edge_agent.drafter import Candidates, Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeBuilder, TreeConfig
 from edge_agent.tree_session import Alignment
+from specdec.sampling import SamplingParams, sample_from_probs, target_probs
+from specdec.tree import DraftTree
 
 
 @dataclass

@@ -14,14 +14,14 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from specdec.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
-from specdec.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
-from specdec.sampling import SamplingParams
 from edge_agent.config import AgentConfig
 from edge_agent.depth import Telemetry
 from edge_agent.errors import ConnectionLost, EdgeError
 from edge_agent.stats import GenerationStats
 from edge_agent.transport.base import Transport
+from specdec.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
+from specdec.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
+from specdec.sampling import SamplingParams
 
 LOST = (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch)  # a session to re-open from history
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specdec.protocol import EarlyFrame
 from edge_agent.drafter import ExpandRequest
 from edge_agent.drafting import DraftSession
 from edge_agent.tree_builder import ROOT, TreeBuilder
 from edge_agent.tree_session import Alignment
+from specdec.protocol import EarlyFrame
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from specdec.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 from edge_agent.errors import error_from_json
 from edge_agent.transport.base import ModelInfo, Transport
+from specdec.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 
 
 class ReplicaTransport(Transport):

@@ -16,8 +16,6 @@ from typing import Callable
 
 import torch
 
-from specdec.protocol import SessionOpened, VerifyFrame
-from specdec.sampling import SamplingParams
 from edge_agent.config import AgentConfig
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.draft_executor import CRITICAL, DraftExecutor
@@ -25,6 +23,8 @@ from edge_agent.drafter import Drafter
 from edge_agent.link import SessionLink
 from edge_agent.stats import GenerationStats
 from edge_agent.transport.base import ModelInfo
+from specdec.protocol import SessionOpened, VerifyFrame
+from specdec.sampling import SamplingParams
 
 
 @dataclass

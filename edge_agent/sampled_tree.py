@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.proposal import Proposal, draw_without_replacement, make_proposal
-from specdec.sampling import SamplingParams, target_probs
-from specdec.tree import DraftTree
 from edge_agent.drafter import Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeConfig
 from edge_agent.tree_session import Alignment
+from specdec.proposal import Proposal, draw_without_replacement, make_proposal
+from specdec.sampling import SamplingParams, target_probs
+from specdec.tree import DraftTree
 
 PRIOR_RATES = (0.5, 0.15, 0.08, 0.05, 0.03, 0.02, 0.02, 0.02)  # a_i before measurements (i-th sibling)
 RATE_EMA = 0.05  # weight of one observation in a_i

@@ -26,13 +26,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specdec.errors import InvalidRequest, Overloaded, SpecError
-from specdec import openai as oai
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.draft_executor import DraftExecutor
 from edge_agent.errors import CloudUnavailable, ConnectionLost, EdgeError, ServerUnreachable
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.transport.base import ModelInfo, Transport
+from specdec import openai as oai
+from specdec.errors import InvalidRequest, Overloaded, SpecError
 
 log = logging.getLogger("edge_agent.server")
 

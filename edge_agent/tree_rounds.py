@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from specdec.protocol import ReplyFrame, SessionOpened, VerifyFrame
-from specdec.tree import DraftTree
 from edge_agent.drafting import DraftSession
 from edge_agent.errors import EdgeError
 from edge_agent.link import SessionLink
@@ -27,6 +25,8 @@ from edge_agent.rounds import Edge, Generation, Rounds, edge_generator
 from edge_agent.sampled_tree import SampledTreeSession
 from edge_agent.tree_builder import TreeConfig
 from edge_agent.tree_session import TreeSession
+from specdec.protocol import ReplyFrame, SessionOpened, VerifyFrame
+from specdec.tree import DraftTree
 
 
 class TreeRounds(Rounds):

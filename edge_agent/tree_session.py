@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from specdec.tree import DraftTree
 from edge_agent.tree_builder import TreeConfig
+from specdec.tree import DraftTree
 
 
 @dataclass

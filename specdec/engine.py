@@ -26,8 +26,8 @@ import torch
 
 from specdec.acceptance import TreeAcceptance, rejection_walk_tree, walk_tree
 from specdec.chain_verify import ChainVerifier
-from specdec.engine_types import (ChainVerifyRequest, ChainVerifyResult, ForwardStats, OpenRequest, OpenResult,
-                                  Session, TreeJob, VerifyRequest, VerifyResult, tree_item)
+from specdec.engine_types import (ChainVerifyRequest, ChainVerifyResult, ForwardStats, OpenRequest, OpenResult, Session,
+                                  TreeJob, VerifyRequest, VerifyResult, tree_item)
 from specdec.errors import (InvalidRequest, KVStateLost, ModelNotFound, PrefixMismatch, SessionFinished,
                             SessionNotFound, SpecError)
 from specdec.exit_heads import EarlyExit

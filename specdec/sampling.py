@@ -17,7 +17,6 @@ import torch
 from specdec.errors import InvalidSamplingParams
 from specdec.model import native
 
-
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow
 

@@ -25,20 +25,20 @@ from ray.exceptions import RayActorError, RayError
 
 from deploy import gc_policy
 from deploy.config import BASE_ALIAS, DEV_API_KEY, AppConfig, versions_update
-from specdec.errors import DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, SpecError, UpstreamTimeout
 from deploy.metrics import router_metrics
-from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
-from specdec import openai as oai
-from specdec.version import package_version
 from deploy.router.admission import AdmissionControl, inflight_limit
 from deploy.router.body import json_object, read_body, within
 from deploy.router.early import stream_verify
-from deploy.router.open_deadline import DEADLINE_HEADER, PrefillForecast, deadline_refusal, request_deadline
 from deploy.router.fast_shed import RECEIVED_AT, ShedFastPath, admission_refusal
 from deploy.router.loads import Loads
+from deploy.router.open_deadline import DEADLINE_HEADER, PrefillForecast, deadline_refusal, request_deadline
 from deploy.router.probe import LoadProbe
 from deploy.router.server_decode import ClosingStream, ServerDecode
 from deploy.router.tenants import TenantRegistry, TenantState
+from specdec import openai as oai
+from specdec.errors import DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, SpecError, UpstreamTimeout
+from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
+from specdec.version import package_version
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="specedge", description="Edge-drafted, cloud-verified speculative decoding")

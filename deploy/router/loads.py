@@ -36,6 +36,7 @@ class Loads:
 
         def load():
             import jinja2  # noqa: F401
+
             import specdec.sampling  # noqa: F401
             from specdec.model.loading import load_tokenizer
 

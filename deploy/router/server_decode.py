@@ -18,10 +18,10 @@ import logging
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from deploy.router.tenants import TenantState
 from specdec import openai as oai
 from specdec.errors import SpecError
 from specdec.protocol import TokenLogprob, VerifyFrame
-from deploy.router.tenants import TenantState
 
 log = logging.getLogger("ray.serve")
 

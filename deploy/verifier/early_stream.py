@@ -15,8 +15,8 @@ from typing import AsyncIterator
 
 from deploy.config import EarlyExitConfig
 from specdec.errors import InvalidRequest
-from specdec.protocol import EarlyFrame, VerifyFrame
 from specdec.exit_heads import EarlyResult, ExitHeads
+from specdec.protocol import EarlyFrame, VerifyFrame
 
 
 def load_heads(cfg: EarlyExitConfig, hf_model, layers=None) -> ExitHeads | None:

@@ -34,7 +34,7 @@ from specdec.model.batch import SeqInput
 from specdec.model.checkpoint import CheckpointConfig, prune, read_weights, tiny_config
 from specdec.model.decoder import DecoderModel
 from specdec.model.loading import (TINY_PREFIX, LoadedModel, load_target, load_tokenizer, loaded_model, resolve_device,
-                                    resolve_dtype, safetensors_dir)
+                                   resolve_dtype, safetensors_dir)
 from specdec.model.runner import Keep, ModelRunner
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.protocol import ReplyFrame
 from specdec.engine import VerifyResult
+from specdec.protocol import ReplyFrame
 
 
 @dataclass

@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 
 from deploy.config import AppConfig
-from specdec.engine import VerifierEngine
 from deploy.verifier.kv_sizing import KVPlan, cap_plan, sized_runner
+from specdec.engine import VerifierEngine
 from specdec.model.loading import LoadedModel, load_target
 from specdec.tree import TreeLimits
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from deploy.verifier.adapters import AdapterRegistry
-from specdec.model.decoder import DecoderModel
 from deploy.verifier.pacing import Pacer
+from specdec.model.decoder import DecoderModel
 
 BASE = "base"  # the metrics label of the base target
 

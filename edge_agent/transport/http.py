@@ -21,11 +21,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from specdec.errors import SessionEvicted, SessionNotFound, SpecError
-from specdec.protocol import (EARLY_STREAM_MEDIA_TYPE, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened,
-                             VerifyFrame)
 from edge_agent.errors import ConnectionLost, ServerUnreachable, error_from_json
 from edge_agent.transport.base import ModelInfo, Transport
+from specdec.errors import SessionEvicted, SessionNotFound, SpecError
+from specdec.protocol import (EARLY_STREAM_MEDIA_TYPE, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened,
+                              VerifyFrame)
 
 log = logging.getLogger("edge_agent")
 

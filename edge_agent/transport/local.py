@@ -15,9 +15,9 @@ import time
 import uuid
 from typing import Callable
 
+from edge_agent.transport.base import ModelInfo, Transport
 from specdec.errors import SessionEvicted, SpecError
 from specdec.protocol import EarlyFrame, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
-from edge_agent.transport.base import ModelInfo, Transport
 
 
 class LocalTransport(Transport):
@@ -99,8 +99,8 @@ class LocalTransport(Transport):
             self.evicted.add(sid)
 
     def _verify(self, sid: str, body: bytes, on_early=None) -> bytes:
-        from specdec.errors import InvalidRequest
         from specdec.engine import ChainVerifyRequest, VerifyRequest
+        from specdec.errors import InvalidRequest
         from specdec.tree import DraftTree
 
         if sid in self.evicted:

