@@ -72,7 +72,7 @@ class HttpTransport(Transport):
             limits=httpx.Limits(max_keepalive_connections=8, keepalive_expiry=60.0))
         self._ws: dict[str, object] = {}
         self._connecting: dict[str, asyncio.Task] = {}  # sockets being opened (their first rounds go over POST)
-        self._closing: set[asyncio.Task] = set()  # closing handshakes of released sessions' sockets
+        self._closing: set[asyncio.Task] = set()  # closing handshakes of released and closed sessions' sockets
 
     async def aclose(self) -> None:
         for sid in set(self._ws) | set(self._connecting):
@@ -191,7 +191,9 @@ class HttpTransport(Transport):
         raise ConnectionLost(f"POST {path}: the stream ended before the reply")
 
     async def close(self, sid: str) -> None:
-        await self._close_ws(sid)
+        """End the session on the server; its socket's closing handshake runs beside the DELETE, so a
+        socket slow to close (a reply still on its way) never keeps the session's KV held."""
+        await self.release(sid)
         try:
             await self._request("DELETE", f"/v1/sessions/{sid}", idempotent=True)
         except (SessionNotFound, SessionEvicted):
