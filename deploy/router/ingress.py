@@ -229,7 +229,10 @@ class Router:
         return json_object(await self._body(request))
 
     # -- session protocol -------------------------------------------------------------
-    async def open(self, tenant: TenantState, body: dict, deadline_header: str | None = None) -> dict:
+    async def open(self, tenant: TenantState, body: dict, deadline_header: str | None = None,
+                   received_at: float | None = None) -> dict:
+        """Open a session within its first-token deadline; ``received_at``: ``perf_counter()`` when the
+        request reached this router (its body's read counts against the deadline too)."""
         try:
             req = OpenSession(**body)
             deadline = request_deadline(deadline_header, self.cfg.router.open_deadline_s)
@@ -237,6 +240,11 @@ class Router:
             raise InvalidRequest(f"invalid open request: {e.errors(include_url=False)[:3]}") from None
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        if received_at is not None:
+            waited = time.perf_counter() - received_at
+            if waited >= deadline:
+                raise deadline_refusal(deadline, self.admission.retry_after)
+            deadline -= waited
         tokens = len(req.prompt_ids) + len(req.generated_ids)
         refused = self.prefill.refusal(tokens, deadline)
         if refused is not None:
@@ -314,7 +322,8 @@ class Router:
     @api.post("/v1/sessions")
     async def open_session(self, request: Request):
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        return await self.open(tenant, await self._json(request), request.headers.get(DEADLINE_HEADER))
+        return await self.open(tenant, await self._json(request), request.headers.get(DEADLINE_HEADER),
+                               request.scope.get(RECEIVED_AT))
 
     @api.post("/v1/sessions/{sid}/verify")
     async def verify_http(self, sid: str, request: Request):

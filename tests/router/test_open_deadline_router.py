@@ -80,3 +80,21 @@ def test_header_asks_for_a_shorter_deadline():
         return time.perf_counter() - t0
 
     assert asyncio.run(main()) < 0.5
+
+
+def test_the_deadline_counts_from_the_requests_arrival():
+    """Time spent before the open is handled (reading its body) is part of its deadline."""
+    async def main():
+        v = SlowPrefill(1.0)
+        r = _router(v, 0.5)
+        tenant = r.tenants.by_name["dev"]
+        t0 = time.perf_counter()
+        with pytest.raises(Overloaded):  # arrived 0.3 s ago: 0.2 s left
+            await r.open(tenant, {"prompt_ids": [1, 2, 3]}, received_at=t0 - 0.3)
+        took = time.perf_counter() - t0
+        with pytest.raises(Overloaded):  # arrived past its deadline: refused without a verifier call
+            await r.open(tenant, {"prompt_ids": [1, 2, 3]}, received_at=time.perf_counter() - 0.6)
+        return took, v.calls
+
+    took, calls = asyncio.run(main())
+    assert 0.15 < took < 0.45 and calls == 1
