@@ -10,10 +10,8 @@ import time
 
 import httpx
 import pytest
-from ray import serve
 
-from deploy.application import build_app
-from tests.router.test_app import TINY, VOCAB
+from tests.router.test_app import TINY, VOCAB, deploy
 from tests.serve_apps import delete_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.exclusive]
@@ -24,10 +22,8 @@ DEADLINE_S = 0.3
 
 
 def test_a_burst_of_opens_is_answered_within_the_deadline(ray_session):
-    serve.run(build_app({"target": TINY, "topology": "colocated", "verifier": {"batch_wait_ms": 5},
-                         "router": {"tenants": [{"name": "d", "api_key": KEY, "max_sessions": 512}]}}),
-              name=APP, route_prefix=f"/{APP}")
-    url = f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
+    url = deploy(APP, {"target": TINY, "topology": "colocated", "verifier": {"batch_wait_ms": 5},
+                      "router": {"tenants": [{"name": "d", "api_key": KEY, "max_sessions": 512}]}}, ray_session)
     rng = random.Random(0)
     headers = {"Authorization": f"Bearer {KEY}", "x-open-deadline-s": str(DEADLINE_S)}
 

@@ -11,11 +11,9 @@ import time
 
 import httpx
 import pytest
-from ray import serve
 
-from deploy.application import build_app
 from tests.router.oracle_edge import oracle_generate
-from tests.router.test_app import TINY, VOCAB
+from tests.router.test_app import TINY, VOCAB, deploy
 from tests.serve_apps import delete_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.exclusive]
@@ -65,10 +63,8 @@ async def _flood(client: httpx.AsyncClient, rng: random.Random) -> list[int]:
 
 
 def test_a_flood_of_opens_leaves_running_sessions_as_fast_and_exact(ray_session):
-    serve.run(build_app({"target": TINY, "topology": "colocated", "verifier": {"batch_wait_ms": 5},
-                         "router": {"tenants": [{"name": "r", "api_key": KEY, "max_sessions": 512}]}}),
-              name=APP, route_prefix=f"/{APP}")
-    url = f"http://127.0.0.1:{ray_session['http_port']}/{APP}"
+    url = deploy(APP, {"target": TINY, "topology": "colocated", "verifier": {"batch_wait_ms": 5},
+                      "router": {"tenants": [{"name": "r", "api_key": KEY, "max_sessions": 512}]}}, ray_session)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(24)] for _ in range(SESSIONS)]
 
