@@ -34,7 +34,10 @@ import websocket  # websocket-client: plain sockets, which Locust's gevent patch
 from locust import FastHttpUser, between, events, task
 
 from specdec.protocol import ReplyFrame, VerifyFrame
+from loadtests import keepalive
 from loadtests.synthetic_tree import AcceptanceModel, expected_accepted, synthetic_tree
+
+keepalive.install()  # pooled connections past descriptor 1024 stay open (loadtests/keepalive.py)
 
 CFG: dict = {}
 STOPPING = False
