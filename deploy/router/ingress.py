@@ -454,7 +454,7 @@ class Router:
         info = await self.info()
         oai.check_model(req.model, self._model_names(info), self._versions)
         return await self.server_decode.respond(tenant, req, tok, info, self._versions,
-                                                request.headers.get(DEADLINE_HEADER))
+                                                request.headers.get(DEADLINE_HEADER), request.scope.get(RECEIVED_AT))
 
     # -- vLLM's tokenizer and version endpoints -----------------------------------------------
     @api.post("/tokenize")

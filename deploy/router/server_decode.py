@@ -40,7 +40,7 @@ class ClosingStream(StreamingResponse):
 
 class ServerDecode:
     """OpenAI generations decoded on the server, through ``sessions`` (the Router: ``open(tenant,
-    body, deadline_header)``, ``verify_frame(tenant, sid, frame) -> ReplyFrame``, ``close(tenant, sid)``); ``drafter``: an async callable
+    body, deadline_header, received_at)``, ``verify_frame(tenant, sid, frame) -> ReplyFrame``, ``close(tenant, sid)``); ``drafter``: an async callable
     that returns the server drafter (loaded once)."""
 
     def __init__(self, sessions, drafter):
@@ -49,15 +49,16 @@ class ServerDecode:
         self._closing: set[asyncio.Task] = set()  # server-session closes in flight (see _close_shielded)
 
     async def respond(self, tenant: TenantState, req: oai.CompletionRequest, tok, info: dict,
-                      versions: list[str], deadline_header: str | None = None):
+                      versions: list[str], deadline_header: str | None = None, received_at: float | None = None):
         """The response to ``req`` (its ``model`` already checked), for the verifier's ``info``;
         ``versions``: the target versions a ``model`` may name; ``deadline_header``: the request's
-        open deadline (``x-open-deadline-s``), as on the session route."""
+        open deadline (``x-open-deadline-s``), as on the session route, counted from ``received_at``
+        (``perf_counter()`` when the request reached the router: its tokenization counts too)."""
         req = req.with_max_tokens(info["max_model_len"])
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = await self.drafter() if req.mode == "sd" else None
         version = req.model if req.model in versions else None
-        rounds = self.rounds(tenant, req.prompt, req.sampling, drafter, version, deadline_header)
+        rounds = self.rounds(tenant, req.prompt, req.sampling, drafter, version, deadline_header, received_at)
         await anext(rounds)  # opens the server session
         deltas = oai.texts(rounds, tok, req.stop)
         served = version or info["model"]
@@ -70,7 +71,8 @@ class ServerDecode:
         return JSONResponse(await oai.whole_response(deltas, req, served, tok), headers=headers)
 
     async def rounds(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter,
-                     version: str | None = None, deadline_header: str | None = None):
+                     version: str | None = None, deadline_header: str | None = None,
+                     received_at: float | None = None):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
 
         Yields an :class:`~specdec.openai.Round` per round; the first, as soon as the
@@ -81,7 +83,8 @@ class ServerDecode:
         # a drafter's trees are a client kind of their own for the replica's acceptance estimates
         client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
         opened = await self.sessions.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
-                                                   "client": client, "close_on_finish": True}, deadline_header)
+                                                   "client": client, "close_on_finish": True}, deadline_header,
+                                          received_at)
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
         params = None
         if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)

@@ -10,6 +10,8 @@ import pytest
 
 from deploy.router.server_decode import ServerDecode
 from deploy.router.server_draft import PromptLookupDrafter
+from specdec.errors import Overloaded
+from specdec.openai.request import parse_completion
 from specdec.protocol import ReplyFrame, VerifyFrame
 
 PROMPT = [5, 6, 7, 5, 6]
@@ -23,8 +25,8 @@ class FakeSessions:
         self.length, self.first_token = length, first_token
         self.emitted, self.opened, self.frames, self.closed = 0, None, [], []
 
-    async def open(self, tenant, body: dict, deadline_header=None) -> dict:
-        self.opened, self.emitted, self.deadline_header = body, 1, deadline_header
+    async def open(self, tenant, body: dict, deadline_header=None, received_at=None) -> dict:
+        self.opened, self.emitted, self.deadline_header, self.received_at = body, 1, deadline_header, received_at
         return {"session_id": "s.1", "prefix_len": len(body["prompt_ids"]), "first_token": self.first_token, "finished": False,
                 "close_on_finish": True, "cached_tokens": 2}
 
@@ -89,9 +91,6 @@ INFO = {"model": "served", "max_model_len": 64, "vocab_size": 512}
 
 
 def test_a_whole_response_and_a_refused_open_keeping_its_status():
-    from specdec.errors import Overloaded
-    from specdec.openai.request import parse_completion
-
     req = parse_completion({"prompt": PROMPT, "temperature": 0, "unknown": 1}, None, False)
     resp = asyncio.run(ServerDecode(FakeSessions(length=3), no_drafter).respond("tenant", req, None, INFO, []))
     body = json.loads(resp.body)
@@ -99,15 +98,16 @@ def test_a_whole_response_and_a_refused_open_keeping_its_status():
     assert body["model"] == "served" and resp.headers["x-ignored-fields"] == "unknown"
 
     class Refusing(FakeSessions):
-        async def open(self, tenant, body, deadline_header=None):
+        async def open(self, tenant, body, deadline_header=None, received_at=None):
             raise Overloaded("full", retry_after=2.0)
 
     with pytest.raises(Overloaded):  # before any response starts: the client gets its 429
         asyncio.run(ServerDecode(Refusing(), no_drafter).respond("tenant", req, None, INFO, []))
 
 
-def test_the_open_deadline_header_reaches_the_open():
+def test_the_open_deadline_header_and_arrival_reach_the_open():
     sessions = FakeSessions(length=2)
-    collect(ServerDecode(sessions, no_drafter).rounds("tenant", PROMPT, {"temperature": 0}, None,
-                                                      deadline_header="0.5"))
-    assert sessions.deadline_header == "0.5"
+    req = parse_completion({"prompt": PROMPT, "temperature": 0}, None, False)
+    asyncio.run(ServerDecode(sessions, no_drafter).respond("tenant", req, None, INFO, [], deadline_header="0.5",
+                                                           received_at=12.5))
+    assert (sessions.deadline_header, sessions.received_at) == ("0.5", 12.5)
