@@ -11,21 +11,31 @@ Pure module: no Ray, no asyncio; the clock is passed in.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
 @dataclass
 class ArrivalModel:
-    """When each session's next verify round is due: its last reply + an EMA of its away time."""
+    """When each session's next verify round is due: its last reply + an EMA of its away time.
+
+    The sessions due next are kept in a heap (stale entries dropped as they surface), so
+    :meth:`due` costs O(``limit`` log n) rather than a pass over every session away."""
 
     ema: float = 0.3
     max_away_s: float = 1.0  # away longer than this is not a round trip (think time, a re-open)
     _replied: dict[str, float] = field(default_factory=dict)  # sid -> time of its last reply
     _away: dict[str, float] = field(default_factory=dict)  # sid -> EMA of seconds away
+    _heap: list[tuple[float, float, float, str]] = field(default_factory=list)  # (due at, due until, replied at, sid)
 
     def replied(self, sid: str, now: float) -> None:
         self._replied[sid] = now
+        away = self._away.get(sid)
+        if away is not None:  # a session without a round trip measured yet is never due
+            heapq.heappush(self._heap, (now + away, now + away + max(away, 0.005), now, sid))
+            if len(self._heap) > 2 * len(self._replied) + 64:
+                self._rebuild()
 
     def arrived(self, sid: str, now: float) -> None:
         t = self._replied.pop(sid, None)
@@ -47,26 +57,38 @@ class ArrivalModel:
         for d in (self._replied, self._away):
             for sid in [s for s in d if s not in keep]:
                 del d[sid]
+        self._rebuild()
 
-    def due(self, now: float, exclude: set[str]) -> list[float]:
-        """Seconds until each away session (not in ``exclude``) is expected back, sorted; an
-        overdue session counts as due now while it is late by less than its away time."""
-        out = []
-        for sid, t in self._replied.items():
-            away = self._away.get(sid)
-            if away is None or sid in exclude:
-                continue
-            dt = t + away - now
-            if dt >= -max(away, 0.005):
-                out.append(max(dt, 0.0))
-        return sorted(out)
+    def due(self, now: float, exclude: set[str], limit: int) -> list[float]:
+        """Seconds until the ``limit`` soonest away sessions (not in ``exclude``) are expected back,
+        sorted; an overdue session counts as due now while it is late by less than its away time,
+        and never again after (``now`` does not go back between calls)."""
+        out: list[float] = []
+        kept, seen = [], set()
+        while self._heap and len(out) < limit:
+            entry = heapq.heappop(self._heap)
+            at, until, replied_at, sid = entry
+            if self._replied.get(sid) != replied_at or now > until or sid in seen:
+                continue  # back already, replied again, gone, or late past its away time
+            kept.append(entry)
+            seen.add(sid)
+            if sid not in exclude:
+                out.append(max(at - now, 0.0))
+        for entry in kept:
+            heapq.heappush(self._heap, entry)
+        return out
+
+    def _rebuild(self) -> None:
+        self._heap = [(t + a, t + a + max(a, 0.005), t, sid) for sid, t in self._replied.items()
+                      if (a := self._away.get(sid)) is not None]
+        heapq.heapify(self._heap)
 
 
 def fill_wait(pending_rows: int, due: list[float], rows_per_session: float,
               cost: Callable[[int], float], fill: float, max_sessions: int, pending_sessions: int) -> float:
     """Seconds to hold the next forward: until the last session due within ``fill`` x the
     predicted forward time (of the batch with those sessions in it); 0 when none is.
-    ``due``: seconds until each away session is expected, sorted (:meth:`ArrivalModel.due`);
+    ``due``: seconds until the soonest away sessions are expected, sorted (:meth:`ArrivalModel.due`);
     ``cost(rows)``: the replica's forward seconds for ``rows`` token rows."""
     if fill <= 0 or not due or pending_sessions <= 0:
         return 0.0

@@ -131,7 +131,8 @@ class BatchLoop:
             pending = self.sched.pending_sessions()
             rows = self.sched.pending_tokens()
             now = time.monotonic()
-            wait = fill_wait(rows, self.arrivals.due(now, pending), rows / max(len(pending), 1),
+            due = self.arrivals.due(now, pending, limit=max(vc.max_batch_sessions - len(pending), 0))
+            wait = fill_wait(rows, due, rows / max(len(pending), 1),
                              self.cost.predict, vc.batch_fill, vc.max_batch_sessions, len(pending))
             if deadline is None:
                 deadline = now + wait

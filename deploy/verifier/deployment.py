@@ -30,7 +30,7 @@ from deploy.verifier.batch_fill import ArrivalModel
 from deploy.verifier.batch_loop import BatchLoop
 from deploy.verifier.counters import ReplicaCounters
 from deploy.verifier.early_stream import EarlyStreams
-from deploy.verifier.eviction import Limits, choose_victims
+from deploy.verifier.eviction import Limits, choose_victims, within_limits
 from deploy.verifier.hints import SessionHints
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.prefill_budget import PrefillBudget
@@ -190,7 +190,10 @@ class VerifierCore:
     async def _enforce_budgets(self, protect: set[str]) -> None:
         """Evict above a tenant's KV quota, the replica's KV budget or its session limit
         (:mod:`deploy.verifier.eviction`)."""
-        for sid in choose_victims(self.sessions.uses(self.engine.sessions), self._limits, frozenset(protect)):
+        live = self.engine.sessions
+        if within_limits(self._limits, len(live), self.sessions.kv_held(live)):
+            return  # the common case, without a list of every session sorted by last use
+        for sid in choose_victims(self.sessions.uses(live), self._limits, frozenset(protect)):
             await self._evict(sid, "kv_budget")
 
     async def sweep_idle(self) -> int:

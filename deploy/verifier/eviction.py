@@ -37,6 +37,12 @@ class Limits:
     weights: dict[str, float]  # tenant -> fair-share weight (default 1)
 
 
+def within_limits(limits: Limits, sessions: int, kv_tokens: int) -> bool:
+    """Whether every limit holds for ``sessions`` holding ``kv_tokens`` in all (whole pages), with no
+    tenant quota to check: then :func:`choose_victims` has nobody to evict, and nobody need be listed."""
+    return not limits.quotas and sessions <= limits.max_sessions and kv_tokens <= limits.kv_budget_tokens
+
+
 def choose_victims(sessions: list[SessionUse], limits: Limits, protect: frozenset[str] = frozenset()) -> list[str]:
     """Session ids to evict, in order, so that every limit holds (as far as unprotected
     sessions allow)."""

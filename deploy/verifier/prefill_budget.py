@@ -76,6 +76,6 @@ class PrefillBudget:
         if any(p.payload.run is None or p.payload.run.fut is not None for p in batch) or not self.token_s:
             return paced
         most = self.cfg.max_batch_tokens
-        due = arrivals.due(time.monotonic(), set())
+        due = arrivals.due(time.monotonic(), set(), limit=1)
         fit = int((due[0] - self.verify_forward_s(rows)) / self.token_s) if due else most
         return max(paced, min(most, fit))

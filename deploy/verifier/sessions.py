@@ -104,6 +104,11 @@ class SessionBook:
         self.evicted.pop(sid, None)
         self.closed_finished.pop(sid, None)
 
+    @staticmethod
+    def kv_held(engine_sessions: dict) -> int:
+        """KV tokens the live sessions hold in all (their committed tokens in whole pages), as :meth:`uses` counts them."""
+        return sum(-(-len(s.prefix) // PAGE_SIZE) for s in engine_sessions.values()) * PAGE_SIZE
+
     def uses(self, engine_sessions: dict) -> list[SessionUse]:
         """Each live session's KV (its committed tokens in whole pages), tenant and last use."""
         return [SessionUse(sid, self.owner.get(sid, ""), -(-len(s.prefix) // PAGE_SIZE) * PAGE_SIZE, s.last_used)

@@ -19,8 +19,8 @@ def test_away_time_is_learned_per_session_and_due_counts_down():
         m.arrived("b", t + 0.060)
     m.replied("a", 10.0)
     m.replied("b", 10.0)
-    assert m.due(10.0, exclude=set()) == approx([0.020, 0.060])
-    assert m.due(10.010, exclude={"b"}) == approx([0.010])  # a round pending now is not due again
+    assert m.due(10.0, exclude=set(), limit=8) == approx([0.020, 0.060])
+    assert m.due(10.010, exclude={"b"}, limit=8) == approx([0.010])  # a round pending now is not due again
 
 
 def test_overdue_sessions_stop_counting_and_long_absences_are_not_round_trips():
@@ -28,11 +28,11 @@ def test_overdue_sessions_stop_counting_and_long_absences_are_not_round_trips():
     m.replied("a", 0.0)
     m.arrived("a", 0.030)
     m.replied("a", 1.0)
-    assert m.due(1.040, set()) == [0.0]  # 10 ms late: due now
-    assert m.due(1.100, set()) == []  # late by more than its away time: a user reading, not a round trip
+    assert m.due(1.040, set(), 8) == [0.0]  # 10 ms late: due now
+    assert m.due(1.100, set(), 8) == []  # late by more than its away time: a user reading, not a round trip
     m.arrived("a", 30.0)  # back after 29 s of think time: the estimate stays a round trip's
     m.replied("a", 31.0)
-    assert m.due(31.0, set()) == approx([0.030])
+    assert m.due(31.0, set(), 8) == approx([0.030])
 
 
 def test_forget_and_prune_drop_sessions():
@@ -43,7 +43,7 @@ def test_forget_and_prune_drop_sessions():
         m.replied(sid, 1.0)
     m.forget("a")
     m.prune(["b"])
-    assert len(m.due(1.0, set())) == 1
+    assert len(m.due(1.0, set(), 8)) == 1
 
 
 def test_one_session_alone_never_waits():
@@ -125,3 +125,32 @@ def test_the_replica_holds_a_forward_for_sessions_due_back_and_stays_exact():
     alone, outs, refs = _sessions_per_forward(fill=0.0)
     assert outs == refs
     assert filled >= 2.5 and filled >= 1.5 * alone, (filled, alone)  # measured: ~3.4 vs ~1.5
+
+
+def test_due_matches_a_pass_over_every_session_under_random_traffic():
+    """The heap gives what the definition says: the ``limit`` soonest of the sessions away with a
+    round trip measured, each late by less than its away time, sorted."""
+    import random
+
+    rng = random.Random(0)
+    m = ArrivalModel(ema=0.5)
+    sids = [f"s{i}" for i in range(40)]
+    now = 0.0
+    for _ in range(3000):
+        now += rng.uniform(0.0, 0.004)
+        sid = rng.choice(sids)
+        r = rng.random()
+        if r < 0.4:
+            m.replied(sid, now)
+        elif r < 0.8:
+            m.arrived(sid, now)
+        elif r < 0.82:
+            m.forget(sid)
+        elif r < 0.83:
+            m.prune(rng.sample(sids, 30))
+        else:
+            exclude, limit = set(rng.sample(sids, 5)), rng.randrange(1, 12)
+            expected = sorted(max(t + a - now, 0.0) for s, t in m._replied.items()
+                              if (a := m._away.get(s)) is not None and s not in exclude and t + a - now >= -max(a, 0.005))
+            assert m.due(now, exclude, limit) == approx(expected[:limit])
+    assert len(m._heap) <= 2 * len(m._replied) + 64

@@ -41,3 +41,20 @@ def test_plain_lru_when_no_tenant_is_over_its_share_and_protected_sessions_stay(
 def test_the_session_count_limit():
     s = uses([("a", 1), ("a", 1), ("b", 1)])
     assert choose_victims(s, limits(sessions=2)) == ["a0"]
+
+
+def test_within_limits_only_when_choose_victims_has_nobody_to_evict():
+    import random
+
+    from deploy.verifier.eviction import within_limits
+
+    rng = random.Random(1)
+    for _ in range(500):
+        spec = [(rng.choice("ab"), 16 * rng.randrange(1, 20)) for _ in range(rng.randrange(0, 12))]
+        lim = limits(budget=rng.randrange(0, 1500), sessions=rng.randrange(0, 12),
+                     quotas={"a": 200} if rng.random() < 0.3 else None)
+        s = uses(spec)
+        if within_limits(lim, len(s), sum(u.kv_tokens for u in s)):
+            assert choose_victims(s, lim) == []
+        elif not lim.quotas:
+            assert choose_victims(s, lim)  # over a limit, without quotas: someone goes

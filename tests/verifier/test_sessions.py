@@ -35,3 +35,13 @@ def test_a_request_for_a_session_answers_why_it_is_not_served():
 def test_a_draft_class_is_a_short_string_or_none():
     assert draft_class("edge-1") == "edge-1"
     assert draft_class("") is None and draft_class(3) is None and draft_class("x" * 129) is None
+
+
+def test_kv_held_counts_whole_pages_as_uses_does():
+    from types import SimpleNamespace
+
+    from specdec.model.native import PAGE_SIZE
+
+    live = {f"s{n}": SimpleNamespace(prefix=[0] * n, last_used=0.0) for n in (1, PAGE_SIZE, PAGE_SIZE + 1, 0)}
+    book = SessionBook()
+    assert book.kv_held(live) == sum(u.kv_tokens for u in book.uses(live)) == 4 * PAGE_SIZE
