@@ -44,7 +44,7 @@ class TokenBucket:
 @dataclass
 class TenantState:
     config: TenantConfig
-    sessions: dict[str, float] = field(default_factory=dict)  # session id -> last use (monotonic)
+    sessions: dict[str, float] = field(default_factory=dict)  # session id -> last use (monotonic), oldest first
     opening: int = 0  # opens admitted and not yet answered: they hold a quota slot too
     closing_on_finish: set[str] = field(default_factory=set)  # sessions the replica closes as they finish
     bucket: TokenBucket | None = None
@@ -73,8 +73,14 @@ class TenantRegistry:
         raise Unauthorized("unknown API key")
 
     def _expire(self, t: TenantState, now: float) -> None:
-        # the verifier times idle sessions out; forget them here too so quotas do not leak
-        stale = [sid for sid, seen in t.sessions.items() if now - seen > self.idle_timeout_s]
+        # the verifier times idle sessions out; forget them here too so quotas do not leak.
+        # t.sessions is in order of last use (session_used moves a session to the end), so the
+        # stale ones are a prefix: the walk stops at the first fresh one
+        stale = []
+        for sid, seen in t.sessions.items():
+            if now - seen <= self.idle_timeout_s:
+                break
+            stale.append(sid)
         for sid in stale:
             self.session_gone(t, sid)
 
@@ -114,8 +120,8 @@ class TenantRegistry:
             self.session_gone(t, sid)
 
     def session_used(self, t: TenantState, sid: str, tokens: int) -> None:
-        if sid in t.sessions:
-            t.sessions[sid] = time.monotonic()
+        if t.sessions.pop(sid, None) is not None:
+            t.sessions[sid] = time.monotonic()  # to the end: the dict stays in order of last use
         t.tokens_served += tokens
         if t.bucket is not None and tokens:
             t.bucket.spend(tokens)

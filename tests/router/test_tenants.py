@@ -81,3 +81,21 @@ def test_token_rate_limit_and_retry_after():
 def test_replica_of_session_id():
     assert replica_of("abc123.deadbeef") == "abc123"
     assert replica_of("no-dot") is None
+
+
+def test_sessions_idle_past_the_timeout_give_their_slots_back_and_used_ones_keep_them(monkeypatch):
+    import deploy.router.tenants as tenants
+
+    clock = [100.0]
+    monkeypatch.setattr(tenants.time, "monotonic", lambda: clock[0])
+    r = TenantRegistry([TenantConfig(name="a", api_key="key-aaaa-1", max_sessions=3)], idle_timeout_s=10.0)
+    a = r.by_name["a"]
+    for sid in ("s1", "s2", "s3"):
+        r.admit_session(a)
+        r.session_opened(a, sid)
+        r.open_done(a)
+        clock[0] += 1.0
+    r.session_used(a, "s1", 1)  # s1 used last: the oldest is now s2
+    clock[0] = 112.5  # s2 (opened at 101) and s3 (102) are idle past 10 s; s1 (used at 103) is not
+    r.admit_session(a)
+    assert set(a.sessions) == {"s1"} and list(a.sessions) == ["s1"]
