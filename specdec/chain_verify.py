@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.acceptance import ChainAcceptance, more_candidates, rejection_sample_chain, sparse_rejection
-from specdec.engine_types import ChainVerifyRequest, ChainVerifyResult, Session, check_ids, tree_item
-from specdec.errors import InvalidRequest, PrefixMismatch, SessionFinished, SpecError
+from specdec.engine_types import ChainVerifyRequest, ChainVerifyResult, Session, admit_batch, check_ids, tree_item
+from specdec.errors import InvalidRequest, PrefixMismatch, SessionFinished
 from specdec.model.batch import SeqInput
 from specdec.sampling import target_probs
 from specdec.tree import DraftTree, TreeLimits
@@ -56,28 +56,14 @@ class ChainVerifier:
     def admit(self, requests: list[ChainVerifyRequest]) -> tuple[list, list[ChainJob]]:
         """Per request, its error, its result (answered without a forward), or None for a job;
         and the jobs for the forward. An invalid request leaves its session intact."""
-        out: list = [None] * len(requests)
-        todo: list[ChainJob] = []
-        seen: set[str] = set()
-        for i, r in enumerate(requests):
-            try:
-                if r.sid in seen:
-                    raise InvalidRequest(f"session {r.sid!r} appears twice in one batch")
-                job = self._admit_one(i, r, seen)
-                if isinstance(job, ChainJob):
-                    todo.append(job)
-                else:  # answered without a forward
-                    out[i] = job
-            except SpecError as e:
-                out[i] = e
-        return out, todo
+        return admit_batch(requests, self._admit_one, ChainJob)
 
     @staticmethod
     def item(job: ChainJob) -> SeqInput:
         """The job's forward input: the session's root and its chain."""
         return tree_item(job.session, DraftTree.chain(job.tokens))
 
-    def _admit_one(self, i: int, r: ChainVerifyRequest, seen: set[str]) -> ChainJob | ChainVerifyResult:
+    def _admit_one(self, i: int, r: ChainVerifyRequest) -> ChainJob | ChainVerifyResult:
         """Validate a request (raising its error) and apply an owed resampled token; a job for
         the forward, or the result when none is needed."""
         s = self.get(r.sid)
@@ -87,7 +73,6 @@ class ChainVerifier:
             raise InvalidRequest("logprobs are served in tree mode only, not in chain mode")
         if r.more:
             refill = self._more(s, r)
-            seen.add(r.sid)
             # re-opened: p of the next position takes a forward of the root alone
             return refill if refill is not None else ChainJob(i, s, [], [], fresh=True)
         if len(r.tokens) != len(r.q):
@@ -103,7 +88,6 @@ class ChainVerifier:
             if r.prefix_len != len(s.prefix) + 1:
                 raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens, expected "
                                      f"{len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + 1)
-            seen.add(r.sid)
             s.awaiting_resample, s.residual_tail = False, None
             self.emit(s, [int(r.resampled)])
             if s.finished:
@@ -113,7 +97,6 @@ class ChainVerifier:
             if r.resampled is not None:
                 raise InvalidRequest("no rejected round is pending: resampled must be absent")
             self.live(r.sid, r.prefix_len)
-            seen.add(r.sid)
         tokens = DraftTree.chain(r.tokens).tokens  # as ints
         k = min(len(tokens), self.remaining(s) - 1)  # accepted + bonus within max_tokens
         return ChainJob(i, s, list(tokens[:k]), list(r.q[:k]))

@@ -27,7 +27,7 @@ import torch
 from specdec.acceptance import TreeAcceptance, rejection_walk_tree, walk_tree
 from specdec.chain_verify import ChainVerifier
 from specdec.engine_types import (ChainVerifyRequest, ChainVerifyResult, ForwardStats, OpenRequest, OpenResult, Session,
-                                  TreeJob, VerifyRequest, VerifyResult, tree_item)
+                                  TreeJob, VerifyRequest, VerifyResult, admit_batch, tree_item)
 from specdec.errors import (InvalidRequest, KVStateLost, ModelNotFound, PrefixMismatch, SessionFinished,
                             SessionNotFound, SpecError)
 from specdec.exit_heads import EarlyExit
@@ -306,17 +306,7 @@ class VerifierEngine:
         prefill); opens they complete are collected by :meth:`take_opened`. ``on_early``:
         a sink for exit heads' early results of requests with ``early`` (:mod:`specdec.exit_heads`).
         """
-        out: list[VerifyResult | SpecError | None] = [None] * len(requests)
-        jobs: list[TreeJob] = []
-        seen: set[str] = set()
-        for i, r in enumerate(requests):
-            try:
-                if r.sid in seen:
-                    raise InvalidRequest(f"session {r.sid!r} appears twice in one batch")
-                jobs.append(self._admit_tree(i, r))
-                seen.add(r.sid)
-            except SpecError as e:
-                out[i] = e
+        out, jobs = admit_batch(requests, self._admit_tree, TreeJob)
         if not jobs:
             return out  # type: ignore[return-value]
         chunks = self.prefill_queue.take(prefill_tokens) if prefill_tokens > 0 else []

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, SpecError
 from specdec.logprobs import TokenLogprob
 from specdec.model.batch import SeqInput, tree_input
 from specdec.penalties import penalties_for
@@ -178,6 +178,30 @@ def check_ids(ids, vocab_size: int, what: str) -> None:
     for t in ids:
         if not (0 <= int(t) < vocab_size):
             raise InvalidRequest(f"{what}: token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def admit_batch(requests: list, admit_one, job_type: type) -> tuple[list, list]:
+    """One batch's admission: per request its error, or its answer given without a forward (None
+    where it became a job), and the jobs for the forward. ``admit_one(i, request)`` validates
+    (raising the request's :class:`~specdec.errors.SpecError`, its session intact) and returns a
+    ``job_type`` or an answer; a session twice in one batch is refused the second time."""
+    out: list = [None] * len(requests)
+    jobs: list = []
+    seen: set[str] = set()
+    for i, r in enumerate(requests):
+        try:
+            if r.sid in seen:
+                raise InvalidRequest(f"session {r.sid!r} appears twice in one batch")
+            admitted = admit_one(i, r)
+        except SpecError as e:
+            out[i] = e
+            continue
+        seen.add(r.sid)
+        if isinstance(admitted, job_type):
+            jobs.append(admitted)
+        else:
+            out[i] = admitted
+    return out, jobs
 
 
 def tree_item(s: Session, tree: DraftTree) -> SeqInput:
