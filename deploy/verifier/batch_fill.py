@@ -33,7 +33,7 @@ class ArrivalModel:
         self._replied[sid] = now
         away = self._away.get(sid)
         if away is not None:  # a session without a round trip measured yet is never due
-            heapq.heappush(self._heap, (now + away, now + away + max(away, 0.005), now, sid))
+            heapq.heappush(self._heap, _due_entry(sid, now, away))
             if len(self._heap) > 2 * len(self._replied) + 64:
                 self._rebuild()
 
@@ -79,9 +79,13 @@ class ArrivalModel:
         return out
 
     def _rebuild(self) -> None:
-        self._heap = [(t + a, t + a + max(a, 0.005), t, sid) for sid, t in self._replied.items()
-                      if (a := self._away.get(sid)) is not None]
+        self._heap = [_due_entry(sid, t, a) for sid, t in self._replied.items() if (a := self._away.get(sid)) is not None]
         heapq.heapify(self._heap)
+
+
+def _due_entry(sid: str, replied_at: float, away: float) -> tuple[float, float, float, str]:
+    """A heap entry of :class:`ArrivalModel`: due at, due until (late by less than its away time), replied at, sid."""
+    return replied_at + away, replied_at + away + max(away, 0.005), replied_at, sid
 
 
 def fill_wait(pending_rows: int, due: list[float], rows_per_session: float,
