@@ -117,6 +117,8 @@ class VerifierConfig(_Strict):
                                                               "most this share of a verify forward's time per "
                                                               "session waiting to be prefilled")
     max_sessions: int = Field(4096, ge=1)
+    warmup: bool = Field(True, description="one prefill and one verify forward on dummy tokens before the replica "
+                                           "reports ready: the first user does not pay for initialisation")
     idle_timeout_s: float = Field(600.0, gt=0)
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
     num_cpus: float = Field(1.0, ge=0)

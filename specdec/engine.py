@@ -216,6 +216,11 @@ class VerifierEngine:
         self._commit(bid, self.prefill_queue.keep(chunks))
         return self.prefill_queue.finish(chunks, logits)
 
+    def drop_unstarted(self, sids: list[str]) -> list[str]:
+        """Drop the opens among ``sids`` whose prefill has not started (an open past its deadline,
+        issue 67); their ids."""
+        return self.prefill_queue.drop_unstarted(sids)
+
     def take_opened(self) -> list[OpenResult]:
         """Opens completed by prefill chunks that rode along with verify forwards."""
         return self.prefill_queue.take_opened()

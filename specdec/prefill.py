@@ -36,6 +36,7 @@ class PrefillState:
     generated: tuple[int, ...]
     fed: int = 0
     looked_up: bool = False  # the prefix cache was asked (at the first chunk)
+    started: bool = False  # a chunk was taken (the open's wait for its prefill is over)
     cached: int = 0  # feed tokens found there
 
 
@@ -126,8 +127,20 @@ class PrefillQueue:
             item = chunk_input(sid, p.fed, p.feed[p.fed: p.fed + n], [n - 1] if done else [])
             item.adapter = p.session.adapter
             chunks.append(PrefillChunk(p, item, n, done))
+            p.started = True
             left -= n
         return chunks
+
+    def drop_unstarted(self, sids: list[str]) -> list[str]:
+        """Forget those of ``sids`` still waiting behind another session for their first chunk
+        (nothing computed for them yet); their ids. The others (started, first in the queue, or
+        not here) are kept: the first starts with the next forward, whatever it waited for."""
+        head = next(iter(self.prefilling), None)
+        dropped = [sid for sid in sids if sid != head and sid in self.prefilling and not self.prefilling[sid].started]
+        for sid in dropped:
+            del self.prefilling[sid]
+            self.runner.drop(sid)
+        return dropped
 
     def still_queued(self, chunks: list[PrefillChunk]) -> list[PrefillChunk]:
         """The chunks of sessions still prefilling (not closed since :meth:`take`)."""

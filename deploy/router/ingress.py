@@ -31,7 +31,8 @@ from deploy.router.body import json_object, read_body, within
 from deploy.router.early import stream_verify
 from deploy.router.fast_shed import RECEIVED_AT, ShedFastPath, admission_refusal
 from deploy.router.loads import Loads
-from deploy.router.open_deadline import DEADLINE_HEADER, PrefillForecast, deadline_refusal, request_deadline
+from deploy.prefill_forecast import PrefillForecast, deadline_refusal
+from deploy.router.open_deadline import DEADLINE_HEADER, request_deadline
 from deploy.router.probe import LoadProbe
 from deploy.router.server_decode import ClosingStream, ServerDecode
 from deploy.router.tenants import TenantRegistry, TenantState
@@ -83,11 +84,19 @@ class Unavailable(Overloaded):
     status, code = 503, "unavailable"
 
 
+def _reason(payload) -> str | None:
+    """The ``reason`` of an error payload, if any."""
+    return payload.get("error", {}).get("reason") if isinstance(payload, dict) else None
+
+
 def _raise_for(status: int, payload) -> None:
     if status == 200:
         return
     err = dict(payload.get("error", {})) if isinstance(payload, dict) else {}
-    e = SpecError(err.pop("message", "error"), **{k: v for k, v in err.items() if k not in ("code", *DERIVED_FIELDS)})
+    message = err.pop("message", "error")
+    details = {k: v for k, v in err.items() if k not in ("code", *DERIVED_FIELDS)}
+    # a verifier's 429/503 with a retry_after stays retryable here (the reply's Retry-After)
+    e = (Overloaded if "retry_after" in details else SpecError)(message, **details)
     e.status, e.code = status, err.get("code", "error")
     try:
         raise e
@@ -209,13 +218,6 @@ class Router:
         finally:
             self.admission.finished(tenant, latency)
 
-    async def _deadlined(self, deadline_s: float, call):
-        """``call``'s result, or 429 at ``deadline_s`` (the call is cancelled: Serve drops its prefill)."""
-        try:
-            return await within(call, deadline_s)
-        except asyncio.TimeoutError:
-            raise deadline_refusal(deadline_s, self.admission.retry_after) from None
-
     async def info(self) -> dict:
         if self._info is None:
             self._info = await self._call("info")
@@ -246,20 +248,22 @@ class Router:
                 raise deadline_refusal(deadline, self.admission.retry_after)
             deadline -= waited
         tokens = len(req.prompt_ids) + len(req.generated_ids)
-        refused = self.prefill.refusal(tokens, deadline)
+        if tokens > self.cfg.verifier.max_prompt_tokens:  # a 400 at any load, never a retryable 429
+            raise InvalidRequest(f"prompt + history of {tokens} tokens exceed verifier.max_prompt_tokens "
+                                 f"({self.cfg.verifier.max_prompt_tokens})")
+        refused = self.prefill.refusal(deadline)
         if refused is not None:
             raise refused
         self.tenants.admit_session(tenant)
-        work, t0, took = self.prefill.started(tokens), time.perf_counter(), None
-        try:
-            status, payload = await self._deadlined(
-                deadline, self._admitted_call("open", "open_session", tenant=tenant.config.name,
-                                              body=req.model_dump(), deadline_s=deadline))
-            took = time.perf_counter() - t0
+        ticket, measured = self.prefill.started(tokens), False
+        try:  # the verifier drops the open if its prefill has not started by the deadline (429)
+            status, payload = await self._admitted_call("open", "open_session", tenant=tenant.config.name,
+                                                        body=req.model_dump(), deadline_s=deadline)
+            measured = status == 200 or _reason(payload) == "open_deadline_passed"
             _raise_for(status, payload)
             self.tenants.session_opened(tenant, payload["session_id"], bool(payload.get("close_on_finish")))
         finally:
-            self.prefill.finished(tokens, work, took)
+            self.prefill.finished(ticket, measured)
             self.tenants.open_done(tenant)
         if payload.get("first_token") is not None:
             self.tenants.session_used(tenant, payload["session_id"], 1)

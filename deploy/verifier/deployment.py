@@ -19,12 +19,13 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
 from deploy.config import AppConfig
 from deploy.metrics import RoundStats, VerifierMetrics
-from deploy.router.open_deadline import PrefillForecast
+from deploy.prefill_forecast import PrefillForecast, deadline_refusal
 from deploy.verifier.ahead_runs import AheadRuns
 from deploy.verifier.batch_fill import ArrivalModel
 from deploy.verifier.batch_loop import BatchLoop
@@ -38,7 +39,7 @@ from deploy.verifier.rounds import QueuedRound, answer, answer_each, error_reply
 from deploy.verifier.run_ahead import RunAhead
 from deploy.verifier.scheduler import FairScheduler, Pending
 from deploy.verifier.sessions import EdgeClient, SessionBook, draft_class
-from deploy.verifier.startup import start_target
+from deploy.verifier.startup import start_target, warm_up
 from deploy.verifier.version_updates import VersionUpdates
 from deploy.verifier.versions import TargetVersions
 from specdec.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
@@ -61,6 +62,7 @@ class VerifierCore:
         if vc.torch_threads:
             torch.set_num_threads(vc.torch_threads)
         self.tag = replica_tag
+        self._warming = vc.warmup  # the warm-up's forwards are not measured (see the end)
         started = start_target(config, self._on_forward, runner, loaded)  # KV pool sized from memory
         self.loaded, self.engine, self.kv_plan = started.loaded, started.engine, started.kv_plan
         # exit heads: early results mid-forward for edges that ask (deploy/verifier/early_stream.py)
@@ -89,11 +91,16 @@ class VerifierCore:
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
-        self.open_forecast = PrefillForecast()  # this replica's prefill queue (tokens) and rate: opens' deadlines
+        # this replica's opens queued and their measured cost: admission against an open's deadline
+        self.open_forecast = PrefillForecast(retry_after_s=config.router.retry_after_s)
+        self._open_expiry: dict[str, tuple[float, float]] = {}  # sid -> (monotonic deadline, deadline_s)
         self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
         self.version_updates = VersionUpdates(config, self.versions, self.engine, self._on_worker,
                                               self._end_version_session)
+        if vc.warmup:  # before the replica reports ready; its forwards are no one's measurements
+            warm_up(self.engine, self.loaded.vocab_size)
+            self._warming = False
 
     @property
     def owner(self) -> dict[str, str]:
@@ -116,7 +123,7 @@ class VerifierCore:
                 "forward_cost_a": a, "forward_cost_b": b, "forward_cost_knee": knee,
                 "forward_cost_points": [[x, t, n] for x, t, n in sorted(self.pacer.cost.points())],
                 "pacing": self.pacer.state(), "pacing_classes": self.versions.states(),
-                "prefix_cache": self.engine.prefix_cache_stats(),
+                "prefix_cache": self.engine.prefix_cache_stats(), "open_forecast": self.open_forecast.state(),
                 "evictions": len(self.sessions.evicted), "versions": self.versions.registry.served(),
                 "versions_unavailable": dict(self.versions.registry.unavailable),
                 "versions_error": self.version_updates.error}
@@ -126,6 +133,8 @@ class VerifierCore:
         return len(self.loop.sched) + len(self._opens) + len(self._prefilling)
 
     def _on_forward(self, st: ForwardStats) -> None:
+        if self._warming:
+            return
         self.prefill.observe(st)  # before the cost curve sees it: a chunk is costed against the curve
         if st.kind != "prefill":
             self.pacer.observe_forward(st.tokens, st.seconds)
@@ -226,13 +235,15 @@ class VerifierCore:
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             return error_reply(InvalidRequest(f"malformed open request: {e}"))
         tokens = len(prompt) + len(generated)
-        if deadline_s is not None and (refused := self.open_forecast.refusal(tokens, deadline_s)) is not None:
+        if deadline_s is not None and (refused := self.open_forecast.refusal(deadline_s)) is not None:
             return error_reply(refused)
         sid = f"{self.tag}.{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self.loop.ensure()
         req = OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant)  # shares within a tenant
         self._opens.append((req, tenant, fut))
+        if deadline_s is not None:  # its prefill must start by then, or it is dropped (429)
+            self._open_expiry[sid] = (time.monotonic() + deadline_s, deadline_s)
         self.metrics.on_arrival(sid)
         client = body.get("client") or {}
         # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
@@ -242,13 +253,14 @@ class VerifierCore:
             self.runs.tokens(params.logprobs is None), bool(client.get("run_ahead")) and params.logprobs is None,
             draft_class(client.get("draft")), bool(body.get("close_on_finish")), params.logprobs is not None)
         self.loop.kick()
-        work, t0, took = self.open_forecast.started(tokens), time.monotonic(), None
+        ticket, measured = self.open_forecast.started(tokens), False
         try:
             out = await fut
-            took = time.monotonic() - t0 if out[0] == 200 else None
+            measured = out[0] == 200 or out[1].get("error", {}).get("reason") == "open_deadline_passed"
             return out
         finally:
-            self.open_forecast.finished(tokens, work, took)
+            self._open_expiry.pop(sid, None)
+            self.open_forecast.finished(ticket, measured)
 
     async def verify(self, session_id: str, tenant: str, frame: bytes) -> tuple[int, bytes | dict]:
         try:
@@ -335,9 +347,42 @@ class VerifierCore:
             else:
                 self._prefilling[req.sid] = (tenant, fut)
 
+    def _expired_opens(self) -> list[str]:
+        """Opens past their deadline (their prefill may have started: the engine tells)."""
+        now = time.monotonic()
+        return [sid for sid, (at, _) in self._open_expiry.items() if at <= now]
+
+    def _drop_expired(self, expired: list[str], dropped: list[str]) -> None:
+        """Answer 429 the opens the engine dropped unstarted; the other expired ones have started
+        (or are gone) and run to their first token."""
+        for sid in dropped:
+            self.sessions.client.pop(sid, None)
+            waiting = self._prefilling.pop(sid, None)
+            if waiting is not None:
+                _, deadline_s = self._open_expiry.get(sid, (0.0, 0.0))
+                answer(waiting[1], error_reply(deadline_refusal(deadline_s, self.open_forecast.retry_after_s)))
+        for sid in expired:
+            self._open_expiry.pop(sid, None)
+
+    async def _forward(self, loop, run, with_prefill: bool):
+        """``run()`` on the worker thread, after the engine dropped the opens past their deadline
+        whose prefill has not started (answered 429 here, whatever the forward's outcome)."""
+        expired = self._expired_opens() if with_prefill else []
+        dropped: list[str] = []
+
+        def step():
+            if expired:
+                dropped.extend(self.engine.drop_unstarted(expired))
+            return run()
+
+        try:
+            return await loop.run_in_executor(self._executor, step)
+        finally:
+            self._drop_expired(expired, dropped)
+
     async def run_prefill(self, loop, budget: int) -> None:
         try:
-            results = await loop.run_in_executor(self._executor, self.engine.prefill_step, budget)
+            results = await self._forward(loop, partial(self.engine.prefill_step, budget), True)
         except SpecError as e:  # the KV pool is full: the opens the engine dropped fail with a clear error
             results = []
             self._fail_dropped_opens(e)
@@ -409,7 +454,7 @@ class VerifierCore:
             return out, self.engine.take_opened() + opened
 
         try:
-            results, opened = await loop.run_in_executor(self._executor, run)
+            results, opened = await self._forward(loop, run, bool(prefill))
         except SpecError as e:  # a full KV pool or a lost commit: a clear 503 for the batch and its prompts
             for p in batch:
                 answer(p.payload.answers, self.runs.so_far(p) or error_reply(e))

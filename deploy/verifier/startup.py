@@ -9,9 +9,13 @@ from dataclasses import dataclass
 
 from deploy.config import AppConfig
 from deploy.verifier.kv_sizing import KVPlan, cap_plan, sized_runner
-from specdec.engine import VerifierEngine
+from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest
 from specdec.model.loading import LoadedModel, load_target
-from specdec.tree import TreeLimits
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree, TreeLimits
+
+WARMUP_PROMPT_TOKENS = 32
+WARMUP_TREE_NODES = 4
 
 log = logging.getLogger("ray.serve")
 
@@ -40,3 +44,21 @@ def start_target(config: AppConfig, on_forward=None, runner=None, loaded: Loaded
         kv_capacity_tokens=plan.capacity_tokens, max_batch_tokens=vc.max_batch_tokens, compile=vc.compile,
         prefix_caching=vc.prefix_caching)
     return ReplicaTarget(loaded, engine, plan)
+
+
+def warm_up(engine: VerifierEngine, vocab_size: int) -> None:
+    """One prefill and one verify forward on dummy tokens, then nothing left of them (no session,
+    no cached prefix, no prefix-cache counts): the first forward's one-time costs (allocation,
+    lazy initialisation, compilation) are paid before the replica reports ready, as vLLM and
+    SGLang warm up before serving (issue 67). The caller keeps its cost observers out of it."""
+    n = max(1, min(WARMUP_PROMPT_TOKENS, engine.max_model_len // 4))
+    ids = [t for t in range(vocab_size - 1, -1, -1) if t not in engine.eos_token_ids][:n + WARMUP_TREE_NODES]
+    counts = list(engine.prefix_tokens)
+    sid = "warmup"
+    try:
+        opened = engine.open([OpenRequest(sid, ids[:n], SamplingParams(max_tokens=WARMUP_TREE_NODES + 2))])[0]
+        if not isinstance(opened, Exception) and not opened.finished:
+            engine.verify([VerifyRequest(sid, DraftTree.chain(ids[n:]), opened.prefix_len)])
+    finally:
+        engine.close(sid, cache=False)
+        engine.prefix_tokens[:] = counts

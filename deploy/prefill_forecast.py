@@ -1,0 +1,150 @@
+"""Time-to-first-token admission for session opens: the wait of an open for its prefill (issue 67).
+
+An open's first token comes after the prefill of every open admitted before it, then its own.
+The deadline bounds the *waiting*: an open is refused (429 at once) only when the measured work
+queued ahead of it is predicted to outlast its deadline, never for its own prefill, so an idle
+server admits any open. The router keeps one forecast for the deployment, each verifier replica
+one for itself (the same class).
+
+Cost model: answering the opens queued ahead takes ``fixed * opens + per_token * tokens``
+seconds, fitted (Theil-Sen, robust to a minority of outliers) over the latest answered opens,
+each a sample ``(opens, tokens, seconds)`` of the queue it waited for, its own prompt included.
+With fewer than three samples the cheapest stands (a latency outlier is slow, never fast). While
+every open is refused, one probe is admitted per ``retry_after_s``: a wrong estimate heals on
+its own, with no sample from a refusal needed. Pure module (no Ray, no FastAPI).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec.errors import Overloaded
+
+MIN_ROBUST_SAMPLES = 3  # below this, the cheapest sample stands in for the fit
+
+
+@dataclass(frozen=True)
+class OpenSample:
+    """One answered open: the queue it waited for, its own prompt included, and how long it took."""
+
+    opens: int
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class QueuedOpen:
+    """An admitted open's ticket (:meth:`PrefillForecast.started`): the queue ahead of its first
+    token, its own prompt included, and when it was admitted."""
+
+    prompt_tokens: int
+    opens: int
+    tokens: int
+    at: float
+
+
+@dataclass
+class PrefillCost:
+    """Seconds to answer a queue of opens: ``fixed * opens + per_token * tokens``, both >= 0,
+    fitted over the latest ``window`` samples."""
+
+    window: int = 32
+    fixed: float = 0.0
+    per_token: float = 0.0
+    samples: deque = field(default_factory=deque)  # OpenSample, oldest first
+
+    def observe(self, s: OpenSample) -> None:
+        self.samples.append(s)
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+        self.fixed, self.per_token = fit_cost(list(self.samples))
+
+    def predict(self, opens: int, tokens: int) -> float:
+        return self.fixed * opens + self.per_token * tokens
+
+    @property
+    def known(self) -> bool:
+        return bool(self.samples)
+
+
+def fit_cost(samples: list[OpenSample]) -> tuple[float, float]:
+    """(fixed, per_token) of ``seconds = fixed * opens + per_token * tokens`` over ``samples``.
+
+    Per open it is a line, ``seconds / opens = fixed + per_token * tokens / opens``: its slope is
+    the median of the pairwise slopes (Theil-Sen; 0 when every sample has the same size), its
+    intercept the median residual. Below :data:`MIN_ROBUST_SAMPLES` a median cannot outvote an
+    outlier, so the cheapest sample's line is used (slope from the pair when there are two)."""
+    pts = sorted(((s.tokens / s.opens, s.seconds / s.opens) for s in samples if s.opens > 0 and s.seconds > 0))
+    if not pts:
+        return 0.0, 0.0
+    if len(pts) < MIN_ROBUST_SAMPLES:
+        (x0, y0), (x1, y1) = pts[0], pts[-1]
+        slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+        return max(0.0, min(y - slope * x for x, y in pts)), slope
+    slopes = [(yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(pts) for xj, yj in pts[i + 1:] if xj - xi >= 1.0]
+    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    return max(0.0, statistics.median(y - slope * x for x, y in pts)), slope
+
+
+@dataclass
+class PrefillForecast:
+    """The opens admitted and not yet answered, and the predicted wait of the next one."""
+
+    retry_after_s: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    cost: PrefillCost = field(default_factory=PrefillCost)
+    queued_opens: int = 0
+    queued_tokens: int = 0  # prompt tokens of admitted opens not yet answered
+    shed: int = 0
+    probes: int = 0  # opens admitted past the forecast because none was admitted for retry_after_s
+    _last_admitted: float = float("-inf")
+
+    def predicted_wait(self) -> float:
+        """Seconds before the prefill of an open admitted now starts (0 with nothing queued or nothing measured)."""
+        return self.cost.predict(self.queued_opens, self.queued_tokens) if self.queued_opens else 0.0
+
+    def refusal(self, deadline_s: float) -> Overloaded | None:
+        """The 429 for an open whose wait for the queue ahead is predicted past ``deadline_s``, or
+        None (admitted: call :meth:`started`). An open is let through as a probe when none was
+        admitted for ``retry_after_s``, so an estimate that is too high gets a sample."""
+        wait = self.predicted_wait()
+        if wait <= deadline_s:
+            return None
+        if self.clock() - self._last_admitted >= self.retry_after_s:
+            self.probes += 1
+            return None
+        self.shed += 1
+        retry = max(self.retry_after_s, min(30.0, wait - deadline_s))
+        return Overloaded(f"the prefill queued ahead of this open would take about {wait:.1f} s, past the open's "
+                          f"deadline of {deadline_s:g} s", retry_after=round(retry, 1), reason="open_deadline")
+
+    def started(self, prompt_tokens: int) -> QueuedOpen:
+        """Queue an admitted open; its ticket for :meth:`finished`."""
+        self.queued_opens += 1
+        self.queued_tokens += prompt_tokens
+        self._last_admitted = now = self.clock()
+        return QueuedOpen(prompt_tokens, self.queued_opens, self.queued_tokens, now)
+
+    def finished(self, ticket: QueuedOpen, measured: bool) -> None:
+        """An open left the queue. ``measured``: its time is a sample of the queue it waited for
+        (its first token came, or it was cut at its deadline: a lower bound that errs towards
+        admitting); an open that failed otherwise is none."""
+        self.queued_opens = max(0, self.queued_opens - 1)
+        self.queued_tokens = max(0, self.queued_tokens - ticket.prompt_tokens)
+        if measured:
+            self.cost.observe(OpenSample(ticket.opens, ticket.tokens, self.clock() - ticket.at))
+
+    def state(self) -> dict:
+        return {"queued_opens": self.queued_opens, "queued_tokens": self.queued_tokens,
+                "fixed_s": self.cost.fixed, "per_token_s": self.cost.per_token, "samples": len(self.cost.samples),
+                "shed": self.shed, "probes": self.probes}
+
+
+def deadline_refusal(deadline_s: float, retry_after_s: float) -> Overloaded:
+    """The 429 for an admitted open whose prefill had not started at its deadline (it was dropped)."""
+    return Overloaded(f"the open's prefill did not start within its deadline of {deadline_s:g} s; it was dropped",
+                      retry_after=retry_after_s, reason="open_deadline_passed")
