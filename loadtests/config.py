@@ -106,6 +106,11 @@ class LoadTestConfig(_Strict):
     max_verify_p99_ms: float | None = Field(None, description="check: admitted verify rounds' steady p99 (ms)")
     max_rss_growth: float | None = Field(None, description="check: router/verifier RSS growth over the window")
     warmup_s: float = Field(3.0, ge=0, description="excluded from steady-state figures after all users spawned")
+    spawn_at_once: bool = Field(False, description="every user started at once (the spawn rate is the user count): "
+                                                   "a cold start's traffic")
+    max_idle_open_refusals: int | None = Field(None, ge=0, description="check: at most this many opens refused for "
+                                                                       "their deadline while the verifier had "
+                                                                       "nothing pending")
 
     @model_validator(mode="after")
     def _check(self):
@@ -161,7 +166,7 @@ def _app(target: str, **verifier) -> dict:
             "server_draft": {"enabled": False}}
 
 
-SCENARIOS: tuple[str, ...] = ("ramp", "edge", "tenants", "tenants-objective", "burst", "kill", "smoke", "soak")
+SCENARIOS: tuple[str, ...] = ("ramp", "cold-start", "edge", "tenants", "tenants-objective", "burst", "kill", "smoke", "soak")
 
 
 def edge_user(**overrides) -> UserModel:
@@ -181,6 +186,10 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
     if name == "ramp":
         return LoadTestConfig(name=name, target=target, app=app,
                               description="ramp to N users of one tenant; defaults of a production config")
+    if name == "cold-start":
+        return LoadTestConfig(name=name, target=target, app=app, spawn_at_once=True, max_idle_open_refusals=0,
+                              description="the app just started and every user opening at once: no open refused "
+                                          "for its deadline while the verifier is idle (issue 67)")
     if name == "edge":
         return LoadTestConfig(name=name, target=target, app=app, user=edge_user(), max_shed_ms=(50.0, 100.0),
                               max_verify_p99_ms=1000.0, description="edge-agent-like users (WebSocket, device draft profiles, RTT spread, "

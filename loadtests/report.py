@@ -23,6 +23,7 @@ Checks (``--check``, the smoke test): zero errors, every session closed, and wit
 
 from __future__ import annotations
 
+import bisect
 import csv
 import glob
 import json
@@ -218,6 +219,25 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
             "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window)}
 
 
+OPEN_DEADLINE_REASONS = ("open_deadline", "open_deadline_passed")
+
+
+def open_refusals(counters: dict, stats_path: Path | None) -> dict:
+    """Opens refused for their deadline (429, reasons :data:`OPEN_DEADLINE_REASONS`), and of those
+    the ones refused while the verifier was idle: every verifier sample of the second before the
+    refusal showed nothing pending (no verify round, no open). ``while_idle`` None: no samples."""
+    at = sorted(t for t, why in zip(counters["shed_at"], counters["shed_why"]) if why in OPEN_DEADLINE_REASONS)
+    if stats_path is None or not Path(stats_path).exists():
+        return {"deadline": len(at), "while_idle": None}
+    samples = sorted((smp["t"], smp["pending"]) for smp in json.loads(Path(stats_path).read_text())["samples"])
+    times = [t for t, _ in samples]
+    idle = 0
+    for t in at:
+        before = samples[bisect.bisect_left(times, t - 1.0): bisect.bisect_right(times, t)]
+        idle += bool(before) and max(p for _, p in before) == 0
+    return {"deadline": len(at), "while_idle": idle}
+
+
 def backlogged_seconds(stats_path: Path | None, max_batch: int) -> set[int] | None:
     """Epoch seconds during which every verifier sample (and those of the seconds before and after)
     had a full batch waiting: the times when weighted-fair scheduling decides who is served.
@@ -328,6 +348,7 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
                     "past_deadline": sum(ms > rc.open_deadline_s * 1e3 for ms in counters["open_ms"]),
                     "deadline_s": rc.open_deadline_s},
         "shed_split": shed_split(counters, server_stats, window),
+        "open_refusals": open_refusals(counters, server_stats),
         "probe": probe_summary(out / "probe.json", window),
         "unavailable_503": unavailable, "reopens": tot("reopens"), "ws_lost": dict(counters["ws_lost"]),
         "errors": errors, "locust_failures": locust_failures, "error_kinds": dict(counters["error_kinds"]),
@@ -365,6 +386,12 @@ def checks(s: dict, cfg: LoadTestConfig) -> list[dict]:
         {"name": "output lossless under load", "ok": s["acceptance"]["diverged_sessions"] == 0,
          "detail": f"diverged sessions={s['acceptance']['diverged_sessions']:g} (greedy fp32 target)"},
     ]
+    if cfg.max_idle_open_refusals is not None:
+        r = s["open_refusals"]
+        out.append({"name": f"at most {cfg.max_idle_open_refusals} opens refused for their deadline while the "
+                            "verifier was idle",
+                    "ok": r["while_idle"] is not None and r["while_idle"] <= cfg.max_idle_open_refusals,
+                    "detail": f"refused for the deadline: {r['deadline']:g}, of them while idle: {r['while_idle']}"})
     if cfg.fairness:
         srv = s["server"]
         sat = srv.get("saturated", True) if srv.get("available") else True
@@ -535,6 +562,8 @@ def markdown(s: dict) -> str:
         f"{_probe_cell(s.get('probe'))} |",
         f"| admitted opens p50 / p99 (ms); past the {s['open_ms']['deadline_s']:g} s deadline | "
         f"{_f(s['open_ms']['p50'], 0)} / {_f(s['open_ms']['p99'], 0)}; {s['open_ms']['past_deadline']:g} | |",
+        f"| opens refused for their deadline / of them while the verifier was idle | "
+        f"{s.get('open_refusals', {}).get('deadline', 0):g} / {s.get('open_refusals', {}).get('while_idle')} | |",
         f"| 503 (verifier restarting) / re-opens | {s['unavailable_503']:g} / {s['reopens']:g} | |",
         f"| WebSocket rounds lost with their connection (re-opened) | {sum(s.get('ws_lost', {}).values()):g} "
         f"{s.get('ws_lost') or ''} | |",

@@ -227,6 +227,7 @@ def main(argv=None) -> int:
         results = []
         for users in args.users:
             sub = out if len(args.users) == 1 else out / f"users-{users}"
+            args.spawn_rate = float(users) if cfg.spawn_at_once else args.spawn_rate
             print(f"[loadtests] {users} users, spawn rate {args.spawn_rate:g}/s, {args.duration:g} s ...",
                   flush=True)
             timing = run_locust(cfg, url, users, args.spawn_rate, args.duration, sub, out / "users.json", server,

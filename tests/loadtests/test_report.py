@@ -206,3 +206,24 @@ def test_admitted_opens_past_the_deadline_fail_the_check(tmp_path, open_ms, past
     check = next(c for c in s["checks"] if c["name"] == "no admitted open past its deadline")
     assert check["ok"] == (past == 0)
     assert "admitted opens p50 / p99" in markdown(s)
+
+
+def test_opens_refused_while_the_verifier_idles_fail_the_cold_start_check(tmp_path):
+    """An open refused for its deadline counts against the verifier only when every server sample of
+    the second before it showed nothing pending (issue 67)."""
+    cfg = scenario("cold-start")
+    assert cfg.spawn_at_once and cfg.max_idle_open_refusals == 0
+    _counters(tmp_path / "counters.json", {"default": {}}, {"default": 10})
+    data = json.loads((tmp_path / "counters.json").read_text())
+    busy, idle, other = T0 + 10.0, T0 + 20.0, T0 + 30.0
+    (tmp_path / "counters.json").write_text(json.dumps({
+        **data, "shed_at": [busy, idle, other], "shed_why": ["open_deadline", "open_deadline_passed", "queue_full"],
+        "shed_ms": [1.0, 1.0, 1.0], "shed_connect_ms": [0.0, 0.0, 0.0]}))
+    samples = [{"t": T0 + x / 4, "pending": 3 if 36 <= x <= 40 else 0, "replica": "r", "uptime_seconds": x / 4,
+                "busy_seconds": 0.0, "mean_batch": 0.0} for x in range(160)]
+    (tmp_path / "server_stats.json").write_text(json.dumps({"samples": samples}))
+    s = summarize(tmp_path, cfg, _meta(), tmp_path / "server_stats.json")
+    assert s["open_refusals"] == {"deadline": 2, "while_idle": 1}
+    check = next(c for c in s["checks"] if "while the verifier was idle" in c["name"])
+    assert not check["ok"] and "while idle: 1" in check["detail"]
+    assert "opens refused for their deadline" in markdown(s)
