@@ -210,9 +210,10 @@ class RouterConfig(_Strict):
                                     "this long (deploy/router/probe.py); 0 = off")
     request_timeout_s: float = Field(300.0, gt=0, description="504 if one verifier call (an open with its "
                                                               "prefill, a verify round) takes longer")
-    open_deadline_s: float = Field(5.0, gt=0, description="an open's first token comes within this or it is "
-                                   "shed 429 with Retry-After: at the door when the prefill queue predicts it, "
-                                   "else at the deadline (deploy/router/open_deadline.py); the "
+    open_deadline_s: float = Field(5.0, gt=0, description="an open's prefill starts within this (its own "
+                                   "prefill comes on top) or it is shed 429 with Retry-After: at the door when the "
+                                   "prefill queued ahead of it predicts it, else when the verifier finds it still "
+                                   "waiting (deploy/prefill_forecast.py); an idle server admits any open; the "
                                    "x-open-deadline-s header may ask for less")
 
     @field_validator("tenants")

@@ -216,10 +216,10 @@ class VerifierEngine:
         self._commit(bid, self.prefill_queue.keep(chunks))
         return self.prefill_queue.finish(chunks, logits)
 
-    def drop_unstarted(self, sids: list[str]) -> list[str]:
-        """Drop the opens among ``sids`` whose prefill has not started (an open past its deadline,
-        issue 67); their ids."""
-        return self.prefill_queue.drop_unstarted(sids)
+    def take_late(self) -> list[str]:
+        """Opens dropped since the last call, still waiting behind another prompt at their
+        ``start_by`` (an open's deadline, issue 67); nothing was computed for them."""
+        return self.prefill_queue.take_late()
 
     def take_opened(self) -> list[OpenResult]:
         """Opens completed by prefill chunks that rode along with verify forwards."""

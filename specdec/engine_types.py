@@ -58,6 +58,7 @@ class OpenRequest:
     generated: tuple[int, ...] = ()  # re-open: tokens the session already emitted
     adapter: str | None = None  # target version (deploy/verifier/adapters.py); None: the base
     cache_salt: str | None = None  # prefix caching: sessions share cached KV only within one salt (the tenant)
+    start_by: float | None = None  # monotonic time: dropped if still waiting behind another prompt then
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ and caching exact: a first token is the one prefilling the prompt at once would 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class PrefillState:
     fed: int = 0
     looked_up: bool = False  # the prefix cache was asked (at the first chunk)
     started: bool = False  # a chunk was taken (the open's wait for its prefill is over)
+    start_by: float | None = None  # monotonic time: dropped if still waiting behind another prompt then
     cached: int = 0  # feed tokens found there
 
 
@@ -70,7 +72,7 @@ def admit_open(r: OpenRequest, vocab_size: int, max_model_len: int, eos_token_id
                 stop, adapter=r.adapter, cache_salt=r.cache_salt)
     # a re-open feeds the KV with history[:-1]; its last token is the root
     feed = history if not r.generated else history[:-1]
-    return PrefillState(s, feed, tuple(r.generated))
+    return PrefillState(s, feed, tuple(r.generated), start_by=r.start_by)
 
 
 class PrefillQueue:
@@ -93,6 +95,7 @@ class PrefillQueue:
         self.salt = salt  # who may share a session's cached KV
         self.prefilling: OrderedDict[str, PrefillState] = OrderedDict()
         self.opened: list[OpenResult] = []
+        self.late: list[str] = []  # dropped past their start_by, until take_late
         self.prefix_tokens = [0, 0]
 
     def __contains__(self, sid: str) -> bool:
@@ -110,6 +113,7 @@ class PrefillQueue:
         """The next chunks, first come first served, of at most ``budget_tokens`` feed tokens in
         all (``only``: of these sessions). A session's first chunk starts after the feed tokens
         found in the prefix cache."""
+        self._drop_late()
         chunks = []
         left = budget_tokens
         for sid, p in list(self.prefilling.items()):
@@ -130,17 +134,6 @@ class PrefillQueue:
             p.started = True
             left -= n
         return chunks
-
-    def drop_unstarted(self, sids: list[str]) -> list[str]:
-        """Forget those of ``sids`` still waiting behind another session for their first chunk
-        (nothing computed for them yet); their ids. The others (started, first in the queue, or
-        not here) are kept: the first starts with the next forward, whatever it waited for."""
-        head = next(iter(self.prefilling), None)
-        dropped = [sid for sid in sids if sid != head and sid in self.prefilling and not self.prefilling[sid].started]
-        for sid in dropped:
-            del self.prefilling[sid]
-            self.runner.drop(sid)
-        return dropped
 
     def still_queued(self, chunks: list[PrefillChunk]) -> list[PrefillChunk]:
         """The chunks of sessions still prefilling (not closed since :meth:`take`)."""
@@ -190,6 +183,23 @@ class PrefillQueue:
             lp = token_logprobs(lg[:1], [first], s.params.logprobs)[0] if s.params.logprobs is not None else None
             self.emit(s, [first])
         return OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason, p.cached, lp)
+
+    def _drop_late(self) -> None:
+        """Drop the sessions past their ``start_by`` still waiting behind another one for their
+        first chunk (nothing computed for them yet), into :attr:`late`. The first in the queue is
+        never dropped: it starts with this forward, whatever it waited for."""
+        now = time.monotonic()
+        head = next(iter(self.prefilling), None)
+        for sid, p in list(self.prefilling.items()):
+            if sid != head and not p.started and p.start_by is not None and p.start_by <= now:
+                del self.prefilling[sid]
+                self.runner.drop(sid)
+                self.late.append(sid)
+
+    def take_late(self) -> list[str]:
+        """Sessions dropped for their ``start_by`` since the last call."""
+        out, self.late = self.late, []
+        return out
 
     def take_opened(self) -> list[OpenResult]:
         """Opens completed by chunks that rode along with verify forwards."""

@@ -19,26 +19,26 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import torch
 
 from deploy.config import AppConfig
 from deploy.metrics import RoundStats, VerifierMetrics
-from deploy.prefill_forecast import PrefillForecast, deadline_refusal
+from deploy.prefill_forecast import PrefillForecast
 from deploy.verifier.ahead_runs import AheadRuns
 from deploy.verifier.batch_fill import ArrivalModel
 from deploy.verifier.batch_loop import BatchLoop
 from deploy.verifier.counters import ReplicaCounters
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, choose_victims, within_limits
+from deploy.verifier.open_queue import OpenQueue, QueuedOpen
 from deploy.verifier.hints import SessionHints
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.prefill_budget import PrefillBudget
 from deploy.verifier.rounds import QueuedRound, answer, answer_each, error_reply, internal_reply
 from deploy.verifier.run_ahead import RunAhead
 from deploy.verifier.scheduler import FairScheduler, Pending
-from deploy.verifier.sessions import EdgeClient, SessionBook, draft_class
+from deploy.verifier.sessions import EdgeClient, SessionBook
 from deploy.verifier.startup import start_target, warm_up
 from deploy.verifier.version_updates import VersionUpdates
 from deploy.verifier.versions import TargetVersions
@@ -90,11 +90,8 @@ class VerifierCore:
                               self._reply_sent)
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
-        self._opens: list[tuple[OpenRequest, str, asyncio.Future]] = []  # not yet handed to the engine
-        # this replica's opens queued and their measured cost: admission against an open's deadline
-        self.open_forecast = PrefillForecast(retry_after_s=config.router.retry_after_s)
-        self._open_expiry: dict[str, tuple[float, float]] = {}  # sid -> (monotonic deadline, deadline_s)
-        self._prefilling: dict[str, tuple[str, asyncio.Future]] = {}  # sid -> (tenant, future)
+        # opens from arrival to first token, admitted against their deadlines (deploy/verifier/open_queue.py)
+        self.opens = OpenQueue(PrefillForecast(retry_after_s=config.router.retry_after_s))
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
         self.version_updates = VersionUpdates(config, self.versions, self.engine, self._on_worker,
                                               self._end_version_session)
@@ -123,14 +120,14 @@ class VerifierCore:
                 "forward_cost_a": a, "forward_cost_b": b, "forward_cost_knee": knee,
                 "forward_cost_points": [[x, t, n] for x, t, n in sorted(self.pacer.cost.points())],
                 "pacing": self.pacer.state(), "pacing_classes": self.versions.states(),
-                "prefix_cache": self.engine.prefix_cache_stats(), "open_forecast": self.open_forecast.state(),
+                "prefix_cache": self.engine.prefix_cache_stats(), "open_forecast": self.opens.forecast.state(),
                 "evictions": len(self.sessions.evicted), "versions": self.versions.registry.served(),
                 "versions_unavailable": dict(self.versions.registry.unavailable),
                 "versions_error": self.version_updates.error}
 
     def pending(self) -> int:
         """Requests waiting for the engine: verify rounds and opens (queued or prefilling)."""
-        return len(self.loop.sched) + len(self._opens) + len(self._prefilling)
+        return len(self.loop.sched) + len(self.opens)
 
     def _on_forward(self, st: ForwardStats) -> None:
         if self._warming:
@@ -143,11 +140,10 @@ class VerifierCore:
 
     # -- the batch loop's host (deploy.verifier.batch_loop.Forwards) ----------------------
     def opens_waiting(self) -> tuple[int, int]:
-        return len(self._opens), len(self._prefilling)
+        return len(self.opens.queued), len(self.opens.prefilling)
 
-    def take_opens(self) -> list[tuple[OpenRequest, str, asyncio.Future]]:
-        opens, self._opens = self._opens, []
-        return opens
+    def take_opens(self) -> list[QueuedOpen]:
+        return self.opens.take()
 
     def refresh(self) -> None:
         self.metrics.refresh(self)
@@ -234,33 +230,18 @@ class VerifierCore:
             return error_reply(e)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             return error_reply(InvalidRequest(f"malformed open request: {e}"))
-        tokens = len(prompt) + len(generated)
-        if deadline_s is not None and (refused := self.open_forecast.refusal(deadline_s)) is not None:
+        if deadline_s is not None and (refused := self.opens.forecast.refusal(deadline_s)) is not None:
             return error_reply(refused)
         sid = f"{self.tag}.{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self.loop.ensure()
-        req = OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant)  # shares within a tenant
-        self._opens.append((req, tenant, fut))
-        if deadline_s is not None:  # its prefill must start by then, or it is dropped (429)
-            self._open_expiry[sid] = (time.monotonic() + deadline_s, deadline_s)
+        req = OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant,  # shares within a tenant
+                          start_by=None if deadline_s is None else time.monotonic() + deadline_s)
         self.metrics.on_arrival(sid)
-        client = body.get("client") or {}
-        # until its first request says otherwise, an edge is taken to accept run-ahead replies (the
-        # agent's default): the open's hint then weighs a tree against them, as later hints will
-        self.sessions.client[sid] = EdgeClient(
-            float(client.get("draft_ms") or 0.0), float(client.get("rtt_ms") or 0.0),
-            self.runs.tokens(params.logprobs is None), bool(client.get("run_ahead")) and params.logprobs is None,
-            draft_class(client.get("draft")), bool(body.get("close_on_finish")), params.logprobs is not None)
+        self.sessions.client[sid] = EdgeClient.of_open(body, self.runs.tokens(params.logprobs is None),
+                                                       params.logprobs is not None)
         self.loop.kick()
-        ticket, measured = self.open_forecast.started(tokens), False
-        try:
-            out = await fut
-            measured = out[0] == 200 or out[1].get("error", {}).get("reason") == "open_deadline_passed"
-            return out
-        finally:
-            self._open_expiry.pop(sid, None)
-            self.open_forecast.finished(ticket, measured)
+        return await self.opens.wait(req, tenant, fut, deadline_s)
 
     async def verify(self, session_id: str, tenant: str, frame: bytes) -> tuple[int, bytes | dict]:
         try:
@@ -327,8 +308,8 @@ class VerifierCore:
         """A session whose target version was removed: a prefilling open answers 404 now, a live
         session from then on."""
         self.sessions.client.pop(sid, None)
-        if sid in self._prefilling:
-            answer(self._prefilling.pop(sid)[1], error_reply(ModelNotFound(
+        if sid in self.opens.prefilling:
+            self.opens.fail(sid, error_reply(ModelNotFound(
                 f"the target version of this session was removed from this server ({sorted(gone)})")))
         else:
             self._forget(sid, "model_removed")
@@ -336,76 +317,53 @@ class VerifierCore:
     # -- forwards and their answers -------------------------------------------------------
     async def begin_opens(self, loop, opens) -> None:
         try:
-            errors = await loop.run_in_executor(self._executor, self.engine.begin_open, [o[0] for o in opens])
+            errors = await loop.run_in_executor(self._executor, self.engine.begin_open, [o.req for o in opens])
         except Exception as e:
             log.exception("queueing opens failed")
             errors = [e] * len(opens)
-        for (req, tenant, fut), err in zip(opens, errors):
+        for o, err in zip(opens, errors):
             if err is not None:
-                self.sessions.client.pop(req.sid, None)
-                answer(fut, error_reply(err) if isinstance(err, SpecError) else internal_reply(err))
+                self.sessions.client.pop(o.req.sid, None)
+                answer(o.fut, error_reply(err) if isinstance(err, SpecError) else internal_reply(err))
             else:
-                self._prefilling[req.sid] = (tenant, fut)
+                self.opens.begun(o)
 
-    def _expired_opens(self) -> list[str]:
-        """Opens past their deadline (their prefill may have started: the engine tells)."""
-        now = time.monotonic()
-        return [sid for sid, (at, _) in self._open_expiry.items() if at <= now]
-
-    def _drop_expired(self, expired: list[str], dropped: list[str]) -> None:
-        """Answer 429 the opens the engine dropped unstarted; the other expired ones have started
-        (or are gone) and run to their first token."""
-        for sid in dropped:
+    def _answer_late(self) -> None:
+        """The opens the engine dropped at their deadline, waiting behind another prompt: 429."""
+        late = self.engine.take_late()
+        for sid in late:
             self.sessions.client.pop(sid, None)
-            waiting = self._prefilling.pop(sid, None)
-            if waiting is not None:
-                _, deadline_s = self._open_expiry.get(sid, (0.0, 0.0))
-                answer(waiting[1], error_reply(deadline_refusal(deadline_s, self.open_forecast.retry_after_s)))
-        for sid in expired:
-            self._open_expiry.pop(sid, None)
-
-    async def _forward(self, loop, run, with_prefill: bool):
-        """``run()`` on the worker thread, after the engine dropped the opens past their deadline
-        whose prefill has not started (answered 429 here, whatever the forward's outcome)."""
-        expired = self._expired_opens() if with_prefill else []
-        dropped: list[str] = []
-
-        def step():
-            if expired:
-                dropped.extend(self.engine.drop_unstarted(expired))
-            return run()
-
-        try:
-            return await loop.run_in_executor(self._executor, step)
-        finally:
-            self._drop_expired(expired, dropped)
+        self.opens.late(late)
 
     async def run_prefill(self, loop, budget: int) -> None:
         try:
-            results = await self._forward(loop, partial(self.engine.prefill_step, budget), True)
+            results = await loop.run_in_executor(self._executor, self.engine.prefill_step, budget)
         except SpecError as e:  # the KV pool is full: the opens the engine dropped fail with a clear error
             results = []
             self._fail_dropped_opens(e)
         except Exception as e:
             log.exception("prefill failed")
-            for sid in list(self._prefilling):
+            self._answer_late()
+            for sid in list(self.opens.prefilling):
                 await loop.run_in_executor(self._executor, self.engine.close, sid)
                 self.sessions.client.pop(sid, None)
-                answer(self._prefilling.pop(sid)[1], internal_reply(e))
+                self.opens.fail(sid, internal_reply(e))
             return
+        self._answer_late()
         self._settle_version_failures()
         await self._complete_opens(loop, results)
 
     def _fail_dropped_opens(self, e: SpecError) -> None:
         """Answer the opens whose prefill the engine gave up (a full KV pool)."""
-        for sid in [sid for sid in self._prefilling if sid not in self.engine.prefilling]:
+        self._answer_late()  # those it dropped at their deadline first: a 429 of their own
+        for sid in [sid for sid in self.opens.prefilling if sid not in self.engine.prefilling]:
             self.sessions.client.pop(sid, None)
-            answer(self._prefilling.pop(sid)[1], error_reply(e))
+            self.opens.fail(sid, error_reply(e))
 
     async def _complete_opens(self, loop, results: list[OpenResult]) -> None:
         answers = []
         for res in results:
-            tenant, fut = self._prefilling.pop(res.sid)
+            tenant, fut = self.opens.pop(res.sid)
             if fut.done():  # the client went away while its prompt was prefilled
                 await loop.run_in_executor(self._executor, self.engine.close, res.sid)
                 self.sessions.client.pop(res.sid, None)
@@ -439,7 +397,8 @@ class VerifierCore:
         trees = [(p, p.payload.req) for p in batch if isinstance(p.payload.req, VerifyRequest)]
         chains = [(p, p.payload.req) for p in batch if isinstance(p.payload.req, ChainVerifyRequest)]
         self.metrics.on_batch_start(batch)
-        prefill = self.prefill.chunk(batch, len(self._prefilling), self.arrivals) if self._prefilling else 0
+        waiting = len(self.opens.prefilling)
+        prefill = self.prefill.chunk(batch, waiting, self.arrivals) if waiting else 0
         trees = self._truncate(trees, prefill)
 
         def run():
@@ -454,7 +413,7 @@ class VerifierCore:
             return out, self.engine.take_opened() + opened
 
         try:
-            results, opened = await self._forward(loop, run, bool(prefill))
+            results, opened = await loop.run_in_executor(self._executor, run)
         except SpecError as e:  # a full KV pool or a lost commit: a clear 503 for the batch and its prompts
             for p in batch:
                 answer(p.payload.answers, self.runs.so_far(p) or error_reply(e))
@@ -465,9 +424,11 @@ class VerifierCore:
             return
         except Exception as e:
             log.exception("verify forward failed")
+            self._answer_late()
             for p in batch:
                 answer(p.payload.answers, self.runs.so_far(p) or internal_reply(e))
             return
+        self._answer_late()
         self._settle_version_failures()
         # a forward of trees alone: no run-ahead step (an empty tree) in it. A tree round of an edge that
         # takes run-ahead replies (F_AHEAD, the agent's default) carries a run too, so the test is the tree
@@ -481,8 +442,8 @@ class VerifierCore:
         answers the error now, a live session answers it from then on (503 ``model_unavailable``)."""
         for sid, e in self.engine.take_version_failures().items():
             self.sessions.client.pop(sid, None)
-            if sid in self._prefilling:
-                answer(self._prefilling.pop(sid)[1], error_reply(e))
+            if sid in self.opens.prefilling:
+                self.opens.fail(sid, error_reply(e))
             elif sid in self.sessions.owner:
                 self._forget(sid, f"model_unavailable: {e.message}")
 

@@ -35,6 +35,16 @@ class EdgeClient:
     close_on_finish: bool = False  # the open asked the replica to close it with its finishing reply
     logprobs: bool = False  # its replies carry the target's log-probs: no run-ahead (R_LOGPROBS)
 
+    @classmethod
+    def of_open(cls, body: dict, ahead: int, logprobs: bool) -> "EdgeClient":
+        """What an open's body says (``client``, ``close_on_finish``). Until its first request
+        says otherwise an edge is taken to accept run-ahead replies (the agent's default), ``ahead``
+        tokens: the open's hint then weighs a tree against them, as later hints will."""
+        c = body.get("client") or {}
+        return cls(float(c.get("draft_ms") or 0.0), float(c.get("rtt_ms") or 0.0), ahead,
+                   bool(c.get("run_ahead")) and not logprobs, draft_class(c.get("draft")),
+                   bool(body.get("close_on_finish")), logprobs)
+
 
 def draft_class(name) -> str | None:
     """An open's ``client.draft`` as a key: a string of at most 128 characters, else none."""

@@ -4,6 +4,7 @@ opens are typed errors and touch no session; a re-open from history continues th
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -52,3 +53,24 @@ def test_reopen_from_history_continues_the_same_output(tiny_model, params):
     assert eng.runner.kv_length("a") == r.prefix_len - 1
     drive(eng, {"a": want}, rng)
     assert generated(eng, "a") == want
+
+
+# -- an open's start_by (its deadline, issue 67) ---------------------------------------------------
+def test_an_open_past_its_start_by_behind_another_prompt_is_dropped_unstarted(engine):
+    now = time.monotonic()
+    errs = engine.begin_open([
+        OpenRequest("head", list(range(3, 40)), SamplingParams(max_tokens=2), start_by=now - 1.0),
+        OpenRequest("late", [5, 6, 7], SamplingParams(max_tokens=2), start_by=now - 1.0),
+        OpenRequest("fine", [8, 9], SamplingParams(max_tokens=2), start_by=now + 60.0),
+        OpenRequest("free", [10, 11], SamplingParams(max_tokens=2)),
+    ])
+    assert errs == [None] * 4
+    done = {r.sid for r in engine.prefill_step(16)}  # the head's first chunk only: the others wait
+    assert done == set() and engine.take_late() == ["late"] and engine.take_late() == []
+    assert "late" not in engine.prefilling and engine.runner.kv_length("late") == 0  # nothing computed
+    engine.prefilling["fine"].start_by = now - 1.0  # past it now, behind the head still
+    engine.prefill_step(16)
+    assert engine.take_late() == ["fine"]
+    while engine.prefilling:
+        done |= {r.sid for r in engine.prefill_step(64)}
+    assert done == {"head", "free"} and engine.take_late() == []  # the head was never dropped, late as it was

@@ -51,7 +51,7 @@ def test_a_full_kv_pool_fails_the_open_clearly_and_nothing_hangs():
     assert 503 in codes, results
     failed = [p for status, p in results if status == 503]
     assert all(p["error"]["code"] == "kv_capacity" for p in failed)
-    assert not core._prefilling and not core.engine.prefilling  # nothing left waiting
+    assert not core.opens.prefilling and not core.engine.prefilling  # nothing left waiting
 
 
 def test_an_evicted_session_is_re_opened_from_the_prefix_cache_not_recomputed():

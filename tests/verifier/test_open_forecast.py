@@ -27,14 +27,14 @@ def test_a_replica_refuses_at_once_the_opens_its_queue_cannot_serve_in_time():
         return first, burst, unbounded
 
     first, burst, unbounded = asyncio.run(main())
-    assert first[0] == 200 and core.open_forecast.cost.known
+    assert first[0] == 200 and core.opens.forecast.cost.known
     refused = [(d, took) for status, d, took in burst if status == 429]
     admitted = [took for status, d, took in burst if status == 200]
     assert refused and admitted, (len(refused), len(admitted))  # past capacity, and the first still fit
     assert all(d["error"]["reason"] == "open_deadline" and d["error"]["retry_after"] > 0 for d, _ in refused)
     assert max(took for _, took in refused) < min(admitted) + 0.05  # refused at the door, not after waiting
     assert all(status == 200 for status, _, _ in unbounded)
-    assert core.open_forecast.queued_tokens == 0 and not core._open_expiry  # every open left the queue
+    assert core.opens.forecast.queued_tokens == 0 and not core.opens.deadlines  # every open left the queue
 
 
 def test_the_deadline_bounds_waiting_not_work():
@@ -57,7 +57,7 @@ def test_the_deadline_bounds_waiting_not_work():
     assert alone[0] == 200 and head[0] == 200, (alone, head)
     assert behind[0] == 429 and behind[1]["error"]["reason"] == "open_deadline_passed", behind
     assert "did not start" in behind[1]["error"]["message"] and behind[1]["error"]["retry_after"] > 0
-    assert not core.engine.prefilling and not core._open_expiry and not core._prefilling
+    assert not core.engine.prefilling and not core.opens.deadlines and not core.opens.prefilling
     assert core.counters.prefill_tokens == 3000  # the dropped open's 200 tokens were never computed
 
 
@@ -75,4 +75,4 @@ def test_a_warmed_replica_has_measured_nothing_yet():
     """The warm-up's forwards (the cold first one among them) never reach the replica's cost models."""
     core = make_core()
     assert core.counters.to_dict()["forwards"] == 0 and core.pacer.cost.count == 0
-    assert core.prefill.token_s == 0.0 and core.prefill.verify_s == 0.0 and not core.open_forecast.cost.known
+    assert core.prefill.token_s == 0.0 and core.prefill.verify_s == 0.0 and not core.opens.forecast.cost.known

@@ -19,8 +19,8 @@ def test_a_burst_of_opens_gets_a_larger_prefill_chunk_than_one_long_prompt():
     core.prefill.verify_s, core.prefill.token_s = 0.020, 0.001  # measured: 20 ms a verify forward, 1 ms a prompt token
     budgets = {}
     for waiting in (1, 10, 100):
-        core._prefilling = {f"s{i}": ("dev", None) for i in range(waiting)}
-        budgets[waiting] = core.prefill.budget(len(core._prefilling))
+        core.opens.prefilling = {f"s{i}": ("dev", None) for i in range(waiting)}
+        budgets[waiting] = core.prefill.budget(len(core.opens.prefilling))
     # 0.2 of a verify forward per session waiting, at most prefill_chunk_tokens
     assert budgets == {1: 4, 10: 40, 100: 256}
 
@@ -44,10 +44,10 @@ def test_a_prefill_chunk_is_costed_and_sized_against_the_forward_it_rides_in():
     for _ in range(20):  # 24 sessions + 8 prompt tokens at 1 ms each: 40 ms
         core._on_forward(ForwardStats("verify", 24, 32, 0.040, prefill_tokens=8))
     assert core.prefill.token_s == pytest.approx(0.001, rel=0.05)
-    core._prefilling = {f"s{i}": ("dev", None) for i in range(4)}
+    core.opens.prefilling = {f"s{i}": ("dev", None) for i in range(4)}
     # 0.2 x 4 waiting x the 24-row forward's 32 ms / 1 ms a token
-    assert core.prefill.budget(len(core._prefilling), 24) == pytest.approx(25, abs=1)
-    assert core.prefill.budget(len(core._prefilling), 24) > core.prefill.budget(len(core._prefilling))
+    assert core.prefill.budget(len(core.opens.prefilling), 24) == pytest.approx(25, abs=1)
+    assert core.prefill.budget(len(core.opens.prefilling), 24) > core.prefill.budget(len(core.opens.prefilling))
     # the prompt tokens computed (GET /v1/stats; benchmarks count them per generation): chunks and prefill forwards
     core._on_forward(ForwardStats("prefill", 1, 50, 0.050))
     assert core.stats()["prefill_tokens_total"] == 20 * 8 + 50
@@ -68,17 +68,17 @@ def test_a_forward_of_detached_steps_alone_prefills_until_an_edge_is_due_back():
                                   verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256,
                                             "max_batch_tokens": 2048}))
     core.prefill.verify_s, core.prefill.token_s = 0.010, 0.001  # 10 ms a forward (no curve yet), 1 ms a token
-    core._prefilling = {"p": ("dev", None)}
+    core.opens.prefilling = {"p": ("dev", None)}
 
     def step(sid, attached):
         run = RunAhead(8, 10, fut=object() if attached else None)
         return Pending("dev", sid, 1, QueuedRound(VerifyRequest(sid, DraftTree.empty(), 10), None, [], run))
 
-    paced = core.prefill.budget(len(core._prefilling), 1)
+    paced = core.prefill.budget(len(core.opens.prefilling), 1)
     assert paced == 4  # 0.2 x 1 waiting x 10 ms / 1 ms a token: the 4-token floor
-    assert core.prefill.chunk([step("a", False)], len(core._prefilling), core.arrivals) == 2048  # nobody due back that we know of
+    assert core.prefill.chunk([step("a", False)], len(core.opens.prefilling), core.arrivals) == 2048  # nobody due back that we know of
     core.arrivals.replied("a", 0.0)
     core.arrivals.arrived("a", 0.030)  # "a" is away 30 ms a round trip
     core.arrivals.replied("a", time.monotonic())
-    assert 10 <= core.prefill.chunk([step("a", False)], len(core._prefilling), core.arrivals) <= 20  # ~30 ms away - 10 ms forward, 1 ms a token
-    assert core.prefill.chunk([step("a", False), step("b", True)], len(core._prefilling), core.arrivals) == paced
+    assert 10 <= core.prefill.chunk([step("a", False)], len(core.opens.prefilling), core.arrivals) <= 20  # ~30 ms away - 10 ms forward, 1 ms a token
+    assert core.prefill.chunk([step("a", False), step("b", True)], len(core.opens.prefilling), core.arrivals) == paced
