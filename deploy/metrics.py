@@ -24,11 +24,11 @@ module level.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from specdec import clock
 from specdec.metrics import Exporter, MetricSpec, PrometheusClientExporter, never_raises
 
 log = logging.getLogger("ray.serve")
@@ -265,7 +265,7 @@ class VerifierMetrics:
     exporter: Exporter
     tenants: Sequence[str] = ()
     refresh_s: float = 1.0
-    clock: Any = time.monotonic
+    clock: Any = clock.monotonic
     _last_reply: "OrderedDict[str, float]" = field(default_factory=OrderedDict)
     _arrived: "OrderedDict[str, float]" = field(default_factory=OrderedDict)  # sid -> when its open arrived
     _seen_tenants: set[str] = field(default_factory=set)

@@ -17,11 +17,11 @@ its own, with no sample from a refusal needed. Pure module (no Ray, no FastAPI).
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdec import clock
 from specdec.errors import Overloaded
 
 MIN_ROBUST_SAMPLES = 3  # below this, the cheapest sample stands in for the fit
@@ -95,7 +95,7 @@ class PrefillForecast:
     """The opens admitted and not yet answered, and the predicted wait of the next one."""
 
     retry_after_s: float = 1.0
-    clock: Callable[[], float] = time.monotonic
+    clock: Callable[[], float] = clock.monotonic
     cost: PrefillCost = field(default_factory=PrefillCost)
     queued_opens: int = 0
     queued_tokens: int = 0  # prompt tokens of admitted opens not yet answered

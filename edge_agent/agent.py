@@ -14,7 +14,6 @@ edge's history (:mod:`edge_agent.link`): no token is lost or duplicated.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +29,7 @@ from edge_agent.stats import GenerationResult, GenerationStats
 from edge_agent.transport.base import ModelInfo, Transport
 from edge_agent.tree_rounds import TreeRounds
 from edge_agent.verify_policy import PolicyStore, VerifyPolicy
+from specdec import clock
 from specdec.protocol import TokenLogprob
 from specdec.sampling import SamplingParams
 
@@ -172,14 +172,14 @@ class EdgeAgent:
                 if piece and on_text is not None:
                     on_text(piece)
 
-        t_start = time.perf_counter()
+        t_start = clock.perf_counter()
         link = SessionLink(self.transport, self.config, self.telemetry, self._client(), params, prompt_ids,
                            generated, stats)
         if self.telemetry.rtt_ms.value is None:  # the first generation measures the link first
             await link.ping()
         stats.verify_rule = rule = self._rule(params)
         sess = await link.open()
-        stats.ttft_s = time.perf_counter() - t_start
+        stats.ttft_s = clock.perf_counter() - t_start
         if sess.first_token is not None:
             emit([sess.first_token], [TokenLogprob.from_dict(sess.first_logprob)] if sess.first_logprob else None)
         edge = Edge(self.config, self.drafter, self.policy, self.telemetry, self._drafts)
@@ -229,7 +229,7 @@ class EdgeAgent:
     def _result(prompt_ids, generated, stream, stats: GenerationStats, t_start: float,
                 finish_reason: str | None) -> GenerationResult:
         stats.tokens = len(generated)
-        stats.seconds = time.perf_counter() - t_start
+        stats.seconds = clock.perf_counter() - t_start
         stats.finish_reason = finish_reason
         text = stream.text() if stream is not None else None
         return GenerationResult(generated, text, stats, prompt_ids)

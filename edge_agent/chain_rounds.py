@@ -12,12 +12,12 @@ next frame. Greedy output equals the target's; sampled output follows its distri
 
 from __future__ import annotations
 
-import time
 
 from edge_agent.drafting import ChainDraftSession
 from edge_agent.errors import EdgeError
 from edge_agent.link import LOST, SessionLink
 from edge_agent.rounds import Edge, Generation, Rounds, edge_generator
+from specdec import clock
 from specdec.protocol import ReplyFrame, SessionOpened, VerifyFrame
 from specdec.residual import Rejection, ResidualSampler
 
@@ -94,7 +94,7 @@ class ChainRounds(Rounds):
         frame = VerifyFrame(prefix_len=gen.prefix_len, tokens=tokens, parents=list(range(-1, len(tokens) - 1)),
                             q=qs, resampled=self.owed, draft_ms=t.draft_ms.get(0.0), rtt_ms=t.rtt_ms.get(0.0),
                             depth=cs.forwards)
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         proactive = cfg.mode == "proactive" and self.budget_hint != 0
         task = await self.send_and_draft(frame, cs, cs.proactive_step if proactive else None,
                                          self.proactive_cap(depth))
@@ -108,7 +108,7 @@ class ChainRounds(Rounds):
             self.take_hints(sess)
             cs.start(gen.history())
             return False
-        return await self._apply(reply, frame, tokens, (time.perf_counter() - t0) * 1e3)
+        return await self._apply(reply, frame, tokens, (clock.perf_counter() - t0) * 1e3)
 
     async def _apply(self, reply: ReplyFrame, frame: VerifyFrame, tokens: list[int], round_ms: float) -> bool:
         """Emit the accepted tokens, then the bonus or a residual sample. Whether the generation ended."""

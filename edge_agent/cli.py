@@ -24,6 +24,7 @@ import sys
 from edge_agent.agent import EdgeAgent
 from edge_agent.config import MAX_GUESSES, MODES, VERIFY_RULES, AgentConfig
 from edge_agent.depth import POLICIES
+from specdec import clock
 from specdec.version import package_version
 
 DRAFT_HELP = ("draft model: 'ngram' (prompt lookup, no model), 'embedded-draft' (the project's trained draft "
@@ -276,7 +277,7 @@ async def _generate(a) -> int:
             agent.close()
         if metrics is not None:
             metrics.observe(res.stats)
-            await asyncio.sleep(a.metrics_linger)
+            await clock.sleep(a.metrics_linger)
             metrics.close()
     if a.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "prompt_tokens": len(res.prompt_ids),

@@ -24,7 +24,6 @@ computed with exactly that path in its KV mask.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +31,7 @@ import torch
 from edge_agent.drafter import Candidates, Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeBuilder, TreeConfig
 from edge_agent.tree_session import Alignment
+from specdec import clock
 from specdec.sampling import SamplingParams, sample_from_probs, target_probs
 from specdec.tree import DraftTree
 
@@ -86,9 +86,9 @@ class DraftSession:
         return ExpandRequest(nid, n.token, n.depth, tuple(anc), tuple(self.builder.path_tokens(nid)))
 
     def _forward(self, reqs: list[ExpandRequest]) -> list[Candidates]:
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         out = self.drafter.expand(self.prefix, reqs, self.config.topk)
-        self.forward_times.append(time.perf_counter() - t0)
+        self.forward_times.append(clock.perf_counter() - t0)
         return out
 
     def step(self) -> bool:
@@ -264,9 +264,9 @@ class ChainDraftSession:
                                 tuple(c.token for c in self.chain))
         else:
             req = ExpandRequest(ROOT, self.prefix[-1], 0)
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         (lp,) = self.drafter.next_logits(self.prefix, [req], self.vocab_size)
-        self.forward_times.append(time.perf_counter() - t0)
+        self.forward_times.append(clock.perf_counter() - t0)
         self.forwards += 1
         if self.chain:
             self.chain[-1].fed = True

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass, field
 
 from edge_agent.config import AgentConfig
@@ -19,6 +18,7 @@ from edge_agent.depth import Telemetry
 from edge_agent.errors import ConnectionLost, EdgeError
 from edge_agent.stats import GenerationStats
 from edge_agent.transport.base import Transport
+from specdec import clock
 from specdec.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
 from specdec.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 from specdec.sampling import SamplingParams
@@ -66,7 +66,7 @@ class SessionLink:
                                             # our first round then asks for run-ahead if the hint is 0
                                             run_ahead=cfg.run_ahead and self.stats.verify_rule == "match"),
                           close_on_finish=True)  # no close round trip before the next open
-        t0 = time.monotonic()
+        t0 = clock.monotonic()
         for attempt in range(cfg.max_overload_waits + 1):
             try:
                 sess = await self.transport.open(req)
@@ -76,13 +76,13 @@ class SessionLink:
                 return sess
             except Overloaded as e:
                 wait = e.retry_after * (1 + random.random() / 2)  # jitter: shed agents do not return together
-                spent = time.monotonic() - t0
+                spent = clock.monotonic() - t0
                 if attempt == cfg.max_overload_waits or spent + wait > cfg.open_deadline_s:
                     raise Overloaded(f"the cloud shed this open {attempt + 1} times in {spent:.1f} s ({e.reason}); "
                                      f"gave up within the agent's open deadline of {cfg.open_deadline_s:g} s",
                                      retry_after=e.retry_after, reason=e.reason) from None
                 self.stats.overload_waits += 1
-                await asyncio.sleep(wait)
+                await clock.sleep(wait)
         raise AssertionError("unreachable")
 
     async def reopen(self, stalled: int) -> SessionOpened:
@@ -91,7 +91,7 @@ class SessionLink:
         self.stats.reopens += 1
         await self.close()
         if stalled > 1:
-            await asyncio.sleep(min(0.05 * 2 ** (stalled - 2), 2.0) * (0.5 + random.random()))
+            await clock.sleep(min(0.05 * 2 ** (stalled - 2), 2.0) * (0.5 + random.random()))
         sess = await self.open()
         expected = len(self.prompt_ids) + len(self.generated)
         if sess.prefix_len != expected:
@@ -127,7 +127,7 @@ class SessionLink:
                 if attempt == self.config.max_overload_waits:
                     raise
                 self.stats.overload_waits += 1
-                await asyncio.sleep(e.retry_after)
+                await clock.sleep(e.retry_after)
         raise AssertionError("unreachable")
 
     async def close(self) -> None:

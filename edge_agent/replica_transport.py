@@ -8,11 +8,10 @@ in the same forwards, as behind a server. Tests and benchmarks of many sessions 
 
 from __future__ import annotations
 
-import asyncio
-import time
 
 from edge_agent.errors import error_from_json
 from edge_agent.transport.base import ModelInfo, Transport
+from specdec import clock
 from specdec.protocol import OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 
 
@@ -22,7 +21,7 @@ class ReplicaTransport(Transport):
 
     async def _net(self) -> None:
         if self.rtt_ms > 0:
-            await asyncio.sleep(self.rtt_ms / 2e3)
+            await clock.sleep(self.rtt_ms / 2e3)
 
     async def _answer(self, call):
         await self._net()  # uplink
@@ -46,7 +45,7 @@ class ReplicaTransport(Transport):
         await self._answer(self.core.close_session(sid, self.tenant))
 
     async def ping(self) -> float:
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         await self._net()
         await self._net()
-        return time.perf_counter() - t0
+        return clock.perf_counter() - t0

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +33,7 @@ import torch
 from edge_agent.drafter import Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeConfig
 from edge_agent.tree_session import Alignment
+from specdec import clock
 from specdec.proposal import Proposal, draw_without_replacement, make_proposal
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
@@ -143,9 +143,9 @@ class SampledTreeSession:
         while level and any(kids.get(pl) for _, pl in level):
             feed = [(n, pl) for n, pl in level if kids.get(pl)]
             reqs = [self._request(n) for n, _ in feed]
-            t0 = time.perf_counter()
+            t0 = clock.perf_counter()
             rows = self.drafter.next_logits(self.prefix, reqs, self.vocab_size)
-            self.forward_times.append(time.perf_counter() - t0)
+            self.forward_times.append(clock.perf_counter() - t0)
             self.forwards += 1
             level = []
             for (n, pl), lp in zip(feed, rows):

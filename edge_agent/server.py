@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from dataclasses import dataclass, replace
 
 from starlette.applications import Starlette
@@ -31,6 +30,7 @@ from edge_agent.draft_executor import DraftExecutor
 from edge_agent.errors import CloudUnavailable, ConnectionLost, EdgeError, ServerUnreachable
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.transport.base import ModelInfo, Transport
+from specdec import clock
 from specdec import openai as oai
 from specdec.errors import InvalidRequest, Overloaded, SpecError
 
@@ -138,7 +138,7 @@ class EdgeServer:
     cloud_url: str = ""
 
     def __post_init__(self):
-        self.created = int(time.time())
+        self.created = int(clock.wall())
         routes = [Route("/v1/models", self.models), Route("/v1/models/{model:path}", self.model_card),
                   Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),

@@ -15,7 +15,6 @@ comes from the server's reply, so the output is the target's.
 from __future__ import annotations
 
 import asyncio
-import time
 
 from edge_agent.drafting import DraftSession
 from edge_agent.errors import EdgeError
@@ -25,6 +24,7 @@ from edge_agent.rounds import Edge, Generation, Rounds, edge_generator
 from edge_agent.sampled_tree import SampledTreeSession
 from edge_agent.tree_builder import TreeConfig
 from edge_agent.tree_session import TreeSession
+from specdec import clock
 from specdec.protocol import ReplyFrame, SessionOpened, VerifyFrame
 from specdec.tree import DraftTree
 
@@ -69,7 +69,7 @@ class TreeRounds(Rounds):
             self.link.maybe_ping()
             proactive = self.config.mode == "proactive" and self.budget_hint != 0 and self.rule == "match"
             tree, frame = await self._draft_tree(proactive)
-            t0 = time.perf_counter()
+            t0 = clock.perf_counter()
             task = await self._send(frame, len(tree), proactive)
             self.predrafted = 0
             reply, sess = await self.link.reply_or_reopen(task, self.stalled)
@@ -79,7 +79,7 @@ class TreeRounds(Rounds):
                 self.take_hints(sess)
                 self.ds.start(self.gen.history())
                 continue
-            self._apply(reply, tree, frame, (time.perf_counter() - t0) * 1e3)
+            self._apply(reply, tree, frame, (clock.perf_counter() - t0) * 1e3)
             self.link.ping_done()
         return self.finish_reason
 

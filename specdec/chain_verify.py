@@ -11,12 +11,12 @@ emitted tokens follow the target's distribution (greedy: its argmax); ``docs/acc
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from specdec import clock
 from specdec.acceptance import ChainAcceptance, more_candidates, rejection_sample_chain, sparse_rejection
 from specdec.engine_types import ChainVerifyRequest, ChainVerifyResult, Session, admit_batch, check_ids, tree_item
 from specdec.errors import InvalidRequest, PrefixMismatch, SessionFinished
@@ -121,7 +121,7 @@ class ChainVerifier:
 
     def reply(self, s: Session, acc: ChainAcceptance, accepted: list[int]) -> ChainVerifyResult:
         """Emit a walked chain's tokens; on a rejection the session then owes the resampled token."""
-        s.last_used = time.monotonic()
+        s.last_used = clock.monotonic()
         self.emit(s, accepted + ([acc.bonus] if acc.bonus is not None else []))
         if acc.bonus is None and not s.finished:
             s.awaiting_resample, s.residual_tail = True, acc.tail
@@ -144,6 +144,6 @@ class ChainVerifier:
             return None
         if s.residual_tail is None:
             raise InvalidRequest("the rejection carried all of p: the edge needs nothing more")
-        s.last_used = time.monotonic()
+        s.last_used = clock.monotonic()
         rej = more_candidates(s.residual_tail, self.top_k, s.generator)
         return ChainVerifyResult.of_rejection(s.sid, 0, rej, len(s.prefix) + 1)

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from specdec import clock
 from specdec.acceptance import TreeAcceptance, rejection_walk_tree, walk_tree
 from specdec.chain_verify import ChainVerifier
 from specdec.engine_types import (ChainVerifyRequest, ChainVerifyResult, ForwardStats, OpenRequest, OpenResult, Session,
@@ -126,7 +127,7 @@ class VerifierEngine:
 
     def _forward(self, kind: str, items: list[SeqInput], prefill_tokens: int = 0):
         bid = next(self._batch_ids)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = clock.perf_counter(), time.thread_time()
         versions = {it.adapter for it in items} - {None}
         if versions:  # loaded by _ready_versions already: this keeps them all for the forward
             failed = self.adapters.activate(versions)
@@ -141,7 +142,7 @@ class VerifierEngine:
         finally:
             if versions:  # a forward that needed more than max_loaded versions held them all: trim back
                 self.adapters.trim()
-        dt = time.perf_counter() - t0
+        dt = clock.perf_counter() - t0
         if self.on_forward is not None:
             self.on_forward(ForwardStats(kind, len(items), sum(len(it.tokens) for it in items), dt,
                                          prefill_tokens if kind != "prefill" else 0, time.thread_time() - c0))
@@ -382,7 +383,7 @@ class VerifierEngine:
         lps = None
         if s.params.logprobs is not None:  # row 0 emitted the first token, node a's row the one after it
             lps = token_logprobs(logits[[0] + [a + 1 for a in acc.accepted]], emitted, s.params.logprobs)
-        s.last_used = time.monotonic()
+        s.last_used = clock.monotonic()
         self._emit(s, emitted)
         return VerifyResult(s.sid, path, acc.bonus, tuple(emitted), len(s.prefix), s.finished, s.finish_reason,
                             job.verified, lps)

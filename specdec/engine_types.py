@@ -7,11 +7,11 @@ Their wire forms: :mod:`specdec.protocol`, ``docs/protocol.md``.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from specdec import clock
 from specdec.errors import InvalidRequest, SpecError
 from specdec.logprobs import TokenLogprob
 from specdec.model.batch import SeqInput, tree_input
@@ -35,7 +35,7 @@ class Session:
     finish_reason: str | None = None
     awaiting_resample: bool = False  # chain mode: the edge owes the resampled token
     residual_tail: torch.Tensor | None = None  # chain mode: [vocab] p's tail at the rejected position (refills)
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=clock.monotonic)
     adapter: str | None = None  # target version (LoRA adapter); None: the base
     cache_salt: str | None = None  # who may share its cached KV (the tenant)
 

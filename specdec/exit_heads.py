@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from specdec import clock
 from specdec.acceptance import walk_tree
 from specdec.model.glue import rms_norm
 from specdec.sampling import SamplingParams, target_probs
@@ -262,9 +263,9 @@ class EarlyExit:
     def __call__(self, layer: int, h: torch.Tensor, batch) -> None:
         if layer not in self.layers or not self.jobs:
             return
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = clock.perf_counter(), time.thread_time()
         sub = exit_rows(self.heads, layer, h, batch, self.picks)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += clock.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
         if sub is not None:
             self.walk(layer, sub)
@@ -272,7 +273,7 @@ class EarlyExit:
     def walk(self, layer: int, sub: torch.Tensor) -> None:
         """Walk every job's tree with the exit's subset logits ``sub`` [R, K] (the jobs' rows in
         order) and hand the early results to the sink."""
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = clock.perf_counter(), time.thread_time()
         out, off = [], 0
         for _, job in self.jobs:
             n = len(job.tree) + 1  # the root row and one per node
@@ -283,5 +284,5 @@ class EarlyExit:
                 acc = tuple(job.path[a] for a in acc)
             out.append(EarlyResult(job.sid, layer, acc, tok, conf, job.prefix_len))
         self.sink(out)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += clock.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0

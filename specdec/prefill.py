@@ -13,13 +13,13 @@ and caching exact: a first token is the one prefilling the prompt at once would 
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from specdec import clock
 from specdec.engine_types import OpenRequest, OpenResult, Session, check_ids
 from specdec.errors import InvalidRequest
 from specdec.logprobs import token_logprobs
@@ -188,7 +188,7 @@ class PrefillQueue:
         """Drop the sessions past their ``start_by`` still waiting behind another one for their
         first chunk (nothing computed for them yet), into :attr:`late`. The first in the queue is
         never dropped: it starts with this forward, whatever it waited for."""
-        now = time.monotonic()
+        now = clock.monotonic()
         head = next(iter(self.prefilling), None)
         for sid, p in list(self.prefilling.items()):
             if sid != head and not p.started and p.start_by is not None and p.start_by <= now:

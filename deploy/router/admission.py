@@ -19,10 +19,10 @@ router calls :meth:`check`, :meth:`started` and :meth:`finished` around each ver
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
+from specdec import clock
 from specdec.errors import Overloaded
 
 
@@ -80,7 +80,7 @@ class AdmissionControl:
         """The 429 a ``kind`` request of ``tenant`` gets now (counted as shed), or None; None does
         not admit it: the router's fast path asks this before reading a body, and a request it
         lets through is admitted by :meth:`check` once parsed."""
-        self._roll(time.monotonic() if now is None else now)
+        self._roll(clock.monotonic() if now is None else now)
         half = max(1, self.limit // 2)
         if kind == "open" and self.inflight >= half and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant) / 2:
             return self._refuse(f"the verifier is busy ({self.inflight} requests in flight); running sessions "

@@ -14,9 +14,9 @@ Pure module (no Ray, no FastAPI): plain ASGI.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 
+from specdec import clock
 from specdec.errors import Overloaded, SpecError
 
 RECEIVED_AT = "specedge.received_at"  # scope key: perf_counter() when a POST reached the fast path
@@ -67,7 +67,7 @@ class ShedFastPath:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         path, root = scope["path"], scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
@@ -84,4 +84,4 @@ class ShedFastPath:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         if self.on_shed is not None:
-            self.on_shed(refused, time.perf_counter() - t0)
+            self.on_shed(refused, clock.perf_counter() - t0)

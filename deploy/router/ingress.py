@@ -14,7 +14,6 @@ sampled (:mod:`deploy.router.probe`). The router's modules: docs/router.md.
 import asyncio
 import json
 import logging
-import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
@@ -36,6 +35,7 @@ from deploy.router.open_deadline import DEADLINE_HEADER, request_deadline
 from deploy.router.probe import LoadProbe
 from deploy.router.server_decode import ClosingStream, ServerDecode
 from deploy.router.tenants import TenantRegistry, TenantState
+from specdec import clock
 from specdec import openai as oai
 from specdec.errors import DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, SpecError, UpstreamTimeout
 from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
@@ -67,7 +67,7 @@ api.add_middleware(ShedFastPath, decide=_fast_decide, on_shed=_fast_answered)
 async def _spec_error(request: Request, e: SpecError):
     router_metrics().on_error(e)
     if e.status == 429 and RECEIVED_AT in request.scope:
-        router_metrics().on_shed_answered(time.perf_counter() - request.scope[RECEIVED_AT])
+        router_metrics().on_shed_answered(clock.perf_counter() - request.scope[RECEIVED_AT])
     headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if isinstance(e, Overloaded) else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
@@ -136,7 +136,7 @@ class Router:
         self._info: dict | None = None
         self.loads = Loads(self.cfg)  # the tokenizer and the server drafter, at first use
         self.server_decode = ServerDecode(self, self.loads.server_drafter)  # OpenAI requests
-        self._created = int(time.time())  # the served model's "created" (OpenAI's /v1/models)
+        self._created = int(clock.wall())  # the served model's "created" (OpenAI's /v1/models)
         self._versions: list[str] = sorted(self.cfg.target.adapters)  # target versions (LoRA), see reconfigure
         self._versions_configured = False
         self.probe = LoadProbe(on_lag=self.metrics.on_loop_lag, stall_log_s=rc.loop_stall_log_s,
@@ -210,10 +210,10 @@ class Router:
         """A verifier call under admission control (429 before it queues; see ``admission.py``)."""
         self.admission.check(tenant, kind)
         self.admission.started(tenant)
-        t0, latency = time.perf_counter(), None
+        t0, latency = clock.perf_counter(), None
         try:
             out = await self._call(method, tenant=tenant, **kwargs)
-            latency = time.perf_counter() - t0 if kind == "verify" else None
+            latency = clock.perf_counter() - t0 if kind == "verify" else None
             return out
         finally:
             self.admission.finished(tenant, latency)
@@ -243,7 +243,7 @@ class Router:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         if received_at is not None:
-            waited = time.perf_counter() - received_at
+            waited = clock.perf_counter() - received_at
             if waited >= deadline:
                 raise deadline_refusal(deadline, self.admission.retry_after)
             deadline -= waited
@@ -286,7 +286,7 @@ class Router:
 
     async def _verify(self, tenant: TenantState, sid: str, f: VerifyFrame, frame: bytes,
                       send_early=None) -> VerifiedRound:
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         early = {"stream_to": send_early} if send_early is not None and f.early else {}
         status, payload = await self._admitted_call("verify", "verify_stream" if early else "verify", session_id=sid,
                                                     tenant=tenant.config.name, frame=frame, **early)
@@ -297,7 +297,7 @@ class Router:
         self.tenants.session_used(tenant, sid, reply.emitted)
         if reply.finished:
             self.tenants.session_finished(tenant, sid)
-        self.metrics.on_verify(tenant.config.name, time.perf_counter() - t0, self.admission.inflight)
+        self.metrics.on_verify(tenant.config.name, clock.perf_counter() - t0, self.admission.inflight)
         return VerifiedRound(payload, reply)
 
     async def close(self, tenant: TenantState, sid: str) -> dict:
@@ -402,7 +402,7 @@ class Router:
                 if msg.get("type") == "websocket.disconnect":
                     return
                 data = msg.get("bytes")
-                t0 = time.perf_counter()
+                t0 = clock.perf_counter()
                 try:
                     if data is None:
                         raise InvalidRequest("send verify frames as binary messages")
@@ -415,7 +415,7 @@ class Router:
                         payload["retry_after"] = e.retry_after
                     await websocket.send_text(json.dumps(payload))
                     if e.status == 429:
-                        self.shed_answered(e, time.perf_counter() - t0)
+                        self.shed_answered(e, clock.perf_counter() - t0)
                     else:
                         router_metrics().on_error(e)
         except WebSocketDisconnect:

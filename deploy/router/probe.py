@@ -20,6 +20,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from specdec import clock
 
 
 class LoadProbe:
@@ -31,7 +32,7 @@ class LoadProbe:
         self.interval_s = interval_s
         self.stall_log_s = stall_log_s  # 0: no watchdog
         self.log = log or logging.getLogger(__name__)
-        self.last_tick = time.monotonic()  # when the sampler last ran (the watchdog's clock)
+        self.last_tick = clock.monotonic()  # when the sampler last ran (the watchdog's clock)
         self.lag: deque[tuple[float, float]] = deque(maxlen=keep)
         self.shed: deque[tuple[float, float]] = deque(maxlen=keep)
         self.gc_pause: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) per collection
@@ -45,7 +46,7 @@ class LoadProbe:
     def start(self) -> None:
         """Start the lag sampler on the running loop (once)."""
         if self._task is None:
-            self.last_tick = time.monotonic()
+            self.last_tick = clock.monotonic()
             self._task = asyncio.get_running_loop().create_task(self.run())
             gc.callbacks.append(self._on_gc)
             if self.stall_log_s > 0:
@@ -57,9 +58,9 @@ class LoadProbe:
         (its loop closed)."""
         reported = None
         while not self._task.done():
-            time.sleep(min(self.stall_log_s / 4, 0.5))
+            clock.blocking_sleep(min(self.stall_log_s / 4, 0.5))
             tick = self.last_tick
-            stalled = time.monotonic() - tick
+            stalled = clock.monotonic() - tick
             if stalled > self.stall_log_s and tick != reported:
                 frame = sys._current_frames().get(loop_thread)
                 stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
@@ -68,9 +69,9 @@ class LoadProbe:
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_t0, self._gc_cpu0 = time.perf_counter(), time.thread_time()
+            self._gc_t0, self._gc_cpu0 = clock.perf_counter(), time.thread_time()
             return
-        now, wall_ms = time.time(), (time.perf_counter() - self._gc_t0) * 1e3
+        now, wall_ms = clock.wall(), (clock.perf_counter() - self._gc_t0) * 1e3
         self.gc_pause.append((now, wall_ms))
         self.gc_cpu.append((now, (time.thread_time() - self._gc_cpu0) * 1e3))
         self.gc_collected.append((now, float(info.get("collected", 0))))
@@ -78,16 +79,16 @@ class LoadProbe:
 
     async def run(self) -> None:
         while True:
-            t0 = time.perf_counter()
-            await asyncio.sleep(self.interval_s)
-            self.last_tick = time.monotonic()
-            lag = max(0.0, time.perf_counter() - t0 - self.interval_s)
-            self.lag.append((time.time(), lag * 1e3))
+            t0 = clock.perf_counter()
+            await clock.sleep(self.interval_s)
+            self.last_tick = clock.monotonic()
+            lag = max(0.0, clock.perf_counter() - t0 - self.interval_s)
+            self.lag.append((clock.wall(), lag * 1e3))
             if self.on_lag is not None:
                 self.on_lag(lag)
 
     def shed_answered(self, seconds: float) -> None:
-        self.shed.append((time.time(), seconds * 1e3))
+        self.shed.append((clock.wall(), seconds * 1e3))
 
     def drain(self) -> dict[str, list[tuple[float, float]]]:
         """The samples since the last drain, and forget them."""

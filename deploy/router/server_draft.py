@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from deploy.config import AppConfig
+from specdec import clock
 from specdec.tree import DraftTree
 
 DRAFT_THREAD_NAME = "srv-draft"  # what /proc/<pid>/task/<tid>/comm shows for the drafting thread
@@ -114,7 +114,7 @@ class ModelServerDrafter:
     def _draft(self, history: list[int], budget: int, params=None) -> tuple[DraftTree, list | None]:
         from edge_agent.tree_builder import TreeConfig
 
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         with self._lock:
             ds = self._session_for(history)
             n0 = len(ds.forward_times)
@@ -136,7 +136,7 @@ class ModelServerDrafter:
             self.forwards += len(ds.forward_times) - n0
             del ds.forward_times[:]
             self.rounds += 1
-            self.busy_seconds += time.perf_counter() - t0
+            self.busy_seconds += clock.perf_counter() - t0
         return tree, proposals
 
     def draft(self, history: list[int], budget: int) -> DraftTree:

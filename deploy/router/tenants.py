@@ -8,10 +8,10 @@ configure limits / R or run one router). Pure module.
 from __future__ import annotations
 
 import hmac
-import time
 from dataclasses import dataclass, field
 
 from deploy.config import TenantConfig, hash_api_key
+from specdec import clock
 from specdec.errors import Overloaded, Unauthorized
 
 
@@ -22,7 +22,7 @@ class TokenBucket:
     rate: float
     capacity: float
     level: float = 0.0
-    stamp: float = field(default_factory=time.monotonic)
+    stamp: float = field(default_factory=clock.monotonic)
 
     def __post_init__(self):
         self.level = self.capacity
@@ -32,12 +32,12 @@ class TokenBucket:
         self.stamp = now
 
     def spend(self, tokens: float, now: float | None = None) -> None:
-        self._refill(time.monotonic() if now is None else now)
+        self._refill(clock.monotonic() if now is None else now)
         self.level -= tokens
 
     def wait_time(self, now: float | None = None) -> float:
         """Seconds until the bucket is positive again (0 if it is)."""
-        self._refill(time.monotonic() if now is None else now)
+        self._refill(clock.monotonic() if now is None else now)
         return 0.0 if self.level > 0 else (-self.level + 1e-9) / self.rate
 
 
@@ -87,7 +87,7 @@ class TenantRegistry:
     def admit_session(self, t: TenantState) -> None:
         """Take a session slot for an open (check and take at once: concurrent opens cannot
         all pass the check); :meth:`open_done` gives the reservation back when it is answered."""
-        now = time.monotonic()
+        now = clock.monotonic()
         self._expire(t, now)
         if len(t.sessions) + t.opening >= t.config.max_sessions:
             raise Overloaded(f"tenant {t.config.name!r} has {len(t.sessions) + t.opening} open sessions, its "
@@ -110,7 +110,7 @@ class TenantRegistry:
     def session_opened(self, t: TenantState, sid: str, close_on_finish: bool = False) -> None:
         """``close_on_finish``: the replica closes the session with its finishing reply
         (:meth:`session_finished` then gives its slot back)."""
-        t.sessions[sid] = time.monotonic()
+        t.sessions[sid] = clock.monotonic()
         if close_on_finish:
             t.closing_on_finish.add(sid)
 
@@ -121,7 +121,7 @@ class TenantRegistry:
 
     def session_used(self, t: TenantState, sid: str, tokens: int) -> None:
         if t.sessions.pop(sid, None) is not None:
-            t.sessions[sid] = time.monotonic()  # to the end: the dict stays in order of last use
+            t.sessions[sid] = clock.monotonic()  # to the end: the dict stays in order of last use
         t.tokens_served += tokens
         if t.bucket is not None and tokens:
             t.bucket.spend(tokens)

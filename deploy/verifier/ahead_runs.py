@@ -12,7 +12,6 @@ token. A failed step answers its request with the tokens decoded so far, so none
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Callable
 
 from deploy.verifier.counters import Takeovers
@@ -20,6 +19,7 @@ from deploy.verifier.rounds import QueuedRound, answer, error_reply
 from deploy.verifier.run_ahead import RunAhead
 from deploy.verifier.scheduler import Pending
 from deploy.verifier.sessions import EdgeClient
+from specdec import clock
 from specdec.engine import OpenResult, VerifyRequest, VerifyResult
 from specdec.errors import PrefixMismatch
 from specdec.protocol import VerifyFrame
@@ -116,7 +116,7 @@ class AheadRuns:
     def reply(self, tenant: str, sid: str, run: RunAhead, depth: int, budget: int) -> tuple[int, bytes]:
         """A run-ahead request's reply. While the hint stays 0 the session decodes on, detached,
         until the edge's next request takes the run over."""
-        now = time.monotonic()
+        now = clock.monotonic()
         if budget == 0 and not run.ended and not run.fut.done():
             nxt = self.detached[sid] = RunAhead(run.limit, run.last.prefix_len)
             self.step(tenant, sid, nxt, now)

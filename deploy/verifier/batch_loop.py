@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Protocol
 
 from deploy.config import VerifierConfig
@@ -23,6 +22,7 @@ from deploy.verifier.counters import ReplicaCounters
 from deploy.verifier.pacing import PiecewiseCost
 from deploy.verifier.prefill_budget import PrefillBudget
 from deploy.verifier.scheduler import FairScheduler, Pending
+from specdec import clock
 
 log = logging.getLogger("ray.serve")
 
@@ -72,7 +72,7 @@ class BatchLoop:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         vc, host = self.cfg, self.host
-        last_sweep = time.monotonic()
+        last_sweep = clock.monotonic()
         while True:
             if not len(self.sched) and not any(host.opens_waiting()):
                 self.wake.clear()
@@ -81,11 +81,11 @@ class BatchLoop:
                 except asyncio.TimeoutError:
                     pass
             if vc.batch_wait_ms > 0 and self.others_may_join():
-                await asyncio.sleep(vc.batch_wait_ms / 1000.0)  # let a few more requests join this forward
+                await clock.sleep(vc.batch_wait_ms / 1000.0)  # let a few more requests join this forward
             await self.fill_batch()
-            if time.monotonic() - last_sweep > min(IDLE_WAKE_S, vc.idle_timeout_s / 2):
+            if clock.monotonic() - last_sweep > min(IDLE_WAKE_S, vc.idle_timeout_s / 2):
                 await host.sweep_idle()
-                last_sweep = time.monotonic()
+                last_sweep = clock.monotonic()
             host.refresh()
             try:
                 queued, prefilling = host.opens_waiting()
@@ -94,7 +94,7 @@ class BatchLoop:
                 batch = self.sched.take(vc.max_batch_sessions, vc.max_batch_tokens)
                 if batch:  # a prefill chunk rides along
                     await host.run_verifies(loop, batch)
-                    self.last_verify = time.monotonic()
+                    self.last_verify = clock.monotonic()
                 elif host.opens_waiting()[1]:
                     busy = self.decoding_recently()
                     if busy and await self.request_arrives(max(0.002, 2 * self.prefill.verify_s)):
@@ -110,7 +110,7 @@ class BatchLoop:
         session is decoding and verified a moment ago, so its next round may come back at any time.
         With none left decoding nobody can come back, and paced chunks would only cost whole
         forwards, each reading every weight."""
-        if time.monotonic() - self.last_verify >= max(0.05, 4 * self.prefill.verify_s):
+        if clock.monotonic() - self.last_verify >= max(0.05, 4 * self.prefill.verify_s):
             return False
         return any(not s.finished for s in list(self.engine.sessions.values()))  # a copy: closes run on the worker
 
@@ -130,7 +130,7 @@ class BatchLoop:
         while True:
             pending = self.sched.pending_sessions()
             rows = self.sched.pending_tokens()
-            now = time.monotonic()
+            now = clock.monotonic()
             due = self.arrivals.due(now, pending, limit=max(vc.max_batch_sessions - len(pending), 0))
             wait = fill_wait(rows, due, rows / max(len(pending), 1),
                              self.cost.predict, vc.batch_fill, vc.max_batch_sessions, len(pending))

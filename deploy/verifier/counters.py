@@ -7,10 +7,10 @@ turns the same events into Prometheus metrics. Totals are monotonic; ``forwards`
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from specdec import clock
 from specdec.engine import ForwardStats
 
 MAX_FORWARDS = 4096  # recent forwards kept; past it the older half is dropped
@@ -44,7 +44,7 @@ class ReplicaCounters:
     fill_waits: int = 0  # forwards held for sessions due back (batch filling)
     tokens_emitted: int = 0  # verified tokens returned to clients (first tokens included)
     takeovers: Takeovers = field(default_factory=Takeovers)
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=clock.monotonic)
 
     def on_forward(self, st: ForwardStats) -> None:
         self.busy_seconds += st.seconds
@@ -72,7 +72,7 @@ class ReplicaCounters:
                 "verify_forwards": sum(1 for f in self.forwards if f.kind != "prefill"),
                 "tokens_emitted": self.tokens_emitted, "busy_seconds": self.busy_seconds,
                 "busy_cpu_seconds": {"prefill": self.prefill_cpu_seconds, "verify": self.verify_cpu_seconds},
-                "uptime_seconds": time.monotonic() - self.started,
+                "uptime_seconds": clock.monotonic() - self.started,
                 "batch_sizes": [f.sessions for f in self.forwards if f.kind == "verify"],
                 "verify_forwards_total": self.verify_forwards, "verify_sessions_total": self.verify_sessions,
                 "verify_rows_total": self.verify_rows, "prefill_tokens_total": self.prefill_tokens,

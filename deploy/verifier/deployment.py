@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,6 +41,7 @@ from deploy.verifier.sessions import EdgeClient, SessionBook
 from deploy.verifier.startup import start_target, warm_up
 from deploy.verifier.version_updates import VersionUpdates
 from deploy.verifier.versions import TargetVersions
+from specdec import clock
 from specdec.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
 from specdec.errors import InvalidRequest, ModelNotFound, SessionEvicted, SpecError, TokenizerMismatch
 from specdec.model.loading import tokenizer_fingerprint
@@ -56,13 +56,14 @@ log = logging.getLogger("ray.serve")
 class VerifierCore:
     """A verifier replica without Serve: its target, sessions, batch loop and request handlers."""
 
-    def __init__(self, config: AppConfig, replica_tag: str = "local", runner=None, loaded=None):
+    def __init__(self, config: AppConfig, replica_tag: str = "local", runner=None, loaded=None, executor=None,
+                 new_id=None):
+        """``runner``/``loaded``: built elsewhere (pipeline, simulation); ``executor``, ``new_id``: a simulation's."""
         self.cfg = config
         vc, p = config.verifier, config.pacing
         if vc.torch_threads:
             torch.set_num_threads(vc.torch_threads)
-        self.tag = replica_tag
-        self._warming = vc.warmup  # the warm-up's forwards are not measured (see the end)
+        self.tag, self._warming = replica_tag, vc.warmup  # the warm-up's forwards are not measured (see the end)
         started = start_target(config, self._on_forward, runner, loaded)  # KV pool sized from memory
         self.loaded, self.engine, self.kv_plan = started.loaded, started.engine, started.kv_plan
         # exit heads: early results mid-forward for edges that ask (deploy/verifier/early_stream.py)
@@ -89,7 +90,8 @@ class VerifierCore:
         self.runs = AheadRuns(vc.run_ahead_tokens, self.counters.takeovers, self.loop.enqueue, self.hints.hints,
                               self._reply_sent)
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        self._new_id = new_id or (lambda: uuid.uuid4().hex)
         # opens from arrival to first token, admitted against their deadlines (deploy/verifier/open_queue.py)
         self.opens = OpenQueue(PrefillForecast(retry_after_s=config.router.retry_after_s))
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
@@ -97,7 +99,7 @@ class VerifierCore:
                                               self._end_version_session)
         if vc.warmup:  # before the replica reports ready; its forwards are no one's measurements
             warm_up(self.engine, self.loaded.vocab_size)
-            self._warming = False
+        self._warming = False
 
     @property
     def owner(self) -> dict[str, str]:
@@ -202,7 +204,7 @@ class VerifierCore:
             await self._evict(sid, "kv_budget")
 
     async def sweep_idle(self) -> int:
-        now = time.monotonic()
+        now = clock.monotonic()
         pending = self.loop.sched.pending_sessions()
         idle = [sid for sid, s in self.engine.sessions.items()
                 if now - s.last_used > self.cfg.verifier.idle_timeout_s and sid not in pending]
@@ -232,11 +234,11 @@ class VerifierCore:
             return error_reply(InvalidRequest(f"malformed open request: {e}"))
         if deadline_s is not None and (refused := self.opens.forecast.refusal(deadline_s)) is not None:
             return error_reply(refused)
-        sid = f"{self.tag}.{uuid.uuid4().hex}"
+        sid = f"{self.tag}.{self._new_id()}"
         fut = asyncio.get_running_loop().create_future()
         self.loop.ensure()
         req = OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant,  # shares within a tenant
-                          start_by=None if deadline_s is None else time.monotonic() + deadline_s)
+                          start_by=None if deadline_s is None else clock.monotonic() + deadline_s)
         self.metrics.on_arrival(sid)
         self.sessions.client[sid] = EdgeClient.of_open(body, self.runs.tokens(params.logprobs is None),
                                                        params.logprobs is not None)
@@ -266,7 +268,7 @@ class VerifierCore:
         self.loop.ensure()
         gains = (node_gains(f.parents, f.conf) if f.q is None and f.proposals is None
                  and self.cfg.verifier.truncate_trees else [])
-        now = time.monotonic()
+        now = clock.monotonic()
         self.arrivals.arrived(session_id, now)
         if session_id in self.runs.detached:  # the request takes its session's detached run over
             out = self.runs.take_over(tenant, session_id, f, fut) or await fut
@@ -274,7 +276,7 @@ class VerifierCore:
             run = RunAhead(ahead - 1, f.prefix_len, fut, len(f.tokens)) if ahead > 1 else None
             self.loop.enqueue(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
             out = await fut
-        self.counters.on_request(time.monotonic() - now)  # queue, batch wait, forward(s), reply
+        self.counters.on_request(clock.monotonic() - now)  # queue, batch wait, forward(s), reply
         return out
 
     async def verify_stream(self, session_id: str, tenant: str, frame: bytes):
@@ -330,8 +332,7 @@ class VerifierCore:
 
     def _answer_late(self) -> None:
         """The opens the engine dropped at their deadline, waiting behind another prompt: 429."""
-        late = self.engine.take_late()
-        for sid in late:
+        for sid in (late := self.engine.take_late()):
             self.sessions.client.pop(sid, None)
         self.opens.late(late)
 
@@ -379,7 +380,7 @@ class VerifierCore:
         self.metrics.on_open(tenant, res.sid, res.prefix_len, res.cached_tokens, first_token=res.first_token is not None,
                              finish_reason=res.finish_reason if res.finished else None)
         self.counters.tokens_emitted += res.first_token is not None
-        now = time.monotonic()
+        now = clock.monotonic()
         if not res.finished:
             self.arrivals.replied(res.sid, now)
         depth, budget = self.hints.hints(res.sid)
@@ -478,7 +479,7 @@ class VerifierCore:
         if not refill:
             self.hints.pacing(p.session_id)[0].observe_round(n_nodes, emitted)
         self.counters.tokens_emitted += emitted
-        now = time.monotonic()
+        now = clock.monotonic()
         self.counters.round_latencies.append((p.enqueued_at, now - p.enqueued_at))
         version = self.versions.label(p.session_id)
         if run is not None and self.runs.advance(p, res, self.hints.best_budget(p.session_id), now):

@@ -10,11 +10,11 @@ Pure module: no Ray, no asyncio.
 
 from __future__ import annotations
 
-import time
 
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.sessions import EdgeClient, SessionBook
 from deploy.verifier.versions import TargetVersions
+from specdec import clock
 
 
 class SessionHints:
@@ -26,7 +26,7 @@ class SessionHints:
 
     def load_sessions(self) -> int:
         """Sessions sharing the verifier, as the tree budget weighs them."""
-        now, n = time.monotonic(), max(len(self.engine.sessions), 1)
+        now, n = clock.monotonic(), max(len(self.engine.sessions), 1)
         peak, at = self._load_peak
         if n >= peak or now - at > self.hold_s:
             self._load_peak = (n, now)

@@ -29,6 +29,7 @@ import torch
 
 from deploy.config import EarlyExitConfig, ModelConfig
 from deploy.verifier.kv_sizing import Sizing, check_stage
+from specdec import clock
 from specdec.exit_heads import ExitHeads, exit_rows
 from specdec.model.batch import SeqInput
 from specdec.model.checkpoint import CheckpointConfig, prune, read_weights, tiny_config
@@ -146,21 +147,21 @@ class PipelineStage:
 
         def on_layer(n: int, h: torch.Tensor, batch) -> None:
             if n in self.heads.layers:
-                t0, c0 = time.perf_counter(), time.thread_time()
+                t0, c0 = clock.perf_counter(), time.thread_time()
                 sub = exit_rows(self.heads, n, h, batch, picks)
                 if sub is not None:
                     early["rows"][n] = sub
-                early["seconds"] += time.perf_counter() - t0
+                early["seconds"] += clock.perf_counter() - t0
                 early["cpu_seconds"] += time.thread_time() - c0
 
         return self.forward(batch_id, items, hidden, on_layer), early
 
     def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None, on_layer=None):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = clock.perf_counter(), time.process_time()
         out = self.runner.forward(batch_id, items, hidden, on_layer)
         # results leave through the object store: host memory, whatever the device
         out = out.cpu() if isinstance(out, torch.Tensor) else [x.cpu() for x in out]
-        t1 = time.perf_counter()
+        t1 = clock.perf_counter()
         self._busy += t1 - t0
         self._cpu += time.process_time() - c0
         self._forwards += 1
@@ -168,9 +169,9 @@ class PipelineStage:
         return out
 
     def commit(self, batch_id: int, keep: dict[str, Keep]) -> None:
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = clock.perf_counter(), time.process_time()
         self.runner.commit(batch_id, keep)
-        self._busy += time.perf_counter() - t0
+        self._busy += clock.perf_counter() - t0
         self._cpu += time.process_time() - c0
 
     def abort(self, batch_id: int) -> None:
@@ -199,7 +200,7 @@ class PipelineStage:
         """busy_s: wall seconds inside forward/commit; cpu_s: CPU seconds of this process
         (all its torch threads) during them; wall_s: seconds since the last reset."""
         return {"first": self.runner.first, "last": self.runner.last, "busy_s": self._busy, "cpu_s": self._cpu,
-                "wall_s": time.perf_counter() - self._t0, "forwards": self._forwards,
+                "wall_s": clock.perf_counter() - self._t0, "forwards": self._forwards,
                 "kv_tokens": self.runner.kv_tokens(), "device": str(self.runner.device),
                 "torch_threads": torch.get_num_threads(),
                 "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
@@ -211,5 +212,5 @@ class PipelineStage:
         return list(self._intervals)
 
     def reset_stats(self) -> None:
-        self._busy, self._cpu, self._forwards, self._t0 = 0.0, 0.0, 0, time.perf_counter()
+        self._busy, self._cpu, self._forwards, self._t0 = 0.0, 0.0, 0, clock.perf_counter()
         self._intervals: deque[tuple[float, float]] = deque(maxlen=100_000)

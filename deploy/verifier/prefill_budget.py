@@ -12,12 +12,12 @@ added to its forward. Pure module: no Ray, no asyncio.
 
 from __future__ import annotations
 
-import time
 
 from deploy.config import VerifierConfig
 from deploy.verifier.batch_fill import ArrivalModel
 from deploy.verifier.pacing import PiecewiseCost
 from deploy.verifier.scheduler import Pending
+from specdec import clock
 from specdec.engine import ForwardStats
 
 MIN_PREFILL_CHUNK = 4  # prompt tokens per chunk riding along a verify forward, at least
@@ -76,6 +76,6 @@ class PrefillBudget:
         if any(p.payload.run is None or p.payload.run.fut is not None for p in batch) or not self.token_s:
             return paced
         most = self.cfg.max_batch_tokens
-        due = arrivals.due(time.monotonic(), set(), limit=1)
+        due = arrivals.due(clock.monotonic(), set(), limit=1)
         fit = int((due[0] - self.verify_forward_s(rows)) / self.token_s) if due else most
         return max(paced, min(most, fit))

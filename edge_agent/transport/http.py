@@ -18,11 +18,11 @@ import asyncio
 import json
 import logging
 import random
-import time
 from dataclasses import dataclass, field
 
 from edge_agent.errors import ConnectionLost, ServerUnreachable, error_from_json
 from edge_agent.transport.base import ModelInfo, Transport
+from specdec import clock
 from specdec.errors import SessionEvicted, SessionNotFound, SpecError
 from specdec.protocol import (EARLY_STREAM_MEDIA_TYPE, EarlyFrame, OpenSession, RecordReader, ReplyFrame, SessionOpened,
                               VerifyFrame)
@@ -113,24 +113,24 @@ class HttpTransport(Transport):
                         raise lost
                     last = lost
                     if attempt + 1 < self.retry.attempts:
-                        await asyncio.sleep(self.retry.wait(attempt))
+                        await clock.sleep(self.retry.wait(attempt))
                     continue
                 ra = r.headers.get("Retry-After")
                 err = error_from_json(r.status_code, body, float(ra) if ra else None)
                 if r.status_code == 429 and isinstance(err, SpecError):
                     wait = getattr(err, "retry_after", None) or (float(ra) if ra else 1.0)
                     if attempt + 1 < self.retry.attempts and wait <= self.retry.max_retry_after_s:
-                        await asyncio.sleep(wait)
+                        await clock.sleep(wait)
                         last = err
                         continue
                     raise err
                 if r.status_code in (502, 503, 504) and attempt + 1 < self.retry.attempts:
                     last = err
-                    await asyncio.sleep(self.retry.wait(attempt))
+                    await clock.sleep(self.retry.wait(attempt))
                     continue
                 raise err
             if attempt + 1 < self.retry.attempts:
-                await asyncio.sleep(self.retry.wait(attempt))
+                await clock.sleep(self.retry.wait(attempt))
         assert last is not None
         raise last
 
@@ -200,9 +200,9 @@ class HttpTransport(Transport):
             pass
 
     async def ping(self) -> float:
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         await self._request("GET", "/v1/health", idempotent=True)
-        return time.perf_counter() - t0
+        return clock.perf_counter() - t0
 
     # -- WebSocket ------------------------------------------------------------------------
     def _ws_url(self, sid: str) -> str:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 from typing import Callable
 
 from edge_agent.transport.base import ModelInfo, Transport
+from specdec import clock
 from specdec.errors import SessionEvicted, SpecError
 from specdec.protocol import EarlyFrame, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 
@@ -40,7 +40,7 @@ class LocalTransport(Transport):
 
     async def _net(self) -> None:
         if self.rtt_ms > 0:
-            await asyncio.sleep(self.rtt_ms / 2e3)
+            await clock.sleep(self.rtt_ms / 2e3)
 
     async def _call(self, fn, *args):
         await self._net()  # uplink
@@ -106,7 +106,7 @@ class LocalTransport(Transport):
         if sid in self.evicted:
             raise SessionEvicted(f"session {sid!r} was evicted")
         frame = VerifyFrame.decode(body)
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         if frame.q is None:  # a tree: sample, then match (with proposals: tree rejection sampling)
             (res,) = self.engine.verify([VerifyRequest(sid, DraftTree(tuple(frame.tokens), tuple(frame.parents)),
                                                        frame.prefix_len, proposals=frame.proposals,
@@ -116,7 +116,7 @@ class LocalTransport(Transport):
                 raise InvalidRequest("chain mode: parents must form a chain")
             (res,) = self.engine.verify_chain([ChainVerifyRequest(sid, tuple(frame.tokens), tuple(frame.q),
                                                                   frame.prefix_len, frame.resampled, frame.more)])
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = (clock.perf_counter() - t0) * 1e3
         if not frame.more:  # a refill of residual candidates runs no forward
             self.verify_ms = ms if self.verify_ms is None else 0.8 * self.verify_ms + 0.2 * ms
         if isinstance(res, SpecError):
@@ -141,10 +141,10 @@ class LocalTransport(Transport):
         await self._call(self.engine.close, sid)
 
     async def ping(self) -> float:
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         await self._net()
         await self._net()
-        return time.perf_counter() - t0
+        return clock.perf_counter() - t0
 
 
 def _early_sink(loop: asyncio.AbstractEventLoop, on_early, delay_s: float):

@@ -10,10 +10,10 @@ ever sent (:class:`TextStream`); the round generator is closed however the respo
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass
 
+from specdec import clock
 from specdec.errors import SpecError
 from specdec.openai.request import CompletionRequest
 
@@ -109,13 +109,13 @@ def completion_response(model: str, text: str, ids: list[int], prompt_len: int, 
     """A non-streaming ``chat.completion`` / ``text_completion`` object (``specedge``: our stats)."""
     content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
     return {"id": completion_id(chat), "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model,
+            "created": int(clock.wall()), "model": model,
             "choices": [_choice(chat, finish or "length", logprobs, **content)],
             "usage": usage(prompt_len, len(ids), cached_tokens), "specedge": stats}
 
 
 def _event(cid: str, model: str, chat: bool, choices: list, **extra) -> str:
-    obj = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+    obj = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(clock.wall()),
            "model": model, "choices": choices, **extra}
     return f"data: {json.dumps(obj)}\n\n"
 

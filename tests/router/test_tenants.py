@@ -87,7 +87,7 @@ def test_sessions_idle_past_the_timeout_give_their_slots_back_and_used_ones_keep
     import deploy.router.tenants as tenants
 
     clock = [100.0]
-    monkeypatch.setattr(tenants.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(tenants.clock, "monotonic", lambda: clock[0])
     r = TenantRegistry([TenantConfig(name="a", api_key="key-aaaa-1", max_sessions=3)], idle_timeout_s=10.0)
     a = r.by_name["a"]
     for sid in ("s1", "s2", "s3"):

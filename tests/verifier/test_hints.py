@@ -13,7 +13,7 @@ def test_the_budget_weighs_the_sessions_open_lately_not_a_dip_between_generation
     core = deployment.VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                              pacing={"sessions_hold_s": 1.0}))
     clock = [100.0]
-    monkeypatch.setattr(hints.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hints.clock, "monotonic", lambda: clock[0])
 
     def load(open_sessions: int, at: float) -> int:
         clock[0] = at

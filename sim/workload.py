@@ -1,0 +1,94 @@
+"""What a simulation is asked to serve: users, their devices, network and drafts (issue 61).
+
+A YAML (or JSON) file of :class:`Workload`'s shape; unknown keys and impossible values are
+refused with the field named, before anything is simulated. Acceptance is per tree level
+(:class:`loadtests.synthetic_tree.AcceptanceModel`: the draft's top-1 right with ``alpha``, its
+top-2 sibling with ``sibling_alpha``), stated or measured from a real draft/target pair.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from loadtests.config import DEVICE_DRAFT_MS
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Network(_Strict):
+    rtt_ms: float = Field(40.0, ge=0, le=10_000, description="median round trip of the users")
+    rtt_sigma: float = Field(0.0, ge=0, le=2, description="log-normal spread of the users' RTTs")
+    jitter: float = Field(0.2, ge=0, le=1, description="uniform +- fraction of each round's RTT and draft time")
+    drop_rate: float = Field(0.0, ge=0, lt=1, description="share of verify requests lost in the network "
+                                                          "(the edge resends after network_timeout_s)")
+    network_timeout_s: float = Field(10.0, gt=0)
+
+
+class Acceptance(_Strict):
+    alpha: float = Field(0.7, ge=0, le=1, description="P(draft top-1 = target token) per tree level")
+    sibling_alpha: float = Field(0.3, ge=0, le=1, description="P(top-2 sibling = target token | top-1 wrong)")
+
+
+class Workload(_Strict):
+    users: int = Field(100, ge=1, le=10_000_000)
+    duration_s: float = Field(60.0, gt=0, le=86_400, description="simulated seconds of load")
+    warmup_s: float = Field(5.0, ge=0, description="excluded from the steady-state figures")
+    spawn_rate: float | None = Field(None, gt=0, description="users started per second; None: all at once")
+    think_s: tuple[float, float] = Field((0.0, 0.0), description="uniform idle time between a user's generations")
+    prompt_tokens: tuple[int, int] = Field((16, 64), description="uniform prompt length")
+    max_tokens: int = Field(64, ge=1, le=1_000_000, description="tokens per generation")
+    devices: dict[str, float] = Field(default_factory=lambda: {"rtx4090": 1.0},
+                                      description="device class (DEVICE_DRAFT_MS, or draft_ms) -> share")
+    draft_ms: dict[str, float] = Field(default_factory=dict, description="ms per draft forward of device "
+                                                                          "classes beyond DEVICE_DRAFT_MS")
+    depth: int | None = Field(None, ge=1, le=64, description="draft forwards per tree; None: the server's hint")
+    nodes: int | None = Field(None, ge=1, le=1024, description="tree nodes; None: the server's budget hint")
+    network: Network = Field(default_factory=Network)
+    acceptance: Acceptance = Field(default_factory=Acceptance)
+    mode: str = Field("edge", pattern="^(edge|server_ar)$", description="edge-drafted trees, or plain "
+                                                                        "decoding (empty trees)")
+    tenants: dict[str, float] = Field(default_factory=lambda: {"default": 1.0},
+                                      description="tenant name -> share of the users")
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name, (lo, hi) in (("think_s", self.think_s), ("prompt_tokens", self.prompt_tokens)):
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{name} must be [low, high] with 0 <= low <= high, got {[lo, hi]}")
+        if self.prompt_tokens[0] < 1:
+            raise ValueError("prompt_tokens: a prompt has at least 1 token")
+        known = {**DEVICE_DRAFT_MS, **self.draft_ms}
+        for d, share in self.devices.items():
+            if d not in known:
+                raise ValueError(f"devices: unknown device class {d!r}; known: {sorted(known)} (or give draft_ms)")
+            if not share > 0:
+                raise ValueError(f"devices.{d}: a share must be > 0")
+        if any(not v > 0 for v in self.tenants.values()) or not self.tenants:
+            raise ValueError("tenants: shares must be > 0")
+        if self.warmup_s >= self.duration_s:
+            raise ValueError("warmup_s must be shorter than duration_s")
+        return self
+
+    def device_ms(self) -> dict[str, float]:
+        return {d: {**DEVICE_DRAFT_MS, **self.draft_ms}[d] for d in self.devices}
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Workload":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"workload {path}: cannot read it ({e})") from None
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            field = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            raise ValueError(f"workload {path}: {field}: {err['msg']}") from None
+        except TypeError as e:
+            raise ValueError(f"workload {path}: must be a mapping of fields ({e})") from None

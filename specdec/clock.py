@@ -1,0 +1,71 @@
+"""The one clock of specdec, deploy and edge_agent: every time read and sleep goes through here.
+
+Real by default (``time.monotonic``, ``time.perf_counter``, ``time.time``, ``asyncio.sleep``). A
+simulation (:mod:`deploy.sim`) installs a virtual clock with :func:`use`: the production code
+then runs unmodified on simulated time, as fast as the CPU allows (issue 61). CPU-time reads
+(``time.thread_time``, ``time.process_time``) are not clock reads and stay direct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import contextmanager
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...  # seconds, for intervals and deadlines
+    def wall(self) -> float: ...  # seconds since the epoch (timestamps users see)
+    def blocking_sleep(self, seconds: float) -> None: ...  # a thread's sleep
+
+
+class RealClock:
+    """The host's clocks."""
+
+    monotonic = staticmethod(time.monotonic)
+    wall = staticmethod(time.time)
+    blocking_sleep = staticmethod(time.sleep)
+
+
+_clock: Clock = RealClock()
+
+
+def monotonic() -> float:
+    """Seconds on a clock that never goes back (intervals, deadlines)."""
+    return _clock.monotonic()
+
+
+def perf_counter() -> float:
+    """Seconds for timing a piece of work (the same clock as :func:`monotonic` when simulated)."""
+    return time.perf_counter() if type(_clock) is RealClock else _clock.monotonic()
+
+
+def wall() -> float:
+    """Seconds since the epoch."""
+    return _clock.wall()
+
+
+async def sleep(seconds: float, result=None):
+    """``asyncio.sleep`` (on a virtual-time loop the sleep is virtual too)."""
+    return await asyncio.sleep(seconds, result)
+
+
+def blocking_sleep(seconds: float) -> None:
+    """A thread's sleep."""
+    _clock.blocking_sleep(seconds)
+
+
+def current() -> Clock:
+    return _clock
+
+
+@contextmanager
+def use(clock: Clock):
+    """Run the block on ``clock``; the previous clock is back after it."""
+    global _clock
+    previous, _clock = _clock, clock
+    try:
+        yield clock
+    finally:
+        _clock = previous

@@ -1,0 +1,91 @@
+"""sim/virtual_time.py: sleeps, timeouts and worker tasks take virtual time only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from sim.virtual_time import Stalled, VirtualClock, VirtualWorker, run
+from specdec import clock
+
+
+def test_an_hour_of_sleeps_takes_no_real_time_and_keeps_order():
+    order = []
+
+    async def sleeper(name: str, seconds: float):
+        await clock.sleep(seconds)
+        order.append((name, clock.monotonic()))
+
+    async def main():
+        await asyncio.gather(sleeper("b", 3600.0), sleeper("a", 1.5), sleeper("c", 3600.0))
+        return clock.monotonic(), clock.wall()
+
+    t0 = time.perf_counter()
+    now, wall = run(main())
+    assert time.perf_counter() - t0 < 1.0
+    assert order == [("a", 1.5), ("b", 3600.0), ("c", 3600.0)] and now == 3600.0 and wall > 1.7e9
+
+
+def test_wait_for_times_out_in_virtual_time():
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), timeout=30.0)
+        return clock.monotonic()
+
+    assert run(main()) == pytest.approx(30.0)
+
+
+def test_worker_tasks_run_in_order_and_take_what_they_spend():
+    vc = VirtualClock()
+    seen = []
+
+    def work(name: str, seconds: float):
+        seen.append((name, "start", clock.monotonic()))
+        vc.spend(seconds)
+        seen.append((name, "end", clock.monotonic()))
+        return name
+
+    async def main():
+        w = VirtualWorker(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        a = loop.run_in_executor(w, work, "a", 0.25)
+        b = loop.run_in_executor(w, work, "b", 0.5)
+        ticks = []
+
+        async def ticker():  # the loop keeps its turns while the worker works
+            for _ in range(5):
+                await clock.sleep(0.1)
+                ticks.append(round(clock.monotonic(), 6))
+
+        results = await asyncio.gather(a, b, ticker())
+        return results[:2], ticks, clock.monotonic(), w.busy_seconds
+
+    out, ticks, now, busy = run(main(), vc)
+    assert out == ["a", "b"] and seen == [("a", "start", 0.0), ("a", "end", 0.25), ("b", "start", 0.25),
+                                          ("b", "end", 0.75)]
+    assert ticks == [0.1, 0.2, 0.3, 0.4, 0.5] and now == pytest.approx(0.75) and busy == pytest.approx(0.75)
+
+
+def test_a_worker_error_reaches_the_caller():
+    def boom():
+        raise ValueError("x")
+
+    async def main():
+        with pytest.raises(ValueError):
+            await asyncio.get_running_loop().run_in_executor(VirtualWorker(asyncio.get_running_loop()), boom)
+        return True
+
+    assert run(main())
+
+
+def test_spending_outside_a_worker_is_refused():
+    with pytest.raises(RuntimeError):
+        VirtualClock().spend(1.0)
+
+
+def test_a_deadlock_is_reported_not_hung(monkeypatch):
+    monkeypatch.setattr("sim.virtual_time.REAL_WAIT_S", 0.05)
+    with pytest.raises(Stalled):
+        run(asyncio.Event().wait())
