@@ -50,8 +50,17 @@ class Workload(_Strict):
     nodes: int | None = Field(None, ge=1, le=1024, description="tree nodes; None: the server's budget hint")
     network: Network = Field(default_factory=Network)
     acceptance: Acceptance = Field(default_factory=Acceptance)
-    mode: str = Field("edge", pattern="^(edge|server_ar)$", description="edge-drafted trees, or plain "
-                                                                        "decoding (empty trees)")
+    mode: str = Field("edge", pattern="^(edge|server_ar)$", description="edge-drafted trees, or decoding on "
+                                                                        "the server (empty trees, no round trip "
+                                                                        "between tokens: they stream)")
+    generations_per_user: int | None = Field(None, ge=1, description="each user stops after this many (a closed "
+                                                                     "run that ends when all have); None: until "
+                                                                     "duration_s")
+    proactive: bool = Field(False, description="SpecEdge §4.2 proactive drafting: the next tree is drafted while "
+                                               "the current one is verified, used when the whole tree was accepted")
+    edge_workers: int | None = Field(None, ge=1, description="draft forwards of all users share this many workers "
+                                                             "(one edge core serving every session, as "
+                                                             "benchmarks.run does); None: a device per user")
     tenants: dict[str, float] = Field(default_factory=lambda: {"default": 1.0},
                                       description="tenant name -> share of the users")
 

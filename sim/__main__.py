@@ -1,0 +1,103 @@
+"""``python -m sim``: the served system in virtual time (issue 61; docs/simulation.md).
+
+    python -m sim run --config deploy/config.yaml --profile sim/validation/verify-step-cpu.json \\
+        --workload sim/workloads/edge-16.yaml [--seed 0] [--set verifier.num_replicas=4] [--out run.json]
+    python -m sim validate [--check]        # predicted vs measured runs of this machine
+    python -m sim plan --config ... --profile ... --workload ... --slo-itl-p99-ms 80 [--users 5000,20000]
+
+Bad input (a profile of another model or dtype, a workload with an unknown key or an impossible
+value, a deployment that does not validate) is one message naming the field, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from deploy.config import AppConfig
+from sim.cost_profile import CostProfile, ProfileError
+from sim.system import System
+from sim.virtual_time import VirtualClock, run
+from sim.workload import Workload
+
+
+def load_app(path: str | Path, sets: list[str] = ()) -> AppConfig:
+    """The deployment: a ``serve run`` YAML (its first application's ``args``) or an args mapping;
+    ``sets``: ``dotted.key=JSON`` overrides."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"deployment {path}: cannot read it ({e})") from None
+    if isinstance(data, dict) and "applications" in data:
+        data = (data["applications"] or [{}])[0].get("args") or {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=JSON")
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        try:
+            node[leaf] = json.loads(value)
+        except json.JSONDecodeError:
+            node[leaf] = value
+    try:
+        return AppConfig(**data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        raise ValueError(f"deployment {path}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+
+
+def simulate(app: AppConfig, profile: CostProfile, workload: Workload, seed: int = 0) -> dict:
+    """One simulation; its summary with the wall seconds it took."""
+    vc = VirtualClock()
+    t0 = time.perf_counter()
+    system = System(app, profile, workload, seed, vc)  # checks before anything runs
+    out = run(system.run(), vc)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _run(args) -> int:
+    app = load_app(args.config, args.set)
+    out = simulate(app, CostProfile.load(args.profile), Workload.load(args.workload), args.seed)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sim", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one simulation: its summary as JSON")
+    for p in (r,):
+        p.add_argument("--config", default="deploy/config.yaml", help="the deployment (serve run YAML or args)")
+        p.add_argument("--profile", required=True, help="a benchmarks.verify_step JSON of the target")
+        p.add_argument("--workload", required=True, help="a workload YAML (sim/workload.py)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a deployment field")
+        p.add_argument("--out", help="also write the summary here")
+    from sim import plan, validate
+
+    validate.add_parser(sub)
+    plan.add_parser(sub)
+    args = ap.parse_args(argv)
+    try:
+        return {"run": _run, "validate": validate.main, "plan": plan.main}[args.cmd](args)
+    except (ProfileError, ValueError) as e:
+        print(f"python -m sim: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Simulated edge agents: each opens a session, drafts trees with the workload's acceptance, sends
+them over its network and follows the server's depth and budget hints, as the edge agent's
+rounds do (SpecEdge §4.2-4.3); or, in ``server_ar`` mode, streams what the server decodes.
+
+Draft forwards run on the user's own device, or on ``edge_workers`` shared ones (one edge core
+serving every session, as ``benchmarks.run`` does). With ``proactive`` the next tree is drafted
+while the current one is verified and used when the whole tree was accepted (SpecEdge §4.2);
+otherwise it is drafted after the reply. What a user sees is recorded as the benchmarks record it:
+ITL samples per delivered batch (:func:`benchmarks.metrics.itl_samples`) and the time to the
+first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from dataclasses import dataclass, field
+
+from loadtests.synthetic_tree import AcceptanceModel, synthetic_tree
+from sim.target import SIM_VOCAB, continuation
+from specdec import clock
+from specdec.errors import SpecError
+from specdec.protocol import ReplyFrame, VerifyFrame
+
+
+@dataclass
+class Counters:
+    generations: int = 0
+    finished: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    shed: int = 0
+    errors: int = 0
+    diverged: int = 0
+    reopens: int = 0
+    round_s: list[float] = field(default_factory=list)  # server time of each admitted verify round (window)
+    itl: list[tuple[float, float]] = field(default_factory=list)  # (s per token, tokens) per batch (window)
+    ttft_s: list[float] = field(default_factory=list)
+    window_tokens: int = 0
+    window_rounds: int = 0
+    open_refused_idle: int = 0
+    last_token_at: float = 0.0
+
+
+class DraftDevices:
+    """Where draft forwards run: ``workers`` shared FIFO workers, or none shared (each user its own)."""
+
+    def __init__(self, workers: int | None):
+        self.sem = asyncio.Semaphore(workers) if workers else None
+
+    async def draft(self, seconds: float) -> None:
+        if self.sem is None:
+            await clock.sleep(seconds)
+            return
+        async with self.sem:
+            await clock.sleep(seconds)
+
+
+class EdgeUser:
+    """One simulated edge agent of ``system`` (:class:`sim.system.System`)."""
+
+    def __init__(self, system, index: int, rng: random.Random):
+        w = system.workload
+        self.sys, self.i, self.rng, self.w = system, index, rng, w
+        names = sorted(w.tenants)
+        name = rng.choices(names, weights=[w.tenants[n] for n in names])[0]
+        by_name = system.router.tenants.by_name
+        self.tenant = by_name.get(name) or next(iter(by_name.values()))
+        devices = sorted(w.devices)
+        self.draft_ms = w.device_ms()[rng.choices(devices, weights=[w.devices[d] for d in devices])[0]]
+        spread = math.exp(rng.gauss(0.0, w.network.rtt_sigma)) if w.network.rtt_sigma else 1.0
+        self.rtt_s = w.network.rtt_ms / 1000.0 * spread
+        self.model = AcceptanceModel(w.acceptance.alpha, w.acceptance.sibling_alpha)
+
+    def _jitter(self, x: float) -> float:
+        j = self.w.network.jitter
+        return x * self.rng.uniform(1 - j, 1 + j)
+
+    def _half_rtt(self) -> float:
+        return self._jitter(self.rtt_s / 2)
+
+    async def run(self, end: float) -> None:
+        w = self.w
+        if w.spawn_rate:
+            await clock.sleep(self.i / w.spawn_rate)
+        done = 0
+        while clock.monotonic() < end and (w.generations_per_user is None or done < w.generations_per_user):
+            await self.generation(end)
+            done += 1
+            await clock.sleep(self.rng.uniform(*w.think_s))
+
+    async def generation(self, end: float) -> None:
+        w, c, rng = self.w, self.sys.counters, self.rng
+        prompt = [rng.randrange(3, SIM_VOCAB) for _ in range(rng.randint(*w.prompt_tokens))]
+        truth = continuation(prompt, w.max_tokens)
+        c.generations += 1
+        t_open = clock.monotonic()
+        d = await self.open(prompt, [], end)
+        if d is None:
+            return
+        arrivals: list[tuple[float, int]] = []
+        out = [d["first_token"]] if d["first_token"] is not None else []
+        if out:
+            c.ttft_s.append(clock.monotonic() - t_open)
+            arrivals.append((clock.monotonic(), 1))
+        sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
+        hints = (d["depth_hint"], d["budget_hint"])
+        ready: asyncio.Task | None = None  # the proactive draft of the next tree
+        edge = w.mode == "edge"
+        while not finished and clock.monotonic() < end:
+            tokens, parents, depth = [], [], 0
+            if edge:
+                nodes = min(w.nodes or max(1, hints[1]), self.sys.app.verifier.max_tree_nodes)
+                depth = min(w.depth or max(1, hints[0]), nodes, self.sys.app.verifier.max_tree_depth)
+                tokens, parents, _ = synthetic_tree(truth[len(out):], self.model, depth, nodes, SIM_VOCAB, rng)
+                if ready is None:
+                    await self.sys.devices.draft(self._jitter(depth * self.draft_ms / 1000.0))
+                else:
+                    await ready
+                frame = VerifyFrame(prefix_len, tokens, parents, draft_ms=self.draft_ms, rtt_ms=self.rtt_s * 1e3,
+                                    depth=depth).encode()
+                await clock.sleep(self._half_rtt())
+                if w.proactive:  # the next tree, drafted while this one is verified
+                    ready = asyncio.ensure_future(self.sys.devices.draft(self._jitter(depth * self.draft_ms / 1000.0)))
+            else:
+                frame = VerifyFrame(prefix_len, [], []).encode()
+            status, reply, took = await self.verify(sid, frame)
+            if edge:
+                await clock.sleep(self._half_rtt())
+            self.sys.trace.add(round(clock.monotonic(), 9), self.i, "verify", status, round(took, 9))
+            if status == 200:
+                new = [tokens[j] for j in reply.accepted] + ([reply.bonus] if reply.bonus is not None else [])
+                if new != truth[len(out):len(out) + len(new)]:
+                    c.diverged += 1
+                out.extend(new)
+                c.rounds += 1
+                c.tokens += len(new)
+                arrivals.append((clock.monotonic(), len(new)))
+                c.last_token_at = clock.monotonic()
+                if clock.monotonic() >= w.warmup_s:
+                    c.round_s.append(took)
+                    c.window_rounds += 1
+                    c.window_tokens += len(new)
+                if ready is not None and len(reply.accepted) < depth:  # the proactive tree assumed all accepted
+                    await ready
+                    ready = None
+                prefix_len, finished = reply.prefix_len, reply.finished
+                hints = (reply.depth_hint or hints[0], reply.budget_hint or hints[1])
+                continue
+            if ready is not None:
+                await ready
+                ready = None
+            if status in (429, 503):
+                c.shed += 1
+                await clock.sleep(rng.uniform(0.5, 1.5))
+            elif status in (404, 410):
+                c.reopens += 1
+                d = await self.open(prompt, out, end)
+                if d is None:
+                    return
+                sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
+                if d["first_token"] is not None:
+                    out.append(d["first_token"])
+            else:
+                c.errors += 1
+                return
+        if ready is not None:
+            await ready
+        c.itl.extend(s for s in _itl(arrivals) if s[0] >= 0)
+        if finished:
+            c.finished += 1
+        if not (finished and d.get("close_on_finish")):
+            try:
+                await self.sys.router.close(self.tenant, sid)
+            except SpecError:
+                pass
+
+    async def open(self, prompt: list[int], generated: list[int], end: float) -> dict | None:
+        sys, rng = self.sys, self.rng
+        body = {"prompt_ids": prompt, "generated_ids": generated, "sampling": {"max_tokens": self.w.max_tokens},
+                "client": {"draft_ms": self.draft_ms, "rtt_ms": self.rtt_s * 1e3}, "close_on_finish": True}
+        while clock.monotonic() < end:
+            await clock.sleep(self._half_rtt())
+            t0 = clock.monotonic()
+            idle = sys.fleet.idle()
+            try:
+                if (shed := sys.fast_shed("POST", "/v1/sessions", self.tenant)) is not None:
+                    raise shed
+                d, status = await sys.router.open(self.tenant, body, received_at=clock.perf_counter()), 200
+            except SpecError as e:
+                d, status = None, e.status
+                if status == 429 and idle and str(getattr(e, "reason", "")).startswith("open_deadline"):
+                    sys.counters.open_refused_idle += 1
+            await clock.sleep(self._half_rtt())
+            sys.trace.add(round(clock.monotonic(), 9), self.i, "open", status, round(clock.monotonic() - t0, 9))
+            if status == 200:
+                return d
+            if status not in (429, 503):
+                sys.counters.errors += 1
+                return None
+            sys.counters.shed += 1
+            await clock.sleep(rng.uniform(0.5, 1.5))
+        return None
+
+    async def verify(self, sid: str, frame: bytes) -> tuple[int, ReplyFrame | None, float]:
+        t0 = clock.monotonic()
+        try:
+            if (shed := self.sys.fast_shed("POST", f"/v1/sessions/{sid}/verify", self.tenant)) is not None:
+                raise shed
+            payload = await self.sys.router.verify(self.tenant, sid, frame)
+            return 200, ReplyFrame.decode(payload), clock.monotonic() - t0
+        except SpecError as e:
+            return e.status, None, clock.monotonic() - t0
+
+
+def _itl(arrivals: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    from benchmarks.metrics import itl_samples  # the benchmarks' own definition of an ITL sample
+
+    return itl_samples(arrivals)

@@ -1,0 +1,69 @@
+"""sim/system.py: the simulated system is the production router and verifier code, one seed
+gives one trace, and the served output stays the target's (tiny target, synthetic profile)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.config import AppConfig
+from deploy.router.affinity import SessionAffinityRouter
+from deploy.router.ingress import Router
+from deploy.verifier.batch_loop import BatchLoop
+from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.scheduler import FairScheduler
+from sim.cost_profile import CostProfile
+from sim.system import System
+from sim.virtual_time import VirtualClock, run
+from sim.workload import Workload
+from tests.sim.test_cost_profile import _profile
+
+APP = {"target": {"model": "tiny-random", "dtype": "float32"}, "verifier": {"num_replicas": 2, "max_batch_sessions": 8}}
+
+
+def simulate(seed: int, users: int = 12, **workload) -> tuple[dict, System]:
+    w = Workload(users=users, duration_s=8.0, warmup_s=1.0, max_tokens=24, spawn_rate=20.0,
+                 network={"rtt_ms": 30.0, "rtt_sigma": 0.3}, **workload)
+    vc = VirtualClock()
+    s = System(AppConfig(**APP), CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic"), w,
+               seed, vc)
+    return run(s.run(), vc), s
+
+
+def test_the_simulated_router_and_verifiers_are_the_production_classes():
+    out, s = simulate(0)
+    raw_router = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
+    assert type(s.router) is raw_router
+    assert type(s.fleet.affinity) is SessionAffinityRouter
+    assert len(s.fleet.replicas) == 2
+    for core in s.fleet.replicas.values():
+        assert type(core) is VerifierCore and type(core.loop) is BatchLoop and type(core.loop.sched) is FairScheduler
+    # the simulation adds no scheduling of its own: none of its modules defines a batcher or a router
+    import sim.system as system
+    own = {n for n, v in vars(system).items() if isinstance(v, type) and v.__module__ == system.__name__}
+    assert own == {"Trace", "Fleet", "System"}
+    import sim.users as users
+    own = {n for n, v in vars(users).items() if isinstance(v, type) and v.__module__ == users.__name__}
+    assert own == {"Counters", "DraftDevices", "EdgeUser"}
+    assert out["forwards"] > 0 and all(b > 0 for b in out["replica_busy_fraction"].values())
+
+
+def test_one_seed_gives_one_trace():
+    a, _ = simulate(3)
+    b, _ = simulate(3)
+    c, _ = simulate(4)
+    assert a["trace_sha256"] == b["trace_sha256"] and a == b
+    assert c["trace_sha256"] != a["trace_sha256"]
+
+
+@pytest.mark.parametrize("mode", ["edge", "server_ar"])
+def test_served_tokens_are_the_targets_and_no_idle_server_refuses_an_open(mode):
+    out, _ = simulate(1, mode=mode)
+    assert out["diverged_rounds"] == 0 and out["errors"] == 0 and out["opens_refused_while_idle"] == 0
+    assert out["finished"] > 0 and out["verified_tokens_per_s"] > 0
+    assert (out["tokens_per_round"] > 1.0) == (mode == "edge")  # drafts accepted only when there are drafts
+
+
+def test_a_workload_tenant_the_deployment_lacks_is_refused():
+    w = Workload(users=1, duration_s=2.0, warmup_s=0.5, tenants={"gold": 1.0})
+    with pytest.raises(ValueError, match="gold"):
+        System(AppConfig(**APP), CostProfile.fit(_profile(model="tiny-random", dtype="float32")), w, 0, VirtualClock())
