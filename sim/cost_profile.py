@@ -11,13 +11,15 @@ runs, a card's ``make gpu-check``): ``conditions`` (model, dtype, device) and ``
 (every ``c >= 0``: weights read once, per-row compute, per-session overhead, KV read once per
 session as a tiled kernel does, KV read per row as a row-wise kernel does), fitted by
 non-negative least squares in relative error. A prefill chunk is the same forward: ``n`` rows of
-one session over the KV written before it. Pure module (numpy).
+one session over the KV written before it. Repeated rounds of a case (``runs_ms``) give the spread
+of a round around its cost (log-normal, ``spread``). Pure module (numpy).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,7 @@ class CostProfile:
     coefficients: tuple[float, ...]  # seconds per unit of each of FEATURES
     source: str = ""
     max_error: float = 0.0  # the fit's largest relative error over the measured rounds
+    spread: float = 0.0  # sigma of log(round / its case's median) over the repeated rounds (``runs_ms``)
 
     def seconds(self, f: Forward) -> float:
         return float(np.dot(self.coefficients, f.features()))
@@ -96,8 +99,13 @@ class CostProfile:
             y.append(ms / 1000.0)
         coef = nnls_relative(np.array(x), np.array(y))
         err = float(np.max(np.abs(np.array(x) @ coef - y) / y))
-        device = str(cond.get("device") or cond.get("cpu") or "unknown")
-        return cls(cond["model"], cond["dtype"], device, tuple(float(c) for c in coef), source, err)
+        logs = [math.log(ms / float(np.median(r["runs_ms"]))) for r in rows if isinstance(r.get("runs_ms"), list)
+                and len(r["runs_ms"]) > 1 for ms in r["runs_ms"] if ms > 0]
+        device = str(cond.get("device") or "cpu")
+        if device == "cpu" and cond.get("cpu"):
+            device = f"cpu ({cond['cpu']})"
+        spread = float(np.std(logs)) if len(logs) > 1 else 0.0
+        return cls(cond["model"], cond["dtype"], device, tuple(float(c) for c in coef), source, err, spread)
 
 
 def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.metrics import weighted_percentile
+from benchmarks.model_shapes import SHAPES
 from deploy.config import AppConfig
 from deploy.router.affinity import SessionAffinityRouter
 from deploy.router.fast_shed import admission_refusal
@@ -37,6 +38,7 @@ from sim.users import Counters, DraftDevices, EdgeUser
 from sim.virtual_time import VirtualClock, VirtualWorker
 from sim.workload import Workload
 from specdec import clock
+from specdec.model.checkpoint import CheckpointConfig
 from specdec.model.loading import LoadedModel
 
 CALLS = {"info": "model_info", "get_stats": "stats"}  # the Serve replica's names of VerifierCore methods
@@ -60,13 +62,14 @@ class Fleet:
     virtual worker, behind the handle the Router calls (``handle.method.remote(**kwargs)``)."""
 
     def __init__(self, app: AppConfig, profile: CostProfile, vc: VirtualClock, loop, rng: random.Random):
-        shell_cfg = target_config(app.target)
+        name = app.target.model  # a shape of benchmarks/model_shapes.py, or a target the replica would load
+        shell_cfg = CheckpointConfig.from_dict(dict(SHAPES[name])) if name in SHAPES else target_config(app.target)
         shell_cfg.vocab_size = SIM_VOCAB  # the synthetic target's ids; its cost is the profile's
         self.replicas: dict[str, VerifierCore] = {}
         self.runners: dict[str, SimRunner] = {}
         for i in range(app.verifier.num_replicas):
             tag = f"r{i}"
-            runner = SimRunner(profile, vc.spend, app.verifier.kv_pool_tokens())
+            runner = SimRunner(profile, vc.spend, app.verifier.kv_pool_tokens(), rng=random.Random(rng.getrandbits(64)))
             loaded = LoadedModel(ModelShell(shell_cfg), None, f"sim:{app.target.model}", (0,), "cpu", torch.bfloat16)
             self.replicas[tag] = VerifierCore(app, tag, runner, loaded, executor=VirtualWorker(loop),
                                               new_id=lambda: f"{rng.getrandbits(64):016x}")
@@ -157,8 +160,11 @@ class System:
                 "verify_ms": {"p50": _pct(lat, 50) * 1e3, "p99": _pct(lat, 99) * 1e3},
                 "itl_ms": {"p50": weighted_percentile(c.itl, 50) * 1e3, "p99": weighted_percentile(c.itl, 99) * 1e3},
                 "ttft_ms_mean": 1e3 * sum(c.ttft_s) / len(c.ttft_s) if c.ttft_s else float("nan"),
+                "ttft_ms_p99": _pct(sorted(c.ttft_s), 99) * 1e3,
+                "shed_fraction": c.shed / max(1, c.shed + c.rounds + c.generations),
                 "tokens_per_round": tokens / rounds if rounds else 0.0,
-                "generations": c.generations, "finished": c.finished, "shed_429": c.shed, "errors": c.errors,
+                "generations": c.generations, "finished": c.finished, "shed_429": c.shed, "shed_reasons": dict(sorted(c.shed_reasons.items())),
+                "errors": c.errors,
                 "diverged_rounds": c.diverged, "reopens": c.reopens, "opens_refused_while_idle": c.open_refused_idle,
                 "replica_busy_fraction": {t: b / max(clock.monotonic(), 1e-9) for t, b in busy.items()},
                 "forwards": sum(r.forwards for r in self.fleet.runners.values()),

@@ -12,6 +12,9 @@ tokens. Pure module: no Ray.
 
 from __future__ import annotations
 
+import math
+import random
+
 import torch
 
 from sim.cost_profile import CostProfile, Forward
@@ -45,8 +48,11 @@ class SimRunner:
     is_first = is_last = True
     first = 0
 
-    def __init__(self, profile: CostProfile, spend, capacity_tokens: int, vocab: int = SIM_VOCAB):
+    def __init__(self, profile: CostProfile, spend, capacity_tokens: int, vocab: int = SIM_VOCAB,
+                 rng: random.Random | None = None):
+        """``rng``: draws each forward's spread around its cost (the profile's ``spread``); None: none."""
         self.profile, self.spend, self.capacity, self.vocab = profile, spend, capacity_tokens, vocab
+        self.rng = rng
         self.lengths: dict[str, int] = {}  # committed KV per session
         self._pending: dict[int, list[str]] = {}
         self.forwards = 0
@@ -89,6 +95,8 @@ class SimRunner:
         self._pending[batch_id] = [it.sid for it in items]
         seconds = self.profile.seconds(Forward(tuple(len(it.tokens) for it in items),
                                                tuple(self.kv_length(it.sid) for it in items)))
+        if self.rng is not None and self.profile.spread:
+            seconds *= math.exp(self.rng.gauss(0.0, self.profile.spread))
         self.forwards += 1
         self.busy_seconds += seconds
         self.spend(seconds)

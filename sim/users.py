@@ -41,6 +41,11 @@ class Counters:
     window_rounds: int = 0
     open_refused_idle: int = 0
     last_token_at: float = 0.0
+    shed_reasons: dict[str, int] = field(default_factory=dict)
+
+    def refused(self, e: SpecError) -> None:
+        reason = str(getattr(e, "reason", None) or e.code)
+        self.shed_reasons[reason] = self.shed_reasons.get(reason, 0) + 1
 
 
 class DraftDevices:
@@ -111,17 +116,20 @@ class EdgeUser:
         while not finished and clock.monotonic() < end:
             tokens, parents, depth = [], [], 0
             if edge:
-                nodes = min(w.nodes or max(1, hints[1]), self.sys.app.verifier.max_tree_nodes)
+                # the server's budget hint 0 means no tree: an empty one, the server decoding ahead
+                nodes = min(w.nodes if w.nodes is not None else hints[1], self.sys.app.verifier.max_tree_nodes)
                 depth = min(w.depth or max(1, hints[0]), nodes, self.sys.app.verifier.max_tree_depth)
-                tokens, parents, _ = synthetic_tree(truth[len(out):], self.model, depth, nodes, SIM_VOCAB, rng)
-                if ready is None:
-                    await self.sys.devices.draft(self._jitter(depth * self.draft_ms / 1000.0))
-                else:
-                    await ready
+                if depth:
+                    tokens, parents, _ = synthetic_tree(truth[len(out):], self.model, depth, nodes, SIM_VOCAB, rng)
+                    if ready is None:
+                        await self.sys.devices.draft(self._jitter(depth * self.draft_ms / 1000.0))
+                    else:
+                        await ready
+                ready = None
                 frame = VerifyFrame(prefix_len, tokens, parents, draft_ms=self.draft_ms, rtt_ms=self.rtt_s * 1e3,
-                                    depth=depth).encode()
+                                    depth=depth, ahead=w.run_ahead).encode()
                 await clock.sleep(self._half_rtt())
-                if w.proactive:  # the next tree, drafted while this one is verified
+                if w.proactive and depth:  # the next tree, drafted while this one is verified
                     ready = asyncio.ensure_future(self.sys.devices.draft(self._jitter(depth * self.draft_ms / 1000.0)))
             else:
                 frame = VerifyFrame(prefix_len, [], []).encode()
@@ -130,7 +138,7 @@ class EdgeUser:
                 await clock.sleep(self._half_rtt())
             self.sys.trace.add(round(clock.monotonic(), 9), self.i, "verify", status, round(took, 9))
             if status == 200:
-                new = [tokens[j] for j in reply.accepted] + ([reply.bonus] if reply.bonus is not None else [])
+                new = reply.tokens(tokens)
                 if new != truth[len(out):len(out) + len(new)]:
                     c.diverged += 1
                 out.extend(new)
@@ -190,6 +198,7 @@ class EdgeUser:
                 d, status = await sys.router.open(self.tenant, body, received_at=clock.perf_counter()), 200
             except SpecError as e:
                 d, status = None, e.status
+                sys.counters.refused(e)
                 if status == 429 and idle and str(getattr(e, "reason", "")).startswith("open_deadline"):
                     sys.counters.open_refused_idle += 1
             await clock.sleep(self._half_rtt())
@@ -211,6 +220,7 @@ class EdgeUser:
             payload = await self.sys.router.verify(self.tenant, sid, frame)
             return 200, ReplyFrame.decode(payload), clock.monotonic() - t0
         except SpecError as e:
+            self.sys.counters.refused(e)
             return e.status, None, clock.monotonic() - t0
 
 

@@ -58,6 +58,8 @@ class Workload(_Strict):
                                                                      "duration_s")
     proactive: bool = Field(False, description="SpecEdge §4.2 proactive drafting: the next tree is drafted while "
                                                "the current one is verified, used when the whole tree was accepted")
+    run_ahead: bool = Field(True, description="edge rounds accept run-ahead replies (the agent's default): with no "
+                                              "tree the server decodes on past the bonus")
     edge_workers: int | None = Field(None, ge=1, description="draft forwards of all users share this many workers "
                                                              "(one edge core serving every session, as "
                                                              "benchmarks.run does); None: a device per user")
