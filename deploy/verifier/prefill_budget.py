@@ -7,7 +7,7 @@ never stalls the sessions decoding, and a burst of opens joins the batch togethe
 one. A forward of detached run-ahead steps alone waits on nobody and takes what fits before the
 first edge is due back. Costs: an EMA of verify forwards until the cost curve
 (:class:`deploy.verifier.pacing.PiecewiseCost`) has seen a few, and an EMA of what a prompt token
-added to its forward. Pure module: no Ray, no asyncio.
+added to its forward (a prefill forward's tokens net of a one-row forward's cost). Pure module: no Ray, no asyncio.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ class PrefillBudget:
         """A forward ran: a prefill forward's time per token, a chunk's time beyond the cost
         curve's for its forward's verify rows, or a plain verify forward's time. Call before the
         cost curve sees it."""
-        if st.kind == "prefill":
-            self.token_s = _ema(self.token_s, st.seconds / max(st.tokens, 1), 0.3)
+        if st.kind == "prefill":  # less what a one-row forward costs anyway (the weights read): else small
+            # chunks read dear per token, which shrinks the next chunks (found in simulation, issue 61)
+            base = self.verify_forward_s(1) if self.verify_s else 0.0
+            self.token_s = _ema(self.token_s, max(st.seconds - base, 0.1 * st.seconds) / max(st.tokens, 1), 0.3)
         elif st.prefill_tokens and self.verify_s:  # what the chunk added to a verify forward of its rows
             extra = max(st.seconds - self.verify_forward_s(st.tokens - st.prefill_tokens), 0.0) / st.prefill_tokens
             self.token_s = _ema(self.token_s, extra, 0.3)

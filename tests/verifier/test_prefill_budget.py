@@ -82,3 +82,17 @@ def test_a_forward_of_detached_steps_alone_prefills_until_an_edge_is_due_back():
     core.arrivals.replied("a", time.monotonic())
     assert 10 <= core.prefill.chunk([step("a", False)], len(core.opens.prefilling), core.arrivals) <= 20  # ~30 ms away - 10 ms forward, 1 ms a token
     assert core.prefill.chunk([step("a", False), step("b", True)], len(core.opens.prefilling), core.arrivals) == paced
+
+def test_a_prefill_forwards_fixed_cost_is_not_charged_to_its_tokens():
+    """A prefill forward of a few tokens costs about what any forward costs (the weights read): its
+    tokens are charged only what it took beyond a one-row forward, or small chunks would read dear
+    per token and make the next chunks smaller still (issue 61's simulation found it on a GPU profile)."""
+    from deploy.verifier.deployment import VerifierCore
+    from specdec.engine import ForwardStats
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"}))
+    core.prefill.verify_s = 0.010  # a verify forward: 10 ms, whatever its rows (no curve yet)
+    core._on_forward(ForwardStats("prefill", 1, 20, 0.012))  # 20 tokens: 2 ms beyond the forward's own 10
+    assert core.prefill.token_s == pytest.approx(0.0001)
+    core._on_forward(ForwardStats("prefill", 1, 20, 0.005))  # faster than a forward (noise): a tenth, not zero
+    assert core.prefill.token_s == pytest.approx(0.7 * 0.0001 + 0.3 * 0.000025)
