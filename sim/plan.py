@@ -48,7 +48,8 @@ def per_replica(app, profile: CostProfile, workload: Workload, slo: Slo, seed: i
     points = []
 
     def ok(users: int) -> tuple[bool, dict]:
-        out = simulate(one, profile, workload.model_copy(update={"users": users}), seed)
+        ramp = {"users": users, "spawn_rate": users / max(1.0, workload.warmup_s)}  # all spawned within the warm-up
+        out = simulate(one, profile, workload.model_copy(update=ramp), seed)
         points.append((users, out))
         return not slo.misses(out), out
 

@@ -106,7 +106,7 @@ class EdgeUser:
             return
         arrivals: list[tuple[float, int]] = []
         out = [d["first_token"]] if d["first_token"] is not None else []
-        if out:
+        if out and (w.generations_per_user is not None or t_open >= w.warmup_s):  # steady state, like the rest
             c.ttft_s.append(clock.monotonic() - t_open)
             arrivals.append((clock.monotonic(), 1))
         sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]

@@ -44,11 +44,16 @@ class PrefillBudget:
             # chunks read dear per token, which shrinks the next chunks (found in simulation, issue 61)
             base = self.verify_forward_s(1) if self.verify_s else 0.0
             self.token_s = _ema(self.token_s, max(st.seconds - base, 0.1 * st.seconds) / max(st.tokens, 1), 0.3)
-        elif st.prefill_tokens and self.verify_s:  # what the chunk added to a verify forward of its rows
+        elif st.prefill_tokens and self._measured():  # what the chunk added to a verify forward of its rows
             extra = max(st.seconds - self.verify_forward_s(st.tokens - st.prefill_tokens), 0.0) / st.prefill_tokens
             self.token_s = _ema(self.token_s, extra, 0.3)
         elif not st.prefill_tokens:
             self.verify_s = _ema(self.verify_s, st.seconds, 0.2)
+
+    def _measured(self) -> bool:
+        """Whether a verify forward's time is known: from the cost curve, or from chunkless forwards
+        (under a steady backlog of opens every forward carries a chunk: the curve alone knows)."""
+        return self.cost.count >= 3 or bool(self.verify_s)
 
     def verify_forward_s(self, rows: int) -> float:
         """Predicted seconds of a verify forward of ``rows`` rows: the cost curve once it has
@@ -60,9 +65,12 @@ class PrefillBudget:
         ``waiting`` sessions wait to be prefilled. Both sides are of the forward at hand: the
         EMA of small forwards would charge a big batch's own growth to its chunk."""
         vc = self.cfg
-        if not (self.verify_s and self.token_s):
+        if not (self._measured() and self.token_s):
             return min(vc.prefill_chunk_tokens, 16)
-        verify_s = self.verify_s if rows is None else self.verify_forward_s(rows)
+        if rows is not None:
+            verify_s = self.verify_forward_s(rows)
+        else:  # a typical forward: the EMA of chunkless ones, or (every forward carried a chunk) the curve's smallest
+            verify_s = self.verify_s or self.verify_forward_s(1)
         fit = int(vc.prefill_share * max(waiting, 1) * verify_s / self.token_s)
         # a chunk also has a fixed cost (its rows read the prompt's whole KV so far): at least
         # MIN_PREFILL_CHUNK tokens, or tiny chunks would pay it over and over for little progress

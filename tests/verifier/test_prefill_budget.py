@@ -96,3 +96,20 @@ def test_a_prefill_forwards_fixed_cost_is_not_charged_to_its_tokens():
     assert core.prefill.token_s == pytest.approx(0.0001)
     core._on_forward(ForwardStats("prefill", 1, 20, 0.005))  # faster than a forward (noise): a tenth, not zero
     assert core.prefill.token_s == pytest.approx(0.7 * 0.0001 + 0.3 * 0.000025)
+
+
+def test_under_a_steady_backlog_of_opens_the_budget_comes_from_the_cost_curve():
+    """Every forward carries a chunk while opens queue without end, so no chunkless forward is ever
+    timed: the budget is sized from the cost curve and the chunks' measured cost, not stuck at its
+    16-token start (issue 61's simulation: an H100 replica prefilled 16 tokens a forward for minutes
+    while a hundred opens waited)."""
+    from deploy.verifier.deployment import VerifierCore
+    from specdec.engine import ForwardStats
+
+    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+                                  verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 2048}))
+    for rows in (4, 8, 16, 32, 8, 4):  # 10 ms + 0.1 ms a row; each with a 16-token chunk of 1.6 ms
+        core._on_forward(ForwardStats("verify", rows, rows + 16, 0.010 + 0.0001 * rows + 0.0016, prefill_tokens=16))
+    assert core.prefill.verify_s == 0.0 and core.pacer.cost.count >= 3
+    assert core.prefill.token_s == pytest.approx(0.0001, rel=0.3)
+    assert core.prefill.budget(100) > 1000  # 0.2 x 100 waiting x ~10 ms / 0.1 ms a token
