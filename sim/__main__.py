@@ -4,6 +4,7 @@
         --workload sim/workloads/edge-16.yaml [--seed 0] [--set verifier.num_replicas=4] [--out run.json]
     python -m sim validate [--check]        # predicted vs measured runs of this machine
     python -m sim plan --config ... --profile ... --workload ... --slo-itl-p99-ms 80 [--users 5000,20000]
+    python -m sim paper                     # SpecEdge's edge vs server-only comparison, simulated
 
 Bad input (a profile of another model or dtype, a workload with an unknown key or an impossible
 value, a deployment that does not validate) is one message naming the field, exit status 2.
@@ -87,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a deployment field")
         p.add_argument("--out", help="also write the summary here")
-    from sim import plan, validate
+    from sim import paper, plan, validate
 
     validate.add_parser(sub)
     plan.add_parser(sub)
+    paper.add_parser(sub)
     args = ap.parse_args(argv)
     try:
-        return {"run": _run, "validate": validate.main, "plan": plan.main}[args.cmd](args)
+        return {"run": _run, "validate": validate.main, "plan": plan.main, "paper": paper.main}[args.cmd](args)
     except (ProfileError, ValueError) as e:
         print(f"python -m sim: {e}", file=sys.stderr)
         return 2

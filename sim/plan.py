@@ -116,12 +116,12 @@ def plot(p: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, style in (("edge", "-o"), ("server_ar", "--s")):
+    for mode, style, color in (("edge", "-o", "tab:blue"), ("server_ar", "--s", "tab:orange")):
         pts = sorted(p["modes"][mode]["points"])
         xs = [u for u, _ in pts]
-        a.plot(xs, [o["verified_tokens_per_s"] for _, o in pts], style, label=mode)
-        b.plot(xs, [o["itl_ms"]["p50"] for _, o in pts], style, label=f"{mode} p50")
-        b.plot(xs, [o["itl_ms"]["p99"] for _, o in pts], style, alpha=0.5, label=f"{mode} p99")
+        a.plot(xs, [o["verified_tokens_per_s"] for _, o in pts], style, color=color, label=mode)
+        b.plot(xs, [o["itl_ms"]["p50"] for _, o in pts], style, color=color, label=f"{mode} p50")
+        b.plot(xs, [o["itl_ms"]["p99"] for _, o in pts], style, color=color, alpha=0.4, label=f"{mode} p99")
     b.axhline(p["slo"]["itl_p99_ms"], color="grey", lw=0.8, ls=":", label="ITL p99 SLO")
     a.set(xlabel="users per replica", ylabel="verified tokens/s per replica", xscale="log")
     b.set(xlabel="users per replica", ylabel="ITL (ms)", xscale="log", yscale="log")

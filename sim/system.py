@@ -27,7 +27,7 @@ import torch
 from benchmarks.metrics import weighted_percentile
 from benchmarks.model_shapes import SHAPES
 from deploy.config import AppConfig
-from deploy.router.affinity import SessionAffinityRouter
+from deploy.router.affinity import SessionAffinityRouter, replica_of
 from deploy.router.fast_shed import admission_refusal
 from deploy.router.ingress import Router
 from deploy.verifier.deployment import VerifierCore
@@ -94,6 +94,9 @@ class Fleet:
 
     async def _route(self, kwargs: dict) -> VerifierCore:
         """The replica Serve's request router would pick: the session's own, else by load."""
+        own = self.replicas.get(replica_of(str(kwargs.get("session_id") or "")) or "")
+        if own is not None:  # what choose_replicas answers for a live replica's session, without its O(M) ranking
+            return own
         stand_ins = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=tag),
                                      routing_stats={"sessions": len(c.engine.sessions), "pending": c.pending(),
                                                     "kv_tokens": c.engine.kv_tokens(), "adapters": []})

@@ -1,0 +1,32 @@
+"""sim/validate.py: a small case of the validation in make test: the committed measured run of
+server-only decoding at 4 sessions (RTT 15 ms) and its prediction from the profile measured beside
+it; deterministic (virtual time), so the error is the same on any machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim.validate import HERE, bench_case, fit_alpha, measured, predicted
+from loadtests.synthetic_tree import AcceptanceModel, expected_accepted
+
+
+def test_the_server_only_4_session_run_is_predicted_within_its_throughput_target():
+    from sim.__main__ import simulate
+    from sim.cost_profile import CostProfile
+
+    runs = json.loads((HERE / "bench-runs.json").read_text())
+    row = next(r for r in runs["rows"] if r["mode"] == "server_ar" and r["sessions"] == 4)
+    app, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
+    out = simulate(app, CostProfile.load(HERE / "verify-step-cpu.json"), workload, 0)
+    m, p = measured(row), predicted(out)
+    err = p["verified_tokens_per_s"] / m["verified_tokens_per_s"] - 1
+    assert abs(err) <= 0.10, (m, p)
+    assert out["diverged_rounds"] == 0 and out["generations"] == row["generations"]
+
+
+@pytest.mark.parametrize("target", [1.5, 1.7, 2.2])
+def test_the_fitted_acceptance_gives_the_measured_tokens_per_round(target):
+    alpha = fit_alpha(target, 2, 5, 0.3)
+    assert 1 + expected_accepted(AcceptanceModel(alpha, 0.3), 2, budget=5) == pytest.approx(target, abs=1e-6)
