@@ -122,6 +122,17 @@ gpu-check:
 loadtest: model
 	$(BIN)/python -m loadtests.run --scenario edge --users 1000,3000 --spawn-rate 50 --duration 120s
 
+# issue 61: the served system in virtual time (docs/simulation.md). Predicted vs measured runs of this
+# machine (the committed ones in sim/validation/), and the planner's example: Llama-3-8B on H100s
+.PHONY: sim-validate sim-plan
+sim-validate: install
+	$(BIN)/python -m sim validate
+
+sim-plan: install
+	$(BIN)/python -m sim plan --config sim/deploy-8b-h100.yaml --profile sim/profiles/llama3-8b-h100.json \
+		--workload sim/workloads/fleet-8b.yaml --users 5000,20000,100000 --slo-ttft-p99-ms 3000 \
+		--slo-itl-p99-ms 80 --slo-verify-p99-ms 500 --out-dir sim/plans/llama3-8b-h100
+
 # HAProxy (Debian package) for the haproxy ingress (deploy/request_path.py); no-op if present
 haproxy:
 	bash scripts/debian_install.sh haproxy haproxy
