@@ -124,7 +124,12 @@ loadtest: model
 
 # issue 61: the served system in virtual time (docs/simulation.md). Predicted vs measured runs of this
 # machine (the committed ones in sim/validation/), and the planner's example: Llama-3-8B on H100s
-.PHONY: sim-validate sim-plan
+.PHONY: sim-validate sim-plan sim-faults
+# faults as seeded events over 50 seeds: a replica killed and replaced, an RTT spike, a burst, users vanishing
+sim-faults: install
+	$(BIN)/python -m sim run --config sim/deploy-cpu.yaml --profile sim/validation/verify-step-cpu.json \
+		--workload sim/workloads/faults.yaml --seed 0-49 --check
+
 sim-validate: install
 	$(BIN)/python -m sim validate
 

@@ -67,13 +67,34 @@ def simulate(app: AppConfig, profile: CostProfile, workload: Workload, seed: int
     return out
 
 
+def _seeds(text: str) -> list[int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        return list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+    except ValueError:
+        raise ValueError(f"--seed {text!r}: a seed or a range such as 0-19") from None
+
+
 def _run(args) -> int:
     app = load_app(args.config, args.set)
-    out = simulate(app, CostProfile.load(args.profile), Workload.load(args.workload), args.seed)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    profile, workload = CostProfile.load(args.profile), Workload.load(args.workload)
+    seeds, failed = _seeds(args.seed), []
+    for seed in seeds:
+        out = simulate(app, profile, workload, seed)
+        bad = [k for k, ok in out["invariants"].items() if not ok]
+        failed += [(seed, bad)] if bad else []
+        if len(seeds) == 1:
+            text = json.dumps(out, indent=2)
+            print(text)
+            if args.out:
+                Path(args.out).write_text(text)
+        else:
+            print(f"seed {seed}: {out['verified_tokens_per_s']:.0f} tok/s, outcomes {out['outcomes']}, "
+                  f"reopens {out['reopens']}, killed {out['replicas_killed']}: "
+                  f"{'invariants hold' if not bad else 'FAILED ' + ', '.join(bad)}", flush=True)
+    if args.check and failed:
+        print(f"python -m sim: invariants failed for {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -85,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", default="deploy/config.yaml", help="the deployment (serve run YAML or args)")
         p.add_argument("--profile", required=True, help="a benchmarks.verify_step JSON of the target")
         p.add_argument("--workload", required=True, help="a workload YAML (sim/workload.py)")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", default="0", help="a seed, or a range (0-19): one summary line each")
         p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a deployment field")
-        p.add_argument("--out", help="also write the summary here")
+        p.add_argument("--out", help="also write the summary here (one seed)")
+        p.add_argument("--check", action="store_true", help="exit 1 if an invariant fails (summary.invariants)")
     from sim import paper, plan, validate
 
     validate.add_parser(sub)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+from ray.exceptions import RayActorError
 
 from benchmarks.metrics import weighted_percentile
 from benchmarks.model_shapes import SHAPES
@@ -63,20 +64,39 @@ class Fleet:
 
     def __init__(self, app: AppConfig, profile: CostProfile, vc: VirtualClock, loop, rng: random.Random):
         name = app.target.model  # a shape of benchmarks/model_shapes.py, or a target the replica would load
-        shell_cfg = CheckpointConfig.from_dict(dict(SHAPES[name])) if name in SHAPES else target_config(app.target)
-        shell_cfg.vocab_size = SIM_VOCAB  # the synthetic target's ids; its cost is the profile's
+        self.shell_cfg = CheckpointConfig.from_dict(dict(SHAPES[name])) if name in SHAPES else target_config(app.target)
+        self.shell_cfg.vocab_size = SIM_VOCAB  # the synthetic target's ids; its cost is the profile's
+        self.app, self.profile, self.vc, self.loop, self.rng = app, profile, vc, loop, rng
         self.replicas: dict[str, VerifierCore] = {}
-        self.runners: dict[str, SimRunner] = {}
+        self.runners: dict[str, SimRunner] = {}  # every replica that ran, killed ones included
+        self.inflight: dict[str, set[asyncio.Task]] = {}
+        self.killed: set[str] = set()
         for i in range(app.verifier.num_replicas):
-            tag = f"r{i}"
-            runner = SimRunner(profile, vc.spend, app.verifier.kv_pool_tokens(), rng=random.Random(rng.getrandbits(64)))
-            loaded = LoadedModel(ModelShell(shell_cfg), None, f"sim:{app.target.model}", (0,), "cpu", torch.bfloat16)
-            self.replicas[tag] = VerifierCore(app, tag, runner, loaded, executor=VirtualWorker(loop),
-                                              new_id=lambda: f"{rng.getrandbits(64):016x}")
-            self.runners[tag] = runner
+            self.start(f"r{i}")
         self.affinity = SessionAffinityRouter.__new__(SessionAffinityRouter)
         self.affinity.initialize_state(app.verifier.version_affinity_margin)
         self.calls = 0
+
+    def start(self, tag: str) -> None:
+        """A new replica (as Serve starts one): its own engine, worker and empty KV."""
+        runner = SimRunner(self.profile, self.vc.spend, self.app.verifier.kv_pool_tokens(),
+                           rng=random.Random(self.rng.getrandbits(64)))
+        loaded = LoadedModel(ModelShell(self.shell_cfg), None, f"sim:{self.app.target.model}", (0,), "cpu",
+                             torch.bfloat16)
+        self.replicas[tag] = VerifierCore(self.app, tag, runner, loaded, executor=VirtualWorker(self.loop),
+                                          new_id=lambda: f"{self.rng.getrandbits(64):016x}")
+        self.runners[tag] = runner
+        self.inflight[tag] = set()
+
+    def kill(self, tag: str) -> None:
+        """The replica dies: its batch loop stops, its calls in flight fail as Ray's do (the router
+        answers them 503), its sessions are gone (their edges re-open from their history)."""
+        core = self.replicas.pop(tag)
+        self.killed.add(tag)
+        if core.loop.task is not None:
+            core.loop.task.cancel()
+        for task in self.inflight.pop(tag, set()):
+            task.cancel()
 
     def idle(self) -> bool:
         """No replica has a verify round or an open waiting."""
@@ -90,7 +110,19 @@ class Fleet:
         core = await self._route(kwargs)
         fn = getattr(core, CALLS.get(method, method))
         out = fn(**kwargs) if method not in CALLS else fn()
-        return await out if asyncio.iscoroutine(out) else out
+        if not asyncio.iscoroutine(out):
+            return out
+        task = asyncio.ensure_future(out)
+        calls = self.inflight[core.tag]
+        calls.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if core.tag in self.killed:
+                raise RayActorError() from None
+            raise
+        finally:
+            calls.discard(task)
 
     async def _route(self, kwargs: dict) -> VerifierCore:
         """The replica Serve's request router would pick: the session's own, else by load."""
@@ -122,11 +154,16 @@ class System:
         self.trace = Trace()
         self.counters = Counters()
         self.devices = DraftDevices(workload.edge_workers)
+        self.rtt_factor = 1.0  # an RTT spike multiplies every user's round trip
         keys = {t.name: t for t in app.router.load_tenants()}
         for name in workload.tenants:
             if name not in keys and not (name == "default" and not app.router.tenants):
                 raise ValueError(f"workload tenants: {name!r} is not a tenant of the deployment "
                                  f"({sorted(keys)})")
+        for i, f in enumerate(workload.faults):
+            if f.kind == "kill_replica" and f.replica >= app.verifier.num_replicas:
+                raise ValueError(f"workload faults[{i}].replica: {f.replica}, but the deployment has "
+                                 f"{app.verifier.num_replicas} replica(s)")
 
     async def run(self) -> dict:
         loop = asyncio.get_running_loop()
@@ -135,12 +172,44 @@ class System:
         cls = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
         self.router = cls.__new__(cls)
         cls.__init__(self.router, self.fleet, self.app.model_dump())
-        users = [EdgeUser(self, i, random.Random(self.rng.getrandbits(64))) for i in range(self.workload.users)]
-        await asyncio.gather(*[u.run(self.workload.duration_s) for u in users])
+        self.users = [EdgeUser(self, i, random.Random(self.rng.getrandbits(64))) for i in range(self.workload.users)]
+        self.tasks = [asyncio.ensure_future(u.run(self.workload.duration_s)) for u in self.users]
+        faults = asyncio.ensure_future(self._faults())
+        while not all(t.done() for t in self.tasks):  # a burst adds users on the way
+            await asyncio.gather(*self.tasks)
+        faults.cancel()
         for core in self.fleet.replicas.values():
             if core.loop.task is not None:
                 core.loop.task.cancel()
         return self.summary()
+
+    async def _faults(self) -> None:
+        """The workload's seeded events, in time order."""
+        w, killed = self.workload, 0
+        for f in sorted(w.faults, key=lambda f: f.at_s):
+            await clock.sleep(max(0.0, f.at_s - clock.monotonic()))
+            self.trace.add(round(clock.monotonic(), 9), -1, f.kind, 0, 0.0)
+            if f.kind == "kill_replica":
+                tag = sorted(self.fleet.replicas)[min(f.replica, len(self.fleet.replicas) - 1)]
+                self.fleet.kill(tag)
+                killed += 1
+                if f.restart_after_s is not None:
+                    asyncio.get_running_loop().call_later(f.restart_after_s, self.fleet.start, f"{tag}x{killed}")
+            elif f.kind == "rtt_spike":
+                self.rtt_factor *= f.factor
+                asyncio.get_running_loop().call_later(f.for_s, self._rtt_back, f.factor)
+            elif f.kind == "burst":
+                n = len(self.users)
+                for i in range(n, n + f.users):
+                    u = EdgeUser(self, i, random.Random(self.rng.getrandbits(64)), spawn=False)
+                    self.users.append(u)
+                    self.tasks.append(asyncio.ensure_future(u.run(w.duration_s)))
+            else:  # vanish: a share of the users drop their session mid-generation, unclosed, and stop
+                for u in self.rng.sample(self.users, max(1, round(f.share * len(self.users)))):
+                    u.vanished = True
+
+    def _rtt_back(self, factor: float) -> None:
+        self.rtt_factor /= factor
 
     def fast_shed(self, method: str, path: str, tenant):
         """The router's fast path (deploy/router/fast_shed.py) for a request of ``tenant`` (its key
@@ -156,7 +225,8 @@ class System:
         tokens, rounds = (c.tokens, c.rounds) if closed else (c.window_tokens, c.window_rounds)
         lat = sorted(c.round_s)
         busy = {tag: r.busy_seconds for tag, r in self.fleet.runners.items()}
-        return {"users": w.users, "mode": w.mode, "replicas": len(self.fleet.replicas), "seed": self.seed,
+        return {"users": len(self.users), "mode": w.mode, "replicas": len(self.fleet.replicas),
+                "replicas_killed": len(self.fleet.killed), "seed": self.seed,
                 "simulated_s": clock.monotonic(), "window_s": window, "profile": self.profile.source,
                 "device": self.profile.device, "verified_tokens_per_s": tokens / window if window else 0.0,
                 "verify_rounds_per_s": rounds / window if window else 0.0,
@@ -171,7 +241,18 @@ class System:
                 "diverged_rounds": c.diverged, "reopens": c.reopens, "opens_refused_while_idle": c.open_refused_idle,
                 "replica_busy_fraction": {t: b / max(clock.monotonic(), 1e-9) for t, b in busy.items()},
                 "forwards": sum(r.forwards for r in self.fleet.runners.values()),
+                "outcomes": dict(sorted(c.outcomes.items())), "max_gap_s": c.max_gap_s,
+                "invariants": self.invariants(),
                 "trace_events": len(self.trace.events), "trace_sha256": self.trace.digest()}
+
+    def invariants(self) -> dict[str, bool]:
+        """What must hold whatever the load and the faults (issue 61, item 7)."""
+        c, w = self.counters, self.workload
+        return {"no_open_refused_while_idle": c.open_refused_idle == 0,
+                "no_token_lost_or_duplicated": c.diverged == 0 and c.outcomes.get("finished_short", 0) == 0,
+                "every_generation_accounted": sum(c.outcomes.values()) == c.generations,
+                "no_error_status": c.errors == 0,
+                "no_session_starved": c.max_gap_s <= w.max_gap_s}
 
 
 def _pct(xs: list[float], q: float) -> float:

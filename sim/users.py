@@ -42,6 +42,11 @@ class Counters:
     open_refused_idle: int = 0
     last_token_at: float = 0.0
     shed_reasons: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)  # how each generation ended
+    max_gap_s: float = 0.0  # the longest wait of a running session between two deliveries
+
+    def ended(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def refused(self, e: SpecError) -> None:
         reason = str(getattr(e, "reason", None) or e.code)
@@ -65,9 +70,11 @@ class DraftDevices:
 class EdgeUser:
     """One simulated edge agent of ``system`` (:class:`sim.system.System`)."""
 
-    def __init__(self, system, index: int, rng: random.Random):
+    def __init__(self, system, index: int, rng: random.Random, spawn: bool = True):
+        """``spawn``: start at the workload's spawn rate (else at once: a burst)."""
         w = system.workload
-        self.sys, self.i, self.rng, self.w = system, index, rng, w
+        self.sys, self.i, self.rng, self.w, self.spawn = system, index, rng, w, spawn
+        self.vanished = False  # set by a vanish fault: it drops its session unclosed and stops
         names = sorted(w.tenants)
         name = rng.choices(names, weights=[w.tenants[n] for n in names])[0]
         by_name = system.router.tenants.by_name
@@ -83,14 +90,15 @@ class EdgeUser:
         return x * self.rng.uniform(1 - j, 1 + j)
 
     def _half_rtt(self) -> float:
-        return self._jitter(self.rtt_s / 2)
+        return self._jitter(self.rtt_s * self.sys.rtt_factor / 2)
 
     async def run(self, end: float) -> None:
         w = self.w
-        if w.spawn_rate:
+        if w.spawn_rate and self.spawn:
             await clock.sleep(self.i / w.spawn_rate)
         done = 0
-        while clock.monotonic() < end and (w.generations_per_user is None or done < w.generations_per_user):
+        while clock.monotonic() < end and not self.vanished and (w.generations_per_user is None
+                                                                  or done < w.generations_per_user):
             await self.generation(end)
             done += 1
             await clock.sleep(self.rng.uniform(*w.think_s))
@@ -103,6 +111,7 @@ class EdgeUser:
         t_open = clock.monotonic()
         d = await self.open(prompt, [], end)
         if d is None:
+            c.ended("vanished" if self.vanished else "cut" if clock.monotonic() >= end else "refused")
             return
         arrivals: list[tuple[float, int]] = []
         out = [d["first_token"]] if d["first_token"] is not None else []
@@ -114,6 +123,10 @@ class EdgeUser:
         ready: asyncio.Task | None = None  # the proactive draft of the next tree
         edge = w.mode == "edge"
         while not finished and clock.monotonic() < end:
+            if self.vanished:  # gone without a word: its session is the server's to time out
+                c.ended("vanished")
+                self._gaps(arrivals)
+                return
             tokens, parents, depth = [], [], 0
             if edge:
                 # the server's budget hint 0 means no tree: an empty one, the server decoding ahead
@@ -166,16 +179,23 @@ class EdgeUser:
                 c.reopens += 1
                 d = await self.open(prompt, out, end)
                 if d is None:
+                    c.ended("vanished" if self.vanished else "cut" if clock.monotonic() >= end else "refused")
+                    self._gaps(arrivals)
                     return
                 sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
                 if d["first_token"] is not None:
                     out.append(d["first_token"])
+                    arrivals.append((clock.monotonic(), 1))
             else:
                 c.errors += 1
+                c.ended("error")
+                self._gaps(arrivals)
                 return
         if ready is not None:
             await ready
         c.itl.extend(s for s in _itl(arrivals) if s[0] >= 0)
+        self._gaps(arrivals)
+        c.ended(("finished" if len(out) == w.max_tokens else "finished_short") if finished else "cut")
         if finished:
             c.finished += 1
         if not (finished and d.get("close_on_finish")):
@@ -184,11 +204,16 @@ class EdgeUser:
             except SpecError:
                 pass
 
+    def _gaps(self, arrivals: list[tuple[float, int]]) -> None:
+        c = self.sys.counters
+        for (t0, _), (t1, _) in zip(arrivals, arrivals[1:]):
+            c.max_gap_s = max(c.max_gap_s, t1 - t0)
+
     async def open(self, prompt: list[int], generated: list[int], end: float) -> dict | None:
         sys, rng = self.sys, self.rng
         body = {"prompt_ids": prompt, "generated_ids": generated, "sampling": {"max_tokens": self.w.max_tokens},
                 "client": {"draft_ms": self.draft_ms, "rtt_ms": self.rtt_s * 1e3}, "close_on_finish": True}
-        while clock.monotonic() < end:
+        while clock.monotonic() < end and not self.vanished:
             await clock.sleep(self._half_rtt())
             t0 = clock.monotonic()
             idle = sys.fleet.idle()

@@ -117,7 +117,9 @@ class VirtualWorker(Executor):
         self.loop.call_at(end, self._done, fut, result, error)
 
     def _done(self, fut: Future, result, error) -> None:
-        if error is not None:
+        if fut.cancelled():  # its caller went away (a killed replica's loop): the work was done all the same
+            pass
+        elif error is not None:
             fut.set_exception(error)
         else:
             fut.set_result(result)

@@ -9,6 +9,7 @@ top-2 sibling with ``sibling_alpha``), stated or measured from a real draft/targ
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -32,6 +33,20 @@ class Network(_Strict):
 class Acceptance(_Strict):
     alpha: float = Field(0.7, ge=0, le=1, description="P(draft top-1 = target token) per tree level")
     sibling_alpha: float = Field(0.3, ge=0, le=1, description="P(top-2 sibling = target token | top-1 wrong)")
+
+
+class Fault(_Strict):
+    """A seeded event of the run: a replica killed (and a new one started ``restart_after_s``
+    later), an RTT spike, a burst of new users opening at once, users vanishing mid-generation."""
+
+    at_s: float = Field(..., ge=0)
+    kind: Literal["kill_replica", "rtt_spike", "burst", "vanish"]
+    replica: int = Field(0, ge=0, description="kill_replica: which (by index)")
+    restart_after_s: float | None = Field(5.0, ge=0, description="kill_replica: a new replica this much later")
+    factor: float = Field(5.0, gt=0, le=1000, description="rtt_spike: every RTT times this")
+    for_s: float = Field(10.0, gt=0, description="rtt_spike: for this long")
+    users: int = Field(100, ge=1, le=1_000_000, description="burst: users that start at once")
+    share: float = Field(0.1, gt=0, le=1, description="vanish: share of the users that drop their session, unclosed")
 
 
 class Workload(_Strict):
@@ -65,6 +80,9 @@ class Workload(_Strict):
                                                              "benchmarks.run does); None: a device per user")
     tenants: dict[str, float] = Field(default_factory=lambda: {"default": 1.0},
                                       description="tenant name -> share of the users")
+    faults: list[Fault] = Field(default_factory=list, description="seeded events (sim/system.py)")
+    max_gap_s: float = Field(30.0, gt=0, description="invariant: no running session waits longer than this "
+                                                     "between two deliveries")
 
     @model_validator(mode="after")
     def _check(self):
