@@ -43,8 +43,8 @@ def compare(app, profile: CostProfile, users: list[int], alpha: float, seed: int
 def markdown(rows: list[dict], alpha: float) -> str:
     lines = [f"RTX 4090-class edges (11 ms a draft forward), RTT 14 ms, per-level acceptance {alpha} (assumed), "
              "H100 profile at Llama-3-8B shape; SpecEdge §5: 2.22x throughput, -11.24 % ITL", "",
-             "| users | edge tokens/s | server-only tokens/s | throughput ratio (paper 2.22x) | ITL p50 edge / server (ms) "
-             "| ITL change (paper -11.24 %) |", "|---|---|---|---|---|---|"]
+             "| users | edge tokens/s | server-only tokens/s | throughput ratio (paper 2.22x) "
+             "| ITL p50 edge / server (ms) | ITL change (paper -11.24 %) |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['users']} | {r['edge_tokens_per_s']:.0f} | {r['server_tokens_per_s']:.0f} | "
                      f"{r['throughput_ratio']:.2f}x | {r['edge_itl_ms_p50']:.1f} / {r['server_itl_ms_p50']:.1f} | "

@@ -94,7 +94,8 @@ def plan(app, profile: CostProfile, workload: Workload, slo: Slo, users: list[in
 
 
 def markdown(p: dict) -> str:
-    lines = [f"SLOs: {p['slo']}; profile {p['profile']} ({p['device']}); {p['gpus_per_replica']:g} GPU(s) per replica", "",
+    lines = [f"SLOs: {p['slo']}; profile {p['profile']} ({p['device']}); "
+             f"{p['gpus_per_replica']:g} GPU(s) per replica", "",
              "| users | edge-drafted replicas | server-only replicas |", "|---|---|---|"]
     e, s = p["modes"]["edge"], p["modes"]["server_ar"]
     for a, b in zip(e["by_users"], s["by_users"]):

@@ -30,8 +30,8 @@ from deploy.verifier.batch_loop import BatchLoop
 from deploy.verifier.counters import ReplicaCounters
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, choose_victims, within_limits
-from deploy.verifier.open_queue import OpenQueue, QueuedOpen
 from deploy.verifier.hints import SessionHints
+from deploy.verifier.open_queue import OpenQueue, QueuedOpen
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.prefill_budget import PrefillBudget
 from deploy.verifier.rounds import QueuedRound, answer, answer_each, error_reply, internal_reply
@@ -215,8 +215,8 @@ class VerifierCore:
 
     # -- requests ---------------------------------------------------------------------
     async def open_session(self, tenant: str, body: dict, deadline_s: float | None = None) -> tuple[int, dict]:
-        """Open a session; ``deadline_s``: its first token's deadline (issue 56), checked against this
-        replica's own prefill queue and rate: an open that would miss it is a 429 at once."""
+        """Open a session; ``deadline_s``: how long it may wait for the prefills queued ahead of it (issue 67;
+        a 429 at once, or at the deadline if still waiting behind another prompt: deploy/verifier/open_queue.py)."""
         try:
             prompt = [int(t) for t in body["prompt_ids"]]
             generated = tuple(int(t) for t in body.get("generated_ids") or ())

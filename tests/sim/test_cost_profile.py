@@ -18,7 +18,8 @@ def _profile(coef=(0.01, 0.0005, 0.0, 1e-6, 2e-7), model="M", dtype="bfloat16") 
         for s in (1, 4, 16):
             for n in (0, 8, 16, 32):
                 f = Forward((n + 1,) * s, (prefix,) * s).features()
-                rows.append({"prefix": prefix, "sessions": s, "nodes": n, "round_ms": 1000 * sum(c * x for c, x in zip(coef, f))})
+                ms = 1000 * sum(c * x for c, x in zip(coef, f))
+                rows.append({"prefix": prefix, "sessions": s, "nodes": n, "round_ms": ms})
     return {"conditions": {"model": model, "dtype": dtype, "device": "test"}, "rows": rows}
 
 

@@ -44,5 +44,6 @@ def test_a_fault_on_a_replica_the_deployment_lacks_is_refused(tmp_path, capsys):
 
 def test_the_cli_refuses_a_profile_of_another_model_naming_the_field(tmp_path, capsys):
     rc = main(["run", "--config", str(SIM / "deploy-8b-h100.yaml"), "--profile",
-               str(SIM / "validation" / "verify-step-cpu.json"), "--workload", str(SIM / "workloads" / "fleet-8b.yaml")])
+               str(SIM / "validation" / "verify-step-cpu.json"), "--workload",
+               str(SIM / "workloads" / "fleet-8b.yaml")])
     assert rc == 2 and "conditions.model" in capsys.readouterr().err

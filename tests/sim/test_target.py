@@ -38,7 +38,8 @@ def test_the_engine_on_the_simulated_target_decodes_the_continuation_and_spends_
         engine = VerifierEngine(Shell(), runner=runner, max_model_len=4096)
         loop = asyncio.get_running_loop()
         w = VirtualWorker(loop)
-        opened = (await loop.run_in_executor(w, engine.open, [OpenRequest("s", prompt, SamplingParams(max_tokens=12))]))[0]
+        req = OpenRequest("s", prompt, SamplingParams(max_tokens=12))
+        opened = (await loop.run_in_executor(w, engine.open, [req]))[0]
         t0 = vc.now
         right = DraftTree.chain(truth[1:6])  # a draft the target agrees with: accepted whole
         res = (await loop.run_in_executor(w, engine.verify, [VerifyRequest("s", right, opened.prefix_len)]))[0]
