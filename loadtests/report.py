@@ -224,8 +224,10 @@ OPEN_DEADLINE_REASONS = ("open_deadline", "open_deadline_passed")
 
 def open_refusals(counters: dict, stats_path: Path | None) -> dict:
     """Opens refused for their deadline (429, reasons :data:`OPEN_DEADLINE_REASONS`), and of those
-    the ones refused while the verifier was idle: every verifier sample of the second before the
-    refusal showed nothing pending (no verify round, no open). ``while_idle`` None: no samples."""
+    the ones refused while the verifier was idle: every verifier sample from a second before the
+    refusal to a second after showed nothing pending (no verify round, no open). The second after
+    counts: samples come every 0.25 s, and a burst's first opens reach the verifier between two.
+    ``while_idle`` None: no samples."""
     at = sorted(t for t, why in zip(counters["shed_at"], counters["shed_why"]) if why in OPEN_DEADLINE_REASONS)
     if stats_path is None or not Path(stats_path).exists():
         return {"deadline": len(at), "while_idle": None}
@@ -233,8 +235,8 @@ def open_refusals(counters: dict, stats_path: Path | None) -> dict:
     times = [t for t, _ in samples]
     idle = 0
     for t in at:
-        before = samples[bisect.bisect_left(times, t - 1.0): bisect.bisect_right(times, t)]
-        idle += bool(before) and max(p for _, p in before) == 0
+        around = samples[bisect.bisect_left(times, t - 1.0): bisect.bisect_right(times, t + 1.0)]
+        idle += bool(around) and max(p for _, p in around) == 0
     return {"deadline": len(at), "while_idle": idle}
 
 
