@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--weights", default="embedded", choices=("embedded", "random"),
                     help="random: the embedded model's shapes with random weights (same work per round; for "
                          "a machine without the model files, such as a GPU box with no network)")
-    ap.add_argument("--shape", default="embedded", choices=("embedded", *SHAPES),
+    ap.add_argument("--shape", default="embedded", choices=("embedded", "tiny-random", *SHAPES),
                     help="a real model's shape with random weights made on the device (benchmarks/model_shapes.py); "
                          "on cuda each case is reported next to its floors (benchmarks/gpu_round.py)")
     ap.add_argument("--cuda-graphs", default="on", choices=("on", "off"),
@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     sessions = [int(x) for x in args.sessions.split(",")]
     nodes = [int(x) for x in args.nodes.split(",")]
     device = torch.device(args.device)
-    if args.shape != "embedded":  # the engine takes the DecoderModel: the transformers copy is freed
+    if args.shape == "tiny-random":  # the load tests' target (a cost profile for sim/ to predict them)
+        model = tiny_random_model(seed=0, dtype=getattr(torch, args.dtype)).to(device)
+    elif args.shape != "embedded":  # the engine takes the DecoderModel: the transformers copy is freed
         model = DecoderModel(random_model(args.shape, getattr(torch, args.dtype), device))
     elif args.weights == "embedded":
         model = load_model("embedded", dtype=args.dtype, device=args.device).model

@@ -1,9 +1,10 @@
 """``python -m sim validate``: the simulator's predictions next to measured served runs of the same
 machine, with the error of each figure (issue 61).
 
-Inputs, committed in ``sim/validation/``: a cost profile measured on the host
-(``benchmarks.verify_step``) and the served runs measured there (``benchmarks.run`` rows of
-``server_ar`` and ``edge_full``). Each run is simulated with what the run itself reports of its
+Inputs, committed in ``sim/validation/``: cost profiles measured on the host
+(``benchmarks.verify_step``: the embedded target, and the load tests' tiny one) and the served runs
+measured there: ``benchmarks.run`` rows of ``server_ar`` and ``edge_full``, ``loadtests.run`` ramp
+summaries (``loadtests/*.json``, written by :func:`record_loadtest`). Each run is simulated with what the run itself reports of its
 conditions (sessions, generations, RTT, the edge's draft depth, nodes and draft ms per forward,
 one shared edge core, proactive drafting), the acceptance fitted to its measured tokens per
 round; what it does not report is a stated assumption (:data:`ASSUMED`). Targets: verified
@@ -23,7 +24,7 @@ from sim.cost_profile import CostProfile
 from sim.workload import Workload
 
 HERE = Path(__file__).resolve().parent / "validation"
-TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "itl_ms_p50": 0.10, "itl_ms_p99": 0.20}
+TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_ms_p50": 0.10, "latency_ms_p99": 0.20}
 ASSUMED = {"prompt_tokens": (64, 256), "sibling_alpha": 0.3, "jitter": 0.0}
 
 
@@ -68,17 +69,51 @@ def bench_case(row: dict, conditions: dict) -> tuple[AppConfig, Workload]:
 
 
 def measured(row: dict) -> dict:
+    """A benchmarks.run row's figures (latency: the users' ITL)."""
     return {"verified_tokens_per_s": row["server_tokens_per_s"],
             "verify_rounds_per_s": row["server_tokens_per_s"] / row["tokens_per_verify"],
-            "itl_ms_p50": row["itl_ms_p50"], "itl_ms_p99": row["itl_ms_p99"]}
+            "latency_ms_p50": row["itl_ms_p50"], "latency_ms_p99": row["itl_ms_p99"]}
 
 
-def predicted(out: dict) -> dict:
+def predicted(out: dict, latency: str = "itl_ms") -> dict:
     return {"verified_tokens_per_s": out["verified_tokens_per_s"], "verify_rounds_per_s": out["verify_rounds_per_s"],
-            "itl_ms_p50": out["itl_ms"]["p50"], "itl_ms_p99": out["itl_ms"]["p99"]}
+            "latency_ms_p50": out[latency]["p50"], "latency_ms_p99": out[latency]["p99"]}
 
 
-def validate(profile_path: Path, runs_path: Path, seed: int = 0) -> list[dict]:
+def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
+    """A ``loadtests.run`` summary (with its app and user model) as a deployment and a workload:
+    the same users, spawn, think time, prompts, draft time, RTT, jitter and acceptance."""
+    u, s = run["user_model"], run["summary"]
+    users, spawn = int(s["run"]["users"]), float(s["run"]["spawn_rate"])
+    start = s["window_s"][0]  # the report's steady window: after the spawn and its warm-up
+    w = Workload(users=users, duration_s=s["window_s"][1], warmup_s=start, spawn_rate=spawn,
+                 think_s=tuple(u["idle_s"]), prompt_tokens=tuple(run["prompt_len"]), max_tokens=u["max_tokens"],
+                 devices={"loadtest": 1.0}, draft_ms={"loadtest": u["draft_ms"]}, depth=u["depth"], nodes=u["nodes"],
+                 run_ahead=False, tenants={t["name"]: 1.0 for t in run["app"]["router"]["tenants"]},
+                 network={"rtt_ms": u["rtt_ms"], "rtt_sigma": u["rtt_sigma"], "jitter": u["jitter"]},
+                 acceptance={"alpha": u["alpha"], "sibling_alpha": u["sibling_alpha"]})
+    return AppConfig(**run["app"]), w
+
+
+def loadtest_measured(s: dict) -> dict:
+    """A load test's steady-window figures (latency: an admitted verify round, as its users time it)."""
+    return {"verified_tokens_per_s": s["tokens_per_s_window"], "verify_rounds_per_s": s["verify_per_s_window"],
+            "latency_ms_p50": s["verify_ms_window"]["p50"], "latency_ms_p99": s["verify_ms_window"]["p99"]}
+
+
+def _compare(case: str, m: dict, p: dict) -> list[dict]:
+    out = []
+    for fig, target in TARGETS.items():
+        err = (p[fig] - m[fig]) / m[fig] if m[fig] else float("nan")
+        out.append({"case": case, "figure": fig, "measured": m[fig], "predicted": p[fig], "error": err,
+                    "target": target, "ok": not math.isnan(err) and abs(err) <= target})
+    return out
+
+
+def validate(profile_path: Path, runs_path: Path, seed: int = 0, loadtests: list[Path] = (),
+             tiny_profile: Path | None = None) -> list[dict]:
+    """The benchmark rows of ``runs_path`` (latency: ITL) and the load tests (latency: a verify
+    round), each predicted from its profile."""
     from sim.__main__ import simulate
 
     profile = CostProfile.load(profile_path)
@@ -87,13 +122,28 @@ def validate(profile_path: Path, runs_path: Path, seed: int = 0) -> list[dict]:
     for row in runs["rows"]:
         app, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
         out = simulate(app, profile, workload, seed)
-        m, p = measured(row), predicted(out)
-        for fig, target in TARGETS.items():
-            err = (p[fig] - m[fig]) / m[fig] if m[fig] else float("nan")
-            table.append({"case": f"{row['mode']} {row['sessions']} sess RTT {row['rtt_ms']:g} ms", "figure": fig,
-                          "measured": m[fig], "predicted": p[fig], "error": err, "target": target,
-                          "ok": not math.isnan(err) and abs(err) <= target})
+        case = f"benchmarks.run {row['mode']} {row['sessions']} sess RTT {row['rtt_ms']:g} ms (ITL)"
+        table += _compare(case, measured(row), predicted(out))
+    for path in loadtests:
+        run = json.loads(Path(path).read_text())
+        app, workload = loadtest_case(run)
+        out = simulate(app, CostProfile.load(tiny_profile), workload, seed)
+        case = f"loadtests.run ramp {run['summary']['run']['users']} users (verify round)"
+        table += _compare(case, loadtest_measured(run["summary"]), predicted(out, "verify_ms"))
     return table
+
+
+def record_loadtest(out_dir: Path, dest: Path) -> None:
+    """Keep what validation needs of a ``loadtests.run`` output folder: its summary, app, user
+    model and prompt lengths (a few KB)."""
+    s = json.loads((out_dir / "summary.json").read_text())
+    cfg = json.loads((out_dir / "loadtest_config.json").read_text())
+    keep = ("scenario", "target", "machine", "run", "window_s", "tokens_per_s_window", "verify_per_s_window",
+            "verify_ms_window", "rate_429_window", "errors", "sessions", "acceptance", "server")
+    summary = {k: s[k] for k in keep if k in s}
+    summary["server"] = {k: v for k, v in s["server"].items() if k in ("cores_by_role", "busy_fraction", "mean_pending")}
+    dest.write_text(json.dumps({"summary": summary, "app": cfg["app"], "user_model": cfg["user"],
+                                "prompt_len": cfg["workload"]["prompt_len"]}, indent=1))
 
 
 def markdown(table: list[dict]) -> str:
@@ -108,13 +158,18 @@ def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="predicted vs measured served runs of this machine")
     p.add_argument("--profile", default=str(HERE / "verify-step-cpu.json"))
     p.add_argument("--runs", default=str(HERE / "bench-runs.json"))
+    p.add_argument("--loadtests", default=",".join(str(x) for x in sorted((HERE / "loadtests").glob("*.json"))),
+                   help="comma-separated load-test runs (sim/validation/loadtests/*.json)")
+    p.add_argument("--tiny-profile", default=str(HERE / "verify-step-tiny-cpu.json"),
+                   help="the load tests' target's cost profile")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the table as JSON here")
     p.add_argument("--check", action="store_true", help="exit 1 if a figure misses its target")
 
 
 def main(args) -> int:
-    table = validate(Path(args.profile), Path(args.runs), args.seed)
+    loadtests = [Path(x) for x in args.loadtests.split(",") if x]
+    table = validate(Path(args.profile), Path(args.runs), args.seed, loadtests, Path(args.tiny_profile))
     print(markdown(table))
     if args.out:
         Path(args.out).write_text(json.dumps(table, indent=1))
