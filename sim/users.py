@@ -115,9 +115,10 @@ class EdgeUser:
             return
         arrivals: list[tuple[float, int]] = []
         out = [d["first_token"]] if d["first_token"] is not None else []
-        if out and (w.generations_per_user is not None or t_open >= w.warmup_s):  # steady state, like the rest
-            c.ttft_s.append(clock.monotonic() - t_open)
+        if out:
             arrivals.append((clock.monotonic(), 1))
+            if w.generations_per_user is not None or t_open >= w.warmup_s:  # steady state, like the rest
+                c.ttft_s.append(clock.monotonic() - t_open)
         sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
         hints = (d["depth_hint"], d["budget_hint"])
         ready: asyncio.Task | None = None  # the proactive draft of the next tree
