@@ -23,7 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from deploy.config import AppConfig
-from sim.cost_profile import CostProfile, ProfileError
+from sim.cost_profile import CostProfile, HostCost, ProfileError
 from sim.system import System
 from sim.virtual_time import VirtualClock, run
 from sim.workload import Workload
@@ -58,7 +58,8 @@ def load_app(path: str | Path, sets: list[str] = ()) -> AppConfig:
         raise ValueError(f"deployment {path}: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
 
 
-def simulate(app: AppConfig, profile: CostProfile, workload: Workload, seed: int = 0) -> dict:
+def simulate(app: AppConfig, profile: CostProfile, workload: Workload, seed: int = 0,
+             host: HostCost = HostCost()) -> dict:
     """One simulation; its summary with the wall seconds it took. The replicas' and the router's
     logs (a KV plan per replica, a line per failed call of a killed replica) are quiet meanwhile."""
     vc = VirtualClock()
@@ -67,7 +68,7 @@ def simulate(app: AppConfig, profile: CostProfile, workload: Workload, seed: int
     level = serve_log.level
     serve_log.setLevel(logging.ERROR)
     try:
-        system = System(app, profile, workload, seed, vc)  # checks before anything runs
+        system = System(app, profile, workload, seed, vc, host)  # checks before anything runs
         out = run(system.run(), vc)
     finally:
         serve_log.setLevel(level)
@@ -85,10 +86,10 @@ def _seeds(text: str) -> list[int]:
 
 def _run(args) -> int:
     app = load_app(args.config, args.set)
-    profile, workload = CostProfile.load(args.profile), Workload.load(args.workload)
+    profile, workload, host = CostProfile.load(args.profile), Workload.load(args.workload), HostCost.load(args.host)
     seeds, failed = _seeds(args.seed), []
     for seed in seeds:
-        out = simulate(app, profile, workload, seed)
+        out = simulate(app, profile, workload, seed, host)
         bad = [k for k, ok in out["invariants"].items() if not ok]
         failed += [(seed, bad)] if bad else []
         if len(seeds) == 1:
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", default="deploy/config.yaml", help="the deployment (serve run YAML or args)")
         p.add_argument("--profile", required=True, help="a benchmarks.verify_step JSON of the target")
         p.add_argument("--workload", required=True, help="a workload YAML (sim/workload.py)")
+        p.add_argument("--host", default=None, help="the server's CPU per request outside the forward (a JSON: "
+                                                    "router_ms_per_request, replica_ms_per_request); none by default")
         p.add_argument("--seed", default="0", help="a seed, or a range (0-19): one summary line each")
         p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a deployment field")
         p.add_argument("--out", help="also write the summary here (one seed)")

@@ -128,3 +128,26 @@ def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def _norm(s: str) -> str:
     return s.lower().replace("torch.", "").replace(" ", "")
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """The server's CPU per request outside the forward: ``router_s`` in the router's process,
+    ``replica_s`` in the verifier replica's (its event loop and bookkeeping, serialised with its
+    forwards). Measured per verify round of a served run (CPU seconds by process over rounds);
+    zero when not given."""
+
+    router_s: float = 0.0
+    replica_s: float = 0.0
+    source: str = ""
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "HostCost":
+        if path is None:
+            return cls()
+        try:
+            d = json.loads(Path(path).read_text())
+            return cls(float(d["router_ms_per_request"]) / 1e3, float(d["replica_ms_per_request"]) / 1e3, str(path))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ProfileError(f"host cost {path}: needs router_ms_per_request and replica_ms_per_request ({e})") \
+                from None

@@ -33,7 +33,7 @@ from deploy.router.fast_shed import admission_refusal
 from deploy.router.ingress import Router
 from deploy.verifier.deployment import VerifierCore
 from deploy.verifier.pipeline_stage import ModelShell, target_config
-from sim.cost_profile import CostProfile
+from sim.cost_profile import CostProfile, HostCost
 from sim.target import SIM_VOCAB, SimRunner
 from sim.users import Counters, DraftDevices, EdgeUser
 from sim.virtual_time import VirtualClock, VirtualWorker
@@ -62,11 +62,13 @@ class Fleet:
     """M verifier replicas, each a production :class:`VerifierCore` on a simulated target and a
     virtual worker, behind the handle the Router calls (``handle.method.remote(**kwargs)``)."""
 
-    def __init__(self, app: AppConfig, profile: CostProfile, vc: VirtualClock, loop, rng: random.Random):
+    def __init__(self, app: AppConfig, profile: CostProfile, vc: VirtualClock, loop, rng: random.Random,
+                 host_s: float = 0.0):
         name = app.target.model  # a shape of benchmarks/model_shapes.py, or a target the replica would load
         self.shell_cfg = CheckpointConfig.from_dict(dict(SHAPES[name])) if name in SHAPES else target_config(app.target)
         self.shell_cfg.vocab_size = SIM_VOCAB  # the synthetic target's ids; its cost is the profile's
         self.app, self.profile, self.vc, self.loop, self.rng = app, profile, vc, loop, rng
+        self.host_s = host_s  # each request's CPU in its replica's process, serialised with the forwards
         self.replicas: dict[str, VerifierCore] = {}
         self.runners: dict[str, SimRunner] = {}  # every replica that ran, killed ones included
         self.inflight: dict[str, set[asyncio.Task]] = {}
@@ -108,6 +110,8 @@ class Fleet:
     async def _call(self, method: str, kwargs: dict):
         self.calls += 1
         core = await self._route(kwargs)
+        if self.host_s and method in ("open_session", "verify", "close_session"):
+            await self.loop.run_in_executor(core._executor, self.vc.spend, self.host_s)
         fn = getattr(core, CALLS.get(method, method))
         out = fn(**kwargs) if method not in CALLS else fn()
         if not asyncio.iscoroutine(out):
@@ -144,12 +148,13 @@ class Fleet:
 class System:
     """The router, the fleet and the users of one simulation."""
 
-    def __init__(self, app: AppConfig, profile: CostProfile, workload: Workload, seed: int, vc: VirtualClock):
+    def __init__(self, app: AppConfig, profile: CostProfile, workload: Workload, seed: int, vc: VirtualClock,
+                 host: HostCost = HostCost()):
         app = app.model_copy(deep=True)
         app.verifier.warmup = False  # the warm-up's one-time costs are not in the cost model
         app.router.loop_stall_log_s = 0.0  # no watchdog thread: nothing runs off the virtual loop
         profile.check(app.target.model, app.target.dtype if app.target.dtype != "auto" else profile.dtype)
-        self.app, self.profile, self.workload, self.seed, self.vc = app, profile, workload, seed, vc
+        self.app, self.profile, self.workload, self.seed, self.vc, self.host = app, profile, workload, seed, vc, host
         self.rng = random.Random(seed)
         self.trace = Trace()
         self.counters = Counters()
@@ -168,7 +173,8 @@ class System:
     async def run(self) -> dict:
         loop = asyncio.get_running_loop()
         random.seed(self.seed)  # ties in the affinity router's ordering draw from the global generator
-        self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng)
+        self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng, self.host.replica_s)
+        self.router_cpu = VirtualWorker(loop)  # the router's process: one request's work at a time
         cls = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
         self.router = cls.__new__(cls)
         cls.__init__(self.router, self.fleet, self.app.model_dump())
@@ -211,6 +217,11 @@ class System:
     def _rtt_back(self, factor: float) -> None:
         self.rtt_factor /= factor
 
+    async def router_work(self) -> None:
+        """A request's CPU in the router's process (``HostCost.router_s``), after those before it."""
+        if self.host.router_s:
+            await asyncio.get_running_loop().run_in_executor(self.router_cpu, self.vc.spend, self.host.router_s)
+
     def fast_shed(self, method: str, path: str, tenant):
         """The router's fast path (deploy/router/fast_shed.py) for a request of ``tenant`` (its key
         checked: the simulation holds the tenant itself, not its plain key)."""
@@ -228,7 +239,7 @@ class System:
         return {"users": len(self.users), "mode": w.mode, "replicas": len(self.fleet.replicas),
                 "replicas_killed": len(self.fleet.killed), "seed": self.seed,
                 "simulated_s": clock.monotonic(), "window_s": window, "profile": self.profile.source,
-                "device": self.profile.device, "verified_tokens_per_s": tokens / window if window else 0.0,
+                "device": self.profile.device, "host_cost": self.host.source or None, "verified_tokens_per_s": tokens / window if window else 0.0,
                 "verify_rounds_per_s": rounds / window if window else 0.0,
                 "verify_ms": {"p50": _pct(lat, 50) * 1e3, "p99": _pct(lat, 99) * 1e3},
                 "itl_ms": {"p50": weighted_percentile(c.itl, 50) * 1e3, "p99": weighted_percentile(c.itl, 99) * 1e3},

@@ -221,6 +221,7 @@ class EdgeUser:
             try:
                 if (shed := sys.fast_shed("POST", "/v1/sessions", self.tenant)) is not None:
                     raise shed
+                await sys.router_work()
                 d, status = await sys.router.open(self.tenant, body, received_at=clock.perf_counter()), 200
             except SpecError as e:
                 d, status = None, e.status
@@ -243,6 +244,7 @@ class EdgeUser:
         try:
             if (shed := self.sys.fast_shed("POST", f"/v1/sessions/{sid}/verify", self.tenant)) is not None:
                 raise shed
+            await self.sys.router_work()
             payload = await self.sys.router.verify(self.tenant, sid, frame)
             return 200, ReplyFrame.decode(payload), clock.monotonic() - t0
         except SpecError as e:

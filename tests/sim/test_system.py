@@ -67,3 +67,22 @@ def test_a_workload_tenant_the_deployment_lacks_is_refused():
     w = Workload(users=1, duration_s=2.0, warmup_s=0.5, tenants={"gold": 1.0})
     with pytest.raises(ValueError, match="gold"):
         System(AppConfig(**APP), CostProfile.fit(_profile(model="tiny-random", dtype="float32")), w, 0, VirtualClock())
+
+
+def test_host_cpu_per_request_takes_its_time_in_the_router_and_the_replica(tmp_path):
+    """HostCost: a request's CPU outside the forward is spent in the router's process and in its
+    replica's (serialised with the forwards): rounds take longer, and a bad file names its fields."""
+    from sim.cost_profile import HostCost, ProfileError
+
+    base, _ = simulate(1)
+    vc = VirtualClock()
+    w = Workload(users=12, duration_s=8.0, warmup_s=1.0, max_tokens=24, spawn_rate=20.0,
+                 network={"rtt_ms": 30.0, "rtt_sigma": 0.3})
+    s = System(AppConfig(**APP), CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic"), w,
+               1, vc, HostCost(router_s=0.004, replica_s=0.004, source="test"))
+    slow = run(s.run(), vc)
+    assert slow["verify_ms"]["p50"] > base["verify_ms"]["p50"] + 7.0  # at least both 4 ms on every round
+    assert slow["host_cost"] == "test" and slow["diverged_rounds"] == 0
+    (tmp_path / "h.json").write_text('{"router_ms_per_request": 1}')
+    with pytest.raises(ProfileError, match="replica_ms_per_request"):
+        HostCost.load(tmp_path / "h.json")
