@@ -8,8 +8,8 @@ admission, fast shedding, open deadlines), :class:`deploy.router.affinity.Sessio
 hints, run-ahead, truncation, eviction, prefill budget) over the production engine. What is
 modelled, and only this: the target forward (:mod:`sim.target`, seconds from a cost
 profile), the drafts (:mod:`loadtests.synthetic_tree`: tree levels right with the workload's
-acceptance), the network (per-user RTT, jitter, drops) and the users' timing
-(:mod:`sim.workload`). The HTTP/ASGI layer is not simulated: a request reaches the
+acceptance), the network (per-user RTT, jitter, spikes) and the users' timing
+(:mod:`sim.workload`); faults (replica kills, bursts, vanishing users) are seeded events. The HTTP/ASGI layer is not simulated: a request reaches the
 router's fast path and handler directly. Everything random draws from one seed.
 """
 

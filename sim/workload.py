@@ -25,9 +25,6 @@ class Network(_Strict):
     rtt_ms: float = Field(40.0, ge=0, le=10_000, description="median round trip of the users")
     rtt_sigma: float = Field(0.0, ge=0, le=2, description="log-normal spread of the users' RTTs")
     jitter: float = Field(0.2, ge=0, le=1, description="uniform +- fraction of each round's RTT and draft time")
-    drop_rate: float = Field(0.0, ge=0, lt=1, description="share of verify requests lost in the network "
-                                                          "(the edge resends after network_timeout_s)")
-    network_timeout_s: float = Field(10.0, gt=0)
 
 
 class Acceptance(_Strict):
