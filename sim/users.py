@@ -27,7 +27,6 @@ from specdec.protocol import ReplyFrame, VerifyFrame
 @dataclass
 class Counters:
     generations: int = 0
-    finished: int = 0
     tokens: int = 0
     rounds: int = 0
     shed: int = 0
@@ -197,8 +196,6 @@ class EdgeUser:
         c.itl.extend(s for s in _itl(arrivals) if s[0] >= 0)
         self._gaps(arrivals)
         c.ended(("finished" if len(out) == w.max_tokens else "finished_short") if finished else "cut")
-        if finished:
-            c.finished += 1
         if not (finished and d.get("close_on_finish")):
             try:
                 await self.sys.router.close(self.tenant, sid)
