@@ -1,17 +1,9 @@
-"""Time-to-first-token admission for session opens: the wait of an open for its prefill (issue 67).
+"""Time-to-first-token admission for opens (issue 67; why it is built so: docs/router.md, "The open deadline").
 
-An open's first token comes after the prefill of every open admitted before it, then its own.
-The deadline bounds the *waiting*: an open is refused (429 at once) only when the measured work
-queued ahead of it is predicted to outlast its deadline, never for its own prefill, so an idle
-server admits any open. The router keeps one forecast for the deployment, each verifier replica
-one for itself (the same class).
-
-Cost model: answering the opens queued ahead takes ``fixed * opens + per_token * tokens``
-seconds, fitted (Theil-Sen, robust to a minority of outliers) over the latest answered opens,
-each a sample ``(opens, tokens, seconds)`` of the queue it waited for, its own prompt included.
-With fewer than three samples the cheapest stands (a latency outlier is slow, never fast). While
-every open is refused, one probe is admitted per ``retry_after_s``: a wrong estimate heals on
-its own, with no sample from a refusal needed. Pure module (no Ray, no FastAPI).
+An open is refused (429) only when the prefill queued ahead of it is predicted past its deadline:
+``fixed * opens + per_token * tokens`` seconds, fitted over the latest answered opens. With nothing
+queued, any open is admitted; while all are refused, one probe per ``retry_after_s`` is. Used by the
+router and by each verifier replica. Pure module (no Ray, no FastAPI).
 """
 
 from __future__ import annotations
