@@ -42,21 +42,35 @@ class QueuedOpen:
 @dataclass
 class PrefillCost:
     """Seconds to answer a queue of opens: ``fixed * opens + per_token * tokens``, both >= 0,
-    fitted over the latest ``window`` samples."""
+    fitted over the latest ``window`` samples when next asked (not on every answered open)."""
 
     window: int = 32
-    fixed: float = 0.0
-    per_token: float = 0.0
     samples: deque = field(default_factory=deque)  # OpenSample, oldest first
+    _fit: tuple[float, float] | None = (0.0, 0.0)  # None: samples changed since the last fit
 
     def observe(self, s: OpenSample) -> None:
         self.samples.append(s)
         while len(self.samples) > self.window:
             self.samples.popleft()
-        self.fixed, self.per_token = fit_cost(list(self.samples))
+        self._fit = None
+
+    def coefficients(self) -> tuple[float, float]:
+        """(fixed, per_token)."""
+        if self._fit is None:
+            self._fit = fit_cost(list(self.samples))
+        return self._fit
+
+    @property
+    def fixed(self) -> float:
+        return self.coefficients()[0]
+
+    @property
+    def per_token(self) -> float:
+        return self.coefficients()[1]
 
     def predict(self, opens: int, tokens: int) -> float:
-        return self.fixed * opens + self.per_token * tokens
+        fixed, per_token = self.coefficients()
+        return fixed * opens + per_token * tokens
 
     @property
     def known(self) -> bool:
