@@ -69,10 +69,16 @@ class PrometheusClientExporter:
             else:
                 m = pc.Gauge(s.name, s.description, s.labels, registry=self.registry)
             self._m[s.name] = m
+        self._children: dict[tuple, Any] = {}  # (name, label items) -> child: labels() validates each call
 
     def _child(self, name, labels):
-        m = self._m[name]
-        return m.labels(**labels) if labels else m
+        if not labels:
+            return self._m[name]
+        key = (name, *labels.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._m[name].labels(**labels)
+        return child
 
     def inc(self, name, value, labels):
         self._child(name, labels).inc(value)

@@ -112,6 +112,11 @@ def _best_hinge(points: list[tuple[float, float, float]]) -> tuple[float, float,
     return best[1:]
 
 
+def _prior(n: int) -> float:
+    """Tokens per round expected of an ``n``-node tree before any is observed: grows slowly."""
+    return 1.0 + 0.5 * math.log2(1 + n)
+
+
 @dataclass
 class Pacer:
     min_depth: int = 1
@@ -130,6 +135,9 @@ class Pacer:
     _tokens_per_round: dict[int, float] = field(default_factory=dict)
     _no_tree_hints: int = 0
     _tree_batch: dict[int, float] = field(default_factory=dict)  # sessions -> EMA of sessions per tree forward
+    _state: int = 0  # counts observations: the rates below are cached for one state
+    _rates_at: tuple = ()  # what _rates_cached was computed for
+    _rates_cached: dict[int, float] = field(default_factory=dict)
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
@@ -137,6 +145,7 @@ class Pacer:
     def observe_tree_batch(self, sessions: int, in_forward: int) -> None:
         """A forward of trees alone (no run-ahead step in it) carried ``in_forward`` of the
         replica's ``sessions``."""
+        self._state += 1
         old = self._tree_batch.get(sessions)
         self._tree_batch[sessions] = in_forward if old is None else (1 - self.ema) * old + self.ema * in_forward
 
@@ -152,6 +161,7 @@ class Pacer:
     def observe_round(self, tree_nodes: int, emitted: int) -> None:
         """A bucket's first round moves the estimate from what was expected of it (interpolated
         from the other buckets), not to itself: one unlucky round does not rule a budget out."""
+        self._state += 1
         b = self._bucket(tree_nodes)
         old = self._tokens_per_round.get(b)
         if old is None:
@@ -160,17 +170,19 @@ class Pacer:
 
     def expected_tokens(self, n: int) -> float:
         """E[tokens per round | budget n]: observed, else interpolated in log(n)."""
-        obs = {m: v for m, v in self._tokens_per_round.items() if m > 0}
+        return self._expected(n, {m: v for m, v in self._tokens_per_round.items() if m > 0})
+
+    @staticmethod
+    def _expected(n: int, obs: dict[int, float]) -> float:
         if n <= 0:
             return 1.0  # no tree: the bonus token only
         if n in obs:
             return obs[n]
         if not obs:
-            return 1.0 + 0.5 * math.log2(1 + n)  # prior: grows slowly with tree size
+            return _prior(n)
         # scale the nearest observed bucket by the prior's ratio
         near = min(obs, key=lambda m: abs(math.log(m) - math.log(n)))
-        prior = lambda m: 1.0 + 0.5 * math.log2(1 + m)  # noqa: E731
-        return max(1.0, obs[near] * prior(n) / prior(near))
+        return max(1.0, obs[near] * _prior(n) / _prior(near))
 
     def _tree_sessions(self, sessions: int, n: int, away_s: float) -> float:
         """Sessions a forward of ``n``-node trees carries: measured (:meth:`observe_tree_batch`),
@@ -183,16 +195,25 @@ class Pacer:
             s = min(s, max(1.0, sessions * t / (t + away_s)))
         return s
 
-    def _rate(self, sessions: int, n: int, ahead: int = 1, away_s: float = 0.0) -> float:
-        """Verified tokens per second of server CPU with ``sessions`` trees of ``n`` nodes; with
-        no tree, a request carries ``ahead`` tokens (run-ahead), else one round's. ``away_s``:
-        the sessions' time away per round (RTT and draft), which trees pay and run-ahead does not."""
+    def rates(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> dict[int, float]:
+        """Verified tokens per second of server CPU, by budget, with ``sessions`` trees of ``n``
+        nodes each; with no tree (``n = 0``) a request carries ``ahead`` tokens (run-ahead), else
+        one round's. ``away_s``: the sessions' time away per round (RTT and draft), which trees pay
+        and run-ahead does not. Computed once per state of the estimates (the reply path asks twice)."""
+        key = (self._state, self.cost.count, self.round_overhead_s, self.fill, sessions, ahead, away_s)
+        if self._rates_at != key:
+            obs = {m: v for m, v in self._tokens_per_round.items() if m > 0}
+            self._rates_cached = {n: self._rate(sessions, n, ahead, away_s, self._expected(n, obs))
+                                  for n in self.budgets}
+            self._rates_at = key
+        return self._rates_cached
+
+    def _rate(self, sessions: int, n: int, ahead: int, away_s: float, per_round: float) -> float:
         s = max(sessions, 1)
         if n > 0:  # trees: the sessions a forward of trees carries
             s = self._tree_sessions(s, n, away_s)
-        tokens = s * self.expected_tokens(n)
         requests = s if n > 0 else s / max(ahead, 1)  # a tree: one request a round each
-        return tokens / max(self.cost.predict(s * (n + 1)) + requests * self.round_overhead_s, 1e-6)
+        return s * per_round / max(self.cost.predict(s * (n + 1)) + requests * self.round_overhead_s, 1e-6)
 
     def best_budget(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
         """The budget that pays best now (no exploration); the default until measured. ``ahead``:
@@ -203,7 +224,7 @@ class Pacer:
         rate leaves out falls on trees alone); a session alone takes what pays."""
         if self.cost.count < 3:
             return self.default_budget
-        rate = {n: self._rate(sessions, n, ahead, away_s) for n in self.budgets}
+        rate = self.rates(sessions, ahead, away_s)
         best = max(self.budgets, key=rate.__getitem__)
         if best > 0 and 0 in rate and sessions >= 2 and rate[best] < (1 + self.tree_margin) * rate[0]:
             return 0
@@ -220,9 +241,9 @@ class Pacer:
         trees = [n for n in self.budgets if n > 0]
         if best == 0 and trees and self.cost.count >= 3:
             self._no_tree_hints += 1
-            tree = max(trees, key=lambda n: self._rate(sessions, n, away_s=away_s))
-            close = sessions <= 1 and self._rate(sessions, tree, away_s=away_s) >= (
-                1 - self.explore_margin) * self._rate(sessions, 0, ahead)
+            rate = self.rates(sessions, ahead, away_s)
+            tree = max(trees, key=rate.__getitem__)
+            close = sessions <= 1 and rate[tree] >= (1 - self.explore_margin) * rate[0]
             if self._no_tree_hints % (self.explore_alone if close else self.explore_every) == 0:
                 return tree
         return best

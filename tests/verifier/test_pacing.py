@@ -275,7 +275,8 @@ def test_from_two_sessions_a_tree_must_pay_by_the_margin():
     p = _flat_then_linear_pacer(0.0, ((1, 1.3), (2, 1.45), (4, 1.6)))
     best = p.best_budget(2, ahead=9)
     assert best > 0
-    gain = p._rate(2, best, 9) / p._rate(2, 0, 9) - 1
+    rate = p.rates(2, ahead=9)
+    gain = rate[best] / rate[0] - 1
     assert 0 < gain < 0.5
     p.tree_margin = gain * 0.9  # the tree pays by more than the margin: taken
     assert p.best_budget(2, ahead=9) == best
