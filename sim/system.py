@@ -34,6 +34,7 @@ from deploy.router.ingress import Router
 from deploy.verifier.deployment import VerifierCore
 from deploy.verifier.pipeline_stage import ModelShell, target_config
 from sim.cost_profile import CostProfile, HostCost
+from sim.fairness import TenantShares
 from sim.target import SIM_VOCAB, SimRunner
 from sim.users import Counters, DraftDevices, EdgeUser
 from sim.virtual_time import VirtualClock, VirtualWorker
@@ -63,11 +64,12 @@ class Fleet:
     virtual worker, behind the handle the Router calls (``handle.method.remote(**kwargs)``)."""
 
     def __init__(self, app: AppConfig, profile: CostProfile, vc: VirtualClock, loop, rng: random.Random,
-                 host_s: float = 0.0):
+                 host_s: float = 0.0, shares: TenantShares | None = None):
         name = app.target.model  # a shape of benchmarks/model_shapes.py, or a target the replica would load
         self.shell_cfg = CheckpointConfig.from_dict(dict(SHAPES[name])) if name in SHAPES else target_config(app.target)
         self.shell_cfg.vocab_size = SIM_VOCAB  # the synthetic target's ids; its cost is the profile's
         self.app, self.profile, self.vc, self.loop, self.rng = app, profile, vc, loop, rng
+        self.shares = shares if shares is not None else TenantShares({})
         self.host_s = host_s  # each request's CPU in its replica's process, serialised with the forwards
         self.replicas: dict[str, VerifierCore] = {}
         self.runners: dict[str, SimRunner] = {}  # every replica that ran, killed ones included
@@ -89,6 +91,22 @@ class Fleet:
                                           new_id=lambda: f"{self.rng.getrandbits(64):016x}")
         self.runners[tag] = runner
         self.inflight[tag] = set()
+        self._observe_shares(self.replicas[tag].loop.sched)
+
+    def _observe_shares(self, sched) -> None:
+        """Count each forward's tokens by tenant, and who it left waiting (:mod:`sim.fairness`)."""
+        take = sched.take
+
+        def observed(max_sessions: int, max_tokens: int):
+            batch = take(max_sessions, max_tokens)
+            if batch:
+                got: dict[str, int] = {}
+                for p in batch:
+                    got[p.tenant] = got.get(p.tenant, 0) + p.tokens
+                self.shares.observe(got, sched.pending_by_tenant())
+            return batch
+
+        sched.take = observed
 
     def kill(self, tag: str) -> None:
         """The replica dies: its batch loop stops, its calls in flight fail as Ray's do (the router
@@ -173,7 +191,8 @@ class System:
     async def run(self) -> dict:
         loop = asyncio.get_running_loop()
         random.seed(self.seed)  # ties in the affinity router's ordering draw from the global generator
-        self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng, self.host.replica_s)
+        weights = {t.name: t.weight for t in self.app.router.load_tenants()}
+        self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng, self.host.replica_s, TenantShares(weights))
         self.router_cpu = VirtualWorker(loop)  # the router's process: one request's work at a time
         cls = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
         self.router = cls.__new__(cls)
@@ -254,6 +273,7 @@ class System:
                 "replica_busy_fraction": {t: b / max(clock.monotonic(), 1e-9) for t, b in busy.items()},
                 "forwards": sum(r.forwards for r in self.fleet.runners.values()),
                 "outcomes": dict(sorted(c.outcomes.items())), "max_gap_s": c.max_gap_s,
+                "tenant_shares": self.fleet.shares.ratios(),
                 "invariants": self.invariants(),
                 "trace_events": len(self.trace.events), "trace_sha256": self.trace.digest()}
 
@@ -264,7 +284,8 @@ class System:
                 "no_token_lost_or_duplicated": c.diverged == 0 and c.outcomes.get("finished_short", 0) == 0,
                 "every_generation_accounted": sum(c.outcomes.values()) == c.generations,
                 "no_error_status": c.errors == 0,
-                "no_session_starved": c.max_gap_s <= w.max_gap_s}
+                "no_session_starved": c.max_gap_s <= w.max_gap_s,
+                "tenant_shares_by_weight": self.fleet.shares.within(w.share_tolerance)}
 
 
 def _pct(xs: list[float], q: float) -> float:

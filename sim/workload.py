@@ -80,6 +80,9 @@ class Workload(_Strict):
     faults: list[Fault] = Field(default_factory=list, description="seeded events (sim/system.py)")
     max_gap_s: float = Field(30.0, gt=0, description="invariant: no running session waits longer than this "
                                                      "between two deliveries")
+    share_tolerance: float = Field(0.2, gt=0, lt=1, description="invariant: two tenants left waiting by the same "
+                                                                "forwards get forward tokens in their weights' "
+                                                                "ratio within this (sim/fairness.py)")
 
     @model_validator(mode="after")
     def _check(self):

@@ -36,7 +36,8 @@ def test_a_faulty_run_replays_from_its_seed():
 
 def test_a_fault_on_a_replica_the_deployment_lacks_is_refused(tmp_path, capsys):
     w = tmp_path / "w.yaml"
-    w.write_text("users: 2\nduration_s: 5\nwarmup_s: 1\nfaults: [{at_s: 1, kind: kill_replica, replica: 5}]\n")
+    w.write_text("users: 2\nduration_s: 5\nwarmup_s: 1\ntenants: {gold: 1}\n"
+                 "faults: [{at_s: 1, kind: kill_replica, replica: 5}]\n")
     rc = main(["run", "--config", str(SIM / "deploy-cpu.yaml"), "--profile",
                str(SIM / "validation" / "verify-step-cpu.json"), "--workload", str(w)])
     assert rc == 2 and "faults[0].replica" in capsys.readouterr().err
