@@ -1,10 +1,10 @@
 """Does a long prompt stall the sessions verifying beside it? (chunked prefill)
 
 Eight sessions verify 8-node draft trees back to back through an in-process replica
-(:class:`deploy.verifier.deployment.VerifierCore`: the real batch loop, no Serve); after a
+(:class:`deploy.verifier.server.VerifierServer`: the real batch loop, no Serve); after a
 warm-up a ``--prompt``-token prompt is opened. Reported: the server's verify latency
 (arrival to reply) before and during that prefill, their ratio, the chunks the prompt went
-in, and its time to first token. The test (``tests/verifier/test_deployment.py``) runs it on
+in, and its time to first token. The test (``tests/verifier/test_server.py``) runs it on
 a tiny random model; ``python -m benchmarks.prefill_stall`` on the embedded SmolLM2 (bf16,
 one thread on ``--core``) gives the real figure, written to
 ``benchmarks/results/prefill_stall.json``.
@@ -23,14 +23,14 @@ from pathlib import Path
 
 from deploy.config import AppConfig
 from specdec.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TREE_PARENTS = [-1, 0, 1, 2, -1, 4, 5, 6]  # two chains of four
 
 
 def run(cfg: AppConfig, prompt_tokens: int = 4096, sessions: int = 8, warmup_s: float = 1.5) -> dict:
-    core = VerifierCore(cfg)
+    core = VerifierServer(cfg)
     vocab = core.loaded.vocab_size
     rng = random.Random(0)
     sampling = {"max_tokens": 1_000_000, "ignore_eos": True}

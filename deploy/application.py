@@ -14,7 +14,7 @@ from ray.serve.config import RequestRouterConfig
 from deploy.config import AppConfig
 from deploy.router.affinity import SessionAffinityRouter
 from deploy.router.ingress import Router
-from deploy.verifier.serve_replica import Verifier
+from deploy.verifier.deployment import Verifier
 
 
 def verifier_options(cfg: AppConfig) -> dict:

@@ -240,7 +240,7 @@ class VerifierState:
 
     @classmethod
     def of(cls, core) -> "VerifierState":
-        """Read a :class:`deploy.verifier.deployment.VerifierCore` (attributes only, no calls into Serve)."""
+        """Read a :class:`deploy.verifier.server.VerifierServer` (attributes only, no calls into Serve)."""
         by_tenant: dict[str, int] = {}
         for tenant in list(core.owner.values()):
             by_tenant[tenant] = by_tenant.get(tenant, 0) + 1

@@ -1,6 +1,6 @@
 """The edge protocol against a verifier replica in this process (no Serve, no HTTP).
 
-:class:`ReplicaTransport` speaks to a :class:`deploy.verifier.deployment.VerifierCore` (the
+:class:`ReplicaTransport` speaks to a :class:`deploy.verifier.server.VerifierServer` (the
 replica's real batching loop, scheduler, pacing and target versions) through the same
 calls the router makes, so agents that share one core have their rounds verified together
 in the same forwards, as behind a server. Tests and benchmarks of many sessions use it.

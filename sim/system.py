@@ -1,10 +1,10 @@
-"""The served system in virtual time: the production Router and VerifierCore replicas, driven by
+"""The served system in virtual time: the production Router and VerifierServer replicas, driven by
 simulated edge users (issue 61).
 
 What runs is the production code: :class:`deploy.router.ingress.Router` (tenants, quotas,
 admission, fast shedding, open deadlines), :class:`deploy.router.affinity.SessionAffinityRouter`
 (which replica an open goes to; a session stays on its replica) and one
-:class:`deploy.verifier.deployment.VerifierCore` per replica (batch loop, batch fill, pacing
+:class:`deploy.verifier.server.VerifierServer` per replica (batch loop, batch fill, pacing
 hints, run-ahead, truncation, eviction, prefill budget) over the production engine. What is
 modelled, and only this: the target forward (:mod:`sim.target`, seconds from a cost
 profile), the drafts (:mod:`loadtests.synthetic_tree`: tree levels right with the workload's
@@ -31,7 +31,7 @@ from deploy.config import AppConfig
 from deploy.router.affinity import SessionAffinityRouter, replica_of
 from deploy.router.fast_shed import admission_refusal
 from deploy.router.ingress import Router
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 from deploy.verifier.pipeline_stage import ModelShell, target_config
 from sim.cost_profile import CostProfile, HostCost
 from sim.fairness import TenantShares
@@ -43,7 +43,7 @@ from specdec import clock
 from specdec.model.checkpoint import CheckpointConfig
 from specdec.model.loading import LoadedModel
 
-CALLS = {"info": "model_info", "get_stats": "stats"}  # the Serve replica's names of VerifierCore methods
+CALLS = {"info": "model_info", "get_stats": "stats"}  # the Serve replica's names of VerifierServer methods
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Trace:
 
 
 class Fleet:
-    """M verifier replicas, each a production :class:`VerifierCore` on a simulated target and a
+    """M verifier replicas, each a production :class:`VerifierServer` on a simulated target and a
     virtual worker, behind the handle the Router calls (``handle.method.remote(**kwargs)``)."""
 
     def __init__(self, app: AppConfig, profile: CostProfile, vc: VirtualClock, loop, rng: random.Random,
@@ -71,7 +71,7 @@ class Fleet:
         self.app, self.profile, self.vc, self.loop, self.rng = app, profile, vc, loop, rng
         self.shares = shares if shares is not None else TenantShares({})
         self.host_s = host_s  # each request's CPU in its replica's process, serialised with the forwards
-        self.replicas: dict[str, VerifierCore] = {}
+        self.replicas: dict[str, VerifierServer] = {}
         self.runners: dict[str, SimRunner] = {}  # every replica that ran, killed ones included
         self.inflight: dict[str, set[asyncio.Task]] = {}
         self.killed: set[str] = set()
@@ -87,7 +87,7 @@ class Fleet:
                            rng=random.Random(self.rng.getrandbits(64)))
         loaded = LoadedModel(ModelShell(self.shell_cfg), None, f"sim:{self.app.target.model}", (0,), "cpu",
                              torch.bfloat16)
-        self.replicas[tag] = VerifierCore(self.app, tag, runner, loaded, executor=VirtualWorker(self.loop),
+        self.replicas[tag] = VerifierServer(self.app, tag, runner, loaded, executor=VirtualWorker(self.loop),
                                           new_id=lambda: f"{self.rng.getrandbits(64):016x}")
         self.runners[tag] = runner
         self.inflight[tag] = set()
@@ -146,7 +146,7 @@ class Fleet:
         finally:
             calls.discard(task)
 
-    async def _route(self, kwargs: dict) -> VerifierCore:
+    async def _route(self, kwargs: dict) -> VerifierServer:
         """The replica Serve's request router would pick: the session's own, else by load."""
         own = self.replicas.get(replica_of(str(kwargs.get("session_id") or "")) or "")
         if own is not None:  # what choose_replicas answers for a live replica's session, without its O(M) ranking

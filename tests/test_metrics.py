@@ -186,10 +186,10 @@ def test_refresh_reads_a_real_verifier_core_and_throttles():
     import asyncio
 
     from deploy.config import AppConfig
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
 
     cfg = AppConfig(target={"model": "tiny-random", "dtype": "float32"}, verifier={"kv_budget_tokens": 1000})
-    core = VerifierCore(cfg)
+    core = VerifierServer(cfg)
     assert isinstance(core.metrics.exporter, PrometheusClientExporter)  # outside Serve: in-process registry
 
     async def main():
@@ -295,9 +295,9 @@ def test_a_real_verifier_core_counts_a_request_from_open_to_finish():
 
     from deploy.config import AppConfig
     from specdec.protocol import ReplyFrame, VerifyFrame as Frame
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"}))
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"}))
 
     async def main():
         _, opened = await core.open_session("dev", {"prompt_ids": [5, 6, 7, 8], "sampling": {"max_tokens": 3, "ignore_eos": True}})

@@ -7,7 +7,7 @@ one Serve request twice over: the handle's routing and gRPC call in the router, 
 handling in the verifier replica (``benchmarks.run``'s CPU split measures it per token).
 
 With one verifier replica on one machine nothing needs that hop: the router replica builds the
-verifier itself (:class:`deploy.verifier.serve_replica.VerifierReplica`) and calls it through
+verifier itself (:class:`deploy.verifier.deployment.VerifierDeployment`) and calls it through
 :class:`InProcessVerifier`, which answers the same two call forms by running the verifier's
 coroutine on the replica's own event loop. Its batch loop and forward thread are the verifier's
 own, unchanged. Cancellation carries over: cancelling the awaiting task (a client gone, a

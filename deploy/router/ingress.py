@@ -120,9 +120,9 @@ class Router:
         self._local = None  # the verifier replica object, when it lives in this replica
         if verifier is None:
             from deploy.router.in_process import InProcessVerifier
-            from deploy.verifier.serve_replica import VerifierReplica
+            from deploy.verifier.deployment import VerifierDeployment
 
-            self._local = VerifierReplica(config)
+            self._local = VerifierDeployment(config)
             verifier = InProcessVerifier(self._local)
         self.verifier = verifier
         vc = self.cfg.verifier

@@ -6,7 +6,7 @@ more rounds join (``verifier.batch_wait_ms``, only when another session could; t
 across tenants, :mod:`deploy.verifier.scheduler`) and runs it with a prefill chunk riding along.
 With no verify round queued, a prompt waiting is prefilled in a paced chunk while some session is
 decoding (its round may come back at any time), else at once. What a forward does and how its
-requests are answered is its host's (:class:`deploy.verifier.deployment.VerifierCore`); one bad
+requests are answered is its host's (:class:`deploy.verifier.server.VerifierServer`); one bad
 batch never stops the loop. Pure asyncio: no Ray.
 """
 
@@ -19,7 +19,7 @@ from typing import Protocol
 from deploy.config import VerifierConfig
 from deploy.verifier.batch_fill import ArrivalModel, fill_wait
 from deploy.verifier.counters import ReplicaCounters
-from deploy.verifier.pacing import PiecewiseCost
+from deploy.verifier.forward_cost import PiecewiseCost
 from deploy.verifier.prefill_budget import PrefillBudget
 from deploy.verifier.scheduler import FairScheduler, Pending
 from specdec import clock

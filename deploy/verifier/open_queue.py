@@ -14,7 +14,7 @@ import asyncio
 from dataclasses import dataclass
 
 from deploy.prefill_forecast import PrefillForecast, deadline_refusal
-from deploy.verifier.rounds import answer, error_reply
+from deploy.verifier.queued_round import answer, error_reply
 from specdec.engine import OpenRequest
 
 

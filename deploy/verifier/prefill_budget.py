@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from deploy.config import VerifierConfig
 from deploy.verifier.batch_fill import ArrivalModel
-from deploy.verifier.pacing import PiecewiseCost
+from deploy.verifier.forward_cost import PiecewiseCost
 from deploy.verifier.scheduler import Pending
 from specdec import clock
 from specdec.engine import ForwardStats

@@ -1,6 +1,6 @@
 """What a verifier replica does at start, without Serve: load the target (``target.model``), size
 its KV pool from the memory it may use (:mod:`deploy.verifier.kv_sizing`) and build the engine.
-:class:`deploy.verifier.deployment.VerifierCore` and ``benchmarks.full_size`` both run this."""
+:class:`deploy.verifier.server.VerifierServer` and ``benchmarks.full_size`` both run this."""
 
 from __future__ import annotations
 

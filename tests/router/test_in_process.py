@@ -12,7 +12,7 @@ from deploy.router.in_process import InProcessVerifier
 
 
 class Replica:
-    """Stands in for VerifierReplica: records what it was asked and whether it was cancelled."""
+    """Stands in for VerifierDeployment: records what it was asked and whether it was cancelled."""
 
     def __init__(self):
         self.calls: list[tuple] = []

@@ -9,7 +9,7 @@ from deploy.config import AppConfig
 from deploy.router.affinity import SessionAffinityRouter
 from deploy.router.ingress import Router
 from deploy.verifier.batch_loop import BatchLoop
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 from deploy.verifier.scheduler import FairScheduler
 from sim.cost_profile import CostProfile
 from sim.system import System
@@ -36,7 +36,7 @@ def test_the_simulated_router_and_verifiers_are_the_production_classes():
     assert type(s.fleet.affinity) is SessionAffinityRouter
     assert len(s.fleet.replicas) == 2
     for core in s.fleet.replicas.values():
-        assert type(core) is VerifierCore and type(core.loop) is BatchLoop and type(core.loop.sched) is FairScheduler
+        assert type(core) is VerifierServer and type(core.loop) is BatchLoop and type(core.loop.sched) is FairScheduler
     # the simulation adds no scheduling of its own: none of its modules defines a batcher or a router
     import sim.system as system
     own = {n for n, v in vars(system).items() if isinstance(v, type) and v.__module__ == system.__name__}

@@ -79,12 +79,12 @@ def _sessions_per_forward(fill: float) -> tuple[float, list[list[int]], list[lis
 
     from deploy.config import AppConfig
     from specdec.protocol import ReplyFrame, VerifyFrame
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
     from specdec.model.loading import load_target
     from specdec.reference import reference_decode
     from specdec.sampling import SamplingParams
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"batch_wait_ms": 0, "batch_fill": fill, "truncate_trees": False}))
     for rows in (1, 4, 16, 64):
         core.pacer.observe_forward(rows, 0.040 + 0.001 * rows)

@@ -1,4 +1,4 @@
-"""The replica's batch loop (deploy/verifier/batch_loop.py, in-process VerifierCore, no Serve): when
+"""The replica's batch loop (deploy/verifier/batch_loop.py, in-process VerifierServer, no Serve): when
 a forward runs and what goes into it."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from deploy.config import AppConfig
 def test_the_batch_wait_is_skipped_when_no_other_session_could_join():
     """The fixed batch wait lets more rounds join a forward: with every session already queued
     (one session alone, above all) or the batch full, nobody could, and the wait is only latency."""
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
     from deploy.verifier.scheduler import Pending
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"max_batch_sessions": 3}))
     may_join = []
     for sessions, queued in ((1, 0), (1, 1), (2, 1), (2, 2), (4, 3), (5, 3)):

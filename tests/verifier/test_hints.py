@@ -10,7 +10,7 @@ def test_the_budget_weighs_the_sessions_open_lately_not_a_dip_between_generation
     later still counts; sessions left alone for longer than the hold count as alone."""
     from deploy.verifier import deployment, hints
 
-    core = deployment.VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = deployment.VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                              pacing={"sessions_hold_s": 1.0}))
     clock = [100.0]
     monkeypatch.setattr(hints.clock, "monotonic", lambda: clock[0])

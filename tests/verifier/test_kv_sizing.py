@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deploy.config import AppConfig
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 from deploy.verifier.kv_sizing import (GIB, DoesNotFit, MemoryUse, Shape, activation_bytes, device_memory, plan,
                                        probe_forward, tensor_bytes)
 from specdec.model.decoder import DecoderModel
@@ -77,8 +77,8 @@ def test_probe_forward_runs_the_largest_batch():
     assert scratch == pages * PAGE_SIZE * 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, fp32
 
 
-def _core(**verifier) -> VerifierCore:
-    return VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32", "max_model_len": 1024},
+def _core(**verifier) -> VerifierServer:
+    return VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32", "max_model_len": 1024},
                                   verifier={"max_batch_tokens": 64, "max_batch_sessions": 4, **verifier}))
 
 

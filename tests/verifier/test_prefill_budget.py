@@ -1,4 +1,4 @@
-"""Prefill budgets (deploy/verifier/prefill_budget.py) on an in-process VerifierCore: chunks sized
+"""Prefill budgets (deploy/verifier/prefill_budget.py) on an in-process VerifierServer: chunks sized
 from measured costs, larger for a burst of opens, and a forward of detached steps prefills until an
 edge is due back."""
 
@@ -12,9 +12,9 @@ from deploy.config import AppConfig
 
 
 def test_a_burst_of_opens_gets_a_larger_prefill_chunk_than_one_long_prompt():
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256}))
     core.prefill.verify_s, core.prefill.token_s = 0.020, 0.001  # measured: 20 ms a verify forward, 1 ms a prompt token
     budgets = {}
@@ -30,10 +30,10 @@ def test_a_prefill_chunk_is_costed_and_sized_against_the_forward_it_rides_in():
     verify rows, and its budget is a share of that forward's predicted time. Against one EMA of
     small forwards, a big batch's own time was charged to its chunk and the budget sank to the
     floor while a burst of prompts waited (forwards of 24 sessions took 4 prompt tokens each)."""
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
     from specdec.engine import ForwardStats
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256}))
     for rows in (32, 24, 16, 8, 2, 1):  # 10 ms flat to 2 rows, then 1 ms a row
         for _ in range(3):
@@ -57,14 +57,14 @@ def test_a_forward_of_detached_steps_alone_prefills_until_an_edge_is_due_back():
     """Run-ahead steps of edges that are away wait on nobody: their forward carries as many prompt
     tokens as fit before the first edge is due back (all of the batch's budget when none is
     known), never fewer than the paced chunk; a round a client waits on keeps the paced chunk."""
-    from deploy.verifier.deployment import VerifierCore
-    from deploy.verifier.rounds import QueuedRound
+    from deploy.verifier.server import VerifierServer
+    from deploy.verifier.queued_round import QueuedRound
     from specdec.engine import VerifyRequest
     from deploy.verifier.run_ahead import RunAhead
     from deploy.verifier.scheduler import Pending
     from specdec.tree import DraftTree
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 256,
                                             "max_batch_tokens": 2048}))
     core.prefill.verify_s, core.prefill.token_s = 0.010, 0.001  # 10 ms a forward (no curve yet), 1 ms a token
@@ -87,10 +87,10 @@ def test_a_prefill_forwards_fixed_cost_is_not_charged_to_its_tokens():
     """A prefill forward of a few tokens costs about what any forward costs (the weights read): its
     tokens are charged only what it took beyond a one-row forward, or small chunks would read dear
     per token and make the next chunks smaller still (issue 61's simulation found it on a GPU profile)."""
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
     from specdec.engine import ForwardStats
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"}))
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"}))
     core.prefill.verify_s = 0.010  # a verify forward: 10 ms, whatever its rows (no curve yet)
     core._on_forward(ForwardStats("prefill", 1, 20, 0.012))  # 20 tokens: 2 ms beyond the forward's own 10
     assert core.prefill.token_s == pytest.approx(0.0001)
@@ -103,10 +103,10 @@ def test_under_a_steady_backlog_of_opens_the_budget_comes_from_the_cost_curve():
     timed: the budget is sized from the cost curve and the chunks' measured cost, not stuck at its
     16-token start (issue 61's simulation: an H100 replica prefilled 16 tokens a forward for minutes
     while a hundred opens waited)."""
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
     from specdec.engine import ForwardStats
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"prefill_share": 0.2, "prefill_chunk_tokens": 2048}))
     for rows in (4, 8, 16, 32, 8, 4):  # 10 ms + 0.1 ms a row; each with a 16-token chunk of 1.6 ms
         core._on_forward(ForwardStats("verify", rows, rows + 16, 0.010 + 0.0001 * rows + 0.0016, prefill_tokens=16))

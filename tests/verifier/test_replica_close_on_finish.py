@@ -1,4 +1,4 @@
-"""``close_on_finish`` on a replica (the VerifierCore batch loop, no Serve): a session opened with
+"""``close_on_finish`` on a replica (the VerifierServer batch loop, no Serve): a session opened with
 it is closed with the reply that finishes it, whichever reply that is (a round's, a run-ahead's,
 the open's own), and only after that reply carries every token; a later request meets a clear
 410, a close answers 200; a session opened without it is held until it is closed."""

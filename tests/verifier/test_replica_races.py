@@ -11,7 +11,7 @@ import pytest
 
 from deploy.config import AppConfig
 from specdec.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 from specdec.model.loading import load_target
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
@@ -20,8 +20,8 @@ TENANTS = [{"name": "alpha", "api_key": "alpha-key-123"}, {"name": "beta", "api_
 VOCAB = 512
 
 
-def make_core(pacing: dict | None = None, **verifier) -> VerifierCore:
-    return VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"}, pacing=pacing or {},
+def make_core(pacing: dict | None = None, **verifier) -> VerifierServer:
+    return VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"}, pacing=pacing or {},
                                   verifier={"batch_wait_ms": 3, **verifier}, router={"tenants": TENANTS}))
 
 
@@ -156,7 +156,7 @@ def test_one_tenants_flood_evicts_its_own_sessions_not_the_others(quota):
     """Per-tenant KV: with a quota, alpha's LRU sessions go above it; without one, alpha is
     over its fair share of the replica's budget, so it loses sessions before beta does."""
     tenants = [{**TENANTS[0], "kv_quota_tokens": quota}, TENANTS[1]]
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"batch_wait_ms": 0, "kv_budget_tokens": 256},
                                   router={"tenants": tenants}))
 

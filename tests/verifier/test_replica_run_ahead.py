@@ -1,4 +1,4 @@
-"""Run-ahead on a replica (the VerifierCore batch loop, no Serve; deploy/verifier/run_ahead.py):
+"""Run-ahead on a replica (the VerifierServer batch loop, no Serve; deploy/verifier/run_ahead.py):
 while the tree budget is 0, a request that asks (F_AHEAD) is decoded on in the following forwards
 and answered once with several tokens, exactly the target's (greedy and seeded sampling); a
 client that goes, an eviction or a close in the middle stops it without losing a token or
@@ -13,7 +13,7 @@ import pytest
 
 from deploy.config import AppConfig
 from specdec.protocol import ReplyFrame, VerifyFrame
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 from specdec.model.loading import load_target
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
@@ -25,9 +25,9 @@ from tests.edge_agent.helpers import noisy_copy
 VOCAB = 512
 
 
-def make_core(budgets=(0,), **verifier) -> VerifierCore:
+def make_core(budgets=(0,), **verifier) -> VerifierServer:
     """A replica whose tree budget is 0 from the first round (``budgets=(0,)``: no tree pays)."""
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"batch_wait_ms": 2, **verifier}, pacing={"tree_budgets": list(budgets)}))
     for rows in (1, 4, 16):  # past the pacer's warm-up (3 forwards), flat: trees would pay if offered
         core.pacer.observe_forward(rows, 0.01)

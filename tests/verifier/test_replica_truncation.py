@@ -14,7 +14,7 @@ import torch
 from deploy.config import AppConfig
 from specdec.protocol import ReplyFrame, VerifyFrame
 from specdec.proposal import Proposal, draw_without_replacement
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 from specdec.model.loading import load_target
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
@@ -24,7 +24,7 @@ VOCAB = 512
 
 
 def test_truncated_rounds_are_exact_and_report_what_was_verified():
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"batch_wait_ms": 5}))
     for rows in (8, 16, 32, 64, 128, 256):  # a steep CPU-like curve: every row above 8 costs 2 ms
         core.pacer.observe_forward(rows, 0.01 + 0.002 * max(0, rows - 8))
@@ -91,7 +91,7 @@ def test_sampled_trees_are_never_truncated_while_plain_trees_are():
     (a cut by value would bias it): with the steep cost curve cutting the plain greedy trees of
     the same batches, every sampled (F_TREEQ) tree is verified whole, with the same confidence
     bytes the plain trees carry."""
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"batch_wait_ms": 5}))
     for rows in (8, 16, 32, 64, 128, 256):
         core.pacer.observe_forward(rows, 0.01 + 0.002 * max(0, rows - 8))

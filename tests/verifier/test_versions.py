@@ -1,4 +1,4 @@
-"""Target versions on a replica (deploy/verifier/versions.py, the VerifierCore batch loop, no
+"""Target versions on a replica (deploy/verifier/versions.py, the VerifierServer batch loop, no
 Serve): edge agents of the base and two LoRA versions share one replica holding at most one
 adapter; each version's output equals its own (PEFT-merged) decoding, versions share forwards,
 adapters load and evict; removing a version answers 404 to its sessions only; each version,
@@ -12,7 +12,7 @@ import pytest
 
 from deploy.config import AppConfig
 from specdec.errors import ModelNotFound
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 from specdec.model.loading import load_model
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
@@ -41,7 +41,7 @@ def make_core(loaded, paths, **target):
     cfg = AppConfig(target={"model": "tiny-random", "dtype": "float32", "adapters": paths,
                             "max_loaded_adapters": 1, **target},
                     verifier={"batch_wait_ms": 5.0, "max_tree_nodes": 32})
-    return VerifierCore(cfg, loaded=loaded)
+    return VerifierServer(cfg, loaded=loaded)
 
 
 async def run_agents(core, jobs, draft):
@@ -144,10 +144,10 @@ def test_each_draft_class_paces_by_its_own_acceptance(setup):
     the version's estimates. In a full benchmark run the client kinds' 4-node trees brought 1.46-2.51
     tokens a round; one shared estimate held whichever kind had run last."""
     loaded, paths, _ = setup
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
     from specdec.engine import Session
 
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32", "adapters": paths},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32", "adapters": paths},
                                   pacing={"max_draft_classes": 2}), loaded=loaded)
     v = core.versions
     core.engine.sessions.clear()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deploy.config import AppConfig
-from deploy.verifier.deployment import VerifierCore
+from deploy.verifier.server import VerifierServer
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.drafter import ModelDrafter
@@ -57,7 +57,7 @@ def test_every_version_through_the_edge_path_equals_its_merged_model(embedded, v
     assert len({tuple(t) for t in truths[:3]}) == 3  # on one prompt, the three versions really differ
     cfg = AppConfig(target={"model": "embedded", "dtype": "float32", "adapters": versions, "max_loaded_adapters": 2},
                     verifier={"batch_wait_ms": 20.0})
-    core = VerifierCore(cfg, loaded=embedded)
+    core = VerifierServer(cfg, loaded=embedded)
     sizes = []  # versions per forward
     activate = core.versions.registry.activate
     core.versions.registry.activate = lambda names: (sizes.append(len(names)), activate(names))[1]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
-from deploy.verifier.run_ahead import RunAhead
 from specdec.engine import ChainVerifyRequest, VerifyRequest
 from specdec.errors import SpecError
 
@@ -25,7 +25,7 @@ class QueuedRound:
     req: VerifyRequest | ChainVerifyRequest
     fut: asyncio.Future | None  # the request it answers; None for a run-ahead step (its run's)
     gains: list[float]  # per-node draft gains, for batch-time truncation ([] when off)
-    run: RunAhead | None = None  # the run-ahead this round belongs to
+    run: Any = None  # the deploy.verifier.run_ahead.RunAhead this round belongs to, if any
 
     @property
     def answers(self) -> asyncio.Future | None:

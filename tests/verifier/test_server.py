@@ -1,4 +1,4 @@
-"""The replica core (deploy/verifier/deployment.py: in-process VerifierCore, no Serve): chunked
+"""The replica core (deploy/verifier/server.py: in-process VerifierServer, no Serve): chunked
 prefill rides along the verify forwards, so a long prompt never stalls other sessions' verify rounds;
 a full KV pool fails an open clearly; an evicted session re-opens from the prefix cache."""
 
@@ -34,11 +34,11 @@ def test_a_4096_token_prompt_does_not_stall_eight_verifying_sessions():
 def test_a_full_kv_pool_fails_the_open_clearly_and_nothing_hangs():
     import asyncio
 
-    from deploy.verifier.deployment import VerifierCore
+    from deploy.verifier.server import VerifierServer
 
     # pool: 256 + 64 + 2 x 16 = 352 tokens (22 pages); two different 300-token prompts do not both fit
     # (the same prompt twice would: the second shares the first's cached pages)
-    core = VerifierCore(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
+    core = VerifierServer(AppConfig(target={"model": "tiny-random", "dtype": "float32"},
                                   verifier={"kv_budget_tokens": 256, "max_batch_tokens": 64,
                                             "max_batch_sessions": 1, "batch_wait_ms": 0}))
 
@@ -83,12 +83,12 @@ def test_an_evicted_session_is_re_opened_from_the_prefix_cache_not_recomputed():
 
 
 def test_the_core_imports_without_ray():
-    """The Serve binding lives in deploy/verifier/serve_replica.py: the core and its parts import no Ray."""
+    """The Serve binding lives in deploy/verifier/deployment.py: the core and its parts import no Ray."""
     import subprocess
     import sys
     from pathlib import Path
 
-    code = ("import sys, deploy.verifier.deployment\n"
+    code = ("import sys, deploy.verifier.server\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])

@@ -1,0 +1,104 @@
+"""The forward's cost: seconds against the rows in the batch, fitted per replica as a hinge.
+
+Used by the pacer (:mod:`deploy.verifier.pacing`), the batch loop's fill
+(:mod:`deploy.verifier.batch_loop`) and the prefill budget (:mod:`deploy.verifier.prefill_budget`).
+Pure module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PiecewiseCost:
+    """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``. Each row count keeps the
+    EMA of its forwards' seconds and how many it saw (capped at ``weight_cap``); the hinge is
+    refitted over these means every ``refit_every`` observations, each weighted by its count.
+    The knee is the candidate (0 or an observed row count) with the least squared relative
+    error; ``b >= 0``. With one row count seen so far the curve is flat at its mean. Per-count
+    means, not a window of recent forwards, so the slope survives a load that stays at one size."""
+
+    ema: float = 0.1
+    weight_cap: int = 32
+    refit_every: int = 8
+    _means: dict[float, list[float]] = field(default_factory=dict)  # rows -> [EMA seconds, count]
+    _count: int = 0
+    _since_fit: int = 0
+    _fit: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a, b, knee
+
+    def observe(self, rows: float, seconds: float) -> None:
+        m = self._means.get(float(rows))
+        if m is None:
+            self._means[float(rows)] = [float(seconds), 1]
+        else:
+            m[0] += self.ema * (float(seconds) - m[0])
+            m[1] = min(m[1] + 1, self.weight_cap)
+        self._count += 1
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or self._count <= 3:
+            self.refit()
+
+    @property
+    def count(self) -> int:
+        """Forwards observed."""
+        return self._count
+
+    def points(self) -> list[tuple[float, float, float]]:
+        """(rows, mean seconds, weight) per row count seen."""
+        return [(x, m, float(n)) for x, (m, n) in self._means.items()]
+
+    def refit(self) -> None:
+        self._since_fit = 0
+        if self._means:
+            self._fit = _best_hinge(self.points())
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, knee)."""
+        return self._fit
+
+    def predict(self, rows: float) -> float:
+        a, b, knee = self._fit
+        return a + b * max(0.0, rows - knee)
+
+
+def _best_hinge(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Weighted least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0`` over
+    ``(x, t, weight)`` points, in relative error (weights ``weight / t^2``: a 16 ms forward
+    matters as much as a 500 ms one), for every candidate knee (0 and each x but the largest);
+    the (a, b, knee) of least error. O(1) per knee from suffix sums over the sorted points."""
+    points = sorted(points)
+    obs = [(x, y) for x, y, _ in points]
+    ws = [n / max(y, 1e-6) ** 2 for _, y, n in points]
+    sw = sum(ws)
+    swy = sum(w * y for w, (_, y) in zip(ws, obs))
+    swyy = sum(w * y * y for w, (_, y) in zip(ws, obs))
+    my = swy / sw
+    # suffix sums over the points right of the knee: w, w x, w x^2, w y, w x y
+    rw = rwx = rwxx = rwy = rwxy = 0.0
+    tails = []  # (knee, the five suffix sums of the points with x > knee)
+    i = len(obs)
+    xs = sorted({x for x, _ in obs}, reverse=True)
+    for knee in xs[1:] + [0.0]:
+        while i > 0 and obs[i - 1][0] > knee:
+            i -= 1
+            (x, y), w = obs[i], ws[i]
+            rw, rwx, rwxx, rwy, rwxy = rw + w, rwx + w * x, rwxx + w * x * x, rwy + w * y, rwxy + w * x * y
+        tails.append((knee, rw, rwx, rwxx, rwy, rwxy))
+    # equal fits (a knee left of every point) keep the first
+    best, tie = (math.inf, my, 0.0, 0.0), 1e-9 * sum(n for *_, n in points)
+    for knee, rw, rwx, rwxx, rwy, rwxy in reversed(tails):  # knee 0 first: it wins ties
+        swh = rwx - knee * rw
+        swhh = rwxx - 2 * knee * rwx + knee * knee * rw
+        swhy = rwxy - knee * rwy
+        var = swhh - swh * swh / sw
+        cov = swhy - swh * swy / sw
+        # var is a difference of large sums: one h for every point (one row count) leaves rounding
+        # noise, not a slope, so it is compared with the sums' own size
+        b = max(0.0, cov / var) if var > 1e-12 * swhh else 0.0
+        a = (swy - b * swh) / sw
+        err = a * a * sw + b * b * swhh + swyy + 2 * a * b * swh - 2 * a * swy - 2 * b * swhy
+        if err < best[0] - tie:
+            best = (err, a, b, knee)
+    return best[1:]
