@@ -239,6 +239,14 @@ class ReplyFrame:
         return self.tail_mass > 0 or bool(self.tail_ids)
 
     @classmethod
+    def of_tree(cls, res, depth_hint: int, budget_hint: int, tree_nodes: int) -> "ReplyFrame":
+        """The reply of a :class:`~specdec.engine.VerifyResult` for a tree of ``tree_nodes`` nodes
+        (``verified`` set only when the server cut the tree)."""
+        return cls(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason, depth_hint,
+                   budget_hint, verified=res.verified if res.verified < tree_nodes else None,
+                   logprobs=list(res.logprobs) if res.logprobs is not None else None)
+
+    @classmethod
     def of_chain(cls, res, depth_hint: int, budget_hint: int) -> "ReplyFrame":
         """The reply of a :class:`~specdec.engine.ChainVerifyResult`."""
         rejected = res.bonus is None and not res.finished

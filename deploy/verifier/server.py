@@ -490,11 +490,7 @@ class VerifierServer:
             self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget, version=version)
         if run is not None:
             return self.runs.reply(p.tenant, p.session_id, run, depth, budget)
-        if tree_mode:
-            frame = ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
-                               depth, budget, verified=res.verified if res.verified < len(req.tree) else None,
-                               logprobs=list(res.logprobs) if res.logprobs is not None else None)
-        else:
-            frame = ReplyFrame.of_chain(res, depth, budget)
+        frame = ReplyFrame.of_tree(res, depth, budget, len(req.tree)) if tree_mode else \
+            ReplyFrame.of_chain(res, depth, budget)
         self._reply_sent(p.session_id, now, not (res.finished or refill), res.finished)
         return 200, frame.encode()

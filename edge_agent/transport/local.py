@@ -125,9 +125,7 @@ class LocalTransport(Transport):
         depth = self._depth_hint(frame.draft_ms, frame.rtt_ms)
         if frame.q is not None:
             return ReplyFrame.of_chain(res, depth, self.budget_hint).encode()
-        return ReplyFrame(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason,
-                          depth, self.budget_hint,
-                          logprobs=list(res.logprobs) if res.logprobs is not None else None).encode()
+        return ReplyFrame.of_tree(res, depth, self.budget_hint, len(frame.tokens)).encode()
 
     async def verify(self, sid: str, frame: VerifyFrame, on_early=None) -> ReplyFrame:
         if self.before_verify is not None:

@@ -278,3 +278,14 @@ def test_json_bodies_validate():
     s = SessionOpened(session_id="s", first_token=3, prefix_len=4, finished=False, depth_hint=4, budget_hint=32,
                       tokenizer_fingerprint="abc", model="m")
     assert SessionOpened.model_validate_json(s.model_dump_json()) == s
+
+
+def test_a_tree_reply_says_verified_only_when_the_server_cut_the_tree():
+    from types import SimpleNamespace
+
+    res = SimpleNamespace(accepted=[0, 2], bonus=7, prefix_len=12, finished=False, finish_reason=None, verified=5,
+                          logprobs=None)
+    whole = ReplyFrame.decode(ReplyFrame.of_tree(res, 3, 8, tree_nodes=5).encode())
+    cut = ReplyFrame.decode(ReplyFrame.of_tree(res, 3, 8, tree_nodes=9).encode())
+    assert whole.verified is None and cut.verified == 5
+    assert (whole.accepted, whole.bonus, whole.prefix_len, whole.depth_hint, whole.budget_hint) == ([0, 2], 7, 12, 3, 8)
