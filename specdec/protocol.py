@@ -111,6 +111,22 @@ def _decode_proposals(data: bytes, off: int, n: int):
     return out, n + 1 + 6 * e
 
 
+@dataclass(frozen=True)
+class VerifyHeader:
+    """A verify frame's fixed header (:meth:`VerifyFrame.header`)."""
+
+    flags: int
+    prefix_len: int
+    nodes: int
+    depth: int
+    draft_ms: float
+    rtt_ms: float
+
+    @property
+    def early(self) -> bool:
+        return bool(self.flags & F_EARLY)
+
+
 @dataclass
 class VerifyFrame:
     """One verify round: a draft tree (or chain with q) for the prefix the edge assumes."""
@@ -150,12 +166,12 @@ class VerifyFrame:
             out.append(struct.pack("<I", self.resampled))
         return b"".join(out)
 
-    @classmethod
-    def decode(cls, data: bytes, max_nodes: int = MAX_NODES_WIRE) -> "VerifyFrame":
-        """Parse and structurally check a frame; raises :class:`InvalidRequest` on any defect."""
+    @staticmethod
+    def header(data: bytes, max_nodes: int = MAX_NODES_WIRE) -> "VerifyHeader":
+        """The header alone, checked (magic, version, flags and their combinations, the node
+        limit); the body is not read. What a router routes on."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidRequest("verify body must be binary")
-        data = bytes(data)
         if len(data) < _REQ_HEAD.size:
             raise InvalidRequest(f"verify frame too short ({len(data)} bytes)")
         magic, ver, flags, prefix_len, n, depth, draft_ms, rtt_ms = _REQ_HEAD.unpack_from(data)
@@ -170,14 +186,22 @@ class VerifyFrame:
             raise InvalidRequest("flags: F_EARLY goes with a plain tree (no F_CHAIN, F_RESAMPLED, F_MORE, F_TREEQ)")
         if flags & F_MORE and (flags & (F_CHAIN | F_RESAMPLED | F_CONF) != F_CHAIN or n):
             raise InvalidRequest("flags: F_MORE goes with F_CHAIN alone and no nodes")
+        if flags & F_TREEQ and flags & (F_CHAIN | F_RESAMPLED | F_MORE):
+            raise InvalidRequest("flags: F_TREEQ goes with a tree (no F_CHAIN, F_RESAMPLED or F_MORE)")
         if n > max_nodes:
             raise PayloadTooLarge(f"tree of {n} nodes exceeds the limit {max_nodes}")
+        return VerifyHeader(flags, prefix_len, n, depth, draft_ms, rtt_ms)
+
+    @classmethod
+    def decode(cls, data: bytes, max_nodes: int = MAX_NODES_WIRE) -> "VerifyFrame":
+        """Parse and structurally check a frame; raises :class:`InvalidRequest` on any defect."""
+        h = cls.header(data, max_nodes)
+        data = bytes(data)
+        flags, prefix_len, n, depth, draft_ms, rtt_ms = h.flags, h.prefix_len, h.nodes, h.depth, h.draft_ms, h.rtt_ms
         chain, has_conf = bool(flags & F_CHAIN), bool(flags & F_CONF)
         want = _REQ_HEAD.size + n * (6 + (4 if chain else 0) + has_conf) + (4 if flags & F_RESAMPLED else 0)
         proposals = None
         if flags & F_TREEQ:
-            if flags & (F_CHAIN | F_RESAMPLED | F_MORE):
-                raise InvalidRequest("flags: F_TREEQ goes with a tree (no F_CHAIN, F_RESAMPLED or F_MORE)")
             proposals, extra = _decode_proposals(data, want, n)
             want += extra
         if len(data) != want:
@@ -276,6 +300,27 @@ class ReplyFrame:
                          struct.pack(f"<{k}I", *self.reject_top_ids), struct.pack(f"<{k}f", *self.reject_top_probs),
                          tail])
 
+    @staticmethod
+    def outcome(data: bytes) -> "ReplyOutcome":
+        """What a reply adds and whether it finished, read from its header and section counts
+        (the token lists are not read): what a router accounts by."""
+        if len(data) < _REP_HEAD.size:
+            raise InvalidRequest("reply frame too short")
+        magic, ver, flags, _, _, n, _, _, _, _, k = _REP_HEAD.unpack_from(data)
+        if magic != MAGIC or ver != VERSION:
+            raise InvalidRequest("malformed reply frame")
+        off = _REP_HEAD.size + 2 * n + 8 * k + 2 * bool(flags & R_TRUNCATED)
+        if flags & R_TAIL:
+            if len(data) < off + _TAIL_HEAD.size:
+                raise InvalidRequest("malformed reply frame")
+            off += _TAIL_HEAD.size + 8 * _TAIL_HEAD.unpack_from(data, off)[1]
+        ahead = 0
+        if flags & R_AHEAD:
+            if len(data) < off + 2:
+                raise InvalidRequest("malformed reply frame")
+            (ahead,) = struct.unpack_from("<H", data, off)
+        return ReplyOutcome(n + bool(flags & R_HAS_BONUS) + ahead, bool(flags & R_FINISHED))
+
     @classmethod
     def decode(cls, data: bytes) -> "ReplyFrame":
         if len(data) < _REP_HEAD.size:
@@ -308,6 +353,14 @@ class ReplyFrame:
         if flags & R_LOGPROBS:  # its tokens: the accepted nodes' (unknown here: -1), the bonus, the run-ahead
             out.logprobs = _decode_logprobs(data, end, [-1] * n + ([bonus] if flags & R_HAS_BONUS else []) + ahead)
         return out
+
+
+@dataclass(frozen=True)
+class ReplyOutcome:
+    """A reply's effect on its session (:meth:`ReplyFrame.outcome`)."""
+
+    emitted: int
+    finished: bool
 
 
 @dataclass

@@ -14,7 +14,6 @@ sampled (:mod:`deploy.router.probe`). The router's modules: docs/router.md.
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
@@ -70,12 +69,6 @@ async def _spec_error(request: Request, e: SpecError):
         router_metrics().on_shed_answered(clock.perf_counter() - request.scope[RECEIVED_AT])
     headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if isinstance(e, Overloaded) else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
-
-
-@dataclass(frozen=True)
-class VerifiedRound:
-    payload: bytes  # the reply frame as the verifier encoded it (what the wire routes answer)
-    reply: ReplyFrame  # the same, decoded once
 
 
 class Unavailable(Overloaded):
@@ -272,33 +265,33 @@ class Router:
         return payload
 
     async def verify(self, tenant: TenantState, sid: str, frame: bytes, send_early=None) -> bytes:
-        """One verify round from the wire (HTTP, WebSocket), its frame checked before it queues;
-        ``send_early``: where the early frames of an ``F_EARLY`` frame go. Returns the reply frame."""
+        """One verify round from the wire (HTTP, WebSocket), its header checked before it queues
+        (the verifier decodes the body); ``send_early``: where the early frames of an ``F_EARLY``
+        frame go. Returns the reply frame as the verifier encoded it."""
         self.tenants.check_rate(tenant)
-        f = VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)
-        return (await self._verify(tenant, sid, f, frame, send_early)).payload
+        head = VerifyFrame.header(frame, max_nodes=self.cfg.verifier.max_tree_nodes)
+        return await self._verify(tenant, sid, frame, send_early if head.early else None)
 
     async def verify_frame(self, tenant: TenantState, sid: str, f: VerifyFrame) -> ReplyFrame:
         """One verify round of a frame built here (server-side decoding): encoded once, and its
         reply decoded once."""
         self.tenants.check_rate(tenant)
-        return (await self._verify(tenant, sid, f, f.encode())).reply
+        return ReplyFrame.decode(await self._verify(tenant, sid, f.encode()))
 
-    async def _verify(self, tenant: TenantState, sid: str, f: VerifyFrame, frame: bytes,
-                      send_early=None) -> VerifiedRound:
+    async def _verify(self, tenant: TenantState, sid: str, frame: bytes, send_early=None) -> bytes:
         t0 = clock.perf_counter()
-        early = {"stream_to": send_early} if send_early is not None and f.early else {}
+        early = {"stream_to": send_early} if send_early is not None else {}
         status, payload = await self._admitted_call("verify", "verify_stream" if early else "verify", session_id=sid,
                                                     tenant=tenant.config.name, frame=frame, **early)
         if status in (404, 410):
             self.tenants.session_gone(tenant, sid)
         _raise_for(status, payload)
-        reply = ReplyFrame.decode(payload)
-        self.tenants.session_used(tenant, sid, reply.emitted)
-        if reply.finished:
+        out = ReplyFrame.outcome(payload)
+        self.tenants.session_used(tenant, sid, out.emitted)
+        if out.finished:
             self.tenants.session_finished(tenant, sid)
         self.metrics.on_verify(tenant.config.name, clock.perf_counter() - t0, self.admission.inflight)
-        return VerifiedRound(payload, reply)
+        return payload
 
     async def close(self, tenant: TenantState, sid: str) -> dict:
         status, payload = await self._call("close_session", session_id=sid, tenant=tenant.config.name)

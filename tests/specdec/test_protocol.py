@@ -289,3 +289,27 @@ def test_a_tree_reply_says_verified_only_when_the_server_cut_the_tree():
     cut = ReplyFrame.decode(ReplyFrame.of_tree(res, 3, 8, tree_nodes=9).encode())
     assert whole.verified is None and cut.verified == 5
     assert (whole.accepted, whole.bonus, whole.prefix_len, whole.depth_hint, whole.budget_hint) == ([0, 2], 7, 12, 3, 8)
+
+
+def test_a_reply_outcome_read_from_the_header_is_the_decoded_replys():
+    for frame in (ReplyFrame([0, 1], 5, 9, finished=True, finish_reason="stop"),
+                  ReplyFrame([], 5, 9, ahead=[6, 7, 8]),
+                  ReplyFrame([2], None, 9, rejected=True, reject_top_ids=[1, 2], reject_top_probs=[0.5, 0.2],
+                             tail_mass=0.3, tail_ids=[4], tail_probs=[0.1]),
+                  ReplyFrame([0], 3, 9, verified=4, ahead=[1])):
+        data = frame.encode()
+        out = ReplyFrame.outcome(data)
+        assert (out.emitted, out.finished) == (ReplyFrame.decode(data).emitted, frame.finished)
+
+
+def test_the_header_alone_refuses_what_decode_refuses_for_the_header():
+    f = VerifyFrame(3, [1, 2], [-1, 0], early=True)
+    assert VerifyFrame.header(f.encode()).early and VerifyFrame.header(f.encode()).nodes == 2
+    with pytest.raises(PayloadTooLarge):
+        VerifyFrame.header(f.encode(), max_nodes=1)
+    with pytest.raises(InvalidRequest):
+        VerifyFrame.header(f.encode()[:5])
+    bad = bytearray(f.encode())
+    bad[3] |= 0x80  # an unknown flag
+    with pytest.raises(InvalidRequest):
+        VerifyFrame.header(bytes(bad))
