@@ -134,6 +134,9 @@ class VerifierConfig(_Strict):
                              description="rejection rule: most entries of p per rejection reply (all of p when its "
                                          "support fits; else up to K head entries and K tail candidates); exact "
                                          "for any K, only the bytes and refill round trips change")
+    rule_modules: list[str] = Field(default_factory=list, description="Python modules imported at start, each "
+                                                                      "registering verify rules beyond the built-in "
+                                                                      "ones (specdec/rules.py)")
     truncate_trees: bool = Field(True, description="per batch, verify the prefix of each priority-ordered tree that "
                                                    "maximises expected tokens per forward second "
                                                    "(specdec/truncation.py)")

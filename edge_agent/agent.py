@@ -2,10 +2,8 @@
 
 :meth:`EdgeAgent.generate` runs one generation (docs/protocol.md, "One generation, end to end"):
 open a session, then a verify rule's rounds until the server says it finished. Rules
-(``AgentConfig.verify``; docs/edge_agent.md, "Verify rules"): ``match`` and ``tree-rejection`` run
-:class:`~edge_agent.tree_rounds.TreeRounds`, ``rejection`` runs
-:class:`~edge_agent.chain_rounds.ChainRounds`; ``auto`` picks one per request
-(:mod:`edge_agent.verify_policy`). Modes: ``stop-and-wait`` waits idle for each reply,
+(``AgentConfig.verify``; docs/edge_agent.md, "Verify rules") are registered by name in
+:mod:`edge_agent.rules`; ``auto`` picks one per request (:mod:`edge_agent.verify_policy`). Modes: ``stop-and-wait`` waits idle for each reply,
 ``proactive`` drafts on while it is away (SpecEdge §4.2). Guarantee: greedy output equals the
 target's; sampled output follows the target's distribution. A lost session is re-opened from the
 edge's history (:mod:`edge_agent.link`): no token is lost or duplicated.
@@ -17,7 +15,6 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from edge_agent.chain_rounds import ChainRounds
 from edge_agent.config import AgentConfig
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.draft_executor import DraftExecutor
@@ -25,9 +22,9 @@ from edge_agent.drafter import Drafter
 from edge_agent.errors import EdgeError, TokenizerMismatch
 from edge_agent.link import Client, SessionLink
 from edge_agent.rounds import Edge, Generation
+from edge_agent.rules import RULES
 from edge_agent.stats import GenerationResult, GenerationStats
 from edge_agent.transport.base import ModelInfo, Transport
-from edge_agent.tree_rounds import TreeRounds
 from edge_agent.verify_policy import PolicyStore, VerifyPolicy
 from specdec import clock
 from specdec.protocol import TokenLogprob
@@ -184,7 +181,7 @@ class EdgeAgent:
             emit([sess.first_token], [TokenLogprob.from_dict(sess.first_logprob)] if sess.first_logprob else None)
         edge = Edge(self.config, self.drafter, self.policy, self.telemetry, self._drafts)
         gen = Generation(info, params, prompt_ids, generated, stats, emit)
-        rounds = ChainRounds(edge, link, gen, sess) if rule == "rejection" else TreeRounds(edge, link, gen, sess, rule)
+        rounds = RULES.get(rule).rounds(edge, link, gen, sess)
         finish_reason = await rounds.run()
         return self._done(params, prompt_ids, generated, stream, stats, t_start, finish_reason)
 
@@ -196,13 +193,9 @@ class EdgeAgent:
         return [int(t) for t in prompt]
 
     def _rule(self, params: SamplingParams) -> str:
-        """The verify rule of this request."""
+        """The verify rule of this request (:mod:`edge_agent.rules`)."""
         rule = self.verify_policy.choose(params) if self.config.verify == "auto" else self.config.verify
-        if rule == "tree-rejection" and params.greedy:
-            rule = "match"  # a point-mass target accepts the argmax's child whatever the rule: SpecExec trees
-        if rule == "rejection" and params.logprobs is not None:
-            rule = "match"  # a chain's rejected token is the edge's sample: the server has log-probs for trees only
-        return rule
+        return RULES.get(rule).instead(params) or rule
 
     def _client(self) -> Client:
         from specdec.model.loading import tokenizer_fingerprint

@@ -9,6 +9,7 @@ from edge_agent.depth import DepthPolicy
 
 MODES = ("proactive", "stop-and-wait")
 VERIFY_RULES = ("match", "rejection", "tree-rejection", "auto")  # docs/edge_agent.md, "Verify rules"
+REGISTERED_RULES: set[str] = set()  # rules other modules registered (edge_agent.rules.register)
 MAX_GUESSES = 16  # AgentConfig.guesses, at most
 
 
@@ -52,8 +53,9 @@ class AgentConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.verify not in VERIFY_RULES:
-            raise ValueError(f"verify must be one of {VERIFY_RULES}, got {self.verify!r}")
+        if self.verify not in VERIFY_RULES and self.verify not in REGISTERED_RULES:
+            raise ValueError(f"verify must be one of {VERIFY_RULES} or a registered rule "
+                             f"({sorted(REGISTERED_RULES)}), got {self.verify!r}")
         if not 0 <= self.guesses <= MAX_GUESSES:
             raise ValueError(f"guesses must be 0..{MAX_GUESSES}, got {self.guesses}")
         DepthPolicy(self.depth_policy)  # validates the name

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.errors import InvalidRequest, PayloadTooLarge
+from specdec.frame_sections import RULE_HEAD, decode_proposals, decode_rule, encode_proposals, encode_rule
 
 MAGIC = 0x5345  # "SE"
 VERSION = 1
@@ -31,6 +32,14 @@ _TAIL_HEAD = struct.Struct("<fH")  # R_TAIL: tail mass, candidates
 F_CHAIN, F_RESAMPLED, F_CONF, F_MORE, F_TREEQ = 1, 2, 4, 8, 16  # request flags
 F_EARLY = 32  # request flag: stream early results (EarlyFrame) before the reply
 F_AHEAD = 64  # request flag: the server may run ahead (decode on past the bonus) while trees do not pay
+F_RULE = 128  # request flag: a registered rule's name and payload follow the tree (specdec.rules)
+# the rule a frame's rule flag names, and the option flags that rule takes: any other flag is a 400
+_RULE_OPTIONS = {0: ("match", F_CONF | F_EARLY | F_AHEAD | F_RESAMPLED),
+                 F_CHAIN: ("rejection", F_RESAMPLED | F_MORE | F_CONF),
+                 F_TREEQ: ("tree-rejection", F_CONF), F_RULE: ("registered", 0)}
+# options that exclude each other: an early stream, a run-ahead reply and an owed residual sample
+# each change what the round's reply holds
+_EXCLUSIVE = ((F_EARLY, F_AHEAD), (F_EARLY, F_RESAMPLED), (F_AHEAD, F_RESAMPLED))
 EARLY_MAGIC = 0x4545  # "EE"
 _EARLY_HEAD = struct.Struct("<HBBIHHIf")  # magic, ver, flags, prefix_len, layer, n_acc, token, confidence
 R_FINISHED, R_HAS_BONUS, R_REJECTED, R_TRUNCATED, R_TAIL, R_AHEAD = 1, 2, 4, 8, 16, 32  # reply flags
@@ -84,33 +93,6 @@ def _decode_logprobs(data: bytes, off: int, tokens: list[int]) -> list[TokenLogp
             for j, (t, c) in enumerate(zip(tokens, chosen))]
 
 
-def _encode_proposals(proposals, n: int) -> bytes:
-    """``F_TREEQ``'s bytes: counts (u8 per position), ids (u32), weights (u16)."""
-    if len(proposals) != n + 1:
-        raise ValueError(f"{len(proposals)} proposals for {n} nodes (one per node + the root)")
-    props = [(tuple(p[0]), tuple(p[1])) if p else ((), ()) for p in proposals]
-    ids = [x for p in props for x in p[0]]
-    ws = [w for p in props for w in p[1]]
-    return bytes(len(p[0]) for p in props) + struct.pack(f"<{len(ids)}I", *ids) + struct.pack(f"<{len(ws)}H", *ws)
-
-
-def _decode_proposals(data: bytes, off: int, n: int):
-    """The proposals at ``off`` (before an F_RESAMPLED tail, which F_TREEQ never has) and their size."""
-    if len(data) < off + n + 1:
-        raise InvalidRequest("verify frame too short for its proposals")
-    counts = list(data[off: off + n + 1])
-    e = sum(counts)
-    if len(data) < off + n + 1 + 6 * e:
-        raise InvalidRequest("verify frame too short for its proposals")
-    ids = struct.unpack_from(f"<{e}I", data, off + n + 1)
-    ws = struct.unpack_from(f"<{e}H", data, off + n + 1 + 4 * e)
-    out, j = [], 0
-    for c in counts:
-        out.append((tuple(ids[j: j + c]), tuple(ws[j: j + c])))
-        j += c
-    return out, n + 1 + 6 * e
-
-
 @dataclass(frozen=True)
 class VerifyHeader:
     """A verify frame's fixed header (:meth:`VerifyFrame.header`)."""
@@ -145,13 +127,21 @@ class VerifyFrame:
     proposals: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
     early: bool = False  # F_EARLY: early results from the exit heads before the reply (trees only)
     ahead: bool = False  # F_AHEAD: the server may decode on past the bonus while its tree budget is 0
+    rule: str | None = None  # F_RULE: a registered rule's name (None: the built-in rule the flags say)
+    payload: bytes = b""  # F_RULE: that rule's own bytes
+
+    @property
+    def rule_name(self) -> str:
+        """The verify rule this frame is for: its registered rule, else the built-in one its flags say."""
+        return self.rule or ("rejection" if self.q is not None else "tree-rejection" if self.proposals is not None
+                             else "match")
 
     def encode(self) -> bytes:
         n = len(self.tokens)
         flags = (F_CHAIN if self.q is not None else 0) | (F_RESAMPLED if self.resampled is not None else 0) | (
             F_CONF if self.conf is not None else 0) | (F_MORE if self.more else 0) | (
             F_TREEQ if self.proposals is not None else 0) | (F_EARLY if self.early else 0) | (
-            F_AHEAD if self.ahead else 0)
+            F_AHEAD if self.ahead else 0) | (F_RULE if self.rule is not None else 0)
         out = [_REQ_HEAD.pack(MAGIC, VERSION, flags, self.prefix_len, n, min(self.depth, 65535),
                               float(self.draft_ms), float(self.rtt_ms))]
         out.append(struct.pack(f"<{n}I", *self.tokens))
@@ -161,9 +151,11 @@ class VerifyFrame:
         if self.conf is not None:
             out.append(bytes(self.conf))
         if self.proposals is not None:
-            out.append(_encode_proposals(self.proposals, n))
+            out.append(encode_proposals(self.proposals, n))
         if self.resampled is not None:
             out.append(struct.pack("<I", self.resampled))
+        if self.rule is not None:
+            out.append(encode_rule(self.rule, self.payload))
         return b"".join(out)
 
     @staticmethod
@@ -177,17 +169,18 @@ class VerifyFrame:
         magic, ver, flags, prefix_len, n, depth, draft_ms, rtt_ms = _REQ_HEAD.unpack_from(data)
         if magic != MAGIC or ver != VERSION:
             raise InvalidRequest("not a verify frame of protocol version 1")
-        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE | F_TREEQ | F_EARLY | F_AHEAD):
+        if flags & ~(F_CHAIN | F_RESAMPLED | F_CONF | F_MORE | F_TREEQ | F_EARLY | F_AHEAD | F_RULE):
             raise InvalidRequest(f"unknown flags {flags:#x}")
-        if flags & F_AHEAD and flags & (F_CHAIN | F_RESAMPLED | F_MORE | F_TREEQ | F_EARLY):
-            raise InvalidRequest("flags: F_AHEAD goes with a plain tree (no F_CHAIN, F_RESAMPLED, F_MORE, F_TREEQ, "
-                                 "F_EARLY)")
-        if flags & F_EARLY and flags & (F_CHAIN | F_RESAMPLED | F_MORE | F_TREEQ):
-            raise InvalidRequest("flags: F_EARLY goes with a plain tree (no F_CHAIN, F_RESAMPLED, F_MORE, F_TREEQ)")
-        if flags & F_MORE and (flags & (F_CHAIN | F_RESAMPLED | F_CONF) != F_CHAIN or n):
-            raise InvalidRequest("flags: F_MORE goes with F_CHAIN alone and no nodes")
-        if flags & F_TREEQ and flags & (F_CHAIN | F_RESAMPLED | F_MORE):
-            raise InvalidRequest("flags: F_TREEQ goes with a tree (no F_CHAIN, F_RESAMPLED or F_MORE)")
+        rule = flags & (F_CHAIN | F_TREEQ | F_RULE)
+        if rule not in _RULE_OPTIONS:
+            raise InvalidRequest("flags: one rule a frame (F_CHAIN, F_TREEQ or F_RULE, or none: match)")
+        name, options = _RULE_OPTIONS[rule]
+        if flags & ~rule & ~options:
+            raise InvalidRequest(f"flags {flags & ~rule & ~options:#x} are not options of the {name} rule")
+        if any(flags & a and flags & b for a, b in _EXCLUSIVE):
+            raise InvalidRequest(f"flags {flags:#x}: F_EARLY, F_AHEAD and F_RESAMPLED exclude each other")
+        if flags & F_MORE and (flags & (F_RESAMPLED | F_CONF) or n):
+            raise InvalidRequest("flags: F_MORE asks for candidates alone (no nodes, F_RESAMPLED or F_CONF)")
         if n > max_nodes:
             raise PayloadTooLarge(f"tree of {n} nodes exceeds the limit {max_nodes}")
         return VerifyHeader(flags, prefix_len, n, depth, draft_ms, rtt_ms)
@@ -202,8 +195,12 @@ class VerifyFrame:
         want = _REQ_HEAD.size + n * (6 + (4 if chain else 0) + has_conf) + (4 if flags & F_RESAMPLED else 0)
         proposals = None
         if flags & F_TREEQ:
-            proposals, extra = _decode_proposals(data, want, n)
+            proposals, extra = decode_proposals(data, want, n)
             want += extra
+        rule, payload = None, b""
+        if flags & F_RULE:
+            rule, payload = decode_rule(data, want)
+            want += RULE_HEAD.size + len(rule) + len(payload)
         if len(data) != want:
             raise InvalidRequest(f"verify frame is {len(data)} bytes, its header implies {want}")
         off = _REQ_HEAD.size
@@ -220,7 +217,7 @@ class VerifyFrame:
             if not (x == x and 0.0 <= x < 1e7):  # NaN or absurd telemetry
                 raise InvalidRequest("draft_ms / rtt_ms must be finite and non-negative")
         return cls(prefix_len, tokens, parents, draft_ms, rtt_ms, depth, q, resampled, conf, bool(flags & F_MORE),
-                   proposals, bool(flags & F_EARLY), bool(flags & F_AHEAD))
+                   proposals, bool(flags & F_EARLY), bool(flags & F_AHEAD), rule, payload)
 
 
 @dataclass

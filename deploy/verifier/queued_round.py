@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from deploy.verifier.rules import RULES, VerifierRule
 from specdec.engine import ChainVerifyRequest, VerifyRequest
 from specdec.errors import SpecError
 
@@ -26,6 +27,7 @@ class QueuedRound:
     fut: asyncio.Future | None  # the request it answers; None for a run-ahead step (its run's)
     gains: list[float]  # per-node draft gains, for batch-time truncation ([] when off)
     run: Any = None  # the deploy.verifier.run_ahead.RunAhead this round belongs to, if any
+    rule: VerifierRule = field(default_factory=lambda: RULES.get("match"))  # a run-ahead step's: match
 
     @property
     def answers(self) -> asyncio.Future | None:

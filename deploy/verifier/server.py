@@ -35,6 +35,7 @@ from deploy.verifier.open_queue import OpenQueue, QueuedOpen
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.prefill_budget import PrefillBudget
 from deploy.verifier.queued_round import QueuedRound, answer, answer_each, error_reply, internal_reply
+from deploy.verifier.rules import RULES
 from deploy.verifier.run_ahead import RunAhead
 from deploy.verifier.scheduler import FairScheduler, Pending
 from deploy.verifier.sessions import EdgeClient, SessionBook
@@ -45,10 +46,10 @@ from specdec import clock
 from specdec.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
 from specdec.errors import InvalidRequest, ModelNotFound, SessionEvicted, SpecError, TokenizerMismatch
 from specdec.model.loading import tokenizer_fingerprint
-from specdec.protocol import ReplyFrame, VerifyFrame
+from specdec.protocol import VerifyFrame
+from specdec.rules import import_rule_modules
 from specdec.sampling import SamplingParams
-from specdec.tree import DraftTree
-from specdec.truncation import GainCalibration, choose_prefixes, node_gains
+from specdec.truncation import GainCalibration, choose_prefixes
 
 log = logging.getLogger("ray.serve")
 
@@ -64,6 +65,7 @@ class VerifierServer:
         if vc.torch_threads:
             torch.set_num_threads(vc.torch_threads)
         self.tag, self._warming = replica_tag, vc.warmup  # the warm-up's forwards are not measured (see the end)
+        import_rule_modules(vc.rule_modules)
         started = start_target(config, self._on_forward, runner, loaded)  # KV pool sized from memory
         self.loaded, self.engine, self.kv_plan = started.loaded, started.engine, started.kv_plan
         # exit heads: early results mid-forward for edges that ask (deploy/verifier/early_stream.py)
@@ -249,14 +251,8 @@ class VerifierServer:
         try:
             f = VerifyFrame.decode(frame, max_nodes=self.cfg.verifier.max_tree_nodes)
             self.sessions.check(session_id, tenant)
-            if f.q is None:
-                req = VerifyRequest(session_id, DraftTree(tuple(f.tokens), tuple(f.parents)), f.prefix_len,
-                                    proposals=f.proposals,  # proposals: tree rejection sampling
-                                    early=self.early.accept(f))
-            else:
-                if any(p != i - 1 for i, p in enumerate(f.parents)):
-                    raise InvalidRequest("chain mode: parents must form a chain")
-                req = ChainVerifyRequest(session_id, tuple(f.tokens), tuple(f.q), f.prefix_len, f.resampled, f.more)
+            rule = RULES.get(f.rule_name)
+            req = rule.request(session_id, f, self.early.accept(f) if rule.early else False)
         except SpecError as e:
             return error_reply(e)
         edge = self.sessions.client.setdefault(session_id, EdgeClient())
@@ -266,15 +262,14 @@ class VerifierServer:
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
         self.loop.ensure()
-        gains = (node_gains(f.parents, f.conf) if f.q is None and f.proposals is None
-                 and self.cfg.verifier.truncate_trees else [])
+        gains = rule.gains(f) if self.cfg.verifier.truncate_trees else []
         now = clock.monotonic()
         self.arrivals.arrived(session_id, now)
         if session_id in self.runs.detached:  # the request takes its session's detached run over
             out = self.runs.take_over(tenant, session_id, f, fut) or await fut
         else:
             run = RunAhead(ahead - 1, f.prefix_len, fut, len(f.tokens)) if ahead > 1 else None
-            self.loop.enqueue(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run), now))
+            self.loop.enqueue(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run, rule), now))
             out = await fut
         self.counters.on_request(clock.monotonic() - now)  # queue, batch wait, forward(s), reply
         return out
@@ -468,14 +463,14 @@ class VerifierServer:
         req, gains, run = p.payload.req, p.payload.gains, p.payload.run
         if isinstance(res, SpecError):
             return self.runs.so_far(p) or error_reply(res)
-        tree_mode = isinstance(req, VerifyRequest)
+        rule = p.payload.rule
         # chain mode: a rejected round has no bonus; the residual sample it owes arrives (and is
         # emitted) with the next request, and counts there
         rs = RoundStats.of(p.tenant, req, res)
         n_nodes, emitted = rs.draft_tokens, rs.emitted
-        if tree_mode and gains:
+        if gains:
             self.calibration.observe(sum(gains[:n_nodes]), len(res.accepted))
-        refill = not tree_mode and req.more  # more residual candidates: no draft was verified
+        refill = rule.refill(req)
         if not refill:
             self.hints.pacing(p.session_id)[0].observe_round(n_nodes, emitted)
         self.counters.tokens_emitted += emitted
@@ -490,7 +485,6 @@ class VerifierServer:
             self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget, version=version)
         if run is not None:
             return self.runs.reply(p.tenant, p.session_id, run, depth, budget)
-        frame = ReplyFrame.of_tree(res, depth, budget, len(req.tree)) if tree_mode else \
-            ReplyFrame.of_chain(res, depth, budget)
+        frame = rule.reply(req, res, depth, budget)
         self._reply_sent(p.session_id, now, not (res.finished or refill), res.finished)
         return 200, frame.encode()
