@@ -219,19 +219,29 @@ class Edge:
         return agg
 
 
+MAX_429_RETRIES = 8  # the openai client retries a 429 after its Retry-After (2 times by default)
+
+
 async def _sse_events(client, body: dict):
-    """POST a streaming ``/v1/completions`` request; yield each ``data:`` event's JSON object
-    (an error event, or a non-200 answer, raises)."""
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"/v1/completions -> {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    """POST a streaming ``/v1/completions`` request; yield each ``data:`` event's JSON object. A 429
+    (an open past its first-token deadline) is retried after its Retry-After, as OpenAI's client
+    does, and the wait counts in the request's time; an error event, or another non-200, raises."""
+    for attempt in range(MAX_429_RETRIES + 1):
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code == 429 and attempt < MAX_429_RETRIES:
+                await r.aread()
+                await asyncio.sleep(float(r.headers.get("retry-after") or 1.0))
                 continue
-            d = json.loads(line[6:])
-            if "error" in d:
-                raise RuntimeError(f"stream error: {d['error']}")
-            yield d
+            if r.status_code != 200:
+                raise RuntimeError(f"/v1/completions -> {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                d = json.loads(line[6:])
+                if "error" in d:
+                    raise RuntimeError(f"stream error: {d['error']}")
+                yield d
+            return
 
 
 def openai_counts(chunks: list[tuple[float, int | None, str]]) -> dict:
