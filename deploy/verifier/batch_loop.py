@@ -6,57 +6,55 @@ more rounds join (``verifier.batch_wait_ms``, only when another session could; t
 across tenants, :mod:`deploy.verifier.scheduler`) and runs it with a prefill chunk riding along.
 With no verify round queued, a prompt waiting is prefilled in a paced chunk while some session is
 decoding (its round may come back at any time), else at once. What a forward does and how its
-requests are answered is its host's (:class:`deploy.verifier.server.VerifierServer`); one bad
-batch never stops the loop. Pure asyncio: no Ray.
+requests are answered is the server's (:class:`deploy.verifier.server.VerifierServer`, which
+runs each :class:`Step` the loop yields); the loop only decides when. Pure asyncio: no Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from typing import Protocol
+from dataclasses import dataclass, field
 
 from deploy.config import VerifierConfig
 from deploy.verifier.batch_fill import ArrivalModel, fill_wait
 from deploy.verifier.counters import ReplicaCounters
 from deploy.verifier.forward_cost import PiecewiseCost
+from deploy.verifier.open_queue import OpenQueue
 from deploy.verifier.prefill_budget import PrefillBudget
 from deploy.verifier.scheduler import FairScheduler, Pending
 from specdec import clock
 
-log = logging.getLogger("ray.serve")
-
 IDLE_WAKE_S = 5.0  # an idle loop wakes this often (idle sweeps)
 
 
-class Forwards(Protocol):
-    """What the loop runs: the replica's forwards and the answers to their requests."""
+@dataclass
+class Step:
+    """What the server runs next: ``sweep`` idle sessions, begin prefilling ``opens``, verify
+    ``batch`` (a prefill chunk rides along) or prefill a chunk of ``prefill`` tokens."""
 
-    def opens_waiting(self) -> tuple[int, int]: ...  # (opens queued, opens being prefilled)
-    def take_opens(self) -> list: ...
-    async def begin_opens(self, loop, opens: list) -> None: ...
-    async def run_verifies(self, loop, batch: list[Pending]) -> None: ...
-    async def run_prefill(self, loop, budget: int) -> None: ...
-    async def sweep_idle(self) -> int: ...
-    def refresh(self) -> None: ...
+    sweep: bool = False
+    opens: list = field(default_factory=list)
+    batch: list[Pending] = field(default_factory=list)
+    prefill: int = 0
 
 
 class BatchLoop:
     """The scheduler of verify rounds and the task that runs the replica's forwards."""
 
     def __init__(self, cfg: VerifierConfig, sched: FairScheduler, engine, cost: PiecewiseCost,
-                 prefill: PrefillBudget, arrivals: ArrivalModel, counters: ReplicaCounters, host: Forwards):
+                 prefill: PrefillBudget, arrivals: ArrivalModel, counters: ReplicaCounters, opens: OpenQueue):
         self.cfg, self.sched, self.engine, self.cost = cfg, sched, engine, cost
-        self.prefill, self.arrivals, self.counters, self.host = prefill, arrivals, counters, host
+        self.prefill, self.arrivals, self.counters, self.opens = prefill, arrivals, counters, opens
         self.wake: asyncio.Event | None = None
         self.task: asyncio.Task | None = None
         self.last_verify = 0.0  # when the last verify batch ran (monotonic)
 
-    def ensure(self) -> None:
-        """Start the loop in the running event loop, unless it runs."""
+    def ensure(self, run) -> None:
+        """Start ``run(steps)`` (the server's driver of :meth:`steps`) in the running event loop,
+        unless it runs."""
         if self.task is None or self.task.done():
             self.wake = asyncio.Event()
-            self.task = asyncio.get_running_loop().create_task(self.run())
+            self.task = asyncio.get_running_loop().create_task(run(self.steps()))
 
     def kick(self) -> None:
         if self.wake is not None:
@@ -69,12 +67,12 @@ class BatchLoop:
         self.sched.add(p)
         self.kick()
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        vc, host = self.cfg, self.host
+    async def steps(self):
+        """The replica's steps, each decided when the one before it has run."""
+        vc = self.cfg
         last_sweep = clock.monotonic()
         while True:
-            if not len(self.sched) and not any(host.opens_waiting()):
+            if not len(self.sched) and not len(self.opens):
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=IDLE_WAKE_S)
@@ -84,26 +82,20 @@ class BatchLoop:
                 await clock.sleep(vc.batch_wait_ms / 1000.0)  # let a few more requests join this forward
             await self.fill_batch()
             if clock.monotonic() - last_sweep > min(IDLE_WAKE_S, vc.idle_timeout_s / 2):
-                await host.sweep_idle()
+                yield Step(sweep=True)
                 last_sweep = clock.monotonic()
-            host.refresh()
-            try:
-                queued, prefilling = host.opens_waiting()
-                if queued:
-                    await host.begin_opens(loop, host.take_opens())
-                batch = self.sched.take(vc.max_batch_sessions, vc.max_batch_tokens)
-                if batch:  # a prefill chunk rides along
-                    await host.run_verifies(loop, batch)
-                    self.last_verify = clock.monotonic()
-                elif host.opens_waiting()[1]:
-                    busy = self.decoding_recently()
-                    if busy and await self.request_arrives(max(0.002, 2 * self.prefill.verify_s)):
-                        continue  # a verify round came back: the next chunk rides along with it
-                    # the edges are drafting (or gone): prefill in the gap
-                    waiting = host.opens_waiting()[1]
-                    await host.run_prefill(loop, self.prefill.budget(waiting) if busy else vc.max_batch_tokens)
-            except Exception as e:  # never let one bad batch kill the loop
-                log.exception("verify loop error: %s", e)
+            if self.opens.queued:
+                yield Step(opens=self.opens.take())
+            batch = self.sched.take(vc.max_batch_sessions, vc.max_batch_tokens)
+            if batch:  # a prefill chunk rides along
+                yield Step(batch=batch)
+                self.last_verify = clock.monotonic()
+            elif self.opens.prefilling:
+                busy = self.decoding_recently()
+                if busy and await self.request_arrives(max(0.002, 2 * self.prefill.verify_s)):
+                    continue  # a verify round came back: the next chunk rides along with it
+                # the edges are drafting (or gone): prefill in the gap
+                yield Step(prefill=self.prefill.budget(len(self.opens.prefilling)) if busy else vc.max_batch_tokens)
 
     def decoding_recently(self) -> bool:
         """Whether a prompt waiting with no verify round queued is prefilled in paced chunks: some

@@ -31,7 +31,7 @@ from deploy.verifier.counters import ReplicaCounters
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, choose_victims, within_limits
 from deploy.verifier.hints import SessionHints
-from deploy.verifier.open_queue import OpenQueue, QueuedOpen
+from deploy.verifier.open_queue import OpenQueue
 from deploy.verifier.pacing import Pacer
 from deploy.verifier.prefill_budget import PrefillBudget
 from deploy.verifier.queued_round import QueuedRound, answer, answer_each, error_reply, internal_reply
@@ -84,8 +84,10 @@ class VerifierServer:
         self.counters = ReplicaCounters()
         self.arrivals = ArrivalModel()  # when each session's next round is due (batch filling)
         self.prefill = PrefillBudget(vc, self.pacer.cost)
+        # opens from arrival to first token, admitted against their deadlines (deploy/verifier/open_queue.py)
+        self.opens = OpenQueue(PrefillForecast(retry_after_s=config.router.retry_after_s))
         self.loop = BatchLoop(vc, FairScheduler(weights={tn.name: tn.weight for tn in tenants}), self.engine,
-                              self.pacer.cost, self.prefill, self.arrivals, self.counters, self)
+                              self.pacer.cost, self.prefill, self.arrivals, self.counters, self.opens)
         # LoRA target versions (FlexSpec): multiplexed adapters, per-version pacing (deploy/verifier/versions.py)
         self.versions = TargetVersions(self.engine, self.loaded.name, config.target, p, self.pacer)
         self.hints = SessionHints(self.versions, self.sessions, self.engine, p.sessions_hold_s)
@@ -94,8 +96,6 @@ class VerifierServer:
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self._new_id = new_id or (lambda: uuid.uuid4().hex)
-        # opens from arrival to first token, admitted against their deadlines (deploy/verifier/open_queue.py)
-        self.opens = OpenQueue(PrefillForecast(retry_after_s=config.router.retry_after_s))
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
         self.version_updates = VersionUpdates(config, self.versions, self.engine, self._on_worker,
                                               self._end_version_session)
@@ -142,15 +142,23 @@ class VerifierServer:
         self.counters.on_forward(st)
         self.metrics.on_forward(st)
 
-    # -- the batch loop's host (deploy.verifier.batch_loop.Forwards) ----------------------
-    def opens_waiting(self) -> tuple[int, int]:
-        return len(self.opens.queued), len(self.opens.prefilling)
-
-    def take_opens(self) -> list[QueuedOpen]:
-        return self.opens.take()
-
-    def refresh(self) -> None:
-        self.metrics.refresh(self)
+    # -- the batch loop's steps (deploy.verifier.batch_loop) --------------------------------
+    async def _run_steps(self, steps) -> None:
+        """Run each step the batch loop decides on; one bad step never stops the loop."""
+        loop = asyncio.get_running_loop()
+        async for step in steps:
+            self.metrics.refresh(self)
+            try:
+                if step.sweep:
+                    await self.sweep_idle()
+                elif step.opens:
+                    await self.begin_opens(loop, step.opens)
+                elif step.batch:
+                    await self.run_verifies(loop, step.batch)
+                elif step.prefill:
+                    await self.run_prefill(loop, step.prefill)
+            except Exception as e:
+                log.exception("verify loop error: %s", e)
 
     def _on_worker(self, fn, *args):
         """Run ``fn(*args)`` on the worker thread (awaitable), after any forward queued there."""
@@ -238,7 +246,7 @@ class VerifierServer:
             return error_reply(refused)
         sid = f"{self.tag}.{self._new_id()}"
         fut = asyncio.get_running_loop().create_future()
-        self.loop.ensure()
+        self.loop.ensure(self._run_steps)
         req = OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant,  # shares within a tenant
                           start_by=None if deadline_s is None else clock.monotonic() + deadline_s)
         self.metrics.on_arrival(sid)
@@ -261,7 +269,7 @@ class VerifierServer:
         edge.ahead = ahead = self.runs.tokens(f.ahead and not edge.logprobs)
         self.metrics.on_frame(tenant, f)
         fut = asyncio.get_running_loop().create_future()
-        self.loop.ensure()
+        self.loop.ensure(self._run_steps)
         gains = rule.gains(f) if self.cfg.verifier.truncate_trees else []
         now = clock.monotonic()
         self.arrivals.arrived(session_id, now)
