@@ -132,6 +132,7 @@ class ChainRounds(Rounds):
             stats.rejections += 1
             sampler = ResidualSampler(_rejection(reply), cs.q_at(n_acc), cs.generator)
             self.gen.emit(tokens[:n_acc])
+            stats.round_tokens += n_acc
             cs.on_reply(n_acc, None)
             tok = sampler.sample()
             if tok is None:
@@ -140,6 +141,7 @@ class ChainRounds(Rounds):
             return await self._resampled(tok, reply.prefix_len)
         al = cs.on_reply(n_acc, reply.bonus)
         self.gen.emit(tokens[:n_acc] + ([reply.bonus] if reply.bonus is not None else []))
+        stats.round_tokens += n_acc + (reply.bonus is not None)
         stats.align_attempts += al.attempted
         stats.aligned += al.aligned
         stats.reused_tokens += al.reused
@@ -151,6 +153,7 @@ class ChainRounds(Rounds):
         generation here, and the server hears of it for its finish reason."""
         self.owed = tok
         self.gen.emit([tok])
+        self.stats.round_tokens += 1  # the rejected round's residual sample
         self.cs.start(self.gen.history())
         if tok in self.stops or len(self.gen.generated) >= self.gen.params.max_tokens:
             self.finish_reason = await self._send_owed(prefix_len, tok)

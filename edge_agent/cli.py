@@ -1,16 +1,18 @@
 """``edge-agent``: generate text with a local draft and a remote (or in-process) verifier.
 
-    edge-agent generate --server http://host:port --api-key KEY --prompt "..." [--chat]
+    edge-agent generate --server http://host:port --api-key KEY --prompt "..." [--raw]
     edge-agent generate --local --target embedded --draft ngram --prompt "..."
     edge-agent serve --server http://host:port --api-key KEY --draft embedded-draft [--port 8100]
     edge-agent info --server http://host:port
 
 ``serve`` is a local OpenAI server (edge_agent/server.py) that drafts every request here.
 
-Text streams to stdout as the server verifies it; a one-line summary (tokens, tokens/s,
-accepted tokens per round, alignment rate, RTT) ends the run on stderr, or everything
-as one JSON object on stdout with ``--json``. Exit status 2 = a usage/connection/auth
-/compatibility problem, explained in one line.
+A ``--prompt`` goes through the tokenizer's chat template as one user message when it has one (as
+vLLM's ``LLM.chat``); ``--raw`` sends the bare text. Text streams to stdout as the server verifies
+it; a one-line summary (tokens, tokens/s, tokens per round and of them the drafted-and-accepted and
+the run-ahead ones, alignment rate, RTT) ends the run on stderr, or everything as one JSON object on
+stdout with ``--json``. Exit status 2 = a usage/connection/auth/compatibility problem, explained in
+one line.
 """
 
 from __future__ import annotations
@@ -58,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids (no tokenizer needed)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument("--chat", action="store_true",
+                     help="wrap --prompt in the tokenizer's chat template (the default when it has one; an error "
+                          "when it has none)")
+    fmt.add_argument("--raw", action="store_true",
+                     help="send --prompt as bare text, not wrapped in the tokenizer's chat template")
     g.add_argument("--model", help="target version to verify against (a name of the server's target.adapters); "
                                    "default: the base")
     agent_opts(g)
@@ -169,6 +176,23 @@ def load_drafter(spec: str, *, device: str, dtype: str, seed: int, vocab_size: i
     return ModelDrafter(lm.model, name=lm.name), lm.tokenizer
 
 
+def _prompt(a, tok) -> str | list[int]:
+    """What to generate from: ``--prompt-ids`` as given; ``--prompt`` as one user message through the
+    tokenizer's chat template when it has one (as vLLM's ``LLM.chat``, and the edge server's
+    /v1/chat/completions, with the same function), else, or with ``--raw``, the bare text."""
+    from specdec.errors import InvalidRequest
+    from specdec.openai import chat_prompt
+
+    if a.prompt is None:
+        return _ids(a.prompt_ids)
+    if a.raw or not (a.chat or getattr(tok, "chat_template", None)):
+        return a.prompt
+    try:
+        return chat_prompt([{"role": "user", "content": a.prompt}], tok)
+    except InvalidRequest as e:  # --chat without a template, or a template refusing one user message
+        raise SystemExit(f"error: {e.message}; --raw sends the bare prompt") from None
+
+
 def _sampling(a) -> dict:
     return {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
             "max_tokens": a.max_tokens, "stop_token_ids": _ids(a.stop_ids), "ignore_eos": a.ignore_eos}
@@ -251,7 +275,7 @@ async def _generate(a) -> int:
         drafter, tok = _draft_and_tokenizer(a, info, local_tok)
         if a.prompt is not None and tok is None:
             raise SystemExit("error: the target has no tokenizer; use --prompt-ids")
-        prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
+        prompt = _prompt(a, tok)
         cfg = _agent_config(a, model=a.model)
         agent = EdgeAgent(transport, drafter, tokenizer=tok, config=cfg)
         metrics = None
@@ -270,7 +294,7 @@ async def _generate(a) -> int:
             out(" ".join(str(i) for i in ids) + " ")
 
         try:
-            res = await agent.generate(prompt, _sampling(a), chat=a.chat,
+            res = await agent.generate(prompt, _sampling(a),
                                        on_text=None if a.json else out,
                                        on_tokens=None if (a.json or tok is not None) else out_ids)
         finally:

@@ -18,6 +18,7 @@ class GenerationStats:
     verified_nodes: int = 0  # nodes the server verified (fewer than sent when it truncated a tree)
     accepted_tokens: int = 0  # accepted draft nodes (num_accepted_tokens)
     ahead_tokens: int = 0  # tokens the server decoded past the bonus (run-ahead)
+    round_tokens: int = 0  # tokens the rounds delivered: accepted, bonus or residual sample, run-ahead
     draft_forwards: int = 0  # forwards that built the sent trees
     proactive_forwards: int = 0
     align_attempts: int = 0  # rounds with a proactive token in hand when the reply came
@@ -57,6 +58,16 @@ class GenerationStats:
         return 1.0 + self.mean_accepted if self.rounds else 0.0
 
     @property
+    def tokens_per_round(self) -> float:
+        """Tokens a verify round delivered (the open's first token is no round's)."""
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_ahead(self) -> float:
+        """Run-ahead tokens per round (decoded by the server past the bonus)."""
+        return self.ahead_tokens / self.rounds if self.rounds else 0.0
+
+    @property
     def alignment_rate(self) -> float:
         return self.aligned / self.align_attempts if self.align_attempts else 0.0
 
@@ -82,7 +93,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
-        d.update(tokens_per_s=self.tokens_per_s, mean_accepted=self.mean_accepted,
+        d.update(tokens_per_s=self.tokens_per_s, tokens_per_round=self.tokens_per_round,
+                 mean_accepted=self.mean_accepted, mean_ahead=self.mean_ahead,
                  mean_acceptance_length=self.mean_acceptance_length, alignment_rate=self.alignment_rate,
                  mean_rtt_ms=self.mean_rtt_ms, mean_round_ms=self.mean_round_ms,
                  mean_draft_ms=self.mean_draft_ms, mean_depth=self.mean_depth)
@@ -90,7 +102,8 @@ class GenerationStats:
 
     def summary(self) -> str:
         return (f"{self.tokens} tokens in {self.seconds:.2f} s, {self.tokens_per_s:.1f} tok/s, "
-                f"{self.mean_accepted:.2f} accepted/round over {self.rounds} rounds, "
+                f"{self.tokens_per_round:.2f} tokens/round over {self.rounds} rounds (of which "
+                f"{self.mean_accepted:.2f} drafted and accepted, {self.mean_ahead:.2f} run ahead), "
                 f"alignment {100 * self.alignment_rate:.0f}% ({self.aligned}/{self.align_attempts}), "
                 f"RTT {self.mean_rtt_ms:.1f} ms, round {self.mean_round_ms:.1f} ms, "
                 f"draft {self.mean_draft_ms:.1f} ms/forward"

@@ -173,6 +173,7 @@ class TreeRounds(Rounds):
         stats.verified_nodes += verified
         stats.accepted_tokens += len(reply.accepted)
         stats.ahead_tokens += len(reply.ahead)
+        stats.round_tokens += len(emitted)
         stats.depth_sum += tree.depth
         stats.round_ms.append(round_ms)
         stats.align_attempts += al.attempted

@@ -112,8 +112,67 @@ def test_local_generate_streams_and_ends_with_a_summary(capsys, reference):
     cap = capsys.readouterr()
     assert [int(x) for x in cap.out.split()] == reference
     summary = cap.err.strip().splitlines()[-1]
-    assert "24 tokens" in summary and "tok/s" in summary and "accepted/round" in summary
+    assert "24 tokens" in summary and "tok/s" in summary and "tokens/round" in summary
+    assert "drafted and accepted" in summary and "run ahead" in summary
     assert "alignment" in summary and "RTT" in summary
+
+
+def test_the_summary_says_what_a_round_delivered(capsys):
+    """Every token but the open's first came from a round: accepted drafts, a bonus, run-ahead."""
+    st = _run(capsys, "--draft", "tiny-random")["stats"]
+    assert st["round_tokens"] == st["tokens"] - 1 and st["tokens_per_round"] == st["round_tokens"] / st["rounds"]
+    assert st["accepted_tokens"] + st["ahead_tokens"] < st["round_tokens"] <= st["accepted_tokens"] + \
+        st["ahead_tokens"] + st["rounds"]
+    assert st["mean_ahead"] == st["ahead_tokens"] / st["rounds"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """The embedded model's tokenizer (it has a chat template) and a copy without one."""
+    import copy
+
+    from specdec.model.loading import load_tokenizer
+
+    tok = load_tokenizer("embedded")
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    return tok, bare
+
+
+def test_a_text_prompt_goes_through_the_chat_template_when_the_tokenizer_has_one(tokenizers):
+    """As vLLM's ``LLM.chat`` and the edge server's /v1/chat/completions (the same function); --raw
+    sends the bare text; ids are sent as given."""
+    from edge_agent.cli import _prompt, build_parser
+    from specdec.openai import chat_prompt
+
+    tok, bare = tokenizers
+    q = "What is a Dyson sphere?"
+
+    def prompt(tokenizer, *flags):
+        return _prompt(build_parser().parse_args(["generate", "--local", "--prompt", q, *flags]), tokenizer)
+
+    assert prompt(tok) == prompt(tok, "--chat") == chat_prompt([{"role": "user", "content": q}], tok)
+    assert prompt(tok, "--raw") == prompt(bare) == q
+    with pytest.raises(SystemExit, match="--raw sends the bare prompt"):
+        prompt(bare, "--chat")
+    with pytest.raises(SystemExit):  # one or the other
+        build_parser().parse_args(["generate", "--prompt", q, "--chat", "--raw"])
+    ids = build_parser().parse_args(["generate", "--local", "--prompt-ids", "1,5,9"])
+    assert _prompt(ids, tok) == [1, 5, 9]
+
+
+@pytest.mark.slow
+def test_the_embedded_instruct_model_answers_a_bare_question(capsys):
+    """Issue 62: ``--prompt "What is a Dyson sphere?"`` on the embedded Instruct model printed one
+    empty token (the bare text's likeliest next token is EOS); as a chat message it gets an answer."""
+    out = json.loads(_generate_embedded(capsys, "--max-tokens", "8"))
+    assert out["stats"]["tokens"] == 8 and out["text"].strip() and out["prompt_tokens"] > 7
+
+
+def _generate_embedded(capsys, *args: str) -> str:
+    assert main(["generate", "--local", "--target", "embedded", "--draft", "ngram", "--prompt",
+                 "What is a Dyson sphere?", "--json", *args]) == 0
+    return capsys.readouterr().out
 
 
 def test_unreachable_server_is_one_clear_line(capsys):
