@@ -246,7 +246,7 @@ class VerifierState:
             by_tenant[tenant] = by_tenant.get(tenant, 0) + 1
         a, b, knee = core.pacer.cost.coefficients()
         return cls(by_tenant, core.engine.kv_tokens(), core.kv_plan.budget_tokens,
-                   core.pending(), a, b, knee, sum(core.opens_waiting()))
+                   core.pending(), a, b, knee, len(core.opens))
 
 
 def _remember(book: "OrderedDict[str, float]", sid: str, t: float) -> None:
