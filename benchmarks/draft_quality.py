@@ -248,7 +248,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     from specdec.model.loading import cache_dir, load_model
-    from edge_agent.draft_model import load_draft
+    from edge_agent.embedded_draft import load_draft
 
     skip = set(filter(None, args.skip.split(",")))
     report: dict = {"artifact": str(args.artifact), "threads": args.threads, "loadavg_start": os.getloadavg()}

@@ -5,7 +5,7 @@ the whole edge population shares one core, as the verifier has the other. It rea
 JSON command per line on stdin and answers ``RESULT <json>`` on stdout:
 
 - ``{"op": "init", "draft": ..., "tokenizer": bool}`` loads the draft once
-  (``embedded-draft`` via :func:`edge_agent.draft_model.load_draft`, ``ngram``, or an
+  (``embedded-draft`` via :func:`edge_agent.embedded_draft.load_draft`, ``ngram``, or an
   ``load_model`` spec such as ``tiny-random`` with ``"seed"``).
 - ``{"op": "run", "mode": ..., "url": ..., "sessions": S, "prompts": [[ids]...], ...}``
   runs ``S`` concurrent sessions as asyncio tasks, each working through its share of the
@@ -71,7 +71,7 @@ class Edge:
         if kind == "ngram":
             self.draft_model = None
         elif kind == "embedded-draft" or kind.endswith(".safetensors"):
-            from edge_agent.draft_model import load_draft
+            from edge_agent.embedded_draft import load_draft
 
             self.draft_model = load_draft(None, kind, dtype=cmd.get("dtype", "auto"))
         else:
@@ -83,7 +83,7 @@ class Edge:
         return {"draft": kind, "threads": torch.get_num_threads(), "affinity": sorted(os.sched_getaffinity(0))}
 
     def drafter(self):
-        from edge_agent.drafter import ModelDrafter, NgramDrafter
+        from edge_agent.draft_backends import ModelDrafter, NgramDrafter
 
         return NgramDrafter() if self.draft_model is None else ModelDrafter(self.draft_model, name=self.draft_kind)
 

@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
 def sweep(engine: BatchingEngine, draft_model, a: argparse.Namespace, name: str) -> list[dict]:
     """Per concurrency level of ``a.sessions``: one-token decoding (tree budget 0) and edge trees of
     ``a.budget`` nodes, session i on the same random prompt i in both; their outputs must be equal."""
-    from edge_agent.drafter import ModelDrafter
+    from edge_agent.draft_backends import ModelDrafter
 
     levels = [int(x) for x in a.sessions.split(",")]
     g = torch.Generator().manual_seed(0)

@@ -31,7 +31,7 @@ import os, torch
 os.sched_setaffinity(0, {%d}); torch.set_num_threads(1)
 from specdec.model.batch import chunk_input
 from specdec.model.runner import ModelRunner
-from edge_agent.draft_model import load_draft
+from edge_agent.embedded_draft import load_draft
 r = ModelRunner(load_draft(None, "embedded-draft", dtype="bfloat16"), kv_capacity_tokens=4096)
 ids = list(range(100, 400))
 r.forward(0, [chunk_input("s", 0, ids[:256], [255])])

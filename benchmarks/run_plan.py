@@ -121,7 +121,7 @@ PLANS = {
 def resolve_draft(draft: str) -> str:
     if draft != "auto":
         return draft
-    from edge_agent.draft_model import artifact_available
+    from edge_agent.embedded_draft import artifact_available
 
     return "embedded-draft" if artifact_available() else "ngram"
 
@@ -130,7 +130,7 @@ def draft_meta(draft: str) -> dict | None:
     """What the draft artifact says about itself (training data, held-out agreement)."""
     if draft != "embedded-draft" and not draft.endswith(".safetensors"):
         return None
-    from edge_agent.draft_model import resolve_artifact
+    from edge_agent.embedded_draft import resolve_artifact
 
     meta = resolve_artifact(draft).with_suffix(".json")
     if not meta.exists():

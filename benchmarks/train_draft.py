@@ -1,7 +1,7 @@
 """Build the embedded draft for SmolLM2-135M-Instruct by self-distillation, on CPU.
 
 A one-off, reproducible build (its result is committed as ``edge_agent/artifacts/
-embedded-draft.*``; see :mod:`edge_agent.draft_model` for the architecture):
+embedded-draft.*``; see :mod:`edge_agent.embedded_draft` for the architecture):
 
 1. ``gen``: the target writes the training text itself. Prompts are instruction
    templates over seed topics (writing, roleplay, reasoning, math, coding, extraction,
@@ -317,7 +317,7 @@ def kd_loss(logits: torch.Tensor, tid: torch.Tensor, tpr: torch.Tensor, msk: tor
 
 
 def stage_train(args) -> None:
-    from edge_agent.draft_model import build_draft, save_artifact
+    from edge_agent.embedded_draft import build_draft, save_artifact
     from specdec.model.loading import load_model, tokenizer_fingerprint
 
     torch.manual_seed(args.seed)

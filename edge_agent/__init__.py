@@ -9,7 +9,7 @@ Python API::
 Modules (docs/edge_agent.md has the map): :mod:`~edge_agent.agent` (one generation),
 :mod:`~edge_agent.tree_rounds` / :mod:`~edge_agent.chain_rounds` (the verify rules' rounds) over
 :mod:`~edge_agent.link` (the session), :mod:`~edge_agent.tree_session` (the draft-session protocol),
-:mod:`~edge_agent.drafting` (proactive drafting and reuse, SpecEdge §4.2), :mod:`~edge_agent.depth`
+:mod:`~edge_agent.draft_session` (proactive drafting and reuse, SpecEdge §4.2), :mod:`~edge_agent.depth`
 (server pacing §4.3 + FlexSpec §IV-B), :mod:`~edge_agent.transport` (HTTP/WebSocket and in-process),
 :mod:`~edge_agent.cli`. Installs with ``pip install '.[edge]'`` (no Ray, no Serve).
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 _EXPORTS = {
     "EdgeAgent": "edge_agent.agent", "AgentConfig": "edge_agent.config", "GenerationResult": "edge_agent.stats",
-    "GenerationStats": "edge_agent.stats", "ModelDrafter": "edge_agent.drafter",
-    "NgramDrafter": "edge_agent.drafter", "NullDrafter": "edge_agent.drafter",
+    "GenerationStats": "edge_agent.stats", "ModelDrafter": "edge_agent.draft_backends",
+    "NgramDrafter": "edge_agent.draft_backends", "NullDrafter": "edge_agent.draft_backends",
     "HttpTransport": "edge_agent.transport", "LocalTransport": "edge_agent.transport",
     "Transport": "edge_agent.transport", "TreeConfig": "edge_agent.tree_builder",
     "DepthPolicy": "edge_agent.depth",

@@ -18,7 +18,7 @@ from typing import Callable
 from edge_agent.config import AgentConfig
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.draft_executor import DraftExecutor
-from edge_agent.drafter import Drafter
+from edge_agent.draft_backends import Drafter
 from edge_agent.errors import EdgeError, TokenizerMismatch
 from edge_agent.link import Client, SessionLink
 from edge_agent.rounds import Edge, Generation

@@ -2,7 +2,7 @@
 DSSD §3, PicoSpec §3.3).
 
 A round: draft a chain (x_i ~ q_i), send it with q_i(x_i) and the token owed from the last
-rejection, proactively extend the chain while waiting (:class:`~edge_agent.drafting.ChainDraftSession`),
+rejection, proactively extend the chain while waiting (:class:`~edge_agent.draft_session.ChainDraftSession`),
 apply the reply: the accepted tokens, then the bonus, or on a rejection a residual sample from
 norm(max(0, p - q)) drawn here with the edge's q and the reply's part of p
 (:class:`specdec.residual.ResidualSampler`; when its candidates run out the edge asks for more, a
@@ -13,7 +13,7 @@ next frame. Greedy output equals the target's; sampled output follows its distri
 from __future__ import annotations
 
 
-from edge_agent.drafting import ChainDraftSession
+from edge_agent.draft_session import ChainDraftSession
 from edge_agent.errors import EdgeError
 from edge_agent.link import LOST, SessionLink
 from edge_agent.rounds import Edge, Generation, Rounds, edge_generator

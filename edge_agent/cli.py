@@ -148,7 +148,7 @@ def load_tokenizer(spec: str):
 
 def load_drafter(spec: str, *, device: str, dtype: str, seed: int, vocab_size: int | None):
     """(drafter, tokenizer or None) for a ``--draft`` spec."""
-    from edge_agent.drafter import ModelDrafter, NgramDrafter, NullDrafter
+    from edge_agent.draft_backends import ModelDrafter, NgramDrafter, NullDrafter
     from specdec.model.loading import EMBEDDED_ALIASES, TINY_PREFIX, load_model
 
     if spec == "ngram":
@@ -157,7 +157,7 @@ def load_drafter(spec: str, *, device: str, dtype: str, seed: int, vocab_size: i
         return NullDrafter(), None
     if spec == "embedded-draft" or spec.endswith(".safetensors"):
         try:
-            from edge_agent.draft_model import load_draft
+            from edge_agent.embedded_draft import load_draft
         except ImportError as e:
             raise SystemExit(f"error: the embedded draft is not available in this installation ({e})")
         try:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from edge_agent.drafter import ExpandRequest
-from edge_agent.drafting import DraftSession
+from edge_agent.draft_backends import ExpandRequest
+from edge_agent.draft_session import DraftSession
 from edge_agent.tree_builder import ROOT, TreeBuilder
 from edge_agent.tree_session import Alignment
 from specdec.protocol import EarlyFrame

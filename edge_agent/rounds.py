@@ -19,7 +19,7 @@ import torch
 from edge_agent.config import AgentConfig
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.draft_executor import CRITICAL, DraftExecutor
-from edge_agent.drafter import Drafter
+from edge_agent.draft_backends import Drafter
 from edge_agent.link import SessionLink
 from edge_agent.stats import GenerationStats
 from edge_agent.transport.base import ModelInfo

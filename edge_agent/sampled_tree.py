@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edge_agent.drafter import Drafter, ExpandRequest
+from edge_agent.draft_backends import Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeConfig
 from edge_agent.tree_session import Alignment
 from specdec import clock

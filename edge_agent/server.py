@@ -43,7 +43,7 @@ GRACEFUL_S = 5  # at SIGTERM, how long generations in flight may finish before t
 
 def new_drafter_like(drafter):
     """A drafter of the same kind sharing ``drafter``'s weights (its own KV cache and state)."""
-    from edge_agent.drafter import ModelDrafter
+    from edge_agent.draft_backends import ModelDrafter
 
     if isinstance(drafter, ModelDrafter):
         return ModelDrafter(drafter.model, vocab_map=drafter.vocab_map, name=drafter.name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
-from edge_agent.drafting import DraftSession
+from edge_agent.draft_session import DraftSession
 from edge_agent.errors import EdgeError
 from edge_agent.link import SessionLink
 from edge_agent.predraft import PreDraftCache

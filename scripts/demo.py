@@ -51,7 +51,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60
 
 def _draft_choice() -> str:
     try:
-        from edge_agent.draft_model import artifact_available
+        from edge_agent.embedded_draft import artifact_available
 
         return "embedded-draft" if artifact_available() else "ngram"
     except ImportError:

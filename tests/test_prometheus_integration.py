@@ -197,7 +197,7 @@ def traffic(app_url, prometheus, edge_metrics):
 
 async def _edge_agent_generation(app_url: str, model, em: EdgeMetrics):
     from edge_agent.agent import AgentConfig, EdgeAgent
-    from edge_agent.drafter import ModelDrafter
+    from edge_agent.draft_backends import ModelDrafter
     from edge_agent.transport import HttpTransport
 
     transport = HttpTransport(app_url, api_key="alpha-key-123")

@@ -94,8 +94,8 @@ class ModelServerDrafter:
                 "sessions": len(self._sessions), "depth": self.depth}
 
     def _session_for(self, history: list[int]):
-        from edge_agent.drafter import ModelDrafter, common_prefix
-        from edge_agent.drafting import DraftSession
+        from edge_agent.draft_backends import ModelDrafter, common_prefix
+        from edge_agent.draft_session import DraftSession
 
         best, best_len = None, 0
         for key, ds in self._sessions.items():
@@ -156,7 +156,7 @@ def load_server_drafter(cfg: AppConfig):
     from specdec.model.loading import load_model
 
     if mc.model == "embedded-draft" or mc.model.endswith(".safetensors"):
-        from edge_agent.draft_model import load_draft
+        from edge_agent.embedded_draft import load_draft
 
         target = cfg.target.model if not cfg.target.model.startswith("tiny") else None
         model = load_draft(target, mc.model, dtype=mc.dtype, device=mc.device)

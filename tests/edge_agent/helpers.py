@@ -59,7 +59,7 @@ def sampled_generations(model, engine, config, prompt: list[int], n: int, length
     """``n`` generations of ``length`` tokens at temperature 1 (seeds 0..n-1, EOS ignored) by one
     agent on ``LocalTransport(engine, rtt_ms=rtt_ms)`` drafting with a noisy copy of ``model``, under ``config``."""
     from edge_agent.agent import EdgeAgent
-    from edge_agent.drafter import ModelDrafter
+    from edge_agent.draft_backends import ModelDrafter
     from edge_agent.transport import LocalTransport
 
     async def main():

@@ -13,7 +13,7 @@ from specdec.sampling import SamplingParams
 from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.chain_rounds import ChainRounds
-from edge_agent.drafter import ModelDrafter, NgramDrafter
+from edge_agent.draft_backends import ModelDrafter, NgramDrafter
 from edge_agent.transport import LocalTransport
 from tests.edge_agent.helpers import (EOS, GREEDY, PROMPT, marginal, noisy_copy, run_agent, sampled_generations,
                                       sequence_probs)

@@ -17,7 +17,7 @@ from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.cli import main as cli_main
-from edge_agent.drafter import ModelDrafter, NgramDrafter
+from edge_agent.draft_backends import ModelDrafter, NgramDrafter
 from edge_agent.transport import HttpTransport, Transport
 from tests.edge_agent.helpers import noisy_copy
 from tests.serve_apps import delete_app

@@ -13,7 +13,7 @@ from specdec.errors import Overloaded
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.transport import LocalTransport, Transport
 from tests.edge_agent.helpers import EOS, GREEDY, PROMPT, run_agent
 

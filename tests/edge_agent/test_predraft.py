@@ -23,7 +23,7 @@ from specdec.sampling import SamplingParams
 from specdec.tree import TreeLimits
 from edge_agent.transport import local as transport_module
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.transport import LocalTransport
 from tests.edge_agent.helpers import noisy_copy
 

@@ -13,12 +13,12 @@ import math
 import pytest
 
 from specdec.model.loading import tiny_random_model
-from edge_agent.drafter import ModelDrafter
-from edge_agent.drafting import DraftSession
+from edge_agent.draft_backends import ModelDrafter
+from edge_agent.draft_session import DraftSession
 from edge_agent.predraft import PreDraftCache
 from edge_agent.tree_builder import ROOT, TreeConfig
 from tests.edge_agent.helpers import noisy_copy
-from tests.edge_agent.test_drafting import check_candidates
+from tests.edge_agent.test_draft_session import check_candidates
 
 PREFIX = [1, 5, 17, 33, 99, 4, 250]
 CFG = TreeConfig(budget=6, topk=3, max_expand=3)

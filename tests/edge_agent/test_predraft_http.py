@@ -22,7 +22,7 @@ from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, EarlyFrame, RecordReader, 
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.transport import HttpTransport
 from tests.serve_apps import delete_app
 

@@ -21,7 +21,7 @@ from specdec.model.loading import tiny_random_model
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.transport import LocalTransport
 from tests.edge_agent.helpers import marginal, noisy_copy, sequence_probs
 from tests.specdec.test_engine import counts_of

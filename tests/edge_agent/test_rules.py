@@ -12,7 +12,7 @@ from ray import serve
 
 from deploy.application import build_app
 from edge_agent.agent import AgentConfig
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.rules import RULES, ChainRejectionRule, TreeRejectionRule
 from specdec.protocol import VerifyFrame
 from specdec.reference import reference_decode

@@ -15,7 +15,7 @@ from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.sampled_tree import PRIOR_RATES, plan_shape
 from edge_agent.transport import LocalTransport
 from tests.edge_agent.helpers import marginal, sampled_generations, sequence_probs

@@ -13,7 +13,7 @@ from specdec.engine import VerifierEngine
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig
-from edge_agent.drafter import ModelDrafter, NgramDrafter
+from edge_agent.draft_backends import ModelDrafter, NgramDrafter
 from edge_agent.errors import ConnectionLost, ServerUnreachable
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.server import AgentPool, EdgeServer, new_drafter_like, openai_error

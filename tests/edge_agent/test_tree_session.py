@@ -7,8 +7,8 @@ import inspect
 import pytest
 
 from specdec.sampling import SamplingParams
-from edge_agent.drafter import NullDrafter
-from edge_agent.drafting import DraftSession
+from edge_agent.draft_backends import NullDrafter
+from edge_agent.draft_session import DraftSession
 from edge_agent.sampled_tree import SampledTreeSession
 from edge_agent.tree_session import TreeSession
 

@@ -13,7 +13,7 @@ from specdec.engine import VerifierEngine
 from specdec.sampling import SamplingParams
 from specdec.tree import TreeLimits
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.transport import LocalTransport
 from edge_agent.verify_policy import PRIOR, SAMPLED_RULES, PolicyStore, VerifyPolicy, default_state_path, prior
 from tests.edge_agent.test_agent import EOS, PROMPT

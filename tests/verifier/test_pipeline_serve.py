@@ -19,7 +19,7 @@ from specdec.model.loading import tiny_random_model
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.transport import HttpTransport
 from tests.edge_agent.helpers import noisy_copy
 from tests.serve_apps import delete_app

@@ -12,7 +12,7 @@ from deploy.verifier.server import VerifierServer
 from specdec.model.loading import load_model
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.replica_transport import ReplicaTransport
 from tests.edge_agent.helpers import noisy_copy
 

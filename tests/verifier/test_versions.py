@@ -17,7 +17,7 @@ from specdec.model.loading import load_model
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.replica_transport import ReplicaTransport
 from tests.edge_agent.helpers import noisy_copy
 from tests.specdec.model.test_lora import ALL, make_adapter, merged

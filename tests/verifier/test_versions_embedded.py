@@ -17,7 +17,7 @@ from deploy.config import AppConfig
 from deploy.verifier.server import VerifierServer
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
-from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_backends import ModelDrafter
 from edge_agent.replica_transport import ReplicaTransport
 from tests.specdec.test_engine_embedded import chat_prompt
 
@@ -49,7 +49,7 @@ def merged_generate(base, path: str | None, prompt: list[int], eos) -> list[int]
 
 
 def test_every_version_through_the_edge_path_equals_its_merged_model(embedded, versions):
-    from edge_agent.draft_model import load_draft
+    from edge_agent.embedded_draft import load_draft
 
     prompts = [chat_prompt(embedded.tokenizer, t) for t in TEXTS]
     jobs = [(None, prompts[0]), ("code", prompts[0]), ("docs", prompts[0]), ("docs", prompts[1])]

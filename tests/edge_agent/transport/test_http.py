@@ -14,7 +14,7 @@ from specdec.protocol import OpenSession, VerifyFrame
 
 
 def test_edge_agent_imports_no_ray_or_serve():
-    code = ("import sys, edge_agent.cli, edge_agent.agent, edge_agent.transport, edge_agent.drafting; "
+    code = ("import sys, edge_agent.cli, edge_agent.agent, edge_agent.transport, edge_agent.draft_session; "
             "bad = [m for m in ('ray', 'fastapi', 'starlette') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -265,7 +265,7 @@ def test_an_edge_agent_drafting_on_cuda_against_the_engine_on_cuda_equals_target
     import asyncio
 
     from edge_agent.agent import AgentConfig, EdgeAgent
-    from edge_agent.drafter import ModelDrafter
+    from edge_agent.draft_backends import ModelDrafter
     from edge_agent.transport import LocalTransport
     from tests.edge_agent.helpers import noisy_copy
 

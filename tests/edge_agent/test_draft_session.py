@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specdec.model.loading import tiny_random_model
-from edge_agent.drafter import ModelDrafter, NgramDrafter
-from edge_agent.drafting import DraftSession
+from edge_agent.draft_backends import ModelDrafter, NgramDrafter
+from edge_agent.draft_session import DraftSession
 from edge_agent.tree_builder import ROOT, TreeConfig
 from tests.edge_agent.helpers import hf_topk, noisy_copy
 
@@ -179,7 +179,7 @@ def test_ngram_drafter_proposes_what_followed():
     ng2 = NgramDrafter(max_n=3)
     ng2._index(ctx2)
     assert ng2.lookup(ctx2, 4)[0] == [4]
-    assert NgramDrafter(max_n=2).expand(ctx2, [__import__("edge_agent.drafter").drafter.ExpandRequest(ROOT, 3, 0)],
+    assert NgramDrafter(max_n=2).expand(ctx2, [__import__("edge_agent.draft_backends").draft_backends.ExpandRequest(ROOT, 3, 0)],
                                         4)[0][0] == [5, 4]
     assert ng.lookup([999], 4) == ([], [])
     # drafting a tree with the same interface

@@ -1,9 +1,9 @@
-"""ModelDrafter's packed weights (edge_agent/drafter.py): one copy per draft model in a process,
+"""ModelDrafter's packed weights (edge_agent/draft_backends.py): one copy per draft model in a process,
 shared by its drafters, each with its own KV; their proposals are those of a drafter alone."""
 
 from __future__ import annotations
 
-from edge_agent.drafter import ExpandRequest, ModelDrafter, packed_model
+from edge_agent.draft_backends import ExpandRequest, ModelDrafter, packed_model
 from edge_agent.tree_builder import ROOT
 
 PREFIX_A = [1, 5, 9, 33, 7, 100]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from edge_agent.draft_model import (ARTIFACT_ALIASES, build_draft, greedy_continue, load_draft, save_artifact,
+from edge_agent.embedded_draft import (ARTIFACT_ALIASES, build_draft, greedy_continue, load_draft, save_artifact,
                                     trainable_state)
 
 

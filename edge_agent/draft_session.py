@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edge_agent.drafter import Candidates, Drafter, ExpandRequest
+from edge_agent.draft_backends import Candidates, Drafter, ExpandRequest
 from edge_agent.tree_builder import ROOT, TreeBuilder, TreeConfig
 from edge_agent.tree_session import Alignment
 from specdec import clock
