@@ -63,7 +63,7 @@ def run(model: str = "embedded", dtype: str = "auto", n: int = 10, max_tokens: i
     from specdec.engine import VerifierEngine
     from specdec.model.loading import load_model, load_tokenizer
     from specdec.sampling import SamplingParams
-    from edge_agent.agent import encode_chat
+    from specdec.openai import chat_prompt
 
     torch.set_num_threads(1)
     lm = load_model(model, dtype=dtype)
@@ -73,19 +73,19 @@ def run(model: str = "embedded", dtype: str = "auto", n: int = 10, max_tokens: i
     first = SamplingParams(max_tokens=1, ignore_eos=True)
     costs: dict[str, dict[str, list[dict]]] = {m: {"turn1": [], "turn2": []} for m in MODES}
     convs = conversations(n)
-    _open(engines["off"], "warm-up", encode_chat(tok, [{"role": "user", "content": "Hi"}]), first)  # one-off costs
+    _open(engines["off"], "warm-up", chat_prompt([{"role": "user", "content": "Hi"}], tok), first)  # one-off costs
     for i, (q1, q2) in enumerate(convs):
         answers = {}
         for mode in (MODES if i % 2 == 0 else MODES[::-1]):
             eng = engines[mode]
-            turn1 = encode_chat(tok, [{"role": "user", "content": q1}])
+            turn1 = chat_prompt([{"role": "user", "content": q1}], tok)
             cost, _ = _open(eng, f"c{i}", turn1, answer)
             costs[mode]["turn1"].append(cost)
             answers[mode] = _decode(eng, f"c{i}")  # the first token and the rest
             eng.close(f"c{i}")
             text = tok.decode(answers[mode], skip_special_tokens=True)
-            turn2 = encode_chat(tok, [{"role": "user", "content": q1}, {"role": "assistant", "content": text},
-                                   {"role": "user", "content": q2}])
+            turn2 = chat_prompt([{"role": "user", "content": q1}, {"role": "assistant", "content": text},
+                                 {"role": "user", "content": q2}], tok)
             cost, _ = _open(eng, f"c{i}-2", turn2, first)
             costs[mode]["turn2"].append(cost)
             eng.close(f"c{i}-2")

@@ -27,11 +27,11 @@ from edge_agent.stats import GenerationResult, GenerationStats
 from edge_agent.transport.base import ModelInfo, Transport
 from edge_agent.verify_policy import PolicyStore, VerifyPolicy
 from specdec import clock
+from specdec.openai import chat_prompt
 from specdec.protocol import TokenLogprob
 from specdec.sampling import SamplingParams
 
-__all__ = ["AgentConfig", "EdgeAgent", "GenerationResult", "GenerationStats", "TextStream", "encode_chat",
-           "encode_prompt"]
+__all__ = ["AgentConfig", "EdgeAgent", "GenerationResult", "GenerationStats", "TextStream", "encode_prompt"]
 log = logging.getLogger("edge_agent")
 
 
@@ -55,17 +55,10 @@ class TextStream:
         return self.tok.decode(self.ids, skip_special_tokens=self.skip)
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """A conversation (``[{"role": ..., "content": ...}, ...]``) through the chat template, ready for the reply."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys") and "input_ids" in ids:  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
 def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """``prompt`` as ids: one user message through the chat template (``chat``), else the bare text."""
     if chat:
-        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+        return chat_prompt([{"role": "user", "content": prompt}], tokenizer)
     return [int(t) for t in tokenizer.encode(prompt)]
 
 
