@@ -19,7 +19,7 @@ from edge_agent.config import AgentConfig
 from edge_agent.depth import DepthPolicy, Telemetry
 from edge_agent.draft_executor import DraftExecutor
 from edge_agent.draft_backends import Drafter
-from edge_agent.errors import EdgeError, TokenizerMismatch
+from edge_agent.errors import EdgeError
 from edge_agent.link import Client, SessionLink
 from edge_agent.rounds import Edge, Generation
 from edge_agent.rules import RULES
@@ -27,6 +27,7 @@ from edge_agent.stats import GenerationResult, GenerationStats
 from edge_agent.transport.base import ModelInfo, Transport
 from edge_agent.verify_policy import PolicyStore, VerifyPolicy
 from specdec import clock
+from specdec.errors import TokenizerMismatch
 from specdec.openai import chat_prompt
 from specdec.protocol import TokenLogprob
 from specdec.sampling import SamplingParams

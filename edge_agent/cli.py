@@ -249,7 +249,7 @@ def _draft_and_tokenizer(a, info, local_tok=None):
         tok = load_tokenizer("embedded")
     if tok is not None and info.tokenizer_fingerprint != "none" and tokenizer_fingerprint(tok) != \
             info.tokenizer_fingerprint:
-        from edge_agent.errors import TokenizerMismatch
+        from specdec.errors import TokenizerMismatch
 
         raise TokenizerMismatch(
             f"the edge tokenizer (fingerprint {tokenizer_fingerprint(tok)}) is not the target's "
@@ -340,8 +340,8 @@ async def _serve(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from edge_agent.errors import ConnectionLost, EdgeError, ServerUnreachable, TokenizerMismatch
-    from specdec.errors import Forbidden, Overloaded, SpecError, Unauthorized
+    from edge_agent.errors import ConnectionLost, EdgeError, ServerUnreachable
+    from specdec.errors import Forbidden, Overloaded, SpecError, TokenizerMismatch, Unauthorized
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     a = build_parser().parse_args(argv)
@@ -356,14 +356,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     except Forbidden as e:
         print(f"error: forbidden (403): {e.message}", file=sys.stderr)
-    except TokenizerMismatch as e:
-        print(f"error: tokenizer mismatch: {e}", file=sys.stderr)
+    except TokenizerMismatch as e:  # the edge's own check, or the server's 400
+        print(f"error: tokenizer mismatch: {e.message}", file=sys.stderr)
     except Overloaded as e:
         print(f"error: the server is overloaded (429), retry after {e.retry_after:.0f} s", file=sys.stderr)
     except SpecError as e:
-        if e.code == "tokenizer_mismatch":
-            print(f"error: tokenizer mismatch: {e.message}", file=sys.stderr)
-            return 2
         print(f"error: the server answered {e.status} {e.code}: {e.message}", file=sys.stderr)
     except (ConnectionLost, EdgeError) as e:
         print(f"error: {e}", file=sys.stderr)

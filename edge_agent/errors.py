@@ -20,10 +20,6 @@ class ConnectionLost(EdgeError):
     """
 
 
-class TokenizerMismatch(EdgeError):
-    """The draft tokenizer differs from the target's (fingerprints or vocabulary sizes)."""
-
-
 def error_from_json(status: int, body: dict | None, retry_after: float | None = None) -> SpecError:
     """Rebuild the server's typed error from its JSON body (``{"error": {"code", "message"}}``)."""
     from specdec import errors as E

@@ -13,7 +13,7 @@ from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from edge_agent.agent import AgentConfig, EdgeAgent
 from edge_agent.draft_backends import ModelDrafter, NgramDrafter
-from edge_agent.errors import TokenizerMismatch
+from specdec.errors import TokenizerMismatch
 from edge_agent.transport import LocalTransport
 from tests.edge_agent.helpers import EOS, GREEDY, PROMPT, noisy_copy, run_agent
 
