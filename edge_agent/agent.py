@@ -28,29 +28,27 @@ from edge_agent.transport.base import ModelInfo, Transport
 from edge_agent.verify_policy import PolicyStore, VerifyPolicy
 from specdec import clock
 from specdec.errors import TokenizerMismatch
-from specdec.openai import chat_prompt
+from specdec.openai import TextStream, chat_prompt
 from specdec.protocol import TokenLogprob
 from specdec.sampling import SamplingParams
 
-__all__ = ["AgentConfig", "EdgeAgent", "GenerationResult", "GenerationStats", "TextStream", "encode_prompt"]
+__all__ = ["AgentConfig", "EdgeAgent", "GenerationResult", "GenerationStats", "DecodedStream", "encode_prompt"]
 log = logging.getLogger("edge_agent")
 
 
-class TextStream:
-    """Incremental detokenization: emits text only once it is stable (no partial UTF-8)."""
+class DecodedStream:
+    """Token ids decoded as they come, the text released through :class:`specdec.openai.TextStream`
+    (held back while a UTF-8 sequence is incomplete). Apart from it because it owns the ids and the
+    decoding; stop strings are the server's."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tok, self.skip = tokenizer, skip_special_tokens
         self.ids: list[int] = []
-        self.emitted = 0  # characters already emitted
+        self._out = TextStream()
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
-        if text.endswith("\ufffd"):
-            return ""
-        out, self.emitted = text[self.emitted:], len(text)
-        return out
+        return self._out.push(self.text(), final=False)[0]
 
     def text(self) -> str:
         return self.tok.decode(self.ids, skip_special_tokens=self.skip)
@@ -146,7 +144,7 @@ class EdgeAgent:
         info = await self.model_info()
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
         prompt_ids = self._prompt_ids(prompt, chat)
-        stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
+        stream = DecodedStream(self.tokenizer) if self.tokenizer is not None else None
         stats = GenerationStats()
         generated: list[int] = []
 

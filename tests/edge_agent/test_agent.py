@@ -170,3 +170,16 @@ def test_agents_sharing_one_draft_executor_stay_lossless_and_leave_it_open(engin
         shared.shutdown()
 
 
+
+
+def test_decoded_text_is_released_once_its_utf8_is_complete():
+    from edge_agent.agent import DecodedStream
+
+    class Bytes:  # ids are bytes: a two-byte character split over two pushes
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    s = DecodedStream(Bytes())
+    assert s.push([ord("a")]) == "a"
+    assert s.push([0xC3]) == ""  # half of "é"
+    assert s.push([0xA9, ord("b")]) == "éb" and s.text() == "aéb"
