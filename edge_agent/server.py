@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edge_agent.agent import AgentConfig, EdgeAgent
@@ -33,6 +33,7 @@ from edge_agent.transport.base import ModelInfo, Transport
 from specdec import clock
 from specdec import openai as oai
 from specdec.errors import InvalidRequest, Overloaded, SpecError
+from specdec.openai.streaming import ClosingStream
 
 log = logging.getLogger("edge_agent.server")
 
@@ -105,17 +106,6 @@ def openai_error(e: BaseException) -> SpecError:
 def error_response(e: SpecError) -> JSONResponse:
     headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if isinstance(e, Overloaded) else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
-
-
-class _ClosingStream(StreamingResponse):
-    """Closes its body generator however the response ends (the client gone mid-stream included),
-    so the generation and its cloud session end at once."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 async def _prepend(first, rest):
@@ -205,7 +195,7 @@ class EdgeServer:
         model = req.model or self.info.model
         self.metrics.on_request(endpoint, 200)
         if req.stream:
-            return _ClosingStream(oai.sse(deltas, req, model, self.tokenizer), media_type="text/event-stream",
+            return ClosingStream(oai.sse(deltas, req, model, self.tokenizer), media_type="text/event-stream",
                                   headers=headers)
         task = asyncio.ensure_future(oai.whole_response(deltas, req, model, self.tokenizer))
         try:

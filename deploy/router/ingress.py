@@ -32,11 +32,12 @@ from deploy.router.loads import Loads
 from deploy.prefill_forecast import PrefillForecast, deadline_refusal
 from deploy.router.open_deadline import DEADLINE_HEADER, request_deadline
 from deploy.router.probe import LoadProbe
-from deploy.router.server_decode import ClosingStream, ServerDecode
+from deploy.router.server_decode import ServerDecode
 from deploy.router.tenants import TenantRegistry, TenantState
 from specdec import clock
 from specdec import openai as oai
 from specdec.errors import DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, SpecError, UpstreamTimeout
+from specdec.openai.streaming import ClosingStream
 from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
 from specdec.version import package_version
 

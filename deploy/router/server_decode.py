@@ -16,26 +16,15 @@ import asyncio
 import contextvars
 import logging
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from deploy.router.tenants import TenantState
 from specdec import openai as oai
 from specdec.errors import SpecError
+from specdec.openai.streaming import ClosingStream
 from specdec.protocol import TokenLogprob, VerifyFrame
 
 log = logging.getLogger("ray.serve")
-
-
-class ClosingStream(StreamingResponse):
-    """A streaming response that closes its body generator however the response ends:
-    Starlette leaves it suspended when the client goes away mid-stream, and with it the
-    server session it holds (KV, a tenant slot) until the idle timeout."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 class ServerDecode:
