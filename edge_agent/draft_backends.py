@@ -249,7 +249,9 @@ class NgramDrafter(Drafter):
 
     Candidates of a node are the tokens that followed the longest matching n-gram
     (``max_n`` down to ``min_n``), ranked by count then recency, with log(count/total)
-    as their log-probability. Only the verified prefix is indexed (incrementally).
+    as their log-probability. Only the verified prefix is indexed (incrementally). Apart from the
+    server's :class:`deploy.router.server_draft.PromptLookupDrafter` (vLLM's chain after the latest
+    match) because a tree node needs ranked candidates, not one continuation.
     """
 
     name = "ngram"

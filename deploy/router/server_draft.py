@@ -34,6 +34,10 @@ PROMPT_LOOKUP_NAMES = ("prompt-lookup", "ngram")
 
 
 class PromptLookupDrafter:
+    """vLLM's ``ngram`` speculator: the ``depth`` tokens after the latest match of the history's
+    longest suffix, as a chain. Apart from the edge's :class:`edge_agent.draft_backends.NgramDrafter`,
+    which ranks each tree node's next tokens by count."""
+
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, depth: int = 4):
         self.max_ngram, self.min_ngram, self.depth = max_ngram, min_ngram, depth
 
