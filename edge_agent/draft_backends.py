@@ -14,14 +14,16 @@ specific drafting technique"):
   proactive nodes): rollback moves a few entries, never recomputes. An optional ``vocab_map`` ([V_draft] long) maps a reduced draft head's
   logit index to the target token id.
 - :class:`NgramDrafter`: training-free prompt lookup (match the longest suffix of the
-  context against earlier text and propose what followed, :mod:`specdec.prompt_lookup`), no model, no KV.
+  context against earlier text and propose what followed), no model, no KV.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +32,6 @@ from edge_agent.tree_builder import ROOT
 from specdec.model.batch import MAX_TREE_BITS, SeqInput, chunk_input, signed64
 from specdec.model.decoder import DecoderModel
 from specdec.model.runner import ModelRunner
-from specdec.prompt_lookup import NgramIndex
 
 _PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF draft model -> its DecoderModel
 _PACKED_LOCK = threading.Lock()
@@ -244,26 +245,47 @@ class ModelDrafter(Drafter):
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup for a tree: a node's candidates are :meth:`specdec.prompt_lookup.NgramIndex.ranked`
-    over the verified prefix (indexed incrementally), with log(count/total) as their log-probability.
-    Its own adapter, beside the server's chain (:class:`deploy.router.server_draft.PromptLookupDrafter`),
-    because a tree node needs ranked candidates, not one continuation.
+    """Prompt lookup: propose what followed the longest earlier match of the context's suffix.
+
+    Candidates of a node are the tokens that followed the longest matching n-gram
+    (``max_n`` down to ``min_n``), ranked by count then recency, with log(count/total)
+    as their log-probability. Only the verified prefix is indexed (incrementally). Apart from the
+    server's :class:`deploy.router.server_draft.PromptLookupDrafter` (vLLM's chain after the latest
+    match) because a tree node needs ranked candidates, not one continuation.
     """
 
     name = "ngram"
 
     def __init__(self, max_n: int = 4, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
-        self.ngrams = NgramIndex(max_n, min_n)
+        self.reset()
 
     def reset(self) -> None:
-        self.ngrams.reset()
+        self.indexed: list[int] = []
+        # index[n][ngram] = {next_token: [count, last_position]}
+        self.index: dict[int, dict[tuple, dict[int, list[int]]]] = {
+            n: defaultdict(dict) for n in range(self.min_n, self.max_n + 1)}
 
     def _index(self, prefix: list[int]) -> None:
-        self.ngrams.extend(prefix)
+        if common_prefix(self.indexed, prefix) < len(self.indexed):
+            self.reset()
+        for i in range(len(self.indexed), len(prefix)):
+            for n in range(self.min_n, self.max_n + 1):
+                if i - n < 0:
+                    break
+                entry = self.index[n][tuple(prefix[i - n : i])].setdefault(prefix[i], [0, 0])
+                entry[0] += 1
+                entry[1] = i
+        self.indexed = list(prefix)
 
     def lookup(self, context: list[int], k: int) -> Candidates:
-        return self.ngrams.ranked(context, k)
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            nxt = self.index[n].get(tuple(context[-n:]))
+            if nxt:
+                total = sum(c for c, _ in nxt.values())
+                ranked = sorted(nxt.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:k]
+                return [t for t, _ in ranked], [math.log(c / total) for _, (c, _) in ranked]
+        return [], []
 
     def expand(self, prefix: list[int], reqs: list[ExpandRequest], k: int) -> list[Candidates]:
         self._index(prefix)

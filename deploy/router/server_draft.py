@@ -27,7 +27,6 @@ import torch
 
 from deploy.config import AppConfig
 from specdec import clock
-from specdec.prompt_lookup import NgramIndex
 from specdec.tree import DraftTree
 
 DRAFT_THREAD_NAME = "srv-draft"  # what /proc/<pid>/task/<tid>/comm shows for the drafting thread
@@ -35,39 +34,24 @@ PROMPT_LOOKUP_NAMES = ("prompt-lookup", "ngram")
 
 
 class PromptLookupDrafter:
-    """vLLM's ``ngram`` speculator: :meth:`specdec.prompt_lookup.NgramIndex.continuation` (the ``depth``
-    tokens after the latest match of the history's longest suffix) as a chain. Its own adapter, beside the
-    edge's :class:`edge_agent.draft_backends.NgramDrafter`, because server-only decoding drafts one chain
-    per round, for many generations at once: it keeps the index of each (at most ``max_sessions``, least
-    recently used dropped) so a round indexes only the tokens it adds."""
+    """vLLM's ``ngram`` speculator: the ``depth`` tokens after the latest match of the history's
+    longest suffix, as a chain. Apart from the edge's :class:`edge_agent.draft_backends.NgramDrafter`,
+    which ranks each tree node's next tokens by count."""
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, depth: int = 4, max_sessions: int = 64):
-        self.max_ngram, self.min_ngram, self.depth, self.max_sessions = max_ngram, min_ngram, depth, max_sessions
-        self._indexes: OrderedDict[int, NgramIndex] = OrderedDict()  # LRU order
-        self._keys = iter(range(1 << 62))
-        self._lock = threading.Lock()  # draft_round runs in the router's worker threads
-
-    def _index_for(self, history: list[int]) -> NgramIndex:
-        """The cached index whose history ``history`` extends the most, else a new one."""
-        best, best_len = None, -1
-        for key, ix in self._indexes.items():
-            n = len(ix.history)
-            if best_len < n <= len(history) and history[n - 1 : n] == ix.history[-1:] and history[:n] == ix.history:
-                best, best_len = key, n
-        if best is None:
-            while len(self._indexes) >= self.max_sessions:
-                self._indexes.popitem(last=False)
-            best = next(self._keys)
-            self._indexes[best] = NgramIndex(self.max_ngram, self.min_ngram)
-        self._indexes.move_to_end(best)
-        return self._indexes[best]
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, depth: int = 4):
+        self.max_ngram, self.min_ngram, self.depth = max_ngram, min_ngram, depth
 
     def draft(self, history: list[int], budget: int) -> DraftTree:
-        with self._lock:
-            ix = self._index_for(history)
-            ix.extend(history)
-            cont = ix.continuation(history, min(self.depth, budget))
-        return DraftTree.chain(cont) if cont else DraftTree.empty()
+        k = min(self.depth, budget)
+        n_hist = len(history)
+        for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
+            suffix = history[-n:]
+            for start in range(n_hist - n - 1, -1, -1):  # most recent match first
+                if history[start : start + n] == suffix:
+                    cont = history[start + n : start + n + k]
+                    if cont:
+                        return DraftTree.chain(cont)
+        return DraftTree.empty()
 
     def draft_round(self, history: list[int], budget: int, params=None) -> tuple[DraftTree, None]:
         return self.draft(history, budget), None  # lookups are not samples of a q: sample-then-match
