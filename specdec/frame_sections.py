@@ -43,8 +43,8 @@ def encode_rule(name: str, payload: bytes) -> bytes:
     return RULE_HEAD.pack(len(raw), len(payload)) + raw + bytes(payload)
 
 
-def decode_rule(data: bytes, off: int) -> tuple[str, bytes]:
-    """``F_RULE``'s name and payload at ``off``."""
+def decode_rule(data: bytes, off: int) -> tuple[str, bytes, int]:
+    """``F_RULE``'s name and payload at ``off``, and their size."""
     if len(data) < off + RULE_HEAD.size:
         raise InvalidRequest("flags: F_RULE, but no rule name and payload follow")
     k, m = RULE_HEAD.unpack_from(data, off)
@@ -52,4 +52,5 @@ def decode_rule(data: bytes, off: int) -> tuple[str, bytes]:
     if not k or len(name) != k or not name.isascii():
         raise InvalidRequest("flags: F_RULE's name must be 1-255 ASCII bytes")
     start = off + RULE_HEAD.size + k
-    return name.decode("ascii"), data[start: start + m]
+    payload = data[start: start + m]
+    return name.decode("ascii"), payload, start + len(payload) - off

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.errors import InvalidRequest, PayloadTooLarge
-from specdec.frame_sections import RULE_HEAD, decode_proposals, decode_rule, encode_proposals, encode_rule
+from specdec.frame_sections import decode_proposals, decode_rule, encode_proposals, encode_rule
 
 MAGIC = 0x5345  # "SE"
 VERSION = 1
@@ -199,8 +199,8 @@ class VerifyFrame:
             want += extra
         rule, payload = None, b""
         if flags & F_RULE:
-            rule, payload = decode_rule(data, want)
-            want += RULE_HEAD.size + len(rule) + len(payload)
+            rule, payload, size = decode_rule(data, want)
+            want += size
         if len(data) != want:
             raise InvalidRequest(f"verify frame is {len(data)} bytes, its header implies {want}")
         off = _REQ_HEAD.size

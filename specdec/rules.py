@@ -15,7 +15,6 @@ from typing import Generic, Iterable, TypeVar
 
 from specdec.errors import InvalidRequest
 
-BUILTIN_RULES = ("match", "tree-rejection", "rejection")
 T = TypeVar("T")
 
 
@@ -33,9 +32,6 @@ class RuleRegistry(Generic[T]):
             raise ValueError(f"the {self.side} already has a rule {name!r}")
         self._rules[name] = rule
         return rule
-
-    def unregister(self, name: str) -> None:
-        self._rules.pop(name, None)
 
     def get(self, name: str) -> T:
         """The rule ``name``; an unknown name is a 400 naming the rules this side has."""

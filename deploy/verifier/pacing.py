@@ -4,10 +4,10 @@ Depth: ``depth = (T_verify - RTT) / T_draft_per_forward``, clamped, so that each
 (draft + RTT) matches the verifier's (one batch verify). Tree budget: the forward time is fitted
 per replica against the rows in the batch, ``t(rows) = a + b * max(0, rows - knee)``
 (:mod:`deploy.verifier.forward_cost`); with ``S`` sessions, ``n``-node trees,
-``E = E[tokens/round | n]`` and ``O`` server CPU per request outside the forward (``pacing.round_overhead_ms``), the hint is the
-``n`` (0 = no tree) that maximizes verified tokens per server CPU-second,
-``S * E / (t(S * (n + 1)) + S * O)``, or ``S / (t(S) + S * O / R)`` with no tree and run-ahead
-replies of ``R`` tokens. Why each term is there: docs/engine.md, "Speculation that never loses".
+``E = E[tokens/round | n]`` and ``O`` server CPU per request outside the forward
+(``pacing.round_overhead_ms``), the hint is the ``n`` (0 = no tree) that maximizes verified
+tokens per server CPU-second, ``S * E / (t(S * (n + 1)) + S * O)``, or
+``S / (t(S) + S * O / R)`` with no tree and run-ahead replies of ``R`` tokens. Why each term is there: docs/engine.md, "Speculation that never loses".
 
 Pure module.
 """
@@ -79,7 +79,10 @@ class Pacer:
 
     def expected_tokens(self, n: int) -> float:
         """E[tokens per round | budget n]: observed, else interpolated in log(n)."""
-        return self._expected(n, {m: v for m, v in self._tokens_per_round.items() if m > 0})
+        return self._expected(n, self._observed())
+
+    def _observed(self) -> dict[int, float]:
+        return {m: v for m, v in self._tokens_per_round.items() if m > 0}
 
     @staticmethod
     def _expected(n: int, obs: dict[int, float]) -> float:
@@ -111,7 +114,7 @@ class Pacer:
         and run-ahead does not. Computed once per state of the estimates (the reply path asks twice)."""
         key = (self._state, self.cost.count, self.round_overhead_s, self.fill, sessions, ahead, away_s)
         if self._rates_at != key:
-            obs = {m: v for m, v in self._tokens_per_round.items() if m > 0}
+            obs = self._observed()
             self._rates_cached = {n: self._rate(sessions, n, ahead, away_s, self._expected(n, obs))
                                   for n in self.budgets}
             self._rates_at = key

@@ -277,7 +277,8 @@ class VerifierServer:
             out = self.runs.take_over(tenant, session_id, f, fut) or await fut
         else:
             run = RunAhead(ahead - 1, f.prefix_len, fut, len(f.tokens)) if ahead > 1 else None
-            self.loop.enqueue(Pending(tenant, session_id, len(f.tokens) + 1, QueuedRound(req, fut, gains, run, rule), now))
+            round_ = QueuedRound(req, fut, gains, run, rule)
+            self.loop.enqueue(Pending(tenant, session_id, len(f.tokens) + 1, round_, now))
             out = await fut
         self.counters.on_request(clock.monotonic() - now)  # queue, batch wait, forward(s), reply
         return out

@@ -10,7 +10,7 @@ from specdec.frame_sections import decode_proposals, decode_rule, encode_proposa
 
 def test_a_rule_section_round_trips_and_a_bad_name_is_refused():
     data = b"xx" + encode_rule("toy", b"\x00\x01")
-    assert decode_rule(data, 2) == ("toy", b"\x00\x01")
+    assert decode_rule(data, 2) == ("toy", b"\x00\x01", len(data) - 2)
     with pytest.raises(InvalidRequest, match="F_RULE"):
         decode_rule(b"xx" + encode_rule("toy", b"")[:-1], 2)  # its name cut short
     with pytest.raises(InvalidRequest, match="F_RULE"):
