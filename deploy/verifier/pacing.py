@@ -7,7 +7,8 @@ per replica against the rows in the batch, ``t(rows) = a + b * max(0, rows - kne
 ``E = E[tokens/round | n]`` and ``O`` server CPU per request outside the forward
 (``pacing.round_overhead_ms``), the hint is the ``n`` (0 = no tree) that maximizes verified
 tokens per server CPU-second, ``S * E / (t(S * (n + 1)) + S * O)``, or
-``S / (t(S) + S * O / R)`` with no tree and run-ahead replies of ``R`` tokens. Why each term is there: docs/engine.md, "Speculation that never loses".
+``S / (t(S) + S * O / R)`` with no tree and run-ahead replies of ``R`` tokens.
+Why each term is there: docs/engine.md, "Speculation that never loses".
 
 Pure module.
 """
