@@ -11,7 +11,6 @@ emitted tokens follow the target's distribution (greedy: its argmax); ``docs/acc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from specdec.engine_types import ChainVerifyRequest, ChainVerifyResult, Session,
 from specdec.errors import InvalidRequest, PrefixMismatch, SessionFinished
 from specdec.model.batch import SeqInput
 from specdec.sampling import target_probs
+from specdec.session_table import SessionTable
 from specdec.tree import DraftTree, TreeLimits
 
 
@@ -39,16 +39,11 @@ class ChainJob:
 class ChainVerifier:
     """DSSD's rules for chain requests: :meth:`admit` a batch, :meth:`walk` each job's rows,
     :meth:`reply`. The engine runs the forward and commits the KV in between; the sessions (and
-    a rejection's pending state, ``Session.awaiting_resample`` and ``residual_tail``) are its.
+    a rejection's pending state, ``Session.awaiting_resample`` and ``residual_tail``) are its
+    :class:`~specdec.session_table.SessionTable`'s."""
 
-    ``get``/``live``: the engine's session lookups (``live`` also checks the prefix length and
-    that the session is not finished); ``remaining``: tokens a session may still emit; ``emit``:
-    append tokens to a session and update its finished state."""
-
-    def __init__(self, *, get: Callable[[str], Session], live: Callable[[str, int], Session],
-                 remaining: Callable[[Session], int], emit: Callable[[Session, list[int]], None],
-                 vocab_size: int, limits: TreeLimits, top_k: int):
-        self.get, self.live, self.remaining, self.emit = get, live, remaining, emit
+    def __init__(self, table: SessionTable, *, vocab_size: int, limits: TreeLimits, top_k: int):
+        self.table = table
         self.vocab_size = vocab_size
         self.limits = limits  # a chain is validated as a tree
         self.top_k = top_k  # head and tail candidates of a rejection's reply
@@ -66,7 +61,7 @@ class ChainVerifier:
     def _admit_one(self, i: int, r: ChainVerifyRequest) -> ChainJob | ChainVerifyResult:
         """Validate a request (raising its error) and apply an owed resampled token; a job for
         the forward, or the result when none is needed."""
-        s = self.get(r.sid)
+        s = self.table.get(r.sid)
         if s.finished:
             raise SessionFinished(f"session {r.sid!r} is finished ({s.finish_reason})")
         if s.params.logprobs is not None:  # a rejection's token is the edge's sample: no target row for it
@@ -89,16 +84,16 @@ class ChainVerifier:
                 raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens, expected "
                                      f"{len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + 1)
             s.awaiting_resample, s.residual_tail = False, None
-            self.emit(s, [int(r.resampled)])
+            self.table.emit(s, [int(r.resampled)])
             if s.finished:
                 return ChainVerifyResult(s.sid, 0, None, prefix_len=len(s.prefix), finished=True,
                                          finish_reason=s.finish_reason)
         else:
             if r.resampled is not None:
                 raise InvalidRequest("no rejected round is pending: resampled must be absent")
-            self.live(r.sid, r.prefix_len)
+            self.table.live(r.sid, r.prefix_len)
         tokens = DraftTree.chain(r.tokens).tokens  # as ints
-        k = min(len(tokens), self.remaining(s) - 1)  # accepted + bonus within max_tokens
+        k = min(len(tokens), self.table.remaining(s) - 1)  # accepted + bonus within max_tokens
         return ChainJob(i, s, list(tokens[:k]), list(r.q[:k]))
 
     def walk(self, job: ChainJob, logits: torch.Tensor) -> tuple[ChainAcceptance, list[int]]:
@@ -122,7 +117,7 @@ class ChainVerifier:
     def reply(self, s: Session, acc: ChainAcceptance, accepted: list[int]) -> ChainVerifyResult:
         """Emit a walked chain's tokens; on a rejection the session then owes the resampled token."""
         s.last_used = clock.monotonic()
-        self.emit(s, accepted + ([acc.bonus] if acc.bonus is not None else []))
+        self.table.emit(s, accepted + ([acc.bonus] if acc.bonus is not None else []))
         if acc.bonus is None and not s.finished:
             s.awaiting_resample, s.residual_tail = True, acc.tail
             return ChainVerifyResult.of_rejection(s.sid, acc.num_accepted, acc.rejection, len(s.prefix) + 1)
@@ -140,7 +135,7 @@ class ChainVerifier:
             raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens with the owed token, "
                                  f"expected {len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + s.awaiting_resample)
         if not s.awaiting_resample:
-            self.live(s.sid, len(s.prefix))
+            self.table.live(s.sid, len(s.prefix))
             return None
         if s.residual_tail is None:
             raise InvalidRequest("the rejection carried all of p: the edge needs nothing more")

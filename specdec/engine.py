@@ -4,9 +4,9 @@ Pure torch, no Ray (SpecEdge §4.1, disaggregated decoding; ``docs/engine.md``; 
 "One generation, end to end", steps 1, 4-6). :meth:`VerifierEngine.verify` verifies the draft
 trees of many sessions in one target forward (:mod:`specdec.model.runner`), walks each tree by
 sampling the target (:mod:`specdec.acceptance`), keeps the KV of the root and the accepted path
-and returns the accepted node indices and the bonus token. The engine owns the session table, the
-target versions and every forward (packing, KV commit); its collaborators own the rest of their
-jobs: the sessions being prefilled and their chunks (:class:`specdec.prefill.PrefillQueue`) and
+and returns the accepted node indices and the bonus token. The engine runs every forward (packing,
+KV commit); its collaborators share its :class:`~specdec.session_table.SessionTable` and own the
+rest of their jobs: the sessions being prefilled (:class:`specdec.prefill.PrefillQueue`) and
 DSSD's chain rules (:class:`specdec.chain_verify.ChainVerifier`). Requests and results:
 :mod:`specdec.engine_types`.
 
@@ -29,8 +29,7 @@ from specdec.acceptance import TreeAcceptance, rejection_walk_tree, walk_tree
 from specdec.chain_verify import ChainVerifier
 from specdec.engine_types import (ChainVerifyRequest, ChainVerifyResult, ForwardStats, OpenRequest, OpenResult, Session,
                                   TreeJob, VerifyRequest, VerifyResult, admit_batch, tree_item)
-from specdec.errors import (InvalidRequest, KVStateLost, ModelNotFound, PrefixMismatch, SessionFinished,
-                            SessionNotFound, SpecError)
+from specdec.errors import InvalidRequest, KVStateLost, SpecError
 from specdec.exit_heads import EarlyExit
 from specdec.logprobs import token_logprobs
 from specdec.model.batch import SeqInput
@@ -38,6 +37,7 @@ from specdec.model.runner import ModelRunner
 from specdec.prefill import PrefillChunk, PrefillQueue, PrefillState, admit_open
 from specdec.proposal import check_proposals
 from specdec.sampling import greedy_rows
+from specdec.session_table import SessionTable
 from specdec.tree import TreeLimits
 
 # the engine's public API: its requests and results are importable from here
@@ -51,15 +51,14 @@ class VerifierEngine:
     Each batch method takes a list of requests and returns one result or
     :class:`~specdec.errors.SpecError` per request, in order; an invalid request touches no session.
 
-    It keeps the session table (:attr:`sessions`), the target versions and the forwards; the
-    sessions being prefilled are its :attr:`prefill_queue`'s, DSSD's chain rules its :attr:`chains`'."""
+    Its sessions are :attr:`table`'s; the sessions being prefilled are :attr:`prefill_queue`'s,
+    DSSD's chain rules :attr:`chains`'."""
 
     def __init__(self, model, *, eos_token_ids=(), limits: TreeLimits = TreeLimits(),
                  max_model_len: int | None = None, runner=None, chain_top_k: int = 64,
                  on_forward=None, kv_capacity_tokens: int = 1 << 16, max_batch_tokens: int = 2048,
                  compile: bool = False, adapters=None, prefix_caching: bool = False):
         self.model = model
-        self.adapters = adapters  # AdapterRegistry: LoRA target versions (None: the base only)
         self.runner = runner if runner is not None else ModelRunner(model, kv_capacity_tokens=kv_capacity_tokens,
                                                                     compile=compile, prefix_caching=prefix_caching)
         self.prefix_caching = prefix_caching  # (a runner passed in is built with the same setting)
@@ -68,17 +67,16 @@ class VerifierEngine:
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.limits = limits
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 1 << 16)
-        self.sessions: dict[str, Session] = {}
-        self.prefill_queue = PrefillQueue(self.sessions, self.runner, vocab_size=self.vocab_size,
-                                          prefix_caching=prefix_caching, emit=self._emit, salt=self._salt)
-        self.chains = ChainVerifier(get=self.get, live=self._live, remaining=self._remaining, emit=self._emit,
-                                    vocab_size=self.vocab_size, limits=limits, top_k=chain_top_k)
+        self.table = SessionTable(self.runner, max_model_len=self.max_model_len, prefix_caching=prefix_caching,
+                                  adapters=adapters)
+        self.sessions: dict[str, Session] = self.table.sessions
+        self.prefill_queue = PrefillQueue(self.table, vocab_size=self.vocab_size)
+        self.chains = ChainVerifier(self.table, vocab_size=self.vocab_size, limits=limits, top_k=chain_top_k)
         self.on_forward = on_forward  # callback(ForwardStats)
         self._batch_ids = itertools.count()
         self.exit_heads = None  # ExitHeads: early results mid-forward for requests with ``early``
         self._on_layer = None  # the next forward's per-layer hook (exit heads)
         self.version_failures: dict[str, SpecError] = {}  # sessions closed as their version failed to load
-        self._version_epoch: dict[str, int] = {}  # a re-pointed version's cached KV is never matched again
 
     @property
     def prefilling(self) -> dict[str, PrefillState]:
@@ -95,12 +93,18 @@ class VerifierEngine:
         """Head and tail candidates of a chain rejection's reply."""
         return self.chains.top_k
 
+    @property
+    def adapters(self):
+        """AdapterRegistry: LoRA target versions (None: the base only)."""
+        return self.table.adapters
+
+    @adapters.setter
+    def adapters(self, registry) -> None:
+        self.table.adapters = registry
+
     # -- helpers ------------------------------------------------------------------
     def get(self, sid: str) -> Session:
-        s = self.sessions.get(sid)
-        if s is None:
-            raise SessionNotFound(f"unknown session {sid!r}")
-        return s
+        return self.table.get(sid)
 
     def kv_tokens(self) -> int:
         """Committed KV tokens of all sessions."""
@@ -109,21 +113,6 @@ class VerifierEngine:
     def kv_used_tokens(self) -> int:
         """KV pool capacity the sessions hold (whole pages)."""
         return self.runner.kv_used_tokens()
-
-    def _emit(self, s: Session, tokens: list[int]) -> None:
-        """Append emitted tokens and update the finished state."""
-        s.prefix.extend(tokens)
-        if tokens and tokens[-1] in s.stop_ids:
-            s.finished, s.finish_reason = True, "stop"
-        elif s.num_generated >= s.params.max_tokens or len(s.prefix) >= self.max_model_len - 1:
-            s.finished, s.finish_reason = True, "length"
-        if s.finished:  # its KV is never needed again by it, maybe by later prompts
-            if self.prefix_caching:
-                self._cache(s)
-            self.runner.drop(s.sid)
-
-    def _remaining(self, s: Session) -> int:
-        return min(s.params.max_tokens - s.num_generated, self.max_model_len - 1 - len(s.prefix))
 
     def _forward(self, kind: str, items: list[SeqInput], prefill_tokens: int = 0):
         bid = next(self._batch_ids)
@@ -198,7 +187,7 @@ class VerifierEngine:
                 if r.sid in self.sessions or r.sid in self.prefill_queue:  # twice would share one KV
                     raise InvalidRequest(f"session {r.sid!r} already exists")
                 state = admit_open(r, self.vocab_size, self.max_model_len, self.eos_token_ids)
-                self._check_version(r.adapter)
+                self.table.check_version(r.adapter)
                 self.prefill_queue.add(state)
             except SpecError as e:
                 out[i] = e
@@ -232,19 +221,11 @@ class VerifierEngine:
         (KV that may be out of step)."""
         s = self.sessions.pop(sid, None)
         if s is not None and cache and self.prefix_caching:
-            self._cache(s)
+            self.table.cache(s)
         self.runner.drop(sid)
         self.prefill_queue.discard(sid)
 
     # -- prefix caching -----------------------------------------------------------------
-    def _salt(self, s: Session) -> tuple:
-        """Sessions share cached KV only with the same salt, target version and version epoch."""
-        return s.cache_salt, s.adapter, self._version_epoch.get(s.adapter, 0)
-
-    def _cache(self, s: Session) -> None:
-        """Offer a session's committed KV (``prefix[:kv_length]``) to later prompts."""
-        self.runner.cache_prefix(s.sid, s.prefix[: self.runner.kv_length(s.sid)], self._salt(s))
-
     def prefix_cache_stats(self) -> dict | None:
         """Prompt tokens looked up in the prefix cache and found there, and (a local runner) its
         pages cached and idle; None when prefix caching is off."""
@@ -254,13 +235,6 @@ class VerifierEngine:
                 **(self.runner.prefix_stats() or {})}
 
     # -- target versions (LoRA adapters) ------------------------------------------------
-    def _check_version(self, name: str | None) -> None:
-        """404 ``model_not_found`` unless ``name`` is the base (None) or a served version."""
-        if name is not None:
-            if self.adapters is None:
-                raise ModelNotFound(f"target version {name!r} is not served here (no versions configured)")
-            self.adapters.check(name)
-
     def _ready_versions(self, names: set) -> dict[str, SpecError]:
         """Load the versions a forward needs (on first use; LRU-evicting others,
         :mod:`deploy.verifier.adapters`) before it is packed. A version that cannot be loaded
@@ -288,20 +262,10 @@ class VerifierEngine:
         for sid in gone:
             self.close(sid, cache=False)
         for name in names:  # a re-pointed version must not read the old one's cached KV
-            self._version_epoch[name] = self._version_epoch.get(name, 0) + 1
+            self.table.version_epoch[name] = self.table.version_epoch.get(name, 0) + 1
         return gone
 
     # -- verify -------------------------------------------------------------------
-    def _live(self, sid: str, prefix_len: int) -> Session:
-        s = self.get(sid)
-        if s.finished:
-            raise SessionFinished(f"session {sid!r} is finished ({s.finish_reason})")
-        self._check_version(s.adapter)
-        if prefix_len != len(s.prefix):
-            raise PrefixMismatch(f"request assumes a prefix of {prefix_len} tokens, the session has "
-                                 f"{len(s.prefix)}", server_prefix_len=len(s.prefix))
-        return s
-
     def verify(self, requests: list[VerifyRequest], prefill_tokens: int = 0,
                on_early=None) -> list[VerifyResult | SpecError]:
         """Verify the trees of many sessions in one target forward.
@@ -334,7 +298,7 @@ class VerifierEngine:
         for j, acc in zip(jobs, walks):
             root = len(j.session.prefix) - 1  # node a was written at root + 1 + a
             keep[j.session.sid] = (1, [root + 1 + a for a in acc.accepted])  # the root and the accepted path
-        self._commit(bid, keep)  # before _emit, which drops the KV of sessions that finish
+        self._commit(bid, keep)  # before emitting, which drops the KV of sessions that finish
         self.prefill_queue.finish(chunks, pre_logits, hold=True)
         for j, lg, acc in zip(jobs, logits, walks):
             out[j.index] = self._reply_tree(j, lg, acc)
@@ -343,7 +307,7 @@ class VerifierEngine:
     def _admit_tree(self, i: int, r: VerifyRequest) -> TreeJob:
         """Validate request ``i`` (raising its error) into a job: its tree truncated to ``limit``
         and clipped to the context left, its proposals checked."""
-        s = self._live(r.sid, r.prefix_len)
+        s = self.table.live(r.sid, r.prefix_len)
         if s.awaiting_resample:
             raise InvalidRequest(f"session {r.sid!r} owes a chain-mode resampled token")
         tree = r.tree.validate(self.vocab_size, self.limits)
@@ -370,10 +334,10 @@ class VerifierEngine:
         s = job.session
         pen = s.penalties(self.vocab_size, logits.device)
         if job.proposals is None:
-            return walk_tree(job.tree, logits, s.params, s.generator, max_emit=self._remaining(s),
+            return walk_tree(job.tree, logits, s.params, s.generator, max_emit=self.table.remaining(s),
                              stop_ids=s.stop_ids, penalties=pen, argmax=argmax)
         return rejection_walk_tree(job.tree, logits, job.proposals, s.params, s.generator,
-                                   max_emit=self._remaining(s), stop_ids=s.stop_ids, penalties=pen)
+                                   max_emit=self.table.remaining(s), stop_ids=s.stop_ids, penalties=pen)
 
     def _reply_tree(self, job: TreeJob, logits: torch.Tensor, acc: TreeAcceptance) -> VerifyResult:
         """Emit a walked tree's tokens; the reply names nodes of the tree the edge sent."""
@@ -384,7 +348,7 @@ class VerifierEngine:
         if s.params.logprobs is not None:  # row 0 emitted the first token, node a's row the one after it
             lps = token_logprobs(logits[[0] + [a + 1 for a in acc.accepted]], emitted, s.params.logprobs)
         s.last_used = clock.monotonic()
-        self._emit(s, emitted)
+        self.table.emit(s, emitted)
         return VerifyResult(s.sid, path, acc.bonus, tuple(emitted), len(s.prefix), s.finished, s.finish_reason,
                             job.verified, lps)
 

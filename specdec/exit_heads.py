@@ -252,7 +252,7 @@ class EarlyExit:
             s, tree, kept = t.session, t.tree, t.kept
             if not getattr(requests[t.index], "early", False) or t.proposals is not None:
                 continue
-            jobs.append((j, WalkJob(s.sid, tree, s.params, s.generator, engine._remaining(s), s.stop_ids,
+            jobs.append((j, WalkJob(s.sid, tree, s.params, s.generator, engine.table.remaining(s), s.stop_ids,
                                     len(s.prefix), tuple(kept) if kept is not None else None)))
         if not jobs:
             return None

@@ -14,7 +14,6 @@ and caching exact: a first token is the one prefilling the prompt at once would 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from specdec.logprobs import token_logprobs
 from specdec.model.batch import SeqInput, chunk_input
 from specdec.model.native import PAGE_SIZE
 from specdec.sampling import make_generator, sample_token
+from specdec.session_table import SessionTable
 
 
 @dataclass
@@ -83,16 +83,13 @@ class PrefillQueue:
     :attr:`prefix_tokens` (prompt tokens looked up in the prefix cache, and found there). It runs
     no forward: the engine packs the chunks of :meth:`take` into its forward, commits their KV
     (:meth:`keep`) and hands their logits to :meth:`finish`, which moves each completed session
-    into the engine's session table and samples its first token."""
+    into the engine's :class:`~specdec.session_table.SessionTable` and samples its first token."""
 
-    def __init__(self, sessions: dict[str, Session], runner, *, vocab_size: int, prefix_caching: bool,
-                 emit: Callable[[Session, list[int]], None], salt: Callable[[Session], tuple]):
-        self.sessions = sessions  # the engine's session table: a completed prefill moves there
-        self.runner = runner  # its KV pool: prefix-cache lookups and offers, drops
+    def __init__(self, table: SessionTable, *, vocab_size: int):
+        self.table = table  # the engine's sessions: a completed prefill moves there
+        self.runner = table.runner  # its KV pool: prefix-cache lookups and offers, drops
         self.vocab_size = vocab_size
-        self.prefix_caching = prefix_caching
-        self.emit = emit  # the engine's: append tokens, update the finished state
-        self.salt = salt  # who may share a session's cached KV
+        self.prefix_caching = table.prefix_caching
         self.prefilling: OrderedDict[str, PrefillState] = OrderedDict()
         self.opened: list[OpenResult] = []
         self.late: list[str] = []  # dropped past their start_by, until take_late
@@ -123,7 +120,7 @@ class PrefillQueue:
                 continue
             if not p.looked_up and self.prefix_caching:  # computed at no cost: its prefix's cached pages
                 p.looked_up = True
-                p.fed = p.cached = self.runner.share_prefix(sid, p.feed, self.salt(p.session))
+                p.fed = p.cached = self.runner.share_prefix(sid, p.feed, self.table.salt(p.session))
                 self.prefix_tokens[0] += len(p.feed)
                 self.prefix_tokens[1] += p.cached
             n = min(len(p.feed) - p.fed, left)
@@ -160,10 +157,10 @@ class PrefillQueue:
                 continue
             p.fed += n
             if self.prefix_caching and p.fed // PAGE_SIZE > (p.fed - n) // PAGE_SIZE:  # a new whole page
-                self.runner.cache_prefix(s.sid, p.feed[: p.fed], self.salt(s))
+                self.runner.cache_prefix(s.sid, p.feed[: p.fed], self.table.salt(s))
             if c.done:
                 del self.prefilling[s.sid]
-                self.sessions[s.sid] = s
+                self.table.sessions[s.sid] = s
                 out.append(self._first_token(p, lg))
         if hold:
             self.opened += out
@@ -175,13 +172,13 @@ class PrefillQueue:
         emits its history instead."""
         s = p.session
         if p.generated:
-            self.emit(s, list(p.generated))
+            self.table.emit(s, list(p.generated))
             first = lp = None
         else:
             pen = s.penalties(self.vocab_size, lg.device)
             first = sample_token(lg[0] if pen is None else pen.apply(lg[0]), s.params, s.generator)
             lp = token_logprobs(lg[:1], [first], s.params.logprobs)[0] if s.params.logprobs is not None else None
-            self.emit(s, [first])
+            self.table.emit(s, [first])
         return OpenResult(s.sid, first, len(s.prefix), s.finished, s.finish_reason, p.cached, lp)
 
     def _drop_late(self) -> None:

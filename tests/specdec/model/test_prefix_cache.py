@@ -195,6 +195,6 @@ def test_tenants_and_re_pointed_versions_do_not_share(bf16_model):
     _run(eng, {"c": p}, rng, salt={"c": "tenant-1"}, max_tokens=2)
     assert eng.prefix_tokens[1] == 2 * PS
     v1 = Session("x", p, len(p), SamplingParams(), None, frozenset(), adapter="v1", cache_salt="tenant-1")
-    before = eng._salt(v1)
+    before = eng.table.salt(v1)
     eng.drop_versions({"v1"})  # removed or re-pointed: a later "v1" never reads the old one's KV
-    assert eng._salt(v1) != before
+    assert eng.table.salt(v1) != before
