@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from deploy.verifier.counters import Takeovers
-from deploy.verifier.queued_round import QueuedRound, answer, error_reply
+from deploy.verifier.queued_round import QueuedRound
 from deploy.verifier.scheduler import Pending
 from deploy.verifier.sessions import EdgeClient
-from specdec import clock
 from specdec.engine import OpenResult, VerifyRequest, VerifyResult
 from specdec.errors import PrefixMismatch
 from specdec.protocol import ReplyFrame, VerifyFrame
@@ -92,17 +91,12 @@ class RunAhead:
 
 
 class AheadRuns:
-    """Detached runs by session, and the steps of every run.
+    """Detached runs by session, and the steps of every run. Its methods return the step
+    (:class:`Pending`) to queue next, if any; the replica queues it and does a reply's bookkeeping."""
 
-    ``enqueue``: queues a round for the batch loop (and wakes it); ``hints(sid)``: the session's
-    ``(depth, budget)`` hints; ``reply_sent(sid, now, back, finished)``: the replica's bookkeeping
-    of a reply going out (the edge expected ``back``, a finished session closed)."""
-
-    def __init__(self, limit: int, takeovers: Takeovers, enqueue: Callable[[Pending], None],
-                 hints: Callable[[str], tuple[int, int]], reply_sent: Callable[[str, float, bool, bool], None]):
+    def __init__(self, limit: int, takeovers: Takeovers):
         self.limit = limit  # verifier.run_ahead_tokens (0: off)
         self.takeovers = takeovers
-        self.enqueue, self.hints, self.reply_sent = enqueue, hints, reply_sent
         self.detached: dict[str, RunAhead] = {}  # sid -> its run between a reply and the next request
 
     def tokens(self, asks: bool) -> int:
@@ -110,16 +104,16 @@ class AheadRuns:
         the bonus; else the bonus alone."""
         return self.limit + 1 if asks and self.limit else 1
 
-    def take_over(self, tenant: str, sid: str, f: VerifyFrame, fut: asyncio.Future) -> tuple[int, dict] | None:
-        """The edge's next request meets its session's detached run: it takes the run over, and
-        ``fut`` is answered with the tokens decoded meanwhile (now, if the run stopped); an error
-        reply if the request does not continue the run."""
+    def take_over(self, sid: str, f: VerifyFrame, fut: asyncio.Future) -> RunAhead:
+        """The edge's next request takes its session's detached run over: the run now answers
+        ``fut`` (its reply is ready unless ``run.queued``). Raises ``PrefixMismatch`` if the
+        request does not continue the run."""
         run = self.detached[sid]
         if not f.ahead or f.prefix_len != run.base_prefix:
-            return error_reply(PrefixMismatch(
+            raise PrefixMismatch(
                 f"request assumes a prefix of {f.prefix_len} tokens; this session ran ahead from "
                 f"{run.base_prefix} (F_AHEAD): send F_AHEAD at that prefix, or re-open it",
-                server_prefix_len=run.base_prefix))
+                server_prefix_len=run.base_prefix)
         del self.detached[sid]
         t = self.takeovers
         if run.queued:
@@ -129,62 +123,53 @@ class AheadRuns:
         else:
             t.stopped += 1
         run.attach(fut, len(f.tokens))
-        if not run.queued:  # it stopped (full, ended, or trees pay again): the reply is ready
-            answer(fut, self.reply(tenant, sid, run, *self.hints(sid)))
-        return None
+        return run
 
-    def from_open(self, tenant: str, res: OpenResult, edge: EdgeClient | None, budget: int, now: float) -> None:
+    def from_open(self, tenant: str, res: OpenResult, edge: EdgeClient | None, budget: int,
+                  now: float) -> Pending | None:
         """An open whose edge promised an ``F_AHEAD`` first request and whose budget hint is 0
-        decodes on from its first token, detached, while the reply and that request are on the
-        wire; else a burst of opens prefilled together spends the next forwards on the few
-        sessions opened before it."""
+        decodes on from its first token, detached: its first step."""
         # edge.ahead is 1 with run-ahead off (verifier.run_ahead_tokens 0)
         if budget or res.finished or res.first_token is None or edge is None or not edge.run_from_open \
                 or edge.ahead <= 1:
-            return
+            return None
         run = self.detached[res.sid] = RunAhead(edge.ahead - 1, res.prefix_len)  # as a request's run
-        self.step(tenant, res.sid, run, now)
+        return self.step(tenant, res.sid, run, now)
 
-    def step(self, tenant: str, sid: str, run: RunAhead, now: float) -> None:
-        """One more run-ahead step: an empty tree at the run's prefix, in the next forward."""
+    @staticmethod
+    def step(tenant: str, sid: str, run: RunAhead, now: float) -> Pending:
+        """One more run-ahead step: an empty tree at the run's prefix, for the next forward."""
         run.queued = True
         req = VerifyRequest(sid, DraftTree.empty(), run.next_prefix)
-        self.enqueue(Pending(tenant, sid, 1, QueuedRound(req, None, [], run), now))
+        return Pending(tenant, sid, 1, QueuedRound(req, None, [], run), now)
 
-    def advance(self, p: Pending, res: VerifyResult, best_budget: int, now: float) -> bool:
-        """A run's round verified: whether its request is not answered now (a step is queued, or
-        the run is detached and stops: its tokens wait for the edge's next request)."""
+    def advance(self, p: Pending, res: VerifyResult, best_budget: int, now: float) -> Pending | None:
+        """A run's round verified: its next step, if it decodes on. Its request is answered
+        now unless a step follows or the run is detached (its tokens wait for the next request)."""
         run = p.payload.run
         run.add(res)
         run.queued = False
         # decoding on needs the best budget to be 0 (a step's hints are 0); only a reply asks the
         # pacer for its hint, so exploration stays one in explore_every replies
-        more = run.continues(best_budget)
-        if more:
-            self.step(p.tenant, p.session_id, run, now)
-        return more or run.fut is None
+        return self.step(p.tenant, p.session_id, run, now) if run.continues(best_budget) else None
 
-    def so_far(self, p: Pending) -> tuple[int, bytes] | None:
+    def so_far(self, p: Pending) -> RunAhead | None:
         """A run-ahead step that failed (its session evicted or closed meanwhile, a failed
-        forward): the request's reply with the tokens decoded so far, so none is lost; the
-        edge's next request meets the failure. None for any other round, or with nothing to send."""
+        forward): the run whose request is owed a reply with the tokens decoded so far, so none
+        is lost; the edge's next request meets the failure. None for any other round, or with
+        nothing to send."""
         run = p.payload.run
         if run is None:
             return None
         run.queued = False
         if self.detached.get(p.session_id) is run:
             del self.detached[p.session_id]
-        if run.fut is None or run.last is None:
-            return None
-        return 200, run.frame(*self.hints(p.session_id)).encode()
+        return None if run.fut is None or run.last is None else run
 
-    def reply(self, tenant: str, sid: str, run: RunAhead, depth: int, budget: int) -> tuple[int, bytes]:
-        """A run-ahead request's reply. While the hint stays 0 the session decodes on, detached,
-        until the edge's next request takes the run over."""
-        now = clock.monotonic()
+    def replied(self, tenant: str, sid: str, run: RunAhead, budget: int, now: float) -> Pending | None:
+        """A run-ahead request is answered: while the budget hint stays 0 the session decodes on,
+        detached, until the edge's next request takes the run over; that run's first step."""
         if budget == 0 and not run.ended and not run.fut.done():
             nxt = self.detached[sid] = RunAhead(run.limit, run.last.prefix_len)
-            self.step(tenant, sid, nxt, now)
-        self.reply_sent(sid, now, not run.ended, run.last.finished)
-        return 200, run.frame(depth, budget).encode()
-
+            return self.step(tenant, sid, nxt, now)
+        return None

@@ -1,15 +1,8 @@
 """Verifier replica core: the target, the engine, and the edge protocol's requests (SpecEdge §4.3).
 
-Everything of a verifier replica but Serve (bound by :mod:`deploy.verifier.deployment`), usable
-in-process (tests, local mode, :mod:`edge_agent.replica_transport`); imports no Ray. Requests of many
-sessions queue while their edges draft; the batch loop (:mod:`deploy.verifier.batch_loop`) runs one
-target forward at a time, with a prefill chunk riding along (:mod:`deploy.verifier.prefill_budget`),
-and each request is answered with its reply frame and pacing hints (:mod:`deploy.verifier.hints`).
-Every engine call runs on one worker thread, so a close never races a forward. Sessions live here
-(their KV, :mod:`deploy.verifier.sessions`); the least-recently-used are evicted past the KV budget
-(:mod:`deploy.verifier.eviction`), idle ones time out, and both answer ``410 session_evicted`` so the
-edge re-opens from its own token history. Methods return ``(status, payload)`` rather than raising,
-so errors cross the Ray boundary as plain data (:mod:`deploy.verifier.queued_round`).
+Everything of a replica but Serve (:mod:`deploy.verifier.deployment`); imports no Ray. Every engine
+call runs on one worker thread, so a close never races a forward. Methods return ``(status, payload)``
+rather than raising, so errors cross the Ray boundary as plain data. Tour: docs/verifier.md, "The replica".
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ import torch
 from deploy.config import AppConfig
 from deploy.metrics import RoundStats, VerifierMetrics
 from deploy.prefill_forecast import PrefillForecast
-from deploy.verifier.run_ahead import AheadRuns
 from deploy.verifier.batch_fill import ArrivalModel
 from deploy.verifier.batch_loop import BatchLoop
 from deploy.verifier.counters import ReplicaCounters
@@ -36,7 +28,7 @@ from deploy.verifier.pacing import Pacer
 from deploy.verifier.prefill_budget import PrefillBudget
 from deploy.verifier.queued_round import QueuedRound, answer, answer_each, error_reply, internal_reply
 from deploy.verifier.rules import RULES
-from deploy.verifier.run_ahead import RunAhead
+from deploy.verifier.run_ahead import AheadRuns, RunAhead
 from deploy.verifier.scheduler import FairScheduler, Pending
 from deploy.verifier.sessions import EdgeClient, SessionBook
 from deploy.verifier.startup import start_target, warm_up
@@ -91,8 +83,7 @@ class VerifierServer:
         # LoRA target versions (FlexSpec): multiplexed adapters, per-version pacing (deploy/verifier/versions.py)
         self.versions = TargetVersions(self.engine, self.loaded.name, config.target, p, self.pacer)
         self.hints = SessionHints(self.versions, self.sessions, self.engine, p.sessions_hold_s)
-        self.runs = AheadRuns(vc.run_ahead_tokens, self.counters.takeovers, self.loop.enqueue, self.hints.hints,
-                              self._reply_sent)
+        self.runs = AheadRuns(vc.run_ahead_tokens, self.counters.takeovers)
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self._new_id = new_id or (lambda: uuid.uuid4().hex)
@@ -183,8 +174,7 @@ class VerifierServer:
         self.arrivals.forget(sid)
 
     def _reply_sent(self, sid: str, now: float, back: bool, finished: bool) -> None:
-        """A reply to the session's edge goes out: the arrival model expects the edge ``back``
-        (else forgets it), and a finished ``close_on_finish`` session is closed with it."""
+        """A reply goes out: the edge is expected ``back`` (else forgotten); see :meth:`_close_if_finished`."""
         if back:
             self.arrivals.replied(sid, now)
         else:
@@ -192,11 +182,7 @@ class VerifierServer:
         self._close_if_finished(sid, finished)
 
     def _close_if_finished(self, sid: str, finished: bool) -> None:
-        """A reply that says the session finished is being sent: a session opened with
-        ``close_on_finish`` is closed with it, so its client spends neither a round trip nor a
-        request's server CPU on a close before its next open. Its requests answer 410 from now
-        on; a close request answers 200. A detached run's tokens are never in such a reply
-        before the edge's request takes them, so nothing generated is dropped."""
+        """A finished ``close_on_finish`` session closes with its reply (then 410; a close 200)."""
         if not finished or not self.sessions.closes_on_finish(sid):
             return
         self._drop(sid)
@@ -205,8 +191,7 @@ class VerifierServer:
         self._on_worker(self.engine.close, sid)
 
     async def _enforce_budgets(self, protect: set[str]) -> None:
-        """Evict above a tenant's KV quota, the replica's KV budget or its session limit
-        (:mod:`deploy.verifier.eviction`)."""
+        """Evict above a tenant's KV quota, the KV budget or the session limit (:mod:`deploy.verifier.eviction`)."""
         live = self.engine.sessions
         if within_limits(self._limits, len(live), self.sessions.kv_held(live)):
             return  # the common case, without a list of every session sorted by last use
@@ -225,8 +210,8 @@ class VerifierServer:
 
     # -- requests ---------------------------------------------------------------------
     async def open_session(self, tenant: str, body: dict, deadline_s: float | None = None) -> tuple[int, dict]:
-        """Open a session; ``deadline_s``: how long it may wait for the prefills queued ahead of it (issue 67;
-        a 429 at once, or at the deadline if still waiting behind another prompt: deploy/verifier/open_queue.py)."""
+        """Open a session; ``deadline_s``: how long it may wait for the prefills queued ahead of it
+        (:mod:`deploy.verifier.open_queue`)."""
         try:
             prompt = [int(t) for t in body["prompt_ids"]]
             generated = tuple(int(t) for t in body.get("generated_ids") or ())
@@ -274,7 +259,11 @@ class VerifierServer:
         now = clock.monotonic()
         self.arrivals.arrived(session_id, now)
         if session_id in self.runs.detached:  # the request takes its session's detached run over
-            out = self.runs.take_over(tenant, session_id, f, fut) or await fut
+            try:
+                run = self.runs.take_over(session_id, f, fut)
+            except SpecError as e:
+                return error_reply(e)
+            out = await fut if run.queued else self._run_reply(tenant, session_id, run, *self.hints.hints(session_id))
         else:
             run = RunAhead(ahead - 1, f.prefix_len, fut, len(f.tokens)) if ahead > 1 else None
             round_ = QueuedRound(req, fut, gains, run, rule)
@@ -284,8 +273,7 @@ class VerifierServer:
         return out
 
     async def verify_stream(self, session_id: str, tenant: str, frame: bytes):
-        """:meth:`verify` as a stream: the round's early frames (``F_EARLY``) as the forward
-        reaches each exit, then ``("final", status, payload)`` (Serve streaming call)."""
+        """:meth:`verify` as a stream: early frames (``F_EARLY``), then ``("final", status, payload)``."""
         async for item in self.early.stream(session_id, self.verify(session_id, tenant, frame)):
             yield item
 
@@ -311,8 +299,7 @@ class VerifierServer:
         await self.version_updates.apply_user_config(user_config)
 
     def _end_version_session(self, sid: str, gone: set[str]) -> None:
-        """A session whose target version was removed: a prefilling open answers 404 now, a live
-        session from then on."""
+        """A session whose target version was removed answers 404 (a prefilling open now)."""
         self.sessions.client.pop(sid, None)
         if sid in self.opens.prefilling:
             self.opens.fail(sid, error_reply(ModelNotFound(
@@ -388,7 +375,7 @@ class VerifierServer:
         if not res.finished:
             self.arrivals.replied(res.sid, now)
         depth, budget = self.hints.hints(res.sid)
-        self.runs.from_open(tenant, res, self.sessions.client.get(res.sid), budget, now)
+        self._queue(self.runs.from_open(tenant, res, self.sessions.client.get(res.sid), budget, now))
         reply = (200, {
             "session_id": res.sid, "first_token": res.first_token, "prefix_len": res.prefix_len,
             "first_logprob": res.first_logprob.to_dict() if res.first_logprob is not None else None,
@@ -421,7 +408,7 @@ class VerifierServer:
             results, opened = await loop.run_in_executor(self._executor, run)
         except SpecError as e:  # a full KV pool or a lost commit: a clear 503 for the batch and its prompts
             for p in batch:
-                answer(p.payload.answers, self.runs.so_far(p) or error_reply(e))
+                answer(p.payload.answers, self._so_far(p) or error_reply(e))
             for sid in getattr(e, "sessions", ()):  # KVStateLost: the engine dropped them
                 if sid in self.sessions.owner:
                     self._forget(sid, "kv_state_lost")
@@ -431,7 +418,7 @@ class VerifierServer:
             log.exception("verify forward failed")
             self._answer_late()
             for p in batch:
-                answer(p.payload.answers, self.runs.so_far(p) or internal_reply(e))
+                answer(p.payload.answers, self._so_far(p) or internal_reply(e))
             return
         self._answer_late()
         self._settle_version_failures()
@@ -443,8 +430,7 @@ class VerifierServer:
         await self._complete_opens(loop, opened)
 
     def _settle_version_failures(self) -> None:
-        """Sessions the engine closed because their version failed to load: a prefilling open
-        answers the error now, a live session answers it from then on (503 ``model_unavailable``)."""
+        """Sessions closed as their version failed to load answer 503 ``model_unavailable`` (an open now)."""
         for sid, e in self.engine.take_version_failures().items():
             self.sessions.client.pop(sid, None)
             if sid in self.opens.prefilling:
@@ -453,9 +439,7 @@ class VerifierServer:
                 self._forget(sid, f"model_unavailable: {e.message}")
 
     def _truncate(self, trees: list, base_rows: int) -> list:
-        """Server-side truncation at batch time (:mod:`specdec.truncation`): each
-        tree's request gets the prefix length that maximises expected verified tokens per
-        second of this forward, by the measured cost curve and calibrated node gains."""
+        """Server-side truncation at batch time (:mod:`specdec.truncation`)."""
         if not trees or not self.cfg.verifier.truncate_trees or self.pacer.cost.count < 3:
             return trees
         whole = [(p, r) for p, r in trees if r.proposals is not None]  # sampled trees: never cut by value
@@ -466,12 +450,11 @@ class VerifierServer:
                         for (p, r), n in zip(trees, take)]
 
     def _round_reply(self, item) -> tuple[int, bytes | dict] | None:
-        """Bookkeeping and the reply frame of one verified round; None when a run-ahead
-        request decodes on (:mod:`deploy.verifier.run_ahead`: it is queued again)."""
+        """Bookkeeping and the reply frame of one verified round; None while its run-ahead decodes on."""
         p, res = item
         req, gains, run = p.payload.req, p.payload.gains, p.payload.run
         if isinstance(res, SpecError):
-            return self.runs.so_far(p) or error_reply(res)
+            return self._so_far(p) or error_reply(res)
         rule = p.payload.rule
         # chain mode: a rejected round has no bonus; the residual sample it owes arrives (and is
         # emitted) with the next request, and counts there
@@ -486,14 +469,32 @@ class VerifierServer:
         now = clock.monotonic()
         self.counters.round_latencies.append((p.enqueued_at, now - p.enqueued_at))
         version = self.versions.label(p.session_id)
-        if run is not None and self.runs.advance(p, res, self.hints.best_budget(p.session_id), now):
+        if run is not None and (self._queue(self.runs.advance(p, res, self.hints.best_budget(p.session_id), now))
+                                or run.fut is None):
             self.metrics.on_round(p.tenant, p.session_id, req, res, 0, 0, version=version)
             return None  # decoding on, or detached and stopped: its tokens wait for the next request
         depth, budget = self.hints.hints(p.session_id)
         if not refill:
             self.metrics.on_round(p.tenant, p.session_id, req, res, depth, budget, version=version)
         if run is not None:
-            return self.runs.reply(p.tenant, p.session_id, run, depth, budget)
+            return self._run_reply(p.tenant, p.session_id, run, depth, budget)
         frame = rule.reply(req, res, depth, budget)
         self._reply_sent(p.session_id, now, not (res.finished or refill), res.finished)
         return 200, frame.encode()
+
+    def _run_reply(self, tenant: str, sid: str, run: RunAhead, depth: int, budget: int) -> tuple[int, bytes]:
+        """A run-ahead request's reply (:mod:`deploy.verifier.run_ahead`)."""
+        now = clock.monotonic()
+        self._queue(self.runs.replied(tenant, sid, run, budget, now))
+        self._reply_sent(sid, now, not run.ended, run.last.finished)
+        return 200, run.frame(depth, budget).encode()
+
+    def _so_far(self, p: Pending) -> tuple[int, bytes] | None:
+        """A failed round's run-ahead reply with the tokens decoded so far (None: not owed one)."""
+        run = self.runs.so_far(p)
+        return None if run is None else (200, run.frame(*self.hints.hints(p.session_id)).encode())
+
+    def _queue(self, step: Pending | None) -> Pending | None:
+        if step is not None:
+            self.loop.enqueue(step)
+        return step

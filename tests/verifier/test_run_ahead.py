@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from specdec.engine import VerifyResult
 from deploy.verifier.run_ahead import RunAhead
 
@@ -78,3 +80,62 @@ def test_a_cancelled_future_counts_as_gone():
         assert not run.continues(0)
 
     asyncio.run(main())
+
+
+# -- AheadRuns: the steps it hands back to queue ------------------------------------------------
+
+from deploy.verifier.counters import Takeovers  # noqa: E402
+from deploy.verifier.run_ahead import AheadRuns  # noqa: E402
+from deploy.verifier.sessions import EdgeClient  # noqa: E402
+from specdec.engine import OpenResult  # noqa: E402
+from specdec.errors import PrefixMismatch  # noqa: E402
+
+
+class Frame:
+    """The fields of a verify frame a take-over reads."""
+
+    def __init__(self, prefix_len, ahead=True, tokens=()):
+        self.prefix_len, self.ahead, self.tokens = prefix_len, ahead, list(tokens)
+
+
+def test_an_open_that_promised_run_ahead_starts_a_detached_run_with_a_step_to_queue():
+    runs = AheadRuns(limit=4, takeovers=Takeovers())
+    edge = EdgeClient(ahead=5, run_from_open=True)
+    step = runs.from_open("t", OpenResult("s", 7, 10, False, None), edge, budget=0, now=1.0)
+    assert step.session_id == "s" and step.payload.req.prefix_len == 10 and len(step.payload.req.tree) == 0
+    assert runs.detached["s"] is step.payload.run and step.payload.run.queued
+    assert runs.from_open("t", OpenResult("u", 7, 10, False, None), edge, budget=4, now=1.0) is None  # trees pay
+    assert "u" not in runs.detached
+
+
+def test_advance_hands_back_the_next_step_while_the_budget_is_zero():
+    runs = AheadRuns(limit=2, takeovers=Takeovers())
+    step = runs.step("t", "s", RunAhead(limit=2, base_prefix=10, fut=Fut(), tree_nodes=3), now=0.0)
+    nxt = runs.advance(step, result(12, (7, 8), accepted=(0,), verified=3), best_budget=0, now=1.0)
+    assert nxt is not None and nxt.payload.req.prefix_len == 12  # decodes on
+    assert runs.advance(nxt, result(13, (9,)), best_budget=4, now=2.0) is None  # trees pay: reply now
+    assert not nxt.payload.run.queued
+
+
+def test_a_take_over_at_another_prefix_is_refused_and_the_run_kept():
+    runs = AheadRuns(limit=4, takeovers=Takeovers())
+    runs.detached["s"] = run = RunAhead(limit=4, base_prefix=20)
+    with pytest.raises(PrefixMismatch) as refused:
+        runs.take_over("s", Frame(prefix_len=19), Fut())
+    assert refused.value.details == {"server_prefix_len": 20}
+    assert runs.detached["s"] is run
+    assert runs.take_over("s", Frame(prefix_len=20, tokens=(1, 2)), Fut()) is run
+    assert "s" not in runs.detached and run.tree_nodes == 2 and runs.takeovers.stopped == 1
+
+
+def test_a_reply_with_a_zero_budget_detaches_the_next_run_and_a_failed_step_owes_what_was_decoded():
+    runs = AheadRuns(limit=4, takeovers=Takeovers())
+    run = RunAhead(limit=4, base_prefix=10, fut=Fut(), tree_nodes=0)
+    run.add(result(11, (5,)))
+    step = runs.replied("t", "s", run, budget=0, now=1.0)
+    assert runs.detached["s"] is step.payload.run and step.payload.req.prefix_len == 11
+    assert runs.replied("t", "v", run, budget=4, now=1.0) is None  # trees pay: no run
+    assert runs.so_far(step) is None  # detached, nothing decoded and no request: nothing owed
+    assert "s" not in runs.detached
+    owed = runs.step("t", "s", run, now=2.0)
+    assert runs.so_far(owed) is run and not run.queued  # its request gets the tokens decoded so far
