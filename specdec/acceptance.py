@@ -1,18 +1,6 @@
 """The server's acceptance rules: which draft nodes the target keeps, and the bonus token.
-
-- :func:`walk_tree`: tree walk by target sampling ("sample, then match"; SpecInfer/SpecExec):
-  any tree, no draft probabilities.
-- :func:`rejection_sample_chain`: chain rejection sampling (Leviathan et al. 2023, split as
-  DSSD §3 / PicoSpec §3.3): accept x_i w.p. min(1, p_i(x_i) / q_i(x_i)); a rejection returns a
-  :class:`~specdec.residual.Rejection`, from which the edge samples the residual
-  (:mod:`specdec.residual`).
-- :func:`rejection_walk_tree`: tree rejection sampling (multi-draft; SpecInfer §4.2 / SpecTr,
-  siblings drawn without replacement as in Sequoia §3.2) over a
-  :class:`~specdec.proposal.Proposal` per node.
-
-Guarantee: each emitted token follows the target's distribution at its prefix (greedy: the
-target's argmax). The rules and why they are exact: ``docs/acceptance.md``.
-"""
+Tree walk (SpecInfer/SpecExec), chain (Leviathan et al. 2023; DSSD §3 / PicoSpec §3.3) and tree rejection sampling
+(SpecInfer §4.2 / SpecTr, Sequoia §3.2); each emitted token follows the target's distribution (docs/acceptance.md)."""
 
 from __future__ import annotations
 
@@ -45,14 +33,8 @@ def walk_tree(
     penalties=None,  # Penalties of the session's history (specdec/penalties.py), or None
     argmax: list[int] | None = None,  # [n + 1] each row's greedy token, found for the whole batch at once
 ) -> TreeAcceptance:
-    """Walk ``tree`` by sampling the target at each visited node.
-
-    ``max_emit`` caps emitted tokens (accepted + bonus), so a session never samples past
-    its max_tokens and its generator stays in step with target-only decoding; a sampled
-    stop token (EOS / stop id) ends the walk as the bonus token. With ``penalties`` each
-    visited node's row is penalised with its own history (the session's and its ancestors).
-    ``argmax`` (:func:`specdec.sampling.greedy_rows`) stands in for greedy rows without penalties.
-    """
+    """Walk ``tree`` by sampling the target at each visited node; ``max_emit`` caps emitted tokens (accepted +
+    bonus), and a sampled stop token ends the walk as the bonus token (docs/specdec.md)."""
     accepted: list[int] = []
     pos = 0  # forward row of the current node (0 = root)
     while True:  # only visited rows are read
@@ -97,14 +79,8 @@ def sparse_rejection(
     max_entries: int,
     generator: torch.Generator | None,
 ) -> tuple[Rejection, torch.Tensor | None]:
-    """The downlink of a rejection, and p's tail to keep (None when all of p was sent).
-
-    All of p when its support fits in ``max_entries``; else a head of n entries and m tail
-    candidates, n, m <= ``max_entries``, the fewest entries n + m for which the candidates run
-    out w.p. <= (t_n / (t_n + gap))^m <= ``EXHAUST_P`` (t_n: p's mass outside the head; the
-    bound: ``docs/acceptance.md``); if no head meets it, the fewest entries with m at the cap.
-    Exact either way: running out costs a refill round trip (:func:`more_candidates`).
-    """
+    """The downlink of a rejection, and p's tail to keep (None when all of p was sent): all of p if it fits
+    ``max_entries``, else a head and tail candidates that run out w.p. <= ``EXHAUST_P`` (docs/specdec.md)."""
     vals, ids = torch.sort(p, descending=True)
     support = int((vals > 0).sum())
     if support <= max_entries:  # all of p fits: the edge computes the residual outright
@@ -170,8 +146,7 @@ def multi_draft_step(
     children: list[int],  # the children's tokens, in the order they were drawn
     generator: torch.Generator | None,
 ) -> tuple[int | None, int]:
-    """One node of the multi-draft rule (``docs/acceptance.md``): (index of the accepted child or
-    None, the emitted token)."""
+    """One node of the multi-draft rule (docs/acceptance.md): (accepted child index or None, emitted token)."""
     r, q = p.clone(), q.clone()
     for i, c in enumerate(children):
         u = torch.rand((), generator=generator, dtype=torch.float64).item()
@@ -202,9 +177,7 @@ def rejection_walk_tree(
     stop_ids: frozenset[int] = frozenset(),
     penalties=None,
 ) -> TreeAcceptance:
-    """Walk a tree of sampled siblings by multi-draft rejection sampling (``docs/acceptance.md``);
-    ``max_emit`` / ``stop_ids`` / ``penalties`` as in :func:`walk_tree`. Greedy targets follow
-    the argmax, as :func:`walk_tree` does (a point mass accepts exactly the matching child)."""
+    """Walk a tree of sampled siblings by multi-draft rejection sampling; arguments as :func:`walk_tree`."""
     if params.greedy:
         return walk_tree(tree, logits, params, generator, max_emit, stop_ids, penalties)
     accepted: list[int] = []

@@ -1,10 +1,5 @@
 """The one clock of specdec, deploy and edge_agent: every time read and sleep goes through here.
-
-Real by default (``time.monotonic``, ``time.perf_counter``, ``time.time``, ``asyncio.sleep``). A
-simulation (:mod:`deploy.sim`) installs a virtual clock with :func:`use`: the production code
-then runs unmodified on simulated time, as fast as the CPU allows (issue 61). CPU-time reads
-(``time.thread_time``, ``time.process_time``) are not clock reads and stay direct.
-"""
+Real by default; a simulation installs a virtual one with :func:`use` (CPU-time reads stay direct; docs/specdec.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Typed errors shared by the engine, the router and the wire decoder.
-
-Every error a user can cause is a ``SpecError`` subclass carrying an HTTP status and a
-stable machine-readable ``code``; the router turns them into JSON 4xx replies, the CLI
-into one-line messages. Pure module: no Ray, no FastAPI.
-"""
+"""Typed errors shared by the engine, the router and the wire decoder: each a ``SpecError`` with an
+HTTP ``status`` and a stable ``code`` (the router's JSON 4xx, the CLI's one-line message). Pure module."""
 
 from __future__ import annotations
 
@@ -107,8 +103,7 @@ class RequestTimeout(SpecError):
 
 
 class KVStateLost(SpecError):
-    """Applying a batch's KV commit failed (a pipeline stage): its sessions are dropped and
-    answer ``410`` from then on, so their edges re-open them from their own history."""
+    """A batch's KV commit failed (a pipeline stage): its sessions are dropped and answer ``410`` from then on."""
 
     status, code = 503, "kv_state_lost"
 
@@ -140,8 +135,6 @@ class ModelNotFound(SpecError):
 
 
 class VersionUnavailable(SpecError):
-    """A declared target version whose adapter cannot be served (unreadable, corrupt, or shaped
-    for another base): its opens and its sessions answer 503 with the reason, nothing else
-    changes; a config update that re-declares it with good weights serves it again."""
+    """A declared target version whose adapter cannot be served: its opens and sessions answer 503 with the reason."""
 
     status, code = 503, "model_unavailable"

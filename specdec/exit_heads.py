@@ -1,25 +1,6 @@
 """Exit heads: the target's next-token guess at an intermediate layer (early-exit paper §3, Fig. 3).
-
-An exit after ``layer`` decoder layers maps that layer's residual stream ``h`` [N, D] through
-a small adapter, then the target's own final norm and (tied) LM head, restricted to a
-vocabulary subset of ``K`` ids:
-
-    z = h + U · W · rmsnorm(h; g)              # low-rank residual adapter: g [D], W [r, D], U [D, r]
-    logits = H[ids] · rmsnorm(z; final_norm)   # [N, K], H = the target's LM head
-
-``U`` starts at zero, so an untrained head is the "logit lens" of that layer. Only the
-adapter trains (the paper backpropagates each exit's loss into its adapter alone), on the
-target's own final-layer distributions: ``benchmarks/train_exit_heads.py``. The subset head
-keeps the exit cheap (its cost: ``benchmarks/results/README.md``).
-
-:class:`EarlyExit` runs inside the verify forward (a per-layer hook of
-:class:`specdec.model.decoder.DecoderModel`): after an exit layer it takes the rows of the
-trees that asked for early results, computes the exit logits and walks each tree with
-them (:func:`early_walk`). The walk samples from a *copy* of the session's generator, so
-the round's final walk (last layer) and therefore the output are untouched; with the
-same uniforms, an exit that agrees with the final layer also picks the same sampled path.
-Artifacts: ``<name>.safetensors`` (per-exit tensors in bf16 + ``ids``) and ``<name>.json``.
-"""
+h [N, D] after ``layer`` layers -> z = h + U·W·rmsnorm(h; g) -> logits [N, K] = H[ids]·rmsnorm(z; final_norm), H the
+target's LM head; :class:`EarlyExit` walks trees with them mid-forward, output untouched. docs/specdec.md."""
 
 from __future__ import annotations
 
@@ -152,8 +133,7 @@ class ExitHeads:
 
 
 class SubsetRows:
-    """Exit logits over the subset, read row by row as full-vocabulary rows (-inf elsewhere),
-    as :func:`specdec.acceptance.walk_tree` reads the final logits."""
+    """Exit logits over the subset, read row by row as full-vocabulary rows (-inf elsewhere)."""
 
     def __init__(self, sub: torch.Tensor, ids: torch.Tensor, vocab: int):
         self.sub, self.ids, self.vocab = sub, ids, vocab  # [R, K], [K]
@@ -166,8 +146,7 @@ class SubsetRows:
 
 @dataclass(frozen=True)
 class EarlyResult:
-    """An exit's guess of a round: the accepted path (node indices), the next token, and the
-    exit's probability of that whole guess (paper Eq. 4, over the path)."""
+    """An exit's guess of a round: accepted path (node indices), next token, its probability (paper Eq. 4)."""
 
     sid: str
     layer: int
@@ -179,8 +158,7 @@ class EarlyResult:
 
 def early_walk(tree: DraftTree, rows: SubsetRows, params: SamplingParams, generator: torch.Generator | None,
                max_emit: int | None, stop_ids: frozenset[int]) -> tuple[tuple[int, ...], int, float]:
-    """Walk ``tree`` with an exit's logits (the final walk's rule, on a copy of its generator):
-    (accepted node indices, next token, probability of the path under the exit)."""
+    """Walk ``tree`` by the final walk's rule on an exit's logits -> (accepted nodes, next token, path probability)."""
     g = None
     if generator is not None:
         g = torch.Generator()
@@ -211,9 +189,7 @@ class WalkJob:
 
 
 def exit_rows(heads: ExitHeads, layer: int, h: torch.Tensor, batch, picks) -> torch.Tensor | None:
-    """The exit's subset logits [R, K] (on the CPU) of the logit rows of the batch items ``picks``
-    names, in that order: ``picks`` is a list of (item index, session id); None if the batch is not
-    the one they were chosen for (a stale hook: never walk another batch's rows)."""
+    """The exit's subset logits [R, K] (CPU) of the items ``picks`` names, in order; None for a stale batch."""
     counts = [len(it.logit_rows) for it in batch.items]
     if any(i >= len(counts) or batch.items[i].sid != sid for i, sid in picks):
         return None
@@ -226,12 +202,7 @@ def exit_rows(heads: ExitHeads, layer: int, h: torch.Tensor, batch, picks) -> to
 
 
 class EarlyExit:
-    """The per-layer hook of one verify forward: after each exit layer, the early results of
-    the trees that asked for them, handed to ``sink`` at once (mid-forward).
-
-    In one process the forward calls the hook (``__call__``); with pipeline stages the stage
-    holding an exit computes :func:`exit_rows` for :attr:`picks` and the replica's thread hands
-    them to :meth:`walk` while later stages still run (:mod:`deploy.verifier.pipeline`)."""
+    """The per-layer hook of one verify forward: after each exit layer, the asking trees' early results, to ``sink``."""
 
     def __init__(self, heads: ExitHeads, vocab: int, jobs: list[tuple[int, WalkJob]], sink):
         self.heads, self.vocab, self.jobs, self.sink = heads, vocab, jobs, sink  # jobs: (item index, job)
@@ -244,9 +215,7 @@ class EarlyExit:
 
     @classmethod
     def for_batch(cls, engine, requests, todo, sink) -> "EarlyExit | None":
-        """The hook for one :meth:`VerifierEngine.verify` batch: ``todo`` holds its
-        :class:`~specdec.engine_types.TreeJob` s, in the order of the forward's items. Trees walked
-        by another rule (tree rejection sampling: proposals) get no early result."""
+        """The hook for one :meth:`VerifierEngine.verify` batch (``todo``: its TreeJobs in item order), or None."""
         jobs = []
         for j, t in enumerate(todo):
             s, tree, kept = t.session, t.tree, t.kept
@@ -271,8 +240,7 @@ class EarlyExit:
             self.walk(layer, sub)
 
     def walk(self, layer: int, sub: torch.Tensor) -> None:
-        """Walk every job's tree with the exit's subset logits ``sub`` [R, K] (the jobs' rows in
-        order) and hand the early results to the sink."""
+        """Walk every job's tree with the exit's subset logits ``sub`` [R, K] (jobs' rows in order); to the sink."""
         t0, c0 = clock.perf_counter(), time.thread_time()
         out, off = [], 0
         for _, job in self.jobs:

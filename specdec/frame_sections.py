@@ -1,5 +1,4 @@
-"""The variable sections of a verify frame (:mod:`specdec.protocol`): tree rejection sampling's
-proposals (``F_TREEQ``) and a registered rule's name and payload (``F_RULE``). Pure module."""
+"""The variable sections of a verify frame: proposals (``F_TREEQ``) and a registered rule's payload (``F_RULE``)."""
 
 from __future__ import annotations
 

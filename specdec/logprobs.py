@@ -1,8 +1,5 @@
-"""The target's log-probabilities of emitted tokens (OpenAI ``logprobs`` / ``top_logprobs``).
-
-As vLLM reports them by default (raw log-probs): the log-softmax of the target's logits at
-the token's position, in float32, before penalties, temperature, top-k and top-p. Pure torch.
-"""
+"""The target's log-probabilities of emitted tokens (OpenAI ``logprobs`` / ``top_logprobs``), as vLLM
+reports them: log-softmax of the raw logits, float32, before penalties and temperature/top-k/top-p. Pure torch."""
 
 from __future__ import annotations
 

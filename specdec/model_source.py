@@ -1,6 +1,5 @@
-"""A model spec's ``config.json`` before any weights load: from a local directory, the Hugging
-Face hub cache for a hub id (never downloaded), or the built-in names (``tiny-random``'s config,
-the embedded model's shapes). No torch: config validation reads it in the router."""
+"""A model spec's ``config.json`` before any weights load: a local directory, the hub cache for a hub id
+(never downloaded), or the built-ins (``tiny-random``, the embedded model). No torch (the router reads it)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Presence, frequency and repetition penalties, as vLLM applies them (OpenAI's and
-CTRL's, Keskar et al. 2019 §4.1), on the raw logits before temperature / top-k / top-p.
-
-A row's penalties depend on its own history: the prompt (repetition only) and the tokens
-generated before it (all three). In a tree, a node's generated tokens are the session's
-plus the node's ancestors, so every position of a walk is penalised exactly as plain
-decoding would penalise it. Pure torch.
-"""
+"""Presence, frequency and repetition penalties as vLLM applies them (OpenAI's; CTRL's, Keskar et al. 2019 §4.1), on
+the raw logits before temperature / top-k / top-p; a tree node's history includes its ancestors. Pure torch."""
 
 from __future__ import annotations
 
@@ -17,8 +11,7 @@ from specdec.sampling import SamplingParams
 
 
 class Penalties:
-    """One history's token counts; :meth:`apply` penalises a row of logits after ``extra``
-    more generated tokens (a tree node's ancestors)."""
+    """One history's token counts; :meth:`apply` penalises a row after ``extra`` more tokens (a node's ancestors)."""
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int], output: Sequence[int], vocab: int,
                  device: torch.device | str = "cpu"):

@@ -1,12 +1,5 @@
-"""Tree rejection sampling's proposals: the sparse distribution a node's children are drawn from.
-
-The edge builds one per drafted position (:func:`make_proposal`), draws the children from it
-without replacement (:func:`draw_without_replacement`) and sends it; the server checks it
-against the tree (:func:`check_proposals`) and walks the tree with it
-(:func:`specdec.acceptance.rejection_walk_tree`). Integer weights, so both sides hold the very
-same q (SpecInfer §4.2 / SpecTr multi-draft, siblings without replacement as in Sequoia §3.2;
-why it is exact: ``docs/acceptance.md``).
-"""
+"""Tree rejection sampling's proposals: the sparse distribution a node's children are drawn from (SpecInfer §4.2 /
+SpecTr, Sequoia §3.2), integer weights so edge and server hold the very same q. docs/specdec.md, docs/acceptance.md."""
 
 from __future__ import annotations
 
@@ -22,8 +15,7 @@ Q_WEIGHT_MAX = 65535  # proposal weights are u16 on the wire
 
 @dataclass(frozen=True)
 class Proposal:
-    """The distribution an edge drew one node's children from: q(x) = w_x / sum(w) on ``ids``
-    (integer weights, so edge and server hold the very same q)."""
+    """The distribution an edge drew one node's children from: q(x) = w_x / sum(w) on ``ids`` (integer w)."""
 
     ids: tuple[int, ...]
     weights: tuple[int, ...]
@@ -40,10 +32,8 @@ def make_proposal(
     max_entries: int,
     mass: float = 0.999,
 ) -> Proposal:
-    """The sparse proposal the edge draws a node's children from: q's largest entries, the
-    fewest holding ``mass`` (at most ``max_entries``), as u16 weights. Any proposal is exact
-    (the server sees this very q); truncating q only moves which tokens the drafts cover --
-    the target's mass outside the support is reached through the residual."""
+    """The sparse proposal the edge draws a node's children from: q's largest entries, the fewest holding
+    ``mass`` (at most ``max_entries``), as u16 weights. Any proposal is exact (docs/specdec.md)."""
     vals, ids = torch.sort(q.double(), descending=True)
     n = int(torch.searchsorted(torch.cumsum(vals, 0), torch.tensor([mass * float(vals.sum())],
                                                                      dtype=torch.float64)).item()) + 1
@@ -54,8 +44,7 @@ def make_proposal(
 
 
 def draw_without_replacement(proposal: Proposal, m: int, generator: torch.Generator | None) -> list[int]:
-    """``m`` children drawn one after another from the proposal, each without the ones before
-    (at most its support), in drawing order: the order the server's walk tries them in."""
+    """``m`` children drawn one after another without replacement (at most the support), in drawing order."""
     w = torch.tensor(proposal.weights, dtype=torch.float64)  # [support]
     out = []
     for _ in range(min(m, len(proposal.ids))):
@@ -66,9 +55,8 @@ def draw_without_replacement(proposal: Proposal, m: int, generator: torch.Genera
 
 
 def check_proposals(tree: DraftTree, proposals, vocab: int) -> tuple[Proposal | None, ...]:
-    """Validate the wire's (ids, weights) per position (root, then node i) against ``tree``:
-    a position with children needs a proposal holding every child (distinct, weight >= 1);
-    a leaf carries none. Raises ValueError with the reason."""
+    """Validate the wire's (ids, weights) per position (root, then node i) against ``tree``: a position with
+    children needs one holding every child (distinct, weight >= 1), a leaf none. Raises ValueError."""
     if len(proposals) != len(tree) + 1:
         raise ValueError(f"{len(proposals)} proposals for a tree of {len(tree)} nodes (need one per node + root)")
     out: list[Proposal | None] = []

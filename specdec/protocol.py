@@ -1,14 +1,6 @@
-"""The edge <-> cloud protocol: JSON for session control, compact binary for verify.
-
-Contract: :class:`OpenSession` / :class:`SessionOpened` are the JSON bodies of an open;
-:class:`VerifyFrame`, :class:`ReplyFrame` and :class:`EarlyFrame` are the binary frames of a
-round (little-endian, protocol version 1), each with ``encode`` and ``decode``. A decoder raises
-:class:`InvalidRequest` on a short, malformed or inconsistent frame and on any flag it does not
-know (never ignored), :class:`PayloadTooLarge` past the node limit. Uplink is 20 bytes + 6 per
-draft node, downlink 24 bytes + 2 per accepted node (DSSD/PicoSpec's "token ids only"). The
-spec -- endpoints, frame layouts, every ``F_*`` / ``R_*`` flag and what it promises -- is
-``docs/protocol.md``.
-"""
+"""The edge <-> cloud protocol: JSON for session control, compact binary for verify (little-endian, version 1).
+Each frame's ``decode`` raises :class:`InvalidRequest` on a short, malformed or inconsistent frame or an unknown flag,
+:class:`PayloadTooLarge` past the node limit. The spec, every ``F_*`` / ``R_*`` flag: docs/protocol.md."""
 
 from __future__ import annotations
 
@@ -160,8 +152,7 @@ class VerifyFrame:
 
     @staticmethod
     def header(data: bytes, max_nodes: int = MAX_NODES_WIRE) -> "VerifyHeader":
-        """The header alone, checked (magic, version, flags and their combinations, the node
-        limit); the body is not read. What a router routes on."""
+        """The header alone, checked (magic, version, flags, node limit), body unread: what a router routes on."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidRequest("verify body must be binary")
         if len(data) < _REQ_HEAD.size:
@@ -261,8 +252,7 @@ class ReplyFrame:
 
     @classmethod
     def of_tree(cls, res, depth_hint: int, budget_hint: int, tree_nodes: int) -> "ReplyFrame":
-        """The reply of a :class:`~specdec.engine.VerifyResult` for a tree of ``tree_nodes`` nodes
-        (``verified`` set only when the server cut the tree)."""
+        """The reply of a VerifyResult for a tree of ``tree_nodes`` nodes (``verified``: only if the server cut it)."""
         return cls(list(res.accepted), res.bonus, res.prefix_len, res.finished, res.finish_reason, depth_hint,
                    budget_hint, verified=res.verified if res.verified < tree_nodes else None,
                    logprobs=list(res.logprobs) if res.logprobs is not None else None)
@@ -299,8 +289,7 @@ class ReplyFrame:
 
     @staticmethod
     def outcome(data: bytes) -> "ReplyOutcome":
-        """What a reply adds and whether it finished, read from its header and section counts
-        (the token lists are not read): what a router accounts by."""
+        """What a reply adds and whether it finished, from its header and section counts (what a router accounts by)."""
         if len(data) < _REP_HEAD.size:
             raise InvalidRequest("reply frame too short")
         magic, ver, flags, _, _, n, _, _, _, _, k = _REP_HEAD.unpack_from(data)

@@ -1,10 +1,5 @@
-"""Target-only autoregressive decoding: the ground truth the lossless tests compare to.
-
-Deliberately independent of the engine's runner: it uses the model's own HF forward
-with a ``DynamicCache``, one token per step, penalties from the history so far, and the same sampler
-(:func:`specdec.sampling.sample_token`, one uniform per token), so a seeded
-speculative run and this reference follow the same sample path.
-"""
+"""Target-only autoregressive decoding: the ground truth the lossless tests compare to. Independent of the engine
+(HF forward) but with the same sampler, so a seeded run follows the same sample path (docs/specdec.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The edge's half of chain rejection sampling: a sample of norm(max(0, p - q)) after a rejection.
-
-The server rejects a draft token and replies with a :class:`Rejection` (p's head and i.i.d.
-candidates from p's tail, :func:`specdec.acceptance.sparse_rejection`); the edge, which holds
-its full q, samples the residual exactly with :class:`ResidualSampler` (Leviathan et al. 2023,
-split between edge and server as in DSSD §3 / PicoSpec §3.3; why it is exact:
-``docs/acceptance.md``).
-"""
+"""The edge's half of chain rejection sampling: a sample of norm(max(0, p - q)) after a rejection (Leviathan et al.
+2023, split as in DSSD §3 / PicoSpec §3.3); why it is exact: docs/acceptance.md."""
 
 from __future__ import annotations
 
@@ -28,14 +22,8 @@ class Rejection:
 
 
 class ResidualSampler:
-    """Samples norm(max(0, p - q)) from a :class:`Rejection` and the edge's full q.
-
-    Rejection sampling with proposal p: a proposal y is accepted w.p. max(0, 1 - q(y)/p(y)).
-    A round accepts a head token (w.p. Z_H / (Z_H + t), drawn from the head's residual, Z_H
-    its mass) or proposes the next tail candidate (w.p. t / (Z_H + t)). :meth:`sample`
-    returns None when the tail candidates run out: :meth:`extend` with a refill and call it
-    again (the process is memoryless, so this stays exact).
-    """
+    """Samples norm(max(0, p - q)) from a :class:`Rejection` and the edge's full q. :meth:`sample` is None when
+    the tail candidates run out: :meth:`extend` with a refill, then sample again. How: docs/specdec.md."""
 
     def __init__(self, rejection: Rejection, q: torch.Tensor, generator: torch.Generator | None):
         self.q = q.double()  # [vocab] the edge's draft distribution at the rejected position

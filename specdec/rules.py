@@ -1,12 +1,5 @@
-"""Verify rules by name (issue 62): each side keeps one registry of its rule objects.
-
-A rule is one object per side: the edge's round strategy (:mod:`edge_agent.rules`) and the
-verifier's handling (:mod:`deploy.verifier.rules`), registered under the same name. The built-in
-rules (``match``, ``tree-rejection``, ``rejection``) travel in the frame's own fields; any other
-travels as ``F_RULE``: its name and its own payload (:class:`specdec.protocol.VerifyFrame`). A
-rule module registers itself when imported (``verifier.rule_modules`` on the cloud; an import on
-the edge), as SGLang registers its speculative algorithms. Pure module.
-"""
+"""Verify rules by name (issue 62): each side keeps one registry of its rule objects, registered when their module
+is imported; built-ins travel in the frame's own fields, others as ``F_RULE``. docs/specdec.md. Pure module."""
 
 from __future__ import annotations
 
@@ -45,8 +38,7 @@ class RuleRegistry(Generic[T]):
 
 
 def import_rule_modules(modules: Iterable[str]) -> None:
-    """Import each module (each registers its rules on import); one that cannot be imported is a
-    ``ValueError`` naming it."""
+    """Import each module (it registers its rules); one that cannot be imported: a ``ValueError`` naming it."""
     for m in modules:
         try:
             importlib.import_module(m)

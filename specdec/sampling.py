@@ -1,11 +1,5 @@
-"""Sampling parameters and the one sampler used everywhere (engine, reference, drafts).
-
-Every emitted token consumes exactly one uniform draw from the session's seeded
-generator (inverse-CDF sampling), whether it is emitted by plain decoding or by a tree
-verification round. Hence, with the same seed, speculative decoding reproduces the
-target-only sample path, and a re-opened session can fast-forward its generator by
-the number of tokens already emitted.
-"""
+"""Sampling parameters and the one sampler used everywhere (engine, reference, drafts): every emitted token
+consumes exactly one uniform of the session's seeded generator (inverse CDF). Why: docs/specdec.md."""
 
 from __future__ import annotations
 
@@ -39,8 +33,7 @@ def _number(name: str, v) -> float:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """OpenAI/vLLM-style parameters. ``temperature`` under :data:`GREEDY_BELOW` (0
-    included) means greedy (argmax)."""
+    """OpenAI/vLLM-style parameters; ``temperature`` under :data:`GREEDY_BELOW` (0 included): greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -141,9 +134,7 @@ def make_generator(params: SamplingParams, skip: int = 0) -> torch.Generator | N
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed target distribution: temperature, then top-k, then top-p.
-
-    logits: [..., vocab] (any float dtype) -> probs: [..., vocab] float32.
-    """
+    logits: [..., vocab] (any float dtype) -> probs: [..., vocab] float32."""
     x = logits.float() / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
@@ -173,9 +164,7 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
 
 
 def greedy_rows(parts: list[torch.Tensor]) -> list[list[int]]:
-    """The argmax of every row of ``parts`` (each [n_i, vocab]), as :func:`greedy_token` picks it.
-    Consecutive views of one [R, vocab] tensor (what a forward's logits split into) take one
-    launch and one copy to the host; other parts one each."""
+    """The argmax of every row of ``parts`` (each [n_i, vocab]), as :func:`greedy_token` picks it, in few launches."""
     if not parts:
         return []
     first, vocab = parts[0], parts[0].shape[-1]
@@ -197,8 +186,7 @@ def greedy_rows(parts: list[torch.Tensor]) -> list[list[int]]:
 
 
 def greedy_token(logits: torch.Tensor) -> int:
-    """``torch.argmax`` of one logits row [vocab] (the first largest; a NaN counts as the
-    largest): the native pass on a CPU bf16 row (~10x torch's on one core), torch elsewhere."""
+    """``torch.argmax`` of one logits row [vocab] (first largest; a NaN counts as largest), native on a CPU bf16 row."""
     if logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.dim() == 1:
         lib = native.load()
         if lib is not None:

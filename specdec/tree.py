@@ -1,22 +1,6 @@
-"""Draft token trees: structure, depths, paths, validation (what each node attends, and
-its position, is packed by :mod:`specdec.model.batch`).
-
-Vocabulary (used across the engine, the router and the edge agent):
-
-- **prefix**: the tokens a session has verified so far (prompt + emitted tokens). Its
-  last token, the *root*, was emitted by the previous round (first token or bonus) and
-  is not yet in the KV cache; all earlier prefix tokens are.
-- **tree**: the draft the edge sends: ``tokens[i]`` and ``parents[i]`` for nodes
-  ``i = 0..n-1``, with ``parents[i] == -1`` meaning "child of the root" and otherwise
-  ``parents[i] < i`` (nodes are listed parents-first).
-- **node depth**: 1 for children of the root; the tree's depth is its deepest node.
-- **accepted path**: the nodes the target's own samples walk through, root downwards.
-- **bonus token**: the target's sample at the last node of the accepted path (a
-  token no child matched); it becomes the next root.
-
-A tree with one chain of k nodes is classic chain speculative decoding (SpecEdge §4.1,
-SpecExec/Sequoia trees as in SpecEdge §4.2).
-"""
+"""Draft token trees: structure, depths, paths, validation (positions and masks: :mod:`specdec.model.batch`).
+``parents[i]``: -1 for a child of the root, else < i (parents first); depth 1: the root's children. The root: the
+prefix's last token, not yet in the KV; the bonus token: the target's sample ending a round. docs/specdec.md."""
 
 from __future__ import annotations
 
@@ -81,9 +65,7 @@ class DraftTree:
         return DraftTree(self.tokens[:n], self.parents[:n])
 
     def clip(self, max_depth: int) -> tuple["DraftTree", tuple[int, ...]]:
-        """The nodes at depth <= ``max_depth`` (a subtree: parents come first) and, for each
-        kept node, its index in this tree (near the end of the context, SpecEdge trees are
-        cut rather than refused, as chain mode clips)."""
+        """The nodes at depth <= ``max_depth`` (a subtree: parents first) and each kept node's index in this tree."""
         kept = tuple(i for i, d in enumerate(self.depths) if d <= max_depth)
         new_index = {old: new for new, old in enumerate(kept)}
         parents = tuple(-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in kept)

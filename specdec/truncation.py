@@ -1,20 +1,5 @@
-"""Server-side tree truncation at batch time: how many nodes of each tree one forward verifies.
-
-Edges send their trees in priority order, so every prefix of the node list is a tree
-(:meth:`edge_agent.tree_builder.TreeBuilder.to_tree`), with one confidence byte per node.
-:func:`choose_prefixes` keeps, per session, the prefix that maximises expected verified tokens
-per second of *this* forward:
-
-    maximise  (S + sum of kept gains) / t(R0 + S + kept nodes)
-
-``S`` sessions each emit one token for sure (the bonus); a node's gain is its draft path
-probability calibrated by the observed acceptance (:func:`node_gains`, :class:`GainCalibration`);
-``t`` is the replica's forward time per row count (:class:`deploy.verifier.pacing.PiecewiseCost`);
-``R0`` rows are already in the batch (prefill chunks). Gains never increase along the order, so
-the best K nodes are prefixes. Load acts in the next batch (SpecEdge §4.3's pacing acts a round
-later; ``docs/engine.md``). Lossless: a prefix of a parents-first tree is a tree, verified like
-any other. Pure module.
-"""
+"""Server-side tree truncation at batch time: how many nodes of each tree one forward verifies, acting in this batch
+where SpecEdge §4.3's pacing acts a round later. Lossless: a tree's prefix is a tree. docs/specdec.md."""
 
 from __future__ import annotations
 
@@ -40,10 +25,8 @@ def decode_confidence(byte: int) -> float:
 
 
 def node_gains(parents: list[int], conf: list[int] | None = None, alpha: float = DEFAULT_NODE_ALPHA) -> list[float]:
-    """Per node, in the order sent: its path probability from the edge's confidence bytes,
-    or, without them, ``alpha ** depth``; made non-increasing along the order (so taking
-    nodes by gain keeps a prefix, whatever an edge sends). Never fails on a malformed tree
-    (the engine refuses it later)."""
+    """Per node, in the order sent: its path probability from the confidence bytes, else ``alpha ** depth``,
+    made non-increasing along the order (the best nodes form a prefix). Never fails on a malformed tree."""
     if conf is not None and len(conf) == len(parents):
         raw = [decode_confidence(c) for c in conf]
     else:
@@ -60,8 +43,7 @@ def node_gains(parents: list[int], conf: list[int] | None = None, alpha: float =
 
 @dataclass
 class GainCalibration:
-    """Scales draft path probabilities to observed acceptance: an EMA of accepted nodes
-    over predicted accepted nodes (a draft that is over-confident gets scaled down)."""
+    """Scales draft path probabilities to observed acceptance: EMA of accepted over predicted accepted nodes."""
 
     ema: float = 0.1
     factor: float = 1.0
@@ -76,12 +58,8 @@ class GainCalibration:
 
 
 def choose_prefixes(gains: list[list[float]], cost: Callable[[int], float], base_rows: int = 0) -> list[int]:
-    """Nodes to verify per session (a prefix length each).
-
-    gains[s][j]: the expected accepted-token gain of session ``s``'s ``j``-th node, non-
-    increasing in ``j``. ``cost(rows)``: forward seconds for that many rows. ``base_rows``:
-    rows already in the forward besides the sessions' roots and nodes.
-    """
+    """Nodes to verify per session (a prefix length each). gains[s][j]: the expected gain of session ``s``'s ``j``-th
+    node, non-increasing in ``j``; ``cost(rows)``: forward seconds; ``base_rows``: rows besides roots and nodes."""
     sessions = len(gains)
     if sessions == 0:
         return []

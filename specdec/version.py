@@ -1,5 +1,4 @@
-"""The installed ``specedge-serve`` version: what ``edge-agent --version``, the cloud's
-``GET /v1/model`` and vLLM's ``GET /version`` report."""
+"""The installed ``specedge-serve`` version (``edge-agent --version``, ``GET /v1/model``, vLLM's ``GET /version``)."""
 
 from __future__ import annotations
 
