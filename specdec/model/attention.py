@@ -1,21 +1,5 @@
-"""Tree attention over the paged KV pool (docs/protocol.md, "One generation, end to end", step 4;
-SpecInfer-style tree masks).
-
-A query row attends its session's *logical* KV sequence: the positions ``[0, row_len)`` (prefix,
-root, or a prompt chunk up to itself), then, for every set bit ``j`` of ``row_bits`` (one int64
-per row: trees up to 64 nodes), the tree node at position ``row_len + j``: its ancestors and
-itself. The plan is built once per forward and read by every layer. Implementations:
-
-- the C kernel (:mod:`specdec.model.native`, CPU, bf16/fp32) and, on CUDA, the Triton kernel
-  (:mod:`specdec.model.cuda.kernels`): pages read in place, each row reduced over its logical
-  sequence in a fixed order, so a row's output is the same bits whatever batch, tree shape or
-  padding it comes with (batch invariance);
-- :func:`torch_attention`: gathers each row's keys and calls SDPA (any device and dtype; the
-  reference the kernels are tested against; not batch-invariant in bf16: masked keys inside
-  SDPA's blocks change its rounding).
-
-The kernels' measurements: docs/engine.md, "Tree attention".
-"""
+"""Tree attention over the paged KV pool (SpecInfer-style tree masks; docs/protocol.md, step 4): a row attends
+``[0, row_len)`` and ``row_len + j`` per set bit ``j`` of ``row_bits`` (int64: up to 64 nodes). docs/specdec.md."""
 
 from __future__ import annotations
 
@@ -51,8 +35,7 @@ KERNEL_MAX_HEAD_DIM = 256
 
 def use_kernel(device: torch.device, dtype: torch.dtype, heads: int = 1, kv_heads: int = 1,
                head_dim: int = 64) -> bool:
-    """Whether a kernel runs this: on CUDA the Triton kernel (Triton installed); on the CPU the C
-    kernel (bf16/fp32, a head layout it handles, built here)."""
+    """Whether a kernel runs this: Triton's on CUDA, the C kernel on the CPU (bf16/fp32, a head layout it handles)."""
     if device.type == "cuda":
         return (heads % kv_heads == 0 and heads // kv_heads <= BLOCK_M and head_dim <= KERNEL_MAX_HEAD_DIM
                 and cuda.available(device))

@@ -1,20 +1,6 @@
 """Packing a forward: every session's new tokens on one flat token axis, no padding.
-
-A :class:`SeqInput` is one session's share of a forward: new tokens, their RoPE
-positions, the logical KV positions they are written to, and what each one attends
-(``row_len``: the contiguous positions ``[0, row_len)``; ``row_bits``: tree positions
-``row_len + j``). Two shapes cover every caller (docs/protocol.md, "One generation,
-end to end", step 4):
-
-- :func:`chunk_input`: a run of consecutive tokens (a prompt chunk, a re-open's history, a
-  decode step's root): token ``i`` at position ``L + i`` sees ``[0, L + i]``;
-- :func:`tree_input`: the root and a draft tree: the root at position ``L`` sees ``[0, L]``;
-  node ``j`` (depth ``d_j``) has RoPE position ``L + d_j``, is written at logical position
-  ``L + 1 + j`` and sees ``[0, L]`` plus its ancestors and itself (ancestor bitmask, built
-  once per forward and shared by all layers).
-
-:func:`pack` turns a list of them into the flat tensors the forward reads. Pure torch.
-"""
+A row attends ``[0, row_len)`` and ``row_len + j`` per set bit ``j`` of ``row_bits``; a tree node ``j`` (depth ``d_j``)
+has RoPE position ``L + d_j``, is written at ``L + 1 + j`` and sees ``[0, L]``, its ancestors and itself. Pure torch."""
 
 from __future__ import annotations
 

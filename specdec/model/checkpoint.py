@@ -1,19 +1,5 @@
-"""A Llama-family target's weights without transformers: ``config.json`` + ``*.safetensors`` (or a
-tiny random Llama) read into a parameter-only module tree under the checkpoint's own names.
-
-- :class:`CheckpointConfig`: ``config.json`` with transformers' per-family defaults (llama,
-  mistral, qwen2, qwen3) and the RoPE parameters in one form (transformers 5's
-  ``rope_parameters`` or 4.x's ``rope_theta`` + ``rope_scaling``);
-- :func:`rope_frequencies`: RoPE (Su et al. 2021) with linear interpolation (Chen et al. 2023),
-  Llama 3.1's scaling or YaRN (Peng et al. 2023), in transformers' float32 operations, so cos/sin
-  are bit-equal;
-- :class:`CausalLMWeights`: the names :class:`specdec.model.decoder.DecoderModel`, the exit heads
-  and pipeline stages read (``model.layers[i].self_attn.q_proj`` ...). It has no forward.
-
-Why not transformers' model classes (their import cost): docs/engine.md, "Weights without
-transformers". ``tests/specdec/model/test_checkpoint.py`` checks every tensor, the RoPE buffers
-and the logits against transformers' model, per family and RoPE type.
-"""
+"""A Llama-family target's weights without transformers: ``config.json`` + ``*.safetensors`` (or a tiny random Llama)
+read into a parameter-only module tree under the checkpoint's own names (docs/engine.md, docs/specdec.md)."""
 
 from __future__ import annotations
 
@@ -58,9 +44,7 @@ def unsupported_rope(rope_type) -> UnsupportedModel:
 
 
 class CheckpointConfig(SimpleNamespace):
-    """A decoder's ``config.json`` as attributes, with its family's defaults and derived fields
-    (``head_dim``, KV heads, sliding windows and layer types, standardised RoPE parameters,
-    also under their 4.x name ``rope_scaling``)."""
+    """A decoder's ``config.json`` as attributes, with its family's defaults and derived fields (``head_dim``...)."""
 
     @classmethod
     def read(cls, path: str | Path) -> "CheckpointConfig":
@@ -94,10 +78,7 @@ class CheckpointConfig(SimpleNamespace):
 
 
 def _rope_parameters(raw: dict, c: dict) -> dict:
-    """One dict of RoPE parameters, as transformers 5 standardises them: ``rope_type``,
-    ``rope_theta`` (from the dict, else a top-level ``rope_theta``, else 10000), and for the
-    scaled types the pretraining context (``original_max_position_embeddings``: a top-level one
-    wins, as in the rotary transformers' model builds; else the dict's, else the model's context)."""
+    """One dict of RoPE parameters, as transformers 5 standardises them (which source wins: docs/specdec.md)."""
     rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     rope.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_THETA))
     if raw.get("partial_rotary_factor") is not None:
@@ -113,13 +94,8 @@ def _rope_parameters(raw: dict, c: dict) -> dict:
 
 def rope_frequencies(config: CheckpointConfig) -> tuple[torch.Tensor, float]:
     """inv_freq [d / 2] (float32) and the factor cos/sin are scaled by (YaRN's attention factor, else 1).
-
-    default: theta^(-2i/d). linear: divided by ``factor``. llama3: wavelengths above
-    ``original / low_freq_factor`` divided by ``factor``, below ``original / high_freq_factor``
-    kept, smoothly blended between. yarn: blended between interpolated (÷ factor) and original
-    frequencies over the dimensions between the ``beta_fast`` and ``beta_slow`` rotation counts,
-    with cos/sin scaled by 0.1 ln(factor) + 1 (YaRN eqs. 17-22). Other types are refused by
-    :class:`specdec.model.decoder.DecoderSpec` (they change with the sequence length)."""
+    RoPE (Su et al. 2021): default, linear (Chen et al. 2023), llama3, yarn (Peng et al. 2023, eqs. 17-22), as
+    transformers computes them (docs/specdec.md); others are refused by :class:`specdec.model.decoder.DecoderSpec`."""
     rope = config.rope_parameters
     kind, base = rope["rope_type"], rope["rope_theta"]
     if kind == "default":  # Llama's own default ignores partial_rotary_factor (modeling_llama)
@@ -218,8 +194,7 @@ class Rotary(nn.Module):
 
 
 def _embedding(n: int, dim: int) -> nn.Embedding:
-    """nn.Embedding [n, dim]; built on the meta device without its random init: torch's meta
-    ``normal_`` imports torch._dynamo, which nothing else in a replica needs."""
+    """nn.Embedding [n, dim], built on the meta device without its random init (why: docs/specdec.md)."""
     w = torch.empty(n, dim)
     return nn.Embedding(n, dim, _weight=w) if w.is_meta else nn.Embedding(n, dim)
 
@@ -233,9 +208,7 @@ class Decoder(nn.Module):
 
 
 class CausalLMWeights(nn.Module):
-    """A decoder-only LM's parameters under the checkpoint's names (``model.*``, ``lm_head``), its
-    config, and ``generation_config`` (the ``eos_token_id`` of ``generation_config.json``, or None).
-    Built on the meta device and filled by :func:`read_weights` or :func:`tiny_weights`."""
+    """A decoder-only LM's parameters under the checkpoint's names, its config and ``generation_config`` (or None)."""
 
     def __init__(self, config: CheckpointConfig):
         super().__init__()
@@ -246,9 +219,7 @@ class CausalLMWeights(nn.Module):
 
 
 def prune(model: nn.Module, first: int, last: int, keep_head: bool = False) -> None:
-    """Replace every module a pipeline stage of layers ``[first, last)`` does not own by a
-    parameter-free placeholder (``keep_head``: keep the final norm and LM head, which exit heads
-    are built from). Works on this module tree and on transformers' alike (same names)."""
+    """Replace what a stage of layers ``[first, last)`` does not own by placeholders (``keep_head``: keep the head)."""
     inner = model.model
     n = len(inner.layers)
     for i in range(n):
@@ -263,9 +234,8 @@ def prune(model: nn.Module, first: int, last: int, keep_head: bool = False) -> N
 
 def read_weights(path: str | Path, dtype: torch.dtype, device: str = "cpu", first: int = 0,
                  last: int | None = None, keep_head: bool = False) -> CausalLMWeights:
-    """The checkpoint in ``path`` with only layers ``[first, last)`` materialised (+ the embedding
-    in the first stage, the final norm and LM head in the last, or anywhere with ``keep_head``);
-    only those tensors are read from the safetensors files. Floating tensors are cast to ``dtype``."""
+    """The checkpoint in ``path`` with only layers ``[first, last)`` read and materialised (+ the embedding in the
+    first stage, final norm and LM head in the last or with ``keep_head``); floating tensors cast to ``dtype``."""
     path = Path(path)
     config = CheckpointConfig.read(path)
     n = config.num_hidden_layers
@@ -309,13 +279,7 @@ def read_weights(path: str | Path, dtype: torch.dtype, device: str = "cpu", firs
 
 
 def tiny_weights(seed: int = 0, dtype: torch.dtype = torch.float32, **cfg) -> CausalLMWeights:
-    """A random tiny Llama (:func:`tiny_config`) drawn from torch's global generator seeded with
-    ``seed``, in the order transformers 5 initialises ``LlamaForCausalLM``: the decoder's modules
-    are built (torch's default init), then every matrix drawn again from N(0, 0.2) children first,
-    the padding row zeroed, norms set to 1; then the LM head the same way. So the weights equal
-    ``torch.manual_seed(seed); LlamaForCausalLM(config)``'s, and the tests written against those
-    keep their draws; :func:`specdec.model.loading.tiny_random_model` loads these into
-    transformers' Llama whatever its version."""
+    """A random tiny Llama with ``torch.manual_seed(seed); LlamaForCausalLM(config)``'s weights (docs/specdec.md)."""
     config = CheckpointConfig.from_dict(tiny_config(**cfg))
     with torch.device("meta"):
         model = CausalLMWeights(config)

@@ -1,21 +1,5 @@
-"""The verifier's own forward for Llama-family decoders, over a packed batch and the KV pool.
-
-Supported: Llama (incl. SmolLM and Llama-3 RoPE scaling), Mistral without a sliding window,
-Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm). Weights (:mod:`specdec.model.checkpoint`, or any
-HF model with the same module names) are re-laid out once: Q/K/V in one matrix, gate/up in
-another. A forward packs every session's new tokens on one token axis (no padding,
-:mod:`specdec.model.batch`), writes their K/V into the pool and reads it in place
-(:mod:`specdec.model.attention`); RoPE at explicit positions (prefix length + node depth); GQA
-without repeating K/V. A :class:`DecoderModel` may own a contiguous slice of layers (a pipeline
-stage): the first also embeds, the last also owns the final norm and LM head.
-
-Batch invariance (bf16): every op is row-wise, attention reduces each row over its own KV in a
-fixed order, and :class:`Linear` gives a row the same result at any row count (the native kernel:
-one fixed chain per output; oneDNN, which rounds a single row differently: a single row computed
-as two); so a row's logits do not depend on the rest of its batch, its tree's shape, or padding
-(``tests/specdec/model/test_decoder.py``). On CUDA: :mod:`specdec.model.cuda`. Kernels and their
-speed: docs/engine.md, "The engine, piece by piece".
-"""
+"""The verifier's own forward for Llama-family decoders (Llama, Mistral without sliding window, Qwen2, Qwen3), over
+a packed batch and the KV pool; batch-invariant (docs/engine.md, "Batch invariance: how")."""
 
 from __future__ import annotations
 
@@ -115,9 +99,7 @@ def _layer_weights(layer) -> LayerWeights:
 
 
 class DecoderModel:
-    """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head).
-    ``graphs``: on CUDA with the Triton kernels, replay the layer stack as CUDA graphs
-    (:mod:`specdec.model.cuda.graphs`; bit-equal to launching each kernel)."""
+    """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head); ``graphs``: CUDA graphs."""
 
     def __init__(self, hf_model, first: int = 0, last: int | None = None, compile: bool = False,
                  graphs: bool = True):
@@ -149,9 +131,7 @@ class DecoderModel:
         self.adapters: dict = {}  # name -> LoraAdapter loaded for the next forward (deploy/verifier/adapters.py)
 
     def share_weights(self, hf_model) -> None:
-        """Point ``hf_model``'s Q/K/V and gate/up weights (the model this one was built from) at
-        views of the fused matrices, so the separate copies are freed: a replica keeps both
-        models, which held those weights twice. Values and shapes are unchanged."""
+        """Point ``hf_model``'s Q/K/V and gate/up weights at views of the fused matrices (frees the copies)."""
         inner = hf_model.model
         for i, w in zip(range(self.first, self.last), self.layers):
             a, m = inner.layers[i].self_attn, inner.layers[i].mlp
@@ -168,16 +148,14 @@ class DecoderModel:
         return [f for w in self.layers for f in (w.qkv, w.o, w.gate_up, w.down)]
 
     def _weights_on_huge_pages(self) -> None:
-        """The packed weights of every native linear, in the order a forward reads them, in one
-        huge-page mapping (:mod:`specdec.model.hugepages`): one stream, few TLB misses."""
+        """The packed weights of every native linear, in forward order, in one huge-page mapping (one stream)."""
         lins = self.layer_linears() + [self.lm_head]
         lins = [f for f in lins if f is not None and f.lib is not None]
         for f, w in zip(lins, hugepages.arena([f.native_w for f in lins])):
             f.native_w = w
 
     def warmup(self, row_counts=(1, 2, 17)) -> None:
-        """Run the glue on dummy rows of each count (compiles them when ``compile=True``:
-        one graph for a single row, one dynamic graph for the rest)."""
+        """Run the glue on dummy rows of each count (``compile=True``: a graph for 1 row, a dynamic one for more)."""
         s, g = self.spec, self.glue
         for n in row_counts:
             h = torch.zeros(n, s.hidden_size, dtype=self.dtype, device=self.device)
@@ -208,15 +186,9 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, pool: KVPool, hidden: torch.Tensor | None = None,
                 on_layer=None) -> torch.Tensor:
-        """Run this slice's layers; returns hidden states [N, D] (before the final norm).
-
-        The first slice embeds ``batch.input_ids``; later ones take ``hidden`` [N, D].
-        Every layer writes the batch's new K/V into ``pool`` at ``batch.slots``.
-        ``on_layer(n, h, batch)``, if given, sees the residual stream h [N, D] after each
-        layer (``n`` = layers run so far in the whole model) and must not change it
-        (exit heads, :mod:`specdec.exit_heads`). On CUDA a batch without LoRA rows or
-        ``on_layer`` replays a captured graph of this same code (:mod:`specdec.model.cuda.graphs`).
-        """
+        """Run this slice's layers; returns hidden states [N, D] (before the final norm). The first slice
+        embeds ``batch.input_ids``, later ones take ``hidden`` [N, D]; each layer writes the new K/V into ``pool``.
+        ``on_layer(n, h, batch)`` sees h [N, D] after each layer (``n``: layers run so far) and must not change it."""
         N = batch.num_tokens
         # rows per LoRA target version; each adds its own delta to the fused linears (lora.py)
         lora = row_groups(batch.adapter_rows, N, self.adapters, self.device) if batch.adapter_rows else []
@@ -238,16 +210,12 @@ class DecoderModel:
         return self.run_layers(h, cos, sin, pool, where, plan, lora, on_layer, batch)
 
     def embed_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
-        """The stream before the first local layer: the first slice embeds ids [N]; later ones
-        take ``hidden`` [N, D]."""
+        """The stream before the first local layer: the first slice embeds ids [N]; later ones take ``hidden``."""
         return F.embedding(input_ids, self.embed) if self.is_first else hidden.to(self.device, self.dtype)
 
     def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool, where, plan,
                    lora=(), on_layer=None, batch: PackedBatch | None = None) -> torch.Tensor:
-        """The layers in torch ops and kernels: h [N, D] -> h [N, D]; each layer writes its K/V
-        of the rows into ``pool`` at ``where`` (page, offset) [N] each. On CUDA (Triton kernels,
-        its DevicePlan built) nothing here waits on the host, so a CUDA graph
-        can capture it (:mod:`specdec.model.cuda.graphs`)."""
+        """The layers: h [N, D] -> h [N, D], each writing K/V at ``where`` (page, offset) [N]; CUDA-graph capturable."""
         s, g = self.spec, self.glue
         N = h.shape[0]
         Hq, Hkv, d = s.num_heads, s.num_kv_heads, s.head_dim

@@ -1,20 +1,5 @@
-"""The elementwise glue of a decoder layer, between its matrix multiplies and attention.
-
-RMSNorm (with the residual add before it), RoPE on q and k (and the K/V write into the
-pool), SwiGLU. Four implementations of the same functions, chosen once per model by
-:func:`make_glue`:
-
-- :class:`Glue`, eager torch (any device and dtype; the reference);
-- the same functions under ``torch.compile`` (``compile=True``, dynamic shapes);
-- :class:`CudaGlue` (CUDA): the norms, RoPE with the K/V write, and SwiGLU as Triton kernels,
-  batch-invariant (:mod:`specdec.model.cuda`);
-- :class:`NativeGlue` (CPU, bf16): one C call per function (``csrc/glue.c`` through
-  :mod:`specdec.model.native`) instead of ~40 small torch ops per layer.
-
-The native and CUDA glue are row-wise with a fixed reduction order, so batch-invariant; the native
-glue agrees with the torch glue up to bf16 rounding of float32 sums
-(``tests/specdec/model/test_glue.py``).
-"""
+"""The elementwise glue of a decoder layer, between its matrix multiplies and attention: RMSNorm, RoPE (+ the
+K/V write), SwiGLU, in torch, Triton (:class:`CudaGlue`) or C (:class:`NativeGlue`) as :func:`make_glue` picks."""
 
 from __future__ import annotations
 
@@ -86,16 +71,14 @@ class Glue:
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
                    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                    pool, layer: int, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """RoPE on qkv [N, Hq + 2 Hkv, d]; k and v written into ``pool`` at ``where`` (its
-        (page, offset) per row) of ``layer``; returns q [N, Hq, d]."""
+        """RoPE on qkv [N, Hq + 2 Hkv, d], k and v written to ``layer`` at ``where`` (page, offset); -> q [N, Hq, d]."""
         q, k, v = self.qk_rope(qkv, cos, sin, hq, hkv, q_norm, k_norm, eps)
         pool.write(layer, where, k, v)
         return q
 
 
 class NativeGlue(Glue):
-    """The glue as one C call per function (CPU, bf16). Qwen3's per-head q/k norms keep
-    the torch RoPE path."""
+    """The glue as one C call per function (CPU, bf16); Qwen3's per-head q/k norms keep the torch RoPE path."""
 
     def __init__(self):
         super().__init__(compile=False)
@@ -140,10 +123,7 @@ class NativeGlue(Glue):
 
 
 class CudaGlue(Glue):
-    """On CUDA: RMSNorm (with its residual add, and Qwen3's q/k norms) as the Triton kernel of
-    :mod:`specdec.model.cuda.kernels`, one program per row, instead of torch's mean, whose
-    reduction is split by the row count; RoPE with the K/V write, and SwiGLU, one launch each
-    (Qwen3's RoPE after its norms in torch, eager or compiled)."""
+    """On CUDA: RMSNorm, RoPE with the K/V write and SwiGLU as Triton kernels, one program per row (docs/specdec.md)."""
 
     def __init__(self, compile: bool = False):
         super().__init__(compile)

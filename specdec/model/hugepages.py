@@ -1,14 +1,4 @@
-"""CPU tensors backed by transparent huge pages (Linux THP).
-
-A decode step on a CPU streams the weights and every row's KV pages; from 4 KiB pages that takes
-a TLB miss every 4 KiB, and torch's CPU allocator does not ask for huge pages. :func:`empty` maps
-anonymous memory, asks for huge pages (``madvise(MADV_HUGEPAGE)``) before any page is touched and
-aligns the tensor to 2 MiB; :func:`arena` lays several tensors back to back in one such mapping
-(the weights in the order a forward reads them: one stream). Only the address translation
-changes, not the arithmetic. Where huge pages cannot be had (not Linux, THP ``never``,
-``SPECEDGE_HUGEPAGES=0``, a non-CPU tensor) both fall back to ordinary tensors. Measured:
-docs/engine.md, "Weights and KV on huge pages".
-"""
+"""CPU tensors backed by transparent huge pages (Linux THP), else ordinary ones (docs/specdec.md; docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -37,8 +27,7 @@ def available() -> bool:
 
 
 def _mapping(nbytes: int) -> torch.Tensor:
-    """uint8 [nbytes], 2 MiB-aligned, in an anonymous mapping advised for huge pages. The
-    tensor holds the mapping (``torch.frombuffer`` keeps a reference to it)."""
+    """uint8 [nbytes], 2 MiB-aligned, in an anonymous mapping advised for huge pages (the tensor holds the mapping)."""
     mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
@@ -55,8 +44,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
 
 def arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU ``tensors`` back to back (each cache-line aligned) in one huge-page
-    mapping, in the order given; the tensors themselves where huge pages cannot be had."""
+    """Copies of CPU ``tensors`` back to back (cache-line aligned) in one huge-page mapping, else the tensors."""
     if not tensors or not available() or any(t.device.type != "cpu" for t in tensors):
         return list(tensors)
     offsets, total = [], 0

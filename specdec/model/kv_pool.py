@@ -1,18 +1,5 @@
-"""Paged KV pool, preallocated per replica (or per pipeline stage), written and read in place.
-
-``num_pages`` pages of :data:`PAGE_SIZE` token slots per local layer (vLLM-style paging): K as
-``[L, pages, Hkv, D, PS]`` (transposed inside a page, as the tree-attention kernel reads it), V as
-``[L, pages, Hkv, PS, D]``. A session owns a block table; logical position ``p`` is slot
-``p % PS`` of page ``pages[p // PS]``.
-
-A round (docs/protocol.md, step 4): :meth:`reserve` gives a session pages for its new tokens at
-``[length, length + n)``; the forward writes their K/V in place (:meth:`write`); :meth:`commit`
-keeps the first ``keep_contiguous`` plus the listed tree positions, moved down behind them (at most
-``depth`` entries move), and frees pages past the new length. Rollback is free: rejected entries
-are past the length. With ``prefix_caching`` (:class:`~specdec.model.prefix_cache.PrefixCache`)
-:meth:`share` starts a session on cached pages and :meth:`cache` offers its whole pages; a cached
-page is never written (:meth:`truncate` copies it first), and one no session holds counts as free.
-"""
+"""Paged KV pool, preallocated per replica (or per pipeline stage), written and read in place; rollback is free.
+K ``[L, pages, Hkv, D, PS]``, V ``[L, pages, Hkv, PS, D]`` (PS: :data:`PAGE_SIZE`); a round: docs/specdec.md."""
 
 from __future__ import annotations
 
@@ -98,8 +85,7 @@ class KVPool:
             self._free.append(page)
 
     def scratch_slot(self) -> int:
-        """A slot no session will ever own, for rows whose K/V nobody reads (the padding rows
-        of a CUDA graph's bucket): a page taken from the free list once, for good."""
+        """A slot no session will ever own, for rows whose K/V nobody reads (a CUDA graph's padding rows)."""
         if self._scratch is None:
             self._scratch = self._take()
         return self._scratch * PAGE_SIZE
@@ -134,9 +120,8 @@ class KVPool:
 
     # -- prefix caching ---------------------------------------------------------------
     def share(self, sid: str, tokens: list[int], salt=None) -> int:
-        """Start a new session ``sid`` on the cached pages of the longest cached prefix of
-        ``tokens`` (whole pages, leaving at least one token to compute); its committed length.
-        0 without prefix caching."""
+        """Start new session ``sid`` on the cached pages of ``tokens``' longest cached prefix (whole pages, at
+        least one token left to compute); returns its committed length (0 without prefix caching)."""
         if self.prefix_cache is None:
             return 0
         if sid in self.sessions:
@@ -147,8 +132,7 @@ class KVPool:
         return len(pages) * PAGE_SIZE
 
     def cache(self, sid: str, tokens: list[int], salt=None) -> None:
-        """Offer the whole committed pages of ``sid`` to later sessions; ``tokens``: what its KV
-        holds, position by position (at least its committed length)."""
+        """Offer ``sid``'s whole committed pages to later sessions; ``tokens``: its KV's tokens, one per position."""
         s = self.sessions.get(sid)
         if self.prefix_cache is not None and s is not None:
             self.prefix_cache.add(s.pages, tokens[: s.length], salt)
@@ -193,9 +177,8 @@ class KVPool:
         self.compact(sid, start, tree_positions, start + len(tree_positions))
 
     def compact(self, sid: str, start: int, positions: list[int], committed: int) -> None:
-        """Move ``positions`` (increasing, each >= start) to ``start, start + 1, ...``; the
-        committed length becomes ``committed`` (<= start + len(positions)); entries past it stay
-        written but uncommitted (the edge drafter keeps live tree nodes there)."""
+        """Move ``positions`` (increasing, each >= start) to ``start, start + 1, ...``; the committed length becomes
+        ``committed`` (<= start + len(positions)); entries past it stay written, uncommitted."""
         s = self.sessions[sid]
         moves = [(p, start + i) for i, p in enumerate(positions) if p != start + i]
         if moves:

@@ -1,5 +1,4 @@
-"""The linear layer of the decoder: y = x W^T + b, each row independent of how many rows there are
-(the batch-invariance :mod:`specdec.model.decoder` rests on)."""
+"""The linear layer of the decoder: y = x W^T + b, each row independent of how many rows there are."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from specdec.model.row_chunks import in_row_chunks
 
 
 def _can_prepack(w: torch.Tensor) -> bool:
-    """oneDNN's prepacked bf16 linear runs here (it needs AVX512 or AVX-NE-CONVERT; elsewhere
-    the reorder raises)."""
+    """Whether oneDNN's prepacked bf16 linear runs here (AVX512 or AVX-NE-CONVERT; elsewhere its reorder raises)."""
     return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _mkldnn_bf16())
 
@@ -26,8 +24,7 @@ def _mkldnn_bf16() -> bool:
 
 
 def _native_linear(w: torch.Tensor):
-    """The native bf16 linear kernel when it runs ``w`` here (CPU, bf16, AVX512-BF16 or AVX2 + FMA,
-    K even), else None."""
+    """The native bf16 linear kernel if it runs ``w`` here (CPU, bf16, AVX512-BF16 or AVX2 + FMA, K even), else None."""
     if w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.shape[1] % 2:
         return None
     lib = native.load()
@@ -35,15 +32,8 @@ def _native_linear(w: torch.Tensor):
 
 
 class Linear:
-    """y = x W^T + b with rows independent of the row count: x [M, K] -> [M, N].
-
-    CPU bf16 with AVX512-BF16 or AVX2 + FMA: the native kernel (``csrc/linear.c``; W packed
-    once; every output one fixed dot-product chain, so any M, 1 included, gives the same rows).
-    Other CPUs in bf16: W prepacked for oneDNN once where oneDNN runs bf16 (a
-    single row is computed as two: the M = 1 kernel rounds differently), else ``F.linear``.
-    CUDA: ``F.linear`` on a fixed number of rows at a time (:mod:`specdec.model.row_chunks`).
-    Elsewhere: ``F.linear``.
-    """
+    """y = x W^T + b with rows independent of the row count: x [M, K] -> [M, N]; on the CPU the native kernel,
+    oneDNN (a single row as two) or ``F.linear``, on CUDA ``F.linear`` in fixed row chunks (docs/specdec.md)."""
 
     BLOCK = 64  # output features per packed weight block (NBLK in the source)
 

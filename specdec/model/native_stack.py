@@ -1,14 +1,5 @@
-"""A stage's decoder layers as one native call (``csrc/decoder.c``), bit for bit the per-op path.
-
-:class:`NativeStack` hands the kernels every layer's weight addresses once (a table built at load)
-and runs the whole stack in one call instead of 9 Python-side native calls per layer, on scratch
-the C side allocates per call; the outputs (hidden states and the K/V written into the pool) are
-the per-op forward's bits (``tests/specdec/model/test_native_stack.py``).
-
-It runs only what it was built for: CPU, bf16, the native linears, glue and attention kernel, no
-per-head q/k norms (Qwen3). The forward keeps the per-op path for LoRA deltas and for a per-layer
-hook that does not name its ``layers``; exit heads (which do) run between segments.
-"""
+"""A stage's decoder layers as one native call (``csrc/decoder.c``), bit for bit the per-op path; CPU bf16, no LoRA or
+Qwen3 q/k norms. Why: docs/engine.md, "The layer stack in one native call"; docs/specdec.md."""
 
 from __future__ import annotations
 
@@ -50,14 +41,8 @@ class NativeStack:
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool, where, plan,
                  on_layer=None, batch=None) -> torch.Tensor:
-        """h [N, D] (the stream before the first layer) -> h [N, D] after the last; writes each
-        layer's K/V of the rows into ``pool`` at ``where`` (page, offset) [N] each.
-
-        ``on_layer`` (exit heads, :mod:`specdec.exit_heads`) is called as the forward
-        calls it, ``on_layer(n, h, batch)`` with ``n`` the layers run so far in the whole model,
-        after each layer of its ``layers`` (the others it ignores): the stack runs in segments
-        between them. A segment ends with the residual alone and the next starts with its norm,
-        the same bits as the fused residual + norm."""
+        """h [N, D] (before the first layer) -> h [N, D] after the last, writing each layer's K/V at ``where``
+        (page, offset) [N]; ``on_layer(n, h, batch)`` runs after each layer in its ``layers``, as in the forward."""
         m, s = self.model, self.model.spec
         h = h.contiguous().clone()
         cos, sin = cos.contiguous(), sin.contiguous()

@@ -1,22 +1,5 @@
-"""Automatic prefix caching: whole KV pages shared by the sessions whose tokens begin alike.
-
-Relies on batch invariance (:mod:`specdec.model.decoder`): a position's K/V is the same bits
-whichever forward wrote it, so a session whose prompt starts with the tokens of cached pages
-takes those pages into its block table and its output is unchanged token for token (vLLM's
-automatic prefix caching, with exact keys in place of its block hashes).
-
-- **Key** of a page: ``(parent, salt, tokens)``: the id of the cached page before it (0 for the
-  first), ``salt`` (tenant and target version: no tenant can time another's prompts, no version
-  reads another's KV) and its ``PAGE_SIZE`` tokens. Exact keys: a match is never a collision.
-  Ids never repeat, so the pages below an evicted page can never match again.
-- **Holders**: every session whose block table lists the page. Cached pages lie wholly below a
-  session's committed length, so no session writes them (a truncation into one copies it first:
-  :meth:`specdec.model.kv_pool.KVPool.truncate`).
-- **Idle pages** (no holder) stay cached and are reused first when the pool has no free page,
-  least recently released first; a session releases its deepest page first.
-
-Pure Python: no torch, no Ray.
-"""
+"""Automatic prefix caching: whole KV pages shared by the sessions whose tokens begin alike (vLLM's, with exact
+keys: parent page, tenant + version salt, tokens). Exact by batch invariance; docs/specdec.md. Pure Python."""
 
 from __future__ import annotations
 
@@ -48,8 +31,7 @@ class PrefixCache:
         return parent, salt, tuple(tokens[i * self.page_size: (i + 1) * self.page_size])
 
     def match(self, tokens: Sequence[int], salt: Hashable, max_pages: int) -> list[int]:
-        """The cached pages of the longest cached prefix of ``tokens``, at most ``max_pages``
-        whole pages; each is now held once more (by the caller's session)."""
+        """The cached pages of ``tokens``' longest cached prefix (at most ``max_pages``), each now held once more."""
         parent, found = 0, []
         for i in range(max(0, min(max_pages, len(tokens) // self.page_size))):
             hit = self._index.get(self._page_key(parent, salt, tokens, i))
@@ -62,9 +44,8 @@ class PrefixCache:
         return found
 
     def add(self, pages: Sequence[int], tokens: Sequence[int], salt: Hashable) -> None:
-        """Cache a session's pages under the tokens they hold (``tokens[i]`` at position ``i``;
-        whole pages only). A page whose key is cached already under another page (an equal copy
-        computed beside it) stays the session's own."""
+        """Cache a session's pages under the tokens they hold (``tokens[i]`` at position ``i``; whole pages only); a
+        page whose key is cached already under another page stays the session's own."""
         parent = 0
         for i in range(min(len(pages), len(tokens) // self.page_size)):
             key = self._page_key(parent, salt, tokens, i)

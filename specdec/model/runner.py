@@ -1,16 +1,4 @@
-"""A model slice with its KV pool: the one forward every caller uses.
-
-The verifier engine (whole model), each pipeline stage (a slice of layers) and the edge
-drafter (the draft model) all run :class:`ModelRunner`: ``forward(batch_id, items)``
-reserves pool pages for the items' new tokens, packs them on one token axis
-(:mod:`specdec.model.batch`) and runs :class:`specdec.model.decoder.DecoderModel`, which
-writes their K/V into the pool in place. ``commit(batch_id, keep)`` then says, per session,
-which of the new entries stay: ``keep[sid] = (n_contiguous, tree_positions)`` keeps the
-first ``n_contiguous`` new positions (the root, or a whole prompt chunk) and then the
-given tree positions, moved down behind them; everything else is rolled back for free.
-``hold(batch_id)`` leaves every new entry written but uncommitted (the edge drafter's
-live tree nodes).
-"""
+"""A model slice with its KV pool: the one forward every caller uses (the engine, pipeline stages, the edge drafter)."""
 
 from __future__ import annotations
 
@@ -54,8 +42,7 @@ class ModelRunner:
         self.pool.truncate(sid, length)
 
     def share_prefix(self, sid: str, tokens: list[int], salt=None) -> int:
-        """Start ``sid`` on the cached KV of its tokens' longest cached prefix (whole pages,
-        :mod:`specdec.model.prefix_cache`); the positions it need not compute (0: none)."""
+        """Start ``sid`` on its tokens' longest cached prefix (whole pages); returns the positions not to compute."""
         return self.pool.share(sid, tokens, salt)
 
     def cache_prefix(self, sid: str, tokens: list[int], salt=None) -> None:
@@ -73,9 +60,8 @@ class ModelRunner:
 
     # -- forward ------------------------------------------------------------------
     def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None, on_layer=None):
-        """Hidden states [N, D] (not the last slice) or, on the last slice, one logits
-        tensor [len(logit_rows), V] per item, in the model dtype. ``on_layer``: see
-        :meth:`specdec.model.decoder.DecoderModel.forward`."""
+        """Hidden states [N, D] (not the last slice) or, on the last, one logits tensor [len(logit_rows), V] per
+        item, in the model dtype. ``on_layer``: see :meth:`specdec.model.decoder.DecoderModel.forward`."""
         if batch_id in self._pending:
             raise ValueError(f"batch {batch_id} is already in flight")
         reserved: list[str] = []
@@ -96,8 +82,7 @@ class ModelRunner:
         return batch.split_logits(self.model.logits(h[batch.logit_index.to(h.device)]))
 
     def commit(self, batch_id: int, keep: dict[str, Keep]) -> None:
-        """Keep, per session, the entries ``keep`` names; roll back every other new entry.
-        A session dropped while its forward ran stays dropped."""
+        """Keep per session the entries ``keep`` names, roll back the rest; one dropped meanwhile stays dropped."""
         for sid in self._pending.pop(batch_id, []):
             if sid not in self.pool.sessions:
                 continue

@@ -1,14 +1,5 @@
-"""CUDA graphs of the layer stack: a forward as one replay instead of hundreds of launches.
-
-:class:`LayerGraphs` captures :meth:`specdec.model.decoder.DecoderModel.run_layers` (with the
-embedding and RoPE tables before it) once per shape and replays it, as vLLM and gpt-fast do for
-decode steps. A forward of ``N`` rows runs in the graph of the smallest bucket ``>= N``
-(:data:`ROW_BUCKETS`); padding rows attend no key and write their K/V into the pool's scratch
-slot, so a real row gets the eager CUDA path's bits (batch invariance holds;
-``tests/specdec/model/test_cuda.py``). Forwards past the largest bucket, with LoRA rows or exit
-heads run eagerly. Inputs arrive by one host-to-device copy of a pinned int64 buffer; nothing in a
-replay waits on the host. Padding rules: docs/gpu_attention.md, "CUDA graphs".
-"""
+"""CUDA graphs of the layer stack: a forward as one replay instead of hundreds of launches (as vLLM, gpt-fast).
+``N`` rows replay in the smallest bucket ``>= N`` (:data:`ROW_BUCKETS`), bit-equal to eager; docs/gpu_attention.md."""
 
 from __future__ import annotations
 
@@ -90,9 +81,8 @@ class GraphShape:
 
 
 def fill_inputs(f: dict[str, torch.Tensor], batch, tiles: torch.Tensor, scratch_slot: int) -> int:
-    """Write ``batch`` (N rows, packed, its plan on the host; ``tiles`` its attention tiles) into
-    the host views ``f`` of a graph's inputs, padding rows and tiles after it; returns how many
-    leading ints of the buffer hold them (the rest is stale and unread)."""
+    """Write ``batch`` (N rows, its plan on the host; ``tiles``: its attention tiles) into a graph's host input
+    views ``f``, padding after it; returns how many leading ints hold them (the rest is stale, unread)."""
     N, plan = batch.num_tokens, batch.plan
     f["ids"][:N], f["ids"][N:] = batch.input_ids, 0
     f["rope_pos"][:N], f["rope_pos"][N:] = batch.positions, 0
@@ -132,9 +122,7 @@ class _PoolGraphs:
 
 
 class LayerGraphs:
-    """The CUDA graphs of one :class:`specdec.model.decoder.DecoderModel`'s layer stack, per KV
-    pool (a graph writes and reads one pool's tensors) and :class:`GraphShape`, captured on
-    first use and replayed after."""
+    """The CUDA graphs of one DecoderModel's layer stack, per KV pool and :class:`GraphShape`, captured on first use."""
 
     def __init__(self, model):
         self.model = model
@@ -143,8 +131,7 @@ class LayerGraphs:
         self.captures = 0
 
     def __call__(self, batch, pool, hidden: torch.Tensor | None) -> torch.Tensor | None:
-        """The stream after the layers [N, D] for ``batch`` (its plan on the host), or None where
-        the forward must run eagerly (no bucket fits it, or the pool has no page for scratch)."""
+        """The stream after the layers [N, D] for ``batch`` (its plan on the host), or None: run it eagerly."""
         s = self.model.spec
         rows_per = rows_per_tile(s.num_heads, s.num_kv_heads)
         tiles = session_tiles(batch.plan.row_seq, rows_per)  # [T, rows_per]
@@ -194,9 +181,7 @@ class LayerGraphs:
         return m.run_layers(h, cos, sin, pool, (f["page"], f["off"]), g.shape.plan(f))
 
     def _capture(self, g: _Graph, pool) -> None:
-        """Run the stack once on a side stream (compiles the Triton kernels, sets up cuBLAS:
-        nothing a capture may do), then capture it. Both runs write the batch's K/V where its
-        replay will: the same values."""
+        """Run the stack once on a side stream (compiles, sets up cuBLAS: nothing a capture may do), then capture it."""
         device = self.model.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))

@@ -1,17 +1,6 @@
-"""Triton kernels of the batch-invariant CUDA path: tree attention over the paged pool, RMSNorm
-with the residual add before it, and (row-wise, for fewer launches) RoPE with the K/V write into
-the pool, and SwiGLU.
-
-Tree attention: SpecInfer's tree mask over a paged cache, FlashAttention's online softmax (Dao et
-al. 2022), split-KV partials merged as flash-decoding does. One program per (tile, KV head,
-chunk) (:mod:`specdec.model.cuda.plan`); a row's logical sequence (:mod:`specdec.model.attention`)
-is reduced in blocks of :data:`BLOCK_N` keys at fixed logical positions, within chunks folded in
-ascending order, so a row's bits depend on its logical sequence alone: not on its batch, its tile
-or where its tree sits (a tree row equals the decode of the same sequence). No tile size, warp
-count, stage count or split depends on the batch. RMSNorm sums one row's squares in one block.
-How and why: docs/gpu_attention.md. Imported only where Triton runs
-(:func:`specdec.model.cuda.available`; tests also run it under Triton's interpreter).
-"""
+"""Triton kernels of the batch-invariant CUDA path: tree attention over the paged pool, RMSNorm with the residual add
+before it, and (row-wise, for fewer launches) RoPE with the K/V write into the pool, and SwiGLU. Attention: SpecInfer's
+tree mask, FlashAttention's online softmax (Dao et al. 2022), flash-decoding's split KV; docs/gpu_attention.md."""
 
 from __future__ import annotations
 
@@ -32,8 +21,7 @@ LOG2E = 1.4426950408889634  # the softmax runs in base 2: exp(x) = exp2(x log2 e
 
 @triton.jit
 def _tree_nodes(i, bits):
-    """The tree node of each tree lane ``i`` [BLOCK_N] of one row (i-th key past its contiguous
-    part): the i-th set bit of ``bits``; 0 where ``i`` is out of range (a masked lane)."""
+    """Each tree lane ``i`` [BLOCK_N]'s node: the i-th set bit of ``bits``; 0 where ``i`` is out of range (masked)."""
     j = tl.arange(0, 64)
     setb = ((bits >> j) & 1).to(tl.int32)  # [64]
     rank = tl.cumsum(setb, 0) - setb  # [64] set bits below j
@@ -49,9 +37,8 @@ def _slot_value(x, one):
 
 @triton.jit
 def _softmax_step(s, b0, n, m_i, l_i, qk_scale, BLOCK_N: tl.constexpr):
-    """One key block of the online softmax (log2 domain): raw scores s [BLOCK_M, BLOCK_N] of keys
-    b0.. for rows of logical length n [BLOCK_M] -> (p, alpha, m, l). A row with no key here
-    (b0 >= n) keeps its state exactly (alpha 1, p 0)."""
+    """One key block of the online softmax (log2 domain): raw scores s [BLOCK_M, BLOCK_N] of keys b0.. for rows of
+    logical length n [BLOCK_M] -> (p, alpha, m, l); a row with no key here (b0 >= n) keeps its state exactly."""
     valid = (b0 + tl.arange(0, BLOCK_N))[None, :] < n[:, None]
     s = tl.where(valid, s * qk_scale, float("-inf"))
     active = b0 < n
@@ -65,10 +52,8 @@ def _softmax_step(s, b0, n, m_i, l_i, qk_scale, BLOCK_N: tl.constexpr):
 @triton.jit
 def _page_block(k_ptr, v_ptr, table_ptr, b0, kvh, d, dm, lanes, v_valid, HKV: tl.constexpr, D: tl.constexpr,
                 PS: tl.constexpr):
-    """The key block at logical position b0 of a session (``table_ptr``: its block-table row) for KV
-    head ``kvh``: one page, contiguous keys [BLOCK_D, PS] (K pages [Hkv, D, PS]) and values
-    [PS, BLOCK_D] (V pages [Hkv, PS, D]), values zero where ``v_valid`` [PS] is false. Keys there are
-    read as they are (still the session's page): the softmax masks them."""
+    """The key block at logical position b0 of a session (``table_ptr``: its block-table row), KV head ``kvh``: one
+    page's keys [BLOCK_D, PS] and values [PS, BLOCK_D], values zero where ``v_valid`` [PS] is false."""
     head = tl.load(table_ptr + b0 // PS).to(tl.int64) * HKV + kvh
     kt = tl.load(k_ptr + head * (D * PS) + d[:, None] * PS + lanes[None, :], mask=dm[:, None], other=0.0)
     v = tl.load(v_ptr + head * (PS * D) + lanes[:, None] * D + d[None, :], mask=v_valid[:, None] & dm[None, :],
@@ -78,8 +63,7 @@ def _page_block(k_ptr, v_ptr, table_ptr, b0, kvh, d, dm, lanes, v_valid, HKV: tl
 
 @triton.jit
 def _block_step(q, kt, v, b0, n, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-    """One key block for a tile: q [BLOCK_M, BLOCK_D], keys kt [BLOCK_D, BLOCK_N] and values v
-    [BLOCK_N, BLOCK_D] at logical positions b0..; rows with n <= b0 keep their state exactly."""
+    """One key block for a tile: q [BLOCK_M, BLOCK_D], keys kt [BLOCK_D, BLOCK_N], v [BLOCK_N, BLOCK_D] at b0.."""
     p, alpha, m_i, l_i = _softmax_step(tl.dot(q, kt, input_precision=PREC), b0, n, m_i, l_i, qk_scale, BLOCK_N)
     return m_i, l_i, tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
 
@@ -246,8 +230,7 @@ def _swiglu_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
 
 
 def attention_meta(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> dict:
-    """The attention kernel's compile-time arguments for a model's head layout and dtype (the same
-    for every batch): its constexprs, ``num_warps`` and ``num_stages``."""
+    """The attention kernel's compile-time arguments (constexprs, warps, stages) for a head layout and dtype."""
     gp = group_width(heads, kv_heads)
     return dict(HQ=heads, HKV=kv_heads, D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PS=PAGE_SIZE,
                 GP=gp, RPT=BLOCK_M // gp, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=CHUNK,

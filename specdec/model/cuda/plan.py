@@ -1,11 +1,5 @@
-"""What the CUDA tree attention reads, built once per forward (pure torch, no Triton).
-
-The kernel (:mod:`specdec.model.cuda.kernels`) runs one program per (tile, KV head, chunk):
-a tile is up to :func:`rows_per_tile` rows of one session, each row contributing the query
-heads of one GQA group, so ``rows x group`` query heads share every key block loaded. Tiles
-come from the rows' sessions (O(rows) host work); each row's logical length is computed on
-the device from its contiguous length and tree bits. Nothing of size rows x keys is built.
-"""
+"""What the CUDA tree attention reads, built once per forward (pure torch, no Triton): tiles of up to
+:func:`rows_per_tile` rows of one session, each row's logical length (docs/gpu_attention.md, "Shape of the work")."""
 
 from __future__ import annotations
 
