@@ -1,9 +1,5 @@
-"""The OpenAI wire format both OpenAI servers speak (the cloud router's server-only modes, the
-edge's local server): :mod:`.request` parses and validates a request, :mod:`.response` shapes the
-answer (whole or SSE), :mod:`.vllm` answers vLLM's /tokenize, /detokenize, /version. Pure package.
-
-Used as ``from specdec import openai as oai``: the names below are the public API.
-"""
+"""The OpenAI wire format both OpenAI servers speak (router, edge): :mod:`.request` parses, :mod:`.response` shapes the
+answer, :mod:`.vllm` answers /tokenize, /detokenize, /version. Pure; used as ``from specdec import openai as oai``."""
 
 from specdec.openai.request import (IGNORED_FIELDS_HEADER, CompletionRequest, chat_message, chat_prompt, check_model,
                                     check_sampling, completion_prompt, ignored_warning, parse_completion)

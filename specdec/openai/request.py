@@ -1,11 +1,5 @@
-"""OpenAI (chat) completion requests: parsed and type-checked, as vLLM serves the API.
-
-In: a /v1/completions or /v1/chat/completions body (a dict) and the target's tokenizer (None: token
-ids only). Out: a :class:`CompletionRequest` (prompt ids, the sampling dict), or
-:class:`~specdec.errors.InvalidRequest` (400, naming its ``param``). Ranges are the verifier's own
-check (:func:`check_sampling`); an unimplemented field is a 400 unless at its no-op value; unknown
-fields are ignored and named (:attr:`CompletionRequest.ignored`). What is accepted: docs/protocol.md.
-"""
+"""OpenAI (chat) completion requests: parsed and type-checked, as vLLM serves the API: a :class:`CompletionRequest` or
+:class:`~specdec.errors.InvalidRequest` (400, naming its ``param``). What is accepted: docs/protocol.md."""
 
 from __future__ import annotations
 
@@ -174,8 +168,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _sampling(body: dict, chat: bool) -> dict:
-    """The sampling dict (SamplingParams fields); ranges are checked by ``check_sampling``.
-    ``max_tokens`` None: unset (:meth:`CompletionRequest.with_max_tokens`)."""
+    """The sampling dict (SamplingParams fields; ranges: ``check_sampling``); ``max_tokens`` None: unset."""
     max_tokens = optional(body, "max_tokens", int, None)
     if max_tokens is None:
         max_tokens = optional(body, "max_completion_tokens", int, None)
@@ -242,8 +235,7 @@ def completion_prompt(prompt, tokenizer) -> list[int]:
 
 
 def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None) -> list[int]:
-    """/v1/chat/completions ``messages`` -> prompt ids through the tokenizer's chat template
-    (``template_kwargs``: extra template variables)."""
+    """/v1/chat/completions ``messages`` -> prompt ids via the chat template (``template_kwargs``: extra variables)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list of {role, content}", param="messages")
     msgs = [chat_message(i, m) for i, m in enumerate(messages)]
@@ -289,8 +281,7 @@ def _text_part(where: str, part) -> str:
 
 
 def check_model(requested: str | None, served: tuple[str, ...], versions: tuple[str, ...] | list[str] = ()) -> None:
-    """A request's ``model`` must name the served model (any of its names) or one of its target
-    versions; absent is fine. The 404 names what is served."""
+    """A request's ``model`` must name the served model or one of its versions (absent is fine), else a 404."""
     if requested is not None and requested not in served and requested not in versions:
         also = f" and its versions {', '.join(map(repr, versions))}" if versions else ""
         raise ModelNotFound(f"model {requested!r} does not exist; this server serves {served[0]!r}{also}")

@@ -1,11 +1,5 @@
-"""OpenAI responses: a generation's rounds -> ``chat.completion`` / ``text_completion`` objects or
-server-sent event chunks, with ``stop`` strings applied to the text.
-
-In: :class:`Round` s (new token ids per round: a server decode's, an edge agent's) and the
-:class:`~specdec.openai.request.CompletionRequest`. Out: OpenAI's JSON objects (``specedge``: this
-server's stats) and SSE lines ending with ``data: [DONE]``. Guarantees: no part of a stop string is
-ever sent (:class:`TextStream`); the round generator is closed however the response ends.
-"""
+"""OpenAI responses: a generation's rounds -> ``chat.completion`` / ``text_completion`` objects or server-sent event
+chunks, ``stop`` strings applied (no part of one is ever sent); the round generator is closed however it ends."""
 
 from __future__ import annotations
 
@@ -34,15 +28,13 @@ def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
 
 
 def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of ``text`` that begins a stop string (it may still become
-    one, so it must not be sent yet)."""
+    """Length of the longest tail of ``text`` that begins a stop string (not to be sent yet)."""
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 class TextStream:
-    """Decoded text released to a client as it grows, with OpenAI ``stop`` strings applied:
-    the text ends before the first stop string, and no part of a stop string is ever sent
-    (a tail that could begin one is held back, as is an incomplete UTF-8 sequence)."""
+    """Decoded text released to a client as it grows, cut before the first OpenAI ``stop`` string; a tail that
+    could begin one is held back, as is an incomplete UTF-8 sequence."""
 
     def __init__(self, stops: tuple[str, ...] = ()):
         self.stops = stops
@@ -87,10 +79,9 @@ def token_text(tokenizer, token: int) -> str:
 
 
 def logprobs_object(tokenizer, lps, chat: bool, offset: int = 0) -> dict | None:
-    """OpenAI's ``logprobs`` of a choice for these :class:`~specdec.protocol.TokenLogprob` (None: none).
-
-    Chat: ``{"content": [{token, logprob, bytes, top_logprobs}]}``; completions: ``tokens``,
-    ``token_logprobs``, ``top_logprobs`` (token -> logprob) and ``text_offset`` from ``offset``."""
+    """OpenAI's ``logprobs`` of a choice for these :class:`~specdec.protocol.TokenLogprob` (None: none). Chat:
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}``; completions: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token -> logprob) and ``text_offset`` from ``offset``."""
     if lps is None:
         return None
     names = [token_text(tokenizer, lp.token) for lp in lps]
@@ -161,9 +152,8 @@ class TextDelta:
 
 
 async def texts(rounds, tokenizer, stops: tuple[str, ...]):
-    """:class:`Round` s -> :class:`TextDelta` s, cut at the first ``stop`` string (OpenAI). Yields
-    per round with new tokens (the text may be empty: held back, or no tokenizer); closes ``rounds``
-    as soon as a stop string ends the text, and when this generator is closed or abandoned."""
+    """:class:`Round` s -> :class:`TextDelta` s cut at the first ``stop`` string, one per round with new tokens (the
+    text may be empty); closes ``rounds`` once a stop string ends the text, or when this generator is closed."""
     text, ids = TextStream(stops), []
     try:
         async for r in rounds:
@@ -193,9 +183,8 @@ async def whole_response(deltas, req: CompletionRequest, model: str, tokenizer) 
 
 
 async def sse(deltas, req: CompletionRequest, model: str, tokenizer, on_error=None):
-    """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last; with
-    ``stream_options.include_usage`` a last chunk with ``choices: []`` and the usage. An error
-    after the stream began is an ``{"error"}`` event (``on_error`` sees it first)."""
+    """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last (with ``include_usage``, a usage chunk
+    with ``choices: []`` before it). An error after the stream began is an ``{"error"}`` event (``on_error`` first)."""
     cid, ids, first, stats, offset = completion_id(req.chat), [], True, {}, 0
     try:
         async for d in deltas:

@@ -1,7 +1,4 @@
-"""The streaming response both OpenAI servers send (the router's and the edge's ``edge-agent serve``).
-
-Not imported by :mod:`specdec.openai` itself: only the servers need Starlette.
-"""
+"""The streaming response both OpenAI servers send (router, ``edge-agent serve``); only they import Starlette."""
 
 from __future__ import annotations
 
@@ -9,9 +6,7 @@ from starlette.responses import StreamingResponse
 
 
 class ClosingStream(StreamingResponse):
-    """A streaming response that closes its body generator however the response ends: Starlette
-    leaves it suspended when the client goes away mid-stream, and with it the session it holds
-    (KV, a tenant slot) until the idle timeout."""
+    """A streaming response that closes its body generator however the response ends (why: docs/specdec.md)."""
 
     async def __call__(self, scope, receive, send):
         try:

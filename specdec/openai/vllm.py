@@ -1,8 +1,4 @@
-"""vLLM's own endpoints beside the OpenAI API: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
-
-In: the request body and the target's tokenizer. Out: vLLM's answer objects, or
-:class:`~specdec.errors.InvalidRequest` (400).
-"""
+"""vLLM's own endpoints beside the OpenAI API: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``."""
 
 from __future__ import annotations
 
