@@ -1,6 +1,6 @@
 """The edge <-> cloud protocol: JSON for session control, compact binary for verify (little-endian, version 1).
 Each frame's ``decode`` raises :class:`InvalidRequest` on a short, malformed or inconsistent frame or an unknown flag,
-:class:`PayloadTooLarge` past the node limit. The spec, every ``F_*`` / ``R_*`` flag: docs/protocol.md."""
+:class:`PayloadTooLarge` past the node limit. Token ids only (DSSD/PicoSpec); the spec: docs/protocol.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Draft token trees: structure, depths, paths, validation (positions and masks: :mod:`specdec.model.batch`).
-``parents[i]``: -1 for a child of the root, else < i (parents first); depth 1: the root's children. The root: the
-prefix's last token, not yet in the KV; the bonus token: the target's sample ending a round. docs/specdec.md."""
+``parents[i]``: -1 for a child of the root, else < i (parents first); depth 1: the root's children. The root is the
+prefix's last token, not in the KV yet; the bonus, the target's sample ending a round (SpecEdge §4.1-4.2)."""
 
 from __future__ import annotations
 
