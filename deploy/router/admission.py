@@ -1,20 +1,10 @@
 """Router-side admission control: shed with 429 *before* a request queues.
 
-:class:`AdmissionControl` bounds the requests one router has in flight to the verifiers:
-
-1. a cap of ``limit`` requests (:func:`inflight_limit`: one running plus ``max_queued_batches``
-   waiting batches per verifier replica, at most ``max_pending_verifies``); over it, 429 at once;
-2. weighted fairness at the cap: a tenant under its weight's share of ``limit`` still gets in
-   (the total stays below ``2 * limit``);
-3. running sessions first: an open is admitted while fewer than ``limit / 2`` are in flight, or
-   while its tenant is under its share of that half;
-4. with ``objective_s``, a cap fitted by feedback (AIMD on the admitted verifies' p99 latency per
-   window), between ``min_limit`` and the static cap;
-5. an adaptive Retry-After: x1.5 while over a quarter of a window is shed (up to
-   ``max_retry_after_s``), back to ``retry_after_s`` once shedding stops.
-
-Why each rule: docs/router.md, "Admission control". Pure module (no Ray, no FastAPI): the Serve
-router calls :meth:`check`, :meth:`started` and :meth:`finished` around each verifier call.
+:class:`AdmissionControl` bounds one router's requests in flight to the verifiers: a cap of ``limit``
+(:func:`inflight_limit`), weighted fairness at the cap, running sessions before opens, with
+``objective_s`` a cap fitted to the admitted verifies' p99 latency, an adaptive Retry-After. The
+rules and why: docs/router.md, "Admission control". Pure module: the router calls :meth:`check`,
+:meth:`started` and :meth:`finished` around each verifier call.
 """
 
 from __future__ import annotations
@@ -78,8 +68,7 @@ class AdmissionControl:
 
     def refusal(self, tenant: str, kind: str = "verify", now: float | None = None) -> Overloaded | None:
         """The 429 a ``kind`` request of ``tenant`` gets now (counted as shed), or None; None does
-        not admit it: the router's fast path asks this before reading a body, and a request it
-        lets through is admitted by :meth:`check` once parsed."""
+        not admit it (:meth:`check` does, once the request is parsed)."""
         self._roll(clock.monotonic() if now is None else now)
         half = max(1, self.limit // 2)
         if kind == "open" and self.inflight >= half and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant) / 2:
@@ -107,8 +96,7 @@ class AdmissionControl:
         self._peak = max(self._peak, self.inflight)
 
     def finished(self, tenant: str, latency_s: float | None = None) -> None:
-        """``latency_s``: how long an admitted verify took (feeds the objective; None for
-        calls that failed or are not rounds)."""
+        """``latency_s``: an admitted verify's duration (feeds the objective); None for other calls."""
         self.inflight -= 1
         self.by_tenant[tenant] -= 1
         if latency_s is not None and self.objective_s is not None:
@@ -131,8 +119,7 @@ class AdmissionControl:
         self._peak = self.inflight
 
     def _fit_limit(self) -> None:
-        """Move the cap toward the latency objective from the p99 of the last ``horizon``
-        windows (point 4)."""
+        """Move the cap toward the latency objective (the p99 of the last ``horizon`` windows)."""
         self._recent.append(self._latencies)
         self._latencies = []
         while len(self._recent) > self.horizon:

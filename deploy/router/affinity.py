@@ -1,19 +1,10 @@
 """Session affinity: every request of a session reaches the replica holding its KV.
 
-:class:`SessionAffinityRouter`, a Ray Serve custom request router (``RequestRouter``):
-
-- a call with ``session_id=<replica unique id>.<random>`` goes to the replica that minted it; if
-  that replica is gone, to any replica, which answers ``404 session_not_found`` (the edge re-opens);
-- an open (no session id) goes to the replica with the fewest sessions / KV tokens (from
-  ``record_routing_stats``), ties broken at random;
-- an open of a target version prefers the replicas holding it loaded, within ``version_margin``
-  sessions (``verifier.version_affinity_margin``) of the least-loaded replica;
-- an open whose prompt begins like one of the last :data:`MAX_PREFIXES` routed opens (same tenant
-  and version, the same first 1, 2, 4, ... whole KV pages) prefers that open's replica (its prefix
-  cache), longest prefix first, within ``prefix_margin`` sessions
-  (``verifier.prefix_affinity_margin``) of the least-loaded replica.
-
-Why the margins: docs/router.md, "Session affinity".
+:class:`SessionAffinityRouter`, a Ray Serve custom request router: a call with ``session_id`` goes
+to the replica that minted it (if gone, any replica, which answers 404); an open goes to the least
+loaded, or within ``version_margin`` / ``prefix_margin`` sessions of it (``verifier.*_affinity_margin``)
+to a replica holding its version or its prompt's prefix. Rules and margins: docs/router.md,
+"Session affinity".
 """
 
 from __future__ import annotations
@@ -84,8 +75,7 @@ class SessionAffinityRouter(FIFOMixin, RequestRouter):
 
 def prefix_keys(pending_request: PendingRequest | None) -> list[int]:
     """Keys of an open's prompt + history prefixes of :data:`PREFIX_PAGES` whole pages (each
-    with a token after it: the verifier computes at least one), with its tenant and version;
-    longest first. None for any other call."""
+    with a token after it), with its tenant and version; longest first; empty for any other call."""
     kwargs = pending_request.kwargs if pending_request is not None else {}
     body = kwargs.get("body")
     if kwargs.get("session_id") or not isinstance(body, dict) or not isinstance(body.get("prompt_ids"), list):

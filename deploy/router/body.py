@@ -13,9 +13,7 @@ from specdec.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 
 
 async def within(aw, seconds: float):
-    """``await aw``, raising ``asyncio.TimeoutError`` after ``seconds``. On Python 3.11+ through
-    ``asyncio.timeout``: ``asyncio.wait_for`` runs ``aw`` in a task of its own, one more event-loop
-    hop (and task) per verifier call and per WebSocket frame on the router's busy loop."""
+    """``await aw``, raising ``asyncio.TimeoutError`` after ``seconds`` (docs/router.md, "The ingress")."""
     if not hasattr(asyncio, "timeout"):  # Python 3.10
         return await asyncio.wait_for(aw, seconds)
     async with asyncio.timeout(seconds):

@@ -1,10 +1,7 @@
 """The router's half of early results (the early-exit paper §3, steps 3-4; ``F_EARLY``).
 
-A WebSocket verify frame with ``F_EARLY`` (or a POST one that accepts the streamed response,
-``Router._verify_streamed``) becomes a Serve *streaming* call to the session's replica
-(``Verifier.verify_stream``): every early frame it yields mid-forward is written to the
-edge's socket (or response) as it arrives, and the stream's last item is the round's reply
-(status, payload), handled exactly like a plain verify call's.
+An ``F_EARLY`` verify becomes a Serve streaming call (``Verifier.verify_stream``): each early frame
+goes to the edge as it arrives; the stream's last item is the round's ``(status, payload)``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Shedding before FastAPI: a pure-ASGI fast path for the requests admission control refuses.
 
-A 429 is only useful if it arrives fast while the path is saturated (issue 16: p99 <= 100 ms).
-Through FastAPI a refused ``POST /v1/sessions`` was routed, its body read under a timeout task,
-parsed as JSON and validated before admission control said no. :class:`ShedFastPath` sits in
-front of the routing and asks ``decide(method, path, authorization)`` first; a refusal is
-answered at once with the router's usual error (the JSON body, ``Retry-After``), and the body
-is never read (uvicorn discards it and keeps the connection). Everything else, a request
-without a valid key included, goes on to the app unchanged.
-
-Pure module (no Ray, no FastAPI): plain ASGI.
+:class:`ShedFastPath` asks ``decide(method, path, authorization)`` before routing; a refusal is
+answered at once with the router's usual error (JSON body, ``Retry-After``), the body never read.
+Everything else, a request without a valid key included, goes on to the app unchanged. Pure ASGI.
+Why: docs/router.md, "Shedding before routing".
 """
 
 from __future__ import annotations

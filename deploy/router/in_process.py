@@ -1,27 +1,16 @@
 """The router's verifier in its own replica: the ``colocated`` topology (``AppConfig.topology``).
 
-In the ``split`` topology the router (ingress) calls the verifier replicas through a Serve
-deployment handle: ``handle.<method>.remote(**kw)`` awaited, or, for a stream,
-``handle.options(stream=True).<method>.remote(**kw)`` iterated. Every verify round then pays
-one Serve request twice over: the handle's routing and gRPC call in the router, the request
-handling in the verifier replica (``benchmarks.run``'s CPU split measures it per token).
-
-With one verifier replica on one machine nothing needs that hop: the router replica builds the
-verifier itself (:class:`deploy.verifier.deployment.VerifierDeployment`) and calls it through
-:class:`InProcessVerifier`, which answers the same two call forms by running the verifier's
-coroutine on the replica's own event loop. Its batch loop and forward thread are the verifier's
-own, unchanged. Cancellation carries over: cancelling the awaiting task (a client gone, a
-timeout) cancels the verifier's coroutine, as Serve cancels a request on its replica.
-Arguments and results are passed by reference, not copied: the verifier's methods take
-immutable frames and answer fresh ``(status, payload)`` tuples.
+:class:`InProcessVerifier` answers a deployment handle's two call forms (``handle.<m>.remote(**kw)``,
+``handle.options(stream=True).<m>.remote(**kw)``) by running the verifier's coroutine on this
+replica's loop; cancelling the awaiting task cancels it. Arguments and results are passed by
+reference. Why: docs/router.md, "The colocated topology".
 """
 
 from __future__ import annotations
 
 
 class _Method:
-    """``handle.<method>``: ``remote(**kwargs)`` starts the call (a coroutine, or for a streaming
-    method an async generator)."""
+    """``handle.<method>``: ``remote(**kwargs)`` starts the call (a coroutine or an async generator)."""
 
     __slots__ = ("_fn",)
 

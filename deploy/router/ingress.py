@@ -1,13 +1,7 @@
 """Router / ingress deployment (FastAPI): auth, tenants, admission, sticky routing, the session protocol.
 
-Endpoints are documented in :mod:`specdec.protocol` (docs/protocol.md); the OpenAI-compatible
-routes decode on the server through :mod:`deploy.router.server_decode`. Every input is validated
-here or by the verifier before it can touch a session; errors are JSON ``{"error": {code,
-message}}`` with a 4xx status (429 carries ``Retry-After``). Verifier calls carry ``session_id=``
-so :class:`deploy.router.affinity.SessionAffinityRouter` pins them to the replica that holds the
-session's KV. Opens and verifies that admission control refuses are answered before FastAPI routes
-them (:mod:`deploy.router.fast_shed`); the router's loop lag and each shed answer's time are
-sampled (:mod:`deploy.router.probe`). The router's modules: docs/router.md.
+Endpoints: :mod:`specdec.protocol` (docs/protocol.md); errors are JSON ``{"error": {code, message}}``
+with a 4xx status (429 carries ``Retry-After``). How the router is built: docs/router.md.
 """
 
 
@@ -46,8 +40,7 @@ api = FastAPI(title="specedge", description="Edge-drafted, cloud-verified specul
 
 
 def _replica() -> "Router":
-    """This replica's Router instance, as Serve's own class-based routes find it (a module global
-    set in ``__init__`` would not do: Serve ships the ingress class to the replica by value)."""
+    """This replica's Router instance, as Serve's own class-based routes find it."""
     return serve.get_replica_context().servable_object
 
 
@@ -102,8 +95,7 @@ def _raise_for(status: int, payload) -> None:
 @serve.ingress(api)
 class Router:
     def __init__(self, verifier, config: dict):
-        """``verifier``: the Verifier deployment's handle (``split`` topology), or None to build the
-        verifier in this replica (``colocated``, deploy/router/in_process.py)."""
+        """``verifier``: the Verifier's handle (``split``), or None to build the verifier here (``colocated``)."""
         self.cfg = AppConfig(**config)
         rc = self.cfg.router
         tenants = rc.load_tenants()
@@ -139,8 +131,7 @@ class Router:
 
     def fast_shed(self, method: str, path: str, authorization: str | None) -> Overloaded | None:
         """The fast path's question (deploy/router/fast_shed.py): the 429 for a verify or an open that
-        admission control refuses now, before routing or reading the body; None lets the request
-        through (its key unchecked: the app answers a bad one 401)."""
+        admission control refuses now, or None (the request goes on; a bad key is answered 401 later)."""
         self.probe.start()
         return admission_refusal(method, path, authorization, self.tenants, self.admission)
 
@@ -151,16 +142,14 @@ class Router:
         self.probe.shed_answered(seconds)
 
     def probe_samples(self) -> dict:
-        """Loop-lag and shed-answer samples since the last call (the load test's server process
-        drains them once a second; see deploy/router/probe.py)."""
+        """Loop-lag and shed-answer samples since the last call (deploy/router/probe.py)."""
         self.probe.start()
         return self.probe.drain()
 
     async def reconfigure(self, user_config: dict) -> None:
         """Serve's no-restart config update: the names of the target versions (``target.adapters``),
-        validated as the Verifier's ``reconfigure`` does (an invalid one fails the start, and is
-        refused and logged on a running replica, the names unchanged). A verifier in this replica
-        (``colocated``) takes the update too, as the Verifier deployment's replicas would."""
+        validated as the Verifier's ``reconfigure`` does (invalid: the start fails; on a running replica,
+        refused and logged, the names unchanged); a ``colocated`` verifier takes the update too."""
         if self._local is not None:
             await self._local.reconfigure(user_config)
         try:
@@ -178,16 +167,13 @@ class Router:
             self._local.check_health()
 
     async def get_stats(self, session_id: str | None = None) -> dict:
-        """The verifier replica's statistics through this router (any topology); ``session_id``
-        picks that session's replica."""
+        """The verifier replica's statistics through this router; ``session_id`` picks its replica."""
         return await self._call("get_stats", session_id=session_id) if session_id else await self._call("get_stats")
 
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, stream_to=None, **kwargs):
         """Call the verifier; a dead/restarting replica becomes 503 + Retry-After, a call
-        over ``router.request_timeout_s`` 504 (the verifier drops the request: Serve
-        cancels it there). ``stream_to``: a streaming call whose early frames go there
-        (deploy/router/early.py)."""
+        over ``router.request_timeout_s`` 504; ``stream_to``: where a streaming call's early frames go."""
         timeout = self.cfg.router.request_timeout_s
         try:
             if stream_to is not None:
@@ -266,16 +252,14 @@ class Router:
         return payload
 
     async def verify(self, tenant: TenantState, sid: str, frame: bytes, send_early=None) -> bytes:
-        """One verify round from the wire (HTTP, WebSocket), its header checked before it queues
-        (the verifier decodes the body); ``send_early``: where the early frames of an ``F_EARLY``
-        frame go. Returns the reply frame as the verifier encoded it."""
+        """One verify round from the wire (HTTP, WebSocket), its header checked before it queues;
+        ``send_early``: where an ``F_EARLY`` frame's early frames go. Returns the verifier's reply frame."""
         self.tenants.check_rate(tenant)
         head = VerifyFrame.header(frame, max_nodes=self.cfg.verifier.max_tree_nodes)
         return await self._verify(tenant, sid, frame, send_early if head.early else None)
 
     async def verify_frame(self, tenant: TenantState, sid: str, f: VerifyFrame) -> ReplyFrame:
-        """One verify round of a frame built here (server-side decoding): encoded once, and its
-        reply decoded once."""
+        """One verify round of a frame built here (server-side decoding), encoded and decoded once."""
         self.tenants.check_rate(tenant)
         return ReplyFrame.decode(await self._verify(tenant, sid, f.encode()))
 
@@ -334,9 +318,8 @@ class Router:
 
     async def _verify_streamed(self, tenant: TenantState, sid: str, body: bytes):
         """POST verify of an ``F_EARLY`` frame that accepts the stream (specdec/protocol.py): a
-        chunked response of records, the early frames as the forward yields them, then the reply.
-        The status is sent with the first record, so an error before any early frame is a plain
-        error response (its status, Retry-After); after one, the error is the last record (JSON)."""
+        chunked response of records, the early frames, then the reply. An error before any early frame is a
+        plain error response (its status, Retry-After); after one, the error is the last record (JSON)."""
         early: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self.verify(tenant, sid, body, early.put))
         first = asyncio.ensure_future(early.get())
@@ -439,8 +422,7 @@ class Router:
         return await self._openai(request, chat=True)
 
     def _model_names(self, info: dict) -> tuple[str, ...]:
-        """The base's names a request's ``model`` may say: the verifier's model name, the configured
-        one, or ``base``, as an open request may say (or else a target version, ``self._versions``)."""
+        """The base's names a request's ``model`` may say: the verifier's, the configured one, ``base``."""
         return info["model"], self.cfg.target.model, BASE_ALIAS
 
     async def _openai(self, request: Request, chat: bool):

@@ -1,9 +1,7 @@
 """The router's one-time loads: the target's tokenizer and the server drafter.
 
-Each is loaded at the first request that needs it, once, in a worker thread (never on the event
-loop that serves every request), with the heavy imports (torch, transformers, jinja2) made in
-that thread too; concurrent callers wait for the one load. Why: docs/engine.md, "The router's
-one-time loads".
+Each is loaded once, at its first use, in a worker thread with its heavy imports (never on the
+event loop); concurrent callers wait for the one load. Why: docs/router.md, "The one-time loads".
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ class Loads:
 
     async def tokenizer(self):
         """The target's tokenizer (None for tiny test models), loaded with every module an OpenAI
-        request needs later: torch (``specdec.model.loading``, the sampling params' check) and jinja2
-        (chat templates)."""
+        request needs later (torch, jinja2)."""
 
         def load():
             import jinja2  # noqa: F401

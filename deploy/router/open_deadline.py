@@ -1,6 +1,5 @@
 """The open deadline of one request (issue 56): the ``x-open-deadline-s`` header, capped by the
-router's ``open_deadline_s``. What the deadline bounds and how opens are admitted against it:
-:mod:`deploy.prefill_forecast`. Pure module (no Ray, no FastAPI)."""
+router's ``open_deadline_s``; what it bounds: :mod:`deploy.prefill_forecast`. Pure module."""
 
 from __future__ import annotations
 

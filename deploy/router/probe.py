@@ -1,11 +1,8 @@
 """Where a 429's time goes on the server: the router's event-loop lag and the shed answers' own time.
 
-:class:`LoadProbe` samples, on the router's loop: how late a periodic ``interval_s`` sleep wakes
-(the lag an arriving request meets), each shed answer's time (recorded by the router), and each
-garbage collection (``gc.callbacks``: wall time, the thread's CPU time, generation, cyclic
-garbage freed). The load test drains the samples once a second (``Router.probe_samples``);
-Prometheus gets the same as histograms. With ``stall_log_s`` a watchdog thread logs the loop
-thread's stack, once per stall, when the sampler has not run for that long. Why each sample:
+:class:`LoadProbe` samples on the router's loop the lag of a periodic ``interval_s`` sleep, each shed
+answer's time and each garbage collection; :meth:`LoadProbe.drain` hands them over. With
+``stall_log_s``, a watchdog logs the loop thread's stack once per stall. Why each sample:
 docs/router.md, "Where a 429's time goes". Pure module (no Ray, no FastAPI).
 """
 
@@ -54,8 +51,7 @@ class LoadProbe:
                                  name="loop-stall-watch").start()
 
     def _watch(self, loop_thread: int) -> None:
-        """Log the loop thread's stack once per stall longer than ``stall_log_s``; ends with the sampler
-        (its loop closed)."""
+        """Log the loop thread's stack once per stall over ``stall_log_s``; ends with the sampler."""
         reported = None
         while not self._task.done():
             clock.blocking_sleep(min(self.stall_log_s / 4, 0.5))

@@ -1,13 +1,9 @@
 """Server-only decoding of OpenAI requests (/v1/completions, /v1/chat/completions) over the
-session protocol.
+session protocol: ``mode: ar`` (empty trees) or ``mode: sd`` (:mod:`deploy.router.server_draft`).
 
-In: a request validated by :mod:`specdec.openai` and the router's session protocol (``open``,
-``verify``, ``close``). The generation opens a server session, then runs verify rounds with an
-empty tree (``mode: ar``: one target step, batched with every other verify) or a server drafter's
-tree (``mode: sd``, :mod:`deploy.router.server_draft`) until the reply that finishes it. Out: an
-OpenAI response, whole or streamed (SSE). Guarantees: all that can be refused is refused before
-a response starts (the open included), so each error keeps its own status; the server session is
-closed however the generation ends, a client gone mid-stream included. How it fits: docs/router.md.
+Out: an OpenAI response, whole or streamed (SSE). Guarantees: all that can be refused is refused
+before a response starts, so each error keeps its own status; the server session is closed however
+the generation ends. How it fits: docs/router.md, "Server-only decoding".
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ log = logging.getLogger("ray.serve")
 
 class ServerDecode:
     """OpenAI generations decoded on the server, through ``sessions`` (the Router: ``open(tenant,
-    body, deadline_header, received_at)``, ``verify_frame(tenant, sid, frame) -> ReplyFrame``, ``close(tenant, sid)``); ``drafter``: an async callable
-    that returns the server drafter (loaded once)."""
+    body, deadline_header, received_at)``, ``verify_frame(tenant, sid, frame) -> ReplyFrame``,
+    ``close(tenant, sid)``); ``drafter``: an async callable that returns the server drafter (loaded once)."""
 
     def __init__(self, sessions, drafter):
         self.sessions = sessions
@@ -40,9 +36,8 @@ class ServerDecode:
     async def respond(self, tenant: TenantState, req: oai.CompletionRequest, tok, info: dict,
                       versions: list[str], deadline_header: str | None = None, received_at: float | None = None):
         """The response to ``req`` (its ``model`` already checked), for the verifier's ``info``;
-        ``versions``: the target versions a ``model`` may name; ``deadline_header``: the request's
-        open deadline (``x-open-deadline-s``), as on the session route, counted from ``received_at``
-        (``perf_counter()`` when the request reached the router: its tokenization counts too)."""
+        ``versions``: the target versions a ``model`` may name; ``deadline_header``, ``received_at``: as
+        for :meth:`deploy.router.ingress.Router.open`."""
         req = req.with_max_tokens(info["max_model_len"])
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = await self.drafter() if req.mode == "sd" else None
@@ -64,11 +59,8 @@ class ServerDecode:
                      received_at: float | None = None):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
 
-        Yields an :class:`~specdec.openai.Round` per round; the first, as soon as the
-        session is open, carries no tokens (a caller awaits it to answer a refused open with its
-        own status). The session is closed however the generator ends: by the replica
-        with its finishing reply (``close_on_finish``), else here.
-        """
+        Yields a :class:`~specdec.openai.Round` per round, the first (no tokens) as soon as the session is
+        open; the session is closed however the generator ends."""
         # a drafter's trees are a client kind of their own for the replica's acceptance estimates
         client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
         opened = await self.sessions.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
@@ -111,11 +103,8 @@ class ServerDecode:
                 await self._close_shielded(tenant, sid)
 
     async def _close_shielded(self, tenant: TenantState, sid: str) -> None:
-        """Close a server session in a task of its own, awaited through ``asyncio.shield``: a
-        request cancelled meanwhile (the client went away) cannot interrupt it, so the session
-        frees its KV and the tenant's slot now rather than at the idle timeout. The task runs
-        outside the request's context: Serve cancels the verifier calls a cancelled request
-        made (its child requests), and would cancel the close with them."""
+        """Close a server session in a task of its own, shielded from the request's cancellation and
+        run outside its context (docs/router.md, "Server-only decoding")."""
         task = contextvars.Context().run(asyncio.get_running_loop().create_task, self._close_quietly(tenant, sid))
         self._closing.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._closing.discard)

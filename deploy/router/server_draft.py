@@ -1,18 +1,9 @@
 """Server-side drafters for clients without a draft model (``mode: sd``, server-only speculative decoding).
 
 :func:`get_server_drafter` builds, once per config, the drafter ``AppConfig.server_draft`` names:
-
-- :class:`PromptLookupDrafter` (``server_draft.model`` unset or ``prompt-lookup``): n-gram
-  prompt lookup, as vLLM's ``ngram`` speculator; a chain, no model forward.
-- :class:`ModelServerDrafter` (a draft model): the edge agent's tree drafter run on the server
-  (SpecEdge §5's server-only baseline; trees as SpecEdge §4.2), ``server_draft.depth`` draft
-  forwards per round; at temperature > 0 with ``sampled_rule: tree-rejection``, sampled trees and
-  their proposals for multi-draft rejection sampling.
-
-:meth:`draft_round` is what the router calls: history (token ids), budget (nodes), sampling params
--> (a :class:`~specdec.tree.DraftTree`, proposals or None). The model drafter's forwards run in one
-thread named ``srv-draft`` whose wall-clock seconds :meth:`ModelServerDrafter.stats` sums, so the
-benchmarks can charge its CPU time to the server. The one import from ``deploy`` into ``edge_agent``.
+:class:`PromptLookupDrafter` (``server_draft.model`` unset or ``prompt-lookup``) or
+:class:`ModelServerDrafter` (a draft model: SpecEdge §5's server-only baseline, trees as §4.2).
+The router calls ``draft_round(history, budget, params) -> (DraftTree, proposals or None)``.
 Why: docs/router.md, "Server-only decoding".
 """
 
@@ -35,8 +26,7 @@ PROMPT_LOOKUP_NAMES = ("prompt-lookup", "ngram")
 
 class PromptLookupDrafter:
     """vLLM's ``ngram`` speculator: the ``depth`` tokens after the latest match of the history's
-    longest suffix, as a chain. Apart from the edge's :class:`edge_agent.draft_backends.NgramDrafter`,
-    which ranks each tree node's next tokens by count."""
+    longest suffix, as a chain."""
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, depth: int = 4):
         self.max_ngram, self.min_ngram, self.depth = max_ngram, min_ngram, depth
@@ -71,11 +61,7 @@ def _name_thread(name: str) -> None:
 class ModelServerDrafter:
     """The edge's tree drafter on the server: one draft KV cache per live generation.
 
-    The router calls :meth:`draft` with a generation's whole history each round; the
-    drafter finds the draft session whose cached prefix this history extends (its last
-    round's history plus the tokens just emitted), so only the new tokens are fed. At
-    most ``max_sessions`` caches live (least recently used dropped).
-    """
+    A round feeds only the history past the cache it extends; at most ``max_sessions`` caches (LRU)."""
 
     def __init__(self, model, depth: int = 4, topk: int = 4, max_expand: int = 8, max_sessions: int = 64,
                  max_depth: int = 32, sampled_rule: str = "tree-rejection"):

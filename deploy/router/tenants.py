@@ -1,8 +1,7 @@
 """Tenants: API-key authentication, per-tenant session quota and token-rate limit.
 
-Keys are stored hashed (SHA-256); a request's bearer key is hashed and looked up.
-Each router replica enforces its share of the limits locally (with R router replicas,
-configure limits / R or run one router). Pure module.
+Keys are stored hashed (SHA-256). Each router replica enforces the limits locally (with R router
+replicas, configure limits / R or run one router). Pure module.
 """
 
 from __future__ import annotations
@@ -108,8 +107,7 @@ class TenantRegistry:
                                  reason="tenant_rate")
 
     def session_opened(self, t: TenantState, sid: str, close_on_finish: bool = False) -> None:
-        """``close_on_finish``: the replica closes the session with its finishing reply
-        (:meth:`session_finished` then gives its slot back)."""
+        """``close_on_finish``: the replica closes the session with its finishing reply."""
         t.sessions[sid] = clock.monotonic()
         if close_on_finish:
             t.closing_on_finish.add(sid)
