@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", default="deploy/config.yaml", help="the deployment (serve run YAML or args)")
         p.add_argument("--profile", required=True, help="a benchmarks.verify_step JSON of the target")
         p.add_argument("--workload", required=True, help="a workload YAML (sim/workload.py)")
-        p.add_argument("--host", default=None, help="the server's CPU per request outside the forward (a JSON: "
-                                                    "router_ms_per_request, replica_ms_per_request); none by default")
+        p.add_argument("--host", default=None, help="the host's CPU per request outside the forward (a JSON: "
+                                                    "router_ms_per_request, replica_ms_per_request, optionally "
+                                                    "client_ms_per_request, cores, background_cores, reply_share; "
+                                                    "e.g. sim/validation/host-loadtest-300.json); none by default")
         p.add_argument("--seed", default="0", help="a seed, or a range (0-19): one summary line each")
         p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a deployment field")
         p.add_argument("--out", help="also write the summary here (one seed)")

@@ -132,14 +132,26 @@ def _norm(s: str) -> str:
 
 @dataclass(frozen=True)
 class HostCost:
-    """The server's CPU per request outside the forward: ``router_s`` in the router's process,
-    ``replica_s`` in the verifier replica's (its event loop and bookkeeping, serialised with its
-    forwards). Measured per verify round of a served run (CPU seconds by process over rounds);
-    zero when not given."""
+    """The host's CPU outside the forward, per request (zero when not given): ``router_s`` in the
+    router's process, ``replica_s`` in the verifier replica's (its loop and bookkeeping, serialised
+    with its forwards), ``client_s`` in the load generator's (a request's send and its reply read,
+    timed by the client); ``reply_share`` of each is spent reading the reply (the router's while
+    the request counts as in flight), the rest before the call. ``cores``: the CPUs these processes and the forwards share, less
+    ``background_cores`` of other processes (Ray's agents, GCS); 0: each process has a core of its
+    own. Measured over the verify rounds of a served run (CPU seconds by process)."""
 
     router_s: float = 0.0
     replica_s: float = 0.0
+    client_s: float = 0.0
+    cores: float = 0.0
+    background_cores: float = 0.0
+    reply_share: float = 0.0
     source: str = ""
+
+    @property
+    def shared_cores(self) -> float:
+        """The cores the modelled processes share (0: unshared)."""
+        return max(0.0, self.cores - self.background_cores)
 
     @classmethod
     def load(cls, path: str | Path | None) -> "HostCost":
@@ -147,7 +159,14 @@ class HostCost:
             return cls()
         try:
             d = json.loads(Path(path).read_text())
-            return cls(float(d["router_ms_per_request"]) / 1e3, float(d["replica_ms_per_request"]) / 1e3, str(path))
+            host = cls(float(d["router_ms_per_request"]) / 1e3, float(d["replica_ms_per_request"]) / 1e3,
+                       float(d.get("client_ms_per_request", 0.0)) / 1e3, float(d.get("cores", 0.0)),
+                       float(d.get("background_cores", 0.0)), float(d.get("reply_share", 0.0)), str(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ProfileError(f"host cost {path}: needs router_ms_per_request and replica_ms_per_request ({e})") \
                 from None
+        if min(host.router_s, host.replica_s, host.client_s, host.cores, host.background_cores) < 0 or (
+                host.cores and host.shared_cores <= 0) or not 0 <= host.reply_share <= 1:
+            raise ProfileError(f"host cost {path}: every figure must be >= 0, cores above background_cores, "
+                               "reply_share within [0, 1]")
+        return host

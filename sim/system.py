@@ -37,7 +37,7 @@ from sim.cost_profile import CostProfile, HostCost
 from sim.fairness import TenantShares
 from sim.target import SIM_VOCAB, SimRunner
 from sim.users import Counters, DraftDevices, EdgeUser
-from sim.virtual_time import VirtualClock, VirtualWorker
+from sim.virtual_time import SharedCores, VirtualClock, VirtualWorker
 from sim.workload import Workload
 from specdec import clock
 from specdec.model.checkpoint import CheckpointConfig
@@ -64,13 +64,15 @@ class Fleet:
     virtual worker, behind the handle the Router calls (``handle.method.remote(**kwargs)``)."""
 
     def __init__(self, app: AppConfig, profile: CostProfile, vc: VirtualClock, loop, rng: random.Random,
-                 host_s: float = 0.0, shares: TenantShares | None = None):
+                 host_s: float = 0.0, shares: TenantShares | None = None, cores: SharedCores | None = None):
         name = app.target.model  # a shape of benchmarks/model_shapes.py, or a target the replica would load
         self.shell_cfg = CheckpointConfig.from_dict(dict(SHAPES[name])) if name in SHAPES else target_config(app.target)
         self.shell_cfg.vocab_size = SIM_VOCAB  # the synthetic target's ids; its cost is the profile's
         self.app, self.profile, self.vc, self.loop, self.rng = app, profile, vc, loop, rng
         self.shares = shares if shares is not None else TenantShares({})
         self.host_s = host_s  # each request's CPU in its replica's process, serialised with the forwards
+        self.cores = cores  # the host's CPUs, shared by the replicas' workers with the router and client
+        self.read_reply = None  # () -> awaitable: the router's CPU reading a replica's reply (HostCost)
         self.replicas: dict[str, VerifierServer] = {}
         self.runners: dict[str, SimRunner] = {}  # every replica that ran, killed ones included
         self.inflight: dict[str, set[asyncio.Task]] = {}
@@ -87,7 +89,8 @@ class Fleet:
                            rng=random.Random(self.rng.getrandbits(64)))
         loaded = LoadedModel(ModelShell(self.shell_cfg), None, f"sim:{self.app.target.model}", (0,), "cpu",
                              torch.bfloat16)
-        self.replicas[tag] = VerifierServer(self.app, tag, runner, loaded, executor=VirtualWorker(self.loop),
+        worker = VirtualWorker(self.loop, self.cores)
+        self.replicas[tag] = VerifierServer(self.app, tag, runner, loaded, executor=worker,
                                           new_id=lambda: f"{self.rng.getrandbits(64):016x}")
         self.runners[tag] = runner
         self.inflight[tag] = set()
@@ -138,13 +141,16 @@ class Fleet:
         calls = self.inflight[core.tag]
         calls.add(task)
         try:
-            return await task
+            out = await task
         except asyncio.CancelledError:
             if core.tag in self.killed:
                 raise RayActorError() from None
             raise
         finally:
             calls.discard(task)
+        if self.read_reply is not None and method in ("open_session", "verify", "close_session"):
+            await self.read_reply()  # the router's process reads the reply while the request is in flight
+        return out
 
     async def _route(self, kwargs: dict) -> VerifierServer:
         """The replica Serve's request router would pick: the session's own, else by load."""
@@ -192,8 +198,13 @@ class System:
         loop = asyncio.get_running_loop()
         random.seed(self.seed)  # ties in the affinity router's ordering draw from the global generator
         weights = {t.name: t.weight for t in self.app.router.load_tenants()}
-        self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng, self.host.replica_s, TenantShares(weights))
-        self.router_cpu = VirtualWorker(loop)  # the router's process: one request's work at a time
+        cores = SharedCores(loop, self.host.shared_cores) if self.host.shared_cores else None
+        self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng, self.host.replica_s, TenantShares(weights),
+                           cores)
+        self.router_cpu = VirtualWorker(loop, cores)  # the router's process: one request's work at a time
+        self.client_cpu = VirtualWorker(loop, cores)  # the load generator's process (HostCost.client_s)
+        if self.host.router_s * self.host.reply_share:
+            self.fleet.read_reply = lambda: self._router_cpu(self.host.router_s * self.host.reply_share)
         cls = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
         self.router = cls.__new__(cls)
         cls.__init__(self.router, self.fleet, self.app.model_dump())
@@ -237,9 +248,20 @@ class System:
         self.rtt_factor /= factor
 
     async def router_work(self) -> None:
-        """A request's CPU in the router's process (``HostCost.router_s``), after those before it."""
-        if self.host.router_s:
-            await asyncio.get_running_loop().run_in_executor(self.router_cpu, self.vc.spend, self.host.router_s)
+        """A request's CPU in the router's process before its replica call (``HostCost.router_s``
+        less its reply's share), after those before it."""
+        await self._router_cpu(self.host.router_s * (1.0 - self.host.reply_share))
+
+    async def _router_cpu(self, seconds: float) -> None:
+        if seconds:
+            await asyncio.get_running_loop().run_in_executor(self.router_cpu, self.vc.spend, seconds)
+
+    async def client_work(self, reply: bool) -> None:
+        """The load generator's CPU for a request (``HostCost.client_s``): sending it, or (``reply``)
+        reading its reply; after the work queued before it."""
+        share = self.host.reply_share if reply else 1.0 - self.host.reply_share
+        if self.host.client_s * share:
+            await asyncio.get_running_loop().run_in_executor(self.client_cpu, self.vc.spend, self.host.client_s * share)
 
     def fast_shed(self, method: str, path: str, tenant):
         """The router's fast path (deploy/router/fast_shed.py) for a request of ``tenant`` (its key

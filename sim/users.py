@@ -23,6 +23,8 @@ from specdec import clock
 from specdec.errors import SpecError
 from specdec.protocol import ReplyFrame, VerifyFrame
 
+MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured (edge_agent.transport.http.RetryPolicy, loadtests)
+
 
 @dataclass
 class Counters:
@@ -74,6 +76,7 @@ class EdgeUser:
         w = system.workload
         self.sys, self.i, self.rng, self.w, self.spawn = system, index, rng, w, spawn
         self.vanished = False  # set by a vanish fault: it drops its session unclosed and stops
+        self.retry_after: float | None = None  # of the last shed answer
         names = sorted(w.tenants)
         name = rng.choices(names, weights=[w.tenants[n] for n in names])[0]
         by_name = system.router.tenants.by_name
@@ -174,7 +177,7 @@ class EdgeUser:
                 ready = None
             if status in (429, 503):
                 c.shed += 1
-                await clock.sleep(rng.uniform(0.5, 1.5))
+                await clock.sleep(self._backoff_s())
             elif status in (404, 410):
                 c.reopens += 1
                 d = await self.open(prompt, out, end)
@@ -202,29 +205,39 @@ class EdgeUser:
             except SpecError:
                 pass
 
+    def _backoff_s(self) -> float:
+        """The wait before a shed request's retry: its Retry-After as the header carries it (whole
+        seconds, at least 1; 1 s without one), at most 30 s, times U(0.5, 1.5), as the edge agent and
+        the load test's users wait."""
+        ra = max(1, round(self.retry_after)) if self.retry_after else 1.0
+        return min(ra, MAX_RETRY_AFTER_S) * self.rng.uniform(0.5, 1.5)
+
     def _gaps(self, arrivals: list[tuple[float, int]]) -> None:
         c = self.sys.counters
         for (t0, _), (t1, _) in zip(arrivals, arrivals[1:]):
             c.max_gap_s = max(c.max_gap_s, t1 - t0)
 
     async def open(self, prompt: list[int], generated: list[int], end: float) -> dict | None:
-        sys, rng = self.sys, self.rng
+        sys = self.sys
         body = {"prompt_ids": prompt, "generated_ids": generated, "sampling": {"max_tokens": self.w.max_tokens},
                 "client": {"draft_ms": self.draft_ms, "rtt_ms": self.rtt_s * 1e3}, "close_on_finish": True}
         while clock.monotonic() < end and not self.vanished:
             await clock.sleep(self._half_rtt())
+            await sys.client_work(reply=False)
             t0 = clock.monotonic()
             idle = sys.fleet.idle()
             try:
+                await sys.router_work()  # the router's loop reaches the request: its fast path, then the rest
                 if (shed := sys.fast_shed("POST", "/v1/sessions", self.tenant)) is not None:
                     raise shed
-                await sys.router_work()
                 d, status = await sys.router.open(self.tenant, body, received_at=clock.perf_counter()), 200
             except SpecError as e:
                 d, status = None, e.status
                 sys.counters.refused(e)
+                self.retry_after = getattr(e, "retry_after", None)
                 if status == 429 and idle and str(getattr(e, "reason", "")).startswith("open_deadline"):
                     sys.counters.open_refused_idle += 1
+            await sys.client_work(reply=True)
             await clock.sleep(self._half_rtt())
             sys.trace.add(round(clock.monotonic(), 9), self.i, "open", status, round(clock.monotonic() - t0, 9))
             if status == 200:
@@ -233,19 +246,23 @@ class EdgeUser:
                 sys.counters.errors += 1
                 return None
             sys.counters.shed += 1
-            await clock.sleep(rng.uniform(0.5, 1.5))
+            await clock.sleep(self._backoff_s())
         return None
 
     async def verify(self, sid: str, frame: bytes) -> tuple[int, ReplyFrame | None, float]:
+        await self.sys.client_work(reply=False)
         t0 = clock.monotonic()
         try:
+            await self.sys.router_work()
             if (shed := self.sys.fast_shed("POST", f"/v1/sessions/{sid}/verify", self.tenant)) is not None:
                 raise shed
-            await self.sys.router_work()
             payload = await self.sys.router.verify(self.tenant, sid, frame)
+            await self.sys.client_work(reply=True)
             return 200, ReplyFrame.decode(payload), clock.monotonic() - t0
         except SpecError as e:
             self.sys.counters.refused(e)
+            self.retry_after = getattr(e, "retry_after", None)
+            await self.sys.client_work(reply=True)
             return e.status, None, clock.monotonic() - t0
 
 

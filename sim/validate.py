@@ -20,12 +20,13 @@ from pathlib import Path
 
 from deploy.config import AppConfig
 from loadtests.synthetic_tree import AcceptanceModel, expected_accepted
-from sim.cost_profile import CostProfile
+from sim.cost_profile import CostProfile, HostCost
 from sim.workload import Workload
 
 HERE = Path(__file__).resolve().parent / "validation"
 TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_ms_p50": 0.10, "latency_ms_p99": 0.20}
-ASSUMED = {"prompt_tokens": (64, 256), "sibling_alpha": 0.3, "jitter": 0.0}
+# what the measured runs do not report; reply_share: a request's CPU spent on its reply (sim.cost_profile.HostCost)
+ASSUMED = {"prompt_tokens": (64, 256), "sibling_alpha": 0.3, "jitter": 0.0, "reply_share": 0.5}
 
 
 def fit_alpha(tokens_per_round: float, depth: int, nodes: int, sibling: float) -> float:
@@ -95,6 +96,23 @@ def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
     return AppConfig(**run["app"]), w
 
 
+def host_from_loadtest(run: dict, source: str = "") -> HostCost:
+    """The host's CPU per request in a load test's steady window (CPU seconds by process over its
+    requests: verifies, 429s included, opens and the client's closes): the router's, the verifier's
+    outside its forwards, and the load generator's, taken as the rest of the host's cores (a
+    saturated host: the runs here had a load average above their 2 cores). The other processes'
+    (Ray's agents, GCS, controller, proxy) are background; the reply's share (:data:`ASSUMED`)."""
+    s = run["summary"]
+    roles, cores = s["server"]["cores_by_role"], float(s["machine"]["cores"])
+    per_s = (s["verify_per_s_window"] / (1.0 - s["rate_429_window"])
+             + (2 * s["sessions"]["opened"] - s["sessions"]["closed_by_server"]) / s["run"]["duration_s"])
+    background = sum(v for k, v in roles.items() if k not in ("router", "verifier"))
+    client = cores - roles["router"] - roles["verifier"] - background
+    return HostCost(router_s=roles["router"] / per_s, replica_s=(roles["verifier"] - s["server"]["busy_fraction"]) / per_s,
+                    client_s=max(0.0, client) / per_s, cores=cores, background_cores=background,
+                    reply_share=ASSUMED["reply_share"], source=source)
+
+
 def loadtest_measured(s: dict) -> dict:
     """A load test's steady-window figures (latency: an admitted verify round, as its users time it)."""
     return {"verified_tokens_per_s": s["tokens_per_s_window"], "verify_rounds_per_s": s["verify_per_s_window"],
@@ -111,9 +129,10 @@ def _compare(case: str, m: dict, p: dict) -> list[dict]:
 
 
 def validate(profile_path: Path, runs_path: Path, seed: int = 0, loadtests: list[Path] = (),
-             tiny_profile: Path | None = None) -> list[dict]:
+             tiny_profile: Path | None = None, host_run: Path | None = None) -> list[dict]:
     """The benchmark rows of ``runs_path`` (latency: ITL) and the load tests (latency: a verify
-    round), each predicted from its profile."""
+    round), each predicted from its profile; the load tests with the host's CPU per request
+    measured by ``host_run`` (:func:`host_from_loadtest`; None: the forward alone)."""
     from sim.__main__ import simulate
 
     profile = CostProfile.load(profile_path)
@@ -124,11 +143,13 @@ def validate(profile_path: Path, runs_path: Path, seed: int = 0, loadtests: list
         out = simulate(app, profile, workload, seed)
         case = f"benchmarks.run {row['mode']} {row['sessions']} sess RTT {row['rtt_ms']:g} ms (ITL)"
         table += _compare(case, measured(row), predicted(out))
+    host = host_from_loadtest(json.loads(host_run.read_text()), str(host_run)) if host_run else HostCost()
     for path in loadtests:
         run = json.loads(Path(path).read_text())
         app, workload = loadtest_case(run)
-        out = simulate(app, CostProfile.load(tiny_profile), workload, seed)
-        case = f"loadtests.run ramp {run['summary']['run']['users']} users (verify round)"
+        out = simulate(app, CostProfile.load(tiny_profile), workload, seed, host)
+        fitted = " (host fitted here)" if host_run and Path(path).resolve() == host_run.resolve() else ""
+        case = f"loadtests.run ramp {run['summary']['run']['users']} users (verify round){fitted}"
         table += _compare(case, loadtest_measured(run["summary"]), predicted(out, "verify_ms"))
     return table
 
@@ -162,6 +183,9 @@ def add_parser(sub) -> None:
                    help="comma-separated load-test runs (sim/validation/loadtests/*.json)")
     p.add_argument("--tiny-profile", default=str(HERE / "verify-step-tiny-cpu.json"),
                    help="the load tests' target's cost profile")
+    p.add_argument("--host-from", default=str(HERE / "loadtests" / "ramp-300.json"),
+                   help="the load test whose CPU per request (router, replica, client) the load tests are "
+                        "predicted with; '' for the forward alone")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the table as JSON here")
     p.add_argument("--check", action="store_true", help="exit 1 if a figure misses its target")
@@ -169,7 +193,8 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     loadtests = [Path(x) for x in args.loadtests.split(",") if x]
-    table = validate(Path(args.profile), Path(args.runs), args.seed, loadtests, Path(args.tiny_profile))
+    table = validate(Path(args.profile), Path(args.runs), args.seed, loadtests, Path(args.tiny_profile),
+                     Path(args.host_from) if args.host_from else None)
     print(markdown(table))
     if args.out:
         Path(args.out).write_text(json.dumps(table, indent=1))

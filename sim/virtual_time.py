@@ -32,6 +32,7 @@ class VirtualClock:
         self.now = start
         self.epoch = epoch
         self._task_time: float | None = None  # set while a worker task runs
+        self._stretch = 1.0  # the running task's seconds per CPU second (shared cores)
 
     def monotonic(self) -> float:
         return self.now if self._task_time is None else self._task_time
@@ -40,10 +41,10 @@ class VirtualClock:
         return self.epoch + self.monotonic()
 
     def spend(self, seconds: float) -> None:
-        """Work of ``seconds`` done by the running worker task."""
+        """Work of ``seconds`` (CPU seconds) done by the running worker task."""
         if self._task_time is None:
             raise RuntimeError("spend() outside a worker task: only a worker's work takes virtual time")
-        self._task_time += max(0.0, seconds)
+        self._task_time += max(0.0, seconds) * self._stretch
 
     def blocking_sleep(self, seconds: float) -> None:
         self.spend(seconds)
@@ -81,13 +82,65 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self.clock.now
 
 
+class SharedCores:
+    """``cores`` CPUs shared by processes (processor sharing, as an OS scheduler shares them):
+    each process (a :class:`VirtualWorker`) runs one task at a time, and the processes with a task
+    each run at ``min(1, cores / n)`` of a core. A task's seconds are CPU seconds: it completes when
+    it has had that much CPU."""
+
+    def __init__(self, loop: VirtualTimeLoop, cores: float):
+        if cores <= 0:
+            raise ValueError(f"cores must be positive, got {cores}")
+        self.loop, self.cores = loop, cores
+        self.tasks: dict[VirtualWorker, list] = {}  # worker -> [CPU seconds left, on_done]
+        self.at = loop.time()  # when ``tasks``' seconds left were last brought up to date
+        self._timer: asyncio.TimerHandle | None = None
+
+    def rate(self) -> float:
+        """The share of a core each running process gets now."""
+        return min(1.0, self.cores / len(self.tasks)) if self.tasks else 1.0
+
+    def stretch(self, worker: VirtualWorker) -> float:
+        """Seconds per CPU second of a task ``worker`` starts now, at today's share (its own clock
+        reads, e.g. a forward's measured time, run at this pace)."""
+        return max(1.0, (len(self.tasks) + (worker not in self.tasks)) / self.cores)
+
+    def run(self, worker: VirtualWorker, seconds: float, on_done) -> None:
+        """``worker``'s task needs ``seconds`` of CPU; ``on_done()`` when it has had them."""
+        self._settle()
+        self.tasks[worker] = [seconds, on_done]
+        self._arm()
+
+    def _settle(self) -> None:
+        now, rate = self.loop.time(), self.rate()
+        for task in self.tasks.values():
+            task[0] -= (now - self.at) * rate
+        self.at = now
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.tasks:
+            left = min(task[0] for task in self.tasks.values())
+            self._timer = self.loop.call_at(self.at + max(0.0, left) / self.rate(), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._settle()
+        for worker in [w for w, task in self.tasks.items() if task[0] <= 1e-12]:
+            self.tasks.pop(worker)[1]()  # may start that worker's next task
+        self._arm()
+
+
 class VirtualWorker(Executor):
     """One worker thread in virtual time (``run_in_executor`` target). Tasks run in submission
     order, each when the previous one has finished; a task runs at once and whole, on the loop's
-    thread, and its future completes after the seconds it spent."""
+    thread, and its future completes after the seconds it spent (with ``cores``: once it has had
+    that much of the shared cores' CPU)."""
 
-    def __init__(self, loop: VirtualTimeLoop):
-        self.loop, self.clock = loop, loop.clock
+    def __init__(self, loop: VirtualTimeLoop, cores: SharedCores | None = None):
+        self.loop, self.clock, self.cores = loop, loop.clock, cores
         self.queue: collections.deque = collections.deque()
         self.busy = False
         self.busy_seconds = 0.0  # spent by all tasks
@@ -107,14 +160,19 @@ class VirtualWorker(Executor):
         fut, fn, args, kwargs = self.queue.popleft()
         start = self.clock.now
         self.clock._task_time = start
+        self.clock._stretch = stretch = self.cores.stretch(self) if self.cores is not None else 1.0
         try:
             result, error = fn(*args, **kwargs), None
         except BaseException as e:  # handed to the awaiting coroutine, as a thread would
             result, error = None, e
         finally:
-            end, self.clock._task_time = self.clock._task_time, None
-        self.busy_seconds += end - start
-        self.loop.call_at(end, self._done, fut, result, error)
+            end, self.clock._task_time, self.clock._stretch = self.clock._task_time, None, 1.0
+        cpu = (end - start) / stretch
+        self.busy_seconds += cpu
+        if self.cores is None:
+            self.loop.call_at(end, self._done, fut, result, error)
+        else:
+            self.cores.run(self, cpu, lambda: self._done(fut, result, error))
 
     def _done(self, fut: Future, result, error) -> None:
         if fut.cancelled():  # its caller went away (a killed replica's loop): the work was done all the same

@@ -86,3 +86,21 @@ def test_host_cpu_per_request_takes_its_time_in_the_router_and_the_replica(tmp_p
     (tmp_path / "h.json").write_text('{"router_ms_per_request": 1}')
     with pytest.raises(ProfileError, match="replica_ms_per_request"):
         HostCost.load(tmp_path / "h.json")
+
+
+def test_a_shed_user_waits_out_the_retry_after_the_router_sent():
+    """As the edge agent and the load test's users: whole seconds, at least 1, at most 30, x U(0.5, 1.5)."""
+    import random
+
+    from sim.users import EdgeUser
+
+    u = EdgeUser.__new__(EdgeUser)
+    u.rng = random.Random(0)
+    waits = {}
+    for ra in (None, 0.3, 4.4, 600.0):
+        u.retry_after = ra
+        waits[ra] = [u._backoff_s() for _ in range(200)]
+    assert 0.5 <= min(waits[None]) and max(waits[None]) <= 1.5
+    assert 0.5 <= min(waits[0.3]) and max(waits[0.3]) <= 1.5  # the header's whole seconds: at least 1
+    assert 2.0 <= min(waits[4.4]) and max(waits[4.4]) <= 6.0
+    assert 15.0 <= min(waits[600.0]) and max(waits[600.0]) <= 45.0

@@ -30,3 +30,16 @@ def test_the_server_only_4_session_run_is_predicted_within_its_throughput_target
 def test_the_fitted_acceptance_gives_the_measured_tokens_per_round(target):
     alpha = fit_alpha(target, 2, 5, 0.3)
     assert 1 + expected_accepted(AcceptanceModel(alpha, 0.3), 2, budget=5) == pytest.approx(target, abs=1e-6)
+
+
+def test_the_hosts_cpu_per_request_measured_at_300_users_holds_at_1000_and_3000():
+    """host_from_loadtest: the router's, the replica's and the load generator's CPU per request are a
+    property of the host and the code, not of the load: the three committed runs agree within 20 %."""
+    from sim.validate import host_from_loadtest
+
+    hosts = [host_from_loadtest(json.loads((HERE / "loadtests" / f"ramp-{n}.json").read_text()))
+             for n in (300, 1000, 3000)]
+    for field in ("router_s", "replica_s", "client_s", "background_cores"):
+        values = [getattr(h, field) for h in hosts]
+        assert max(values) <= 1.2 * min(values) and min(values) > 0, (field, values)
+    assert all(h.shared_cores == pytest.approx(2.0 - h.background_cores) for h in hosts)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sim.virtual_time import Stalled, VirtualClock, VirtualWorker, run
+from sim.virtual_time import SharedCores, Stalled, VirtualClock, VirtualWorker, run
 from specdec import clock
 
 
@@ -86,3 +86,53 @@ def test_a_deadlock_is_reported_not_hung(monkeypatch):
     monkeypatch.setattr("sim.virtual_time.REAL_WAIT_S", 0.05)
     with pytest.raises(Stalled):
         run(asyncio.Event().wait())
+
+
+def _shared(cores: float, jobs: list[tuple[float, float]]):
+    """Each job ``(start, cpu_seconds)`` on a worker of its own, sharing ``cores``: when each
+    finishes, what its own clock read inside, and the CPU seconds the workers count."""
+    vc = VirtualClock()
+    inside = []
+
+    def work(seconds: float):
+        t0 = clock.monotonic()
+        vc.spend(seconds)
+        inside.append(round(clock.monotonic() - t0, 9))
+
+    async def job(shared, start: float, seconds: float):
+        await clock.sleep(start)
+        w = VirtualWorker(asyncio.get_running_loop(), shared)
+        await asyncio.get_running_loop().run_in_executor(w, work, seconds)
+        return round(clock.monotonic(), 9), w.busy_seconds
+
+    async def main():
+        shared = SharedCores(asyncio.get_running_loop(), cores)
+        return await asyncio.gather(*(job(shared, t, s) for t, s in jobs))
+
+    out = run(main(), vc)
+    return [t for t, _ in out], inside, [b for _, b in out]
+
+
+def test_processes_share_the_cores_equally_at_most_a_core_each():
+    ends, _, busy = _shared(1.0, [(0.0, 1.0), (0.0, 1.0)])
+    assert ends == [2.0, 2.0] and busy == pytest.approx([1.0, 1.0])  # two on one core: half each
+    ends, _, _ = _shared(2.0, [(0.0, 1.0), (0.0, 1.0), (0.0, 1.0)])
+    assert ends == [1.5, 1.5, 1.5]  # three on two cores: two thirds each
+    ends, _, _ = _shared(2.0, [(0.0, 1.0), (0.0, 0.5)])
+    assert ends == [1.0, 0.5]  # fewer processes than cores: a whole core each, no faster
+
+
+def test_a_task_that_arrives_slows_the_running_one_from_then_on():
+    # a: 2 s of CPU from 0; b: 0.5 s from 0.5. a runs alone until 0.5 (1.5 s left), both at half a
+    # core until b is done at 1.5 (a has 1.0 left), then a alone: done at 2.5
+    ends, inside, _ = _shared(1.0, [(0.0, 2.0), (0.5, 0.5)])
+    assert ends == [2.5, 1.5]
+    assert inside == [2.0, 1.0]  # a task's own clock runs at the share it got when it started
+
+
+def test_shared_cores_refuse_a_non_positive_count():
+    async def main():
+        SharedCores(asyncio.get_running_loop(), 0.0)
+
+    with pytest.raises(ValueError, match="cores"):
+        run(main())
