@@ -1,14 +1,6 @@
 """Target versions on a replica: declared, loaded on first use, evicted LRU (FlexSpec §III-B).
 
-Like Ray Serve's model multiplexing: a version (a LoRA adapter, :mod:`specdec.model.lora`) is
-read from disk the first time a forward needs it, and the least recently used are dropped beyond
-``max_loaded``; a forward that needs more holds them all until it ends. A session's KV stays valid
-across an eviction (a reload reads the same weights, checked by content fingerprint).
-
-``update`` (the deployment's ``reconfigure``) adds, removes or re-points versions and names those
-whose sessions must end. A version that fails validation, or whose bytes changed since, is kept
-*unavailable* (503 ``model_unavailable``) while the others are served. Pure torch, no Ray.
-"""
+A version failing validation, or changed on disk, is *unavailable* (503); docs/verifier.md, "Target versions"."""
 
 from __future__ import annotations
 
@@ -24,8 +16,7 @@ log = logging.getLogger("ray.serve")
 
 class AdapterRegistry:
     def __init__(self, model=None, declared: dict[str, str] | None = None, max_loaded: int = 4):
-        """``model``: the replica's :class:`specdec.model.decoder.DecoderModel` (None: a runner
-        whose weights live elsewhere, e.g. pipeline stages, which serves the base only)."""
+        """``model``: the replica's DecoderModel (None: weights elsewhere, as pipeline stages: the base only)."""
         self.model = model
         self.declared: dict[str, str] = {}
         self.fingerprints: dict[str, tuple] = {}  # name -> its files' fingerprint when validated
@@ -37,10 +28,7 @@ class AdapterRegistry:
 
     # -- declared versions -----------------------------------------------------------
     def update(self, declared: dict[str, str], max_loaded: int) -> set[str]:
-        """Take a new set of versions; returns the names whose sessions must end: removed,
-        re-pointed, or rewritten in place (another fingerprint). New and changed versions are
-        validated against the base (weights read, shapes checked); a bad one is kept as
-        unavailable with its reason (:meth:`check` answers 503), the others are served."""
+        """Take a new set of versions (new and changed ones validated); returns those whose sessions must end."""
         if declared and self.model is None:
             raise UnsupportedModel("LoRA target versions need the replica to hold the model "
                                    "(verifier.pipeline_parallel_size 1)")
@@ -78,10 +66,7 @@ class AdapterRegistry:
 
     # -- loading ---------------------------------------------------------------------
     def activate(self, names: set[str]) -> dict[str, SpecError]:
-        """Make ``names`` loaded for the next forward (loading missing ones, evicting least
-        recently used others beyond ``max_loaded``) and hand them to the model. Returns the
-        versions that cannot be served, each with its error (a load that fails marks the
-        version unavailable); the others are loaded all the same."""
+        """Load ``names`` for the next forward (LRU beyond ``max_loaded``); returns those unservable, with errors."""
         failed: dict[str, SpecError] = {}
         for n in sorted(names):
             try:

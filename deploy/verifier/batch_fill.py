@@ -1,13 +1,6 @@
 """Batch filling: wait for the rounds that are about to arrive before starting a forward (SpecEdge §4.3).
 
-:class:`ArrivalModel` learns, per session, how long it stays away between a reply and its next
-verify request (an EMA), so the replica knows when each session is due. :func:`fill_wait`
-decides how long the next forward waits: for the sessions due within ``fill`` x the predicted
-forward time, never for a session overdue beyond its usual away time (a user reading, a lost
-edge). One session alone never waits. Why: docs/engine.md, "Batch filling".
-
-Pure module: no Ray, no asyncio; the clock is passed in.
-"""
+Why: docs/engine.md, "Batch filling"; how: docs/verifier.md. Pure module: no Ray, no asyncio; the clock is passed in."""
 
 from __future__ import annotations
 
@@ -18,10 +11,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ArrivalModel:
-    """When each session's next verify round is due: its last reply + an EMA of its away time.
-
-    The sessions due next are kept in a heap (stale entries dropped as they surface), so
-    :meth:`due` costs O(``limit`` log n) rather than a pass over every session away."""
+    """When each session's next verify round is due: its last reply + an EMA of its away time."""
 
     ema: float = 0.3
     max_away_s: float = 1.0  # away longer than this is not a round trip (think time, a re-open)
@@ -60,9 +50,8 @@ class ArrivalModel:
         self._rebuild()
 
     def due(self, now: float, exclude: set[str], limit: int) -> list[float]:
-        """Seconds until the ``limit`` soonest away sessions (not in ``exclude``) are expected back,
-        sorted; an overdue session counts as due now while it is late by less than its away time,
-        and never again after (``now`` does not go back between calls)."""
+        """Seconds until the ``limit`` soonest away sessions (not in ``exclude``) are expected back, sorted; an
+        overdue one counts as due now while late by less than its away time (``now`` never goes back)."""
         out: list[float] = []
         kept, seen = [], set()
         while self._heap and len(out) < limit:
@@ -90,10 +79,8 @@ def _due_entry(sid: str, replied_at: float, away: float) -> tuple[float, float, 
 
 def fill_wait(pending_rows: int, due: list[float], rows_per_session: float,
               cost: Callable[[int], float], fill: float, max_sessions: int, pending_sessions: int) -> float:
-    """Seconds to hold the next forward: until the last session due within ``fill`` x the
-    predicted forward time (of the batch with those sessions in it); 0 when none is.
-    ``due``: seconds until the soonest away sessions are expected, sorted (:meth:`ArrivalModel.due`);
-    ``cost(rows)``: the replica's forward seconds for ``rows`` token rows."""
+    """Seconds to hold the next forward: until the last session due within ``fill`` x the forward's predicted
+    time (with it in the batch); 0 when none is. ``due``: :meth:`ArrivalModel.due`; ``cost(rows)``: seconds."""
     if fill <= 0 or not due or pending_sessions <= 0:
         return 0.0
     wait = 0.0

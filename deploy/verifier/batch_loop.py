@@ -1,14 +1,6 @@
 """The replica's continuous batching loop: when a forward runs, and what goes into it (SpecEdge §4.3).
 
-Requests of many sessions queue while their edges draft. The loop waits for work, lets a few
-more rounds join (``verifier.batch_wait_ms``, only when another session could; then batch filling,
-:mod:`deploy.verifier.batch_fill`), hands queued opens to the engine, takes a batch (weighted-fair
-across tenants, :mod:`deploy.verifier.scheduler`) and runs it with a prefill chunk riding along.
-With no verify round queued, a prompt waiting is prefilled in a paced chunk while some session is
-decoding (its round may come back at any time), else at once. What a forward does and how its
-requests are answered is the server's (:class:`deploy.verifier.server.VerifierServer`, which
-runs each :class:`Step` the loop yields); the loop only decides when. Pure asyncio: no Ray.
-"""
+:class:`BatchLoop` yields each :class:`Step` for the server to run; the order: docs/verifier.md, "The batch loop"."""
 
 from __future__ import annotations
 
@@ -29,8 +21,7 @@ IDLE_WAKE_S = 5.0  # an idle loop wakes this often (idle sweeps)
 
 @dataclass
 class Step:
-    """What the server runs next: ``sweep`` idle sessions, begin prefilling ``opens``, verify
-    ``batch`` (a prefill chunk rides along) or prefill a chunk of ``prefill`` tokens."""
+    """What the server runs next: ``sweep``, begin ``opens``, verify ``batch`` or prefill ``prefill`` tokens."""
 
     sweep: bool = False
     opens: list = field(default_factory=list)
@@ -50,8 +41,7 @@ class BatchLoop:
         self.last_verify = 0.0  # when the last verify batch ran (monotonic)
 
     def ensure(self, run) -> None:
-        """Start ``run(steps)`` (the server's driver of :meth:`steps`) in the running event loop,
-        unless it runs."""
+        """Start ``run(steps)`` (the server's driver of :meth:`steps`) in the running event loop, unless it runs."""
         if self.task is None or self.task.done():
             self.wake = asyncio.Event()
             self.task = asyncio.get_running_loop().create_task(run(self.steps()))
@@ -61,9 +51,7 @@ class BatchLoop:
             self.wake.set()
 
     def enqueue(self, p: Pending) -> None:
-        """Queue a round and wake the loop; every round queued wakes it, from a request's handler
-        or from the loop itself (a run-ahead step queued by a reply), or it would wait for the
-        idle timeout."""
+        """Queue a round and wake the loop (every round queued must wake it, a run-ahead step's included)."""
         self.sched.add(p)
         self.kick()
 
@@ -98,23 +86,18 @@ class BatchLoop:
                 yield Step(prefill=self.prefill.budget(len(self.opens.prefilling)) if busy else vc.max_batch_tokens)
 
     def decoding_recently(self) -> bool:
-        """Whether a prompt waiting with no verify round queued is prefilled in paced chunks: some
-        session is decoding and verified a moment ago, so its next round may come back at any time.
-        With none left decoding nobody can come back, and paced chunks would only cost whole
-        forwards, each reading every weight."""
+        """Whether a waiting prompt is prefilled in paced chunks: a session still decoding verified a moment ago."""
         if clock.monotonic() - self.last_verify >= max(0.05, 4 * self.prefill.verify_s):
             return False
         return any(not s.finished for s in list(self.engine.sessions.values()))  # a copy: closes run on the worker
 
     def others_may_join(self) -> bool:
-        """Whether a request not yet queued could still join the next forward: the batch has room
-        and some session of this replica has no round queued. Else a batch wait is only latency."""
+        """Whether a request not yet queued could join the next forward (room, a session with no round queued)."""
         queued = len(self.sched.pending_sessions())
         return queued < min(self.cfg.max_batch_sessions, len(self.engine.sessions))
 
     async def fill_batch(self) -> None:
-        """Hold the forward for the sessions due back within ``batch_fill`` x its predicted time
-        (:mod:`deploy.verifier.batch_fill`); re-decided as each arrives, never past the first deadline."""
+        """Hold the forward for the sessions due within ``batch_fill`` x its time, never past the first deadline."""
         vc = self.cfg
         if vc.batch_fill <= 0 or self.cost.count < 3 or not len(self.sched):
             return

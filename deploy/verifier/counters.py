@@ -1,9 +1,6 @@
 """The replica's own counters: what its forwards and requests did, for ``GET /v1/stats``.
 
-A stats dataclass that observes (the vLLM v1 layering); :class:`deploy.metrics.VerifierMetrics`
-turns the same events into Prometheus metrics. Totals are monotonic; ``forwards`` and
-``round_latencies`` keep the recent ones only. Pure module: no Ray, no asyncio.
-"""
+Totals are monotonic; ``forwards`` and ``round_latencies`` keep the recent ones only. Pure module."""
 
 from __future__ import annotations
 

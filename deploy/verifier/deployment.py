@@ -1,11 +1,6 @@
 """The ``Verifier`` Serve deployment: a thin binding of :class:`deploy.verifier.server.VerifierServer`.
 
-The replica tag (Serve's replica id) prefixes session ids; ``pipeline_parallel_size > 1`` builds the
-replica's pipeline stages (:mod:`deploy.verifier.pipeline`) in its placement group. Serve's hooks
-(``reconfigure``, ``check_health``, ``record_routing_stats`` for
-:class:`deploy.router.affinity.SessionAffinityRouter`) map onto the core. The only verifier module
-that imports Ray Serve (as Ray Serve LLM keeps its server apart from its deployment).
-"""
+Serve's hooks map onto the core; the only verifier module that imports Ray Serve (as Ray Serve LLM does)."""
 
 from __future__ import annotations
 
@@ -18,9 +13,7 @@ from deploy.verifier.kv_sizing import Sizing
 
 
 class VerifierDeployment(VerifierServer):
-    """A Serve replica's :class:`VerifierServer`: the replica tag prefixes session ids. The
-    ``Verifier`` deployment (``split`` topology), or built inside the router replica
-    (``colocated``, :mod:`deploy.router.in_process`)."""
+    """A Serve replica's VerifierServer (in the router's replica if ``colocated``); its tag prefixes session ids."""
 
     def __init__(self, config: dict):
         cfg = AppConfig(**config)

@@ -1,12 +1,6 @@
 """Early frames from the replica's verify forward to the router (the early-exit paper §3, step 3).
 
-After each exit layer the engine's hook (:mod:`specdec.exit_heads`, on the worker thread; with
-pipeline stages, as soon as the stage holding the exit is done) hands this module the early
-results of the batch's trees that asked for them. They are encoded
-(:class:`specdec.protocol.EarlyFrame`) and put, thread-safely, on their request's asyncio queue,
-which ``Verifier.verify_stream`` (a Serve streaming call) yields while the forward runs. The
-round's reply is the last item, unchanged; early frames still queued then are dropped.
-"""
+:class:`EarlyStreams` queues each early result on its request for ``Verifier.verify_stream``; the reply comes last."""
 
 from __future__ import annotations
 
@@ -20,8 +14,7 @@ from specdec.protocol import EarlyFrame, VerifyFrame
 
 
 def load_heads(cfg: EarlyExitConfig, hf_model, layers=None) -> ExitHeads | None:
-    """The configured exit heads for ``hf_model`` (None when early exits are off); ``layers``:
-    only these of the configured exits (a pipeline stage's)."""
+    """The configured exit heads for ``hf_model`` (None when off); ``layers``: only these (a pipeline stage's)."""
     if not cfg.enabled:
         return None
     layers = cfg.layers if layers is None else layers
@@ -41,8 +34,7 @@ class EarlyStreams:
     @classmethod
     def attach(cls, engine, cfg: EarlyExitConfig, hf_model) -> "EarlyStreams":
         """Load the heads (if on) into ``engine``; early requests then get results mid-forward.
-        Pipeline stages hold their exits' heads themselves (built with ``early_exit``,
-        :class:`deploy.verifier.pipeline.PipelineRunner`); the engine gets their layout."""
+        Pipeline stages hold their own heads; the engine gets their layout."""
         from specdec.model.runner import ModelRunner
 
         if not cfg.enabled or isinstance(engine.runner, ModelRunner):
@@ -81,8 +73,7 @@ class EarlyStreams:
         return on_early
 
     async def stream(self, sid: str, reply) -> AsyncIterator[tuple]:
-        """``("early", frame bytes)`` items while ``reply`` (the round's coroutine) runs, then
-        ``("final", status, payload)``."""
+        """``("early", frame bytes)`` items while ``reply`` (a coroutine) runs, then ``("final", status, payload)``."""
         q: asyncio.Queue = asyncio.Queue()
         self.queues[sid] = q
         task = asyncio.ensure_future(reply)

@@ -1,19 +1,6 @@
 """Which sessions a replica evicts when KV memory or the session count runs out.
 
-Two limits, both in KV tokens held (whole pages):
-
-1. **Per-tenant quotas** (``router.tenants[].kv_quota_tokens``): a tenant above its quota
-   loses its own least-recently-used sessions until it fits, whatever the others do.
-2. **The replica budget** (``verifier.kv_budget_tokens``) and ``verifier.max_sessions``:
-   while either is exceeded, the victim is the least-recently-used session of a tenant
-   holding more than its fair share (its weight's share of the budget among the tenants
-   with sessions here); only when no tenant is over its share does plain LRU apply.
-   So one tenant flooding a replica evicts its own sessions, not everyone else's.
-
-Protected sessions (those of the batch that just ran) are never chosen. Evicted sessions
-answer ``410 session_evicted`` and their edges re-open them from their own history, so
-nothing generated is lost. Pure module.
-"""
+Own quota first (``kv_quota_tokens``), then tenants over their fair share (docs/verifier.md, "Eviction")."""
 
 from __future__ import annotations
 
@@ -38,14 +25,12 @@ class Limits:
 
 
 def within_limits(limits: Limits, sessions: int, kv_tokens: int) -> bool:
-    """Whether every limit holds for ``sessions`` holding ``kv_tokens`` in all (whole pages), with no
-    tenant quota to check: then :func:`choose_victims` has nobody to evict, and nobody need be listed."""
+    """Whether every limit holds with no tenant quota to check (then :func:`choose_victims` evicts nobody)."""
     return not limits.quotas and sessions <= limits.max_sessions and kv_tokens <= limits.kv_budget_tokens
 
 
 def choose_victims(sessions: list[SessionUse], limits: Limits, protect: frozenset[str] = frozenset()) -> list[str]:
-    """Session ids to evict, in order, so that every limit holds (as far as unprotected
-    sessions allow)."""
+    """Session ids to evict, in order, so that every limit holds (as far as unprotected sessions allow)."""
     live = {s.sid: s for s in sessions}
     usage: dict[str, int] = defaultdict(int)
     for s in sessions:

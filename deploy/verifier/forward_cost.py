@@ -1,9 +1,6 @@
 """The forward's cost: seconds against the rows in the batch, fitted per replica as a hinge.
 
-Used by the pacer (:mod:`deploy.verifier.pacing`), the batch loop's fill
-(:mod:`deploy.verifier.batch_loop`) and the prefill budget (:mod:`deploy.verifier.prefill_budget`).
-Pure module.
-"""
+Used by the pacer, the batch loop's fill and the prefill budget. Why so fitted: docs/verifier.md, "Pacing"."""
 
 from __future__ import annotations
 
@@ -13,12 +10,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PiecewiseCost:
-    """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``. Each row count keeps the
-    EMA of its forwards' seconds and how many it saw (capped at ``weight_cap``); the hinge is
-    refitted over these means every ``refit_every`` observations, each weighted by its count.
-    The knee is the candidate (0 or an observed row count) with the least squared relative
-    error; ``b >= 0``. With one row count seen so far the curve is flat at its mean. Per-count
-    means, not a window of recent forwards, so the slope survives a load that stays at one size."""
+    """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``, ``b >= 0``, fitted over per-row-count EMAs."""
 
     ema: float = 0.1
     weight_cap: int = 32
@@ -64,10 +56,7 @@ class PiecewiseCost:
 
 
 def _best_hinge(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
-    """Weighted least squares of ``t = a + b * max(0, x - knee)`` with ``b >= 0`` over
-    ``(x, t, weight)`` points, in relative error (weights ``weight / t^2``: a 16 ms forward
-    matters as much as a 500 ms one), for every candidate knee (0 and each x but the largest);
-    the (a, b, knee) of least error. O(1) per knee from suffix sums over the sorted points."""
+    """Weighted least squares of ``t = a + b * max(0, x - knee)``, ``b >= 0``, in relative error: (a, b, knee)."""
     points = sorted(points)
     obs = [(x, y) for x, y, _ in points]
     ws = [n / max(y, 1e-6) ** 2 for _, y, n in points]

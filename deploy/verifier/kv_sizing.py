@@ -1,18 +1,6 @@
 """The KV pool's size from device memory, as vLLM's ``gpu_memory_utilization`` gives it.
 
-A replica may use ``utilization x device memory`` (a GPU's total; on a CPU the host's, or its
-cgroup's limit). The pool gets what is left of that after the weights, the largest forward's
-activations (``verifier.max_batch_tokens`` rows), the CUDA graphs and what else the device
-already holds; ``verifier.kv_budget_tokens`` (with room for one batch) caps it when set. A target
-that cannot hold its weights and one ``max_model_len`` session plus one batch is refused at
-start (:class:`DoesNotFit`, naming the numbers). Pipeline stages hold pools of one size, the
-cap's, and each checks at start that its own device holds it (:func:`check_stage`).
-
-On CUDA the weights, the other holders and the activations are measured (allocator statistics
-around a forward of ``max_batch_tokens`` rows on a scratch pool); on a CPU the activations are
-computed from the shapes (:func:`activation_bytes`), as a probe forward would cost seconds per
-replica start. The same shape arithmetic sizes the Helm values files in their test.
-"""
+What the weights, activations and CUDA graphs leave, capped by ``verifier.kv_budget_tokens`` (docs/verifier.md)."""
 
 from __future__ import annotations
 
@@ -66,8 +54,7 @@ class Shape:
         return qkv + bias + self.num_heads * d * D + 3 * D * self.intermediate_size + norms
 
     def weight_bytes(self, dtype_bytes: int, first: int = 0, last: int | None = None) -> int:
-        """Parameters of layers ``[first, last)`` (+ the embedding in the first stage, the final
-        norm and LM head in the last; a tied head counted once where both are held)."""
+        """Parameters of layers ``[first, last)``, the embedding in the first stage, final norm and head in the last."""
         last = self.num_layers if last is None else last
         embed = self.vocab_size * self.hidden_size
         n = (last - first) * self.layer_params()
@@ -83,9 +70,7 @@ class Shape:
 
 
 def activation_bytes(shape: Shape, rows: int, logit_rows: int, dtype_bytes: int) -> int:
-    """Peak transient memory of one forward of ``rows`` packed rows with ``logit_rows`` logits
-    rows: a layer's live tensors per row (residual, normed input, QKV, attention output,
-    gate/up and their product) and the logits in the model dtype and float32."""
+    """Peak transient bytes of one forward of ``rows`` packed rows with ``logit_rows`` logits rows."""
     s = shape
     per_row = 2 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim \
         + 3 * s.intermediate_size
@@ -156,10 +141,8 @@ def _gib(n: int) -> str:
 
 def plan(memory: MemoryUse | None, kv_bytes_per_token: int, max_model_len: int, batch_room_tokens: int,
          cap_tokens: int | None) -> KVPlan:
-    """The pool for ``memory`` (None: ``cap_tokens`` alone): what is left for KV in tokens, at most
-    ``cap_tokens + batch_room_tokens``; the sessions' budget is that less one batch's room.
-    Raises :class:`DoesNotFit` when memory leaves less than one ``max_model_len`` session and
-    one batch (a smaller ``cap_tokens`` is the operator's choice, not refused)."""
+    """The pool for ``memory`` (None: ``cap_tokens`` alone): KV tokens left, at most ``cap_tokens + batch_room_tokens``;
+    the sessions' budget one batch less; :class:`DoesNotFit` below one ``max_model_len`` session and one batch."""
     if memory is None and cap_tokens is None:
         raise ValueError("a KV plan needs the device memory or verifier.kv_budget_tokens")
     fit = memory.for_kv // kv_bytes_per_token if memory is not None else None
@@ -207,9 +190,7 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 
 
 def probe_forward(model, rows: int, max_model_len: int, logit_rows: int) -> int:
-    """Run one forward of ``rows`` prompt rows (sessions of at most ``max_model_len``, ``logit_rows``
-    logits rows in all) through ``model`` (a :class:`specdec.model.decoder.DecoderModel`) on a scratch
-    pool of just that size; the scratch pool's bytes. What a replica's largest forward holds at once."""
+    """One forward of ``rows`` prompt rows through ``model`` on a scratch pool; returns the pool's bytes."""
     from specdec.model.batch import chunk_input, pack
 
     pool = model.new_pool(rows + 64 * ((rows + max_model_len - 1) // max_model_len))
@@ -233,10 +214,7 @@ def probe_forward(model, rows: int, max_model_len: int, logit_rows: int) -> int:
 
 def measure(model, loaded_model: torch.nn.Module, utilization: float, max_batch_tokens: int,
             max_model_len: int, logit_rows: int) -> MemoryUse:
-    """What the device holds besides the KV pool, for ``model`` (a DecoderModel built from
-    ``loaded_model``). CUDA: the allocator's figures before and around :func:`probe_forward`, the
-    graphs taken as the activations of the largest graph bucket (their one shared pool holds one
-    replay's tensors). CPU: the weights' bytes and :func:`activation_bytes`."""
+    """What the device holds besides the KV pool for ``model``: measured on CUDA, from the shapes on a CPU."""
     dev = torch.device(model.device)
     dtype_bytes = model.dtype.itemsize
     if dev.type != "cuda":
@@ -275,8 +253,7 @@ class Sizing:
                    max_model_len, vc.batch_room_tokens(), vc.kv_budget_tokens)
 
     def plan(self, model, loaded_model: torch.nn.Module) -> KVPlan:
-        """The pool of ``model`` (a DecoderModel, or a stage's slice, built from ``loaded_model``)
-        from what :func:`measure` finds; :class:`DoesNotFit` as :func:`plan` raises it."""
+        """The pool of ``model`` (a DecoderModel or a stage's slice) from what :func:`measure` finds, or DoesNotFit."""
         logits = self.logit_rows if model.is_last else 0
         max_len = self.max_model_len or getattr(model.config, "max_position_embeddings", 1 << 16)
         memory = measure(model, loaded_model, self.utilization, self.max_batch_tokens, max_len, logits)
@@ -290,10 +267,8 @@ def max_len_of(loaded, max_model_len: int | None) -> int:
 
 
 def sized_runner(loaded, vc, max_model_len: int | None):
-    """What a replica runs at start for its target: the forward (:class:`DecoderModel`), the memory
-    it may use (:func:`measure`), the pool that fits (:func:`plan`), and the
-    :class:`~specdec.model.runner.ModelRunner` over both. ``vc``: a
-    :class:`deploy.config.VerifierConfig`; ``max_model_len`` None: the checkpoint's context."""
+    """What a replica runs at start: ``(ModelRunner, KVPlan)``, its pool sized from the memory it may use.
+    ``vc``: a :class:`deploy.config.VerifierConfig`; ``max_model_len`` None: the checkpoint's context."""
     from specdec.model.decoder import DecoderModel
     from specdec.model.runner import ModelRunner
 
@@ -308,8 +283,7 @@ def sized_runner(loaded, vc, max_model_len: int | None):
 
 
 def check_stage(model, loaded_model: torch.nn.Module, sizing: Sizing, capacity_tokens: int, name: str) -> KVPlan:
-    """A pipeline stage's check at start: its pool of ``capacity_tokens`` (every stage's is the same,
-    from ``kv_budget_tokens``) must fit the memory ``sizing`` gives it; :class:`DoesNotFit` otherwise."""
+    """A pipeline stage's check at start: its pool of ``capacity_tokens`` must fit its memory, else DoesNotFit."""
     where = f"{name} layers [{model.first}, {model.last})"
     try:
         p = sizing.plan(model, loaded_model)
@@ -324,7 +298,6 @@ def check_stage(model, loaded_model: torch.nn.Module, sizing: Sizing, capacity_t
 
 
 def cap_plan(loaded, vc, max_model_len: int | None) -> KVPlan:
-    """The pool ``verifier.kv_budget_tokens`` alone gives (pipeline stages: each checks at start that
-    it fits its own device, :func:`check_stage`)."""
+    """The pool ``verifier.kv_budget_tokens`` alone gives (pipeline stages check it: :func:`check_stage`)."""
     kv_bytes = Shape.of(loaded.model.config).kv_bytes_per_token(loaded.dtype.itemsize)
     return plan(None, kv_bytes, max_len_of(loaded, max_model_len), vc.batch_room_tokens(), vc.kv_budget_tokens)

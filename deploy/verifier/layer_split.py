@@ -1,21 +1,6 @@
 """Balanced contiguous split of a decoder's layers over pipeline stages.
 
-A sharded verifier replica (docs/engine.md, "Sharding a large target") runs stage ``i`` on
-layers ``[bounds[i], bounds[i + 1])``; stage 0 also owns the token embedding and the
-last stage the final norm + LM head. A pipeline runs at the pace of its slowest stage,
-so the split minimises the largest stage cost, where a stage's cost is the sum of its
-layers' costs plus the embedding (first) or the head (last). Costs come from the model
-config, per token:
-
-- ``"flops"`` (default, balances compute): 2 x matmul weights of a layer plus the
-  attention over ``context_tokens`` of KV (4 x context x heads x head_dim); the LM head
-  costs 2 x hidden x vocab, the embedding lookup nothing.
-- ``"params"`` (balances memory): parameters per layer; the embedding counts on the
-  first stage and the LM head on the last (a tied head is held by both).
-
-For SmolLM2-135M (30 layers, 28 M-parameter LM head ~ 8 layers of compute) two stages
-get 19 and 11 layers. Pure Python: no torch, no Ray.
-"""
+Minimises the largest stage cost, by ``"flops"`` or ``"params"`` (docs/verifier.md, "Layer split"). Pure Python."""
 
 from __future__ import annotations
 
@@ -65,13 +50,7 @@ def layer_costs(config, weighting: Weighting = "flops", context_tokens: int = 10
 
 def balanced_bounds(costs: LayerCosts, num_stages: int) -> list[int]:
     """Stage boundaries ``[0, b1, ..., n]`` minimising the largest stage cost.
-
-    Every stage gets at least one layer. Two exact dynamic programmes over (stage,
-    cut), O(stages x layers^2) each: the first finds the smallest achievable largest
-    stage cost, the second picks, among the splits within it, the one with the least
-    sum of squared stage costs (the most even one; 7 equal layers on 3 stages give
-    3/2/2, not 3/3/1).
-    """
+    Each stage gets at least one layer; of such splits the most even (7 equal layers on 3 stages: 3/2/2)."""
     n = len(costs.layers)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} layers over {num_stages} stages (need 1 <= stages <= layers)")

@@ -1,12 +1,6 @@
 """A verifier replica's opens from arrival to first token, against their deadlines (issue 67).
 
-An open is refused at once when the prefill queued ahead of it is predicted to outlast its
-deadline (:class:`deploy.prefill_forecast.PrefillForecast`); an admitted one waits here until the
-batch loop hands it to the engine (``queued``), then until its prefill completes
-(``prefilling``). One still waiting behind another prompt at its deadline (``start_by``) is
-dropped by the engine before any of its tokens is computed and answered 429 here. Pure module: no
-Ray, no engine.
-"""
+An admitted open waits here (``queued``, then ``prefilling``); one dropped unstarted at its deadline is answered 429."""
 
 from __future__ import annotations
 
@@ -41,9 +35,7 @@ class OpenQueue:
 
     async def wait(self, req: OpenRequest, tenant: str, fut: asyncio.Future,
                    deadline_s: float | None) -> tuple[int, dict]:
-        """Queue an admitted open (its ``start_by`` set from ``deadline_s`` by the caller) and wait
-        for its answer on ``fut``; its time is a sample of the forecast when it opened or was
-        dropped at its deadline."""
+        """Queue an admitted open (``start_by`` set) and wait for its answer on ``fut``; its time feeds the forecast."""
         self.queued.append(QueuedOpen(req, tenant, fut))
         if deadline_s is not None:
             self.deadlines[req.sid] = deadline_s

@@ -1,17 +1,7 @@
 """Pacing hints: draft depth (SpecEdge §4.3) and the load-aware tree budget.
 
-Depth: ``depth = (T_verify - RTT) / T_draft_per_forward``, clamped, so that each edge's cycle
-(draft + RTT) matches the verifier's (one batch verify). Tree budget: the forward time is fitted
-per replica against the rows in the batch, ``t(rows) = a + b * max(0, rows - knee)``
-(:mod:`deploy.verifier.forward_cost`); with ``S`` sessions, ``n``-node trees,
-``E = E[tokens/round | n]`` and ``O`` server CPU per request outside the forward
-(``pacing.round_overhead_ms``), the hint is the ``n`` (0 = no tree) that maximizes verified
-tokens per server CPU-second, ``S * E / (t(S * (n + 1)) + S * O)``, or
-``S / (t(S) + S * O / R)`` with no tree and run-ahead replies of ``R`` tokens.
-Why each term is there: docs/engine.md, "Speculation that never loses".
-
-Pure module.
-"""
+Depth: ``(T_verify - RTT) / T_draft_per_forward``, clamped; budget: the tree size ``n`` (0 = no tree) with the most
+verified tokens per server CPU-second. The formulas: docs/verifier.md, "Pacing". Pure module."""
 
 from __future__ import annotations
 
@@ -53,15 +43,13 @@ class Pacer:
         self.cost.observe(tokens, seconds)
 
     def observe_tree_batch(self, sessions: int, in_forward: int) -> None:
-        """A forward of trees alone (no run-ahead step in it) carried ``in_forward`` of the
-        replica's ``sessions``."""
+        """A forward of trees alone (no run-ahead step) carried ``in_forward`` of the replica's ``sessions``."""
         self._state += 1
         old = self._tree_batch.get(sessions)
         self._tree_batch[sessions] = in_forward if old is None else (1 - self.ema) * old + self.ema * in_forward
 
     def state(self) -> dict:
-        """What the budget choice rests on, for stats and benchmarks: tokens per round by budget
-        bucket, and sessions per forward of trees by session count."""
+        """What the budget choice rests on: tokens per round by budget, sessions per tree forward by sessions."""
         return {"tokens_per_round": dict(self._tokens_per_round), "tree_sessions_per_forward": dict(self._tree_batch)}
 
     def _bucket(self, tree_nodes: int) -> int:
@@ -69,8 +57,7 @@ class Pacer:
         return self.budgets[min(i, len(self.budgets) - 1)]
 
     def observe_round(self, tree_nodes: int, emitted: int) -> None:
-        """A bucket's first round moves the estimate from what was expected of it (interpolated
-        from the other buckets), not to itself: one unlucky round does not rule a budget out."""
+        """A round's tokens into its budget bucket's EMA; a bucket's first round moves the bucket's prior."""
         self._state += 1
         b = self._bucket(tree_nodes)
         old = self._tokens_per_round.get(b)
@@ -98,9 +85,7 @@ class Pacer:
         return max(1.0, obs[near] * _prior(n) / _prior(near))
 
     def _tree_sessions(self, sessions: int, n: int, away_s: float) -> float:
-        """Sessions a forward of ``n``-node trees carries: measured (:meth:`observe_tree_batch`),
-        at most ``sessions * t / (t + away)`` when the sessions are away longer than ``fill`` x
-        the forward's time ``t`` (a forward does not wait for them: :mod:`deploy.verifier.batch_fill`)."""
+        """Sessions a forward of ``n``-node trees carries: measured, fewer when away past ``fill`` x its time."""
         s = max(sessions, 1)
         s = min(s, max(self._tree_batch.get(s, s), 1.0))
         t = self.cost.predict(sessions * (n + 1))
@@ -109,10 +94,8 @@ class Pacer:
         return s
 
     def rates(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> dict[int, float]:
-        """Verified tokens per second of server CPU, by budget, with ``sessions`` trees of ``n``
-        nodes each; with no tree (``n = 0``) a request carries ``ahead`` tokens (run-ahead), else
-        one round's. ``away_s``: the sessions' time away per round (RTT and draft), which trees pay
-        and run-ahead does not. Computed once per state of the estimates (the reply path asks twice)."""
+        """Verified tokens per second of server CPU, by budget ``n``, for ``sessions`` trees of ``n`` nodes; with no
+        tree a request carries ``ahead`` tokens. ``away_s``: the sessions' time away per round. Cached per state."""
         key = (self._state, self.cost.count, self.round_overhead_s, self.fill, sessions, ahead, away_s)
         if self._rates_at != key:
             obs = self._observed()
@@ -129,12 +112,8 @@ class Pacer:
         return s * per_round / max(self.cost.predict(s * (n + 1)) + requests * self.round_overhead_s, 1e-6)
 
     def best_budget(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
-        """The budget that pays best now (no exploration); the default until measured. ``ahead``:
-        the tokens a no-tree request brings back (``verifier.run_ahead_tokens + 1`` for an edge
-        that takes run-ahead replies, else 1); ``away_s``: the edge's time away per round (its RTT).
-
-        From 2 sessions up a tree must be predicted ``tree_margin`` better than no tree (what the
-        rate leaves out falls on trees alone); a session alone takes what pays."""
+        """The budget that pays best now (no exploration); the default until measured.
+        ``ahead``: tokens a no-tree request brings back; ``away_s``: the edge's RTT; ``tree_margin`` from 2 sessions."""
         if self.cost.count < 3:
             return self.default_budget
         rate = self.rates(sessions, ahead, away_s)
@@ -144,12 +123,8 @@ class Pacer:
         return best
 
     def budget_hint(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
-        """The hint a reply carries: :meth:`best_budget`, and, while that is "no tree", every
-        ``explore_every``-th hint the best tree anyway: with no trees sent, tree acceptance is
-        never observed again, so the estimates stay current and trees come back when they pay.
-
-        A session alone is asked for that tree every ``explore_alone``-th hint when it is predicted
-        within ``explore_margin`` of no tree: trying costs at most that margin and no other session."""
+        """The hint a reply carries: :meth:`best_budget`, or while that is "no tree", the best tree every
+        ``explore_every``-th hint (every ``explore_alone``-th for a session alone within ``explore_margin``)."""
         best = self.best_budget(sessions, ahead, away_s)
         trees = [n for n in self.budgets if n > 0]
         if best == 0 and trees and self.cost.count >= 3:
@@ -162,10 +137,7 @@ class Pacer:
         return best
 
     def depth_hint(self, sessions: int, budget: int, draft_ms: float, rtt_ms: float) -> int:
-        """Draft forwards so that edge draft time + RTT ~= the verifier's cycle. With one
-        session there is no other edge's batch to be late for (the verifier idles while this
-        edge drafts), so the hint does not cap below the budget: the edge's own rule (FlexSpec's
-        K*) picks the depth."""
+        """Draft forwards so that edge draft time + RTT ~= the verifier's cycle (one session: up to the budget)."""
         if budget <= 0:
             return 0  # no tree: no draft forwards
         if sessions <= 1:

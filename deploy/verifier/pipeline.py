@@ -1,25 +1,6 @@
 """Pipeline-parallel verifier: one replica's target sharded over N Ray stage actors.
 
-docs/engine.md, "Sharding a large target". Stage ``i`` (:mod:`deploy.verifier.pipeline_stage`)
-holds a contiguous slice of decoder layers, split by :mod:`deploy.verifier.layer_split`.
-:class:`PipelineRunner` has the runner interface :class:`~specdec.engine.VerifierEngine` uses
-(``forward``, ``commit``, ``abort``, ``drop``, ``truncate``, ``kv_tokens``, ``kv_length``), so
-``VerifierEngine(model, runner=PipelineRunner(...))`` is a sharded verifier. One forward chains
-the stages through object refs (``stage[i+1].forward.remote(bid, items, stage[i].forward.remote(...))``)
-and waits only on the last stage. Batches in flight on disjoint sessions overlap: stage actors
-run calls in submission order, so stage i computes batch b+1 while stage i+1 computes batch b.
-Every stage applies the same ``commit(batch_id, keep)``; a commit waits for every stage, so a
-stage that fails it fails *that* batch (the engine drops its sessions, which re-open from their
-edges' history), never a later one. Drops and truncates are fire-and-forget (per-actor order keeps
-them before any later forward of the session); their errors are logged.
-
-Placement (Serve): the replica requests :func:`pipeline_bundles`; bundle 0 holds the replica
-(engine, tree walks, sampling: CPU only), bundle ``i + 1`` stage ``i`` (its CPUs and, on GPUs, its
-own device), so the driver's sampling never takes stage 0's CPU. Exactness: stages run the
-unsharded forward's ops on the same rows and pass hidden states unchanged, so on CPU the logits are
-bit-identical to the unsharded verifier when each stage has as many torch threads as the unsharded
-process. Tensor parallelism inside a stage is not implemented (docs/engine.md says why).
-"""
+:class:`PipelineRunner`, a runner for :class:`~specdec.engine.VerifierEngine`; docs/verifier.md, "Pipeline stages"."""
 
 from __future__ import annotations
 
@@ -60,11 +41,7 @@ def stage_resources(device: str = "cpu", cpus_per_stage: float = 1.0,
 def pipeline_bundles(pp: int, device: str = "cpu", cpus_per_stage: float = 1.0,
                      gpus_per_stage: float | None = None, replica_cpus: float = 1.0) -> list[dict] | None:
     """``placement_group_bundles`` for a verifier replica with ``pp`` stages.
-
-    ``[{"CPU": replica_cpus}, stage_0, ..., stage_{pp-1}]``; ``None`` for ``pp == 1``
-    (a plain replica needs no placement group). The replica's ``ray_actor_options``
-    must ask for exactly bundle 0 (``num_cpus=replica_cpus``, no GPU).
-    """
+    ``[{"CPU": replica_cpus}, stage_0, ..., stage_{pp-1}]``, None for ``pp == 1``; the replica asks for bundle 0."""
     if pp < 1:
         raise ValueError("pipeline_parallel_size must be >= 1")
     if pp == 1:
@@ -78,12 +55,7 @@ def pipeline_bundles(pp: int, device: str = "cpu", cpus_per_stage: float = 1.0,
 def pipeline_deployment_options(pp: int, device: str = "cpu", cpus_per_stage: float = 1.0,
                                 gpus_per_stage: float | None = None, replica_cpus: float = 1.0) -> dict:
     """Serve deployment options for a verifier replica (merge into ``.options(...)``).
-
-    ``pp == 1``: only ``ray_actor_options`` (the replica computes itself: its CPUs and,
-    on CUDA, one GPU). ``pp > 1``: the placement group of :func:`pipeline_bundles`,
-    ``PACK`` strategy (stages on as few nodes as possible; hidden states travel between
-    them), and ``ray_actor_options`` matching bundle 0.
-    """
+    ``ray_actor_options``, and for ``pp > 1`` the placement group of :func:`pipeline_bundles` (``PACK``)."""
     if pp == 1:
         opts = {"num_cpus": float(replica_cpus)}
         gpus = gpus_per_stage if gpus_per_stage is not None else (1.0 if device == "cuda" else 0.0)
@@ -98,16 +70,7 @@ def pipeline_deployment_options(pp: int, device: str = "cpu", cpus_per_stage: fl
 # -- the driver side ------------------------------------------------------------------
 class PipelineRunner:
     """A ModelRunner look-alike backed by ``pp`` stage actors (thread-safe).
-
-    ``bounds``: explicit stage boundaries ``[0, b1, ..., n]``; default: the balanced
-    split of :func:`~deploy.verifier.layer_split.split_layers` by ``weighting``.
-    Inside a placement group (a Serve replica with :func:`pipeline_bundles`), stage i is
-    placed in bundle ``i + 1`` and, unless ``cpus_per_stage``/``gpus_per_stage`` are
-    given, takes that bundle's CPUs and GPUs; outside one (tests, scripts) stages are
-    plain actors with 1 CPU (and 1 GPU for ``device="cuda"``) by default.
-    ``torch_threads`` per stage defaults to its whole CPUs. ``loaded`` is the target's
-    metadata with a config-only model (:class:`ModelShell`) for the engine.
-    """
+    ``bounds``: stage boundaries ``[0, b1, ..., n]`` (default: balanced); ``loaded``: metadata, a ModelShell."""
 
     def __init__(self, model_cfg: ModelConfig, pipeline_parallel_size: int = 2, *,
                  bounds: list[int] | None = None, weighting: Weighting = "flops",
@@ -205,11 +168,7 @@ class PipelineRunner:
 
     def forward(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None = None, on_layer=None):
         """Chain the stages; returns one logits tensor [len(logit_rows), vocab] per item.
-
-        ``on_layer``: an :class:`~specdec.exit_heads.EarlyExit` (the engine's hook for a
-        batch with early requests): each stage holding an exit also returns the exit's logits
-        of the early trees' rows, and this thread walks the trees with them as soon as that
-        stage is done, while the later stages compute."""
+        ``on_layer``: an :class:`~specdec.exit_heads.EarlyExit`, walked with each exit stage's logits when done."""
         if hidden is not None:
             raise ValueError("a PipelineRunner takes token ids; hidden states stay between its stages")
         exits = self._exit_stages if on_layer is not None else {}
@@ -267,9 +226,7 @@ class PipelineRunner:
             self._broadcast("truncate", sid, length)
 
     def share_prefix(self, sid: str, tokens: list[int], salt=None) -> int:
-        """Every stage starts ``sid`` on its cached pages of the tokens' prefix. The stages see
-        the same calls in the same order, so they find the same pages; were one to find fewer,
-        all are cut back to it (whole pages: no copy)."""
+        """Every stage starts ``sid`` on its cached pages of the tokens' prefix; all are cut to the fewest found."""
         with self._lock:
             self._reap()
             found = ray.get([s.share_prefix.remote(sid, tokens, salt) for s in self.stages])
@@ -324,15 +281,7 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
                  compile: bool = False, early_exit: EarlyExitConfig | None = None,
                  prefix_caching: bool = False, sizing: Sizing | None = None) -> ModelRunner | PipelineRunner:
     """The runner of a verifier replica; ``runner.loaded`` is what its engine is built from.
-
-    pp == 1: the whole target in this process and a plain ModelRunner (today's
-    verifier; ``loaded.model`` is the model). pp > 1: a :class:`PipelineRunner` whose
-    stages load their own slices (``loaded.model`` is a config-only :class:`ModelShell`), and
-    the exit heads of ``early_exit`` in the stages that hold their layers (pp == 1: the
-    replica loads them, :meth:`deploy.verifier.early_stream.EarlyStreams.attach`).
-    Either way: ``VerifierEngine(runner.loaded.model, eos_token_ids=runner.loaded.eos_token_ids,
-    runner=runner)``.
-    """
+    pp == 1: a ModelRunner over the whole target; pp > 1: a :class:`PipelineRunner` (``loaded.model``: a ModelShell)."""
     if pipeline_parallel_size == 1:
         if torch_threads:
             torch.set_num_threads(torch_threads)

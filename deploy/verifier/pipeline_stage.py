@@ -1,21 +1,6 @@
 """One pipeline stage of a sharded verifier: a Ray actor holding a contiguous slice of the target.
 
-docs/engine.md, "Sharding a large target". :class:`PipelineStage` holds a
-:class:`~specdec.model.runner.ModelRunner` over decoder layers ``[first, last)`` (stage 0 also the
-embedding, the last stage the final norm + LM head) and a KV pool for that slice; the driver
-(:class:`deploy.verifier.pipeline.PipelineRunner`) sends every stage the same
-reserve/commit/drop calls, so pages and slots agree across stages. A stage loads only its own
-tensors from a safetensors checkpoint (the model is built on the meta device first), so a large
-target never has to fit one process; other formats (GGUF, tiny-random) load whole and drop the
-rest. With ``num_gpus`` a stage sees only its own GPU, so ``device="cuda"`` (or ``"auto"``) is
-that GPU. Results leave through the Ray object store (host memory).
-
-Early exits (the early-exit paper; :mod:`specdec.exit_heads`): a stage whose slice holds an exit
-layer ``x`` (``first < x <= last``) also holds that exit's head (adapter, final norm, the LM head's
-subset rows); for a batch with early requests it returns the exit's subset logits of the early
-trees' rows beside its hidden states, so the replica walks the trees while later stages compute.
-The final logits still come from the last stage only.
-"""
+:class:`PipelineStage`: layers ``[first, last)`` and their exit heads; docs/verifier.md, "Pipeline stages"."""
 
 from __future__ import annotations
 
@@ -91,16 +76,14 @@ def exit_layers(cfg: EarlyExitConfig) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class StageExits:
-    """What the replica needs of exit heads that its stages hold: the exit layers and the
-    vocabulary subset the exits' logits are over (to walk trees with them)."""
+    """The exit layers the stages hold and the vocabulary subset their logits are over (to walk trees)."""
 
     layers: tuple[int, ...]
     ids: torch.Tensor  # [K] long
 
 
 class PipelineStage:
-    """One pipeline stage (run as a Ray actor): a ModelRunner over its slice + busy time,
-    and the exit heads of the exit layers inside its slice (``early_exit``)."""
+    """One pipeline stage (a Ray actor): a ModelRunner over its slice, its busy time, its exit heads."""
 
     def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None,
                  kv_capacity_tokens: int = 1 << 16, compile: bool = False,
@@ -139,10 +122,7 @@ class PipelineStage:
 
     def forward_early(self, batch_id: int, items: list[SeqInput], hidden: torch.Tensor | None,
                       picks: list[tuple[int, str]]):
-        """:meth:`forward`, and the exits' subset logits [R, K] of the rows of the batch items
-        ``picks`` names (:func:`~specdec.exit_heads.exit_rows`): two return values
-        (called with ``num_returns=2``), so the replica gets the second without waiting for the
-        later stages."""
+        """Like :meth:`forward`, plus the exits' subset logits [R, K] of ``picks``' rows as a second return value."""
         early = {"rows": {}, "seconds": 0.0, "cpu_seconds": 0.0}
 
         def on_layer(n: int, h: torch.Tensor, batch) -> None:
@@ -197,8 +177,7 @@ class PipelineStage:
         return self.runner.session_kv(sid)
 
     def stats(self) -> dict:
-        """busy_s: wall seconds inside forward/commit; cpu_s: CPU seconds of this process
-        (all its torch threads) during them; wall_s: seconds since the last reset."""
+        """busy_s: wall seconds inside forward/commit; cpu_s: this process's CPU seconds then; wall_s: since reset."""
         return {"first": self.runner.first, "last": self.runner.last, "busy_s": self._busy, "cpu_s": self._cpu,
                 "wall_s": clock.perf_counter() - self._t0, "forwards": self._forwards,
                 "kv_tokens": self.runner.kv_tokens(), "device": str(self.runner.device),
@@ -207,8 +186,7 @@ class PipelineStage:
                 "resources": ray.get_runtime_context().get_assigned_resources()}
 
     def busy_intervals(self) -> list[tuple[float, float]]:
-        """(start, end) of the recent forwards, ``time.perf_counter`` (CLOCK_MONOTONIC on Linux:
-        comparable across the stage processes of one machine)."""
+        """(start, end) of the recent forwards, ``time.perf_counter`` (comparable across one machine's stages)."""
         return list(self._intervals)
 
     def reset_stats(self) -> None:

@@ -1,14 +1,6 @@
 """How many prompt tokens a forward takes, from the replica's measured costs (SpecEdge §4.3).
 
-New sessions are prefilled in chunks that ride along the verify forwards: a chunk adds at most
-``verifier.prefill_share`` of its forward's predicted time per session waiting to be prefilled
-(at least :data:`MIN_PREFILL_CHUNK`, at most ``verifier.prefill_chunk_tokens``), so a long prompt
-never stalls the sessions decoding, and a burst of opens joins the batch together rather than one by
-one. A forward of detached run-ahead steps alone waits on nobody and takes what fits before the
-first edge is due back. Costs: an EMA of verify forwards until the cost curve
-(:class:`deploy.verifier.pacing.PiecewiseCost`) has seen a few, and an EMA of what a prompt token
-added to its forward (a prefill forward's tokens net of a one-row forward's cost). Pure module: no Ray, no asyncio.
-"""
+At most ``verifier.prefill_share`` of a forward's time per session waiting (docs/verifier.md, "The batch loop")."""
 
 from __future__ import annotations
 
@@ -37,9 +29,7 @@ class PrefillBudget:
         self.token_s = 0.0  # EMA of the seconds a prompt token adds to a forward
 
     def observe(self, st: ForwardStats) -> None:
-        """A forward ran: a prefill forward's time per token, a chunk's time beyond the cost
-        curve's for its forward's verify rows, or a plain verify forward's time. Call before the
-        cost curve sees it."""
+        """A forward ran: update the prompt-token or verify-forward cost (call before the cost curve sees it)."""
         if st.kind == "prefill":  # less what a one-row forward costs anyway (the weights read): else small
             # chunks read dear per token, which shrinks the next chunks (found in simulation, issue 61)
             base = self.verify_forward_s(1) if self.verify_s else 0.0
@@ -51,19 +41,15 @@ class PrefillBudget:
             self.verify_s = _ema(self.verify_s, st.seconds, 0.2)
 
     def _measured(self) -> bool:
-        """Whether a verify forward's time is known: from the cost curve, or from chunkless forwards
-        (under a steady backlog of opens every forward carries a chunk: the curve alone knows)."""
+        """Whether a verify forward's time is known: from the cost curve, or from chunkless forwards."""
         return self.cost.count >= 3 or bool(self.verify_s)
 
     def verify_forward_s(self, rows: int) -> float:
-        """Predicted seconds of a verify forward of ``rows`` rows: the cost curve once it has
-        seen a few forwards, the EMA of verify forwards before that."""
+        """Predicted seconds of a verify forward of ``rows`` rows (the cost curve once it has seen 3)."""
         return self.cost.predict(rows) if self.cost.count >= 3 else self.verify_s
 
     def budget(self, waiting: int, rows: int | None = None) -> int:
-        """Prompt tokens to add to a verify forward of ``rows`` rows (None: a typical one) while
-        ``waiting`` sessions wait to be prefilled. Both sides are of the forward at hand: the
-        EMA of small forwards would charge a big batch's own growth to its chunk."""
+        """Prompt tokens to add to a verify forward of ``rows`` rows (None: typical) while ``waiting`` sessions wait."""
         vc = self.cfg
         if not (self._measured() and self.token_s):
             return min(vc.prefill_chunk_tokens, 16)
@@ -77,10 +63,8 @@ class PrefillBudget:
         return max(min(MIN_PREFILL_CHUNK, vc.prefill_chunk_tokens), min(vc.prefill_chunk_tokens, fit))
 
     def chunk(self, batch: list[Pending], waiting: int, arrivals: ArrivalModel) -> int:
-        """Prompt tokens to add to the forward of ``batch``: :meth:`budget`, or, when the batch is
-        detached run-ahead steps alone (nobody waits on this forward), as many as fit before the
-        first edge is due back (``arrivals``; a session with no round trip measured yet is not
-        counted), up to ``verifier.max_batch_tokens``."""
+        """Prompt tokens to add to the forward of ``batch``: :meth:`budget`, or for detached run-ahead steps alone
+        as many as fit before the first edge is due back (``arrivals``), up to ``verifier.max_batch_tokens``."""
         rows = sum(p.tokens for p in batch)
         paced = self.budget(waiting, rows)
         if any(p.payload.run is None or p.payload.run.fut is not None for p in batch) or not self.token_s:

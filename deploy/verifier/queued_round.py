@@ -1,9 +1,6 @@
 """A verify round queued for the engine, and how the replica answers its requests.
 
-A request's answer is ``(status, payload)``, never an exception, so errors cross the Ray boundary
-as plain data. A request whose client has gone (a cancelled future) or that has none (a detached
-run-ahead step, :mod:`deploy.verifier.run_ahead`) is not answered. Pure module: no Ray.
-"""
+An answer is ``(status, payload)``, never an exception (errors cross the Ray boundary as data). Pure module."""
 
 from __future__ import annotations
 
@@ -44,16 +41,14 @@ def internal_reply(e: Exception) -> tuple[int, dict]:
 
 
 def answer(fut: asyncio.Future | None, result) -> None:
-    """Answer a request unless its client has gone (a cancelled future) or there is none (a
-    detached run-ahead step)."""
+    """Answer a request unless its client has gone (a cancelled future) or there is none (detached run-ahead)."""
     if fut is not None and not fut.done():
         fut.set_result(result)
 
 
 def answer_each(items, reply) -> None:
-    """Answer each ``(future, item)`` with ``reply(item)``, independently: a reply that
-    raises answers its own request 500 and never touches the others (issue 14). ``None``
-    from ``reply``: not answered yet (a run-ahead request went back into the queue)."""
+    """Answer each ``(future, item)`` with ``reply(item)``, independently: one that raises answers its own
+    request 500 (issue 14); ``None`` from ``reply``: not answered yet (a run-ahead request requeued)."""
     for fut, item in items:
         try:
             result = reply(item)

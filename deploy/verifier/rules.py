@@ -1,10 +1,6 @@
-"""The verifier's side of each verify rule (issue 62; :mod:`specdec.rules`): the engine request a
-frame becomes, the gains its tree offers batch-time truncation, and the reply its result becomes.
+"""The verifier's side of each verify rule (issue 62; :mod:`specdec.rules`): request, truncation gains, reply.
 
-``match`` (SpecEdge §4.3's tree walk, greedy or sampled), ``tree-rejection`` (sampled trees with
-their proposals) and ``rejection`` (DSSD's chains with q(x)) are built in; a module named in
-``verifier.rule_modules`` registers more on import. Pure module: no Ray.
-"""
+Built in: ``match`` (SpecEdge §4.3), ``tree-rejection``, ``rejection`` (DSSD); ``verifier.rule_modules`` add more."""
 
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ from specdec.truncation import node_gains
 
 
 class VerifierRule:
-    """A rule's handling on the verifier; the base verifies the frame's tree by the target's own
-    walk (greedy: match; sampled: the target's distribution) and replies with the walk."""
+    """A rule's handling on the verifier; the base verifies by the target's own walk and replies with it."""
 
     name = "match"
     early = False  # takes F_EARLY (the round's early results from the exit heads)

@@ -1,12 +1,6 @@
 """Continuous-batching scheduler: which pending requests go into the next forward.
 
-Pipeline-aware batching (SpecEdge §4.3): requests of many sessions arrive while their
-edges draft; each forward takes whatever is pending, up to ``max_sessions`` and
-``max_tokens``. When more is pending than fits, tenants share the forward by weight
-(weighted fair queueing on virtual time: a tenant's clock advances by tokens / weight
-each time it is served, the lowest clock goes first), FIFO within a tenant.
-Pure module: no Ray, no asyncio.
-"""
+SpecEdge §4.3; tenants share a forward by weight (weighted fair queueing on virtual time), FIFO within one."""
 
 from __future__ import annotations
 

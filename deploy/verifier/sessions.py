@@ -1,13 +1,6 @@
 """The replica's records of its sessions: who owns each, what its edge reported, which are gone.
 
-Sessions live on one replica (their KV cache); the router pins every request of a session to it
-(:mod:`deploy.router.affinity`). A session of another tenant is unknown (never revealed). A session
-the replica no longer holds (evicted, timed out, its version removed or failed, or closed with its
-finishing reply) is remembered, so its requests answer why: ``410 session_evicted`` (the edge re-opens
-from its own token history), ``404 model_not_found`` or ``503 model_unavailable``. Past
-:data:`MAX_REMEMBERED_EVICTIONS` the oldest are forgotten and answer 404 ``session_not_found``,
-which the edge handles as 410. Pure module: no Ray, no asyncio.
-"""
+A gone session's requests answer why (410, 404, 503); docs/verifier.md, "Sessions". Pure module."""
 
 from __future__ import annotations
 
@@ -24,8 +17,7 @@ MAX_REMEMBERED_EVICTIONS = 100_000
 @dataclass
 class EdgeClient:
     """What a session's edge tells the replica: its draft time and RTT (SpecEdge §4.3 depth
-    pacing) and, in ``ahead``, the tokens a no-tree request brings back (run-ahead: the limit
-    and the bonus; else 1), which the budget choice weighs (:mod:`deploy.verifier.pacing`)."""
+    pacing) and, in ``ahead``, the tokens a no-tree request brings back (run-ahead's limit and bonus; else 1)."""
 
     draft_ms: float = 0.0
     rtt_ms: float = 0.0
@@ -37,9 +29,7 @@ class EdgeClient:
 
     @classmethod
     def of_open(cls, body: dict, ahead: int, logprobs: bool) -> "EdgeClient":
-        """What an open's body says (``client``, ``close_on_finish``). Until its first request
-        says otherwise an edge is taken to accept run-ahead replies (the agent's default), ``ahead``
-        tokens: the open's hint then weighs a tree against them, as later hints will."""
+        """What an open's body says; run-ahead replies of ``ahead`` tokens assumed until a request says otherwise."""
         c = body.get("client") or {}
         return cls(float(c.get("draft_ms") or 0.0), float(c.get("rtt_ms") or 0.0), ahead,
                    bool(c.get("run_ahead")) and not logprobs, draft_class(c.get("draft")),

@@ -28,9 +28,8 @@ class ReplicaTarget:
 
 
 def start_target(config: AppConfig, on_forward=None, runner=None, loaded: LoadedModel | None = None) -> ReplicaTarget:
-    """The replica's target and engine. ``runner``: a pipeline's (its stages sized by the cap), with
-    ``loaded`` its model shell; else the target is loaded here and its pool sized from memory.
-    Raises :class:`deploy.verifier.kv_sizing.DoesNotFit` when it cannot hold one session."""
+    """The replica's target and engine. ``runner``: a pipeline's (stages sized by the cap), else the target
+    is loaded here and its pool sized from memory; raises :class:`DoesNotFit` when it cannot hold one session."""
     vc, t = config.verifier, config.target
     loaded = loaded or load_target(t, weights_only=True)
     if runner is None:
@@ -47,10 +46,7 @@ def start_target(config: AppConfig, on_forward=None, runner=None, loaded: Loaded
 
 
 def warm_up(engine: VerifierEngine, vocab_size: int) -> None:
-    """One prefill and one verify forward on dummy tokens, then nothing left of them (no session,
-    no cached prefix, no prefix-cache counts): the first forward's one-time costs (allocation,
-    lazy initialisation, compilation) are paid before the replica reports ready, as vLLM and
-    SGLang warm up before serving (issue 67). The caller keeps its cost observers out of it."""
+    """Dummy prefill and verify forwards, leaving nothing behind: first-forward costs paid before ready (issue 67)."""
     n = max(1, min(WARMUP_PROMPT_TOKENS, engine.max_model_len // 4))
     ids = [t for t in range(vocab_size - 1, -1, -1) if t not in engine.eos_token_ids][:n + WARMUP_TREE_NODES]
     counts = list(engine.prefix_tokens)

@@ -1,14 +1,6 @@
 """Target versions changed on a running replica, without a restart (FlexSpec §III-B).
 
-Serve's ``reconfigure`` hands the replica its ``user_config``: the target versions
-(``target.adapters``), validated like the app's config (:func:`deploy.config.versions_update`). An
-invalid one fails the replica's start (Serve reports the deployment failed, with the reason); on a
-running replica it is refused, logged and shown in ``/v1/stats`` (``versions_error``), the served
-versions unchanged: raising would make Serve stop the replica and every session on it. A valid one is
-applied on the worker thread, between forwards. Sessions of a removed, re-pointed or rewritten version
-end (their requests answer 404 ``model_not_found``); no other session is touched. A version whose
-adapter fails validation is served as unavailable (503 ``model_unavailable``). No Ray.
-"""
+An invalid update fails the start, or is refused on a running replica (docs/verifier.md, "Target versions")."""
 
 from __future__ import annotations
 
@@ -33,8 +25,7 @@ class VersionUpdates:
         self._configured = False  # an update took effect (the first one runs at start)
 
     async def update(self, adapters: dict[str, str], max_loaded: int) -> dict:
-        """Add, remove or re-point versions; new ones are validated first (a bad one is listed
-        under ``unavailable``)."""
+        """Add, remove or re-point versions; new ones are validated first (a bad one is listed unavailable)."""
         def apply():
             gone = self.versions.update(adapters, max_loaded)
             return gone, self.engine.drop_versions(gone)

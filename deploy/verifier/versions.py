@@ -1,12 +1,6 @@
 """A replica's target versions: names, the adapter registry, and per-version pacing (FlexSpec §III).
 
-A session names its version at open (``model``; the base by default). With
-``pacing.per_version`` each version keeps its own acceptance statistics (FlexSpec §III-C: a frozen
-draft accepts differently against each fine-tune), so its sessions get the tree budget and depth
-its own tokens-per-round make best; every version shares the replica's forward-cost curve. Within
-a version, each draft class named at open (``client.draft``) keeps its own acceptance, at most
-``pacing.max_draft_classes`` per version; the rest share the version's. Pure (no Ray).
-"""
+With ``pacing.per_version``, each version and draft class (``client.draft``) keeps its own acceptance statistics."""
 
 from __future__ import annotations
 
@@ -56,8 +50,7 @@ class TargetVersions:
         return self.version(sid) or self.base_name
 
     def pacer(self, sid: str, draft: str | None = None) -> Pacer:
-        """The pacer whose acceptance statistics this session's hints use: its version's (with
-        ``per_version``) and its draft class's (``draft``, the open's ``client.draft``)."""
+        """The pacer whose acceptance statistics this session's hints use: its version's and draft class's."""
         v = self.version(sid) if self.per_version else None
         if draft is not None and (v, draft) not in self._pacers and self._classes(v) >= self.max_draft_classes:
             draft = None  # this version's classes are all taken: its shared estimates
