@@ -1,10 +1,6 @@
 """Cloud side of edge-drafted, cloud-verified speculative decoding.
 
-``serve run deploy.app`` imports :data:`app` (the default application, built lazily so
-that the pure engine modules import without Ray, for the edge agent and for tests);
-config files use the builder ``deploy:build_app`` with ``args``. Both live in
-:mod:`deploy.application`.
-"""
+``serve run deploy.app`` imports :data:`app` (built lazily: no Ray at import); config files use ``deploy:build_app``."""
 
 
 def __getattr__(name):

@@ -1,11 +1,6 @@
 """The Serve application: ``serve run deploy.app`` / ``serve run deploy/config.yaml``.
 
-``build_app(args)`` validates ``args`` as :class:`deploy.config.AppConfig` and binds
-the router (ingress) to the verifier deployment, whose replicas are chosen per session
-by :class:`deploy.router.affinity.SessionAffinityRouter` (``topology: split``), or deploys
-the router alone, holding the verifier in its replica (``topology: colocated``,
-:mod:`deploy.router.in_process`).
-"""
+``build_app(args)``: the router bound to the verifier deployment (``topology: split``), or alone (``colocated``)."""
 
 from __future__ import annotations
 
@@ -43,8 +38,7 @@ def verifier_options(cfg: AppConfig) -> dict:
 
 
 def versions_user_config(cfg: AppConfig) -> dict:
-    """The deployments' ``user_config``: the target versions. A Serve config that overrides it
-    (``applications[].deployments[].user_config`` of Verifier and Router) adds or removes
+    """The deployments' ``user_config``: the target versions; a Serve config overriding it adds or removes
     versions through ``reconfigure``, without restarting a replica (FlexSpec §III-B)."""
     return {"adapters": dict(cfg.target.adapters), "max_loaded_adapters": cfg.target.max_loaded_adapters}
 

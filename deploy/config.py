@@ -1,10 +1,6 @@
 """All configuration of the cloud side, typed and validated in one place.
 
-``serve run deploy.app`` uses the defaults (embedded SmolLM2 target, one verifier, a
-development tenant). ``serve run deploy/config.yaml`` passes ``args`` that validate
-against :class:`AppConfig`; the Helm chart renders the same structure into the
-RayService's ``serveConfigV2`` (and its tests parse it with this model).
-"""
+``serve run deploy.app`` uses the defaults; config files and the Helm chart pass ``args`` validated as AppConfig."""
 
 from __future__ import annotations
 
@@ -66,8 +62,7 @@ class ModelConfig(_Strict):
 
 
 class EarlyExitConfig(_Strict):
-    """Exit heads in the verify forward (the early-exit paper; specdec/exit_heads.py):
-    edges that ask (``F_EARLY``, WebSocket) get each exit's guess of their round mid-forward."""
+    """Exit heads in the verify forward (the early-exit paper): edges that ask (``F_EARLY``) get guesses mid-forward."""
 
     enabled: bool = Field(False, description="load exit heads and answer F_EARLY requests; off: such requests 400")
     heads: str = Field("embedded", description="exit-head artifact: 'embedded' (deploy/artifacts, trained for "
@@ -154,8 +149,7 @@ class VerifierConfig(_Strict):
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
 
     def batch_room_tokens(self) -> int:
-        """Pool room beyond the sessions' budget for one full batch of new tokens (every
-        session's tree, each starting on a fresh page)."""
+        """Pool room beyond the sessions' budget for one full batch (every session's tree, each on a fresh page)."""
         return self.max_batch_tokens + 16 * self.max_batch_sessions * 2
 
     def kv_pool_tokens(self) -> int:
@@ -237,8 +231,7 @@ class RouterConfig(_Strict):
 
 
 class PacingConfig(_Strict):
-    """SpecEdge §4.3 pacing and the load-aware tree budget (budgets above
-    ``verifier.max_tree_nodes`` are clipped to it)."""
+    """SpecEdge §4.3 pacing and the load-aware tree budget (budgets clipped to ``verifier.max_tree_nodes``)."""
 
     min_depth: int = Field(1, ge=1)
     max_depth: int = Field(12, ge=1)
@@ -383,11 +376,8 @@ class AppConfig(_Strict):
 
 
 def versions_update(cfg: AppConfig, user_config) -> AppConfig:
-    """``cfg`` with the target versions of a Serve ``user_config`` (``{"adapters": {name: path},
-    "max_loaded_adapters": n}``, what :func:`deploy.application.versions_user_config` writes),
-    validated as the app's own config is (names, the base's names, pipeline stages). ``adapters``
-    is required, so that a user_config that forgot it cannot remove every version (``{}`` does).
-    Raises ``ValueError`` (pydantic's ``ValidationError``) with the reason."""
+    """``cfg`` with the target versions of a Serve ``user_config`` (``{"adapters": {name: path}, "max_loaded_adapters":
+    n}``), validated as the app's config; ``adapters`` is required (``{}`` removes all). Raises ``ValueError``."""
     if not isinstance(user_config, dict) or "adapters" not in user_config:
         raise ValueError("the target versions' user_config needs an 'adapters' mapping (name -> adapter "
                          "directory; {} serves the base only)")
@@ -400,8 +390,7 @@ def versions_update(cfg: AppConfig, user_config) -> AppConfig:
 
 
 def _checkpoint_dims(target: ModelConfig) -> tuple[int | None, int | None]:
-    """The target's layer count and context length, read without loading weights (tiny-random's
-    shape, the embedded model's, a local or hub-cached config.json); None where unknown."""
+    """The target's layer count and context length, read without loading weights; None where unknown."""
     from specdec.model_source import (EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, config_json, context_length,
                                       tiny_config)
 

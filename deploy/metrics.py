@@ -1,25 +1,6 @@
 """Prometheus metrics of the cloud side, in vLLM's three layers: stats -> aggregator -> exporter.
 
-- **Stats**: plain dataclasses of what one event observed: :class:`RoundStats` (one verify round
-  of one session), :class:`EdgeTelemetry` (what the edge reported in its ``VerifyFrame``),
-  :class:`VerifierState` (a replica snapshot), the engine's ``ForwardStats`` (one forward).
-- **Aggregators** (:class:`VerifierMetrics`, :class:`RouterMetrics`) turn stats into metric
-  updates with bounded labels (tenant, mode, forward kind, error code, shedding reason, accepted
-  position < :data:`MAX_POSITIONS`), never session ids.
-- **Exporters**: :class:`RayServeExporter` (``ray.serve.metrics``: Ray's export port, ``ray_``
-  prefix, Serve's labels) and :class:`PrometheusClientExporter` (edge agent, unit tests), both
-  declared in :mod:`specdec.metrics`.
-
-Spec-decode counters follow vLLM's names: a *draft* (``num_drafts``) is one verify round, *draft
-tokens* the tree nodes sent, *accepted tokens* the draft nodes on the accepted path (the bonus not
-counted), so the mean acceptance length is ``1 + num_accepted_tokens / num_drafts`` (SpecEdge
-Table 1, Fig. 9: tokens per verification). One path of a tree is accepted, so compare acceptance
-*lengths*, not rates, across tree and chain modes.
-
-Every metric is declared once in :data:`METRICS`; dashboards and alert rules are checked against
-it (``tests/test_dashboards.py``, ``tests/test_prometheus_integration.py``). No Ray import at
-module level.
-"""
+Bounded labels, each metric declared once in :data:`METRICS`; acceptance length: docs/router.md, "Metrics"."""
 
 from __future__ import annotations
 
@@ -169,8 +150,7 @@ def specs_for(component: str) -> list[MetricSpec]:
 
 
 def default_exporter(component: str) -> Exporter:
-    """:class:`RayServeExporter` inside a Serve replica, else a private prometheus_client registry
-    (in-process use of the verifier core: tests, local transports)."""
+    """:class:`RayServeExporter` inside a Serve replica, else a private prometheus_client registry."""
     specs = specs_for(component)
     try:
         from ray.serve import context
@@ -320,8 +300,7 @@ class VerifierMetrics:
     @never_raises
     def on_open(self, tenant: str, sid: str, prefix_len: int, cached_tokens: int = 0, first_token: bool = False,
                 finish_reason: str | None = None) -> None:
-        """An open answered; ``first_token``: it sampled one (a new session, not a re-open);
-        ``finish_reason``: that token already finished it."""
+        """An open answered; ``first_token``: it sampled one (not a re-open); ``finish_reason``: that token ended it."""
         self._seen_tenants.add(tenant)
         lab, now = {"tenant": tenant}, self.clock()
         self.exporter.inc("specedge_sessions_opened", 1, lab)

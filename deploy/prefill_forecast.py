@@ -1,10 +1,6 @@
 """Time-to-first-token admission for opens (issue 67; why it is built so: docs/router.md, "The open deadline").
 
-An open is refused (429) only when the prefill queued ahead of it is predicted past its deadline:
-``fixed * opens + per_token * tokens`` seconds, fitted over the latest answered opens. With nothing
-queued, any open is admitted; while all are refused, one probe per ``retry_after_s`` is. Used by the
-router and by each verifier replica. Pure module (no Ray, no FastAPI).
-"""
+An open is refused (429) only when the prefill queued ahead of it is predicted past its deadline. Pure module."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ class OpenSample:
 
 @dataclass(frozen=True)
 class QueuedOpen:
-    """An admitted open's ticket (:meth:`PrefillForecast.started`): the queue ahead of its first
-    token, its own prompt included, and when it was admitted."""
+    """An admitted open's ticket (:meth:`PrefillForecast.started`): the queue ahead of its first token, and when."""
 
     prompt_tokens: int
     opens: int
@@ -79,11 +74,7 @@ class PrefillCost:
 
 def fit_cost(samples: list[OpenSample]) -> tuple[float, float]:
     """(fixed, per_token) of ``seconds = fixed * opens + per_token * tokens`` over ``samples``.
-
-    Per open it is a line, ``seconds / opens = fixed + per_token * tokens / opens``: its slope is
-    the median of the pairwise slopes (Theil-Sen; 0 when every sample has the same size), its
-    intercept the median residual. Below :data:`MIN_ROBUST_SAMPLES` a median cannot outvote an
-    outlier, so the cheapest sample's line is used (slope from the pair when there are two)."""
+    Theil-Sen per open; below :data:`MIN_ROBUST_SAMPLES`, the cheapest sample's line."""
     pts = sorted(((s.tokens / s.opens, s.seconds / s.opens) for s in samples if s.opens > 0 and s.seconds > 0))
     if not pts:
         return 0.0, 0.0
@@ -115,8 +106,7 @@ class PrefillForecast:
 
     def refusal(self, deadline_s: float) -> Overloaded | None:
         """The 429 for an open whose wait for the queue ahead is predicted past ``deadline_s``, or
-        None (admitted: call :meth:`started`). An open is let through as a probe when none was
-        admitted for ``retry_after_s``, so an estimate that is too high gets a sample."""
+        None (admitted: call :meth:`started`); one probe is let through per ``retry_after_s``."""
         wait = self.predicted_wait()
         if wait <= deadline_s:
             return None
@@ -136,9 +126,8 @@ class PrefillForecast:
         return QueuedOpen(prompt_tokens, self.queued_opens, self.queued_tokens, now)
 
     def finished(self, ticket: QueuedOpen, measured: bool) -> None:
-        """An open left the queue. ``measured``: its time is a sample of the queue it waited for
-        (its first token came, or it was cut at its deadline: a lower bound that errs towards
-        admitting); an open that failed otherwise is none."""
+        """An open left the queue. ``measured``: its time is a sample (its first token came, or it
+        was cut at its deadline: a lower bound); an open that failed otherwise is none."""
         self.queued_opens = max(0, self.queued_opens - 1)
         self.queued_tokens = max(0, self.queued_tokens - ticket.prompt_tokens)
         if measured:

@@ -1,17 +1,6 @@
 """Ray Serve's request-path options, as the environment a Ray cluster is started with.
 
-- ``ingress``: ``proxy`` (Serve's HTTP proxy actor -> router replica -> verifier), ``direct``
-  (the router replica serves HTTP/WebSocket on its own port, ``RAY_SERVE_ENABLE_DIRECT_INGRESS``)
-  or ``haproxy`` (HAProxy in front of the ingress replicas' ports, ``RAY_SERVE_ENABLE_HA_PROXY``).
-- ``throughput_optimized`` (``RAY_SERVE_THROUGHPUT_OPTIMIZED``): Serve's own bundle (gRPC between
-  replicas, user code on the event loop, buffered logs, frozen GC, direct ingress).
-- ``control_loop_s``, ``metrics_export_ms``: Serve's controller and replica metrics periods,
-  idle server CPU against reaction time; ``drain_s``: a stopping ingress replica's drain period.
-
-Read when Ray's processes import Serve, so :func:`serve_env` goes into the environment of the
-process that starts Ray. Session affinity does not depend on the ingress. Each hop and option:
-docs/protocol.md, "The request path through Ray Serve".
-"""
+Each hop and option: docs/protocol.md, "The request path through Ray Serve"."""
 
 from __future__ import annotations
 
@@ -71,8 +60,7 @@ class RequestPathConfig(BaseModel):
 
     @property
     def drain_period_s(self) -> float:
-        """A stopping ingress replica's drain: 0 with direct ingress (no balancer to deregister
-        from), Ray's 30 s otherwise, unless ``drain_s`` is set."""
+        """A stopping ingress replica's drain: ``drain_s`` if set, else 0 with direct ingress, Ray's 30 s otherwise."""
         if self.drain_s is not None:
             return self.drain_s
         return 0.0 if self.ingress is Ingress.direct else 30.0
@@ -84,14 +72,12 @@ class RequestPathConfig(BaseModel):
         return RequestPathConfig(**{**self.model_dump(), **given})
 
     def client_port(self, http_port: int) -> int:
-        """Where clients connect: the first ingress replica's own port in ``direct`` mode
-        (one router replica; more need a balancer, i.e. ``haproxy``), else Serve's HTTP port."""
+        """Where clients connect: the ingress replica's own port (``direct``: one router replica), else Serve's."""
         return self.direct_port if self.ingress is Ingress.direct else http_port
 
 
 def add_cli_options(ap) -> None:
-    """``--ingress`` and ``--throughput-optimized`` for a launcher's argparse parser (None = the
-    config's own value; apply with :meth:`RequestPathConfig.override`)."""
+    """``--ingress`` and ``--throughput-optimized`` for a launcher's parser (None: the config's; see ``override``)."""
     import argparse
 
     ap.add_argument("--ingress", choices=[m.value for m in Ingress], default=None,

@@ -1,11 +1,7 @@
 """Router-side admission control: shed with 429 *before* a request queues.
 
-:class:`AdmissionControl` bounds one router's requests in flight to the verifiers: a cap of ``limit``
-(:func:`inflight_limit`), weighted fairness at the cap, running sessions before opens, with
-``objective_s`` a cap fitted to the admitted verifies' p99 latency, an adaptive Retry-After. The
-rules and why: docs/router.md, "Admission control". Pure module: the router calls :meth:`check`,
-:meth:`started` and :meth:`finished` around each verifier call.
-"""
+:class:`AdmissionControl` bounds one router's requests in flight; the router calls :meth:`check`, :meth:`started`
+and :meth:`finished` around each verifier call. The rules and why: docs/router.md, "Admission control"."""
 
 from __future__ import annotations
 
@@ -56,8 +52,7 @@ class AdmissionControl:
 
     # -- decisions ------------------------------------------------------------------------
     def check(self, tenant: str, kind: str = "verify", now: float | None = None) -> None:
-        """Raise :class:`Overloaded` (429) if a ``kind`` request ("verify" or "open") of
-        ``tenant`` must be shed; otherwise count it as admitted."""
+        """Raise :class:`Overloaded` (429) if ``tenant``'s ``kind`` request must be shed, else count it as admitted."""
         refused = self.refusal(tenant, kind, now)
         if refused is not None:
             try:
@@ -67,8 +62,7 @@ class AdmissionControl:
         self._admitted += 1
 
     def refusal(self, tenant: str, kind: str = "verify", now: float | None = None) -> Overloaded | None:
-        """The 429 a ``kind`` request of ``tenant`` gets now (counted as shed), or None; None does
-        not admit it (:meth:`check` does, once the request is parsed)."""
+        """The 429 a ``kind`` request of ``tenant`` gets now (counted as shed), or None (which does not admit it)."""
         self._roll(clock.monotonic() if now is None else now)
         half = max(1, self.limit // 2)
         if kind == "open" and self.inflight >= half and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant) / 2:

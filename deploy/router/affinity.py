@@ -1,11 +1,7 @@
 """Session affinity: every request of a session reaches the replica holding its KV.
 
-:class:`SessionAffinityRouter`, a Ray Serve custom request router: a call with ``session_id`` goes
-to the replica that minted it (if gone, any replica, which answers 404); an open goes to the least
-loaded, or within ``version_margin`` / ``prefix_margin`` sessions of it (``verifier.*_affinity_margin``)
-to a replica holding its version or its prompt's prefix. Rules and margins: docs/router.md,
-"Session affinity".
-"""
+:class:`SessionAffinityRouter` (a Ray Serve request router): a session's calls go to the replica that minted its id,
+an open to the least loaded or, within a margin, to a holder of its version or prefix (docs/router.md)."""
 
 from __future__ import annotations
 
@@ -97,9 +93,8 @@ def _load(r: RunningReplica) -> tuple:
 
 
 def version_ranks(ranked: list[RunningReplica], version: str, margin: int) -> list[list[RunningReplica]]:
-    """Replicas ``ranked`` by load -> the ranks to try for an open of ``version``: first the
-    holders (replicas with it loaded) within ``margin`` sessions of the least loaded, then the
-    least loaded others; with no holder close enough (or all holding it), by load alone."""
+    """Replicas ``ranked`` by load -> the ranks to try for an open of ``version``: holders within ``margin``
+    sessions of the least loaded, then the least loaded others; else (none close, or all hold it) by load."""
     least = _sessions(ranked[0])
     holders = [r for r in ranked if version in ((r.routing_stats or {}).get("adapters") or ())
                and _sessions(r) <= least + margin]

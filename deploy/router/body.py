@@ -1,8 +1,6 @@
 """Request bodies at the router: read bounded in size and time, parsed as strict JSON.
 
-:func:`read_body` answers 413 from ``Content-Length`` or as soon as the bytes read exceed the
-limit, 408 when the body is late; :func:`parse_json` refuses NaN/Infinity and deep nesting with 400.
-"""
+:func:`read_body` answers 413 (too large) or 408 (late); :func:`parse_json` refuses NaN/Infinity and deep nesting."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The router's half of early results (the early-exit paper §3, steps 3-4; ``F_EARLY``).
 
-An ``F_EARLY`` verify becomes a Serve streaming call (``Verifier.verify_stream``): each early frame
-goes to the edge as it arrives; the stream's last item is the round's ``(status, payload)``.
-"""
+A Serve streaming call (``Verifier.verify_stream``): early frames go to the edge as they come, the reply last."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ Send = Callable[[bytes], Awaitable[None]]
 
 
 async def stream_verify(handle, method: str, send: Send, kwargs: dict) -> tuple[int, bytes | dict]:
-    """Forward the early frames of ``handle.<method>`` (a streaming call) to ``send``; return
-    the final ``(status, payload)``."""
+    """Forward the early frames of the streaming call ``handle.<method>`` to ``send``; return ``(status, payload)``."""
     gen = getattr(handle.options(stream=True), method).remote(**kwargs)
     async for item in gen:
         if item[0] == "early":

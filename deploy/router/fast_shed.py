@@ -1,10 +1,7 @@
 """Shedding before FastAPI: a pure-ASGI fast path for the requests admission control refuses.
 
-:class:`ShedFastPath` asks ``decide(method, path, authorization)`` before routing; a refusal is
-answered at once with the router's usual error (JSON body, ``Retry-After``), the body never read.
-Everything else, a request without a valid key included, goes on to the app unchanged. Pure ASGI.
-Why: docs/router.md, "Shedding before routing".
-"""
+:class:`ShedFastPath` answers a refusal before routing, the body never read; everything else, a bad key included,
+goes on to the app unchanged. Why: docs/router.md, "Shedding before routing"."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ def shed_kind(method: str, path: str) -> str | None:
 
 
 def admission_refusal(method: str, path: str, authorization: str | None, tenants, admission) -> Overloaded | None:
-    """The 429 admission control gives now to a sheddable request (:func:`shed_kind`), or None: not
-    sheddable, or a key ``tenants.authenticate`` refuses (the app answers that one 401 itself)."""
+    """The 429 admission control gives now to a sheddable request, or None (not sheddable, or a bad key: 401 later)."""
     kind = shed_kind(method, path)
     if kind is None:
         return None

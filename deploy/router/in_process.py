@@ -1,10 +1,6 @@
 """The router's verifier in its own replica: the ``colocated`` topology (``AppConfig.topology``).
 
-:class:`InProcessVerifier` answers a deployment handle's two call forms (``handle.<m>.remote(**kw)``,
-``handle.options(stream=True).<m>.remote(**kw)``) by running the verifier's coroutine on this
-replica's loop; cancelling the awaiting task cancels it. Arguments and results are passed by
-reference. Why: docs/router.md, "The colocated topology".
-"""
+:class:`InProcessVerifier` answers a handle's calls on this loop (docs/router.md, "The colocated topology")."""
 
 from __future__ import annotations
 

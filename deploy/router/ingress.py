@@ -1,8 +1,7 @@
 """Router / ingress deployment (FastAPI): auth, tenants, admission, sticky routing, the session protocol.
 
 Endpoints: :mod:`specdec.protocol` (docs/protocol.md); errors are JSON ``{"error": {code, message}}``
-with a 4xx status (429 carries ``Retry-After``). How the router is built: docs/router.md.
-"""
+with a 4xx status (429 carries ``Retry-After``). How the router is built: docs/router.md."""
 
 
 import asyncio
@@ -130,8 +129,7 @@ class Router:
         gc_policy.settle(self.cfg.gc_gen0_threshold)  # last: what the constructor made is frozen
 
     def fast_shed(self, method: str, path: str, authorization: str | None) -> Overloaded | None:
-        """The fast path's question (deploy/router/fast_shed.py): the 429 for a verify or an open that
-        admission control refuses now, or None (the request goes on; a bad key is answered 401 later)."""
+        """The fast path's question: the 429 for a verify or open admission control refuses now, or None."""
         self.probe.start()
         return admission_refusal(method, path, authorization, self.tenants, self.admission)
 
@@ -147,9 +145,8 @@ class Router:
         return self.probe.drain()
 
     async def reconfigure(self, user_config: dict) -> None:
-        """Serve's no-restart config update: the names of the target versions (``target.adapters``),
-        validated as the Verifier's ``reconfigure`` does (invalid: the start fails; on a running replica,
-        refused and logged, the names unchanged); a ``colocated`` verifier takes the update too."""
+        """Serve's no-restart config update of the target versions' names (``target.adapters``), validated
+        as the Verifier's ``reconfigure`` does; a ``colocated`` verifier takes the update too."""
         if self._local is not None:
             await self._local.reconfigure(user_config)
         try:
@@ -295,8 +292,7 @@ class Router:
 
     @api.get("/v1/stats")
     async def replica_stats(self, request: Request):
-        """One verifier replica's counters (busy seconds, forwards, sessions); ``?session_id=``
-        picks the replica of that session; plus this router's admission state. Needs any tenant key."""
+        """One verifier replica's counters (``?session_id=``: that session's) and this router's admission state."""
         self.tenants.authenticate(request.headers.get("authorization"))
         stats = await self.get_stats(request.query_params.get("session_id"))
         return {**stats, "router_admission": self.admission.snapshot()}
@@ -317,9 +313,8 @@ class Router:
         return Response(reply, media_type="application/octet-stream")
 
     async def _verify_streamed(self, tenant: TenantState, sid: str, body: bytes):
-        """POST verify of an ``F_EARLY`` frame that accepts the stream (specdec/protocol.py): a
-        chunked response of records, the early frames, then the reply. An error before any early frame is a
-        plain error response (its status, Retry-After); after one, the error is the last record (JSON)."""
+        """POST verify of an ``F_EARLY`` frame that accepts the stream (specdec/protocol.py): a chunked
+        response of records, the early frames then the reply; an error after an early frame is the last record."""
         early: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self.verify(tenant, sid, body, early.put))
         first = asyncio.ensure_future(early.get())

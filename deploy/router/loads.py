@@ -1,8 +1,6 @@
 """The router's one-time loads: the target's tokenizer and the server drafter.
 
-Each is loaded once, at its first use, in a worker thread with its heavy imports (never on the
-event loop); concurrent callers wait for the one load. Why: docs/router.md, "The one-time loads".
-"""
+Each once, at first use, in a worker thread with its heavy imports. Why: docs/router.md, "The one-time loads"."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ class Loads:
         return self._loaded[key]
 
     async def tokenizer(self):
-        """The target's tokenizer (None for tiny test models), loaded with every module an OpenAI
-        request needs later (torch, jinja2)."""
+        """The target's tokenizer (None for tiny test models), loaded with torch and jinja2 for later requests."""
 
         def load():
             import jinja2  # noqa: F401

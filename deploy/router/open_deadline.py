@@ -1,5 +1,4 @@
-"""The open deadline of one request (issue 56): the ``x-open-deadline-s`` header, capped by the
-router's ``open_deadline_s``; what it bounds: :mod:`deploy.prefill_forecast`. Pure module."""
+"""The open deadline of one request (issue 56): ``x-open-deadline-s``, capped by ``open_deadline_s``. Pure module."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Where a 429's time goes on the server: the router's event-loop lag and the shed answers' own time.
 
-:class:`LoadProbe` samples on the router's loop the lag of a periodic ``interval_s`` sleep, each shed
-answer's time and each garbage collection; :meth:`LoadProbe.drain` hands them over. With
-``stall_log_s``, a watchdog logs the loop thread's stack once per stall. Why each sample:
-docs/router.md, "Where a 429's time goes". Pure module (no Ray, no FastAPI).
-"""
+:class:`LoadProbe` samples loop lag, shed answers and collections (docs/router.md, "Where a 429's time goes")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Server-only decoding of OpenAI requests (/v1/completions, /v1/chat/completions) over the
 session protocol: ``mode: ar`` (empty trees) or ``mode: sd`` (:mod:`deploy.router.server_draft`).
 
-Out: an OpenAI response, whole or streamed (SSE). Guarantees: all that can be refused is refused
-before a response starts, so each error keeps its own status; the server session is closed however
-the generation ends. How it fits: docs/router.md, "Server-only decoding".
-"""
+All that can be refused is refused before a response starts; the session is closed however it ends (docs/router.md)."""
 
 from __future__ import annotations
 
@@ -24,9 +21,8 @@ log = logging.getLogger("ray.serve")
 
 
 class ServerDecode:
-    """OpenAI generations decoded on the server, through ``sessions`` (the Router: ``open(tenant,
-    body, deadline_header, received_at)``, ``verify_frame(tenant, sid, frame) -> ReplyFrame``,
-    ``close(tenant, sid)``); ``drafter``: an async callable that returns the server drafter (loaded once)."""
+    """OpenAI generations decoded on the server through ``sessions`` (the Router: its ``open``, ``verify_frame``,
+    ``close``); ``drafter``: an async callable that returns the server drafter (loaded once)."""
 
     def __init__(self, sessions, drafter):
         self.sessions = sessions
@@ -35,9 +31,8 @@ class ServerDecode:
 
     async def respond(self, tenant: TenantState, req: oai.CompletionRequest, tok, info: dict,
                       versions: list[str], deadline_header: str | None = None, received_at: float | None = None):
-        """The response to ``req`` (its ``model`` already checked), for the verifier's ``info``;
-        ``versions``: the target versions a ``model`` may name; ``deadline_header``, ``received_at``: as
-        for :meth:`deploy.router.ingress.Router.open`."""
+        """The response to ``req`` (its ``model`` checked) for the verifier's ``info``; ``versions``: the target
+        versions a ``model`` may name; ``deadline_header``, ``received_at``: as for :meth:`Router.open`."""
         req = req.with_max_tokens(info["max_model_len"])
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = await self.drafter() if req.mode == "sd" else None
@@ -58,9 +53,7 @@ class ServerDecode:
                      version: str | None = None, deadline_header: str | None = None,
                      received_at: float | None = None):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
-
-        Yields a :class:`~specdec.openai.Round` per round, the first (no tokens) as soon as the session is
-        open; the session is closed however the generator ends."""
+        Yields a :class:`~specdec.openai.Round` per round, the first (no tokens) once the session is open."""
         # a drafter's trees are a client kind of their own for the replica's acceptance estimates
         client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
         opened = await self.sessions.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
@@ -103,8 +96,7 @@ class ServerDecode:
                 await self._close_shielded(tenant, sid)
 
     async def _close_shielded(self, tenant: TenantState, sid: str) -> None:
-        """Close a server session in a task of its own, shielded from the request's cancellation and
-        run outside its context (docs/router.md, "Server-only decoding")."""
+        """Close a server session in a task of its own, shielded from the request's cancellation and context."""
         task = contextvars.Context().run(asyncio.get_running_loop().create_task, self._close_quietly(tenant, sid))
         self._closing.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._closing.discard)

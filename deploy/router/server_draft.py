@@ -1,11 +1,7 @@
 """Server-side drafters for clients without a draft model (``mode: sd``, server-only speculative decoding).
 
-:func:`get_server_drafter` builds, once per config, the drafter ``AppConfig.server_draft`` names:
-:class:`PromptLookupDrafter` (``server_draft.model`` unset or ``prompt-lookup``) or
-:class:`ModelServerDrafter` (a draft model: SpecEdge §5's server-only baseline, trees as §4.2).
-The router calls ``draft_round(history, budget, params) -> (DraftTree, proposals or None)``.
-Why: docs/router.md, "Server-only decoding".
-"""
+:func:`get_server_drafter`: :class:`PromptLookupDrafter` or :class:`ModelServerDrafter` (SpecEdge §5's server-only
+baseline); the router calls ``draft_round(history, budget, params)``. Why: docs/router.md, "Server-only decoding"."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ PROMPT_LOOKUP_NAMES = ("prompt-lookup", "ngram")
 
 
 class PromptLookupDrafter:
-    """vLLM's ``ngram`` speculator: the ``depth`` tokens after the latest match of the history's
-    longest suffix, as a chain."""
+    """vLLM's ``ngram`` speculator: the ``depth`` tokens after the latest match of the history's suffix, as a chain."""
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, depth: int = 4):
         self.max_ngram, self.min_ngram, self.depth = max_ngram, min_ngram, depth
@@ -60,8 +55,7 @@ def _name_thread(name: str) -> None:
 
 class ModelServerDrafter:
     """The edge's tree drafter on the server: one draft KV cache per live generation.
-
-    A round feeds only the history past the cache it extends; at most ``max_sessions`` caches (LRU)."""
+    At most ``max_sessions`` caches (LRU); a round feeds only the history past the cache it extends."""
 
     def __init__(self, model, depth: int = 4, topk: int = 4, max_expand: int = 8, max_sessions: int = 64,
                  max_depth: int = 32, sampled_rule: str = "tree-rejection"):

@@ -1,8 +1,6 @@
 """Tenants: API-key authentication, per-tenant session quota and token-rate limit.
 
-Keys are stored hashed (SHA-256). Each router replica enforces the limits locally (with R router
-replicas, configure limits / R or run one router). Pure module.
-"""
+Keys are stored hashed (SHA-256); limits hold per router replica (with R replicas, configure limits / R)."""
 
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ class TenantRegistry:
             self.session_gone(t, sid)
 
     def admit_session(self, t: TenantState) -> None:
-        """Take a session slot for an open (check and take at once: concurrent opens cannot
-        all pass the check); :meth:`open_done` gives the reservation back when it is answered."""
+        """Take a session slot for an open, checked and taken at once; :meth:`open_done` gives it back."""
         now = clock.monotonic()
         self._expire(t, now)
         if len(t.sessions) + t.opening >= t.config.max_sessions:
