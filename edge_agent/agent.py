@@ -1,13 +1,8 @@
 """The edge agent: draft locally, verify remotely, stream what the target accepts.
 
-:meth:`EdgeAgent.generate` runs one generation (docs/protocol.md, "One generation, end to end"):
-open a session, then a verify rule's rounds until the server says it finished. Rules
-(``AgentConfig.verify``; docs/edge_agent.md, "Verify rules") are registered by name in
-:mod:`edge_agent.rules`; ``auto`` picks one per request (:mod:`edge_agent.verify_policy`). Modes: ``stop-and-wait`` waits idle for each reply,
-``proactive`` drafts on while it is away (SpecEdge §4.2). Guarantee: greedy output equals the
-target's; sampled output follows the target's distribution. A lost session is re-opened from the
-edge's history (:mod:`edge_agent.link`): no token is lost or duplicated.
-"""
+Guarantee: greedy output equals the target's; sampled output follows the target's distribution;
+a lost session is re-opened from the edge's history (no token lost or duplicated).
+Notes: docs/edge_agent.md, "edge_agent/agent.py"."""
 
 from __future__ import annotations
 

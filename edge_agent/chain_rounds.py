@@ -1,14 +1,6 @@
 """The ``rejection`` rule's rounds (split rejection sampling over chains; Leviathan et al. 2023,
 DSSD §3, PicoSpec §3.3).
-
-A round: draft a chain (x_i ~ q_i), send it with q_i(x_i) and the token owed from the last
-rejection, proactively extend the chain while waiting (:class:`~edge_agent.draft_session.ChainDraftSession`),
-apply the reply: the accepted tokens, then the bonus, or on a rejection a residual sample from
-norm(max(0, p - q)) drawn here with the edge's q and the reply's part of p
-(:class:`specdec.residual.ResidualSampler`; when its candidates run out the edge asks for more, a
-round trip without a forward). The owed token is emitted at once; the server learns it with the
-next frame. Greedy output equals the target's; sampled output follows its distribution.
-"""
+Notes: docs/edge_agent.md, "edge_agent/chain_rounds.py"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
 """``edge-agent``: generate text with a local draft and a remote (or in-process) verifier.
 
-    edge-agent generate --server http://host:port --api-key KEY --prompt "..." [--raw]
-    edge-agent generate --local --target embedded --draft ngram --prompt "..."
-    edge-agent serve --server http://host:port --api-key KEY --draft embedded-draft [--port 8100]
-    edge-agent info --server http://host:port
-
-``serve`` is a local OpenAI server (edge_agent/server.py) that drafts every request here.
-
-A ``--prompt`` goes through the tokenizer's chat template as one user message when it has one (as
-vLLM's ``LLM.chat``); ``--raw`` sends the bare text. Text streams to stdout as the server verifies
-it; a one-line summary (tokens, tokens/s, tokens per round and of them the drafted-and-accepted and
-the run-ahead ones, alignment rate, RTT) ends the run on stderr, or everything as one JSON object on
-stdout with ``--json``. Exit status 2 = a usage/connection/auth/compatibility problem, explained in
-one line.
-"""
+Exit status 2: a usage, connection, auth or compatibility problem, explained in one line.
+Notes: docs/edge_agent.md, "edge_agent/cli.py"."""
 
 from __future__ import annotations
 

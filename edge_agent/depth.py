@@ -1,14 +1,5 @@
 """Draft-depth control (docs/edge_agent.md, "Draft depth"): depth = draft forwards per tree.
-
-:class:`Telemetry` is what the edge measures (draft forward time, RTT, the server's time as
-``base + slope * nodes``, a per-level acceptance ``alpha``); :class:`DepthPolicy` picks the next
-depth from it:
-
-- ``fixed``: always ``depth``;
-- ``server``: the server's pacing hint, edge draft time + RTT ≈ server verify time (SpecEdge §4.3);
-- ``flexspec``: ``argmax_K E[tokens | K] / (T_fixed + K * T_marginal)`` (FlexSpec §IV-B, Eq. 11);
-- ``auto`` (default): FlexSpec's K*, capped by the server's hint when there is one.
-"""
+Notes: docs/edge_agent.md, "edge_agent/depth.py"."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""Draft backends: what proposes the children of a draft-tree node.
+"""Draft backends: what proposes the children of a draft-tree node (one :class:`Drafter` interface).
 
-Two backends share one interface (:class:`Drafter`), so tree building, proactive
-drafting and depth control are the same for both (SpecEdge §4.2 "not tied to any
-specific drafting technique"):
-
-- :class:`ModelDrafter`: any Llama-family HF causal LM that shares the target's
-  tokenizer, run by the verifier's own forward and KV pool
-  (:class:`specdec.model.runner.ModelRunner`). The pool holds the verified prefix
-  (committed) and, past it, one entry per fed tree node; each fed node sees the prefix and
-  its own ancestors only (ancestor bits, :mod:`specdec.model.batch`), so all nodes of a
-  tree, and the proactive chain behind it, live in one cache (at most 64 fed nodes per
-  tree). After a verification the pool is compacted to the accepted path (+ reused
-  proactive nodes): rollback moves a few entries, never recomputes. An optional ``vocab_map`` ([V_draft] long) maps a reduced draft head's
-  logit index to the target token id.
-- :class:`NgramDrafter`: training-free prompt lookup (match the longest suffix of the
-  context against earlier text and propose what followed), no model, no KV.
-"""
+:class:`ModelDrafter`: a Llama-family HF causal LM sharing the target's tokenizer, on the verifier's
+forward and KV pool; :class:`NgramDrafter`: prompt lookup, no model, no KV.
+Notes: docs/edge_agent.md, "edge_agent/draft_backends.py"."""
 
 from __future__ import annotations
 
@@ -39,10 +26,7 @@ _PACKED_LOCK = threading.Lock()
 
 def packed_model(model) -> DecoderModel:
     """The forward-ready (packed) copy of a draft model's weights, one per model object in a
-    process and shared by all its drafters: each session of an edge process serving several
-    (an edge box, the benchmark's edge process) used to pack its own copy, 20-190 ms on the
-    edge's core and the model's size in memory each time. The forward keeps no state of its
-    own (each drafter's KV is in its own pool), so sharing it is safe."""
+    process, shared by all its drafters (the forward is stateless: each drafter's KV is its own)."""
     if isinstance(model, DecoderModel):
         return model
     with _PACKED_LOCK:
@@ -245,14 +229,9 @@ class ModelDrafter(Drafter):
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup: propose what followed the longest earlier match of the context's suffix.
-
-    Candidates of a node are the tokens that followed the longest matching n-gram
-    (``max_n`` down to ``min_n``), ranked by count then recency, with log(count/total)
-    as their log-probability. Only the verified prefix is indexed (incrementally). Apart from the
-    server's :class:`deploy.router.server_draft.PromptLookupDrafter` (vLLM's chain after the latest
-    match) because a tree node needs ranked candidates, not one continuation.
-    """
+    """Prompt lookup: a node's candidates are what followed the longest matching n-gram (``max_n``
+    down to ``min_n``) of the verified prefix, by count then recency, log-prob log(count/total).
+    Apart from the server's ``PromptLookupDrafter``: a tree node needs ranked candidates, not a chain."""
 
     name = "ngram"
 

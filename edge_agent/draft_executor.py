@@ -1,25 +1,5 @@
 """Where draft forwards run: one thread, the round the server waits for first.
-
-An agent drafts on a worker thread so that its event loop keeps the network moving (torch
-releases the GIL inside its kernels). Two kinds of work reach that thread (SpecEdge §4.2):
-
-- **critical**: the tree of the next round, drafted after a reply; the session's next verify
-  request waits for it;
-- **proactive**: the chain drafted ahead while a reply is on the way, useful only if the
-  reply still finds it relevant.
-
-One agent alone submits one at a time, so the order never matters. When many sessions share
-one device (an edge gateway serving several users, a benchmark emulating many edges on one
-core), one thread per session time-slices the device: every forward takes S times as long and
-a critical tree waits behind other sessions' proactive work. :class:`DraftExecutor` runs the
-forwards of every agent that shares it one at a time on one thread, critical work first
-(FIFO within a priority), and lets an agent withdraw proactive work that has not started once
-its reply is in (:meth:`DraftExecutor.run_until`), so proactive drafting uses only the time the
-device would otherwise be idle.
-
-No asyncio in the queue itself: callers get :class:`concurrent.futures.Future` objects;
-:meth:`DraftExecutor.run` and :meth:`DraftExecutor.run_until` wrap them for a running loop.
-"""
+Notes: docs/edge_agent.md, "edge_agent/draft_executor.py"."""
 
 from __future__ import annotations
 

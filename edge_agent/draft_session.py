@@ -1,25 +1,8 @@
 """Tree drafting with proactive continuation and reuse (SpecEdge §4.2).
 
-One :class:`DraftSession` per generation. A round is:
-
-1. :meth:`DraftSession.draft` — ``depth`` draft forwards grow the current tree
-   (:class:`~edge_agent.tree_builder.TreeBuilder`); :meth:`freeze` turns it into the
-   wire tree.
-2. While the verify request is in flight, :meth:`proactive_step` keeps drafting from
-   the single leaf with the highest cumulative log-prob: a greedy chain ``P1, P2, ...``
-   below that leaf, one draft forward per step (SpecEdge: one expansion head beats many,
-   Eq. 1).
-3. :meth:`on_reply` applies the server's accepted path and bonus token. *Complete
-   draft alignment*: the accepted path is exactly the path to that leaf and the bonus
-   equals ``P1``. Then ``P1`` becomes the new root, its KV is kept, and the chain
-   ``P2..Pm`` (with the draft KV of the fed ones and the top-k candidates seen at each)
-   seeds the next tree, which therefore starts that many levels deeper. Otherwise the
-   proactive work is dropped and the next tree starts at the verified end.
-
-The reused chain is, token for token, the greedy chain a fresh draft would produce from
-the new prefix: the draft model is a function of the token path, and the chain was
-computed with exactly that path in its KV mask.
-"""
+A round: :meth:`DraftSession.draft`, :meth:`freeze`, :meth:`proactive_step` while the reply is away,
+:meth:`on_reply`. A reused chain is token for token what a fresh draft from the new prefix gives.
+Notes: docs/edge_agent.md, "edge_agent/draft_session.py"."""
 
 from __future__ import annotations
 
@@ -218,21 +201,10 @@ class _Link:
 
 
 class ChainDraftSession:
-    """Chain drafting for split rejection sampling (Leviathan et al. 2023; DSSD §3).
-
-    Each draft token is *sampled* from the draft's distribution q processed with the
-    request's sampling parameters (greedy: its argmax), and q is kept: its value at the
-    token goes uplink, and on a rejection the whole q is the edge's half of the residual
-    norm(max(0, p - q)) (:class:`specdec.residual.ResidualSampler`).
-
-    Proactive drafting (SpecEdge §4.2) extends the chain past the sent tokens while the
-    reply is in flight. If every sent token is accepted and the server's bonus equals the
-    first proactive token, the rest of the proactive chain (and its draft KV) starts the
-    next chain. That is still an exact draft: each proactive token was sampled from q given
-    the tokens before it with the edge's own randomness, and whether the chain is reused
-    depends only on the first proactive token and the server's bonus, so the reused tokens
-    are distributed as a fresh chain drafted from the new prefix would be.
-    """
+    """Chain drafting for split rejection sampling (Leviathan et al. 2023; DSSD §3): each token
+    sampled from the draft's q (kept: q(x) goes uplink, q is the edge's half of a rejection's
+    residual), proactive tokens reused only when every sent token and the bonus agree (SpecEdge
+    §4.2). Why that stays exact: docs/edge_agent.md, "Chain drafting"."""
 
     def __init__(self, drafter: Drafter, vocab_size: int, params: SamplingParams,
                  generator: torch.Generator | None):

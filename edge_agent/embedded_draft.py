@@ -1,28 +1,8 @@
 """The embedded draft model: a few target layers + a reduced-vocabulary head.
 
-SmolLM2-135M-Instruct has no smaller sibling sharing its tokenizer, so the project
-builds one (``python -m benchmarks.train_draft``): the draft is
-
-- the target's token embedding (frozen, read from the target file),
-- a few of the target's decoder layers (e.g. 0, 10, 20, 29), initialised from the
-  target and distilled on text the target generated itself,
-- a final RMSNorm (trained),
-- a head restricted to the ``V'`` most frequent target tokens: its weight is the
-  target's tied embedding rows ``embed[vocab_map]`` (frozen) plus a trained per-token
-  bias.
-
-The reduced head is the lever on draft cost (the 576 x 49,152 target head costs more
-than four decoder layers; cf. the early-exit paper §3 and FlexSpec §4, which keep target
-parts frozen and train small heads). Draft logit ``j`` scores target token
-``vocab_map[j]``.
-
-The committed artifact holds only what the target file cannot give: the trained
-layers, norm and head bias (bf16), and ``vocab_map`` (``edge_agent/artifacts/
-embedded-draft.safetensors`` + ``.json``). :func:`load_draft` assembles the full draft
-from it and the target. The result is an HF ``LlamaForCausalLM`` (so
-``specdec.model.runner.ModelRunner`` can drive it) whose ``lm_head`` outputs ``V'``
-logits and which carries ``vocab_map`` (LongTensor ``[V']``) as a buffer.
-"""
+:func:`load_draft` gives an HF ``LlamaForCausalLM`` whose ``lm_head`` outputs ``V'`` logits; draft logit
+``j`` scores target token ``vocab_map[j]`` (its LongTensor ``[V']`` buffer).
+Notes: docs/edge_agent.md, "edge_agent/embedded_draft.py"."""
 
 from __future__ import annotations
 

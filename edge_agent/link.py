@@ -1,11 +1,7 @@
 """One generation's session with the verifier (docs/protocol.md, "One generation, end to end"):
 open it, verify frames (a 429 waits ``Retry-After`` and resends the same frame), re-open it from
 the edge's history when it is lost, close it; pings measure the RTT on the side.
-
-The edge keeps the whole token history, so a lost session (410 ``session_evicted``, 404
-``session_not_found``, a verify whose reply was lost, a 409 prefix mismatch) re-opens with
-``generated_ids`` = everything emitted so far: no token is lost or duplicated.
-"""
+Notes: docs/edge_agent.md, "edge_agent/link.py"."""
 
 from __future__ import annotations
 

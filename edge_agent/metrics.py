@@ -1,17 +1,5 @@
 """Prometheus metrics of one edge agent (``prometheus_client``, optional HTTP port).
-
-The edge's own view of speculative decoding, in the vocabulary of the cloud side
-(:mod:`deploy.metrics`, vLLM's spec-decode names): rounds (``num_drafts``), draft tokens
-sent, accepted tokens, plus what only the edge sees: send-to-reply round latency,
-measured RTT, per-forward draft time, time to first token, proactive drafting's complete
-draft alignment (SpecEdge §4.2), re-opens and overload waits.
-
-Stats -> exporter: :meth:`EdgeMetrics.observe` takes the
-:class:`edge_agent.agent.GenerationStats` of a finished generation (any object with its
-attributes) and updates the metrics; :meth:`EdgeMetrics.serve` exposes them on a port
-(``/metrics``) for a Prometheus that scrapes edge devices. No labels: one agent per
-process, and Prometheus' target labels tell agents apart.
-"""
+Notes: docs/edge_agent.md, "edge_agent/metrics.py"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """The pre-draft cache (the early-exit paper §3 steps 4-6, Appendix A, Algorithm 1; docs/edge_agent.md,
 "Pre-drafting").
-
-While a verify round is in flight, :class:`PreDraftCache` drafts the *next* tree for each guess of
-the round's outcome, most confident first, one draft forward per :meth:`~PreDraftCache.step`: the
-server's early results (``F_EARLY``, :meth:`~PreDraftCache.offer`) or the edge's own guesses
-(``q(path to v) * q(t | v)``, :meth:`~PreDraftCache.begin_round` with ``guess_nodes``). When the reply
-lands, :meth:`~PreDraftCache.take` finds the entry that matches it (a hit) and
-:meth:`~PreDraftCache.install` makes it the next tree, its draft KV kept; on a miss every entry is
-dropped. Entries share the draft session's KV cache (at most 64 fed nodes per round).
-
-Guarantee: only the choice of the next draft depends on the guesses; every emitted token comes from
-the final reply, so the output is the target's.
-"""
+Notes: docs/edge_agent.md, "edge_agent/predraft.py"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """The edge protocol against a verifier replica in this process (no Serve, no HTTP).
-
-:class:`ReplicaTransport` speaks to a :class:`deploy.verifier.server.VerifierServer` (the
-replica's real batching loop, scheduler, pacing and target versions) through the same
-calls the router makes, so agents that share one core have their rounds verified together
-in the same forwards, as behind a server. Tests and benchmarks of many sessions use it.
-"""
+Notes: docs/edge_agent.md, "edge_agent/replica_transport.py"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """What the agent's round loops share (:mod:`edge_agent.tree_rounds`, :mod:`edge_agent.chain_rounds`):
 the generation being decoded, the agent's parts they use, and sending a frame while drafting
 proactively (SpecEdge §4.2).
-
-Concurrency: the verify call is an ``asyncio`` task on the event loop, and every draft forward runs
-on one worker thread (:class:`~edge_agent.draft_executor.DraftExecutor`), so the network wait (or an
-in-process verifier) and the draft model overlap. Proactive drafting is a loop of one-forward steps
-that stops when the reply lands: a reply is picked up at most one draft forward after it lands.
-"""
+Notes: docs/edge_agent.md, "edge_agent/rounds.py"."""
 
 from __future__ import annotations
 

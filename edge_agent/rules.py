@@ -1,11 +1,7 @@
 """The edge's side of each verify rule (issue 62; :mod:`specdec.rules`): the round strategy that
 runs a generation's rounds, and the rule to use instead where a request's sampling makes this
 one pointless or unsupported.
-
-``match`` and ``tree-rejection`` run :class:`~edge_agent.tree_rounds.TreeRounds`, ``rejection``
-:class:`~edge_agent.chain_rounds.ChainRounds` (docs/edge_agent.md, "Verify rules"); a module that
-registers another rule here and in the verifier's registry (``verifier.rule_modules``) adds it.
-"""
+Notes: docs/edge_agent.md, "edge_agent/rules.py"."""
 
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
 """Sampled draft trees for tree rejection sampling (issue 17; multi-draft speculative sampling,
 SpecInfer §4.2 / SpecTr, siblings without replacement as in Recursive Speculative Decoding and
 Sequoia §3.2; split edge/cloud as DSSD §3 and PicoSpec §3.3 split chains).
-
-The server's rule (:mod:`specdec.acceptance`, "tree rejection sampling") is exact when
-(1) whether a node gets an i-th child is decided before that child is drawn, from what was
-drawn before only, and (2) siblings go on the wire in drawing order. This builder keeps both:
-
-- The *shape* is planned before any token is drawn (:func:`plan_shape`, Sequoia-style): each
-  candidate slot "i-th child of node X" is worth score(X) * a_i, with a_i the measured rate at
-  which the i-th sibling is accepted when reached (an EMA over past rounds; priors until then),
-  and the ``budget`` best slots are kept, at most ``max_expand`` expanded nodes per level (one
-  draft forward per level). Nothing is pruned after it is drawn.
-- Level by level, one draft forward feeds the nodes that get children; each one's draft
-  distribution, processed with the request's temperature / top-k / top-p, becomes a sparse
-  proposal (:func:`~specdec.proposal.make_proposal`: its largest entries, u16
-  weights) and its children are drawn from it one after another without replacement
-  (fewer when the proposal's support is smaller: that depends on the parent alone).
-
-The proposals go uplink with the tree (``F_TREEQ``); the server, holding p and q, samples every
-residual itself, so a round costs one round trip and the downlink is that of a tree reply.
-No proactive drafting here (the agent's stop-and-wait round for this rule).
-"""
+Notes: docs/edge_agent.md, "edge_agent/sampled_tree.py"."""
 
 from __future__ import annotations
 

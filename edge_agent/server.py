@@ -1,16 +1,6 @@
 """``edge-agent serve``: a long-running local OpenAI server whose generations are drafted here
 and verified by the cloud (docs/protocol.md, "One generation, end to end", steps 1-6, per request).
-
-The draft model loads once. Each request is one :meth:`EdgeAgent.generate` against the cloud
-(edge drafting, proactive drafting, the configured verification rule), run by an agent from
-:class:`AgentPool`: agents share the draft's weights, one :class:`DraftExecutor` (one worker
-thread for every draft forward) and one transport; each holds its own draft KV cache. Requests
-and responses are OpenAI's, parsed and shaped by :mod:`specdec.openai` (pure), so the
-text is the cloud target's exactly. A client that goes away cancels its generation, which
-closes its cloud session; cloud errors become OpenAI error objects with their status (429 with
-``Retry-After``; 503 ``cloud_unavailable`` when the cloud cannot be reached). Starlette on
-uvicorn; no Ray.
-"""
+Notes: docs/edge_agent.md, "edge_agent/server.py"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""Draft-tree construction by cumulative log-probability (SpecExec / Sequoia style).
+"""Draft-tree construction by cumulative log-probability (SpecExec / Sequoia style; SpecEdge §4.2).
 
-SpecEdge §4.2 ("initial drafting") uses the tree builder of SpecExec/Sequoia: each draft
-forward *expands* the most promising frontier nodes (feeds their tokens to the draft
-model and takes their top-k next tokens as children), and the tree keeps the ``budget``
-nodes with the highest cumulative log-probability. The tree's depth is bounded by the
-number of draft forwards. Chain drafting is the special case ``topk = max_expand = 1``.
-
-Pure Python: the builder never runs a model. The caller asks :meth:`TreeBuilder.frontier`
-which nodes to feed, runs one draft forward over them, and hands their top-k children
-back with :meth:`TreeBuilder.expand`.
-
-Why pruning by cumulative log-prob keeps a valid tree: a child's cumulative log-prob is
-its parent's plus a non-positive number (so never larger, also in floating point, since
-rounding is monotone) and its id is larger than its parent's. Keeping the top ``budget``
-nodes by ``(logp desc, id asc)`` therefore always keeps every kept node's parent.
-
-Node ids come from a counter shared by all trees of one generation, so nodes created
-while proactively drafting (SpecEdge §4.2) can be carried into the next tree unchanged.
-"""
+Pure Python (the caller runs the draft). Invariant: every kept node's parent is kept.
+Notes: docs/edge_agent.md, "edge_agent/tree_builder.py"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
 """The tree rules' rounds (``match``, ``tree-rejection``): draft a tree -> send it -> (proactively
 draft, or pre-draft) -> apply the reply, until the server says the session finished.
-
-- ``match``: the server samples the target and follows matching children ("sample, then match");
-  in ``proactive`` mode the edge extends a chain below the best leaf while the reply is away
-  (SpecEdge §4.2), and with early results or guesses pre-drafts next trees
-  (:mod:`edge_agent.predraft`).
-- ``tree-rejection``: sampled trees with their proposals; the server samples every residual
-  itself (:class:`~edge_agent.sampled_tree.SampledTreeSession`; stop-and-wait rounds).
-
-Both draft through the :class:`~edge_agent.tree_session.TreeSession` protocol. Every emitted token
-comes from the server's reply, so the output is the target's.
-"""
+Notes: docs/edge_agent.md, "edge_agent/tree_rounds.py"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """The draft-session protocol of the tree rules: what the agent's tree rounds
 (:mod:`edge_agent.tree_rounds`) ask of a generation's drafts, whichever way they are drawn.
-
-Implementations: :class:`edge_agent.draft_session.DraftSession` (``match``: trees by cumulative
-log-prob, proactive chain, SpecEdge §4.2) and :class:`edge_agent.sampled_tree.SampledTreeSession`
-(``tree-rejection``: sampled trees with their proposals, no proactive drafting). A round is
-``set_config -> draft -> freeze -> (proactive_step while the reply is away) -> on_reply``.
-"""
+Notes: docs/edge_agent.md, "edge_agent/tree_session.py"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Which verification rule a request gets (``AgentConfig.verify = "auto"``; issue 17; docs/edge_agent.md,
 "Choosing the rule").
-
-All rules are exact (:mod:`specdec.acceptance`); they differ in speed only. :class:`VerifyPolicy`:
-greedy -> ``match``; temperature > 0 -> the rule with the highest estimated tokens per verify round
-trip at that temperature (rounded to 0.1): a prior from the embedded pair's benchmark
-(benchmarks/results/README.md, "Sampled generation") blended with this agent's decayed
-measurements; every ``explore_every``-th sampled request measures the least-measured other rule.
-:class:`PolicyStore` keeps the evidence per (target, draft) pair in a JSON file across processes.
-"""
+Notes: docs/edge_agent.md, "edge_agent/verify_policy.py"."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The package layering (issue 54): ``edge_agent -> specdec <- deploy``, with one documented edge from
 the server-side drafter (``deploy.router.server_draft``) to the edge's drafting code; no import cycle
-between files; modules and functions of a readable size."""
+between files; modules and functions of a readable size; docstrings that state contracts, not essays
+(issue 62: at most 10 % of a package's lines; explanations live in ``docs/``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("specdec", "deploy", "edge_agent")
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
+MAX_DOCSTRING_SHARE = 0.10
 SERVER_DRAFTER = "deploy.router.server_draft"  # the one edge from the cloud to the edge's drafting code
 
 
@@ -132,3 +134,24 @@ def test_function_sizes():
                 if n > MAX_FUNCTION_LINES:
                     long[f"{m}.{node.name}"] = n
     assert long == {}
+
+
+def _docstring_lines(path: Path) -> int:
+    """Lines of the module's, its classes' and its functions' docstrings."""
+    n = 0
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                n += first.end_lineno - first.lineno + 1
+    return n
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_docstrings_are_at_most_a_tenth_of_a_package(package):
+    paths = [p for name, p in MODULES.items() if _top(name) == package]
+    doc = sum(_docstring_lines(p) for p in paths)
+    total = sum(len(p.read_text().splitlines()) for p in paths)
+    assert doc <= MAX_DOCSTRING_SHARE * total, (
+        f"{package}: docstrings are {doc} of {total} lines ({100 * doc / total:.1f} %); keep contracts, shapes, "
+        f"units and paper sections, move explanations to docs/")

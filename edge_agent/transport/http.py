@@ -1,16 +1,6 @@
 """The real server over HTTP: an ``httpx.AsyncClient`` with keep-alive (a verify round is one
 request on a warm connection: one RTT), or one WebSocket per session (``ws=True``, the default).
-
-- WebSocket: falls back to POST where a proxy refuses the upgrade; a session's first round goes
-  over POST while its socket opens, so the upgrade adds no round trip. Early results
-  (``F_EARLY``) arrive on the socket before the reply, or over POST as a streamed response
-  (``stream_early``).
-- Retries with exponential backoff where a retry is safe (connection refused, 503, 429 after
-  ``Retry-After``). A verify whose reply is lost (a broken connection, or a 5xx that is not the
-  app's JSON error: a proxy answering for a replica that died) raises
-  :class:`~edge_agent.errors.ConnectionLost`: it may or may not have been applied, so the agent
-  re-opens the session from its history instead of guessing.
-"""
+Notes: docs/edge_agent.md, "edge_agent/transport/http.py"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """A :class:`specdec.engine.VerifierEngine` in this process behind the protocol
 (``edge-agent --local``, fast tests).
-
-Frames (trees, and chains of the rejection rule) still go through the binary codec; the engine
-runs in a worker thread so the event loop (and proactive drafting) keep going. Optional: a
-simulated RTT, a SpecEdge §4.3 pacing hint (from the measured verify time and the edge's reported
-draft time and RTT), and test hooks that evict sessions between rounds.
-"""
+Notes: docs/edge_agent.md, "edge_agent/transport/local.py"."""
 
 from __future__ import annotations
 
