@@ -131,8 +131,8 @@ class Fleet:
     async def _call(self, method: str, kwargs: dict):
         self.calls += 1
         core = await self._route(kwargs)
-        if self.host_s and method in ("open_session", "verify", "close_session"):
-            await self.loop.run_in_executor(core._executor, self.vc.spend, self.host_s)
+        if method in ("open_session", "verify", "close_session"):
+            await _spend(core._executor, self.host_s)
         fn = getattr(core, CALLS.get(method, method))
         out = fn(**kwargs) if method not in CALLS else fn()
         if not asyncio.iscoroutine(out):
@@ -204,7 +204,7 @@ class System:
         self.router_cpu = VirtualWorker(loop, cores)  # the router's process: one request's work at a time
         self.client_cpu = VirtualWorker(loop, cores)  # the load generator's process (HostCost.client_s)
         if self.host.router_s * self.host.reply_share:
-            self.fleet.read_reply = lambda: self._router_cpu(self.host.router_s * self.host.reply_share)
+            self.fleet.read_reply = lambda: _spend(self.router_cpu, self.host.router_s * self.host.reply_share)
         cls = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
         self.router = cls.__new__(cls)
         cls.__init__(self.router, self.fleet, self.app.model_dump())
@@ -250,18 +250,13 @@ class System:
     async def router_work(self) -> None:
         """A request's CPU in the router's process before its replica call (``HostCost.router_s``
         less its reply's share), after those before it."""
-        await self._router_cpu(self.host.router_s * (1.0 - self.host.reply_share))
-
-    async def _router_cpu(self, seconds: float) -> None:
-        if seconds:
-            await asyncio.get_running_loop().run_in_executor(self.router_cpu, self.vc.spend, seconds)
+        await _spend(self.router_cpu, self.host.router_s * (1.0 - self.host.reply_share))
 
     async def client_work(self, reply: bool) -> None:
         """The load generator's CPU for a request (``HostCost.client_s``): sending it, or (``reply``)
         reading its reply; after the work queued before it."""
         share = self.host.reply_share if reply else 1.0 - self.host.reply_share
-        if self.host.client_s * share:
-            await asyncio.get_running_loop().run_in_executor(self.client_cpu, self.vc.spend, self.host.client_s * share)
+        await _spend(self.client_cpu, self.host.client_s * share)
 
     def fast_shed(self, method: str, path: str, tenant):
         """The router's fast path (deploy/router/fast_shed.py) for a request of ``tenant`` (its key
@@ -308,6 +303,12 @@ class System:
                 "no_error_status": c.errors == 0,
                 "no_session_starved": c.max_gap_s <= w.max_gap_s,
                 "tenant_shares_by_weight": self.fleet.shares.within(w.share_tolerance)}
+
+
+async def _spend(worker: VirtualWorker, seconds: float) -> None:
+    """``seconds`` of CPU in ``worker``'s process, after the work queued there before it."""
+    if seconds:
+        await asyncio.get_running_loop().run_in_executor(worker, worker.clock.spend, seconds)
 
 
 def _pct(xs: list[float], q: float) -> float:
