@@ -134,7 +134,7 @@ def _norm(s: str) -> str:
 class HostCost:
     """The host's CPU outside the forward, per request (zero when not given): ``router_s`` in the
     router's process, ``replica_s`` in the verifier replica's (its loop and bookkeeping, serialised
-    with its forwards), ``client_s`` in the load generator's (a request's send and its reply read,
+    with its forwards; ``replica_tree_s`` more for a tree, ``forward_s`` per forward), ``client_s`` in the load generator's (a request's send and its reply read,
     timed by the client); ``reply_share`` of each is spent reading the reply (the router's while
     the request counts as in flight), the rest before the call. ``cores``: the CPUs these processes and the forwards share, less
     ``background_cores`` of other processes (Ray's agents, GCS); 0: each process has a core of its
@@ -142,6 +142,8 @@ class HostCost:
 
     router_s: float = 0.0
     replica_s: float = 0.0
+    replica_tree_s: float = 0.0  # more per verify request with a tree (its nodes' frame, truncation, walk)
+    forward_s: float = 0.0  # the replica's per forward, outside the model (packing, commit, bookkeeping)
     client_s: float = 0.0
     cores: float = 0.0
     background_cores: float = 0.0
@@ -160,12 +162,15 @@ class HostCost:
         try:
             d = json.loads(Path(path).read_text())
             host = cls(float(d["router_ms_per_request"]) / 1e3, float(d["replica_ms_per_request"]) / 1e3,
+                       float(d.get("replica_tree_ms_per_request", 0.0)) / 1e3,
+                       float(d.get("replica_ms_per_forward", 0.0)) / 1e3,
                        float(d.get("client_ms_per_request", 0.0)) / 1e3, float(d.get("cores", 0.0)),
                        float(d.get("background_cores", 0.0)), float(d.get("reply_share", 0.0)), str(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ProfileError(f"host cost {path}: needs router_ms_per_request and replica_ms_per_request ({e})") \
                 from None
-        if min(host.router_s, host.replica_s, host.client_s, host.cores, host.background_cores) < 0 or (
+        if min(host.router_s, host.replica_s, host.replica_tree_s, host.forward_s, host.client_s, host.cores,
+               host.background_cores) < 0 or (
                 host.cores and host.shared_cores <= 0) or not 0 <= host.reply_share <= 1:
             raise ProfileError(f"host cost {path}: every figure must be >= 0, cores above background_cores, "
                                "reply_share within [0, 1]")

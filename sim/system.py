@@ -40,6 +40,7 @@ from sim.users import Counters, DraftDevices, EdgeUser
 from sim.virtual_time import SharedCores, VirtualClock, VirtualWorker
 from sim.workload import Workload
 from specdec import clock
+from specdec.protocol import VerifyFrame
 from specdec.model.checkpoint import CheckpointConfig
 from specdec.model.loading import LoadedModel
 
@@ -64,13 +65,13 @@ class Fleet:
     virtual worker, behind the handle the Router calls (``handle.method.remote(**kwargs)``)."""
 
     def __init__(self, app: AppConfig, profile: CostProfile, vc: VirtualClock, loop, rng: random.Random,
-                 host_s: float = 0.0, shares: TenantShares | None = None, cores: SharedCores | None = None):
+                 host: HostCost = HostCost(), shares: TenantShares | None = None, cores: SharedCores | None = None):
         name = app.target.model  # a shape of benchmarks/model_shapes.py, or a target the replica would load
         self.shell_cfg = CheckpointConfig.from_dict(dict(SHAPES[name])) if name in SHAPES else target_config(app.target)
         self.shell_cfg.vocab_size = SIM_VOCAB  # the synthetic target's ids; its cost is the profile's
         self.app, self.profile, self.vc, self.loop, self.rng = app, profile, vc, loop, rng
         self.shares = shares if shares is not None else TenantShares({})
-        self.host_s = host_s  # each request's CPU in its replica's process, serialised with the forwards
+        self.host = host  # the replica's CPU outside the model, per request and per forward (its worker's)
         self.cores = cores  # the host's CPUs, shared by the replicas' workers with the router and client
         self.read_reply = None  # () -> awaitable: the router's CPU reading a replica's reply (HostCost)
         self.replicas: dict[str, VerifierServer] = {}
@@ -94,7 +95,20 @@ class Fleet:
                                           new_id=lambda: f"{self.rng.getrandbits(64):016x}")
         self.runners[tag] = runner
         self.inflight[tag] = set()
+        if self.host.forward_s:
+            self._charge_forwards(self.replicas[tag].engine)
         self._observe_shares(self.replicas[tag].loop.sched)
+
+    def _charge_forwards(self, engine) -> None:
+        """Each forward costs the replica ``HostCost.forward_s`` more, after the forward's own clock
+        read (the pacer's cost curve sees the model's time alone, as in a served replica)."""
+        observed = engine.on_forward
+
+        def on_forward(st) -> None:
+            observed(st)
+            self.vc.spend(self.host.forward_s)
+
+        engine.on_forward = on_forward
 
     def _observe_shares(self, sched) -> None:
         """Count each forward's tokens by tenant, and who it left waiting (:mod:`sim.fairness`)."""
@@ -132,7 +146,8 @@ class Fleet:
         self.calls += 1
         core = await self._route(kwargs)
         if method in ("open_session", "verify", "close_session"):
-            await _spend(core._executor, self.host_s)
+            tree = method == "verify" and VerifyFrame.header(kwargs["frame"]).nodes > 0
+            await _spend(core._executor, self.host.replica_s + (self.host.replica_tree_s if tree else 0.0))
         fn = getattr(core, CALLS.get(method, method))
         out = fn(**kwargs) if method not in CALLS else fn()
         if not asyncio.iscoroutine(out):
@@ -199,7 +214,7 @@ class System:
         random.seed(self.seed)  # ties in the affinity router's ordering draw from the global generator
         weights = {t.name: t.weight for t in self.app.router.load_tenants()}
         cores = SharedCores(loop, self.host.shared_cores) if self.host.shared_cores else None
-        self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng, self.host.replica_s, TenantShares(weights),
+        self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng, self.host, TenantShares(weights),
                            cores)
         self.router_cpu = VirtualWorker(loop, cores)  # the router's process: one request's work at a time
         self.client_cpu = VirtualWorker(loop, cores)  # the load generator's process (HostCost.client_s)

@@ -113,6 +113,26 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
                     reply_share=ASSUMED["reply_share"], source=source)
 
 
+def host_from_bench(run: dict, source: str = "") -> HostCost:
+    """The replica's CPU outside the model in a ``benchmarks.run`` (its CPU split per token, the
+    server on one core): per request and per forward from ``server_ar`` at its fewest and most
+    sessions (one token a request, forwards per token measured), more per tree request from
+    ``edge_full`` at its fewest; Serve's proxy and Ray's other processes as background cores."""
+    rows = run["rows"]
+    ar = sorted((r for r in rows if r["mode"] == "server_ar"), key=lambda r: r["sessions"])
+    edge = min((r for r in rows if r["mode"] == "edge_full"), key=lambda r: r["sessions"])
+    lo, hi = ar[0], ar[-1]
+    per_forward = ((lo["cpu_ms_per_token_verifier_other"] - hi["cpu_ms_per_token_verifier_other"])
+                   / (lo["verify_forwards_per_token"] - hi["verify_forwards_per_token"]))
+    per_request = lo["cpu_ms_per_token_verifier_other"] - per_forward * lo["verify_forwards_per_token"]
+    tree = ((edge["cpu_ms_per_token_verifier_other"] - per_forward * edge["verify_forwards_per_token"])
+            * edge["tokens_per_verify"] - per_request)
+    background = sum((r["cpu_ms_per_token_proxy"] + r["cpu_ms_per_token_background"]) * r["server_tokens_per_s"]
+                     for r in rows) / len(rows) / 1e3
+    return HostCost(replica_s=per_request / 1e3, replica_tree_s=max(0.0, tree) / 1e3, forward_s=per_forward / 1e3,
+                    cores=1.0, background_cores=background, source=source)
+
+
 def loadtest_measured(s: dict) -> dict:
     """A load test's steady-window figures (latency: an admitted verify round, as its users time it)."""
     return {"verified_tokens_per_s": s["tokens_per_s_window"], "verify_rounds_per_s": s["verify_per_s_window"],
@@ -129,18 +149,22 @@ def _compare(case: str, m: dict, p: dict) -> list[dict]:
 
 
 def validate(profile_path: Path, runs_path: Path, seed: int = 0, loadtests: list[Path] = (),
-             tiny_profile: Path | None = None, host_run: Path | None = None) -> list[dict]:
+             tiny_profile: Path | None = None, host_run: Path | None = None,
+             bench_host_run: Path | None = None) -> list[dict]:
     """The benchmark rows of ``runs_path`` (latency: ITL) and the load tests (latency: a verify
-    round), each predicted from its profile; the load tests with the host's CPU per request
-    measured by ``host_run`` (:func:`host_from_loadtest`; None: the forward alone)."""
+    round), each predicted from its profile; the host's CPU outside the model fitted to
+    ``bench_host_run`` (:func:`host_from_bench`) and ``host_run`` (:func:`host_from_loadtest`);
+    None: the forward alone."""
     from sim.__main__ import simulate
 
     profile = CostProfile.load(profile_path)
     runs = json.loads(runs_path.read_text())
+    bench_host = host_from_bench(json.loads(bench_host_run.read_text()), str(bench_host_run)) if bench_host_run \
+        else HostCost()
     table = []
     for row in runs["rows"]:
         app, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
-        out = simulate(app, profile, workload, seed)
+        out = simulate(app, profile, workload, seed, bench_host)
         case = f"benchmarks.run {row['mode']} {row['sessions']} sess RTT {row['rtt_ms']:g} ms (ITL)"
         table += _compare(case, measured(row), predicted(out))
     host = host_from_loadtest(json.loads(host_run.read_text()), str(host_run)) if host_run else HostCost()
@@ -183,6 +207,9 @@ def add_parser(sub) -> None:
                    help="comma-separated load-test runs (sim/validation/loadtests/*.json)")
     p.add_argument("--tiny-profile", default=str(HERE / "verify-step-tiny-cpu.json"),
                    help="the load tests' target's cost profile")
+    p.add_argument("--bench-host-from", default="",
+                   help="a benchmarks.run whose CPU split the benchmark rows are predicted with (e.g. "
+                        "sim/validation/bench-host-run.json; docs/simulation.md: it does not help yet); none by default")
     p.add_argument("--host-from", default=str(HERE / "loadtests" / "ramp-300.json"),
                    help="the load test whose CPU per request (router, replica, client) the load tests are "
                         "predicted with; '' for the forward alone")
@@ -194,7 +221,8 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     loadtests = [Path(x) for x in args.loadtests.split(",") if x]
     table = validate(Path(args.profile), Path(args.runs), args.seed, loadtests, Path(args.tiny_profile),
-                     Path(args.host_from) if args.host_from else None)
+                     Path(args.host_from) if args.host_from else None,
+                     Path(args.bench_host_from) if args.bench_host_from else None)
     print(markdown(table))
     if args.out:
         Path(args.out).write_text(json.dumps(table, indent=1))

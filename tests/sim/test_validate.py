@@ -43,3 +43,23 @@ def test_the_hosts_cpu_per_request_measured_at_300_users_holds_at_1000_and_3000(
         values = [getattr(h, field) for h in hosts]
         assert max(values) <= 1.2 * min(values) and min(values) > 0, (field, values)
     assert all(h.shared_cores == pytest.approx(2.0 - h.background_cores) for h in hosts)
+
+
+def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts_its_held_out_row():
+    """host_from_bench: fitted on server_ar x 1 and x 16 and edge_full x 1 of the committed run, it
+    gives back their CPU per token outside the model, and predicts edge_full x 16's within 15 %."""
+    from sim.validate import host_from_bench
+
+    run = json.loads((HERE / "bench-host-run.json").read_text())
+    h = host_from_bench(run)
+    assert h.replica_s > 0 and h.forward_s > 0 and h.replica_tree_s > 0 and 0 < h.background_cores < 0.2
+
+    def per_token_ms(r):
+        tree = h.replica_tree_s if r["mode"] == "edge_full" else 0.0
+        return 1e3 * ((h.replica_s + tree) / r["tokens_per_verify"] + h.forward_s * r["verify_forwards_per_token"])
+
+    for r in run["rows"]:
+        if r["rtt_ms"] == 15 or r["sessions"] == 16:
+            err = per_token_ms(r) / r["cpu_ms_per_token_verifier_other"] - 1
+            fitted = r["sessions"] == 1 or r["mode"] == "server_ar"
+            assert abs(err) <= (1e-9 if fitted else 0.15), (r["mode"], r["sessions"], err)
