@@ -80,6 +80,8 @@ class ChainVerifier:
             if r.resampled is None:
                 raise InvalidRequest("the previous round was rejected: send the resampled token")
             check_ids([r.resampled], self.vocab_size, "resampled")
+            if s.grammar is not None and not s.grammar.allows([r.resampled]):
+                raise InvalidRequest("the resampled token does not follow the session's grammar")
             if r.prefix_len != len(s.prefix) + 1:
                 raise PrefixMismatch(f"request assumes a prefix of {r.prefix_len} tokens, expected "
                                      f"{len(s.prefix) + 1}", server_prefix_len=len(s.prefix) + 1)
@@ -100,6 +102,8 @@ class ChainVerifier:
         """Rejection-sample a job's chain with its rows (``logits`` [k + 1, vocab]): the
         acceptance and the accepted tokens (cut after a stop token)."""
         s = job.session
+        if s.grammar is not None:
+            logits = s.grammar.apply(logits, DraftTree.chain(job.tokens))
         pen = s.penalties(self.vocab_size, logits.device)
         if job.fresh:  # the edge's rejection state was lost with the session: a whole new one
             row = logits[0] if pen is None else pen.apply(logits[0])

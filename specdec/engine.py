@@ -291,6 +291,7 @@ class VerifierEngine:
             self._on_layer = EarlyExit.for_batch(self, requests, jobs, on_early)
         bid, logits = self._forward_prefilling("verify", items, chunks)
         logits, pre_logits = logits[: len(items)], logits[len(items):]
+        logits = [lg if j.session.grammar is None else j.session.grammar.apply(lg, j.tree) for j, lg in zip(jobs, logits)]
         # on a GPU, every row's argmax in one launch and one copy (not a launch and a sync per visited row)
         argmax = greedy_rows(logits) if logits and logits[0].is_cuda else [None] * len(logits)
         walks = [self._walk_tree(j, lg, top) for j, lg, top in zip(jobs, logits, argmax)]

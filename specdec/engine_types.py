@@ -38,6 +38,7 @@ class Session:
     last_used: float = field(default_factory=clock.monotonic)
     adapter: str | None = None  # target version (LoRA adapter); None: the base
     cache_salt: str | None = None  # who may share its cached KV (the tenant)
+    grammar: object | None = None  # specdec.grammar.GrammarState: masks its rows, follows its tokens
 
     @property
     def num_generated(self) -> int:
@@ -59,6 +60,7 @@ class OpenRequest:
     adapter: str | None = None  # target version (deploy/verifier/adapters.py); None: the base
     cache_salt: str | None = None  # prefix caching: sessions share cached KV only within one salt (the tenant)
     start_by: float | None = None  # monotonic time: dropped if still waiting behind another prompt then
+    grammar: object | None = None  # specdec.grammar.GrammarState: the session's output follows it
 
 
 @dataclass(frozen=True)

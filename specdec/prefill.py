@@ -26,6 +26,7 @@ from specdec.model.batch import SeqInput, chunk_input
 from specdec.model.native import PAGE_SIZE
 from specdec.sampling import make_generator, sample_token
 from specdec.session_table import SessionTable
+from specdec.tree import DraftTree
 
 
 @dataclass
@@ -66,10 +67,12 @@ def admit_open(r: OpenRequest, vocab_size: int, max_model_len: int, eos_token_id
                              f"context of {max_model_len}")
     if len(r.generated) > params.max_tokens:
         raise InvalidRequest("history is longer than max_tokens")
+    if r.grammar is not None and not r.grammar.allows(r.generated):
+        raise InvalidRequest("history does not follow the request's grammar")
     stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
     # one uniform per emitted token: a re-open fast-forwards the generator
     s = Session(r.sid, list(r.prompt), len(r.prompt), params, make_generator(params, skip=len(r.generated)),
-                stop, adapter=r.adapter, cache_salt=r.cache_salt)
+                stop, adapter=r.adapter, cache_salt=r.cache_salt, grammar=r.grammar)
     # a re-open feeds the KV with history[:-1]; its last token is the root
     feed = history if not r.generated else history[:-1]
     return PrefillState(s, feed, tuple(r.generated), start_by=r.start_by)
@@ -175,6 +178,8 @@ class PrefillQueue:
             self.table.emit(s, list(p.generated))
             first = lp = None
         else:
+            if s.grammar is not None:
+                lg = s.grammar.apply(lg, DraftTree.empty())
             pen = s.penalties(self.vocab_size, lg.device)
             first = sample_token(lg[0] if pen is None else pen.apply(lg[0]), s.params, s.generator)
             lp = token_logprobs(lg[:1], [first], s.params.logprobs)[0] if s.params.logprobs is not None else None

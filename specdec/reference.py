@@ -7,11 +7,13 @@ import torch
 
 from specdec.penalties import penalties_for
 from specdec.sampling import SamplingParams, make_generator, sample_token
+from specdec.tree import DraftTree
 
 
 @torch.inference_mode()
-def reference_decode(model, prompt: list[int], params: SamplingParams, eos_token_ids=()) -> list[int]:
-    """Generated tokens (the stop token included, as the engine emits it)."""
+def reference_decode(model, prompt: list[int], params: SamplingParams, eos_token_ids=(), grammar=None) -> list[int]:
+    """Generated tokens (the stop token included, as the engine emits it); ``grammar``: a fresh
+    :class:`specdec.grammar.GrammarState` each row is masked by (constrained decoding)."""
     from transformers import DynamicCache
 
     stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -23,9 +25,13 @@ def reference_decode(model, prompt: list[int], params: SamplingParams, eos_token
     max_len = getattr(model.config, "max_position_embeddings", 1 << 16)
     while True:
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]  # [vocab]
+        if grammar is not None:
+            logits = grammar.apply(logits[None], DraftTree.empty())[0]
         pen = penalties_for(params, prompt, out, logits.shape[-1], logits.device)  # the history so far
         tok = sample_token(logits.float() if pen is None else pen.apply(logits), params, g)
         out.append(tok)
+        if grammar is not None:
+            grammar.accept([tok])
         if tok in stop or len(out) >= params.max_tokens or len(prompt) + len(out) >= max_len - 1:
             return out
         ids = torch.tensor([[tok]], dtype=torch.long, device=device)

@@ -48,7 +48,9 @@ class SessionTable:
         return min(s.params.max_tokens - s.num_generated, self.max_model_len - 1 - len(s.prefix))
 
     def emit(self, s: Session, tokens: list[int]) -> None:
-        """Append emitted tokens and update the finished state."""
+        """Append emitted tokens and update the finished state (and the session's grammar)."""
+        if s.grammar is not None:
+            s.grammar.accept(tokens)
         s.prefix.extend(tokens)
         if tokens and tokens[-1] in s.stop_ids:
             s.finished, s.finish_reason = True, "stop"
