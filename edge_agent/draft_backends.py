@@ -229,9 +229,10 @@ class ModelDrafter(Drafter):
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup: a node's candidates are what followed the longest matching n-gram (``max_n``
-    down to ``min_n``) of the verified prefix, by count then recency, log-prob log(count/total).
-    Apart from the server's ``PromptLookupDrafter``: a tree node needs ranked candidates, not a chain."""
+    """Prompt lookup: propose what followed the longest earlier match of the context's suffix.
+    A node's candidates follow the longest matching n-gram (``max_n`` down to ``min_n``) of the
+    verified prefix, by count then recency, log-prob log(count/total). Why apart from the server's
+    ``PromptLookupDrafter``: docs/edge_agent.md, "Two prompt-lookup drafters"."""
 
     name = "ngram"
 
