@@ -129,8 +129,9 @@ class EdgeAgent:
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | dict | None = None, *,
                        chat: bool = False, on_tokens: Callable[[list[int]], None] | None = None,
                        on_text: Callable[[str], None] | None = None,
-                       on_logprobs: Callable[[list], None] | None = None) -> GenerationResult:
-        """Generate from ``prompt`` (text needs a tokenizer); returns ids, text and stats.
+                       on_logprobs: Callable[[list], None] | None = None, grammar=None) -> GenerationResult:
+        """Generate from ``prompt`` (text needs a tokenizer); returns ids, text and stats; ``grammar``:
+        a :class:`~specdec.grammar.GrammarSpec` the output follows (structured output).
 
         ``on_tokens`` gets each verified batch of token ids, ``on_text`` the new text; when the
         sampling asks for ``logprobs``, ``on_logprobs`` gets the batch's target log-probs
@@ -158,7 +159,7 @@ class EdgeAgent:
 
         t_start = clock.perf_counter()
         link = SessionLink(self.transport, self.config, self.telemetry, self._client(), params, prompt_ids,
-                           generated, stats)
+                           generated, stats, grammar.to_wire() if grammar is not None else None)
         if self.telemetry.rtt_ms.value is None:  # the first generation measures the link first
             await link.ping()
         stats.verify_rule = rule = self._rule(params)

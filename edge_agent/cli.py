@@ -212,7 +212,7 @@ def _local_transport(a):
     lm = load_model(a.target, dtype=a.dtype, device="cpu")
     engine = VerifierEngine(lm.model, eos_token_ids=lm.eos_token_ids, limits=TreeLimits(max_nodes=max(64, a.budget)))
     return LocalTransport(engine, model_name=lm.name, tokenizer_fingerprint=tokenizer_fingerprint(lm.tokenizer),
-                          rtt_ms=a.rtt_ms, max_depth=a.max_depth), lm.tokenizer
+                          rtt_ms=a.rtt_ms, max_depth=a.max_depth, tokenizer=lm.tokenizer), lm.tokenizer
 
 
 async def _info(a) -> int:

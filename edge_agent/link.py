@@ -44,6 +44,7 @@ class SessionLink:
     prompt_ids: list[int]
     generated: list[int]
     stats: GenerationStats
+    grammar: dict | None = None  # structured output: the GrammarSpec on the wire (the verifier masks by it)
     sid: str = ""
     # whether the session closes itself with its finishing reply (close_on_finish) and that reply came
     closes_itself: dict[str, bool] = field(default_factory=dict)
@@ -61,7 +62,7 @@ class SessionLink:
                                             agent=self.client.agent, draft=self.client.draft,
                                             # our first round then asks for run-ahead if the hint is 0
                                             run_ahead=cfg.run_ahead and self.stats.verify_rule == "match"),
-                          close_on_finish=True)  # no close round trip before the next open
+                          close_on_finish=True, grammar=self.grammar)  # no close round trip before the next open
         t0 = clock.monotonic()
         for attempt in range(cfg.max_overload_waits + 1):
             try:

@@ -236,7 +236,7 @@ class EdgeServer:
         async def run() -> None:
             try:
                 res = await agent.generate(req.prompt, dict(req.sampling), on_tokens=on_tokens,
-                                           on_logprobs=logprobs.extend)
+                                           on_logprobs=logprobs.extend, grammar=req.grammar)
                 self.metrics.observe(res.stats)
                 queue.put_nowait(oai.Round([], res.stats.finish_reason or "length", res.stats.to_dict()))
             except Exception as e:  # noqa: BLE001 - handed to the request, which answers it

@@ -52,6 +52,12 @@ class TokenizerMismatch(InvalidRequest):
 
     code = "tokenizer_mismatch"
 
+    @classmethod
+    def check(cls, edge: str | None, target: str) -> None:
+        """Raise unless the edge's fingerprint (None: not sent) is the target's."""
+        if edge and edge != target:
+            raise cls(f"tokenizer mismatch: the edge's tokenizer {edge} differs from the target's {target}")
+
 
 class PrefixMismatch(SpecError):
     """The edge assumed a different verified prefix length than the session has."""

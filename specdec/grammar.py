@@ -9,11 +9,13 @@ import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidRequest
 from specdec.tree import DraftTree
+
+if TYPE_CHECKING:  # torch and XGrammar load where a grammar is compiled, never in the router
+    import torch
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 MAX_GRAMMAR_BYTES = 1 << 17  # a grammar's text on the wire
@@ -60,15 +62,19 @@ class GrammarCompiler:
     Errors are 400s naming the grammar's kind and XGrammar's message."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_cached: int = 64):
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(int(t) for t in stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(int(t) for t in stop_token_ids)
+        self._compiler = None  # built on the first grammar (its tokenizer's vocabulary takes ~0.2 s)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self.max_cached = max_cached
+
+    def state_of(self, wire) -> "GrammarState | None":
+        """A session's matcher for the protocol's ``grammar`` field (None: no grammar); 400s."""
+        if wire is None:
+            return None
+        spec = GrammarSpec.of(wire)
+        if self.tokenizer is None:
+            raise InvalidRequest("grammar: this target has no tokenizer to compile a grammar for")
+        return self.state(spec)
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar (``xgrammar.CompiledGrammar``) of ``spec``."""
@@ -76,6 +82,12 @@ class GrammarCompiler:
         if hit is not None:
             self._cache.move_to_end(spec.key)
             return hit
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            self.info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         c = self._compiler
         try:
             if spec.kind in ("json_schema", "json_object"):  # compact: whitespace only where JSON puts it
@@ -99,7 +111,10 @@ class GrammarCompiler:
 
     def state(self, spec: GrammarSpec) -> "GrammarState":
         """A fresh matcher of ``spec`` for one session."""
-        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, spec)
+        compiled = self.compile(spec)
+        import xgrammar as xgr
+
+        return GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size, spec)
 
 
 def _message(e: Exception) -> str:

@@ -452,6 +452,7 @@ class OpenSession(_Body):
                                                                 "absent, 'base' or the base's name: the base")
     close_on_finish: bool = Field(False, description="the server closes the session with the reply that "
                                                      "finishes it: no close request needed")
+    grammar: dict | None = Field(None, description="structured output: {kind, value} (specdec/grammar.py)")
 
 
 class SessionOpened(_Body):

@@ -37,7 +37,8 @@ class ServerDecode:
         oai.check_sampling(req.sampling, info["vocab_size"])
         drafter = await self.drafter() if req.mode == "sd" else None
         version = req.model if req.model in versions else None
-        rounds = self.rounds(tenant, req.prompt, req.sampling, drafter, version, deadline_header, received_at)
+        rounds = self.rounds(tenant, req.prompt, req.sampling, drafter, version, deadline_header, received_at,
+                             req.grammar)
         await anext(rounds)  # opens the server session
         deltas = oai.texts(rounds, tok, req.stop)
         served = version or info["model"]
@@ -51,14 +52,15 @@ class ServerDecode:
 
     async def rounds(self, tenant: TenantState, prompt: list[int], sampling: dict, drafter,
                      version: str | None = None, deadline_header: str | None = None,
-                     received_at: float | None = None):
+                     received_at: float | None = None, grammar=None):
         """Server-only decoding through the verifier: AR (empty trees) or with a server drafter.
-        Yields a :class:`~specdec.openai.Round` per round, the first (no tokens) once the session is open."""
+        Yields a :class:`~specdec.openai.Round` per round, the first (no tokens) once the session is open;
+        ``grammar``: the :class:`~specdec.grammar.GrammarSpec` the output follows."""
         # a drafter's trees are a client kind of their own for the replica's acceptance estimates
         client = {"draft": f"server/{getattr(drafter, 'name', type(drafter).__name__)}"[:128]} if drafter else {}
-        opened = await self.sessions.open(tenant, {"prompt_ids": prompt, "sampling": sampling, "model": version,
-                                                   "client": client, "close_on_finish": True}, deadline_header,
-                                          received_at)
+        body = {"prompt_ids": prompt, "sampling": sampling, "model": version, "client": client,
+                "close_on_finish": True, **({"grammar": grammar.to_wire()} if grammar is not None else {})}
+        opened = await self.sessions.open(tenant, body, deadline_header, received_at)
         sid, prefix_len = opened["session_id"], opened["prefix_len"]
         params = None
         if drafter is not None:  # the drafter samples its trees from the request's params (T > 0)

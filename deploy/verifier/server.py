@@ -37,6 +37,7 @@ from deploy.verifier.versions import TargetVersions
 from specdec import clock
 from specdec.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
 from specdec.errors import InvalidRequest, ModelNotFound, SessionEvicted, SpecError, TokenizerMismatch
+from specdec.grammar import GrammarCompiler
 from specdec.model.loading import tokenizer_fingerprint
 from specdec.protocol import VerifyFrame
 from specdec.rules import import_rule_modules
@@ -85,6 +86,7 @@ class VerifierServer:
         self.hints = SessionHints(self.versions, self.sessions, self.engine, p.sessions_hold_s)
         self.runs = AheadRuns(vc.run_ahead_tokens, self.counters.takeovers)
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
+        self.grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self._new_id = new_id or (lambda: uuid.uuid4().hex)
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
@@ -218,11 +220,9 @@ class VerifierServer:
             if len(prompt) + len(generated) > self.cfg.verifier.max_prompt_tokens:
                 raise InvalidRequest(f"prompt + history exceed {self.cfg.verifier.max_prompt_tokens} tokens")
             params = SamplingParams.from_dict(body.get("sampling")).validate(self.loaded.vocab_size)
-            fp = (body.get("client") or {}).get("tokenizer_fingerprint")
-            if fp and fp != self.fingerprint:
-                raise TokenizerMismatch(f"tokenizer mismatch: the edge's tokenizer {fp} differs from the "
-                                        f"target's {self.fingerprint}")
+            TokenizerMismatch.check((body.get("client") or {}).get("tokenizer_fingerprint"), self.fingerprint)
             version = self.versions.resolve(body.get("model"))
+            grammar = self.grammars.state_of(body.get("grammar"))  # structured output (specdec/grammar.py)
         except SpecError as e:
             return error_reply(e)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
@@ -233,7 +233,7 @@ class VerifierServer:
         fut = asyncio.get_running_loop().create_future()
         self.loop.ensure(self._run_steps)
         req = OpenRequest(sid, prompt, params, generated, adapter=version, cache_salt=tenant,  # shares within a tenant
-                          start_by=None if deadline_s is None else clock.monotonic() + deadline_s)
+                          start_by=None if deadline_s is None else clock.monotonic() + deadline_s, grammar=grammar)
         self.metrics.on_arrival(sid)
         self.sessions.client[sid] = EdgeClient.of_open(body, self.runs.tokens(params.logprobs is None),
                                                        params.logprobs is not None)

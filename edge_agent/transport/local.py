@@ -20,8 +20,11 @@ class LocalTransport(Transport):
 
     def __init__(self, engine, *, model_name: str = "local", tokenizer_fingerprint: str = "none",
                  rtt_ms: float = 0.0, default_depth: int = 4, max_depth: int = 12, budget_hint: int = 32,
-                 before_verify: Callable[["LocalTransport", str, int], None] | None = None):
+                 before_verify: Callable[["LocalTransport", str, int], None] | None = None, tokenizer=None):
+        from specdec.grammar import GrammarCompiler
+
         self.engine = engine
+        self.grammars = GrammarCompiler(tokenizer, engine.vocab_size, engine.eos_token_ids)  # structured output
         self.model_name = model_name
         self.fingerprint = tokenizer_fingerprint
         self.rtt_ms = rtt_ms
@@ -67,8 +70,10 @@ class LocalTransport(Transport):
         sid = uuid.uuid4().hex
         params = SamplingParams.from_dict(req.sampling)
         version = None if req.model in (None, "base", self.model_name) else req.model  # a LoRA target version
+        grammar = self.grammars.state_of(req.grammar)
         (res,) = await self._call(self.engine.open, [OpenRequest(sid, list(req.prompt_ids), params,
-                                                                 tuple(req.generated_ids), adapter=version)])
+                                                                 tuple(req.generated_ids), adapter=version,
+                                                                 grammar=grammar)])
         if isinstance(res, SpecError):
             raise res
         if req.close_on_finish:

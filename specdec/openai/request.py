@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
 from specdec.errors import InvalidRequest, InvalidSamplingParams, ModelNotFound
+from specdec.grammar import GrammarSpec
 
 MODES = ("ar", "sd")
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"  # the response names the request's unknown fields, ignored
 
 # this project's extras beyond OpenAI's fields (vLLM-style sampling, server decode mode)
-EXTRAS = {"mode", "top_k", "stop_token_ids", "ignore_eos", "max_completion_tokens", "repetition_penalty"}
+EXTRAS = {"mode", "top_k", "stop_token_ids", "ignore_eos", "max_completion_tokens", "repetition_penalty",
+          "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+# vLLM's structured-output fields (and structured_outputs' keys) -> the grammar kind they ask for
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # accepted and ignored: they change nothing about the generated text
 IGNORED = {"user", "metadata", "parallel_tool_calls"}
 # chat_template_kwargs the server sets itself (the rest go to the template, e.g. Qwen3's enable_thinking)
@@ -37,7 +42,6 @@ NOOP = {
     "functions": _is_default(None, []),
     "tool_choice": _is_default(None, "none"),
     "function_call": _is_default(None, "none"),
-    "response_format": _is_default(None, {"type": "text"}),
     "store": _is_default(None, False),
     "echo": _is_default(None, False),
     "suffix": _is_default(None, ""),
@@ -47,7 +51,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_
           "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"} | EXTRAS | IGNORED
 FIELDS = {False: COMMON | {"prompt", "echo", "suffix", "best_of"},
           True: COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-                          "response_format", "store", "chat_template_kwargs"}}
+                          "store", "chat_template_kwargs"}}
 
 # chat roles -> the chat template's; 'developer' is OpenAI's newer name for system instructions
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -67,6 +71,7 @@ class CompletionRequest:
     include_usage: bool = False  # ``stream_options.include_usage``: a last chunk with the usage
     model: str | None = None  # None: the served model
     ignored: tuple[str, ...] = ()  # unknown fields, accepted and ignored (vLLM's behaviour)
+    grammar: GrammarSpec | None = None  # structured output: response_format, guided_*, structured_outputs
 
     @property
     def logprobs(self) -> int | None:
@@ -101,7 +106,56 @@ def parse_completion(body: dict, tokenizer, chat: bool) -> CompletionRequest:
         raise InvalidRequest("only n=1 is supported", param="n")
     return CompletionRequest(list(ids), _sampling(body, chat), chat, stream, mode, stop,
                              _include_usage(body.get("stream_options"), stream), optional(body, "model", str, None),
-                             ignored)
+                             ignored, grammar_of(body))
+
+
+def grammar_of(body: dict) -> GrammarSpec | None:
+    """The one output constraint a body asks for: OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
+    or ``structured_outputs`` ({json, regex, choice, grammar, json_object}); None; 400 for two or a bad one."""
+    asks = {}
+    rf = body.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            asks["response_format"] = ("json_object", None)
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise InvalidRequest("response_format.json_schema: an object with a 'schema' object",
+                                     param="response_format")
+            asks["response_format"] = ("json", js.get("schema", {}))
+        elif kind != "text":
+            raise InvalidRequest("response_format.type: 'text', 'json_object' or 'json_schema'", param="response_format")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict) or len(set(so) & {"json", "regex", "choice", "grammar", "json_object"}) != 1:
+            raise InvalidRequest("structured_outputs: one of json, regex, choice, grammar, json_object",
+                                 param="structured_outputs")
+        key = next(k for k in so if k in ("json", "regex", "choice", "grammar", "json_object"))
+        asks["structured_outputs"] = ("json_object", None) if key == "json_object" else (key, so[key])
+    asks.update({field: (kind, body[field]) for field, kind in GUIDED.items() if body.get(field) is not None})
+    if len(asks) > 1:
+        raise InvalidRequest(f"one output constraint a request, got {', '.join(sorted(asks))}", param=sorted(asks)[1])
+    if not asks:
+        return None
+    (field, (kind, value)), = asks.items()
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise InvalidRequest(f"{field}: not a JSON schema (not JSON)", param=field) from None
+        return GrammarSpec("json_schema", json.dumps(value))
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidRequest(f"{field}: a non-empty list of strings", param=field)
+        return GrammarSpec("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{field}: a non-empty string", param=field)
+    return GrammarSpec("regex" if kind == "regex" else "ebnf", value)
 
 
 def _check_fields(body: dict, chat: bool) -> tuple[str, ...]:

@@ -101,7 +101,8 @@ def test_completion_stop_string_cuts_the_text(oai, served, stream):
     (openai.BadRequestError, {"n": "two"}),
     (openai.BadRequestError, {"presence_penalty": 3.0}),
     (openai.BadRequestError, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-    (openai.BadRequestError, {"response_format": {"type": "json_object"}}),
+    (openai.BadRequestError, {"response_format": {"type": "json_schema"}}),  # no json_schema object
+    (openai.BadRequestError, {"extra_body": {"guided_regex": "[a-"}}),  # a regex that does not parse
     (openai.BadRequestError, {"messages": [{"role": "user", "content": 5}]}),
     (openai.BadRequestError, {"messages": [{"content": "no role"}]}),
     (openai.BadRequestError, {"messages": [{"role": "user", "content": [{"type": "image_url",
@@ -177,8 +178,8 @@ def target():
 
 def test_unknown_fields_are_ignored_and_named_in_a_header(url, oai, served):
     r = post(url, "/v1/chat/completions", {"model": served, "messages": CHAT, "max_tokens": 2, "temperature": 0,
-                                           "frobnicate": 1, "guided_json": {"type": "object"}})
-    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "frobnicate, guided_json"
+                                           "frobnicate": 1, "guided_whitespace_pattern": " "})
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "frobnicate, guided_whitespace_pattern"
     assert "x-ignored-fields" not in post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).headers
     raw = oai.chat.completions.with_raw_response.create(model=served, messages=CHAT, max_tokens=2,
                                                         extra_body={"frobnicate": 1})
@@ -187,7 +188,7 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(url, oai, served):
 
 @pytest.mark.parametrize("body,status,param", [({"logit_bias": {"5": 3}}, 400, "logit_bias"),
                                                ({"tools": [{"type": "function"}]}, 400, "tools"),
-                                               ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+                                               ({"response_format": {"type": "xml"}}, 400, "response_format"),
                                                ({"temperature": "hot"}, 400, "temperature"),
                                                ({"top_p": 0}, 400, "top_p"), ({"model": "gpt-4o"}, 404, None)])
 def test_errors_carry_message_type_param_code(url, served, body, status, param):
@@ -269,3 +270,45 @@ def test_tokenize_detokenize_version(url, served):
 
     assert httpx.get(url + "/version", timeout=30).json()["version"] == version("specedge-serve")
     assert httpx.get(url + "/v1/model", timeout=30).json()["version"] == version("specedge-serve")  # as edge-agent --version
+
+
+# -- structured output (issue 63): the grammar masks the target at every node ----------------------
+def test_structured_output_through_the_official_client(oai, served):
+    """guided_choice, guided_regex, a json_schema response_format and ``chat.completions.parse``: the
+    text follows the constraint and finishes with "stop" (grammars a random target closes quickly)."""
+    import json
+    import re
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    r = oai.chat.completions.create(model=served, messages=CHAT, temperature=0, max_tokens=20,
+                                    extra_body={"guided_choice": ["yes", "no", "maybe later"]})
+    assert r.choices[0].message.content in ("yes", "no", "maybe later") and r.choices[0].finish_reason == "stop"
+    r = oai.completions.create(model=served, prompt="Code:", temperature=0.8, seed=3, max_tokens=20,
+                               extra_body={"guided_regex": "[a-c]{3}-[0-9]"})
+    assert re.fullmatch("[a-c]{3}-[0-9]", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = oai.chat.completions.create(model=served, messages=CHAT, temperature=0, max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    doc = json.loads(r.choices[0].message.content)
+    assert set(doc) == {"ok", "n"} and isinstance(doc["ok"], bool) and doc["n"] in (1, 2, 3)
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        confident: bool
+
+    parsed = oai.chat.completions.parse(model=served, messages=CHAT, temperature=0, max_tokens=40,
+                                        response_format=Verdict).choices[0].message.parsed
+    assert isinstance(parsed, Verdict)
+
+
+def test_a_bad_grammar_is_a_400_naming_it_and_the_server_goes_on(oai, served):
+    with pytest.raises(openai.BadRequestError, match="objectx"):
+        oai.chat.completions.create(model=served, messages=CHAT, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        oai.chat.completions.create(model=served, messages=CHAT, max_tokens=5,
+                                    extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    assert oai.chat.completions.create(model=served, messages=CHAT, max_tokens=2).choices[0].message.content is not None

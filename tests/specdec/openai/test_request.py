@@ -1,10 +1,12 @@
 """OpenAI-compatible request parsing and validation (pure, no Ray)."""
 
+import json
 from dataclasses import replace
 
 import pytest
 
 from specdec.errors import InvalidRequest, InvalidSamplingParams, ModelNotFound
+from specdec.grammar import GrammarSpec
 from specdec.openai.request import chat_message, check_model, check_sampling, parse_completion
 from specdec.openai.response import model_list
 
@@ -89,7 +91,7 @@ def test_bad_requests(tok, body, chat):
 @pytest.mark.parametrize("field,value,chat", [
     ("logit_bias", {"5": 10}, True), ("tools", [{"type": "function"}], True), ("tool_choice", "auto", True),
     ("functions", [{"name": "f"}], True), ("function_call", "auto", True),
-    ("response_format", {"type": "json_object"}, True), ("echo", True, False), ("suffix", "end", False),
+    ("echo", True, False), ("suffix", "end", False),
     ("best_of", 2, False), ("store", True, True), ("logit_bias", {"5": 10}, False),
 ])
 def test_unimplemented_fields_are_400_naming_the_field(tok, field, value, chat):
@@ -101,7 +103,7 @@ def test_unimplemented_fields_are_400_naming_the_field(tok, field, value, chat):
     assert field in err["message"]
 
 
-@pytest.mark.parametrize("fields,chat", [({"frobnicate": 1}, False), ({"messages": [], "guided_json": {}}, False),
+@pytest.mark.parametrize("fields,chat", [({"frobnicate": 1}, False), ({"messages": [], "guided_whitespace_pattern": " "}, False),
                                          ({"prompt": "x", "echo": False}, True), ({"spaces_between": True}, True)])
 def test_unknown_fields_are_ignored_and_named(tok, fields, chat):
     body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
@@ -220,4 +222,43 @@ def test_model_names():
 def test_errors_name_their_field(tok, body, chat, param):
     with pytest.raises(InvalidRequest) as e:
         parse_completion(body, tok, chat)
+    assert e.value.to_dict()["error"]["param"] == param
+
+
+# -- structured output (issue 63) ------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields,kind,value", [
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     "json_schema", json.dumps(SCHEMA)),
+    ({"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+    ({"guided_json": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
+    ({"guided_regex": "[a-c]+"}, "regex", "[a-c]+"),
+    ({"guided_choice": ["yes", "no"]}, "choice", '["yes", "no"]'),
+    ({"guided_grammar": 'root ::= "a"'}, "ebnf", 'root ::= "a"'),
+    ({"structured_outputs": {"regex": "x+"}}, "regex", "x+"),
+    ({"structured_outputs": {"json_object": True}}, "json_object", ""),
+    ({"response_format": {"type": "text"}}, None, None),
+])
+@pytest.mark.parametrize("chat", [True, False])
+def test_output_constraints_become_one_grammar(tok, fields, kind, value, chat):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    req = parse_completion({**body, **fields}, tok, chat)
+    assert (req.grammar is None) if kind is None else (req.grammar == GrammarSpec(kind, value)) and not req.ignored
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+])
+def test_bad_or_several_output_constraints_are_400_naming_the_field(tok, fields, param):
+    with pytest.raises(InvalidRequest) as e:
+        parse_completion({"messages": [{"role": "user", "content": "hi"}], **fields}, tok, True)
     assert e.value.to_dict()["error"]["param"] == param
