@@ -58,8 +58,8 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer and vocabulary; the last ``max_cached`` kept (LRU).
-    Errors are 400s naming the grammar's kind and XGrammar's message."""
+    """Compiles grammars for one tokenizer (an HF tokenizer, or a list of token strings) and vocabulary;
+    the last ``max_cached`` kept (LRU). Errors are 400s naming the grammar's kind and XGrammar's message."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_cached: int = 64):
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(int(t) for t in stop_token_ids)
@@ -85,8 +85,12 @@ class GrammarCompiler:
         if self._compiler is None:
             import xgrammar as xgr
 
-            self.info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self.stop_token_ids)
+            if isinstance(self.tokenizer, list):  # an encoded vocabulary: one string per id
+                self.info = xgr.TokenizerInfo(self.tokenizer, vocab_size=self.vocab_size,
+                                              stop_token_ids=self.stop_token_ids)
+            else:
+                self.info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         c = self._compiler
         try:

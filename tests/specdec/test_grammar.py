@@ -165,3 +165,89 @@ def test_random_trees_never_emit_an_ungrammatical_token(tiny_model, compiler):
         s = eng.sessions["x"]
         eng.verify([VerifyRequest("x", random_tree(rng, [], V, 12, 4), len(s.prefix))])
     assert compiler.state(SPECS[4]).allows(generated(eng, "x"))
+
+
+# -- sampled: the masked target's distribution, through trees --------------------------------------
+STAT_VOCAB = ["a", "b", "c", "d", "e", "f", "g", "h"]  # the 8-token statistics model's ids, as text
+# the second token's options depend on the first: a row masked with the wrong path state is visible
+STAT_GRAMMAR = GrammarSpec("ebnf", 'root ::= "e" ("a" [b-d] | "b" [a-c] | "c" [e-g] | "d" "a" | [f-h] [a-h]) [a-h]*')
+
+
+def _masked_joint(model, compiler) -> dict:
+    from tests.specdec.test_engine import STAT_PROMPT, STAT_ROOT, V_STAT
+    from specdec.sampling import target_probs
+
+    params = SamplingParams(temperature=1.0)
+    ctx = STAT_PROMPT + [STAT_ROOT]
+    root = compiler.state(STAT_GRAMMAR)
+    root.accept([STAT_ROOT])
+    with torch.inference_mode():
+        p1 = target_probs(root.apply(model(torch.tensor([ctx])).logits[0, -1:], DraftTree.empty())[0], params)
+        joint = {}
+        for a in range(V_STAT):
+            if p1[a] == 0:
+                continue
+            after = compiler.state(STAT_GRAMMAR)
+            after.accept([STAT_ROOT, a])
+            lg = after.apply(model(torch.tensor([ctx + [a]])).logits[0, -1:], DraftTree.empty())[0]
+            p2 = target_probs(lg, params)
+            joint.update({(a, b): float(p1[a] * p2[b]) for b in range(V_STAT) if p2[b] > 0})
+    return joint
+
+
+def _sample_two_via_engine(model, compiler) -> dict:
+    from tests.specdec.test_engine import STAT_PROMPT, STAT_ROOT, STAT_SESSIONS, stat_tree
+
+    eng = VerifierEngine(model, eos_token_ids=())
+    sids = [f"x{i}" for i in range(STAT_SESSIONS)]
+    eng.open([OpenRequest(sid, STAT_PROMPT, SamplingParams(temperature=1.0, seed=i, max_tokens=8),
+                          generated=(STAT_ROOT,), grammar=compiler.state(STAT_GRAMMAR)) for i, sid in enumerate(sids)])
+    from specdec.engine import VerifyRequest
+
+    reqs = [VerifyRequest(sid, stat_tree(model), len(STAT_PROMPT) + 1) for sid in sids]
+    while reqs:
+        eng.verify(reqs)
+        reqs = [VerifyRequest(sid, DraftTree((1, 2), (-1, -1)), len(eng.sessions[sid].prefix))
+                for sid in sids if eng.sessions[sid].num_generated < 3]
+    counts: dict = {}
+    for sid in sids:
+        pair = tuple(generated(eng, sid)[1:3])
+        counts[pair] = counts.get(pair, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def stat_compiler():
+    return GrammarCompiler(list(STAT_VOCAB), len(STAT_VOCAB), ())
+
+
+def test_sampled_tokens_through_trees_follow_the_masked_target(stat_compiler):
+    from specdec.model.loading import tiny_random_model
+    from tests.specdec.test_sampling import chi_square_pvalue
+
+    model = tiny_random_model(seed=1, vocab_size=len(STAT_VOCAB))
+    joint = _masked_joint(model, stat_compiler)
+    counts = _sample_two_via_engine(model, stat_compiler)
+    assert set(counts) <= set(joint)  # never an ungrammatical pair
+    assert chi_square_pvalue(counts, joint) > 1e-3
+
+
+def test_the_statistic_catches_masks_of_the_wrong_path_state(stat_compiler, monkeypatch):
+    """Test of the test: every row masked with the root's state (the path ignored) fails it."""
+    from specdec.grammar import GrammarState
+    from specdec.model.loading import tiny_random_model
+    from tests.specdec.test_sampling import chi_square_pvalue
+
+    model = tiny_random_model(seed=1, vocab_size=len(STAT_VOCAB))
+    joint = _masked_joint(model, stat_compiler)
+    root_only = GrammarState.masks
+
+    def wrong(self, tree):
+        rows = root_only(self, DraftTree.empty())
+        return rows.expand(len(tree) + 1, -1).clone()
+
+    monkeypatch.setattr(GrammarState, "masks", wrong)
+    monkeypatch.setattr(GrammarState, "accept", lambda self, tokens: None)  # (the wrong rows emit refused pairs)
+    counts = _sample_two_via_engine(model, stat_compiler)
+    refused = set(counts) - set(joint)  # pairs the grammar refuses: emitted only by the wrong masks
+    assert refused or chi_square_pvalue(counts, joint) < 1e-6
