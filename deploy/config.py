@@ -93,6 +93,9 @@ class VerifierConfig(_Strict):
     max_tree_nodes: int = Field(64, ge=1, le=1024)
     max_tree_depth: int = Field(32, ge=1, le=1024)
     max_prompt_tokens: int = Field(8192, ge=1)
+    grammar_compile_timeout_s: float = Field(10.0, gt=0, le=600, description="an open's grammar (structured "
+                                             "output) not compiled within this: a 400 (deploy/verifier/grammars.py)")
+    grammar_cache_mb: float = Field(256.0, gt=0, description="compiled grammars kept (LRU) up to this size")
     kv_budget_tokens: int | None = Field(262_144, ge=256, description="a cap: LRU-evict sessions above this many "
                                                                       "KV tokens, the pool holding this plus one "
                                                                       "batch, unless memory gives less; null: as "

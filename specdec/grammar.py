@@ -61,11 +61,13 @@ class GrammarCompiler:
     """Compiles grammars for one tokenizer (an HF tokenizer, or a list of token strings) and vocabulary;
     the last ``max_cached`` kept (LRU). Errors are 400s naming the grammar's kind and XGrammar's message."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_cached: int = 64):
-        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(int(t) for t in stop_token_ids)
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_cached: int = 64,
+                 max_cache_bytes: int = 256 << 20):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
         self._compiler = None  # built on the first grammar (its tokenizer's vocabulary takes ~0.2 s)
         self._cache: OrderedDict[str, object] = OrderedDict()
-        self.max_cached = max_cached
+        self.max_cached, self.max_cache_bytes = max_cached, max_cache_bytes
 
     def state_of(self, wire) -> "GrammarState | None":
         """A session's matcher for the protocol's ``grammar`` field (None: no grammar); 400s."""
@@ -109,9 +111,14 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:  # XGrammar's parse and conversion errors
             raise InvalidRequest(f"grammar ({spec.kind}): {_message(e)}") from None
         self._cache[spec.key] = out
-        while len(self._cache) > self.max_cached:
+        while len(self._cache) > self.max_cached or (
+                len(self._cache) > 1 and self.cache_bytes() > self.max_cache_bytes):
             self._cache.popitem(last=False)
         return out
+
+    def cache_bytes(self) -> int:
+        """Memory the compiled grammars kept take."""
+        return sum(g.memory_size_bytes for g in self._cache.values())
 
     def state(self, spec: GrammarSpec) -> "GrammarState":
         """A fresh matcher of ``spec`` for one session."""

@@ -22,6 +22,7 @@ from deploy.verifier.batch_loop import BatchLoop
 from deploy.verifier.counters import ReplicaCounters
 from deploy.verifier.early_stream import EarlyStreams
 from deploy.verifier.eviction import Limits, choose_victims, within_limits
+from deploy.verifier.grammars import ReplicaGrammars
 from deploy.verifier.hints import SessionHints
 from deploy.verifier.open_queue import OpenQueue
 from deploy.verifier.pacing import Pacer
@@ -37,7 +38,6 @@ from deploy.verifier.versions import TargetVersions
 from specdec import clock
 from specdec.engine import ChainVerifyRequest, ForwardStats, OpenRequest, OpenResult, VerifyRequest
 from specdec.errors import InvalidRequest, ModelNotFound, SessionEvicted, SpecError, TokenizerMismatch
-from specdec.grammar import GrammarCompiler
 from specdec.model.loading import tokenizer_fingerprint
 from specdec.protocol import VerifyFrame
 from specdec.rules import import_rule_modules
@@ -86,7 +86,7 @@ class VerifierServer:
         self.hints = SessionHints(self.versions, self.sessions, self.engine, p.sessions_hold_s)
         self.runs = AheadRuns(vc.run_ahead_tokens, self.counters.takeovers)
         self.fingerprint = tokenizer_fingerprint(self.loaded.tokenizer)
-        self.grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
+        self.grammars = ReplicaGrammars.of(self.loaded, vc)  # structured output (deploy/verifier/grammars.py)
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
         self._new_id = new_id or (lambda: uuid.uuid4().hex)
         self.calibration = GainCalibration()  # draft path probability -> observed acceptance
@@ -222,7 +222,7 @@ class VerifierServer:
             params = SamplingParams.from_dict(body.get("sampling")).validate(self.loaded.vocab_size)
             TokenizerMismatch.check((body.get("client") or {}).get("tokenizer_fingerprint"), self.fingerprint)
             version = self.versions.resolve(body.get("model"))
-            grammar = self.grammars.state_of(body.get("grammar"))  # structured output (specdec/grammar.py)
+            grammar = await self.grammars.state_of(body.get("grammar"))
         except SpecError as e:
             return error_reply(e)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
