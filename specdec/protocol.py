@@ -258,6 +258,14 @@ class ReplyFrame:
                    logprobs=list(res.logprobs) if res.logprobs is not None else None)
 
     @classmethod
+    def of_run(cls, accepted: list[int], tokens: list[int], last, verified: int | None, depth_hint: int,
+               budget_hint: int) -> "ReplyFrame":
+        """A run-ahead reply: the request's ``accepted`` nodes, ``tokens`` (the bonus, then those decoded
+        past it), the prefix and finish state of the ``last`` round."""
+        return cls(list(accepted), tokens[0] if tokens else None, last.prefix_len, last.finished, last.finish_reason,
+                   depth_hint, budget_hint, verified=verified, ahead=list(tokens[1:]))
+
+    @classmethod
     def of_chain(cls, res, depth_hint: int, budget_hint: int) -> "ReplyFrame":
         """The reply of a :class:`~specdec.engine.ChainVerifyResult`."""
         rejected = res.bonus is None and not res.finished

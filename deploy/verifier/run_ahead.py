@@ -83,11 +83,8 @@ class RunAhead:
     def frame(self, depth_hint: int, budget_hint: int) -> ReplyFrame:
         """The reply: the request's accepted nodes, the bonus, the tokens past it; the prefix
         and finish state after the last step."""
-        last = self.last
-        return ReplyFrame(list(self.accepted), self.tokens[0] if self.tokens else None, last.prefix_len,
-                          last.finished, last.finish_reason, depth_hint, budget_hint,
-                          verified=self.verified if self.verified < self.tree_nodes else None,
-                          ahead=list(self.tokens[1:]))
+        verified = self.verified if self.verified < self.tree_nodes else None
+        return ReplyFrame.of_run(self.accepted, self.tokens, self.last, verified, depth_hint, budget_hint)
 
 
 class AheadRuns:
