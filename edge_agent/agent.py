@@ -22,7 +22,7 @@ from edge_agent.stats import GenerationResult, GenerationStats
 from edge_agent.transport.base import ModelInfo, Transport
 from edge_agent.verify_policy import PolicyStore, VerifyPolicy
 from specdec import clock
-from specdec.errors import TokenizerMismatch
+from specdec.errors import InvalidRequest, TokenizerMismatch
 from specdec.openai import TextStream, chat_prompt
 from specdec.protocol import TokenLogprob
 from specdec.sampling import SamplingParams
@@ -78,6 +78,7 @@ class EdgeAgent:
                        if self.config.verify == "auto" and self.config.verify_state else None)
         self._store_pair: str | None = None  # "target|draft": the stored entry this agent learns into
         self._info: ModelInfo | None = None
+        self._grammars = None  # specdec.grammar.GrammarCompiler: the edge's own, for masked drafts
         # draft forwards run on a worker thread; agents sharing one device share one executor
         # (critical trees first, proactive work withdrawn once its reply is in)
         self._owns_drafts = draft_executor is None
@@ -167,11 +168,27 @@ class EdgeAgent:
         stats.ttft_s = clock.perf_counter() - t_start
         if sess.first_token is not None:
             emit([sess.first_token], [TokenLogprob.from_dict(sess.first_logprob)] if sess.first_logprob else None)
-        edge = Edge(self.config, self.drafter, self.policy, self.telemetry, self._drafts)
+        edge = Edge(self.config, self._drafter_for(grammar, info, len(prompt_ids)), self.policy, self.telemetry,
+                    self._drafts)
         gen = Generation(info, params, prompt_ids, generated, stats, emit)
         rounds = RULES.get(rule).rounds(edge, link, gen, sess)
         finish_reason = await rounds.run()
         return self._done(params, prompt_ids, generated, stream, stats, t_start, finish_reason)
+
+    def _drafter_for(self, grammar, info, prompt_len: int):
+        """The drafter of one generation: with a grammar and a tokenizer, one whose candidates follow
+        it (:mod:`edge_agent.grammar_drafter`); the verifier masks the target either way."""
+        if grammar is None or self.tokenizer is None:
+            return self.drafter
+        from edge_agent.grammar_drafter import GrammarDrafter
+        from specdec.grammar import GrammarCompiler
+
+        if self._grammars is None or self._grammars.vocab_size != info.vocab_size:
+            self._grammars = GrammarCompiler(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        try:
+            return GrammarDrafter(self.drafter, self._grammars.state(grammar), prompt_len)
+        except InvalidRequest:  # the verifier took it (the open succeeded): draft unmasked
+            return self.drafter
 
     def _prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):

@@ -89,9 +89,12 @@ def test_new_drafters_share_the_weights(draft):
                                     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
                                         "type": "object", "properties": {"ok": {"type": "boolean"}},
                                         "required": ["ok"]}}}}])
-def test_structured_output_through_the_edges_trees_is_target_only_constrained_decoding(target, draft, fields):
-    """The edge drafts unconstrained trees; the verifier masks every node by its path state: the tokens
-    are those of target-only constrained greedy decoding (issue 63)."""
+@pytest.mark.parametrize("edge_masks", [False, True], ids=["edge-unmasked", "edge-masked"])
+def test_structured_output_through_the_edges_trees_is_target_only_constrained_decoding(target, draft, fields,
+                                                                                      edge_masks):
+    """The verifier masks every node by its path state, whatever the edge drafts (unmasked, or masked
+    by the edge's own matcher when it has the tokenizer): the tokens are those of target-only
+    constrained greedy decoding (issue 63)."""
     from specdec.grammar import GrammarCompiler
     from specdec.model.loading import load_tokenizer
     from specdec.openai.request import grammar_of
@@ -99,14 +102,15 @@ def test_structured_output_through_the_edges_trees_is_target_only_constrained_de
     tok = load_tokenizer("embedded")
     transport = LocalTransport(VerifierEngine(target, eos_token_ids=(EOS,)), model_name="tiny", tokenizer=tok)
     info = ModelInfo("tiny", target.config.vocab_size, (EOS,), "none", 64, 12, max_model_len=2048)
-    server = EdgeServer(AgentPool(transport, ModelDrafter(draft), None, AgentConfig(), max_agents=1), info,
-                        EdgeMetrics())
+    server = EdgeServer(AgentPool(transport, ModelDrafter(draft), tok if edge_masks else None, AgentConfig(),
+                                  max_agents=1), info, EdgeMetrics())
     state = GrammarCompiler(tok, target.config.vocab_size, (EOS,)).state(grammar_of(fields))
     want = reference_decode(target, PROMPT, SamplingParams(max_tokens=24), (EOS,), state)
     with TestClient(server.app) as c:
         r = c.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0, "max_tokens": 24, **fields})
         bad = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "guided_regex": "[a-"})
     assert r.status_code == 200 and r.json()["specedge"]["token_ids"] == want, r.text
+    print(f"{fields} edge masks {edge_masks}: tokens/round {r.json()['specedge']['tokens_per_round']:.2f}")
     assert bad.status_code == 400 and "regex" in bad.json()["error"]["message"]
 
 
