@@ -251,6 +251,29 @@ def test_a_client_that_gives_up_on_a_whole_response_leaves_no_cloud_session(edge
     assert cloud_sessions(cloud) == 0 and edge.health()["running"] == 0
 
 
+def test_structured_output_with_openais_parse_and_langchains_with_structured_output(edge):
+    """Issue 63 at the edge's local server: a pydantic model through the official client's
+    ``chat.completions.parse`` and LangChain's ``with_structured_output`` (json_schema), the edge
+    drafting with its own grammar matcher and the cloud masking every node."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        confident: bool
+
+    with edge.client() as c:
+        parsed = c.chat.completions.parse(model=edge.model, messages=CHAT, temperature=0, max_tokens=40,
+                                          response_format=Verdict).choices[0].message.parsed
+    assert isinstance(parsed, Verdict)
+    llm = ChatOpenAI(base_url=edge.url + "/v1", api_key="unused-locally", model=edge.model, temperature=0,
+                     max_tokens=40, max_retries=0)
+    out = llm.with_structured_output(Verdict, method="json_schema").invoke([("user", "Is the sky blue?")])
+    assert isinstance(out, Verdict)
+
+
 def test_ignored_and_unsupported_fields(edge):
     body = {"model": edge.model, "prompt": PROMPT, "max_tokens": 2, "frobnicate": 1}
     r = httpx.post(edge.url + "/v1/completions", json=body, timeout=60)
