@@ -29,8 +29,8 @@ class ReplicaGrammars:
     async def state_of(self, wire) -> GrammarState | None:
         if wire is None:
             return None
-        spec = GrammarSpec.of(wire)
-        work = asyncio.get_running_loop().run_in_executor(self._thread, self.compiler.state, spec)
+        spec = GrammarSpec.of(wire)  # a malformed field is a 400 at once
+        work = asyncio.get_running_loop().run_in_executor(self._thread, self.compiler.state_of, spec.to_wire())
         try:
             return await asyncio.wait_for(asyncio.shield(work), self.timeout_s)
         except asyncio.TimeoutError:

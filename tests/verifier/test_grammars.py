@@ -17,9 +17,9 @@ def test_a_grammar_compiled_past_its_time_limit_is_a_400_and_the_loop_goes_on():
     release = threading.Event()
 
     class SlowCompiler:
-        def state(self, spec):
+        def state_of(self, wire):
             release.wait(5)
-            return ("compiled", spec.kind)
+            return ("compiled", wire["kind"])
 
     grammars = ReplicaGrammars(SlowCompiler(), timeout_s=0.05)
 
@@ -42,3 +42,13 @@ def test_a_grammar_compiled_past_its_time_limit_is_a_400_and_the_loop_goes_on():
         return ticks
 
     assert asyncio.run(main()) == 5  # the loop kept its turns while the compile ran
+
+
+def test_a_target_without_a_tokenizer_refuses_a_grammar_with_a_400():
+    from specdec.grammar import GrammarCompiler
+
+    grammars = ReplicaGrammars(GrammarCompiler(None, 512, (2,)), timeout_s=5)
+    with pytest.raises(InvalidRequest, match="tokenizer"):
+        asyncio.run(grammars.state_of({"kind": "regex", "value": "a+"}))
+    with pytest.raises(InvalidRequest, match="kind"):
+        asyncio.run(grammars.state_of({"kind": "xml"}))
