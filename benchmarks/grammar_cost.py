@@ -24,28 +24,20 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 def grammatical_tree(state, n: int, rng):
     """A tree of ``n`` nodes (two children a level, a chain below each) whose every token the grammar
     allows after its path: what a masked edge drafts, and the most a mask pass visits."""
-    import xgrammar as xgr
-
+    from specdec.grammar import allowed
     from specdec.tree import DraftTree
 
     tokens, parents = [], []
-    bits = xgr.allocate_token_bitmask(1, state.vocab_size)
     for i in range(n):
         parent = -1 if i < 2 else i - 2
         path, node = [], parent
         while node >= 0:
             path.append(tokens[node])
             node = parents[node]
-        probe = state.matcher.fork()
-        for t in reversed(path):
-            probe.accept_token(t)
-        allowed = []
-        if not probe.is_terminated():
-            probe.fill_next_token_bitmask(bits, 0)
-            words = bits[0].tolist()
-            allowed = [t for t in range(state.vocab_size) if (words[t >> 5] >> (t & 31)) & 1
-                       and t not in probe.stop_token_ids]
-        tokens.append(rng.choice(allowed) if allowed else rng.randrange(256))
+        words = state.words_after(path[::-1])
+        ids = [] if words is None else [t for t in range(state.vocab_size) if allowed(words, t)
+                                        and t not in state.matcher.stop_token_ids]
+        tokens.append(rng.choice(ids) if ids else rng.randrange(256))
         parents.append(parent)
     return DraftTree(tuple(tokens), tuple(parents))
 

@@ -9,7 +9,7 @@ import torch
 
 from edge_agent.draft_backends import Candidates, Drafter, ExpandRequest
 from specdec.errors import InvalidRequest
-from specdec.grammar import GrammarState
+from specdec.grammar import GrammarState, allowed
 
 
 class GrammarDrafter(Drafter):
@@ -36,24 +36,14 @@ class GrammarDrafter(Drafter):
 
     def _allowed(self, path: tuple[int, ...]) -> list[int] | None:
         """The grammar's bitmask words after ``path`` (None: no constraint known there)."""
-        if self.state is None:
-            return None
-        probe = self.state.matcher.fork()
-        if not all(probe.accept_token(int(t)) for t in path) or probe.is_terminated():
-            return None
-        import xgrammar as xgr
-
-        bits = xgr.allocate_token_bitmask(1, self.state.vocab_size)
-        probe.fill_next_token_bitmask(bits, 0)
-        return bits[0].tolist()
+        return None if self.state is None else self.state.words_after(path)
 
     def expand(self, prefix: list[int], reqs: list[ExpandRequest], k: int) -> list[Candidates]:
         self._sync(prefix)
         out = []
         for r, (toks, lps) in zip(reqs, self.inner.expand(prefix, reqs, k * self.OVERSAMPLE)):
             words = self._allowed(r.path_tokens)
-            keep = list(zip(toks, lps)) if words is None else [
-                (t, lp) for t, lp in zip(toks, lps) if 0 <= t < 32 * len(words) and (words[t >> 5] >> (t & 31)) & 1]
+            keep = list(zip(toks, lps)) if words is None else [(t, lp) for t, lp in zip(toks, lps) if allowed(words, t)]
             out.append(([t for t, _ in keep[:k]], [lp for _, lp in keep[:k]]))
         return out
 

@@ -134,6 +134,11 @@ def _message(e: Exception) -> str:
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
 
 
+def allowed(words: list[int], token: int) -> bool:
+    """Whether a bitmask (int32 words, 32 tokens each) allows ``token``."""
+    return 0 <= token < 32 * len(words) and bool((words[token >> 5] >> (token & 31)) & 1)
+
+
 class GrammarState:
     """One session's matcher: its state is the session's emitted tokens."""
 
@@ -154,6 +159,16 @@ class GrammarState:
         """Whether the grammar accepts ``tokens`` next (the matcher unchanged)."""
         probe = self.matcher.fork()
         return all(probe.is_terminated() or probe.accept_token(int(t)) for t in tokens)
+
+    def words_after(self, path) -> list[int] | None:
+        """The bitmask words (:func:`allowed`) of the token after ``path``, or None where the grammar
+        refuses the path or has terminated (the matcher unchanged)."""
+        probe = self.matcher.fork()
+        if not all(probe.accept_token(int(t)) for t in path) or probe.is_terminated():
+            return None
+        bits = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        probe.fill_next_token_bitmask(bits, 0)
+        return bits[0].tolist()
 
     def masks(self, tree: DraftTree) -> torch.Tensor:
         """[n + 1, words] int32 bitmask of every row of ``tree`` (row 0: the root's; row a + 1: after
