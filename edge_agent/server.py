@@ -178,7 +178,7 @@ class EdgeServer:
         except SpecError as e:
             self.metrics.on_request(endpoint, e.status)
             return error_response(e)
-        deltas = oai.texts(_prepend(first, rounds), self.tokenizer, req.stop)
+        deltas = oai.texts(_prepend(first, rounds), self.tokenizer, req.stop, req.tools)
         headers = {oai.IGNORED_FIELDS_HEADER: ", ".join(req.ignored)} if req.ignored else None
         if req.ignored:
             log.warning(oai.ignored_warning(req.ignored))

@@ -17,14 +17,15 @@ from specdec.tree import DraftTree
 if TYPE_CHECKING:  # torch and XGrammar load where a grammar is compiled, never in the router
     import torch
 
-KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 MAX_GRAMMAR_BYTES = 1 << 17  # a grammar's text on the wire
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request constrains its output to: ``kind`` (:data:`KINDS`) and its text (a schema as
-    JSON, a regex, EBNF, or a JSON list of strings for ``choice``; empty for ``json_object``)."""
+    JSON, a regex, EBNF, a JSON list of strings for ``choice``, an XGrammar structural tag as JSON for tool
+    calls; empty for ``json_object``)."""
 
     kind: str
     value: str = ""
@@ -104,6 +105,8 @@ class GrammarCompiler:
                 out = c.compile_regex(spec.value)
             elif spec.kind == "choice":
                 out = c.compile_grammar(choice_ebnf(json.loads(spec.value)))
+            elif spec.kind == "structural_tag":  # tool calls (specdec.openai.tools)
+                out = c.compile_structural_tag(spec.value)
             else:
                 out = c.compile_grammar(spec.value)
         except InvalidRequest:

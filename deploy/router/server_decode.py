@@ -40,7 +40,7 @@ class ServerDecode:
         rounds = self.rounds(tenant, req.prompt, req.sampling, drafter, version, deadline_header, received_at,
                              req.grammar)
         await anext(rounds)  # opens the server session
-        deltas = oai.texts(rounds, tok, req.stop)
+        deltas = oai.texts(rounds, tok, req.stop, req.tools)
         served = version or info["model"]
         headers = None
         if req.ignored:

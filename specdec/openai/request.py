@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from specdec.errors import InvalidRequest, InvalidSamplingParams, ModelNotFound
 from specdec.grammar import GrammarSpec
+from specdec.openai.tools import ToolRequest, assistant_calls, format_for, render_calls, tools_of
 
 MODES = ("ar", "sd")
 MAX_STOP = 4  # OpenAI: "up to 4 sequences"
@@ -20,7 +21,7 @@ EXTRAS = {"mode", "top_k", "stop_token_ids", "ignore_eos", "max_completion_token
 # vLLM's structured-output fields (and structured_outputs' keys) -> the grammar kind they ask for
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # accepted and ignored: they change nothing about the generated text
-IGNORED = {"user", "metadata", "parallel_tool_calls"}
+IGNORED = {"user", "metadata"}
 # chat_template_kwargs the server sets itself (the rest go to the template, e.g. Qwen3's enable_thinking)
 TEMPLATE_OWN = {"conversation", "tokenize", "return_dict", "return_tensors", "tools", "documents", "chat_template",
                 "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
@@ -38,9 +39,7 @@ def _is_default(*values):
 # not implemented: accepted only at their no-op value, a 400 otherwise
 NOOP = {
     "logit_bias": _is_default(None, {}),
-    "tools": _is_default(None, []),
     "functions": _is_default(None, []),
-    "tool_choice": _is_default(None, "none"),
     "function_call": _is_default(None, "none"),
     "store": _is_default(None, False),
     "echo": _is_default(None, False),
@@ -50,12 +49,12 @@ NOOP = {
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"} | EXTRAS | IGNORED
 FIELDS = {False: COMMON | {"prompt", "echo", "suffix", "best_of"},
-          True: COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-                          "store", "chat_template_kwargs"}}
+          True: COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+                          "function_call", "store", "chat_template_kwargs"}}
 
 # chat roles -> the chat template's; 'developer' is OpenAI's newer name for system instructions
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MESSAGE_FIELDS = {"role", "content", "name"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,8 @@ class CompletionRequest:
     include_usage: bool = False  # ``stream_options.include_usage``: a last chunk with the usage
     model: str | None = None  # None: the served model
     ignored: tuple[str, ...] = ()  # unknown fields, accepted and ignored (vLLM's behaviour)
-    grammar: GrammarSpec | None = None  # structured output: response_format, guided_*, structured_outputs
+    grammar: GrammarSpec | None = None  # structured output: response_format, guided_*, structured_outputs, tools
+    tools: ToolRequest | None = None  # chat ``tools``: calls are parsed out of the text
 
     @property
     def logprobs(self) -> int | None:
@@ -90,8 +90,15 @@ def parse_completion(body: dict, tokenizer, chat: bool) -> CompletionRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     ignored = _check_fields(body, chat)
+    tools, grammar = tools_of(body, tokenizer) if chat else None, grammar_of(body)
     if chat:
-        ids = chat_prompt(body.get("messages"), tokenizer, chat_template_kwargs(body.get("chat_template_kwargs")))
+        ids = chat_prompt(body.get("messages"), tokenizer, chat_template_kwargs(body.get("chat_template_kwargs")),
+                          tools)
+        forced = tools.grammar() if tools is not None else None
+        if forced is not None and grammar is not None:
+            raise InvalidRequest("a 'tool_choice' that requires a call takes no other output constraint",
+                                 param="tool_choice")
+        grammar = forced or grammar
     else:
         ids = completion_prompt(body.get("prompt"), tokenizer)
     stream = optional(body, "stream", bool, False)
@@ -106,7 +113,7 @@ def parse_completion(body: dict, tokenizer, chat: bool) -> CompletionRequest:
         raise InvalidRequest("only n=1 is supported", param="n")
     return CompletionRequest(list(ids), _sampling(body, chat), chat, stream, mode, stop,
                              _include_usage(body.get("stream_options"), stream), optional(body, "model", str, None),
-                             ignored, grammar_of(body))
+                             ignored, grammar, tools)
 
 
 def grammar_of(body: dict) -> GrammarSpec | None:
@@ -288,26 +295,50 @@ def completion_prompt(prompt, tokenizer) -> list[int]:
     raise InvalidRequest("'prompt' must be a non-empty string or a list of token ids", param="prompt")
 
 
-def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None) -> list[int]:
-    """/v1/chat/completions ``messages`` -> prompt ids via the chat template (``template_kwargs``: extra variables)."""
+def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None, tools: ToolRequest | None = None
+                ) -> list[int]:
+    """/v1/chat/completions ``messages`` -> prompt ids via the chat template (``template_kwargs``: extra variables;
+    ``tools``: rendered by the template, or as a system prompt where the template has none)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list of {role, content}", param="messages")
     msgs = [chat_message(i, m) for i, m in enumerate(messages)]
     if tokenizer is None:
         raise InvalidRequest("this deployment's target has no tokenizer; use /v1/sessions with token ids")
+    msgs = _with_tools(msgs, tools.format if tools is not None else format_for(tokenizer), tools)
     from jinja2 import TemplateError  # chat templates are jinja; a template may raise on a conversation
 
+    extra = {"tools": tools.template_tools()} if tools is not None and tools.template_tools() else {}
     try:
         ids = tokenizer.apply_chat_template(msgs, **{"add_generation_prompt": True, **(template_kwargs or {}),
-                                                     "tokenize": True})
+                                                     **extra, "tokenize": True})
     except (TemplateError, ValueError, TypeError) as e:
         raise InvalidRequest(f"the chat template refused these messages: {e}", param="messages") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
 
 
+def _with_tools(msgs: list[dict], fmt, tools: ToolRequest | None) -> list[dict]:
+    """For a template without tools: the tool instructions as (or before) the system message and assistant calls
+    written out in the model's syntax."""
+    if fmt.in_template:
+        return msgs
+    out = [_calls_as_text(m, fmt) if "tool_calls" in m else m for m in msgs]
+    prompt = tools.system_prompt() if tools is not None and tools.parses else None
+    if prompt is None:
+        return out
+    if out[0]["role"] == "system":
+        return [{"role": "system", "content": prompt + "\n\n" + out[0]["content"]}] + out[1:]
+    return [{"role": "system", "content": prompt}] + out
+
+
+def _calls_as_text(m: dict, fmt) -> dict:
+    calls = render_calls(fmt, m["tool_calls"])
+    return {"role": m["role"], "content": (m["content"] + "\n" if m["content"] else "") + calls}
+
+
 def chat_message(i: int, m) -> dict:
-    """One OpenAI chat message -> ``{role, content: str}``; content may be a string or a list of
-    text parts (joined with newlines, as vLLM does), null only for the assistant."""
+    """One OpenAI chat message -> ``{role, content: str}`` (with ``tool_calls`` / ``tool_call_id`` where given);
+    content may be a string or a list of text parts (joined with newlines, as vLLM does), null only for the
+    assistant."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise InvalidRequest(f"{where} must be an object with 'role' and 'content'", param=where)
@@ -316,7 +347,7 @@ def chat_message(i: int, m) -> dict:
         raise InvalidRequest(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", param=where)
     extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and v is not None)
     if extra:
-        raise InvalidRequest(f"{where}: unsupported fields {extra} (no tools, audio or refusals)", param=where)
+        raise InvalidRequest(f"{where}: unsupported fields {extra} (no audio or refusals)", param=where)
     content = m.get("content")
     if content is None and role == "assistant":  # OpenAI: optional for the assistant only
         content = ""
@@ -324,7 +355,16 @@ def chat_message(i: int, m) -> dict:
         content = "\n".join(_text_part(f"{where}.content[{j}]", p) for j, p in enumerate(content))
     elif not isinstance(content, str):
         raise InvalidRequest(f"{where}.content must be a string or a non-empty list of text parts", param=where)
-    return {"role": ROLES[role], "content": content}
+    out = {"role": ROLES[role], "content": content}
+    if m.get("tool_calls") is not None:
+        if role != "assistant":
+            raise InvalidRequest(f"{where}: only assistant messages carry 'tool_calls'", param=where)
+        out["tool_calls"] = assistant_calls(where, m["tool_calls"])
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise InvalidRequest(f"{where}: a tool message needs its 'tool_call_id'", param=where)
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
 
 
 def _text_part(where: str, part) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from specdec import clock
 from specdec.errors import SpecError
 from specdec.openai.request import CompletionRequest
+from specdec.openai.tools import ToolCall, ToolRequest, ToolSplitter
 
 
 def model_list(model: str, created: int, versions: tuple[str, ...] | list[str] = ()) -> dict:
@@ -96,9 +97,13 @@ def logprobs_object(tokenizer, lps, chat: bool, offset: int = 0) -> dict | None:
 
 
 def completion_response(model: str, text: str, ids: list[int], prompt_len: int, finish: str | None,
-                        chat: bool, stats: dict, cached_tokens: int = 0, logprobs: dict | None = None) -> dict:
+                        chat: bool, stats: dict, cached_tokens: int = 0, logprobs: dict | None = None,
+                        tool_calls: list[ToolCall] = ()) -> dict:
     """A non-streaming ``chat.completion`` / ``text_completion`` object (``specedge``: our stats)."""
-    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    message = {"role": "assistant", "content": text or None if tool_calls else text}
+    if tool_calls:
+        message["tool_calls"] = [c.to_dict() for c in tool_calls]
+    content = {"message": message} if chat else {"text": text}
     return {"id": completion_id(chat), "object": "chat.completion" if chat else "text_completion",
             "created": int(clock.wall()), "model": model,
             "choices": [_choice(chat, finish or "length", logprobs, **content)],
@@ -112,11 +117,15 @@ def _event(cid: str, model: str, chat: bool, choices: list, **extra) -> str:
 
 
 def stream_chunk(cid: str, model: str, delta: str, finish: str | None, chat: bool, *, role: bool = False,
-                 with_usage: bool = False, logprobs: dict | None = None) -> str:
+                 with_usage: bool = False, logprobs: dict | None = None, tool_calls: list[dict] = ()) -> str:
     """One SSE chunk; ``role``: the chat stream's first delta names the assistant; ``with_usage``:
-    OpenAI's ``"usage": null`` on every chunk but the last when ``include_usage`` is set."""
+    OpenAI's ``"usage": null`` on every chunk but the last when ``include_usage`` is set; ``tool_calls``:
+    their ``delta.tool_calls`` items."""
     if chat:
-        content = {"delta": {"role": "assistant", "content": delta} if role else {"content": delta} if delta else {}}
+        d = {"role": "assistant", "content": delta or None if tool_calls else delta} if role else {}
+        if delta and not role:
+            d["content"] = delta
+        content = {"delta": {**d, "tool_calls": list(tool_calls)} if tool_calls else d}
     else:
         content = {"text": delta}
     extra = {"usage": None} if with_usage else {}
@@ -149,20 +158,27 @@ class TextDelta:
     ids: list[int]  # all generated ids so far
     stats: dict
     logprobs: list | None  # this round's tokens'
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this round (their text is not in ``text``)
 
 
-async def texts(rounds, tokenizer, stops: tuple[str, ...]):
+async def texts(rounds, tokenizer, stops: tuple[str, ...], tools: ToolRequest | None = None):
     """:class:`Round` s -> :class:`TextDelta` s cut at the first ``stop`` string, one per round with new tokens (the
-    text may be empty); closes ``rounds`` once a stop string ends the text, or when this generator is closed."""
+    text may be empty), tool calls parsed out (``finish_reason`` "tool_calls" when a call ended the text); closes
+    ``rounds`` once a stop string ends the text, or when this generator is closed."""
     text, ids = TextStream(stops), []
+    calls = ToolSplitter(tools) if tools is not None and tools.parses else None
     try:
         async for r in rounds:
             ids.extend(r.tokens)
             delta, stopped = text.push(tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None
                                        else "", final=r.finish is not None)
             finish = "stop" if stopped else r.finish
+            new = ()
+            if calls is not None:
+                delta, new = calls.push(text.sent, final=finish is not None)
+                finish = "tool_calls" if finish == "stop" and calls.calls else finish
             if r.tokens or finish:
-                yield TextDelta(delta, finish, list(ids), r.stats, r.logprobs)
+                yield TextDelta(delta, finish, list(ids), r.stats, r.logprobs, tuple(new))
             if finish:
                 return
     finally:
@@ -171,27 +187,29 @@ async def texts(rounds, tokenizer, stops: tuple[str, ...]):
 
 async def whole_response(deltas, req: CompletionRequest, model: str, tokenizer) -> dict:
     """A non-streaming response from the :func:`texts` of a generation."""
-    text, d, lps = "", None, [] if req.logprobs is not None else None
+    text, d, lps, calls = "", None, [] if req.logprobs is not None else None, []
     async for d in deltas:
         text += d.text
+        calls += d.tool_calls
         if lps is not None:
             lps += d.logprobs or []
     ids, stats = (d.ids, d.stats) if d is not None else ([], {})
     return completion_response(model, text, ids, len(req.prompt), d.finish if d else None, req.chat,
                                {**stats, "token_ids": ids}, stats.get("cached_tokens", 0),
-                               logprobs_object(tokenizer, lps, req.chat))
+                               logprobs_object(tokenizer, lps, req.chat), calls)
 
 
 async def sse(deltas, req: CompletionRequest, model: str, tokenizer, on_error=None):
     """Server-sent events in OpenAI's chunk format, ``data: [DONE]`` last (with ``include_usage``, a usage chunk
     with ``choices: []`` before it). An error after the stream began is an ``{"error"}`` event (``on_error`` first)."""
-    cid, ids, first, stats, offset = completion_id(req.chat), [], True, {}, 0
+    cid, ids, first, stats, offset, n_calls = completion_id(req.chat), [], True, {}, 0, 0
     try:
         async for d in deltas:
             lp = logprobs_object(tokenizer, d.logprobs, req.chat, offset) if req.logprobs is not None else None
+            calls = [c.delta(n_calls + i) for i, c in enumerate(d.tool_calls)]
             yield stream_chunk(cid, model, d.text, d.finish, req.chat, role=first, with_usage=req.include_usage,
-                               logprobs=lp)
-            offset += len(d.text)
+                               logprobs=lp, tool_calls=calls)
+            offset, n_calls = offset + len(d.text), n_calls + len(calls)
             first, ids, stats = False, d.ids, d.stats
         if req.include_usage:
             yield usage_chunk(cid, model, req.chat, len(req.prompt), len(ids), stats.get("cached_tokens", 0))

@@ -100,7 +100,8 @@ def test_completion_stop_string_cuts_the_text(oai, served, stream):
     (openai.BadRequestError, {"n": 2}),
     (openai.BadRequestError, {"n": "two"}),
     (openai.BadRequestError, {"presence_penalty": 3.0}),
-    (openai.BadRequestError, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    (openai.BadRequestError, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}),  # not a tool
     (openai.BadRequestError, {"response_format": {"type": "json_schema"}}),  # no json_schema object
     (openai.BadRequestError, {"extra_body": {"guided_regex": "[a-"}}),  # a regex that does not parse
     (openai.BadRequestError, {"messages": [{"role": "user", "content": 5}]}),

@@ -14,6 +14,7 @@ from specdec.engine import OpenRequest, VerifierEngine
 from specdec.errors import InvalidRequest
 from specdec.grammar import GrammarCompiler, GrammarSpec
 from specdec.model.loading import load_tokenizer
+from specdec.openai.tools import FORMATS, Tool
 from specdec.reference import reference_decode
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
@@ -27,6 +28,11 @@ SPECS = [
     GrammarSpec("regex", r"[a-c]{2,5}-\d{1,3}"),
     GrammarSpec("choice", json.dumps(["yes", "no", "maybe later"])),
     GrammarSpec("ebnf", 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9]+ | "x"'),
+    # tool calls (structural tags): SmolLM2's list of calls, one Hermes call
+    FORMATS["smollm2"].grammar([Tool("add", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                             "required": ["a"]}, {}), Tool("no", {"enum": [1, 2]}, {})], True),
+    FORMATS["hermes"].grammar([Tool("pick", {"type": "object", "properties": {"x": {"enum": ["p", "q"]}},
+                                             "required": ["x"]}, {})], False),
 ]
 
 

@@ -52,7 +52,8 @@ def test_content_parts_join_text_and_assistant_null_is_empty(tok):
     {"role": "user"},
     {"content": "hi"},
     {"role": "wizard", "content": "hi"},
-    {"role": "tool", "content": "hi", "tool_call_id": "x"},
+    {"role": "tool", "content": "hi"},  # no tool_call_id
+    {"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
     "hi",
     {"role": "user", "content": []},
     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]},
