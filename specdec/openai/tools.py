@@ -46,7 +46,8 @@ class ToolFormat:
     def grammar(self, tools: list[Tool], parallel: bool) -> GrammarSpec:
         """An XGrammar structural tag: one or more calls of ``tools`` (one only unless ``parallel``), nothing else."""
         tags = [{"type": "tag", "begin": self.begin(t.name),
-                 "content": {"type": "json_schema", "json_schema": t.parameters}, "end": self.end} for t in tools]
+                 "content": {"type": "json_schema", "json_schema": t.parameters, "max_whitespace_cnt": 1},
+                 "end": self.end} for t in tools]  # whitespace: at most one character where JSON allows it
         calls = {"type": "tags_with_separator", "tags": tags, "separator": self.separator, "at_least_one": True,
                  "stop_after_first": not parallel}
         parts = [{"type": "const_string", "value": self.open}, calls, {"type": "const_string", "value": self.close}]

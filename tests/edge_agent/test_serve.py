@@ -309,3 +309,12 @@ def test_cloud_shedding_and_a_stopped_cloud_give_openai_errors_then_sigterm_stop
     finally:
         rc = p.stop()
     assert rc == 0 and any("stopped" in line for line in p.lines), "".join(p.lines)
+
+
+def test_tool_calls_through_the_official_client_and_langchain(edge):
+    """Issue 63's tools at the edge's local server: the same flows as at the cloud, the edge drafting calls
+    with its own grammar matcher."""
+    from tests.router.test_openai_client import check_tool_flows
+
+    with edge.client() as c:
+        check_tool_flows(c, edge.model)

@@ -313,3 +313,49 @@ def test_a_bad_grammar_is_a_400_naming_it_and_the_server_goes_on(oai, served):
         oai.chat.completions.create(model=served, messages=CHAT, max_tokens=5,
                                     extra_body={"guided_regex": "a", "guided_choice": ["b"]})
     assert oai.chat.completions.create(model=served, messages=CHAT, max_tokens=2).choices[0].message.content is not None
+
+
+# -- tool calls (issue 63): forced by the grammar, parsed into tool_calls ------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+
+
+def check_tool_flows(c: openai.OpenAI, model: str) -> None:
+    """The official client's tools flow (a forced call, its result sent back, a named call streamed) and a pydantic
+    tool through ``chat.completions.parse``, then LangChain's ``bind_tools``; ``c``: the cloud's or the edge's."""
+    import json
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Lookup(BaseModel):
+        topic: Literal["sky", "sea"]
+        detailed: bool
+
+    r = c.chat.completions.create(model=model, messages=CHAT, tools=[WEATHER], tool_choice="required", temperature=0,
+                                  max_tokens=60, parallel_tool_calls=False)  # a random target would go on calling
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    answered = CHAT + [choice.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    r = c.chat.completions.create(model=model, messages=answered, tools=[WEATHER], temperature=0, max_tokens=6)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with c.chat.completions.stream(model=model, messages=CHAT, tools=[WEATHER], temperature=0, max_tokens=60,
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}}) as s:
+        final = s.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.tool_calls[0].function.name == "get_weather"
+    r = c.chat.completions.parse(model=model, messages=CHAT, tools=[openai.pydantic_function_tool(Lookup)],
+                                 tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60)
+    assert isinstance(r.choices[0].message.tool_calls[0].function.parsed_arguments, Lookup)
+    llm = ChatOpenAI(base_url=str(c.base_url), api_key=c.api_key, model=model, temperature=0, max_tokens=60,
+                     max_retries=0)
+    msg = llm.bind_tools([Lookup], tool_choice="any", parallel_tool_calls=False).invoke([("user", "Look up the sky")])
+    assert msg.tool_calls[0]["name"] == "Lookup" and Lookup(**msg.tool_calls[0]["args"])
+
+
+def test_tool_calls_through_the_official_client_and_langchain(oai, served):
+    check_tool_flows(oai, served)
