@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidRequest
+from specdec.schema_support import exact_schema
 from specdec.tree import DraftTree
 
 if TYPE_CHECKING:  # torch and XGrammar load where a grammar is compiled, never in the router
@@ -99,7 +100,7 @@ class GrammarCompiler:
         try:
             if spec.kind in ("json_schema", "json_object"):  # compact: whitespace only where JSON puts it
                 schema = spec.value if spec.kind == "json_schema" else '{"type": "object"}'
-                json.loads(schema)  # a clear message for text that is not JSON at all
+                schema = json.dumps(exact_schema(json.loads(schema)))  # (a clear message for text that is not JSON)
                 out = c.compile_json_schema(schema, any_whitespace=False)
             elif spec.kind == "regex":
                 out = c.compile_regex(spec.value)

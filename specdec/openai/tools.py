@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from specdec.errors import InvalidRequest
 from specdec.grammar import GrammarSpec
+from specdec.schema_support import exact_schema
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's function names
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -46,7 +47,8 @@ class ToolFormat:
     def grammar(self, tools: list[Tool], parallel: bool) -> GrammarSpec:
         """An XGrammar structural tag: one or more calls of ``tools`` (one only unless ``parallel``), nothing else."""
         tags = [{"type": "tag", "begin": self.begin(t.name),
-                 "content": {"type": "json_schema", "json_schema": t.parameters, "max_whitespace_cnt": 1},
+                 "content": {"type": "json_schema", "json_schema": exact_schema(t.parameters, f"tools: {t.name}"),
+                             "max_whitespace_cnt": 1},
                  "end": self.end} for t in tools]  # whitespace: at most one character where JSON allows it
         calls = {"type": "tags_with_separator", "tags": tags, "separator": self.separator, "at_least_one": True,
                  "stop_after_first": not parallel}
