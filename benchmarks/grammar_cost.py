@@ -1,7 +1,8 @@
 """What a grammar costs a verify round (issue 63): mask time per tree node, and the engine's round time
-with and without a grammar at 1 and 16 sessions, side by side in one run.
+with and without a grammar at 1 and 16 sessions, side by side in one run; then tokens per round of edge
+generations (the embedded draft against the embedded target) with and without the edge's own masking.
 
-    python -m benchmarks.grammar_cost [--model embedded] [--nodes 16] [--rounds 20]
+    python -m benchmarks.grammar_cost [--model embedded] [--nodes 16] [--rounds 20] [--prompts 4]
 
 Each round verifies a draft tree of ``--nodes`` nodes per session (two children a level, a chain
 below each; with the grammar every token grammatical after its path, so the mask pass visits every
@@ -96,21 +97,75 @@ def run(args) -> dict:
                            "rounds": args.rounds, "schema": SCHEMA, "threads": 1, "device": "cpu"}, "rows": rows}
 
 
+PROMPTS = ["A person as JSON.", "Describe a user of a web shop as JSON.", "Give me a JSON record of a book author.",
+           "Return a JSON object for a football player."]
+
+
+def edge_masking(args) -> list[dict]:
+    """Edge generations (greedy, the embedded draft in a proactive agent, the engine in this process) under the
+    schema, with the edge's GrammarDrafter and with its plain drafter: tokens per round and drafted-accepted."""
+    import asyncio
+
+    import torch
+
+    from edge_agent.agent import EdgeAgent, encode_prompt
+    from edge_agent.config import AgentConfig
+    from edge_agent.draft_backends import ModelDrafter
+    from edge_agent.embedded_draft import load_draft
+    from edge_agent.transport.local import LocalTransport
+    from specdec.engine import VerifierEngine
+    from specdec.grammar import GrammarSpec
+    from specdec.model.loading import load_model
+    from specdec.sampling import SamplingParams
+
+    class Unmasked(EdgeAgent):  # the verifier still masks the target; only the drafts ignore the grammar
+        def _drafter_for(self, grammar, info, prompt_len):
+            return self.drafter
+
+    torch.set_num_threads(1)
+    lm = load_model(args.model, dtype=args.dtype, device="cpu")
+    draft = ModelDrafter(load_draft(None, "embedded-draft", dtype=args.dtype), name="embedded-draft")
+    spec, rows = GrammarSpec("json_schema", json.dumps(SCHEMA)), []
+    for masked in (True, False):
+        eng = VerifierEngine(lm.model, eos_token_ids=lm.eos_token_ids)
+        tokens = rounds = accepted = 0
+        for text in PROMPTS[:args.prompts]:
+            agent = (EdgeAgent if masked else Unmasked)(LocalTransport(eng, tokenizer=lm.tokenizer), draft,
+                                                         tokenizer=lm.tokenizer, config=AgentConfig(mode="proactive"))
+            res = asyncio.run(agent.generate(encode_prompt(lm.tokenizer, text, chat=True),
+                                             SamplingParams(max_tokens=args.max_tokens), grammar=spec))
+            agent.close()
+            tokens, rounds = tokens + res.stats.round_tokens, rounds + res.stats.rounds
+            accepted += res.stats.mean_accepted * res.stats.rounds
+        rows.append({"edge_masking": masked, "prompts": args.prompts, "rounds": rounds,
+                     "tokens_per_round": tokens / max(rounds, 1), "drafted_accepted_per_round": accepted / max(rounds, 1)})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.grammar_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=4, help="edge generations per arm (0: skip that part)")
+    ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", default="benchmarks/results/grammar_cost.json")
     args = ap.parse_args(argv)
     out = run(args)
+    out["edge_masking"] = edge_masking(args) if args.prompts else []
     print("| sessions | grammar | round p50 (ms) | added round time | mask time per node (us) |")
     print("|---|---|---|---|---|")
     for r in out["rows"]:
         added = f"{100 * r['added_round_time']:+.1f} %" if "added_round_time" in r else "-"
         mask = f"{r['mask_us_per_node']:.1f}" if r["mask_us_per_node"] else "-"
         print(f"| {r['sessions']} | {'yes' if r['grammar'] else 'no'} | {r['round_ms_p50']:.1f} | {added} | {mask} |")
+    if out["edge_masking"]:
+        print("| edge masking | rounds | tokens per round | drafted tokens accepted per round |")
+        print("|---|---|---|---|")
+        for r in out["edge_masking"]:
+            print(f"| {'yes' if r['edge_masking'] else 'no'} | {r['rounds']} | {r['tokens_per_round']:.2f} | "
+                  f"{r['drafted_accepted_per_round']:.2f} |")
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
 

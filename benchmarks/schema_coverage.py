@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -99,6 +100,12 @@ def run(args) -> dict:
     return summarise(rows, args)
 
 
+def _reason(refusal: str) -> str:
+    """A refusal's keyword (``'oneOf' at #/...``: ``oneOf``), else its message's last part."""
+    m = re.search(r"'(\$?\w+)' at #", refusal)
+    return m.group(1) if m else refusal.split(":")[-1].strip()[:60]
+
+
 def summarise(rows: list[dict], args) -> dict:
     compiled = [r for r in rows if r["compiled"]]
     stopped = [r for r in compiled if r.get("finish") == "stop"]
@@ -109,7 +116,7 @@ def summarise(rows: list[dict], args) -> dict:
                "unvalidatable": len(stopped) - len(valid) - len(invalid),
                "finished_by_length": sum(r.get("finish") == "length" for r in compiled),
                "compile_ms_p50": sorted(r["compile_ms"] for r in compiled)[len(compiled) // 2] if compiled else None,
-               "refusals": Counter(r["refusal"].split(":")[-1].strip()[:60] for r in rows if not r["compiled"]).most_common(8)}
+               "refusals": Counter(_reason(r["refusal"]) for r in rows if not r["compiled"]).most_common(12)}
     return {"conditions": {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens,
                            "count": args.count, "seed": args.seed, "schemas": str(args.schemas),
                            "decoding": "greedy, the verifier engine with empty trees (one token a round)"},
