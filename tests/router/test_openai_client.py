@@ -359,3 +359,22 @@ def check_tool_flows(c: openai.OpenAI, model: str) -> None:
 
 def test_tool_calls_through_the_official_client_and_langchain(oai, served):
     check_tool_flows(oai, served)
+
+
+def test_a_grammar_cut_by_max_tokens_finishes_with_length_never_as_complete(oai, served):
+    """A schema that cannot close in 4 tokens: ``finish_reason`` "length", and the client's ``parse`` refuses it
+    (OpenAI's LengthFinishReasonError) rather than returning a parsed object; a forced tool call likewise."""
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        first_name: str
+        last_name: str
+        city: str
+
+    r = oai.chat.completions.create(model=served, messages=CHAT, temperature=0, max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "p", "schema": Person.model_json_schema()}})
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.LengthFinishReasonError):
+        oai.chat.completions.parse(model=served, messages=CHAT, max_tokens=4, response_format=Person)
+    r = oai.chat.completions.create(model=served, messages=CHAT, tools=[WEATHER], tool_choice="required", max_tokens=4)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
