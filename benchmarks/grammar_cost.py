@@ -102,8 +102,9 @@ PROMPTS = ["A person as JSON.", "Describe a user of a web shop as JSON.", "Give 
 
 
 def edge_masking(args) -> list[dict]:
-    """Edge generations (greedy, the embedded draft in a proactive agent, the engine in this process) under the
-    schema, with the edge's GrammarDrafter and with its plain drafter: tokens per round and drafted-accepted."""
+    """Edge generations (greedy, the embedded draft in a proactive agent at a fixed depth of 4, so both arms draft
+    trees of one shape; the engine in this process) under the schema, with the edge's GrammarDrafter and with its
+    plain drafter: tokens per round and drafted tokens accepted per round."""
     import asyncio
 
     import torch
@@ -131,7 +132,8 @@ def edge_masking(args) -> list[dict]:
         tokens = rounds = accepted = 0
         for text in PROMPTS[:args.prompts]:
             agent = (EdgeAgent if masked else Unmasked)(LocalTransport(eng, tokenizer=lm.tokenizer), draft,
-                                                         tokenizer=lm.tokenizer, config=AgentConfig(mode="proactive"))
+                                                         tokenizer=lm.tokenizer,
+                                                         config=AgentConfig(mode="proactive", depth_policy="fixed"))
             res = asyncio.run(agent.generate(encode_prompt(lm.tokenizer, text, chat=True),
                                              SamplingParams(max_tokens=args.max_tokens), grammar=spec))
             agent.close()

@@ -19,6 +19,17 @@ from specdec.sampling import SamplingParams, sample_from_probs, target_probs
 from specdec.tree import DraftTree
 
 
+PREFILL_TOKENS = 16  # a forward that feeds more new prefix tokens than this is a prefill, not a draft level
+
+
+def record_forward(session, t0: float) -> None:
+    """A draft forward's time into ``session.forward_times`` (a level's cost, FlexSpec's T_marginal), unless it
+    fed a prefill (the prompt, a re-open's history): that one would hold the depth policy at 1 for many rounds."""
+    if len(session.prefix) - session.timed_upto <= PREFILL_TOKENS:
+        session.forward_times.append(clock.perf_counter() - t0)
+    session.timed_upto = len(session.prefix)
+
+
 @dataclass
 class _ProNode:
     id: int
@@ -44,6 +55,7 @@ class DraftSession:
         self.leaf = ROOT
         self.chain: list[_ProNode] = []  # P1..Pm below the leaf
         self.max_chain = 0
+        self.timed_upto = 0  # prefix length at the last timed forward (record_forward)
 
     # -- setup -----------------------------------------------------------------------
     def start(self, prefix: list[int], config: TreeConfig | None = None) -> None:
@@ -71,7 +83,7 @@ class DraftSession:
     def _forward(self, reqs: list[ExpandRequest]) -> list[Candidates]:
         t0 = clock.perf_counter()
         out = self.drafter.expand(self.prefix, reqs, self.config.topk)
-        self.forward_times.append(clock.perf_counter() - t0)
+        record_forward(self, t0)
         return out
 
     def step(self) -> bool:
@@ -213,6 +225,7 @@ class ChainDraftSession:
         self.q_params = SamplingParams(temperature=1.0) if params.greedy else params  # greedy: any q, argmax drafts
         self.ids = itertools.count()
         self.forward_times: list[float] = []
+        self.timed_upto = 0  # prefix length at the last timed forward (record_forward)
         self._reset([])
 
     def start(self, prefix: list[int]) -> None:
@@ -238,7 +251,7 @@ class ChainDraftSession:
             req = ExpandRequest(ROOT, self.prefix[-1], 0)
         t0 = clock.perf_counter()
         (lp,) = self.drafter.next_logits(self.prefix, [req], self.vocab_size)
-        self.forward_times.append(clock.perf_counter() - t0)
+        record_forward(self, t0)
         self.forwards += 1
         if self.chain:
             self.chain[-1].fed = True

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edge_agent.draft_backends import Drafter, ExpandRequest
+from edge_agent.draft_session import record_forward
 from edge_agent.tree_builder import ROOT, TreeConfig
 from edge_agent.tree_session import Alignment
 from specdec import clock
@@ -88,6 +89,7 @@ class SampledTreeSession:
         self.ids = itertools.count()
         self.rates = list(PRIOR_RATES)
         self.prefix: list[int] = []
+        self.timed_upto = 0  # prefix length at the last timed forward (record_forward)
         self._reset()
 
     def _reset(self) -> None:
@@ -126,7 +128,7 @@ class SampledTreeSession:
             reqs = [self._request(n) for n, _ in feed]
             t0 = clock.perf_counter()
             rows = self.drafter.next_logits(self.prefix, reqs, self.vocab_size)
-            self.forward_times.append(clock.perf_counter() - t0)
+            record_forward(self, t0)
             self.forwards += 1
             level = []
             for (n, pl), lp in zip(feed, rows):

@@ -213,3 +213,16 @@ def test_uncommitted_tree_entries_are_seen_only_by_rows_that_name_them():
     assert r.kv_length("s") == 5
     out = r.forward(4, [chunk_input("s", 4, ids[4:])])[0].float()
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_a_prefill_forward_is_not_timed_as_a_draft_level(draft_model):
+    """The forward that feeds the prompt (or a re-open's history) is no level's cost: timing it would make the
+    FlexSpec depth rule draft one level a round until the estimate decays (edge_agent.draft_session.record_forward)."""
+    s = DraftSession(ModelDrafter(draft_model), TreeConfig(budget=8, topk=2, max_expand=2))
+    s.start(list(range(1, 41)))  # 40 prompt tokens: the first forward prefills them
+    s.draft(3)
+    assert s.forwards == 3 and len(s.forward_times) == 2  # the two levels below the root
+    tree, order = s.freeze()
+    s.on_reply([0], 7, [tree.tokens[0], 7])  # two new tokens: the next forward is a level again
+    s.draft(1)
+    assert len(s.forward_times) == 3
