@@ -21,7 +21,7 @@ def exact_schema(schema, where: str = "json_schema") -> dict | bool:
     """``schema`` as XGrammar can follow it exactly (a copy), or InvalidRequest naming the keyword and its path."""
     out = copy.deepcopy(schema)
     try:
-        _visit(out, "#")
+        _visit(out, "#", out)
     except _Refused as e:
         raise InvalidRequest(f"{where}: {e}") from None
     return out
@@ -31,7 +31,7 @@ class _Refused(Exception):
     pass
 
 
-def _visit(s, path: str) -> None:
+def _visit(s, path: str, root) -> None:
     if not isinstance(s, dict):
         return
     for key in IGNORED:
@@ -41,32 +41,32 @@ def _visit(s, path: str) -> None:
         _refuse("uniqueItems", path, "is not enforced by the grammar engine")
     if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
         _refuse("allOf", path, "with more than one schema is only approximated by the grammar engine")
-    if isinstance(s.get("oneOf"), list) and len(s["oneOf"]) > 1 and not _disjoint(s["oneOf"]):
+    if isinstance(s.get("oneOf"), list) and len(s["oneOf"]) > 1 and not _disjoint(s["oneOf"], root):
         _refuse("oneOf", path, "with branches that may overlap is only approximated (as anyOf); use anyOf")
     _strings(s, path)
     _required(s, path)
     for key in SUBSCHEMA_MAPS:
         if isinstance(s.get(key), dict):
             for name, sub in s[key].items():
-                _visit(sub, f"{path}/{key}/{name}")
+                _visit(sub, f"{path}/{key}/{name}", root)
     for key in SUBSCHEMA_LISTS:
         if isinstance(s.get(key), list):
             for i, sub in enumerate(s[key]):
-                _visit(sub, f"{path}/{key}/{i}")
+                _visit(sub, f"{path}/{key}/{i}", root)
     for key in SUBSCHEMAS:
-        _visit(s.get(key), f"{path}/{key}")
+        _visit(s.get(key), f"{path}/{key}", root)
 
 
 def _refuse(key: str, path: str, why: str) -> None:
     raise _Refused(f"'{key}' at {path} {why}")
 
 
-def _disjoint(branches: list) -> bool:
-    """Whether no document can match two branches: each has one primitive ``type`` of its own (integer inside
-    number excepted), or each pins a property all of them require to values of its own (``const``/``enum``)."""
-    types = [b.get("type") if isinstance(b, dict) else None for b in branches]
-    if all(isinstance(t, str) and t in PRIMITIVE for t in types) and len(set(types)) == len(types) \
-            and not {"integer", "number"} <= set(types):
+def _disjoint(branches: list, root) -> bool:
+    """Whether no document can match two branches (local ``$ref`` s followed): their ``type`` s share no type
+    (integer is a number), or each pins a property all of them require to values of its own (``const``/``enum``)."""
+    branches = [_deref(b, root) for b in branches]
+    types = [_types(b) for b in branches]
+    if all(types) and sum(len(t) for t in types) == len(set().union(*types)):
         return True
     if not all(isinstance(b, dict) and isinstance(b.get("properties"), dict) for b in branches):
         return False
@@ -76,6 +76,26 @@ def _disjoint(branches: list) -> bool:
         if all(p is not None for p in pinned) and sum(len(p) for p in pinned) == len(set().union(*pinned)):
             return True
     return False
+
+
+def _deref(s, root, depth: int = 0):
+    """A local ``{"$ref": "#/..."}`` resolved (a few hops); anything else as it is."""
+    while isinstance(s, dict) and isinstance(s.get("$ref"), str) and s["$ref"].startswith("#") and depth < 8:
+        node = root
+        for part in s["$ref"][1:].strip("/").split("/") if s["$ref"] != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        s, depth = node, depth + 1
+    return s
+
+
+def _types(s) -> set | None:
+    """The JSON types a schema's ``type`` admits (number as integer and fraction), or None where it does not say."""
+    t = s.get("type") if isinstance(s, dict) else None
+    names = [t] if isinstance(t, str) else t if isinstance(t, list) else None
+    if not names or not all(isinstance(n, str) and n in PRIMITIVE for n in names):
+        return None
+    return set().union(*({"integer", "fraction"} if n == "number" else {n} for n in names))
 
 
 def _values(s) -> set | None:

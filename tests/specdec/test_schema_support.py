@@ -80,3 +80,13 @@ def test_real_world_schemas_are_refused_by_name_or_followed_exactly(tiny_model, 
         if out[-1] == 0:
             jsonschema.validate(json.loads(tok.decode(out[:-1])), schema)
         state = compiler.state(GrammarSpec("json_schema", json.dumps(schema)))
+
+
+def test_oneof_branches_disjoint_by_type_through_refs_and_type_lists():
+    defs = {"$defs": {"s": {"type": "string"}, "n": {"type": ["null", "boolean"]}, "i": {"type": "integer"}}}
+    ok = {**defs, "oneOf": [{"$ref": "#/$defs/s"}, {"$ref": "#/$defs/n"}, {"type": "array"}]}
+    assert exact_schema(ok) == ok
+    for overlapping in ([{"$ref": "#/$defs/i"}, {"type": "number"}], [{"$ref": "#/$defs/n"}, {"type": "boolean"}],
+                        [{"type": "string"}, {"type": "string", "format": "uri"}]):
+        with pytest.raises(InvalidRequest, match="'oneOf' at #"):
+            exact_schema({**defs, "oneOf": overlapping})
