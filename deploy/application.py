@@ -26,6 +26,16 @@ def verifier_options(cfg: AppConfig) -> dict:
         health_check_period_s=10,
         graceful_shutdown_timeout_s=5,
     )
+    if vc.tensor_parallel_size > 1:  # ranks (and stages) in one STRICT_PACK group: deploy/verifier/tensor_parallel.py
+        from deploy.verifier.tensor_parallel import deployment_options, placement_problem
+
+        opts.update(deployment_options(cfg))
+        import ray
+
+        problem = placement_problem(cfg, ray.nodes()) if ray.is_initialized() else None
+        if problem:
+            raise ValueError(problem)
+        return opts
     if vc.pipeline_parallel_size > 1:
         from deploy.verifier.pipeline import pipeline_bundles
 

@@ -119,6 +119,10 @@ class VerifierConfig(_Strict):
                                            "reports ready: the first user does not pay for initialisation")
     idle_timeout_s: float = Field(600.0, gt=0)
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="ranks the target (or each pipeline stage) is "
+                                      "sharded over, Megatron-style, as vLLM names it: one GPU (num_gpus_per_stage "
+                                      "each) or num_cpus each; a replica holds tensor x pipeline size devices in "
+                                      "one STRICT_PACK placement group (docs/tensor_parallel.md)")
     num_cpus: float = Field(1.0, ge=0)
     num_gpus_per_stage: float = Field(0.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)
@@ -337,6 +341,31 @@ class AppConfig(_Strict):
     def _versions_need_one_stage(self):
         if self.target.adapters and self.verifier.pipeline_parallel_size > 1:
             raise ValueError("target.adapters (LoRA versions) need verifier.pipeline_parallel_size 1")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self):
+        """What tensor_parallel_size > 1 does not combine with, and whether the target splits: before anything loads."""
+        vc, t = self.verifier, self.target
+        tp = vc.tensor_parallel_size
+        if tp == 1:
+            return self
+        refused = [("target.adapters (LoRA versions, not sharded yet)", bool(t.adapters)),
+                   ("verifier.early_exit (exit heads read hidden states mid-forward)", vc.early_exit.enabled),
+                   ("topology colocated", self.topology == "colocated"),
+                   ("verifier.max_replicas_per_node (Serve refuses it with a placement group)",
+                    getattr(vc, "max_replicas_per_node", None) is not None),
+                   ("verifier.kv_budget_tokens null (every rank holds a pool of the cap's size)",
+                    vc.kv_budget_tokens is None)]
+        bad = [name for name, on in refused if on]
+        if bad:
+            raise ValueError(f"verifier.tensor_parallel_size {tp} does not combine with {', '.join(bad)}")
+        from deploy.verifier.tensor_parallel import split_problems
+
+        problems = split_problems(t, tp)
+        if problems:
+            raise ValueError(f"target {t.model} cannot be split over verifier.tensor_parallel_size {tp}: "
+                             + "; ".join(problems))
         return self
 
     @model_validator(mode="after")

@@ -15,11 +15,13 @@ from edge_agent.errors import ConnectionLost, EdgeError
 from edge_agent.stats import GenerationStats
 from edge_agent.transport.base import Transport
 from specdec import clock
-from specdec.errors import Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
+from specdec.errors import KVStateLost, Overloaded, PrefixMismatch, SessionEvicted, SessionNotFound
 from specdec.protocol import ClientInfo, OpenSession, ReplyFrame, SessionOpened, VerifyFrame
 from specdec.sampling import SamplingParams
 
-LOST = (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch)  # a session to re-open from history
+# a session to re-open from history (KVStateLost: the replica's KV of it is gone, a pipeline stage's commit failed
+# or a tensor-parallel rank died)
+LOST = (SessionEvicted, SessionNotFound, ConnectionLost, PrefixMismatch, KVStateLost)
 
 
 @dataclass

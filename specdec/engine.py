@@ -125,6 +125,11 @@ class VerifierEngine:
         try:
             hook, self._on_layer = self._on_layer, None
             logits = self.runner.forward(bid, items, **({"on_layer": hook} if hook is not None else {}))
+        except KVStateLost as e:  # the runner lost its KV (a tensor-parallel rank died): those sessions end here
+            self.runner.abort(bid)
+            for sid in e.sessions:
+                self.close(sid, cache=False)
+            raise
         except BaseException:
             self.runner.abort(bid)
             raise

@@ -20,14 +20,22 @@ class VerifierDeployment(VerifierServer):
         tag = serve.get_replica_context().replica_id.unique_id
         runner = loaded = None
         vc = cfg.verifier
-        if vc.pipeline_parallel_size > 1:  # stages load their own layer slices; the replica holds no weights
+        if vc.tensor_parallel_size > 1 and vc.pipeline_parallel_size == 1:  # rank 0 here, the others actors
+            from deploy.verifier.tensor_parallel import tp_runner
+
+            runner = tp_runner(cfg.target, vc.tensor_parallel_size, cpus_per_rank=vc.num_cpus,
+                               gpus_per_rank=vc.num_gpus_per_stage, torch_threads=vc.torch_threads,
+                               kv_capacity_tokens=vc.kv_pool_tokens(), compile=vc.compile,
+                               prefix_caching=vc.prefix_caching)
+            loaded = runner.loaded
+        elif vc.pipeline_parallel_size > 1:  # stages load their own layer slices; the replica holds no weights
             from deploy.verifier.pipeline import build_runner
 
             runner = build_runner(cfg.target, vc.pipeline_parallel_size, cpus_per_stage=vc.num_cpus,
                                   gpus_per_stage=vc.num_gpus_per_stage or None, torch_threads=vc.torch_threads,
                                   kv_capacity_tokens=vc.kv_pool_tokens(), compile=vc.compile,
                                   early_exit=vc.early_exit,  # each stage builds the heads of its exit layers
-                                  prefix_caching=vc.prefix_caching,
+                                  prefix_caching=vc.prefix_caching, tensor_parallel_size=vc.tensor_parallel_size,
                                   sizing=Sizing.of(vc, cfg.target.max_model_len))  # each stage checks its pool fits
             loaded = runner.loaded
         super().__init__(cfg, replica_tag=tag, runner=runner, loaded=loaded)

@@ -5,7 +5,7 @@ What the weights, activations and CUDA graphs leave, capped by ``verifier.kv_bud
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +45,17 @@ class Shape:
                    get("head_dim") or get("hidden_size") // heads, get("intermediate_size"), get("vocab_size"),
                    bool(get("tie_word_embeddings", False)),
                    get("model_type") == "qwen2" or bool(get("attention_bias", False)), get("model_type") == "qwen3")
+
+    def per_rank(self, tp: int) -> "Shape":
+        """What the busiest of ``tp`` tensor-parallel ranks holds (specdec/model/tensor_parallel.py): its query and
+        KV heads (KV heads split, rounded up, or one replicated), intermediate size and vocabulary over ``tp``; the
+        hidden size and norms whole. Weights, KV and activations of this shape are one rank's."""
+        if tp == 1:
+            return self
+        kv = -(-self.num_kv_heads // tp) if self.num_kv_heads >= tp else 1
+        heads = kv * (self.num_heads // self.num_kv_heads) if self.num_kv_heads >= tp else self.num_heads // tp
+        return replace(self, num_heads=heads, num_kv_heads=kv, intermediate_size=-(-self.intermediate_size // tp),
+                       vocab_size=-(-self.vocab_size // tp))
 
     def layer_params(self) -> int:
         D, d = self.hidden_size, self.head_dim

@@ -14,6 +14,7 @@ from deploy.config import EarlyExitConfig, ModelConfig
 from deploy.verifier.kv_sizing import Sizing
 from deploy.verifier.layer_split import Weighting, split_layers
 from deploy.verifier.pipeline_stage import PipelineStage, StageExits, exit_layers, target_config
+from specdec.errors import KVStateLost
 from specdec.model.batch import SeqInput
 from specdec.model.loading import LoadedModel, load_target
 from specdec.model.native import PAGE_SIZE
@@ -78,8 +79,10 @@ class PipelineRunner:
                  torch_threads: int | None = None, use_placement_group: bool = True,
                  kv_capacity_tokens: int = 1 << 16, compile: bool = False,
                  early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False,
-                 sizing: Sizing | None = None):
+                 sizing: Sizing | None = None, tensor_parallel_size: int = 1):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        tp = tensor_parallel_size  # > 1: stage i is rank 0 of its group in bundle 1 + i tp, its ranks behind it
 
         pp = pipeline_parallel_size
         if bounds is None:
@@ -91,14 +94,16 @@ class PipelineRunner:
         self.slices = slices
         self.model_cfg = model_cfg
         pg = ray.util.get_current_placement_group() if use_placement_group else None
-        if pg is not None and len(pg.bundle_specs) < pp + STAGE_BUNDLE_OFFSET:
+        if pg is not None and len(pg.bundle_specs) < pp * tp + STAGE_BUNDLE_OFFSET:
             raise ValueError(f"the replica's placement group has {len(pg.bundle_specs)} bundles; "
-                             f"{pp} stages need {pp + STAGE_BUNDLE_OFFSET} (see pipeline_bundles)")
+                             f"{pp} stages of {tp} ranks need {pp * tp + STAGE_BUNDLE_OFFSET} (see pipeline_bundles, "
+                             f"deploy/verifier/tensor_parallel.py)")
         actor_cls = ray.remote(PipelineStage)
         self.stages = []
         for i, (a, b) in enumerate(slices):
+            bundle = i * tp + STAGE_BUNDLE_OFFSET
             if pg is not None and cpus_per_stage is None and gpus_per_stage is None:
-                res = dict(pg.bundle_specs[i + STAGE_BUNDLE_OFFSET])  # the whole bundle is the stage's
+                res = dict(pg.bundle_specs[bundle])  # the whole bundle is the stage's
             else:  # "auto" asks for no GPU: the replica cannot see which devices stages would get
                 res = stage_resources(model_cfg.device, 1.0 if cpus_per_stage is None else cpus_per_stage,
                                       gpus_per_stage)
@@ -107,9 +112,10 @@ class PipelineRunner:
                           "max_restarts": 0, "max_task_retries": 0}  # no retries: keeps per-actor order
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=i + STAGE_BUNDLE_OFFSET)
+                    placement_group=pg, placement_group_bundle_index=bundle)
             self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens, compile,
-                                                                early_exit, prefix_caching, sizing))
+                                                                early_exit, prefix_caching, sizing,
+                                                                tp, list(range(bundle + 1, bundle + tp)), res))
         self.loaded: LoadedModel = ray.get(self.stages[0].describe.remote())
         ray.get([s.stats.remote() for s in self.stages])  # every stage loaded
         self.exit_heads: StageExits | None = None  # the exits the stages hold (the engine's ``exit_heads``)
@@ -193,7 +199,17 @@ class PipelineRunner:
             on_layer.cpu_seconds += got["cpu_seconds"]
             for layer in sorted(got["rows"]):
                 on_layer.walk(layer, got["rows"][layer])
-        return ray.get(ref)
+        try:
+            return ray.get(ref)
+        except KVStateLost as e:  # a stage's tensor-parallel group restarted empty: every stage drops every session
+            with self._lock:
+                lost = sorted(self._lengths)
+                self._lengths.clear()
+                self._batches.pop(batch_id, None)
+                for sid in lost:
+                    self._broadcast("drop", sid)
+            raise KVStateLost(f"a pipeline stage lost its KV ({type(e).__name__}); every session re-opens from "
+                              "history", sessions=sorted(set(lost) | set(getattr(e, "sessions", ())))) from None
 
     def commit(self, batch_id: int, keep: dict[str, Keep]) -> None:
         with self._lock:
@@ -279,7 +295,8 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
                  gpus_per_stage: float | None = None, torch_threads: int | None = None,
                  weighting: Weighting = "flops", kv_capacity_tokens: int = 1 << 16,
                  compile: bool = False, early_exit: EarlyExitConfig | None = None,
-                 prefix_caching: bool = False, sizing: Sizing | None = None) -> ModelRunner | PipelineRunner:
+                 prefix_caching: bool = False, sizing: Sizing | None = None,
+                 tensor_parallel_size: int = 1) -> ModelRunner | PipelineRunner:
     """The runner of a verifier replica; ``runner.loaded`` is what its engine is built from.
     pp == 1: a ModelRunner over the whole target; pp > 1: a :class:`PipelineRunner` (``loaded.model``: a ModelShell)."""
     if pipeline_parallel_size == 1:
@@ -293,4 +310,4 @@ def build_runner(model_cfg: ModelConfig, pipeline_parallel_size: int = 1, *, cpu
     return PipelineRunner(model_cfg, pipeline_parallel_size, weighting=weighting, cpus_per_stage=cpus_per_stage,
                           gpus_per_stage=gpus_per_stage, torch_threads=torch_threads,
                           kv_capacity_tokens=kv_capacity_tokens, compile=compile, early_exit=early_exit,
-                          prefix_caching=prefix_caching, sizing=sizing)
+                          prefix_caching=prefix_caching, sizing=sizing, tensor_parallel_size=tensor_parallel_size)

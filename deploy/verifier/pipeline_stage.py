@@ -51,9 +51,10 @@ def target_config(model_cfg: ModelConfig):
 
 
 def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bool = False,
-               keep_head: bool = False) -> LoadedModel:
+               keep_head: bool = False, shard: tuple[int, int] | None = None) -> LoadedModel:
     """The target with only layers ``[first, last)`` (+ embedding / head) materialised;
-    ``keep_head``: the final norm and LM head too, whatever the slice."""
+    ``keep_head``: the final norm and LM head too, whatever the slice; ``shard`` ``(rank, tp)``: of a safetensors
+    checkpoint only that tensor-parallel rank's part is read (others are read whole, the rank keeps its part)."""
     path = safetensors_dir(model_cfg.model)
     if path is None:  # tiny-random, GGUF, hub id: load whole, keep the slice
         loaded = load_target(model_cfg, weights_only=True)
@@ -61,7 +62,7 @@ def load_stage(model_cfg: ModelConfig, first: int, last: int, with_tokenizer: bo
         return loaded
     device = resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype, device, model_cfg.model)
-    model = read_weights(path, dtype, device, first, last, keep_head)
+    model = read_weights(path, dtype, device, first, last, keep_head, shard)
     tok = load_tokenizer(str(path), model_cfg.tokenizer) if with_tokenizer else None
     return loaded_model(model, tok, model_cfg.model, model_cfg.seed, device, dtype)
 
@@ -88,9 +89,24 @@ class PipelineStage:
     def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None,
                  kv_capacity_tokens: int = 1 << 16, compile: bool = False,
                  early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False,
-                 sizing: Sizing | None = None):
+                 sizing: Sizing | None = None, tensor_parallel_size: int = 1, tp_bundles: list[int] | None = None,
+                 rank_resources: dict | None = None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        if tensor_parallel_size > 1:  # this actor is rank 0 of the stage's group (deploy/verifier/tensor_parallel.py)
+            from deploy.verifier.tensor_parallel import tp_runner
+
+            res = rank_resources or {}
+            self.heads = None
+            self.runner = tp_runner(model_cfg, tensor_parallel_size, first=first, last=last, bundles=tp_bundles,
+                                    cpus_per_rank=res.get("CPU", 1.0), gpus_per_rank=res.get("GPU", 0.0),
+                                    torch_threads=torch_threads, kv_capacity_tokens=kv_capacity_tokens,
+                                    compile=compile, prefix_caching=prefix_caching)
+            info = self.runner.loaded
+            self.info = LoadedModel(ModelShell(info.model.config, info.model.generation_config), info.tokenizer,
+                                    info.name, info.eos_token_ids, str(info.device), info.dtype)
+            self.reset_stats()
+            return
         here = ()
         if early_exit is not None and early_exit.enabled:
             here = tuple(x for x in exit_layers(early_exit) if first < x <= last)

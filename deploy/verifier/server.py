@@ -120,7 +120,8 @@ class VerifierServer:
                 "prefix_cache": self.engine.prefix_cache_stats(), "open_forecast": self.opens.forecast.state(),
                 "evictions": len(self.sessions.evicted), "versions": self.versions.registry.served(),
                 "versions_unavailable": dict(self.versions.registry.unavailable),
-                "versions_error": self.version_updates.error}
+                "versions_error": self.version_updates.error,
+                "tensor_parallel": getattr(self.engine.runner, "tp_stats", lambda: None)()}
 
     def pending(self) -> int:
         """Requests waiting for the engine: verify rounds and opens (queued or prefilling)."""

@@ -233,11 +233,20 @@ def prune(model: nn.Module, first: int, last: int, keep_head: bool = False) -> N
 
 
 def read_weights(path: str | Path, dtype: torch.dtype, device: str = "cpu", first: int = 0,
-                 last: int | None = None, keep_head: bool = False) -> CausalLMWeights:
+                 last: int | None = None, keep_head: bool = False,
+                 shard: tuple[int, int] | None = None) -> CausalLMWeights:
     """The checkpoint in ``path`` with only layers ``[first, last)`` read and materialised (+ the embedding in the
-    first stage, final norm and LM head in the last or with ``keep_head``); floating tensors cast to ``dtype``."""
+    first stage, final norm and LM head in the last or with ``keep_head``); floating tensors cast to ``dtype``.
+    ``shard`` ``(rank, tp)``: only that tensor-parallel rank's part of each tensor is read (its config is the
+    rank's, ``config.full_config`` the whole: specdec/model/tensor_parallel.py)."""
     path = Path(path)
     config = CheckpointConfig.read(path)
+    slicer = None
+    if shard is not None:
+        from specdec.model.tensor_parallel import local_config, shard_slicer
+
+        slicer = shard_slicer(config, *shard)
+        config = local_config(config, *shard)
     n = config.num_hidden_layers
     last = n if last is None else last
     head = last == n or keep_head
@@ -258,7 +267,12 @@ def read_weights(path: str | Path, dtype: torch.dtype, device: str = "cpu", firs
             for key in fh.keys():
                 name = key if key.startswith(("model.", "lm_head.")) else "model." + key  # a base-model file
                 if wanted(name):
-                    t = fh.get_tensor(key)
+                    part = slicer(name) if slicer is not None else None
+                    if part is None:
+                        t = fh.get_tensor(key)
+                    else:  # this rank's rows or columns only
+                        dim, a, b = part
+                        t = fh.get_slice(key)[(slice(None),) * dim + (slice(a, b),)]
                     state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
     if head and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied head

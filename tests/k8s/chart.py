@@ -234,4 +234,5 @@ def worker_gpus(rs: dict, resource: str = "nvidia.com/gpu") -> tuple[int, int]:
 
 
 def gpus_per_replica(verifier: dict) -> int:
-    return math.ceil(verifier.get("pipeline_parallel_size", 1) * verifier.get("num_gpus_per_stage", 0))
+    return math.ceil(verifier.get("pipeline_parallel_size", 1) * verifier.get("tensor_parallel_size", 1)
+                     * verifier.get("num_gpus_per_stage", 0))

@@ -197,7 +197,8 @@ def test_gpu_worker_group_matches_verifier(values, rendered, serve_builder):
     assert cluster["enableInTreeAutoscaling"] == bool(autoscaling and gpr)
 
     cpus, gpus = _replica_demand(serve_builder(app))
-    assert gpus == pytest.approx(verifier.get("pipeline_parallel_size", 1) * verifier.get("num_gpus_per_stage", 0))
+    assert gpus == pytest.approx(verifier.get("pipeline_parallel_size", 1) * verifier.get("tensor_parallel_size", 1)
+                                 * verifier.get("num_gpus_per_stage", 0))
     if gpr == 0:
         assert "workerGroupSpecs" not in cluster
         head = ray_container(cluster["headGroupSpec"]["template"])

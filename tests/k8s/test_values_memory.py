@@ -1,4 +1,5 @@
-"""Every values file under k8s/values/ fits its card: each verifier replica's (or pipeline stage's)
+"""Every values file under k8s/values/ fits its card: each verifier replica's (or pipeline stage's, or
+tensor-parallel rank's)
 memory computed from the target's config shapes (benchmarks/model_shapes.json, the checkpoints'
 config.json) as deploy/verifier/kv_sizing.py sizes a pool at start: weights of its layers, the
 largest forward's activations, the CUDA graphs, the CUDA context; a pool of at least one
@@ -18,6 +19,7 @@ from deploy.config import AppConfig
 from specdec.model.checkpoint import CheckpointConfig
 from deploy.verifier.kv_sizing import GIB, GRAPH_ROWS, DoesNotFit, KVPlan, MemoryUse, Shape, activation_bytes, plan
 from deploy.verifier.layer_split import split_layers
+from deploy.verifier.tensor_parallel import rank_memory
 from specdec.model.loading import EMBEDDED_ALIASES
 
 VALUES = sorted((Path(__file__).resolve().parents[2] / "k8s" / "values").glob("*.yaml"))
@@ -53,16 +55,17 @@ def stage_plans(values: dict) -> list[KVPlan]:
         total = _quantity(values["head"]["resources"]["limits"]["memory"])
     max_len = t.max_model_len or config["max_position_embeddings"]
     logit_rows = vc.max_batch_sessions * (vc.max_tree_nodes + 1)
+    tp = vc.tensor_parallel_size
     plans = []
     for first, last in split_layers(CheckpointConfig.from_dict(config), vc.pipeline_parallel_size):
         logits = min(logit_rows, vc.max_batch_tokens) if last == shape.num_layers else 0
-        act = activation_bytes(shape, vc.max_batch_tokens, logits, dtype)
+        # one tensor-parallel rank's share (the busiest's; tp 1: the stage's own): deploy/verifier/tensor_parallel.py
+        weights, act, kv_bytes = rank_memory(shape, tp, vc.max_batch_tokens, logits, dtype, first, last)
         rows = min(GRAPH_ROWS, vc.max_batch_tokens)
-        graphs = activation_bytes(shape, rows, min(logits, rows), dtype) if cuda else 0
-        memory = MemoryUse("cuda" if cuda else "cpu", total, vc.gpu_memory_utilization,
-                           shape.weight_bytes(dtype, first, last), act, graphs, OTHER)
-        p = plan(memory, shape.kv_bytes_per_token(dtype, last - first), max_len, vc.batch_room_tokens(),
-                 vc.kv_budget_tokens)
+        # no CUDA graphs with tp > 1 (they would capture the collectives)
+        graphs = activation_bytes(shape, rows, min(logits, rows), dtype) if cuda and tp == 1 else 0
+        memory = MemoryUse("cuda" if cuda else "cpu", total, vc.gpu_memory_utilization, weights, act, graphs, OTHER)
+        p = plan(memory, kv_bytes, max_len, vc.batch_room_tokens(), vc.kv_budget_tokens)
         if vc.kv_budget_tokens is not None and p.budget_tokens < vc.kv_budget_tokens:
             raise DoesNotFit(f"stage [{first}, {last}): kv_budget_tokens {vc.kv_budget_tokens:,} asked, "
                              f"{p.budget_tokens:,} fit: {p.describe()}")
@@ -94,4 +97,17 @@ def test_a_file_that_does_not_fit_fails(change, message):
     values = copy.deepcopy(yaml.safe_load((VALUES[0].parent / "gpu-qwen3-14b.yaml").read_text()))
     values["app"]["verifier"].update(change)
     with pytest.raises(DoesNotFit, match=message):
+        stage_plans(values)
+
+
+def test_the_70b_file_is_four_tensor_parallel_ranks_on_80gb_cards():
+    """Llama-3.1-70B (bf16, 131 GiB of weights) over 4 ranks, one 80 GB GPU each: each rank's quarter of the
+    weights, KV heads, activations and gathered logits fit 90 % of its card with the whole kv_budget_tokens; the
+    same replica at tensor_parallel_size 2 does not (each rank would hold 66 GiB of weights)."""
+    values = yaml.safe_load((VALUES[0].parent / "gpu-llama3.1-70b-tp4.yaml").read_text())
+    (p,) = stage_plans(values)
+    assert values["app"]["verifier"]["tensor_parallel_size"] == 4 == values["gpuWorkers"]["gpusPerPod"]
+    assert 32 * GIB < p.memory.weights < 34 * GIB and p.sessions >= 8
+    values["app"]["verifier"]["tensor_parallel_size"] = 2
+    with pytest.raises(DoesNotFit):
         stage_plans(values)

@@ -36,12 +36,13 @@ app.kubernetes.io/part-of: specedge
 
 {{/* ---------------- GPU accounting (one verifier replica = pipeline stages) ---------------- */}}
 
-{{/* GPUs one verifier replica holds: ceil(pipeline_parallel_size * num_gpus_per_stage). */}}
+{{/* GPUs one verifier replica holds: ceil(pipeline_parallel_size * tensor_parallel_size * num_gpus_per_stage). */}}
 {{- define "specedge.gpusPerReplica" -}}
 {{- $v := .Values.app.verifier | default dict }}
 {{- $pp := $v.pipeline_parallel_size | default 1 }}
+{{- $tp := $v.tensor_parallel_size | default 1 }}
 {{- $g := $v.num_gpus_per_stage | default 0 }}
-{{- mulf $pp $g | ceil | int }}
+{{- mulf (mul $pp $tp) $g | ceil | int }}
 {{- end }}
 
 {{/* GPUs per worker pod: gpuWorkers.gpusPerPod, default one replica per pod. */}}
@@ -50,6 +51,10 @@ app.kubernetes.io/part-of: specedge
 {{- $gpp := .Values.gpuWorkers.gpusPerPod | default $gpr | int }}
 {{- if and (gt $gpr 0) (le $gpp 0) }}
 {{- fail "gpuWorkers.gpusPerPod must be positive" }}
+{{- end }}
+{{- $tp := (.Values.app.verifier | default dict).tensor_parallel_size | default 1 | int }}
+{{- if and (gt $tp 1) (gt $gpr 0) (ne (mod $gpp $gpr) 0) }}
+{{- fail (printf "gpuWorkers.gpusPerPod=%d: tensor_parallel_size %d places a verifier replica's %d GPUs on one node (STRICT_PACK): a multiple of them per pod" $gpp $tp $gpr) }}
 {{- end }}
 {{- if and (gt $gpr 0) (ne (mod $gpp $gpr) 0) (ne (mod $gpr $gpp) 0) }}
 {{- fail (printf "gpuWorkers.gpusPerPod=%d must be a multiple or a divisor of the GPUs per verifier replica (%d)" $gpp $gpr) }}

@@ -1,0 +1,356 @@
+"""Tensor parallelism inside a verifier replica (issue 64): a Llama-family decoder sharded Megatron-style over N
+ranks, with reductions whose summation order never depends on the batch. docs/tensor_parallel.md.
+
+- :class:`FixedOrderGroup`: the collectives. ``sum`` is an all-gather of every rank's partial sums (a copy: bit
+  exact) and an elementwise sum in rank order on every rank, so a row's bits depend on its own partial sums only,
+  never on how many rows the buffer holds (a ring all-reduce's order depends on the buffer's chunking).
+- :class:`TPDecoderModel`: column-parallel QKV (each rank its own Q heads and their KV heads; KV heads fewer than
+  ranks replicated, as vLLM does) and gate/up; row-parallel o_proj and down_proj (one ``sum`` each);
+  vocabulary-parallel embedding (one ``sum``) and LM head (logits gathered to rank 0, where the walk runs).
+  Each rank's KV pool holds its own KV heads.
+- :func:`check_shardable`: what must divide, checked on the config before anything loads."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import pickle
+import struct
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from specdec.model.decoder import DecoderModel, DecoderSpec
+
+COMMAND_BYTES = 1 << 16  # the fixed broadcast of a round's command: a batch's items fit it (else a second one)
+
+
+class GroupLost(RuntimeError):
+    """A collective of the tensor-parallel group failed: a rank died, hung past the timeout or closed the group."""
+
+
+# -- configuration ------------------------------------------------------------------------
+def _get(cfg, name: str, default=None):
+    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+
+
+def check_shardable(config, tp: int) -> list[str]:
+    """Why ``config`` (an HF config object or a ``config.json`` dict) cannot be split over ``tp`` ranks (empty: it
+    can). Attention is split along KV groups: with at least ``tp`` KV heads each rank takes ``KV / tp`` of them
+    (rounded: ranks may differ by one group, as SmolLM2's 3 KV heads over 2 ranks) and their query heads; with
+    fewer, ``tp`` must be a multiple of the KV heads (each replicated on ``tp / KV`` ranks) and the query heads a
+    multiple of ``tp``. The intermediate size and the vocabulary must be multiples of ``tp``."""
+    if tp < 1:
+        return [f"tensor_parallel_size must be >= 1 (got {tp})"]
+    if tp == 1:
+        return []
+    heads = int(_get(config, "num_attention_heads"))
+    kv = int(_get(config, "num_key_value_heads", None) or heads)
+    out = []
+    for name, n in (("intermediate size", int(_get(config, "intermediate_size"))),
+                    ("vocabulary size", int(_get(config, "vocab_size")))):
+        if n % tp:
+            out.append(f"{name} {n} is not divisible by tensor_parallel_size {tp}")
+    if kv < tp and (tp % kv or heads % tp):
+        out.append(f"{heads} attention heads / {kv} KV heads cannot be split over {tp} ranks: with fewer KV heads "
+                   f"than ranks, tensor_parallel_size must be a multiple of the KV heads and divide the heads")
+    return out
+
+
+def kv_heads_of(num_kv_heads: int, tp: int, rank: int) -> range:
+    """The KV heads rank ``rank`` of ``tp`` holds: its share (``floor`` / ``ceil`` of ``KV / tp``), or one
+    replicated head when there are fewer KV heads than ranks."""
+    if num_kv_heads >= tp:
+        return range(num_kv_heads * rank // tp, num_kv_heads * (rank + 1) // tp)
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+def q_heads_of(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> range:
+    """The query heads rank ``rank`` holds: those of its KV heads' groups (replicated KV: ``heads / tp`` each)."""
+    if num_kv_heads >= tp:
+        g = num_heads // num_kv_heads
+        kvs = kv_heads_of(num_kv_heads, tp, rank)
+        return range(kvs.start * g, kvs.stop * g)
+    n = num_heads // tp
+    return range(rank * n, (rank + 1) * n)
+
+
+# -- reading one rank's shard of a checkpoint ---------------------------------------------------
+def local_config(config, rank: int, tp: int):
+    """``config`` (a CheckpointConfig or HF config) with rank ``rank``'s head, KV-head, intermediate and vocabulary
+    counts; ``full_config`` the whole one's, ``tp_shard`` ``(rank, tp)``."""
+    spec = DecoderSpec.from_config(config)
+    qs, kvs = q_heads_of(spec.num_heads, spec.num_kv_heads, tp, rank), kv_heads_of(spec.num_kv_heads, tp, rank)
+    local = copy.copy(config)
+    local.num_attention_heads, local.num_key_value_heads, local.head_dim = len(qs), len(kvs), spec.head_dim
+    local.intermediate_size, local.vocab_size = config.intermediate_size // tp, config.vocab_size // tp
+    local.full_config, local.tp_shard = config, (rank, tp)
+    return local
+
+
+def shard_slicer(config, rank: int, tp: int):
+    """``slicer(name) -> (dim, start, stop) | None``: the part of checkpoint tensor ``name`` rank ``rank`` keeps
+    (None: whole), for reading only that from a safetensors file (``safe_open(...).get_slice``)."""
+    spec = DecoderSpec.from_config(config)
+    d = spec.head_dim
+    qs, kvs = q_heads_of(spec.num_heads, spec.num_kv_heads, tp, rank), kv_heads_of(spec.num_kv_heads, tp, rank)
+    i0, n_i = rank * (config.intermediate_size // tp), config.intermediate_size // tp
+    v0, n_v = rank * (config.vocab_size // tp), config.vocab_size // tp
+    rules = {"q_proj.weight": (0, qs.start * d, qs.stop * d), "q_proj.bias": (0, qs.start * d, qs.stop * d),
+             "k_proj.weight": (0, kvs.start * d, kvs.stop * d), "k_proj.bias": (0, kvs.start * d, kvs.stop * d),
+             "v_proj.weight": (0, kvs.start * d, kvs.stop * d), "v_proj.bias": (0, kvs.start * d, kvs.stop * d),
+             "o_proj.weight": (1, qs.start * d, qs.stop * d),
+             "gate_proj.weight": (0, i0, i0 + n_i), "gate_proj.bias": (0, i0, i0 + n_i),
+             "up_proj.weight": (0, i0, i0 + n_i), "up_proj.bias": (0, i0, i0 + n_i),
+             "down_proj.weight": (1, i0, i0 + n_i),
+             "embed_tokens.weight": (0, v0, v0 + n_v), "lm_head.weight": (0, v0, v0 + n_v),
+             "lm_head.bias": (0, v0, v0 + n_v)}
+
+    def slicer(name: str):
+        return rules.get(".".join(name.split(".")[-2:]))
+
+    return slicer
+
+
+# -- the group ------------------------------------------------------------------------------
+class FixedOrderGroup:
+    """One tensor-parallel group's collectives. Rank 0 hosts the rendezvous store. The commands go over gloo (host
+    memory); the tensors over ``dev_pg``: the same gloo group on the CPU, NCCL on CUDA (all-gather and gather only:
+    copies, bit exact whatever NCCL's algorithm; not run here, no multi-GPU machine: docs/tensor_parallel.md)."""
+
+    def __init__(self, store, pg, rank: int, world: int, dev_pg=None):
+        self.store, self.pg, self.rank, self.world = store, pg, rank, world
+        self.dev_pg = dev_pg if dev_pg is not None else pg
+        self._cmd = torch.empty(COMMAND_BYTES, dtype=torch.uint8)
+        self.closed = False
+
+    @classmethod
+    def connect(cls, addr: str, port: int, rank: int, world: int, timeout_s: float = 120.0,
+                device: str = "cpu") -> "FixedOrderGroup":
+        """Join group ``addr:port`` as ``rank`` of ``world`` (rank 0 hosts the store); blocks until all joined."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(addr, port, world, rank == 0, timeout=timeout)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, timeout)
+        dev_pg = None
+        if torch.device(device).type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            dev_pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world, opts)
+        return cls(store, pg, rank, world, dev_pg)
+
+    @classmethod
+    def single(cls) -> "FixedOrderGroup":
+        """A group of one rank (the sharded code path at tp = 1: no collective runs)."""
+        return cls(None, None, 0, 1)
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:  # gloo: a peer's connection reset, or the timeout
+            self.closed = True
+            raise GroupLost(str(e).splitlines()[0][:300]) from None
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` [.., D] summed, on every rank, in rank order (float32 accumulation; ``x``'s dtype).
+        Each output element is ``((x_0 + x_1) + x_2) + ...`` of that element alone: no batch-dependent order."""
+        if self.world == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self._wait(self.dev_pg.allgather([parts], [x]))
+        acc = parts[0].float() if x.dtype != torch.float32 else parts[0]
+        for p in parts[1:]:
+            acc.add_(p)  # (an fp32 accumulator: p upcast elementwise, exactly)
+        return acc.to(x.dtype) if x.dtype != torch.float32 else acc
+
+    def gather_cols(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's ``x`` [R, C] side by side in rank order [R, world C]; other ranks: None."""
+        if self.world == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self._wait(self.dev_pg.gather([parts] if self.rank == 0 else [], [x], opts))
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0's ``payload`` on every rank: one fixed-size broadcast (a second for what does not fit)."""
+        buf = self._cmd
+        if self.rank == 0:
+            head = struct.pack("<Q", len(payload)) + payload[:COMMAND_BYTES - 8]
+            buf[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._wait(self.pg.broadcast([buf], dist.BroadcastOptions()))
+        (n,) = struct.unpack("<Q", bytes(buf[:8].tolist()))
+        if n <= COMMAND_BYTES - 8:
+            return payload if self.rank == 0 else bytes(buf[8:8 + n].numpy())
+        rest = n - (COMMAND_BYTES - 8)
+        extra = (torch.frombuffer(bytearray(payload[COMMAND_BYTES - 8:]), dtype=torch.uint8) if self.rank == 0
+                 else torch.empty(rest, dtype=torch.uint8))
+        self._wait(self.pg.broadcast([extra], dist.BroadcastOptions()))
+        return payload if self.rank == 0 else bytes(buf[8:].numpy()) + bytes(extra.numpy())
+
+    def broadcast_obj(self, obj=None):
+        return pickle.loads(self.broadcast_bytes(pickle.dumps(obj) if self.rank == 0 else None))
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self._wait(self.pg.barrier())
+
+    def close(self) -> None:
+        """Drop the group (its sockets close; peers blocked in a collective get an error)."""
+        self.closed = True
+        for pg in {id(p): p for p in (self.dev_pg, self.pg) if p is not None}.values():
+            try:
+                pg.abort()
+            except (AttributeError, RuntimeError):
+                pass
+        self.pg = self.dev_pg = self.store = None
+
+
+# -- the sharded decoder ---------------------------------------------------------------------
+def _part(t: torch.Tensor | None, dim: int, start: int, stop: int) -> torch.Tensor | None:
+    """A copy of ``t[start:stop]`` along ``dim`` (not a view: the whole tensor can be freed)."""
+    if t is None:
+        return None
+    if start == 0 and stop == t.shape[dim]:  # a pre-sharded checkpoint's tensor: already this rank's
+        return t.detach()
+    return t.detach().narrow(dim, start, stop - start).clone()
+
+
+def _lin(w: torch.Tensor, b: torch.Tensor | None = None) -> SimpleNamespace:
+    return SimpleNamespace(weight=w, bias=b, out_features=w.shape[0])
+
+
+def shard_view(hf_model, rank: int, tp: int, first: int = 0, last: int | None = None) -> SimpleNamespace:
+    """The weights rank ``rank`` of ``tp`` holds, shaped as the module tree :class:`DecoderModel` reads, with a
+    config of the local head, KV-head, intermediate and vocabulary counts. Row-parallel biases are left out (added
+    once after the reduction: :class:`RowParallel`)."""
+    cfg = hf_model.config
+    spec = DecoderSpec.from_config(cfg)
+    problems = check_shardable(cfg, tp)
+    if problems:
+        raise ValueError("; ".join(problems))
+    Hq, Hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    qs, kvs = q_heads_of(Hq, Hkv, tp, rank), kv_heads_of(Hkv, tp, rank)
+    hq = len(qs)
+    inter = cfg.intermediate_size // tp
+    V = cfg.vocab_size // tp
+    last = spec.num_layers if last is None else last
+    inner = hf_model.model
+    layers = [None] * spec.num_layers
+    for i in range(first, last):
+        a, m = inner.layers[i].self_attn, inner.layers[i].mlp
+        q0, k0, k1 = qs.start * d, kvs.start * d, kvs.stop * d
+        attn = SimpleNamespace(
+            q_proj=_lin(_part(a.q_proj.weight, 0, q0, q0 + hq * d), _part(a.q_proj.bias, 0, q0, q0 + hq * d)),
+            k_proj=_lin(_part(a.k_proj.weight, 0, k0, k1), _part(a.k_proj.bias, 0, k0, k1)),
+            v_proj=_lin(_part(a.v_proj.weight, 0, k0, k1), _part(a.v_proj.bias, 0, k0, k1)),
+            o_proj=_lin(_part(a.o_proj.weight, 1, q0, q0 + hq * d)),
+            q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None))
+        i0 = rank * inter
+        mlp = SimpleNamespace(
+            gate_proj=_lin(_part(m.gate_proj.weight, 0, i0, i0 + inter), _part(m.gate_proj.bias, 0, i0, i0 + inter)),
+            up_proj=_lin(_part(m.up_proj.weight, 0, i0, i0 + inter), _part(m.up_proj.bias, 0, i0, i0 + inter)),
+            down_proj=_lin(_part(m.down_proj.weight, 1, i0, i0 + inter)))
+        layers[i] = SimpleNamespace(self_attn=attn, mlp=mlp, input_layernorm=inner.layers[i].input_layernorm,
+                                    post_attention_layernorm=inner.layers[i].post_attention_layernorm)
+    v0 = rank * V
+    embed = (SimpleNamespace(weight=_part(inner.embed_tokens.weight, 0, v0, v0 + V)) if first == 0 else None)
+    is_last = last == spec.num_layers
+    head = hf_model.lm_head if is_last else None
+    lm_head = (_lin(_part(head.weight, 0, v0, v0 + V), _part(getattr(head, "bias", None), 0, v0, v0 + V))
+               if is_last else None)
+    local = copy.copy(cfg)
+    local.num_attention_heads, local.num_key_value_heads, local.head_dim = hq, len(kvs), d
+    local.intermediate_size, local.vocab_size = inter, V
+    return SimpleNamespace(config=local, lm_head=lm_head, model=SimpleNamespace(
+        layers=layers, embed_tokens=embed, norm=inner.norm if is_last else None, rotary_emb=inner.rotary_emb))
+
+
+class RowParallel:
+    """A row-parallel linear: this rank's columns of W times its slice of x, summed over ranks (fixed order),
+    plus the bias once. Anything else (``lib``, ``native_w`` ...) is the local linear's."""
+
+    def __init__(self, local, group: FixedOrderGroup, bias: torch.Tensor | None):
+        self.local, self.group, self.full_bias = local, group, bias
+        self.in_features = local.in_features
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["local"], name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.sum(self.local(x))
+        return y + self.full_bias if self.full_bias is not None else y
+
+
+class TPDecoderModel(DecoderModel):
+    """Rank ``group.rank``'s shard of layers ``[first, last)`` of a Llama-family decoder (docs/tensor_parallel.md).
+    ``forward`` returns the full hidden states [N, D] on every rank; ``logits`` the full [R, V] on rank 0 and an
+    empty [R, 0] elsewhere. ``config`` and ``full_spec`` are the whole model's; ``spec`` is this rank's."""
+
+    def __init__(self, hf_model, group: FixedOrderGroup, first: int = 0, last: int | None = None,
+                 compile: bool = False):
+        pre = getattr(hf_model.config, "tp_shard", None)
+        if pre is not None and pre != (group.rank, group.world):
+            raise ValueError(f"weights read for rank {pre[0]} of {pre[1]} given to rank {group.rank} of {group.world}")
+        # weights read per rank (local_config, shard_slicer) are already this rank's: sliced "over one rank"
+        view = shard_view(hf_model, 0, 1, first, last) if pre else shard_view(hf_model, group.rank, group.world,
+                                                                               first, last)
+        full = hf_model.config.full_config if pre else hf_model.config
+        super().__init__(view, first, last, compile, graphs=False)  # CUDA graphs would capture the collectives
+        self.stack = None  # the native stack runs every layer in one call: no place for the reductions
+        self.full_spec = DecoderSpec.from_config(full)
+        self.config = full
+        self.tp_rank, self.tp_size = group.rank, group.world
+        self.vocab_start = group.rank * view.config.vocab_size
+        self.local_vocab = view.config.vocab_size
+        inner = hf_model.model
+        biases = {}
+        for i in range(self.first, self.last):
+            a, m = inner.layers[i].self_attn, inner.layers[i].mlp
+            biases[i] = tuple(b.detach().clone() if b is not None else None
+                              for b in (a.o_proj.bias, m.down_proj.bias))
+        self._row_biases = biases
+        self.set_group(group)
+
+    def set_group(self, group: FixedOrderGroup) -> None:
+        """Use ``group`` for the reductions (a restarted group: the same rank and size, the shard unchanged)."""
+        if (group.rank, group.world) != (self.tp_rank, self.tp_size):
+            raise ValueError(f"rank {group.rank} of {group.world} given to the shard of rank {self.tp_rank} "
+                             f"of {self.tp_size}")
+        self.group = group
+        for i, w in zip(range(self.first, self.last), self.layers):
+            ob, db = self._row_biases[i]
+            w.o = RowParallel(w.o.local if isinstance(w.o, RowParallel) else w.o, group, ob)
+            w.down = RowParallel(w.down.local if isinstance(w.down, RowParallel) else w.down, group, db)
+
+    def layer_linears(self):
+        return [getattr(f, "local", f) for w in self.layers for f in (w.qkv, w.o, w.gate_up, w.down)]
+
+    def forward(self, batch, pool, hidden=None, on_layer=None):
+        if batch.adapter_rows:
+            raise ValueError("LoRA target versions are not sharded yet: tensor_parallel_size 1 serves them")
+        if on_layer is not None:
+            raise ValueError("exit heads read the hidden states mid-forward: not with tensor_parallel_size > 1")
+        return super().forward(batch, pool, hidden)
+
+    def embed_rows(self, input_ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Vocabulary-parallel: each rank looks up the ids in its rows (zeros for the others'), summed over ranks
+        (exact: one nonzero addend per element)."""
+        if not self.is_first:
+            return hidden.to(self.device, self.dtype)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.local_vocab)
+        e = F.embedding(local.clamp(0, self.local_vocab - 1), self.embed).masked_fill(~mine[:, None], 0)
+        return self.group.sum(e)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel head: this rank's [R, V / tp], gathered side by side on rank 0 ([R, 0] elsewhere)."""
+        local = self.lm_head(self.glue.norm(hidden, self.norm, self.spec.rms_eps))
+        full = self.group.gather_cols(local)
+        return full if full is not None else local[:, :0]

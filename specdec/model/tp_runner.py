@@ -1,0 +1,311 @@
+"""A tensor-parallel group behind the :class:`~specdec.model.runner.ModelRunner` interface (issue 64).
+
+Rank 0 runs in the caller's process (the replica, or a pipeline stage) and is :class:`TPRunner`; ranks 1..N-1 are
+workers (:func:`serve_rank`) started by a launcher: :class:`ProcessLauncher` (processes, here and in tests) or
+``deploy.verifier.tensor_parallel.RayLauncher`` (Ray actors in the replica's placement group). Each round rank 0
+broadcasts one command (the KV bookkeeping queued since the last forward, then the forward's items); every rank
+packs the same batch on its own pool (the pools go through the same operations, so their pages agree), runs its
+shard, and the logits are gathered on rank 0. A collective that fails (a rank died) takes the group down: rank 0
+closes it, starts the workers again and raises :class:`~specdec.errors.KVStateLost` naming every session, which
+the engine closes and whose edges re-open from their histories. docs/tensor_parallel.md."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from specdec.errors import KVStateLost
+from specdec.model.loading import LoadedModel
+from specdec.model.runner import ModelRunner
+from specdec.model.tensor_parallel import FixedOrderGroup, GroupLost, TPDecoderModel
+
+log = logging.getLogger(__name__)
+
+# the runner's KV operations a worker replays, in order, before the next forward
+QUEUED_OPS = ("commit", "abort", "drop", "truncate", "hold", "share_prefix", "cache_prefix")
+
+
+class TPStartError(RuntimeError):
+    """A tensor-parallel worker could not start (its own error, when it could say)."""
+
+
+@dataclass
+class ShardSpec:
+    """What every rank builds: ``load()`` gives the target's weights (an HF-shaped module tree; each rank keeps its
+    shard of them), layers ``[first, last)``, the pool, the threads each rank runs."""
+
+    load: Callable
+    first: int = 0
+    last: int | None = None
+    kv_capacity_tokens: int = 1 << 16
+    prefix_caching: bool = False
+    compile: bool = False
+    threads: int = 1
+    timeout_s: float = 120.0
+    cpu_affinity: dict = field(default_factory=dict)  # rank -> CPUs (processes only)
+    load_shard: bool = False  # load(rank, tp): the loader reads only that rank's part (checkpoint.read_weights)
+    device: str = "cpu"  # cuda: the tensors' collectives over NCCL (each rank's own GPU)
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def build_shard(spec: ShardSpec, group: FixedOrderGroup, model=None) -> ModelRunner:
+    """This rank's runner: its shard of ``spec.load()`` (or ``model``, a shard kept from an earlier group)."""
+    info = None
+    if model is None:
+        weights = spec.load(group.rank, group.world) if spec.load_shard else spec.load()
+        if isinstance(weights, LoadedModel):  # the target's metadata, without the weights
+            m = weights.model
+            info = LoadedModel(SimpleNamespace(config=m.config, generation_config=getattr(m, "generation_config", None)),
+                               weights.tokenizer, weights.name, weights.eos_token_ids, weights.device, weights.dtype)
+            weights = m
+        model = TPDecoderModel(weights, group, spec.first, spec.last, spec.compile)
+        del weights  # only the shard stays
+    else:
+        model.set_group(group)
+    runner = ModelRunner(model, kv_capacity_tokens=spec.kv_capacity_tokens, compile=spec.compile,
+                         prefix_caching=spec.prefix_caching)
+    runner.loaded = info  # type: ignore[attr-defined]
+    return runner
+
+
+def serve_rank(addr: str, port: int, rank: int, world: int, spec: ShardSpec) -> None:
+    """A worker rank: join the group, load the shard (an error goes to the store for rank 0 to report), then
+    apply rank 0's commands until told to stop or the group fails. Exits the process on failure."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    cpus = spec.cpu_affinity.get(rank)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    group = FixedOrderGroup.connect(addr, port, rank, world, spec.timeout_s, spec.device)
+    group.store.set(f"tp/pid/{rank}", str(os.getpid()))
+    try:
+        runner = build_shard(spec, group)
+    except Exception:  # noqa: BLE001 - any load failure: reported by rank 0 as the group's start error
+        group.store.set(f"tp/error/{rank}", traceback.format_exc()[-4000:])
+        os._exit(1)
+    try:
+        group.barrier()
+        while True:
+            queued, cmd = group.broadcast_obj()
+            for op, args in queued:
+                getattr(runner, op)(*args)
+            if cmd is None:
+                continue
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "forward":
+                try:
+                    runner.forward(*cmd[1:])
+                except GroupLost:
+                    raise
+                except Exception:  # noqa: BLE001 - rank 0 meets the same error at the same point (a full pool)
+                    pass
+    except GroupLost:
+        os._exit(3)  # rank 0 is gone or closed the group: it starts a new one
+    group.close()
+
+
+def _process_main(addr, port, rank, world, spec):
+    serve_rank(addr, port, rank, world, spec)
+    os._exit(0)
+
+
+class ProcessLauncher:
+    """Workers as local processes (spawned): tests, benchmarks, a replica without Ray."""
+
+    def __init__(self):
+        self.procs = []
+
+    def address(self) -> str:
+        return "127.0.0.1"
+
+    def start(self, addr: str, port: int, world: int, spec: ShardSpec) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_process_main, args=(addr, port, r, world, spec), daemon=True)
+                      for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def failed(self) -> str | None:
+        """Why a worker is gone before joining (its exit code), or None."""
+        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
+        return f"worker rank(s) exited: {dead}" if dead else None
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)
+        self.procs = []
+
+
+class TPRunner:
+    """Rank 0 of a tensor-parallel group, as a :class:`ModelRunner` (the engine's ``runner``)."""
+
+    def __init__(self, spec: ShardSpec, world: int, launcher=None, model=None):
+        self.spec, self.world = spec, world
+        self.launcher = launcher if launcher is not None else ProcessLauncher()
+        self.restarts = 0
+        self.local: ModelRunner | None = None
+        self.group: FixedOrderGroup | None = None
+        self._queued: list = []
+        self._start(model)
+        self.loaded = self.local.loaded  # LoadedModel without weights (when spec.load gives a LoadedModel), or None
+
+    # -- the group ---------------------------------------------------------------------------
+    def _start(self, model=None) -> None:
+        """Start the workers, join them (rank 0), load this rank's shard unless kept, wait until all are loaded."""
+        if self.spec.threads:
+            torch.set_num_threads(self.spec.threads)
+        addr = self.launcher.address()
+        port = free_port(addr)
+        self.launcher.start(addr, port, self.world, self.spec)
+        try:
+            self.group = FixedOrderGroup.connect(addr, port, 0, self.world, self.spec.timeout_s, self.spec.device)
+            keep = model if model is not None else (self.local.model if self.local is not None else None)
+            loaded = self.local.loaded if self.local is not None else None
+            self.local = build_shard(self.spec, self.group, keep)
+            self.local.loaded = self.local.loaded or loaded
+            self.group.barrier()
+            self.worker_pids = [int(self.group.store.get(f"tp/pid/{r}")) for r in range(1, self.world)]
+        except Exception as e:  # noqa: BLE001 - one message, nothing left running
+            why = self._worker_errors() or (self.launcher.failed() if hasattr(self.launcher, "failed") else None)
+            self._teardown()
+            raise TPStartError(f"tensor-parallel group of {self.world} ranks did not start: "
+                               f"{why or f'{type(e).__name__}: {e}'}") from None
+        self._queued = []
+
+    def _worker_errors(self) -> str | None:
+        if self.group is None or self.group.store is None:
+            return None
+        out = []
+        for r in range(1, self.world):
+            key = f"tp/error/{r}"
+            try:
+                if self.group.store.check([key]):
+                    out.append(f"rank {r}: {self.group.store.get(key).decode().strip().splitlines()[-1]}")
+            except RuntimeError:
+                pass
+        return "; ".join(out) or None
+
+    def _teardown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.launcher.stop()
+
+    def _lost(self, e: GroupLost):
+        """The group failed: close it, start it again (this rank keeps its shard), drop every session's KV."""
+        lost = sorted(self.local.pool.sessions)
+        log.warning("tensor-parallel group lost (%s): restarting it; %d sessions re-open from history", e, len(lost))
+        self._teardown()
+        self._start()
+        self.restarts += 1
+        raise KVStateLost(f"a tensor-parallel rank was lost ({e}); the group restarted and its sessions' KV is "
+                          f"gone: re-open from history", sessions=lost)
+
+    def tp_stats(self) -> dict:
+        """The group: its size, restarts so far, the workers' process ids (rank 1 first)."""
+        return {"tensor_parallel_size": self.world, "restarts": self.restarts, "worker_pids": list(self.worker_pids)}
+
+    def shutdown(self) -> None:
+        if self.group is not None and not self.group.closed:
+            try:
+                self.group.broadcast_obj((self._queued, ("stop",)))
+            except GroupLost:
+                pass
+        self._teardown()
+
+    # -- rounds ----------------------------------------------------------------------------
+    def forward(self, batch_id: int, items, hidden: torch.Tensor | None = None, on_layer=None):
+        if on_layer is not None:
+            raise ValueError("exit heads need tensor_parallel_size 1")
+        queued, self._queued = self._queued, []
+        try:
+            self.group.broadcast_obj((queued, ("forward", batch_id, items, hidden)))
+            return self.local.forward(batch_id, items, hidden)
+        except GroupLost as e:
+            self._lost(e)
+
+    def flush(self) -> None:
+        """Send the queued KV operations now (a forward carries them otherwise)."""
+        if self._queued:
+            queued, self._queued = self._queued, []
+            try:
+                self.group.broadcast_obj((queued, None))
+            except GroupLost as e:
+                self._lost(e)
+
+    def _op(self, op: str, *args):
+        out = getattr(self.local, op)(*args)
+        self._queued.append((op, args))
+        return out
+
+    def commit(self, batch_id, keep):
+        return self._op("commit", batch_id, keep)
+
+    def abort(self, batch_id):
+        return self._op("abort", batch_id)
+
+    def hold(self, batch_id):
+        return self._op("hold", batch_id)
+
+    def drop(self, sid):
+        return self._op("drop", sid)
+
+    def truncate(self, sid, length):
+        return self._op("truncate", sid, length)
+
+    def share_prefix(self, sid, tokens, salt=None):
+        return self._op("share_prefix", sid, tokens, salt)
+
+    def cache_prefix(self, sid, tokens, salt=None):
+        return self._op("cache_prefix", sid, tokens, salt)
+
+    # -- what rank 0 answers alone (every rank's pool agrees) ---------------------------------
+    def kv_length(self, sid):
+        return self.local.kv_length(sid)
+
+    def kv_tokens(self):
+        return self.local.kv_tokens()
+
+    def kv_used_tokens(self):
+        return self.local.kv_used_tokens()
+
+    def prefix_stats(self):
+        return self.local.prefix_stats()
+
+    def session_kv(self, sid):
+        """Rank 0's KV heads of a session (the KV heads are split over ranks)."""
+        return self.local.session_kv(sid)
+
+    @property
+    def pool(self):
+        return self.local.pool
+
+    @property
+    def model(self):
+        return self.local.model
+
+    def __getattr__(self, name):  # first, last, is_first, is_last, dtype, device: the local runner's
+        if name in ("first", "last", "is_first", "is_last", "dtype", "device"):
+            return getattr(self.__dict__["local"], name)
+        raise AttributeError(name)
+
