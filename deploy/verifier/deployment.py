@@ -52,6 +52,9 @@ class VerifierDeployment(VerifierServer):
     def check_health(self) -> None:
         if self.loop.task is not None and self.loop.task.done():
             raise RuntimeError("verify loop stopped")
+        broken = getattr(self.engine.runner, "broken", None)  # a tensor-parallel group that could not restart
+        if broken:
+            raise RuntimeError(broken)
 
     async def info(self) -> dict:
         return self.model_info()

@@ -164,6 +164,7 @@ class TPRunner:
         self.spec, self.world = spec, world
         self.launcher = launcher if launcher is not None else ProcessLauncher()
         self.restarts = 0
+        self.broken: str | None = None  # why the group could not be started again after a loss
         self.local: ModelRunner | None = None
         self.group: FixedOrderGroup | None = None
         self._queued: list = []
@@ -177,8 +178,8 @@ class TPRunner:
             torch.set_num_threads(self.spec.threads)
         addr = self.launcher.address()
         port = free_port(addr)
-        self.launcher.start(addr, port, self.world, self.spec)
         try:
+            self.launcher.start(addr, port, self.world, self.spec)
             self.group = FixedOrderGroup.connect(addr, port, 0, self.world, self.spec.timeout_s, self.spec.device)
             keep = model if model is not None else (self.local.model if self.local is not None else None)
             loaded = self.local.loaded if self.local is not None else None
@@ -216,7 +217,11 @@ class TPRunner:
         lost = sorted(self.local.pool.sessions)
         log.warning("tensor-parallel group lost (%s): restarting it; %d sessions re-open from history", e, len(lost))
         self._teardown()
-        self._start()
+        try:
+            self._start()
+        except TPStartError as start:  # the replica's health check fails from now on: Serve replaces it
+            self.broken = str(start)
+            raise
         self.restarts += 1
         raise KVStateLost(f"a tensor-parallel rank was lost ({e}); the group restarted and its sessions' KV is "
                           f"gone: re-open from history", sessions=lost)
@@ -237,6 +242,8 @@ class TPRunner:
     def forward(self, batch_id: int, items, hidden: torch.Tensor | None = None, on_layer=None):
         if on_layer is not None:
             raise ValueError("exit heads need tensor_parallel_size 1")
+        if self.broken:
+            raise RuntimeError(f"the tensor-parallel group is down: {self.broken}")
         queued, self._queued = self._queued, []
         try:
             self.group.broadcast_obj((queued, ("forward", batch_id, items, hidden)))

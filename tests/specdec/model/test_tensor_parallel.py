@@ -293,3 +293,38 @@ def test_a_rank_reads_only_its_part_of_a_checkpoint_and_gets_the_same_shard(tmp_
         assert torch.equal(a.embed, b.embed)
         held = sum(t.numel() for t in part.parameters())
         assert held < 0.6 * sum(t.numel() for t in whole.parameters())
+
+
+class _NoRestart:
+    """A launcher whose workers start once: the second start fails as a worker that cannot load would."""
+
+    def __init__(self):
+        from specdec.model.tp_runner import ProcessLauncher
+
+        self.inner, self.starts = ProcessLauncher(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def start(self, addr, port, world, spec):
+        self.starts += 1
+        if self.starts > 1:
+            raise RuntimeError("no device left for rank 1")
+        self.inner.start(addr, port, world, spec)
+
+
+def test_a_group_that_cannot_start_again_is_down_and_says_why():
+    from specdec.model.batch import chunk_input
+
+    runner = TPRunner(ShardSpec(functools.partial(tiny_weights, 0, torch.float32), kv_capacity_tokens=1024,
+                                timeout_s=20), 2, _NoRestart())
+    try:
+        runner.forward(0, [chunk_input("s", 0, [3, 4, 5])])
+        os.kill(runner.launcher.pids()[0], signal.SIGKILL)
+        with pytest.raises(TPStartError, match="no device left for rank 1"):
+            runner.forward(1, [chunk_input("t", 0, [3, 4, 5])])
+        assert "no device left" in runner.broken
+        with pytest.raises(RuntimeError, match="tensor-parallel group is down"):
+            runner.forward(2, [chunk_input("u", 0, [3])])
+    finally:
+        runner.shutdown()
