@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 # compiling the whole venv up front (92 CPU-s in a clean clone's `make test`)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install model adapters bench-versions prometheus demo test test-fast bench bench-quick bench-engine bench-peers bench-request-path loadtest gpu-check clean
+.PHONY: install model adapters bench-versions prometheus redis demo test test-fast bench bench-quick bench-engine bench-peers bench-request-path loadtest gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -47,11 +47,15 @@ demo: model
 prometheus:
 	bash dashboards/install_prometheus.sh
 
+# Redis (Debian package): the head's external GCS store in the GCS fault-tolerance test and `make chaos`; no-op if present
+redis:
+	bash scripts/install_redis.sh
+
 # two phases: the suite on two xdist workers (each its own session; the modules that use the session's
 # Ray instance all run on one of them, tests/conftest.py), then the timing-sensitive tests (marker `exclusive`) alone, collected from the
 # files that use the marker (collecting the whole suite again costs ~19 s)
 PYTEST := $(BIN)/python -m pytest -q --timeout=900 -p no:cacheprovider
-test: model prometheus
+test: model prometheus redis
 	$(PYTEST) --durations=15 -n 2 -m "not exclusive" tests; a=$$?; \
 	$(PYTEST) -m exclusive $$(grep -rlE --include='*.py' 'mark\.exclusive' tests); b=$$?; \
 	test $$a -eq 0 -a $$b -eq 0

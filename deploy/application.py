@@ -26,6 +26,8 @@ def verifier_options(cfg: AppConfig) -> dict:
         health_check_period_s=10,
         graceful_shutdown_timeout_s=5,
     )
+    if vc.max_replicas_per_node is not None:  # one stage (AppConfig refuses it with pipeline stages)
+        opts["max_replicas_per_node"] = vc.max_replicas_per_node
     if vc.tensor_parallel_size > 1:  # ranks (and stages) in one STRICT_PACK group: deploy/verifier/tensor_parallel.py
         from deploy.verifier.tensor_parallel import deployment_options, placement_problem
 

@@ -119,6 +119,11 @@ class VerifierConfig(_Strict):
                                            "reports ready: the first user does not pay for initialisation")
     idle_timeout_s: float = Field(600.0, gt=0)
     pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    max_replicas_per_node: int | None = Field(
+        None, ge=1, le=100, description="Serve's max_replicas_per_node for the verifier replicas: 1 spreads them "
+                                        "one per Ray node, so a node's loss takes one replica's sessions (they "
+                                        "re-open on the others); null: Serve places them (one stage only: pipeline "
+                                        "stages are placed by their placement group)")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="ranks the target (or each pipeline stage) is "
                                       "sharded over, Megatron-style, as vLLM names it: one GPU (num_gpus_per_stage "
                                       "each) or num_cpus each; a replica holds tensor x pipeline size devices in "
@@ -366,6 +371,13 @@ class AppConfig(_Strict):
         if problems:
             raise ValueError(f"target {t.model} cannot be split over verifier.tensor_parallel_size {tp}: "
                              + "; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _spread_needs_one_stage(self):
+        if self.verifier.max_replicas_per_node is not None and self.verifier.pipeline_parallel_size > 1:
+            raise ValueError("verifier.max_replicas_per_node needs verifier.pipeline_parallel_size 1 (Serve refuses it "
+                             "with a placement group; spread pipelined replicas with the Kubernetes pods they fill)")
         return self
 
     @model_validator(mode="after")

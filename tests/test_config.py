@@ -307,3 +307,16 @@ def test_the_gpu_quickstart_config_validates():
     cfg = AppConfig(**app["args"])
     assert cfg.target.device == "cuda" and cfg.verifier.num_gpus_per_stage == 1
     assert cfg.verifier.kv_budget_tokens is None and cfg.verifier.gpu_memory_utilization == 0.9
+
+
+def test_verifier_replicas_spread_one_per_node():
+    """verifier.max_replicas_per_node reaches Serve's deployment options (tests/loadtests/test_cluster_faults.py
+    runs it on three nodes); Serve refuses it beside a placement group, so pipeline stages refuse it here."""
+    from deploy.application import verifier_options
+
+    assert "max_replicas_per_node" not in verifier_options(AppConfig())
+    assert verifier_options(AppConfig(verifier={"max_replicas_per_node": 1}))["max_replicas_per_node"] == 1
+    with pytest.raises(ValidationError, match="max_replicas_per_node needs verifier.pipeline_parallel_size 1"):
+        AppConfig(verifier={"max_replicas_per_node": 1, "pipeline_parallel_size": 2})
+    with pytest.raises(ValidationError):
+        AppConfig(verifier={"max_replicas_per_node": 0})
