@@ -108,6 +108,13 @@ class VerifierConfig(_Strict):
                                                                        "(deploy/verifier/kv_sizing.py)")
     prefill_chunk_tokens: int = Field(256, ge=1, description="most prompt tokens per forward while verify rounds "
                                                               "wait (chunked prefill); max_batch_tokens otherwise")
+    attention_backend: Literal["triton", "sdpa"] = Field(
+        "triton", description="the tree attention on CUDA. triton: the batch-invariant Triton kernel, where it runs; "
+                              "where it cannot (no Triton, a card outside the classes it is compiled for: "
+                              "specdec/model/cuda/plan.py CARD_CLASSES) sdpa instead, with one log line saying why. "
+                              "sdpa: torch's scaled_dot_product_attention over the gathered pages with the tree mask: "
+                              "exact for greedy and sampled output (the target's own logits) but not bit-invariant "
+                              "across batch compositions (docs/gpu_attention.md, \"Portable fallback\")")
     compile: bool = Field(False, description="torch.compile the forward's elementwise glue (dynamic shapes; "
                                              "compiled at replica start, ~1 min on CPU) in place of the native C "
                                              "glue (CPU bf16) or eager torch. Off: it does not pay on CPU")
@@ -159,6 +166,13 @@ class VerifierConfig(_Strict):
                                                              "this many of the least-loaded replica's "
                                                              "(deploy/router/affinity.py)")
     early_exit: EarlyExitConfig = Field(default_factory=EarlyExitConfig)
+
+    @model_validator(mode="after")
+    def _sdpa_is_one_process(self):
+        if self.attention_backend == "sdpa" and (self.pipeline_parallel_size > 1 or self.tensor_parallel_size > 1):
+            raise ValueError("verifier.attention_backend sdpa is chosen for one-process replicas; pipeline stages and "
+                             "tensor-parallel ranks take the automatic choice (triton, sdpa where it cannot run)")
+        return self
 
     def batch_room_tokens(self) -> int:
         """Pool room beyond the sessions' budget for one full batch (every session's tree, each on a fresh page)."""

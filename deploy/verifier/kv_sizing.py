@@ -283,7 +283,7 @@ def sized_runner(loaded, vc, max_model_len: int | None):
     from specdec.model.decoder import DecoderModel
     from specdec.model.runner import ModelRunner
 
-    model = DecoderModel(loaded.model, compile=vc.compile)
+    model = DecoderModel(loaded.model, compile=vc.compile, attention_backend=vc.attention_backend)
     model.share_weights(loaded.model)  # the weights once, before they are measured
     try:
         p = Sizing.of(vc, max_len_of(loaded, max_model_len)).plan(model, loaded.model)

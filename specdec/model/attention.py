@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.model import cuda, native
-from specdec.model.cuda.plan import BLOCK_M, DevicePlan
+from specdec.model.cuda.plan import BLOCK_M, DevicePlan, device_tiles
 from specdec.model.native import PAGE_SIZE
 
 
@@ -33,16 +33,36 @@ KERNEL_MAX_HEADS_PER_KV = 8  # MAXREP in the source
 KERNEL_MAX_HEAD_DIM = 256
 
 
-def use_kernel(device: torch.device, dtype: torch.dtype, heads: int = 1, kv_heads: int = 1,
-               head_dim: int = 64) -> bool:
-    """Whether a kernel runs this: Triton's on CUDA, the C kernel on the CPU (bf16/fp32, a head layout it handles)."""
+BACKENDS = ("triton", "sdpa")  # verifier.attention_backend (deploy/config.py)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, heads: int = 1, kv_heads: int = 1, head_dim: int = 64,
+                   requested: str = "triton") -> tuple[bool, str | None]:
+    """(whether a kernel runs the tree attention, why not where one was asked for on CUDA and cannot run).
+    ``requested``: "triton", the kernels (Triton's on CUDA, the C one on CPU) where they run; "sdpa": torch's
+    scaled_dot_product_attention over the gathered pages with the tree mask (:func:`torch_attention`), anywhere."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r}: one of {', '.join(BACKENDS)}")
+    if requested == "sdpa":
+        return False, None
+    device = torch.device(device)
     if device.type == "cuda":
-        return (heads % kv_heads == 0 and heads // kv_heads <= BLOCK_M and head_dim <= KERNEL_MAX_HEAD_DIM
-                and cuda.available(device))
+        why = cuda.why_not(device)
+        if why is None and not (heads % kv_heads == 0 and heads // kv_heads <= BLOCK_M
+                                and head_dim <= KERNEL_MAX_HEAD_DIM):
+            why = f"head layout {heads}/{kv_heads} x {head_dim} is beyond the Triton kernel's tile"
+        return why is None, why
     shape_ok = (heads % kv_heads == 0 and heads // kv_heads <= KERNEL_MAX_HEADS_PER_KV and head_dim % 4 == 0
                 and head_dim <= KERNEL_MAX_HEAD_DIM)
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and shape_ok
-            and native.load() is not None)
+            and native.load() is not None), None
+
+
+def use_kernel(device: torch.device, dtype: torch.dtype, heads: int = 1, kv_heads: int = 1,
+               head_dim: int = 64) -> bool:
+    """Whether a kernel runs this: Triton's on CUDA (a supported card), the C kernel on the CPU (bf16/fp32, a head
+    layout it handles)."""
+    return select_backend(device, dtype, heads, kv_heads, head_dim)[0]
 
 
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: AttentionPlan | DevicePlan,
@@ -57,7 +77,8 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
         from specdec.model.cuda import kernels
 
         if isinstance(plan, AttentionPlan):  # a forward builds its DevicePlan once for every layer
-            plan = DevicePlan.of(plan, q.device, q.shape[1], k_pages.shape[1])
+            plan = DevicePlan.of(plan, q.device, q.shape[1], k_pages.shape[1],
+                                 device_tiles(q.device, q.shape[2]).block_m)
         return kernels.tree_attention(q, k_pages, v_pages, plan, scale)
     lib = native.load()
     N, Hq, D = q.shape

@@ -3,6 +3,7 @@ a packed batch and the KV pool; batch-invariant (docs/engine.md, "Batch invarian
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -10,16 +11,18 @@ import torch.nn.functional as F
 
 from specdec.errors import UnsupportedModel
 from specdec.model import cuda, hugepages
-from specdec.model.attention import tree_attention, use_kernel
+from specdec.model.attention import select_backend, tree_attention
 from specdec.model.batch import PackedBatch
 from specdec.model.checkpoint import SUPPORTED_ROPE, SUPPORTED_TYPES, unsupported_rope, unsupported_type
 from specdec.model.cuda.graphs import LayerGraphs
-from specdec.model.cuda.plan import DevicePlan
+from specdec.model.cuda.plan import DevicePlan, device_tiles
 from specdec.model.glue import make_glue
 from specdec.model.kv_pool import KVPool
 from specdec.model.linear import Linear
 from specdec.model.lora import add_lora, row_groups
 from specdec.model.native_stack import NativeStack
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class DecoderModel:
     """Layers ``[first, last)`` of a Llama-family decoder (+ embedding / final norm + head); ``graphs``: CUDA graphs."""
 
     def __init__(self, hf_model, first: int = 0, last: int | None = None, compile: bool = False,
-                 graphs: bool = True):
+                 graphs: bool = True, attention_backend: str = "triton"):
         cfg = hf_model.config
         self.spec = spec = DecoderSpec.from_config(cfg)
         self.config = cfg
@@ -122,7 +125,13 @@ class DecoderModel:
         rot = inner.rotary_emb
         self.inv_freq = rot.inv_freq.detach().float().to(self.device)  # [d / 2]
         self.rope_scale = float(getattr(rot, "attention_scaling", 1.0))
-        self.kernel = use_kernel(self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        # verifier.attention_backend: the kernels where they run, else torch's SDPA (one log line saying why)
+        self.kernel, why = select_backend(self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                          attention_backend)
+        self.attention_backend = attention_backend if why is None else "sdpa"  # what runs
+        if why is not None:
+            log.warning("tree attention: torch SDPA over the gathered pages in place of the Triton kernel: %s (exact "
+                        "outputs; not bit-invariant across batch compositions)", why)
         self.scale = spec.head_dim ** -0.5
         self.glue = make_glue(self.device, self.dtype, compile)
         self._weights_on_huge_pages()
@@ -202,7 +211,8 @@ class DecoderModel:
         if self.device.type == "cpu":
             plan = batch.plan
         elif self.kernel:  # the CUDA kernel's plan, built once for every layer
-            plan = DevicePlan.of(batch.plan, self.device, self.spec.num_heads, self.spec.num_kv_heads)
+            plan = DevicePlan.of(batch.plan, self.device, self.spec.num_heads, self.spec.num_kv_heads,
+                                 device_tiles(self.device, self.spec.head_dim).block_m)
         else:
             plan = batch.plan.to(self.device)
         if self.stack is not None and not lora and (on_layer is None or hasattr(on_layer, "layers")):

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import KVCapacityExceeded
-from specdec.model.cuda.plan import DevicePlan, logical_lengths, num_chunks, rows_per_tile, session_tiles
+from specdec.model.cuda.plan import (DevicePlan, device_tiles, logical_lengths, num_chunks, rows_per_tile,
+                                     session_tiles)
 from specdec.model.native import PAGE_SIZE
 
 # powers of two to 128 rows, then multiples of 128: the GEMMs run in 128-row chunks anyway
@@ -133,7 +134,8 @@ class LayerGraphs:
     def __call__(self, batch, pool, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """The stream after the layers [N, D] for ``batch`` (its plan on the host), or None: run it eagerly."""
         s = self.model.spec
-        rows_per = rows_per_tile(s.num_heads, s.num_kv_heads)
+        block_m = device_tiles(self.model.device, s.head_dim).block_m  # the card's (cuda.plan.card_tiles)
+        rows_per = rows_per_tile(s.num_heads, s.num_kv_heads, block_m)
         tiles = session_tiles(batch.plan.row_seq, rows_per)  # [T, rows_per]
         shape = GraphShape.of(batch.num_tokens, len(tiles), rows_per, batch.plan.max_len,
                               batch.plan.block_table.shape[1])

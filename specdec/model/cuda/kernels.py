@@ -4,17 +4,18 @@ tree mask, FlashAttention's online softmax (Dao et al. 2022), flash-decoding's s
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from specdec.model.cuda.plan import BLOCK_M, CHUNK, DevicePlan, group_width
+from specdec.model.cuda.plan import CHUNK, DevicePlan, Tiles, device_tiles, group_width, rows_per_tile
 from specdec.model.native import PAGE_SIZE
 
 BLOCK_N = PAGE_SIZE  # keys per step of a tile's walk: one page, so a block is contiguous in the pool
 assert CHUNK % BLOCK_N == 0
 NUM_WARPS = 4  # fixed: the layout of a block (hence the order of its sums) must not vary
-ATTN_WARPS = 8  # the attention tile's: at 4 its registers spill (bf16, head dim 128, sm_90; tests/specdec/model/test_cuda_compile.py)
 NUM_STAGES = 2
 LOG2E = 1.4426950408889634  # the softmax runs in base 2: exp(x) = exp2(x log2 e)
 
@@ -108,9 +109,6 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, len_ptr, bits_p
             m_i, l_i, acc = _block_step(q, kt, v, b0, n, m_i, l_i, acc, qk_scale, BLOCK_N, PREC)
         # blocks reaching into the trees: row by row, each its own keys (its ancestors) through the same
         # tile shape, the other rows' state left exactly as it is (their n masked to 0)
-        jn = tl.arange(0, 64)
-        node_page = tl.load(bt_ptr + seq * bt_stride + (tree_start + jn) // PS,
-                            mask=((tree_start + jn) // PS < bt_stride) & (u_end < c_end), other=0).to(tl.int64)
         for r in range(0, RPT):
             one = (slot == r) & (g == 0)
             nr = _slot_value(n, one)
@@ -121,16 +119,16 @@ def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, len_ptr, bits_p
                 lane = b0 + lanes
                 tree = (lane >= rl) & (lane < nr)
                 node = _tree_nodes(lane - rl, rbits)  # node j sits at tree_start + j (batch.tree_input)
-                nhead = tl.gather(node_page, node, 0) * HKV + kvh
-                noff = (tree_start + node) % PS
-                kt, v = _page_block(k_ptr, v_ptr, bt_ptr + seq * bt_stride, b0, kvh, d, dm, lanes, lane < rl, HKV, D,
-                                    PS)  # the block's own page, below the row's tree
-                kt = tl.where(tree[None, :],
-                              tl.load(k_ptr + nhead[None, :] * (D * PS) + d[:, None] * PS + noff[None, :],
-                                      mask=dm[:, None] & tree[None, :], other=0.0), kt)
-                v = tl.where(tree[:, None],
-                             tl.load(v_ptr + (nhead * PS + noff)[:, None] * D + d[None, :],
-                                     mask=tree[:, None] & dm[None, :], other=0.0), v)
+                # one load per lane: a tree lane's node (its own page and offset), else the block's own page
+                page_head = tl.load(bt_ptr + seq * bt_stride + b0 // PS).to(tl.int64) * HKV + kvh
+                node_page = tl.load(bt_ptr + seq * bt_stride + (tree_start + node) // PS, mask=tree, other=0)
+                head = tl.where(tree, node_page.to(tl.int64) * HKV + kvh, page_head)  # [BLOCK_N]
+                off = tl.where(tree, (tree_start + node) % PS, lanes)  # b0 is a page boundary
+                ok = lane < nr
+                kp = k_ptr + (head * (D * PS) + off)  # [BLOCK_N] each lane's key, then its dims (int32 offsets)
+                vp = v_ptr + (head * PS + off) * D
+                kt = tl.load(kp[None, :] + (d * PS)[:, None], mask=dm[:, None] & ok[None, :], other=0.0)
+                v = tl.load(vp[:, None] + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0)
                 m_i, l_i, acc = _block_step(q, kt, v, b0, n_r, m_i, l_i, acc, qk_scale, BLOCK_N, PREC)
         # a row within one chunk is final here; a longer row leaves this chunk's partial for the merge
         whole = tl.cdiv(n, CHUNK) == 1
@@ -229,18 +227,24 @@ def _swiglu_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * I + i, (act.to(tl.float32) * u.to(tl.float32)).to(dt), mask=m)
 
 
-def attention_meta(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> dict:
-    """The attention kernel's compile-time arguments (constexprs, warps, stages) for a head layout and dtype."""
+def attention_meta(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, tiles: Tiles = Tiles()) -> dict:
+    """The attention kernel's compile-time arguments (constexprs, warps, stages, register cap) for a head layout,
+    dtype and card class (:func:`specdec.model.cuda.plan.card_tiles`)."""
     gp = group_width(heads, kv_heads)
-    return dict(HQ=heads, HKV=kv_heads, D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PS=PAGE_SIZE,
-                GP=gp, RPT=BLOCK_M // gp, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CHUNK=CHUNK,
-                PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=ATTN_WARPS, num_stages=NUM_STAGES)
+    meta = dict(HQ=heads, HKV=kv_heads, D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PS=PAGE_SIZE,
+                GP=gp, RPT=rows_per_tile(heads, kv_heads, tiles.block_m), BLOCK_M=tiles.block_m, BLOCK_N=BLOCK_N,
+                CHUNK=CHUNK, PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=tiles.warps,
+                num_stages=NUM_STAGES)
+    if tiles.maxnreg is not None:
+        meta["maxnreg"] = tiles.maxnreg
+    return meta
 
 
 def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: DevicePlan,
                    scale: float) -> torch.Tensor:
     """q: [N, Hq, D]; k_pages: [pages, Hkv, D, PS]; v_pages: [pages, Hkv, PS, D] -> [N, Hq, D] (q's
-    dtype, rounded once from the float32 sums). Rows in no tile of ``plan`` get zeros."""
+    dtype, rounded once from the float32 sums). Rows in no tile of ``plan`` get zeros. The tile's height is the
+    plan's (built for this card: :func:`~specdec.model.cuda.plan.device_tiles`), its warps the card's."""
     N, Hq, D = q.shape
     Hkv = k_pages.shape[1]
     q = q.contiguous()
@@ -248,8 +252,8 @@ def tree_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor
     T, rpt = plan.tiles.shape
     if N == 0 or T == 0:
         return out
-    meta = attention_meta(q.dtype, Hq, Hkv, D)
-    assert rpt == meta["RPT"], "the plan's tiles were built for another head layout"
+    tiles = dataclasses.replace(device_tiles(q.device, D), block_m=rpt * group_width(Hq, Hkv))
+    meta = attention_meta(q.dtype, Hq, Hkv, D, tiles)
     nch = plan.chunks
     parts = N * Hq * nch if nch > 1 else 1
     pacc = torch.empty(parts * meta["BLOCK_D"], dtype=torch.float32, device=q.device)

@@ -3,12 +3,59 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-BLOCK_M = 64  # query heads (rows x GQA group, padded to a power of two) per tile
+BLOCK_M = 64  # query heads (rows x GQA group, padded to a power of two) per tile (card_tiles: 32 on some cards)
 CHUNK = 256  # keys per split: boundaries at fixed logical positions (a multiple of the page size)
+
+# The card classes the kernel is compiled for in `make test` (tests/specdec/model/test_cuda_compile.py): A100 (8.0),
+# RTX 30xx / A10 / A40 (8.6), Jetson Orin (8.7), L4 / RTX 4090 / L40S (8.9), H100 / H200 (9.0), B200 (10.0),
+# RTX 50xx (12.0). Another card runs the verifier's SDPA fallback (specdec/model/attention.py, attention_backend).
+CARD_CLASSES = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_87", (8, 9): "sm_89", (9, 0): "sm_90",
+                (10, 0): "sm_100", (12, 0): "sm_120"}
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The attention tile's constants on a card class: fixed per card and head dim, never per batch (the order of
+    a row's sums depends on them; docs/gpu_attention.md, "Card classes")."""
+
+    block_m: int = BLOCK_M  # query heads per tile
+    warps: int = 8
+    maxnreg: int | None = None  # ptxas's register cap per thread (None: its own choice)
+
+
+def card_tiles(capability: tuple[int, int] | None, head_dim: int) -> Tiles:
+    """The tile for a card (compute capability; None: the interpreter, as sm_90) and head dim. sm_8x and sm_12x
+    multiply on mma.sync, whose operands live in registers: a 64-head tile at head dim 128 spills there (80 bytes on
+    sm_80), a 32-head one does not. sm_100's ptxas settles at 128 registers and spills at head dim 64 unless let
+    use all 255 a thread of 8 warps may have."""
+    major = capability[0] if capability is not None else 9
+    if major in (8, 12) and head_dim > 64:
+        return Tiles(block_m=32)
+    if major == 10:
+        return Tiles(maxnreg=255)
+    return Tiles()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability; None for any other device (the interpreter's CPU tensors)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def device_tiles(device, head_dim: int) -> Tiles:
+    return card_tiles(device_capability(device), head_dim)
 
 
 def group_width(heads: int, kv_heads: int) -> int:
@@ -17,12 +64,12 @@ def group_width(heads: int, kv_heads: int) -> int:
     return 1 << (group - 1).bit_length()
 
 
-def rows_per_tile(heads: int, kv_heads: int) -> int:
-    """Rows of one session a tile holds (a constant of the model's head layout)."""
+def rows_per_tile(heads: int, kv_heads: int, block_m: int = BLOCK_M) -> int:
+    """Rows of one session a tile holds (a constant of the model's head layout and the card class)."""
     gp = group_width(heads, kv_heads)
-    if gp > BLOCK_M:
-        raise ValueError(f"GQA groups of {heads // kv_heads} query heads exceed a {BLOCK_M}-head tile")
-    return BLOCK_M // gp
+    if gp > block_m:
+        raise ValueError(f"GQA groups of {heads // kv_heads} query heads exceed a {block_m}-head tile")
+    return block_m // gp
 
 
 def session_tiles(row_seq: torch.Tensor, rows_per: int) -> torch.Tensor:
@@ -67,9 +114,10 @@ class DevicePlan:
     chunks: int  # splits of the longest row: the grid's third dimension
 
     @classmethod
-    def of(cls, plan, device, heads: int, kv_heads: int) -> "DevicePlan":
-        """From an :class:`~specdec.model.attention.AttentionPlan` (tensors anywhere)."""
-        tiles = session_tiles(plan.row_seq, rows_per_tile(heads, kv_heads))
+    def of(cls, plan, device, heads: int, kv_heads: int, block_m: int = BLOCK_M) -> "DevicePlan":
+        """From an :class:`~specdec.model.attention.AttentionPlan` (tensors anywhere); ``block_m``: the card's
+        (:func:`device_tiles`)."""
+        tiles = session_tiles(plan.row_seq, rows_per_tile(heads, kv_heads, block_m))
         bits = plan.row_bits.to(device)
         row_len = plan.row_len.to(device)
         return cls(plan.block_table.to(device), plan.row_seq.to(device), row_len, bits,

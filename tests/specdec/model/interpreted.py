@@ -43,7 +43,41 @@ def _interpreter_fixes() -> None:
 
     interpreter._patch_lang_tensor = patched_tensor
     interpreter.InterpreterBuilder.create_dot = patched_dot
+    _nested_calls_without_repatching(interpreter)
     interpreter._specedge_fixes = True
+
+
+def _nested_calls_without_repatching(interpreter) -> None:
+    """Speed only: every device-function call (``_block_step``, ``tl.sum``) re-patches triton.language for its
+    module (``inspect.getmembers`` of four modules: a third of the interpreter's time in the tree attention), though
+    the launch running it, or an earlier call in it, patched those same modules already: patch once per launch."""
+    import triton.language as tl
+
+    launch, nested = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    active: list[set] = []  # per launch running: the language modules patched in it
+
+    def langs(fn) -> frozenset:  # what _patch_lang(fn) patches: the triton.language modules fn sees
+        return frozenset(id(m) for m in fn.__globals__.values() if m is tl or m is tl.core)
+
+    def patched_launch(self, *args, **kwargs):
+        active.append({langs(self.fn)})
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            active.pop()
+
+    def patched_nested(self, *args, **kwargs):
+        if not active or langs(self.fn) not in active[-1]:
+            if active:
+                active[-1].add(langs(self.fn))
+            return nested(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = patched_launch
+    interpreter.InterpretedFunction.__call__ = patched_nested
 
 
 def kernels_and_device():

@@ -13,7 +13,7 @@ import torch
 
 from specdec.model.attention import AttentionPlan, torch_attention
 from specdec.model.batch import ancestor_bits, signed64
-from specdec.model.cuda.plan import CHUNK, DevicePlan, rows_per_tile
+from specdec.model.cuda.plan import BLOCK_M, CHUNK, DevicePlan, rows_per_tile
 from specdec.model.native import PAGE_SIZE
 from tests.specdec.model.interpreted import kernels_and_device
 from tests.specdec.model.test_attention import _plan  # tables: each session's pages; rows: (session, row_len, bits)
@@ -58,23 +58,25 @@ def _random_batch(rng: random.Random, sessions: int, max_nodes: int, pages=range
     return tables, rows
 
 
-def _attend(kernels, device, q, k, v, plan: AttentionPlan) -> torch.Tensor:
+def _attend(kernels, device, q, k, v, plan: AttentionPlan, block_m: int = BLOCK_M) -> torch.Tensor:
     Hq = q.shape[1]
-    dp = DevicePlan.of(plan, device, Hq, KV_HEADS)
+    dp = DevicePlan.of(plan, device, Hq, KV_HEADS, block_m)
     return kernels.tree_attention(q.to(device), k.to(device), v.to(device), dp, D ** -0.5).cpu()
 
 
-@pytest.mark.parametrize("group, dtype, tol", [(g, torch.bfloat16, 2e-2) for g in (1, 2, 3, 4, 5, 8)]
-                         + [(g, torch.float32, 2e-5) for g in (3, 8)])
-def test_kernel_equals_a_float64_reference(group, dtype, tol):
+@pytest.mark.parametrize("group, dtype, tol, block_m",
+                         [(g, torch.bfloat16, 2e-2, BLOCK_M) for g in (1, 2, 3, 4, 5, 8)]
+                         + [(g, torch.float32, 2e-5, BLOCK_M) for g in (3, 8)]
+                         + [(g, torch.bfloat16, 2e-2, 32) for g in (4, 5)])  # the 32-head tile of sm_8x / sm_12x
+def test_kernel_equals_a_float64_reference(group, dtype, tol, block_m):
     kernels, device = kernels_and_device()
     rng = random.Random(group * 7 + (dtype == torch.float32))
     Hq = group * KV_HEADS
     k, v = _pool(dtype, group)
-    tables, rows = _random_batch(rng, 3, rows_per_tile(Hq, KV_HEADS) + 5)  # some sessions past one tile
+    tables, rows = _random_batch(rng, 3, rows_per_tile(Hq, KV_HEADS, block_m) + 5)  # some sessions past one tile
     plan = _plan(tables, rows)
     q = torch.randn(len(rows), Hq, D, generator=torch.Generator().manual_seed(group)).to(dtype)
-    got = _attend(kernels, device, q, k, v, plan)
+    got = _attend(kernels, device, q, k, v, plan, block_m)
     want = torch_attention(q.double(), k.double(), v.double(), plan, D ** -0.5)
     assert got.dtype == dtype
     assert (got.double() - want).abs().max() < tol

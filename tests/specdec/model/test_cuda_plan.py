@@ -49,3 +49,15 @@ def test_a_device_plan_keeps_the_rows_and_adds_lengths_and_tiles():
     dp = DevicePlan.of(plan, "cpu", 32, 8)
     assert dp.lengths.tolist() == [5, 7, 7] and dp.tiles.tolist() == [[1] + [-1] * 15, [0, 2] + [-1] * 14]
     assert dp.chunks == 1
+
+
+def test_tiles_are_chosen_per_card_class_and_head_dim_never_per_batch():
+    from specdec.model.cuda.plan import CARD_CLASSES, Tiles, card_tiles, device_tiles
+
+    for cc in [(8, 0), (8, 6), (8, 7), (8, 9), (12, 0)]:  # mma.sync: a 64-head tile spills at head dim 128
+        assert card_tiles(cc, 128) == Tiles(block_m=32) and card_tiles(cc, 64) == Tiles()
+    assert card_tiles((9, 0), 128) == card_tiles((9, 0), 64) == Tiles()
+    assert card_tiles((10, 0), 64) == Tiles(maxnreg=255)
+    assert device_tiles("cpu", 128) == card_tiles(None, 128) == Tiles()  # the interpreter: as sm_90
+    assert set(CARD_CLASSES.values()) == {"sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_120"}
+    assert rows_per_tile(32, 8, 32) == 8 and rows_per_tile(9, 3, 64) == 16
