@@ -191,12 +191,32 @@ def kuberay_admission_errors(rs: dict) -> list[str]:
             errs.append(f"worker group {gname}: replicas {r} outside [{lo}, {hi}]")
         if g.get("idleTimeoutSeconds") is not None and cluster.get("autoscalerOptions", {}).get("version") != "v2":
             errs.append(f"worker group {gname}: idleTimeoutSeconds needs autoscaler v2")
+    errs += _gcs_ft_errors(rs)
     up = spec.get("upgradeStrategy", {})
     if up.get("type") == "NewClusterWithIncrementalUpgrade":
         if not autoscaling:
             errs.append("NewClusterWithIncrementalUpgrade requires the Ray autoscaler")
         if not up.get("clusterUpgradeOptions", {}).get("gatewayClassName"):
             errs.append("NewClusterWithIncrementalUpgrade requires clusterUpgradeOptions.gatewayClassName")
+    return errs
+
+
+def _gcs_ft_errors(rs: dict) -> list[str]:
+    """KubeRay's GCS fault-tolerance rules (validation.go, v1.7.0): with gcsFaultToleranceOptions the operator sets
+    RAY_REDIS_ADDRESS and the password itself, so neither the legacy ``ray.io/ft-enabled`` annotation, a
+    ``redis-password`` start param nor a RAY_REDIS_ADDRESS env may be set beside it."""
+    cluster = rs["spec"]["rayClusterConfig"]
+    if "gcsFaultToleranceOptions" not in cluster:
+        return []
+    errs = []
+    if "ray.io/ft-enabled" in rs["metadata"].get("annotations", {}):
+        errs.append("gcsFaultToleranceOptions beside the ray.io/ft-enabled annotation")
+    head = cluster["headGroupSpec"]
+    if "redis-password" in head.get("rayStartParams", {}):
+        errs.append("gcsFaultToleranceOptions beside rayStartParams redis-password")
+    for c in head["template"]["spec"]["containers"]:
+        if any(e.get("name") == "RAY_REDIS_ADDRESS" for e in c.get("env", [])):
+            errs.append(f"gcsFaultToleranceOptions beside RAY_REDIS_ADDRESS in container {c['name']}")
     return errs
 
 

@@ -383,3 +383,93 @@ def test_install_docs_name_every_values_file():
 def test_helm_binary_is_v4():
     out = helm("version", "--short").stdout
     assert out.startswith("v4."), out
+
+
+# ------------------------------------------------------------------ node loss and GCS restarts (issue 65)
+
+def _worker_template(rs: dict) -> dict:
+    (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    return group["template"]
+
+
+def test_gcs_fault_tolerance_values_render_kuberay_options(rendered):
+    """gcsFaultTolerance: KubeRay's gcsFaultToleranceOptions (the Redis address, the password from a Secret), checked
+    against the KubeRay v1.7.0 schema by test_rendered_objects_validate; off by default."""
+    assert "gcsFaultToleranceOptions" not in one(rendered["defaults"], "RayService")["spec"]["rayClusterConfig"]
+    ft = one(rendered["gpu-qwen3-14b"], "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    values = _values([VALUES_DIR / "gpu-qwen3-14b.yaml"])["gcsFaultTolerance"]
+    assert ft["redisAddress"] == values["redisAddress"]
+    assert ft["redisPassword"] == {"valueFrom": {"secretKeyRef": values["passwordSecret"]}}
+    assert "value" not in ft["redisPassword"], "the password comes from a Secret, never from values"
+    rs = one(render(sets={"gcsFaultTolerance.enabled": True, "gcsFaultTolerance.redisAddress": "redis:6379",
+                          "gcsFaultTolerance.redisUsername": "ray",
+                          "gcsFaultTolerance.externalStorageNamespace": "specedge-prod"}), "RayService")
+    ft = rs["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert ft == {"redisAddress": "redis:6379", "redisUsername": {"value": "ray"},
+                  "externalStorageNamespace": "specedge-prod"}  # no Secret named: a Redis without a password
+    assert schema_errors(rs, KUBE_VERSIONS[-1]) == [] and kuberay_admission_errors(rs) == []
+    r = template(sets={"gcsFaultTolerance.enabled": True}, check=False)
+    assert r.returncode != 0 and "redisAddress" in r.stderr, r.stderr
+
+
+def test_gcs_fault_tolerance_schema_and_admission_are_not_vacuous(rendered):
+    rs = one(rendered["gpu-qwen3-14b"], "RayService")
+    bad = copy.deepcopy(rs)
+    ft = bad["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    del ft["redisAddress"]
+    ft["redisPasword"] = {"value": "x"}
+    errs = "\n".join(schema_errors(bad, KUBE_VERSIONS[0]))
+    assert "'redisAddress' is a required property" in errs and "'redisPasword' was unexpected" in errs, errs
+    bad = copy.deepcopy(rs)
+    bad["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["redis-password"] = "x"
+    bad["metadata"].setdefault("annotations", {})["ray.io/ft-enabled"] = "true"
+    errs = "\n".join(kuberay_admission_errors(bad))
+    assert "redis-password" in errs and "ft-enabled" in errs, errs
+
+
+def test_verifier_pods_spread_over_nodes(rendered):
+    """GPU worker pods (one verifier replica each) avoid sharing a node: a topology spread over hostnames and a
+    preferred pod anti-affinity, both selecting the worker pods only; the PDB limits drains to one at a time."""
+    rs = one(rendered["gpu-qwen3-14b"], "RayService")
+    tpl = _worker_template(rs)
+    labels = tpl["metadata"]["labels"]
+    head_labels = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    (spread,) = tpl["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    sel = spread["labelSelector"]["matchLabels"]
+    assert sel.items() <= labels.items() and not sel.items() <= head_labels.items()
+    (pref,) = tpl["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["podAffinityTerm"]["labelSelector"]["matchLabels"] == sel
+    assert pref["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    pdb = one(rendered["gpu-qwen3-14b"], "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"] == sel
+    assert "topologySpreadConstraints" not in rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+
+
+def test_verifier_spread_options():
+    gpu = {"app.target.device": "cuda", "app.verifier.num_gpus_per_stage": 1, "app.verifier.num_replicas": 3}
+    hard = _worker_template(one(render(sets={**gpu, "gpuWorkers.podAntiAffinity": "required",
+                                             "gpuWorkers.topologySpread.topologyKeys": [
+                                                 "kubernetes.io/hostname", "topology.kubernetes.io/zone"],
+                                             "gpuWorkers.topologySpread.whenUnsatisfiable": "DoNotSchedule"}),
+                                    "RayService"))
+    (term,) = hard["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert [c["topologyKey"] for c in hard["spec"]["topologySpreadConstraints"]] == [
+        "kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    assert {c["whenUnsatisfiable"] for c in hard["spec"]["topologySpreadConstraints"]} == {"DoNotSchedule"}
+    off = _worker_template(one(render(sets={**gpu, "gpuWorkers.podAntiAffinity": "none",
+                                            "gpuWorkers.topologySpread.enabled": False}), "RayService"))
+    assert "affinity" not in off["spec"] and "topologySpreadConstraints" not in off["spec"]
+    # an affinity of the operator's own is kept, and its own podAntiAffinity wins
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}},
+           "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    tpl = _worker_template(one(render(sets={**gpu, "gpuWorkers.affinity": own}), "RayService"))
+    assert tpl["spec"]["affinity"] == own
+    tpl = _worker_template(one(render(sets={**gpu, "gpuWorkers.affinity": {"nodeAffinity": own["nodeAffinity"]}}),
+                               "RayService"))
+    assert set(tpl["spec"]["affinity"]) == {"nodeAffinity", "podAntiAffinity"}
+    r = template(sets={**gpu, "gpuWorkers.podAntiAffinity": "always"}, check=False)
+    assert r.returncode != 0 and "podAntiAffinity" in r.stderr, r.stderr

@@ -95,6 +95,26 @@ app.kubernetes.io/part-of: specedge
 {{- end }}
 {{- end }}
 
+{{/* The GPU worker pods' affinity: gpuWorkers.affinity plus, unless it has its own, a pod anti-affinity
+     keeping verifier pods off each other's nodes (gpuWorkers.podAntiAffinity: preferred | required | none). */}}
+{{- define "specedge.gpuWorkerAffinity" -}}
+{{- $aff := deepCopy (.Values.gpuWorkers.affinity | default dict) }}
+{{- $mode := .Values.gpuWorkers.podAntiAffinity | default "none" }}
+{{- if and (ne $mode "none") (not (hasKey $aff "podAntiAffinity")) }}
+{{- $labels := include "specedge.selectorLabels" . | fromYaml }}
+{{- $_ := set $labels "app.kubernetes.io/component" "gpu-worker" }}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" $labels) }}
+{{- if eq $mode "required" }}
+{{- $_ := set $aff "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
+{{- else }}
+{{- $_ := set $aff "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) }}
+{{- end }}
+{{- end }}
+{{- if $aff }}
+{{- toYaml $aff }}
+{{- end }}
+{{- end }}
+
 {{/* ---------------- tenants ---------------- */}}
 
 {{- define "specedge.tenantsEnabled" -}}
