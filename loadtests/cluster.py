@@ -278,16 +278,27 @@ class LocalCluster:
         cluster's state from Redis). Needs the Redis (without it the cluster would not survive this)."""
         if self.redis is None:
             raise RuntimeError("restart_gcs needs GCS fault tolerance (LocalCluster(redis=True))")
-        head = self.head
+        ev = self.kill_gcs()
+        time.sleep(down_s)
+        ev.update(self.start_gcs(), down_s=down_s)
+        return ev
+
+    def kill_gcs(self) -> dict:
+        """SIGKILL the head's ``gcs_server`` (:meth:`start_gcs` brings it back)."""
+        if self.redis is None:
+            raise RuntimeError("kill_gcs needs GCS fault tolerance (LocalCluster(redis=True))")
         keys_before = self.redis.keys()
         t0 = time.time()
-        head.kill_gcs_server()
-        killed = time.time()
-        time.sleep(down_s)
-        head.start_gcs_server()
-        ev = {"killed_at": killed, "kill_s": killed - t0, "started_at": time.time(), "down_s": down_s,
-              "redis_keys_before": keys_before, "redis_keys_after": self.redis.keys()}
+        self.head.kill_gcs_server()
+        ev = {"killed_at": time.time(), "kill_s": time.time() - t0, "redis_keys_before": keys_before}
         self.gcs_restarts.append(ev)
+        return ev
+
+    def start_gcs(self) -> dict:
+        """A new ``gcs_server`` on the killed one's port; it loads the cluster's tables from Redis."""
+        self.head.start_gcs_server()
+        ev = {"started_at": time.time(), "redis_keys_after": self.redis.keys()}
+        self.gcs_restarts[-1].update(ev)
         return ev
 
     def gcs_pid(self) -> int | None:

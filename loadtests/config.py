@@ -111,6 +111,19 @@ class LoadTestConfig(_Strict):
     max_idle_open_refusals: int | None = Field(None, ge=0, description="check: at most this many opens refused for "
                                                                        "their deadline while the verifier had "
                                                                        "nothing pending")
+    # multi-node faults (issue 65; loadtests/cluster.py): the app on a head + worker nodes of this machine
+    cluster_workers: int = Field(0, ge=0, le=8, description="worker nodes beside the head (0: one local Ray node); "
+                                                              "each its own raylet, CPUs and Serve proxy")
+    gcs_ft: bool = Field(False, description="the head's GCS on a real Redis (redis-server), as KubeRay's GCS FT")
+    kill_node_at_s: float | None = Field(None, description="SIGKILL a worker node holding a verifier replica this "
+                                                           "long after start")
+    kill_node_every_s: float | None = Field(None, gt=0, description="and again every this many seconds")
+    node_back_after_s: float = Field(30.0, ge=0, description="a new worker node joins this long after each kill")
+    gcs_restart_at_s: float | None = Field(None, description="SIGKILL the head's gcs_server this long after start "
+                                                             "(needs gcs_ft) and start it again gcs_down_s later")
+    gcs_down_s: float = Field(10.0, ge=0)
+    max_recovery_s: float | None = Field(None, description="check: Serve back to the verifier replica count within "
+                                                           "this long after each node's return")
 
     @model_validator(mode="after")
     def _check(self):
@@ -124,6 +137,13 @@ class LoadTestConfig(_Strict):
         for name, t in keys.items():
             if "api_key" not in t:
                 raise ValueError(f"tenant {name!r}: the load test needs its plain api_key")
+        if self.gcs_restart_at_s is not None and not self.gcs_ft:
+            raise ValueError("gcs_restart_at_s needs gcs_ft (without Redis the cluster dies with its GCS)")
+        if self.kill_node_at_s is not None and self.cluster_workers < 1:
+            raise ValueError("kill_node_at_s needs cluster_workers >= 1")
+        if self.cluster_workers and self.request_path.ingress.value != "proxy":
+            raise ValueError("cluster_workers: request_path.ingress proxy (Serve's proxy on every node; the router "
+                             "replicas' own ports would collide on one machine)")
         return self
 
     def app_config(self) -> AppConfig:
@@ -166,7 +186,8 @@ def _app(target: str, **verifier) -> dict:
             "server_draft": {"enabled": False}}
 
 
-SCENARIOS: tuple[str, ...] = ("ramp", "cold-start", "edge", "tenants", "tenants-objective", "burst", "kill", "smoke", "soak")
+SCENARIOS: tuple[str, ...] = ("ramp", "cold-start", "edge", "tenants", "tenants-objective", "burst", "kill", "smoke", "soak",
+                               "chaos")
 
 
 def edge_user(**overrides) -> UserModel:
@@ -200,6 +221,18 @@ def scenario(name: str, target: str = "tiny") -> LoadTestConfig:
                               kill_verifier_at_s=300.0, kill_verifier_every_s=300.0, max_rss_growth=0.05,
                               warmup_s=120.0, description="a long run at a steady load with a "
                               "verifier replica killed every 5 minutes: nothing lost, nothing leaks")
+    if name == "chaos":
+        # a head + 2 worker nodes, one verifier replica each, two routers; a worker node SIGKILLed every 4 min (a new
+        # one joins 30 s later) and the head's GCS restarted from Redis once, 10 min in (make chaos: 20 min)
+        app = _app(target, num_replicas=3, max_replicas_per_node=1)
+        app["router"]["num_replicas"] = 2
+        return LoadTestConfig(name=name, target=target, app=app, user=edge_user(idle_s=(1.0, 5.0)),
+                              request_path=RequestPathConfig(ingress="proxy"), cluster_workers=2, gcs_ft=True,
+                              kill_node_at_s=240.0, kill_node_every_s=240.0, node_back_after_s=30.0,
+                              gcs_restart_at_s=600.0, gcs_down_s=10.0, max_recovery_s=120.0, warmup_s=30.0,
+                              description="worker nodes killed and the head's GCS restarted under edge users: "
+                                          "nothing lost or duplicated, nothing diverged, Serve restores the "
+                                          "replicas (loadtests/cluster.py)")
     if name in ("tenants", "tenants-objective", "smoke"):
         # weights matter only when the verifier is the bottleneck: one session per forward on a target
         # with real compute per token (on 2 cores the HTTP proxy saturates before a "tiny" verifier does),

@@ -234,14 +234,14 @@ async def run_edges(url: str, n: int, prompts, truths, vocab: int, tally: Tally,
 
 
 # ------------------------------------------------------------------------------------------ the cluster's state
-def replicas(deployment: str = "Verifier") -> dict[str, str]:
+def replicas(deployment: str = "Verifier", app: str = APP) -> dict[str, str]:
     """Alive replicas of ``deployment`` in the app: replica tag -> node id (from the GCS's actor table)."""
     import ray._private.state as state
 
     out = {}
     for a in state.actors().values():
         name = a.get("Name") or ""
-        if a.get("State") == "ALIVE" and name.startswith(f"SERVE_REPLICA::{APP}#{deployment}#"):
+        if a.get("State") == "ALIVE" and name.startswith(f"SERVE_REPLICA::{app}#{deployment}#"):
             out[name.rsplit("#", 1)[1]] = a["Address"]["NodeID"]
     return out
 
@@ -255,10 +255,10 @@ def serve_controller_id() -> str | None:
     return None
 
 
-def running_replicas(deployment: str = "Verifier") -> int:
+def running_replicas(deployment: str = "Verifier", app: str = APP) -> int:
     from ray import serve
 
-    st = serve.status().applications[APP].deployments[deployment]
+    st = serve.status().applications[app].deployments[deployment]
     return sum(n for s, n in st.replica_states.items() if str(getattr(s, "value", s)) == "RUNNING")
 
 

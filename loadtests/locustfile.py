@@ -44,6 +44,7 @@ STOPPING = False
 MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured, as the edge agent (edge_agent/transport/)
 WS_IDLE_CLOSE_S = 5.0  # a user about to sleep longer closes its WebSocket (uvicorn pings every 20 s)
 LOST = -1  # status of a WebSocket round whose connection died after the frame went out
+NO_CONNECTION = -2  # a WebSocket that could not be (re)connected: the frame never left, retried like a 503
 LAG_PROBE_S = 0.05  # how often this process's own loop lag is sampled (a 429's client-side share)
 
 
@@ -52,7 +53,7 @@ class Counters:
 
     FIELDS = ("generations", "finished", "opens", "reopens", "closes", "superseded", "verifies", "tokens",
               "accepted", "drafted", "hits", "expected", "accept_mismatch", "diverged", "shed", "unavailable",
-              "errors", "unclosed", "closed_by_server")
+              "errors", "unclosed", "closed_by_server", "lost_replies", "lost_open_replies", "reconnects")
 
     def __init__(self):
         self.tenant = defaultdict(lambda: dict.fromkeys(self.FIELDS, 0))
@@ -63,6 +64,7 @@ class Counters:
         self.verify_at = defaultdict(list)  # tenant -> epoch seconds of those verifies
         self.shed_ms: list[float] = []
         self.open_ms: list[float] = []  # latencies of admitted opens (the first token's time)
+        self.open_at: list[float] = []  # and their epoch seconds
         self.shed_at: list[float] = []  # epoch seconds of those 429s
         self.shed_why: list[str] = []  # and their reasons
         self.shed_connect_ms: list[float] = []  # of each 429's time, what went to (re)connecting its WebSocket
@@ -81,10 +83,20 @@ class Counters:
                 "shed_ms": [round(x, 2) for x in self.shed_ms], "shed_at": [round(x, 2) for x in self.shed_at],
                 "shed_why": self.shed_why, "shed_connect_ms": [round(x, 2) for x in self.shed_connect_ms],
                 "ws_lost": dict(self.ws_lost), "open_ms": [round(x, 2) for x in self.open_ms],
+                "open_at": [round(x, 2) for x in self.open_at],
                 "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag]}
 
 
 STATS = Counters()
+
+
+def _app_error(body: bytes) -> bool:
+    """Whether a body is the app's own JSON error (``{"error": {"code": ...}}``), not a proxy's plain 5xx."""
+    try:
+        d = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(d, dict) and isinstance(d.get("error"), dict) and "code" in d["error"]
 _assigned: dict[tuple[str, str], int] = defaultdict(int)
 _user_seq = 0
 
@@ -179,6 +191,12 @@ class EdgeUser(FastHttpUser):
                 r.success()
             elif status == 200:
                 r.success()
+            elif status == 0 or (status >= 500 and not _app_error(body)):
+                # a dropped connection or Serve's proxy answering for a router replica that died with its node:
+                # the request may or may not have been served; the user retries (opens) or re-opens (rounds)
+                r.request_meta["name"] = f"{name} lost"
+                r.success()
+                status = LOST
             else:
                 r.failure(f"HTTP {status}: {body[:200]!r}" if status else f"connection error: {r.error}")
             return status, body, r.headers or {}, ms
@@ -224,8 +242,9 @@ class EdgeUser(FastHttpUser):
                 # session and re-opens from its own history (as the agent)
                 status, name = LOST, "ws verify lost"
                 STATS.ws_lost[type(e).__name__] += 1
-            else:
-                exc = e
+            else:  # the frame never left (the socket could not be made): the round is retried
+                status, name = NO_CONNECTION, "ws verify no connection"
+                STATS.ws_lost[f"connect {type(e).__name__}"] += 1
         except ValueError as e:  # a text reply that is not our JSON error
             self._close_ws()
             exc = e
@@ -299,9 +318,14 @@ class EdgeUser(FastHttpUser):
             if status == 200:
                 STATS.add(self.tenant, "opens")
                 STATS.open_ms.append(ms)
+                STATS.open_at.append(time.time())
                 return json.loads(data)
             if status in (429, 503):
                 self._backoff(status, data, headers, ms)
+                continue
+            if status == LOST:  # maybe opened on a verifier, reply lost (the verifier's idle sweep frees it)
+                STATS.add(self.tenant, "lost_open_replies")
+                self._backoff(503, b"", {"Retry-After": "0.5"}, ms)
                 continue
             self._error(f"open HTTP {status}")
             return None
@@ -310,10 +334,12 @@ class EdgeUser(FastHttpUser):
 
     def _close(self, sid: str) -> None:
         self._close_ws()
-        for _ in range(3):  # a replica restarting answers 503: retry after its Retry-After, as the agent
+        for _ in range(5):  # a replica restarting answers 503: retry after its Retry-After, as the agent
             status, data, headers, ms = self._request("DELETE", f"/v1/sessions/{sid}", "close")
-            if status not in (429, 503):
+            if status not in (429, 503, LOST):
                 break
+            if status == LOST:  # a router replica gone with its node: ask again
+                status, headers = 503, {"Retry-After": "0.5"}
             self._backoff(status, data, headers, ms)
         if status == 200:
             STATS.add(self.tenant, "closes")
@@ -360,8 +386,11 @@ class EdgeUser(FastHttpUser):
                                 depth=depth).encode()
             while True:
                 status, data, headers, ms = self._verify(sid, frame)
-                if status in (429, 503) and retries < u["max_retries"] and not STOPPING:
+                if status in (429, 503, NO_CONNECTION) and retries < u["max_retries"] and not STOPPING:
                     retries += 1
+                    if status == NO_CONNECTION:
+                        STATS.add(self.tenant, "reconnects")
+                        status, headers = 503, {"Retry-After": "0.5"}
                     self._backoff(status, data, headers, ms)
                     continue
                 break
@@ -392,6 +421,7 @@ class EdgeUser(FastHttpUser):
                 continue
             if status in (404, 410, LOST):  # evicted or lost with its replica: re-open from our own history
                 if status == LOST:
+                    s.add(self.tenant, "lost_replies")
                     self._close(sid)  # the server may still hold it: close it first
                 else:
                     s.add(self.tenant, "superseded")

@@ -81,8 +81,29 @@ def start_server(cfg: LoadTestConfig, out: Path, timeout: float = 240.0,
     cmd = [sys.executable, "-m", "loadtests.server", "--config", str(app_file), "--port", str(port), "--stats-out",
            str(out / "server_stats.json"), "--request-path", rp.model_dump_json(), "--worker-niceness",
            str(worker_niceness)]
+    if cfg.cluster_workers:  # issue 65: a head + worker nodes, faults on the schedule run_locust writes
+        cmd += ["--cluster", json.dumps({"workers": cfg.cluster_workers, "redis": cfg.gcs_ft,
+                                         "node_back_after_s": cfg.node_back_after_s}),
+                "--control", str(control_file(out))]
     return start_healthy(cmd, url, (out / "server.log", out / "server.second-try.log"), timeout, _child_env(),
                          cwd=REPO)[0], url
+
+
+def control_file(out: Path) -> Path:
+    """Where run_locust writes fault commands for the server (loadtests/server.py ``Chaos``)."""
+    return out / "control"
+
+
+def fault_schedule(cfg: LoadTestConfig, duration: float) -> list[tuple[float, str]]:
+    """(seconds after Locust's start, command) for the scenario's node kills and GCS restart within ``duration``."""
+    out = []
+    t = cfg.kill_node_at_s
+    while t is not None and t < duration:
+        out.append((t, "kill_node"))
+        t = t + cfg.kill_node_every_s if cfg.kill_node_every_s else None
+    if cfg.gcs_restart_at_s is not None and cfg.gcs_restart_at_s < duration:
+        out.append((cfg.gcs_restart_at_s, f"kill_gcs {cfg.gcs_down_s:g}"))
+    return sorted(out)
 
 
 def model_info(url: str, key: str) -> dict:
@@ -93,7 +114,8 @@ def model_info(url: str, key: str) -> dict:
 
 def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, duration: float, out: Path,
                users_file: Path, server: subprocess.Popen | None, stop_timeout: float,
-               client_niceness: int = 0, processes: int = 1, probe_rate: float = 0.0) -> dict:
+               client_niceness: int = 0, processes: int = 1, probe_rate: float = 0.0,
+               control: Path | None = None) -> dict:
     """One headless Locust run; returns timing facts for the report. ``client_niceness``: Locust's
     nice (below 0 needs root): on a machine the simulated clients share with the server, -5 gives
     them the CPU first, as clients on their own machines would have it. ``processes`` > 1: Locust
@@ -116,6 +138,8 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         probe = start_probe(url, users_file, probe_rate, duration, out) if probe_rate > 0 else None
         kills: list[float] = []
+        faults = fault_schedule(cfg, duration) if control is not None else []
+        faults_sent: list[tuple[float, str]] = []
         next_kill = cfg.kill_verifier_at_s
         limit = duration + stop_timeout + 120
         while proc.poll() is None:
@@ -124,6 +148,11 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
                 server.send_signal(signal.SIGUSR1)
                 kills.append(time.time())
                 next_kill = next_kill + cfg.kill_verifier_every_s if cfg.kill_verifier_every_s else None
+            while faults and el >= faults[0][0]:
+                _, command = faults.pop(0)
+                with open(control, "a") as f:
+                    f.write(command + "\n")
+                faults_sent.append((time.time(), command))
             if el > limit:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=30)
@@ -139,7 +168,7 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
     locust_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     return {"locust_started": t0, "locust_ended": time.time(), "locust_rc": proc.returncode,
             "locust_cpu_s": locust_cpu,
-            "kill_sent_at": kills[0] if kills else None, "kills_sent_at": kills}
+            "kill_sent_at": kills[0] if kills else None, "kills_sent_at": kills, "faults_sent": faults_sent}
 
 
 def probe_priority() -> tuple[list[str], str]:
@@ -179,6 +208,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-timeout", type=float, default=None,
                     help="seconds users get to close their sessions (default: the request timeout + 10 s)")
     ap.add_argument("--kill-at", type=float, help="kill scenario: seconds into the run (default: the scenario's)")
+    ap.add_argument("--kill-node-at", type=parse_duration, help="chaos: first worker node killed (default: 4m)")
+    ap.add_argument("--kill-node-every", type=parse_duration, help="chaos: and every (default: 4m)")
+    ap.add_argument("--gcs-restart-at", type=parse_duration, help="chaos: the head's GCS killed (default: 10m)")
     add_cli_options(ap)
     ap.add_argument("--worker-niceness", type=int, default=0,
                     help="nice of the app's Ray workers (router, verifier); Ray's own default is 15, which "
@@ -201,6 +233,10 @@ def main(argv=None) -> int:
         args.stop_timeout = cfg.user.network_timeout_s + 10.0
     if args.kill_at is not None:
         cfg = cfg.model_copy(update={"kill_verifier_at_s": args.kill_at})
+    fault_times = {k: v for k, v in (("kill_node_at_s", args.kill_node_at), ("kill_node_every_s", args.kill_node_every),
+                                     ("gcs_restart_at_s", args.gcs_restart_at)) if v is not None}
+    if fault_times:  # a shortened chaos run: the same faults, sooner
+        cfg = cfg.model_copy(update=fault_times)
     cfg = cfg.model_copy(update={"request_path": cfg.request_path.override(args.ingress, args.throughput_optimized)})
     if args.print_app_config:
         print(json.dumps(cfg.app, indent=2))
@@ -231,7 +267,8 @@ def main(argv=None) -> int:
             print(f"[loadtests] {users} users, spawn rate {args.spawn_rate:g}/s, {args.duration:g} s ...",
                   flush=True)
             timing = run_locust(cfg, url, users, args.spawn_rate, args.duration, sub, out / "users.json", server,
-                                args.stop_timeout, args.client_niceness, args.locust_processes, args.probe_rate)
+                                args.stop_timeout, args.client_niceness, args.locust_processes, args.probe_rate,
+                                control_file(out) if server is not None and cfg.cluster_workers else None)
             if server is not None and server.poll() is not None:
                 print("[loadtests] WARNING: the app process died during the run", flush=True)
             meta = {"users": users, "spawn_rate": args.spawn_rate, "duration_s": args.duration,

@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import signal
 import sys
 import time
@@ -51,6 +52,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-cpus", type=int, default=4, help="Ray's logical CPUs (replicas reserve num_cpus each)")
     ap.add_argument("--request-path", default="{}", help="RequestPathConfig as JSON (deploy/request_path.py)")
     ap.add_argument("--worker-niceness", type=int, default=0, help="nice of Ray's workers (Ray's default: 15)")
+    ap.add_argument("--cluster", default="", help='a multi-node cluster on this machine (loadtests/cluster.py): '
+                    '{"workers": 2, "redis": true, "node_back_after_s": 30}; "" = one local node')
+    ap.add_argument("--control", default="", help="a file of fault commands, one a line, read as it grows: "
+                                                  "kill_node | kill_gcs DOWN_S (with --cluster)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -73,11 +78,22 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
     signal.signal(signal.SIGUSR1, lambda *_: kill.update(flag=True))
 
-    ray.init(address="local", include_dashboard=False, num_cpus=args.num_cpus, log_to_driver=False,
-             configure_logging=False, _node_ip_address="127.0.0.1")
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    serve.start(http_options={"host": "127.0.0.1", "port": args.port},
-                logging_config={"enable_access_log": app_args.get("access_log", True)})  # the proxy's
+    spec = json.loads(args.cluster) if args.cluster else None
+    cluster = faults = None
+    if spec:  # head (this process its driver) + worker nodes, Serve's proxy on each (the clients use the head's)
+        from loadtests import faults
+        from loadtests.cluster import LocalCluster
+
+        cluster = LocalCluster(workers=int(spec["workers"]), redis=bool(spec.get("redis")), http_port=args.port,
+                               system_config={"worker_niceness": args.worker_niceness}).start()
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        cluster.start_serve(logging_config={"enable_access_log": app_args.get("access_log", True)})
+    else:
+        ray.init(address="local", include_dashboard=False, num_cpus=args.num_cpus, log_to_driver=False,
+                 configure_logging=False, _node_ip_address="127.0.0.1")
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port},
+                    logging_config={"enable_access_log": app_args.get("access_log", True)})  # the proxy's
     serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
     holder = verifier_deployment(AppConfig(**app_args))
     handle = serve.get_deployment_handle(holder, APP_NAME)
@@ -106,10 +122,15 @@ def main(argv=None) -> int:
                       "rss": {str(pid): [role, rss_bytes(pid)] for pid, role in snap.roles.items()
                               if role in ("router", "verifier", "proxy")}})
 
+    chaos = Chaos(cluster, faults, events, holder, int(app_args.get("verifier", {}).get("num_replicas", 1)),
+                  float((spec or {}).get("node_back_after_s", 30.0)), args.control) if cluster else None
+
     async def sample() -> None:
         # an async loop: with RAY_SERVE_THROUGHPUT_OPTIMIZED a handle only works inside one
         n = 0
         while not stop["flag"]:
+            if chaos is not None:
+                chaos.step()  # here, in the main thread: nodes and the GCS outlive the thread that starts them
             if kill["flag"]:
                 kill["flag"] = False
                 name = _kill_one_verifier(ray, holder)
@@ -140,11 +161,90 @@ def main(argv=None) -> int:
         asyncio.run(sample())
     finally:
         flush()
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        else:
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
     return 0
+
+
+class Chaos:
+    """Fault commands from ``--control`` (written by loadtests/run.py on the scenario's schedule), acted on in the
+    sampling loop: ``kill_node`` SIGKILLs a worker node holding a verifier replica and adds a new node
+    ``node_back_after_s`` later; ``kill_gcs S`` SIGKILLs the head's gcs_server and starts it again S seconds later.
+    Every step is an event in the server's stats (the report's fault figures)."""
+
+    def __init__(self, cluster, faults, events: list, deployment: str, replicas: int, node_back_after_s: float,
+                 control: str):
+        self.cluster, self.faults, self.events = cluster, faults, events
+        self.deployment, self.replicas, self.back_after = deployment, replicas, node_back_after_s
+        self.control, self.offset = Path(control) if control else None, 0
+        self.pending: list[tuple[float, str]] = []  # (when, action)
+        self.gcs_down = False
+        self.watch: dict | None = None  # a node back: waiting for Serve to restore the replica count
+
+    def _event(self, name: str, **kw) -> None:
+        self.events.append({"t": time.time(), "event": name, **kw})
+        print(f"[loadtests.server] {name} {kw}", flush=True)
+
+    def _commands(self) -> list[str]:
+        if self.control is None or not self.control.exists():
+            return []
+        data = self.control.read_text()
+        new, self.offset = data[self.offset:], len(data)
+        return [line.split() for line in new.splitlines() if line.strip()]
+
+    def step(self) -> None:
+        now = time.time()
+        for cmd in self._commands():
+            try:
+                if cmd[0] == "kill_node":
+                    self.kill_node()
+                elif cmd[0] == "kill_gcs":
+                    ev = self.cluster.kill_gcs()
+                    self.gcs_down = True
+                    self._event("gcs_killed", **ev)
+                    self.pending.append((now + float(cmd[1]), "start_gcs"))
+            except Exception as e:  # noqa: BLE001 (recorded: the report's checks see it)
+                self._event("fault_error", command=" ".join(cmd), error=f"{type(e).__name__}: {e}"[:300])
+        for when, action in [p for p in self.pending if p[0] <= now]:
+            self.pending.remove((when, action))
+            try:
+                if action == "start_gcs":
+                    self._event("gcs_started", **self.cluster.start_gcs())
+                    self.gcs_down = False
+                elif action == "node_back":
+                    node = self.cluster.add_worker()
+                    self._event("node_back", node_id=node.node_id)
+                    self.watch = {"since": time.time()}
+            except Exception as e:  # noqa: BLE001
+                self._event("fault_error", command=action, error=f"{type(e).__name__}: {e}"[:300])
+        if self.watch is not None and not self.gcs_down:
+            try:
+                reps = self.faults.replicas(self.deployment)
+                ok = (self.faults.running_replicas(self.deployment) == self.replicas
+                      and len(set(reps.values())) == len(reps) == self.replicas)
+            except Exception:  # noqa: BLE001 (Serve or the GCS busy: ask again next time)
+                ok = False
+            if ok:
+                self._event("replicas_restored", after_node_back_s=round(time.time() - self.watch["since"], 2))
+                self.watch = None
+
+    def kill_node(self) -> None:
+        reps = self.faults.replicas(self.deployment)
+        routers = self.faults.replicas("Router")
+        cands = [n for n in self.cluster.alive_workers() if n.node_id in reps.values()]
+        if not cands:
+            self._event("fault_error", command="kill_node", error=f"no worker node holds a replica: {reps}")
+            return
+        victim = random.choice(cands)
+        killed = self.cluster.kill_node(victim)
+        self._event("node_killed", **killed, replicas=sum(v == victim.node_id for v in reps.values()),
+                    routers=sum(v == victim.node_id for v in routers.values()))
+        self.pending.append((time.time() + self.back_after, "node_back"))
 
 
 if __name__ == "__main__":
