@@ -328,3 +328,14 @@ def test_a_group_that_cannot_start_again_is_down_and_says_why():
             runner.forward(2, [chunk_input("u", 0, [3])])
     finally:
         runner.shutdown()
+
+
+def test_workers_leave_when_rank_0_is_gone():
+    """Rank 0 gone (its group closed without a stop command, as when the replica's process dies): the worker's next
+    collective fails and it exits on its own; nothing stays running."""
+    runner = group_of(functools.partial(tiny_weights, 0, torch.float32), kv=1024)
+    (proc,) = runner.launcher.procs
+    runner.group.close()
+    proc.join(timeout=20)
+    assert proc.exitcode == 3  # serve_rank's exit on a lost group
+    runner.launcher.stop()
