@@ -12,6 +12,10 @@ probe (deploy/router/probe.py: event-loop lag and the server-side time of each 4
         [--request-path '{"ingress": "direct", "throughput_optimized": true, "direct_port": 30000}'] \
         [--worker-niceness 0]
 
+``--cluster '{"workers": 2, "redis": true}'`` runs the app on a head and worker nodes of this machine
+(loadtests/cluster.py) instead of one local node, and ``--control FILE`` takes fault commands as the file grows
+(``kill_node``, ``kill_gcs DOWN_S``: :class:`Chaos`; the chaos scenario, loadtests/README.md).
+
 ``--request-path`` (a :class:`deploy.request_path.RequestPathConfig`) sets Serve's request-path
 options in this process's environment before Ray starts, so every Ray process inherits them.
 ``--worker-niceness``: Ray starts its workers (the replicas) at nice 15 unless told otherwise; on
