@@ -116,6 +116,7 @@ class Edge:
         self.max_tokens, self.rtt_s, self.give_up_s = max_tokens, rtt_s, give_up_s
         self.headers = {"Authorization": f"Bearer {KEY}"}
         self.next_prompt = seed % len(prompts)
+        self.retry_after = 0.25
 
     async def _send(self, method: str, path: str, **kw) -> tuple[str, object]:
         """One request: ("ok", response) | ("retry", why) | ("gone", why) | ("error", why)."""
@@ -132,6 +133,10 @@ class Edge:
             return "gone", str(r.status_code)
         if r.status_code in (429, 503):
             self.t.request(f"retried:{r.status_code}")
+            try:  # the server's Retry-After, honoured as the edge agent does (at most 5 s here)
+                self.retry_after = min(5.0, float(r.headers.get("retry-after") or 0.25))
+            except ValueError:
+                self.retry_after = 0.25
             return "retry", str(r.status_code)
         if r.status_code >= 500 and not _is_app_error(r):  # Serve's proxy answering for a replica that died
             self.t.request(f"retried:proxy_{r.status_code}")
@@ -150,7 +155,7 @@ class Edge:
                 return None
             if not r.isdigit():  # not the app's own refusal: the open may have happened on a verifier
                 self.t.lost_open_replies += 1
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(self.retry_after * self.rng.uniform(0.5, 1.5) if r in ("429", "503") else 0.25)
         self.t.request("error:open: gave up")
         return None
 
