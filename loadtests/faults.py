@@ -86,7 +86,7 @@ class Tally:
 
 def oracle_tree(truth: list[int], rng: random.Random, vocab: int, max_nodes: int = 24):
     """A draft tree whose main chain follows ``truth`` for a random length (typos included) plus side branches
-    (as tests/router/oracle_edge.py drafts)."""
+    (also the serving tests' oracle edge's, tests/router/oracle_edge.py)."""
     tokens, parents, parent = [], [], -1
     for t in truth[: rng.randint(0, 8)]:
         tokens.append(t if rng.random() < 0.85 else rng.randrange(vocab))
@@ -159,6 +159,13 @@ class Edge:
         self.t.request("error:open: gave up")
         return None
 
+    def _opened(self, d: dict, out: list[int]) -> tuple[str, int, bool]:
+        """An open's answer: its first token onto ``out``; (session id, prefix length, finished)."""
+        if d["first_token"] is not None:
+            out.append(d["first_token"])
+            self.t.tokens.append((time.time(), 1))
+        return d["session_id"], d["prefix_len"], d["finished"]
+
     async def generation(self) -> None:
         i = self.next_prompt
         self.next_prompt = (self.next_prompt + 1) % len(self.prompts)
@@ -169,10 +176,7 @@ class Edge:
         d = await self._open(prompt, out, deadline)
         if d is None:
             return
-        sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
-        if d["first_token"] is not None:
-            out.append(d["first_token"])
-            self.t.tokens.append((time.time(), 1))
+        sid, prefix_len, finished = self._opened(d, out)
         from specdec.protocol import ReplyFrame, VerifyFrame
 
         while not finished:
@@ -201,10 +205,7 @@ class Edge:
             d = await self._open(prompt, out, deadline)
             if d is None:
                 return
-            sid, prefix_len, finished = d["session_id"], d["prefix_len"], d["finished"]
-            if d["first_token"] is not None:
-                out.append(d["first_token"])
-                self.t.tokens.append((time.time(), 1))
+            sid, prefix_len, finished = self._opened(d, out)
         await self._close(sid)
         self.t.finished += 1
         self.t.outputs.setdefault(i, []).append(out)

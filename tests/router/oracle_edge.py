@@ -14,21 +14,7 @@ import httpx
 
 from specdec.protocol import ReplyFrame, VerifyFrame
 from edge_agent.transport import is_app_error
-
-
-def oracle_tree(truth: list[int], rng: random.Random, vocab: int, max_nodes: int = 24):
-    """A tree whose main chain follows ``truth`` for a random length (with typos) plus side branches."""
-    tokens, parents = [], []
-    parent = -1
-    for t in truth[: rng.randint(0, 8)]:
-        tok = t if rng.random() < 0.85 else rng.randrange(vocab)
-        tokens.append(tok)
-        parents.append(parent)
-        parent = len(tokens) - 1
-    while len(tokens) < min(max_nodes, len(tokens) + rng.randint(1, 6)):
-        tokens.append(rng.randrange(vocab))
-        parents.append(rng.randint(-1, len(tokens) - 2))
-    return tokens, parents
+from loadtests.faults import oracle_tree
 
 
 def replica_gone(r: httpx.Response) -> bool:
