@@ -379,8 +379,6 @@ class AppConfig(_Strict):
         bad = [name for name, on in refused if on]
         if bad:
             raise ValueError(f"verifier.tensor_parallel_size {tp} does not combine with {', '.join(bad)}")
-        from deploy.verifier.tensor_parallel import split_problems
-
         problems = split_problems(t, tp)
         if problems:
             raise ValueError(f"target {t.model} cannot be split over verifier.tensor_parallel_size {tp}: "
@@ -472,3 +470,23 @@ def _check_unique(tenants: list[TenantConfig]) -> None:
 
 def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+def _target_dims(target: ModelConfig) -> dict | None:
+    """The target's config fields a tensor-parallel split needs, read without weights (None: unknown here)."""
+    from specdec.model_source import EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, config_json, tiny_config
+
+    if target.model.startswith(TINY_PREFIX):
+        return tiny_config(**(target.tiny_config or {}))
+    if target.model in EMBEDDED_ALIASES:
+        e = EMBEDDED_SHAPES
+        return dict(num_attention_heads=e["num_heads"], num_key_value_heads=e["num_kv_heads"],
+                    intermediate_size=e["intermediate_size"], vocab_size=e["vocab_size"])
+    return config_json(target.model)
+
+
+def split_problems(target: ModelConfig, tp: int) -> list[str]:
+    """Why ``target`` cannot be split over ``tp`` tensor-parallel ranks (empty: it can, or its config is unknown)."""
+    from specdec.model.shard_plan import check_shardable
+
+    dims = _target_dims(target)
+    return [] if dims is None else check_shardable(dims, tp)

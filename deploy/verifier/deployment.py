@@ -60,8 +60,9 @@ class VerifierDeployment(VerifierServer):
         return self.model_info()
 
     async def get_stats(self, session_id: str | None = None) -> dict:
-        """Replica statistics; ``session_id`` routes the call to that session's replica."""
-        return self.stats()
+        """Replica statistics; ``session_id`` routes the call to that session's replica. ``tensor_parallel``: the
+        group's size, restarts and worker process ids (None with one rank)."""
+        return {**self.stats(), "tensor_parallel": getattr(self.engine.runner, "tp_stats", lambda: None)()}
 
 
 Verifier = serve.deployment(name="Verifier")(VerifierDeployment)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -14,6 +15,7 @@ from deploy.config import EarlyExitConfig, ModelConfig
 from deploy.verifier.kv_sizing import Sizing
 from deploy.verifier.layer_split import Weighting, split_layers
 from deploy.verifier.pipeline_stage import PipelineStage, StageExits, exit_layers, target_config
+from deploy.verifier.tensor_parallel import tp_runner
 from specdec.errors import KVStateLost
 from specdec.model.batch import SeqInput
 from specdec.model.loading import LoadedModel, load_target
@@ -113,9 +115,15 @@ class PipelineRunner:
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle)
+            group = None
+            if tp > 1:  # the stage actor is rank 0 of its group, its other ranks in the bundles behind its own
+                group = functools.partial(tp_runner, model_cfg, tp, first=a, last=b, pg=pg,
+                                          bundles=list(range(bundle + 1, bundle + tp)),
+                                          cpus_per_rank=res.get("CPU", 1.0), gpus_per_rank=res.get("GPU", 0.0),
+                                          torch_threads=threads, kv_capacity_tokens=kv_capacity_tokens,
+                                          compile=compile, prefix_caching=prefix_caching)
             self.stages.append(actor_cls.options(**opts).remote(model_cfg, a, b, threads, kv_capacity_tokens, compile,
-                                                                early_exit, prefix_caching, sizing,
-                                                                tp, list(range(bundle + 1, bundle + tp)), res))
+                                                                early_exit, prefix_caching, sizing, group))
         self.loaded: LoadedModel = ray.get(self.stages[0].describe.remote())
         ray.get([s.stats.remote() for s in self.stages])  # every stage loaded
         self.exit_heads: StageExits | None = None  # the exits the stages hold (the engine's ``exit_heads``)

@@ -89,19 +89,12 @@ class PipelineStage:
     def __init__(self, model_cfg: ModelConfig, first: int, last: int, torch_threads: int | None = None,
                  kv_capacity_tokens: int = 1 << 16, compile: bool = False,
                  early_exit: EarlyExitConfig | None = None, prefix_caching: bool = False,
-                 sizing: Sizing | None = None, tensor_parallel_size: int = 1, tp_bundles: list[int] | None = None,
-                 rank_resources: dict | None = None):
+                 sizing: Sizing | None = None, tp_runner=None):
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        if tensor_parallel_size > 1:  # this actor is rank 0 of the stage's group (deploy/verifier/tensor_parallel.py)
-            from deploy.verifier.tensor_parallel import tp_runner
-
-            res = rank_resources or {}
+        if tp_runner is not None:  # this actor is rank 0 of the stage's tensor-parallel group: tp_runner() builds it
             self.heads = None
-            self.runner = tp_runner(model_cfg, tensor_parallel_size, first=first, last=last, bundles=tp_bundles,
-                                    cpus_per_rank=res.get("CPU", 1.0), gpus_per_rank=res.get("GPU", 0.0),
-                                    torch_threads=torch_threads, kv_capacity_tokens=kv_capacity_tokens,
-                                    compile=compile, prefix_caching=prefix_caching)
+            self.runner = tp_runner()
             info = self.runner.loaded
             self.info = LoadedModel(ModelShell(info.model.config, info.model.generation_config), info.tokenizer,
                                     info.name, info.eos_token_ids, str(info.device), info.dtype)

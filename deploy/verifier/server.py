@@ -120,8 +120,7 @@ class VerifierServer:
                 "prefix_cache": self.engine.prefix_cache_stats(), "open_forecast": self.opens.forecast.state(),
                 "evictions": len(self.sessions.evicted), "versions": self.versions.registry.served(),
                 "versions_unavailable": dict(self.versions.registry.unavailable),
-                "versions_error": self.version_updates.error,
-                "tensor_parallel": getattr(self.engine.runner, "tp_stats", lambda: None)()}
+                "versions_error": self.version_updates.error}
 
     def pending(self) -> int:
         """Requests waiting for the engine: verify rounds and opens (queued or prefilling)."""

@@ -11,33 +11,14 @@ from __future__ import annotations
 
 import logging
 
-from deploy.config import AppConfig, ModelConfig
+from deploy.config import AppConfig, ModelConfig, split_problems
 from deploy.verifier.kv_sizing import Shape, activation_bytes
-from specdec.model.tensor_parallel import check_shardable
 from specdec.model.tp_runner import ShardSpec, TPRunner, serve_rank
 
 log = logging.getLogger("ray.serve")
 
 
 # -- checks ------------------------------------------------------------------------------------
-def target_dims(target: ModelConfig) -> dict | None:
-    """The target's config fields the split needs, read without weights (None: unknown here)."""
-    from specdec.model_source import EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, config_json, tiny_config
-
-    if target.model.startswith(TINY_PREFIX):
-        return tiny_config(**(target.tiny_config or {}))
-    if target.model in EMBEDDED_ALIASES:
-        e = EMBEDDED_SHAPES
-        return dict(num_attention_heads=e["num_heads"], num_key_value_heads=e["num_kv_heads"],
-                    intermediate_size=e["intermediate_size"], vocab_size=e["vocab_size"])
-    return config_json(target.model)
-
-
-def split_problems(target: ModelConfig, tp: int) -> list[str]:
-    dims = target_dims(target)
-    return [] if dims is None else check_shardable(dims, tp)
-
-
 def replica_devices(cfg: AppConfig) -> int:
     """Devices (GPUs on CUDA, CPU shares otherwise) one replica's ranks hold: tensor x pipeline size."""
     return cfg.verifier.tensor_parallel_size * cfg.verifier.pipeline_parallel_size

@@ -243,7 +243,7 @@ def read_weights(path: str | Path, dtype: torch.dtype, device: str = "cpu", firs
     config = CheckpointConfig.read(path)
     slicer = None
     if shard is not None:
-        from specdec.model.tensor_parallel import local_config, shard_slicer
+        from specdec.model.shard_plan import local_config, shard_slicer
 
         slicer = shard_slicer(config, *shard)
         config = local_config(config, *shard)

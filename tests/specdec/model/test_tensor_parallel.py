@@ -23,8 +23,8 @@ from specdec.errors import KVStateLost
 from specdec.model.checkpoint import tiny_weights
 from specdec.model.loading import load_weights, tiny_random_model
 from specdec.model.runner import ModelRunner
-from specdec.model.tensor_parallel import (FixedOrderGroup, TPDecoderModel, check_shardable, kv_heads_of,
-                                           q_heads_of)
+from specdec.model.shard_plan import check_shardable, kv_heads_of, q_heads_of
+from specdec.model.tensor_parallel import FixedOrderGroup, TPDecoderModel
 from specdec.model.tp_runner import ShardSpec, TPRunner, TPStartError
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
