@@ -471,6 +471,7 @@ def _check_unique(tenants: list[TenantConfig]) -> None:
 def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
+
 def _target_dims(target: ModelConfig) -> dict | None:
     """The target's config fields a tensor-parallel split needs, read without weights (None: unknown here)."""
     from specdec.model_source import EMBEDDED_ALIASES, EMBEDDED_SHAPES, TINY_PREFIX, config_json, tiny_config
