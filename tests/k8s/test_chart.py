@@ -216,6 +216,9 @@ def test_gpu_worker_group_matches_verifier(values, rendered, serve_builder):
       "gpuWorkers.gpusPerPod": 3}, "multiple or a divisor"),
     ({"app.verifier.num_gpus_per_stage": 1, "app.verifier.num_replicas": 3,
       "gpuWorkers.gpusPerPod": 2}, "do not fill whole pods"),
+    # tensor-parallel ranks share one node (STRICT_PACK): a pod holds whole replicas (issue 64)
+    ({"app.verifier.num_gpus_per_stage": 1, "app.verifier.tensor_parallel_size": 4,
+      "gpuWorkers.gpusPerPod": 2}, "places a verifier replica's 4 GPUs on one node (STRICT_PACK)"),
     ({"serve.autoscaling.enabled": True, "serve.autoscaling.minReplicas": 3,
       "serve.autoscaling.maxReplicas": 2}, "must not exceed"),
     ({"serve.autoscaling.enabled": True, "app.topology": "colocated"}, "needs app.topology split"),
