@@ -1,6 +1,6 @@
 """OpenAI tool calls: ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` parsed, the call syntax of the target's
 model family (:data:`FORMATS`), the grammar that forces well-formed calls when ``tool_choice`` requires one, and
-the calls parsed back out of the generated text, also while it streams (docs/protocol.md, "Tool calls")."""
+the calls parsed back out of the generated text, also while it streams (docs/specdec.md, "Tool calls")."""
 
 from __future__ import annotations
 
