@@ -43,7 +43,8 @@ def test_serve_run_deploy_app_subprocess(tmp_path):
     if not _port_free(8000):
         pytest.fail("port 8000 is taken: `serve run deploy.app` serves there; stop whatever uses it")
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0",
-               PYTHONPATH=str(REPO))  # as the demo runs it
+               PYTHONPATH=str(REPO),  # as the demo runs it
+               RAY_ADDRESS="local")  # a Ray of its own, never one a /tmp/ray/ray_current_cluster names (a stale one)
     base = "http://127.0.0.1:8000"
     # once more when Ray's node timed out starting (benchmarks/child_group.py)
     proc, _ = start_healthy([SERVE, "run", "deploy.app"], base, (tmp_path / "serve-1.log", tmp_path / "serve-2.log"),
