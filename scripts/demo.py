@@ -77,6 +77,9 @@ def main(argv=None) -> int:
     # and would take the server's CPU whenever it drafts: the server's workers run at 0, as in benchmarks/
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0",
                PYTHONPATH=str(REPO), **path.env())
+    # a Ray of the demo's own unless RAY_ADDRESS names one: `serve run` would otherwise attach to whatever
+    # /tmp/ray/ray_current_cluster names, even a cluster that is gone (its GCS waited for, minutes)
+    env.setdefault("RAY_ADDRESS", "local")
     print(f"[demo] starting `serve run deploy.app` (log: {log}) ...", flush=True)
     t0 = time.time()
     with open(log, "w") as logf:
