@@ -25,7 +25,7 @@ from loadtests.cluster import redis_available
 REPO = Path(__file__).resolve().parents[2]
 NO_REDIS = "redis-server is not installed (scripts/install_redis.sh, run by `make test`, installs Debian's)"
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.exclusive]  # three raylets: alone, not beside timing-sensitive tests
 
 
 @pytest.fixture(scope="module")
