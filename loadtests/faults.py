@@ -274,6 +274,14 @@ def alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
+def waited(pred, timeout_s: float, what: str, poll_s: float = 0.5) -> float | None:
+    """:func:`wait_for`, None where ``pred`` did not come true within ``timeout_s`` (a check's outcome, reported)."""
+    try:
+        return wait_for(pred, timeout_s, what, poll_s)
+    except TimeoutError:
+        return None
+
+
 def wait_for(pred, timeout_s: float, what: str, poll_s: float = 0.5) -> float:
     """Poll ``pred`` until true; returns the seconds it took; raises TimeoutError naming ``what``."""
     t0 = time.monotonic()
@@ -292,9 +300,9 @@ def orphans(url: str, tags, timeout_s: float = IDLE_TIMEOUT_S + 20) -> dict:
     """Sessions the verifiers hold once every edge closed its own (sessions whose open reply was lost), and how
     long until the idle sweep freed them all."""
     held = sessions_held(url, tags)
-    t0 = time.monotonic()
-    wait_for(lambda: sum(sessions_held(url, tags).values()) == 0, timeout_s, "orphaned sessions freed", 0.5)
-    return {"sessions_held_after": held, "orphans_freed_after_s": round(time.monotonic() - t0, 2)}
+    freed = waited(lambda: sum(sessions_held(url, tags).values()) == 0, timeout_s, "orphaned sessions freed", 0.5)
+    return {"sessions_held_after": held, "orphans_freed": freed is not None,
+            "orphans_freed_after_s": None if freed is None else round(freed, 2)}
 
 
 def sessions_held(url: str, tags) -> dict[str, int]:
@@ -463,15 +471,16 @@ def gcs_restart(cluster, url: str, args, prompts, truths, vocab, refs) -> dict:
 
     tag = sorted(reps1)[0]
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Verifier#{tag}", namespace="serve"), no_restart=True)
-    replaced = wait_for(lambda: tag not in replicas() and running_replicas() == args.verifiers
-                        and len(set(replicas().values())) == args.verifiers, args.restore_timeout_s,
-                        "a replica replaced after the GCS restart")
+    replaced = waited(lambda: tag not in replicas() and running_replicas() == args.verifiers
+                      and len(set(replicas().values())) == args.verifiers, args.restore_timeout_s,
+                      "a replica replaced after the GCS restart")
     return {"scenario": "gcs-restart", **ev, "answering_after_restart_s": round(back, 2),
             "requests_before": window_counts(tally.requests, 0, ev["killed_at"]),
             "requests_during_outage": window_counts(tally.requests, ev["killed_at"], ev["started_at"]),
             "requests_after": window_counts(tally.requests, ev["started_at"], float("inf")),
             "same_nodes_alive": nodes1 == nodes0, "same_serve_controller": controller1 == controller0,
-            "same_replicas": reps1 == reps0, "replica_replaced_after_restart_s": round(replaced, 2),
+            "same_replicas": reps1 == reps0, "replica_replaced_after_restart": replaced is not None,
+            "replica_replaced_after_restart_s": None if replaced is None else round(replaced, 2),
             **orphans(url, replicas()),
             "throughput": throughput_recovery(tally.tokens, ev["killed_at"]), **summary(tally, refs)}
 
