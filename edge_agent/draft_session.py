@@ -62,7 +62,7 @@ class DraftSession:
         """Begin drafting after ``prefix`` (new generation or re-opened session)."""
         if config is not None:
             self.config = config
-        self.prefix = list(prefix)
+        self.prefix, self.timed_upto = list(prefix), 0
         self.drafter.advance(self.prefix, [], [])
         self.builder = TreeBuilder(self.config, self.ids)
         self.sent, self.chain = None, []
@@ -225,7 +225,6 @@ class ChainDraftSession:
         self.q_params = SamplingParams(temperature=1.0) if params.greedy else params  # greedy: any q, argmax drafts
         self.ids = itertools.count()
         self.forward_times: list[float] = []
-        self.timed_upto = 0  # prefix length at the last timed forward (record_forward)
         self._reset([])
 
     def start(self, prefix: list[int]) -> None:
@@ -234,7 +233,7 @@ class ChainDraftSession:
         self.drafter.advance(self.prefix, [], [])  # the draft KV keeps what it has of ``prefix``
 
     def _reset(self, prefix: list[int]) -> None:
-        self.prefix = list(prefix)
+        self.prefix, self.timed_upto = list(prefix), 0  # timed_upto: prefix length at the last timed forward
         self.chain: list[_Link] = []
         self.next_q: torch.Tensor | None = None  # the distribution after the chain's last token, once fed
         self.sent = 0

@@ -101,7 +101,7 @@ class SampledTreeSession:
     def start(self, prefix: list[int], config: TreeConfig | None = None) -> None:
         if config is not None:
             self.config = config
-        self.prefix = list(prefix)
+        self.prefix, self.timed_upto = list(prefix), 0
         self.drafter.advance(self.prefix, [], [])
         self._reset()
 

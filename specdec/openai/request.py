@@ -307,7 +307,8 @@ def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None, tools:
     msgs = _with_tools(msgs, tools.format if tools is not None else format_for(tokenizer), tools)
     from jinja2 import TemplateError  # chat templates are jinja; a template may raise on a conversation
 
-    extra = {"tools": tools.template_tools()} if tools is not None and tools.template_tools() else {}
+    listed = tools.template_tools() if tools is not None else None
+    extra = {"tools": listed} if listed else {}
     try:
         ids = tokenizer.apply_chat_template(msgs, **{"add_generation_prompt": True, **(template_kwargs or {}),
                                                      **extra, "tokenize": True})

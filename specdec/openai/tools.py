@@ -157,11 +157,11 @@ class ToolRequest:
         return None
 
     def template_tools(self) -> list[dict] | None:
-        return [t.spec for t in self.tools] if self.format.in_template and self.tools else None
+        return [t.spec for t in self.tools] if self.format.in_template else None
 
     def system_prompt(self) -> str | None:
         """The tool instructions for a template that has none (SmolLM2's)."""
-        if self.format.in_template or not self.tools:
+        if self.format.in_template:
             return None
         return SMOLLM2_PROMPT.format(tools=json.dumps([t.spec["function"] for t in self.tools]))
 
