@@ -176,7 +176,7 @@ class Fleet:
                                      routing_stats={"sessions": len(c.engine.sessions), "pending": c.pending(),
                                                     "kv_tokens": c.engine.kv_tokens(), "adapters": []})
                      for tag, c in self.replicas.items()]
-        pending = SimpleNamespace(kwargs=kwargs)
+        pending = SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
         ranks = await self.affinity.choose_replicas(stand_ins, pending)
         chosen = ranks[0][0]
         if not kwargs.get("session_id"):

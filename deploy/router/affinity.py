@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 DEFAULT_VERSION_MARGIN = 4  # verifier.version_affinity_margin's default
 DEFAULT_PREFIX_MARGIN = 4  # verifier.prefix_affinity_margin's default
@@ -22,7 +22,11 @@ def replica_of(session_id: str) -> str | None:
     return tag if sep else None
 
 
-class SessionAffinityRouter(FIFOMixin, RequestRouter):
+class SessionAffinityRouter(RequestRouter):
+    # Not Serve's FIFOMixin: it hands a replica one call chose to the oldest pending call, a session of another
+    # replica (busy, or on a dying node), which then answers 404 and orphans the session; the base router gives
+    # each call the replica its own choice named.
+
     version_margin = DEFAULT_VERSION_MARGIN
     prefix_margin = DEFAULT_PREFIX_MARGIN
 
@@ -36,6 +40,8 @@ class SessionAffinityRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:  # Serve re-asks at once without it: a tight loop while a replica is full
+            pending_request.routing_context.should_backoff = True
         sid = pending_request.kwargs.get("session_id") if pending_request is not None else None
         if sid:
             tag = replica_of(str(sid))

@@ -21,8 +21,8 @@ def replica(tag: str, sessions: int = 0, pending: int = 0, kv: int = 0, adapters
 
 
 def request(**kwargs):
-    """What the router reads of a PendingRequest: the call's kwargs."""
-    return SimpleNamespace(kwargs=kwargs)
+    """What the router reads and writes of a PendingRequest: the call's kwargs, its routing context."""
+    return SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
 
 
 def router(**kwargs) -> SessionAffinityRouter:
@@ -149,3 +149,53 @@ def test_a_shared_system_prompt_does_not_pile_every_chat_onto_one_replica():
         opened(rt, reps, {"prompt_ids": system + [100 + i] * PAGE})
     spread = sorted(r.routing_stats["sessions"] for r in reps)
     assert sum(spread) == 40 and spread[-1] - spread[0] <= 3
+
+
+class _Busy:
+    """A stand-in RunningReplica whose queue reads full until ``free`` is set (a replica at its
+    ``max_ongoing_requests``, or one whose probe times out as a dying node's does)."""
+
+    def __init__(self, tag: str, free: bool):
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(tag, DeploymentID("Verifier", "app"))
+        self.max_ongoing_requests, self.routing_stats, self.free, self.probes = 4, {"sessions": 1}, free, 0
+        self.node_id, self.availability_zone, self.multiplexed_model_ids = "n", None, set()
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        self.probes += 1
+        return 0 if self.free else self.max_ongoing_requests
+
+
+def test_a_session_waiting_for_its_busy_replica_is_never_handed_another_replica():
+    """Serve's routing tasks hand a replica to a pending request; the affinity router must give each call the
+    replica its own choice named. A FIFO hand-off (Serve's default mixin) gives the oldest pending call, a
+    session of the busy replica, the free replica another call found: it answers 404 and orphans the session.
+    While its replica is full, the waiting call's retries back off (Serve re-asks at once unless told to)."""
+    import time
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    backoff_s = 0.01
+
+    async def run() -> dict[str, str]:
+        busy, free = _Busy("busy", free=False), _Busy("free", free=True)
+        rt = SessionAffinityRouter(DeploymentID("Verifier", "app"), DeploymentHandleSource.UNKNOWN,
+                                   initial_backoff_s=backoff_s, max_backoff_s=2 * backoff_s)
+        rt.initialize_state()
+        rt.update_replicas([busy, free])
+
+        def pending(sid: str) -> PendingRequest:
+            return PendingRequest(args=[], kwargs={"session_id": sid},
+                                  metadata=RequestMetadata(request_id=sid, internal_request_id=sid))
+
+        t0 = time.monotonic()
+        waiting = asyncio.ensure_future(rt._choose_replica_for_request(pending("busy.s1")))
+        await asyncio.sleep(0.1)  # its routing task backs off: its replica's queue is full
+        got = {"free.s2": (await rt._choose_replica_for_request(pending("free.s2"))).replica_id.unique_id}
+        assert busy.probes <= (time.monotonic() - t0) / backoff_s + 3, busy.probes  # not a tight loop
+        busy.free = True
+        got["busy.s1"] = (await asyncio.wait_for(waiting, 10)).replica_id.unique_id
+        return got
+
+    assert asyncio.run(run()) == {"free.s2": "free", "busy.s1": "busy"}
