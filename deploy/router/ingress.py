@@ -219,11 +219,11 @@ class Router:
             raise InvalidRequest(f"invalid open request: {e.errors(include_url=False)[:3]}") from None
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        if received_at is not None:
-            waited = clock.perf_counter() - received_at
-            if waited >= deadline:
+        if received_at is not None:  # past its deadline here, it is refused only behind other opens: an idle
+            waited = clock.perf_counter() - received_at  # verifier starts it at once (its queue's head is never dropped)
+            if waited >= deadline and self.prefill.queued_opens:
                 raise deadline_refusal(deadline, self.admission.retry_after)
-            deadline -= waited
+            deadline = max(0.0, deadline - waited)
         tokens = len(req.prompt_ids) + len(req.generated_ids)
         if tokens > self.cfg.verifier.max_prompt_tokens:  # a 400 at any load, never a retryable 429
             raise InvalidRequest(f"prompt + history of {tokens} tokens exceed verifier.max_prompt_tokens "

@@ -10,7 +10,10 @@ def request_deadline(header: str | None, default_s: float) -> float:
     a client may ask for less, never more), else ``default_s``. A bad value raises ValueError."""
     if header is None:
         return default_s
-    value = float(header)
+    try:
+        value = float(header)
+    except ValueError:
+        value = float("nan")
     if not value > 0:  # NaN too
         raise ValueError(f"{DEADLINE_HEADER} must be a positive number of seconds, got {header!r}")
     return min(value, default_s)

@@ -12,5 +12,5 @@ def test_request_deadline(header, expected):
 
 @pytest.mark.parametrize("header", ["0", "-1", "nan", "abc", ""])
 def test_bad_deadline_header_is_a_value_error(header):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="x-open-deadline-s must be a positive number"):
         request_deadline(header, 5.0)

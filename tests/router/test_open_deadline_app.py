@@ -46,10 +46,11 @@ def test_a_burst_of_opens_is_answered_and_a_shed_open_costs_no_prefill(ray_sessi
             before = await replica_stats(c)
             results = await asyncio.gather(*[open_one(c) for _ in range(200)])
             after = await replica_stats(c)  # every open of the burst answered, each admitted one closed
-            # the OpenAI routes take the same header: a deadline no prefill meets is a 429
-            openai = await c.post("/v1/completions", json={"prompt": [rng.randrange(3, VOCAB) for _ in range(500)],
-                                                           "max_tokens": 2},
-                                  headers={**headers, "x-open-deadline-s": "0.001"})
+            # the OpenAI routes take the same header; an idle server starts an open whatever its deadline (only
+            # waiting behind other prompts counts against it, issue 67), even 1 ms spent in the router's own work
+            openai = [await c.post("/v1/completions", headers={**headers, "x-open-deadline-s": d},
+                                   json={"prompt": [rng.randrange(3, VOCAB) for _ in range(500)], "max_tokens": 2})
+                      for d in ("0.001", "soon")]
             return results, openai, before, after
 
     async def replica_stats(c: httpx.AsyncClient) -> dict:
@@ -61,8 +62,8 @@ def test_a_burst_of_opens_is_answered_and_a_shed_open_costs_no_prefill(ray_sessi
         results, openai, before, after = asyncio.run(main())
     finally:
         delete_app(APP)
-    assert openai.status_code == 429 and openai.headers.get("Retry-After"), openai.text
-    assert "deadline" in openai.json()["error"]["message"], openai.text
+    assert openai[0].status_code == 200, openai[0].text
+    assert openai[1].status_code == 400 and "x-open-deadline-s" in openai[1].text, openai[1].text
     ok = [t for s, t, _, _ in results if s == 200]
     shed = [(t, ra, why) for s, t, ra, why in results if s == 429]
     assert len(ok) + len(shed) == len(results), {s for s, *_ in results}

@@ -64,17 +64,23 @@ def test_the_verifier_gets_the_remaining_deadline_and_its_late_answer_is_a_429()
         dev = r.tenants.by_name["dev"]
         with pytest.raises(Overloaded) as late:
             await r.open(dev, {"prompt_ids": [1, 2, 3]}, deadline_header="0.5", received_at=time.perf_counter() - 0.2)
-        with pytest.raises(Overloaded) as gone:  # arrived past its deadline: refused without a verifier call
+        # arrived past its deadline with nothing queued ahead: the verifier decides, with 0 s (it starts the head
+        # of its queue, whatever the deadline; this one answers as a replica with another open ahead: 429)
+        with pytest.raises(Overloaded):
+            await r.open(dev, {"prompt_ids": [1, 2, 3]}, received_at=time.perf_counter() - 6.0)
+        r.prefill.started(100)  # behind another open: refused without a verifier call
+        with pytest.raises(Overloaded) as gone:
             await r.open(dev, {"prompt_ids": [1, 2, 3]}, received_at=time.perf_counter() - 6.0)
         with pytest.raises(InvalidRequest):
             await r.open(dev, {"prompt_ids": [1, 2, 3]}, deadline_header="soon")
         return v, r, late.value, gone.value
 
     v, r, late, gone = asyncio.run(main())
-    assert v.calls == 1 and 0.25 < v.deadlines[0] <= 0.3  # the header's 0.5 s less the 0.2 s since arrival
+    assert v.calls == 2 and 0.25 < v.deadlines[0] <= 0.3  # the header's 0.5 s less the 0.2 s since arrival
+    assert v.deadlines[1] == 0.0
     assert late.status == 429 and late.reason == "open_deadline_passed" and late.retry_after > 0
     assert gone.reason == "open_deadline_passed"
-    assert r.prefill.cost.known and r.prefill.queued_opens == 0  # the cut open is a (lower-bound) sample
+    assert r.prefill.cost.known and r.prefill.queued_opens == 1  # the cut opens are (lower-bound) samples
 
 
 def test_a_measured_backlog_is_shed_at_the_door_without_a_verifier_call():
