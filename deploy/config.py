@@ -369,8 +369,7 @@ class AppConfig(_Strict):
         tp = vc.tensor_parallel_size
         if tp == 1:
             return self
-        refused = [("target.adapters (LoRA versions, not sharded yet)", bool(t.adapters)),
-                   ("verifier.early_exit (exit heads read hidden states mid-forward)", vc.early_exit.enabled),
+        refused = [("verifier.early_exit (exit heads read hidden states mid-forward)", vc.early_exit.enabled),
                    ("topology colocated", self.topology == "colocated"),
                    ("verifier.max_replicas_per_node (Serve refuses it with a placement group)",
                     getattr(vc, "max_replicas_per_node", None) is not None),

@@ -15,9 +15,10 @@ log = logging.getLogger("ray.serve")
 
 
 class AdapterRegistry:
-    def __init__(self, model=None, declared: dict[str, str] | None = None, max_loaded: int = 4):
-        """``model``: the replica's DecoderModel (None: weights elsewhere, as pipeline stages: the base only)."""
-        self.model = model
+    def __init__(self, model=None, declared: dict[str, str] | None = None, max_loaded: int = 4, sync=None):
+        """``model``: the replica's DecoderModel (None: weights elsewhere, as pipeline stages: the base only);
+        ``sync``: a tensor-parallel group's ``TPRunner.sync_adapters``, given the versions rank 0 holds."""
+        self.model, self.sync = model, sync
         self.declared: dict[str, str] = {}
         self.fingerprints: dict[str, tuple] = {}  # name -> its files' fingerprint when validated
         self.unavailable: dict[str, str] = {}  # declared versions that cannot be served -> why
@@ -38,7 +39,7 @@ class AdapterRegistry:
         unavailable = {n: why for n, why in self.unavailable.items() if n in declared and n not in changed}
         for n in sorted(changed):
             try:
-                check(declared[n], self.model.spec, self.model.config.intermediate_size)
+                check(declared[n], *self.model.adapter_base())
             except UnsupportedModel as e:
                 unavailable[n] = str(e)
                 log.error("target version %r is unavailable: %s", n, e)
@@ -49,6 +50,7 @@ class AdapterRegistry:
         self.declared, self.fingerprints, self.unavailable = dict(declared), prints, unavailable
         self.max_loaded = max_loaded
         self.trim()
+        self._publish({})  # the other ranks drop what is gone
         return gone
 
     def check(self, name: str | None) -> None:
@@ -83,8 +85,20 @@ class AdapterRegistry:
                 log.error("target version %r is unavailable: %s", n, self.unavailable[n])
                 failed[n] = VersionUnavailable(f"target version {n!r} is unavailable: {self.unavailable[n]}")
         self.trim(keep=set(names) - set(failed))
+        self._publish(failed)
         self.model.adapters = self.loaded
         return failed
+
+    def _publish(self, failed: dict[str, SpecError]) -> None:
+        """The versions held here to the other tensor-parallel ranks (``sync``); one a rank could not load is
+        unavailable (into ``failed``) and dropped here too."""
+        if self.sync is None:
+            return
+        for n, why in self.sync({n: (self.declared[n], self.fingerprints[n]) for n in self.loaded}).items():
+            self.loaded.pop(n, None)
+            self.unavailable[n] = why
+            log.error("target version %r is unavailable: %s", n, why)
+            failed[n] = VersionUnavailable(f"target version {n!r} is unavailable: {why}")
 
     def trim(self, keep: set[str] = frozenset()) -> None:
         """Evict least recently used versions (but not ``keep``) down to ``max_loaded``."""
@@ -97,8 +111,7 @@ class AdapterRegistry:
         if fingerprint(path) != self.fingerprints[name]:  # sessions' KV was computed with the validated bytes
             raise UnsupportedModel(f"{path} changed on disk since it was declared; re-declare it by a config "
                                    "update (its sessions end then)")
-        return LoraAdapter.load(name, path, m.spec, m.config.intermediate_size, m.dtype, m.device,
-                                range(m.first, m.last))
+        return m.load_adapter(name, path)
 
     def held(self) -> list[str]:
         return list(self.loaded)

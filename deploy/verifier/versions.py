@@ -20,7 +20,8 @@ class TargetVersions:
         self.base_aliases = {None, "", BASE, base_name, target_cfg.model}
         model = getattr(engine.runner, "model", None)
         self.registry = AdapterRegistry(model if isinstance(model, DecoderModel) else None,
-                                        target_cfg.adapters, target_cfg.max_loaded_adapters)
+                                        target_cfg.adapters, target_cfg.max_loaded_adapters,
+                                        getattr(engine.runner, "sync_adapters", None))  # tensor-parallel ranks
         engine.adapters = self.registry
         self.per_version = pacing_cfg.per_version
         self.max_draft_classes = pacing_cfg.max_draft_classes

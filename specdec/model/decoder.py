@@ -19,7 +19,7 @@ from specdec.model.cuda.plan import DevicePlan, device_tiles
 from specdec.model.glue import make_glue
 from specdec.model.kv_pool import KVPool
 from specdec.model.linear import Linear
-from specdec.model.lora import add_lora, row_groups
+from specdec.model.lora import LoraAdapter, add_lora, row_groups
 from specdec.model.native_stack import NativeStack
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class DecoderModel:
         x = g.norm(h, self.layers[0].ln1, s.rms_eps)
 
         def lin(f: Linear, x: torch.Tensor, i: int, name: str) -> torch.Tensor:
-            return add_lora(f(x), x, lora, self.first + i, name) if lora else f(x)
+            return self.lora_linear(f, x, lora, self.first + i, name) if lora else f(x)
 
         for i, w in enumerate(self.layers):
             qkv = lin(w.qkv, x, i, "qkv").view(N, Hq + 2 * Hkv, d)
@@ -247,6 +247,24 @@ class DecoderModel:
             if on_layer is not None:
                 on_layer(self.first + i + 1, h, batch)
         return h
+
+    def lora_linear(self, f: Linear, x: torch.Tensor, lora, layer: int, name: str) -> torch.Tensor:
+        """``f(x)`` [N, out] plus the LoRA deltas of fused matrix ``name`` of global layer ``layer`` on their rows."""
+        return add_lora(f(x), x, lora, layer, name)
+
+    def adapter_base(self) -> tuple[DecoderSpec, int]:
+        """The spec and intermediate size a LoRA version's tensors are checked against (the whole model's)."""
+        return self.spec, self.config.intermediate_size
+
+    def load_adapter(self, name: str, path) -> LoraAdapter:
+        """A LoRA target version's factors for this slice's layers, in its dtype, on its device (lora.py)."""
+        spec, inter = self.adapter_base()
+        return LoraAdapter.load(name, path, spec, inter, self.dtype, self.device, range(self.first, self.last),
+                                self.adapter_shard())
+
+    def adapter_shard(self):
+        """The slicer LoRA factors are cut with (None: whole; a tensor-parallel rank's: tensor_parallel.py)."""
+        return None
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

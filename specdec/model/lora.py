@@ -84,9 +84,13 @@ class LoraAdapter:
 
     @classmethod
     def load(cls, name: str, path: str | Path, spec, intermediate_size: int, dtype: torch.dtype,
-             device: torch.device | str = "cpu", layers: range | None = None) -> "LoraAdapter":
-        """Read a PEFT adapter for a decoder of ``spec`` (shapes checked); ``layers``: only these (a stage's)."""
+             device: torch.device | str = "cpu", layers: range | None = None, shard=None) -> "LoraAdapter":
+        """Read a PEFT adapter for a decoder of ``spec`` (shapes checked); ``layers``: only these (a stage's).
+        ``shard``: a tensor-parallel rank's ``slicer`` of the base weights (shard_plan.shard_slicer): each factor
+        is cut to match (:func:`shard_factors`); ``spec`` and ``intermediate_size`` stay the whole model's."""
         cfg, mats, out = _read(path, spec, intermediate_size)
+        if shard is not None:
+            out = shard_factors(mats, out, shard)
         keep = layers if layers is not None else range(spec.num_layers)
         by_layer: dict[int, dict[str, LoraPair]] = {}
         nbytes = 0
@@ -106,6 +110,23 @@ class LoraAdapter:
                 nbytes += A.numel() * A.element_size() + B.numel() * B.element_size()
                 by_layer.setdefault(li, {})[fused] = LoraPair(Linear(A), Linear(B))
         return cls(name, cfg, by_layer, nbytes)
+
+
+def shard_factors(mats: dict, out: dict[str, int], slicer) -> dict[str, int]:
+    """Cut each module's factors (``mats[(layer, module)]``: A [r, K], B [N, r]) in place as the rank's base weight
+    W [N, K] is cut by ``slicer``: W's rows (column-parallel: q/k/v, gate/up) -> B's rows, A whole, so the rank's
+    delta is its own output rows; W's columns (row-parallel: o, down) -> A's columns, B whole, so the rank's delta
+    is a partial sum, added to the base's before its one fixed-order sum. Returns the rank's output sizes."""
+    rules = {m: slicer(f"{m}.weight") for m in out}
+    for (_, mod), f in mats.items():
+        if rules[mod] is None:
+            continue
+        dim, a, b = rules[mod]
+        if dim == 0:
+            f["B"] = f["B"][a:b]  # [N_local, r]
+        else:
+            f["A"] = f["A"][:, a:b]  # [r, K_local]
+    return {m: rules[m][2] - rules[m][1] if rules[m] is not None and rules[m][0] == 0 else n for m, n in out.items()}
 
 
 def check(path: str | Path, spec, intermediate_size: int) -> AdapterConfig:

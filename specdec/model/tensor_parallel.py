@@ -7,7 +7,8 @@ ranks, with reductions whose summation order never depends on the batch. docs/te
 - :class:`TPDecoderModel`: column-parallel QKV (each rank its own Q heads and their KV heads; KV heads fewer than
   ranks replicated, as vLLM does) and gate/up; row-parallel o_proj and down_proj (one ``sum`` each);
   vocabulary-parallel embedding (one ``sum``) and LM head (logits gathered to rank 0, where the walk runs).
-  Each rank's KV pool holds its own KV heads.
+  Each rank's KV pool holds its own KV heads. LoRA target versions are cut as the base weights they add to: B's
+  rows of column-parallel linears, A's columns of row-parallel ones (their partial deltas join the one ``sum``).
 - What must divide, which heads a rank holds, reading one rank's part of a checkpoint: shard_plan.py."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from specdec.model.decoder import DecoderModel, DecoderSpec
-from specdec.model.shard_plan import check_shardable, kv_heads_of, q_heads_of
+from specdec.model.lora import add_lora
+from specdec.model.shard_plan import check_shardable, kv_heads_of, q_heads_of, shard_slicer
 
 COMMAND_BYTES = 1 << 16  # the fixed broadcast of a round's command: a batch's items fit it (else a second one)
 
@@ -113,6 +115,14 @@ class FixedOrderGroup:
     def broadcast_obj(self, obj=None):
         return pickle.loads(self.broadcast_bytes(pickle.dumps(obj) if self.rank == 0 else None))
 
+    def count(self, flags: list[int]) -> list[int]:
+        """Each element of ``flags`` summed over ranks, on every rank (integers over gloo: exact)."""
+        if self.world == 1:
+            return list(flags)
+        t = torch.tensor(list(flags) + [0], dtype=torch.int64)
+        self._wait(self.pg.allreduce([t], dist.AllreduceOptions()))
+        return t[:-1].tolist()
+
     def barrier(self) -> None:
         if self.world > 1:
             self._wait(self.pg.barrier())
@@ -200,7 +210,11 @@ class RowParallel:
         return getattr(self.__dict__["local"], name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.sum(self.local(x))
+        return self.reduce(self.local(x))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output y [N, out] summed over ranks (fixed order), plus the bias once."""
+        y = self.group.sum(y)
         return y + self.full_bias if self.full_bias is not None else y
 
 
@@ -248,9 +262,21 @@ class TPDecoderModel(DecoderModel):
     def layer_linears(self):
         return [getattr(f, "local", f) for w in self.layers for f in (w.qkv, w.o, w.gate_up, w.down)]
 
+    def adapter_base(self):
+        return self.full_spec, self.config.intermediate_size
+
+    def adapter_shard(self):
+        """LoRA factors cut as this rank's base weights are (lora.shard_factors): the same rows and columns."""
+        return shard_slicer(self.config, self.tp_rank, self.tp_size)
+
+    def lora_linear(self, f, x, lora, layer, name):
+        """Row-parallel (o, down): this rank's partial output plus its partial LoRA delta (A's columns of its
+        input slice), then the one fixed-order sum; column-parallel: its own output rows, delta included."""
+        if isinstance(f, RowParallel):
+            return f.reduce(add_lora(f.local(x), x, lora, layer, name))
+        return add_lora(f(x), x, lora, layer, name)
+
     def forward(self, batch, pool, hidden=None, on_layer=None):
-        if batch.adapter_rows:
-            raise ValueError("LoRA target versions are not sharded yet: tensor_parallel_size 1 serves them")
         if on_layer is not None:
             raise ValueError("exit heads read the hidden states mid-forward: not with tensor_parallel_size > 1")
         return super().forward(batch, pool, hidden)

@@ -23,6 +23,7 @@ import torch
 
 from specdec.errors import KVStateLost
 from specdec.model.loading import LoadedModel
+from specdec.model.lora import fingerprint
 from specdec.model.runner import ModelRunner
 from specdec.model.tensor_parallel import FixedOrderGroup, GroupLost, TPDecoderModel
 
@@ -95,6 +96,7 @@ def serve_rank(addr: str, port: int, rank: int, world: int, spec: ShardSpec) -> 
     except Exception:  # noqa: BLE001 - any load failure: reported by rank 0 as the group's start error
         group.store.set(f"tp/error/{rank}", traceback.format_exc()[-4000:])
         os._exit(1)
+    held: dict = {}  # LoRA version -> (path, fingerprint) this rank holds
     try:
         group.barrier()
         while True:
@@ -105,6 +107,8 @@ def serve_rank(addr: str, port: int, rank: int, world: int, spec: ShardSpec) -> 
                 continue
             if cmd[0] == "stop":
                 break
+            if cmd[0] == "adapters":
+                hold_adapters(runner.model, group, cmd[1], held)
             if cmd[0] == "forward":
                 try:
                     runner.forward(*cmd[1:])
@@ -115,6 +119,30 @@ def serve_rank(addr: str, port: int, rank: int, world: int, spec: ShardSpec) -> 
     except GroupLost:
         os._exit(3)  # rank 0 is gone or closed the group: it starts a new one
     group.close()
+
+
+def hold_adapters(model, group: FixedOrderGroup, specs: dict[str, tuple], held: dict) -> None:
+    """A worker's side of :meth:`TPRunner.sync_adapters`: hold exactly ``specs``'s versions (name -> (path,
+    fingerprint)), each its shard, loading those new or changed; then one count of the ranks that could not load
+    each (sorted by name; the reason in the store under ``tp/adapter/<name>``)."""
+    keep, fails = {}, []
+    for name in sorted(specs):
+        path, fp = specs[name]
+        try:
+            if held.get(name) == specs[name] and name in model.adapters:
+                keep[name] = model.adapters[name]
+            elif fingerprint(path) != fp:
+                raise ValueError(f"{path} changed on disk since rank 0 read it")
+            else:
+                keep[name] = model.load_adapter(name, path)
+            fails.append(0)
+        except Exception as e:  # noqa: BLE001 - this version only: rank 0 marks it unavailable
+            group.store.set(f"tp/adapter/{name}", f"rank {group.rank}: {type(e).__name__}: {e}"[:1000])
+            fails.append(1)
+    model.adapters = keep
+    held.clear()
+    held.update({n: specs[n] for n in keep})
+    group.count(fails)
 
 
 def _process_main(addr, port, rank, world, spec):
@@ -168,6 +196,8 @@ class TPRunner:
         self.local: ModelRunner | None = None
         self.group: FixedOrderGroup | None = None
         self._queued: list = []
+        self._adapters: dict = {}  # the LoRA versions every worker holds: name -> (path, fingerprint)
+        self._loss: GroupLost | None = None  # a collective outside a forward failed: the next forward restarts
         self._start(model)
         self.loaded = self.local.loaded  # LoadedModel without weights (when spec.load gives a LoadedModel), or None
 
@@ -192,7 +222,7 @@ class TPRunner:
             self._teardown()
             raise TPStartError(f"tensor-parallel group of {self.world} ranks did not start: "
                                f"{why or f'{type(e).__name__}: {e}'}") from None
-        self._queued = []
+        self._queued, self._adapters, self._loss = [], {}, None  # new workers hold no LoRA version
 
     def _worker_errors(self) -> str | None:
         if self.group is None or self.group.store is None:
@@ -244,12 +274,41 @@ class TPRunner:
             raise ValueError("exit heads need tensor_parallel_size 1")
         if self.broken:
             raise RuntimeError(f"the tensor-parallel group is down: {self.broken}")
+        if self._loss is not None:
+            self._lost(self._loss)
         queued, self._queued = self._queued, []
         try:
             self.group.broadcast_obj((queued, ("forward", batch_id, items, hidden)))
             return self.local.forward(batch_id, items, hidden)
         except GroupLost as e:
             self._lost(e)
+
+    def sync_adapters(self, specs: dict[str, tuple]) -> dict[str, str]:
+        """Make every worker hold the LoRA versions of ``specs`` (name -> (path, fingerprint); rank 0's registry
+        holds them already), each its shard, and no other. One broadcast and one count, only when ``specs`` changed
+        since the last call or the group restarted. Returns {name: why} for versions a worker could not load."""
+        if specs == self._adapters or self.broken or self._loss is not None:
+            return {}
+        names = sorted(specs)
+        queued, self._queued = self._queued, []
+        try:
+            self.group.broadcast_obj((queued, ("adapters", dict(specs))))
+            counts = self.group.count([0] * len(names))
+        except GroupLost as e:  # the next forward restarts the group (its KVStateLost closes the sessions)
+            self._loss = e
+            return {}
+        failed = {n: self._adapter_error(n) for n, c in zip(names, counts) if c}
+        self._adapters = {n: s for n, s in specs.items() if n not in failed}
+        return failed
+
+    def _adapter_error(self, name: str) -> str:
+        key = f"tp/adapter/{name}"
+        try:
+            why = self.group.store.get(key).decode()
+            self.group.store.delete_key(key)
+        except RuntimeError:
+            why = "a worker could not load it"
+        return why
 
     def flush(self) -> None:
         """Send the queued KV operations now (a forward carries them otherwise)."""

@@ -33,6 +33,15 @@ def test_what_tensor_parallelism_does_not_combine_with(change, message):
         AppConfig(**{**TP2, **change})
 
 
+def test_lora_versions_combine_with_tensor_parallelism():
+    """Versions are sharded as the base (tests/specdec/model/test_tensor_parallel_lora.py); stages still refuse them."""
+    tp = AppConfig(**{**TP2, "target": {**TP2["target"], "adapters": {"v1": "/adapters/v1"}}})
+    assert tp.target.adapters == {"v1": "/adapters/v1"}
+    with pytest.raises(ValueError, match="pipeline_parallel_size 1"):
+        AppConfig(**{**TP2, "target": {**TP2["target"], "adapters": {"v1": "/a"}},
+                     "verifier": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})
+
+
 def test_bundles_one_stage_and_stages():
     # one stage: the replica is rank 0 (its device in bundle 0), ranks 1..3 behind it
     assert tp_bundles(4, 1, "cuda", 4, 1, 2) == [{"CPU": 4.0, "GPU": 1.0}] + [{"CPU": 4.0, "GPU": 1.0}] * 3
