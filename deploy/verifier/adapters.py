@@ -49,7 +49,7 @@ class AdapterRegistry:
                 self.evictions += 1
         self.declared, self.fingerprints, self.unavailable = dict(declared), prints, unavailable
         self.max_loaded = max_loaded
-        self.trim()
+        self._evict()
         self._publish({})  # the other ranks drop what is gone
         return gone
 
@@ -84,7 +84,7 @@ class AdapterRegistry:
                 self.unavailable[n] = str(e) if isinstance(e, UnsupportedModel) else f"{self.declared[n]}: {e}"
                 log.error("target version %r is unavailable: %s", n, self.unavailable[n])
                 failed[n] = VersionUnavailable(f"target version {n!r} is unavailable: {self.unavailable[n]}")
-        self.trim(keep=set(names) - set(failed))
+        self._evict(keep=set(names) - set(failed))
         self._publish(failed)
         self.model.adapters = self.loaded
         return failed
@@ -100,11 +100,19 @@ class AdapterRegistry:
             log.error("target version %r is unavailable: %s", n, why)
             failed[n] = VersionUnavailable(f"target version {n!r} is unavailable: {why}")
 
-    def trim(self, keep: set[str] = frozenset()) -> None:
-        """Evict least recently used versions (but not ``keep``) down to ``max_loaded``."""
-        for n in [n for n in self.loaded if n not in keep][: max(len(self.loaded) - self.max_loaded, 0)]:
+    def trim(self) -> None:
+        """Evict least recently used versions down to ``max_loaded`` (after a forward that needed more); the other
+        tensor-parallel ranks drop them too."""
+        if self._evict():
+            self._publish({})
+
+    def _evict(self, keep: set[str] = frozenset()) -> bool:
+        """Evict least recently used versions (but not ``keep``) down to ``max_loaded``; whether any went."""
+        gone = [n for n in self.loaded if n not in keep][: max(len(self.loaded) - self.max_loaded, 0)]
+        for n in gone:
             del self.loaded[n]
             self.evictions += 1
+        return bool(gone)
 
     def _load(self, name: str) -> LoraAdapter:
         m, path = self.model, self.declared[name]

@@ -252,7 +252,7 @@ def test_a_load_failure_fails_only_that_versions_sessions(versions, tmp_path):
     opened = eng.open([OpenRequest(sid, p, params, adapter=v) for sid, (v, p) in sessions.items()])
     got = {r.sid: [r.first_token] for r in opened}
     assert eng.adapters.held() == ["qv"] or eng.adapters.held() == ["all"]
-    eng.adapters.trim(keep={"all"})  # qv evicted: the next batch reloads it
+    eng.adapters._evict(keep={"all"})  # qv evicted: the next batch reloads it
     eng.adapters.loaded.pop("qv", None)
     corrupt(str(qv), silently=True)
     assert eng.begin_open([OpenRequest("qv-late", [9, 8, 7], params, adapter="qv")]) == [None]
