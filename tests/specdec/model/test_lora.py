@@ -110,40 +110,52 @@ def test_bf16_rows_are_independent_of_their_batch_and_the_other_versions(tmp_pat
     rng = random.Random(4)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     sessions = {f"{v}-{i}": (v, random_prompt(rng, 512, 1, 80)) for v in (None, "all", "mlp") for i in range(2)}
-    truths = {}
-    for sid, (v, p) in sessions.items():
-        eng = engine_with(model, paths)
-        assert eng.begin_open([OpenRequest("ref", p, params, adapter=v)]) == [None]
-        while eng.prefilling:
-            opened = eng.prefill_step(1)
-        out, s = [opened[0].first_token], eng.sessions["ref"]
-        while not s.finished:
-            (res,) = eng.verify([VerifyRequest("ref", DraftTree.empty(), len(s.prefix))])
-            out += list(res.tokens)
-        truths[sid] = out
+    truths = {sid: one_token(engine_with(model, paths), p, params, v) for sid, (v, p) in sessions.items()}
     assert len({tuple(t) for t in truths.values()}) == len(truths)
     eng = engine_with(model, paths, max_loaded=1)  # and every batch loads/evicts versions
     others = {f"o{i}": (rng.choice([None, "all", "mlp"]), random_prompt(rng, 512, 1, 100)) for i in range(6)}
-    assert all(e is None for e in eng.begin_open(
-        [OpenRequest(sid, p, SamplingParams(max_tokens=1 << 10, ignore_eos=True), adapter=v)
-         for sid, (v, p) in others.items()]
-        + [OpenRequest(sid, p, params, adapter=v) for sid, (v, p) in sessions.items()]))
+    got = decode_among_others(eng, sessions, others, params, truths, rng, max_size=32)
+    assert got == truths
+    assert eng.adapters.evictions > 0 and len(eng.adapters.held()) <= 2
+
+
+def one_token(eng: VerifierEngine, prompt: list[int], params, version) -> list[int]:
+    """The session alone, one token per forward (prefill included); closed afterwards."""
+    assert eng.begin_open([OpenRequest("ref", prompt, params, adapter=version)]) == [None]
+    while eng.prefilling:
+        opened = eng.prefill_step(1)
+    out, s = [opened[0].first_token], eng.sessions["ref"]
+    while not s.finished:
+        (res,) = eng.verify([VerifyRequest("ref", DraftTree.empty(), len(s.prefix))])
+        out += list(res.tokens)
+    eng.close("ref")
+    return out
+
+
+def decode_among_others(eng, sessions: dict, others: dict, params, truths: dict, rng, max_size: int) -> dict:
+    """Open ``sessions`` and ``others`` (sid -> (version, prompt); the others never finish) in a shuffled order,
+    prefill them in random chunks, then verify random trees along each session's ``truths`` in random batches
+    mixed with others, until every session finishes; each session's tokens (sid -> ids)."""
+    reqs = [OpenRequest(sid, p, SamplingParams(max_tokens=1 << 10, ignore_eos=True), adapter=v)
+            for sid, (v, p) in others.items()] + [OpenRequest(sid, p, params, adapter=v)
+                                                   for sid, (v, p) in sessions.items()]
+    rng.shuffle(reqs)
+    assert all(e is None for e in eng.begin_open(reqs))
     got: dict[str, list[int]] = {}
     while eng.prefilling:
         for res in eng.prefill_step(rng.randint(1, 64)):
             got[res.sid] = [res.first_token]
     while any(not eng.sessions[sid].finished for sid in sessions):
-        batch = [sid for sid in sessions if not eng.sessions[sid].finished]
-        batch = rng.sample(batch, rng.randint(1, len(batch))) + rng.sample(sorted(others), rng.randint(1, 6))
+        live = [sid for sid in sessions if not eng.sessions[sid].finished]
+        batch = rng.sample(live, rng.randint(1, len(live))) + rng.sample(sorted(others), rng.randint(1, len(others)))
         reqs = [VerifyRequest(sid, random_tree(rng, truths.get(sid, [])[eng.sessions[sid].num_generated:], 512,
-                                               max_size=32, max_depth=8), len(eng.sessions[sid].prefix))
+                                               max_size=max_size, max_depth=8), len(eng.sessions[sid].prefix))
                 for sid in batch]
         for req, res in zip(reqs, eng.verify(reqs)):
             assert isinstance(res, VerifyResult), res
             if req.sid in sessions:
                 got[req.sid] += list(res.tokens)
-    assert {sid: got[sid] for sid in sessions} == truths
-    assert eng.adapters.evictions > 0 and len(eng.adapters.held()) <= 2
+    return {sid: got[sid] for sid in sessions}
 
 
 @pytest.mark.parametrize("K,N,r", [(576, 8, 8), (8, 576, 8), (1536, 24, 24), (24, 1728, 24), (576, 16, 16)])

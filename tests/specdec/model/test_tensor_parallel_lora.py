@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from deploy.verifier.adapters import AdapterRegistry
-from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest, VerifyResult
+from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest
 from specdec.model import lora
 from specdec.model.batch import chunk_input
 from specdec.model.checkpoint import tiny_weights
@@ -25,7 +25,7 @@ from specdec.model.tensor_parallel import FixedOrderGroup, TPDecoderModel
 from specdec.model.tp_runner import ShardSpec, TPRunner
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
-from tests.specdec.model.test_lora import ALL, LIMITS, make_adapter, merged
+from tests.specdec.model.test_lora import ALL, LIMITS, decode_among_others, make_adapter, merged, one_token
 from tests.specdec.test_engine import random_prompt, random_tree
 
 peft = pytest.importorskip("peft")
@@ -68,19 +68,6 @@ def engine_on(model, runner, paths, max_loaded: int = 4) -> VerifierEngine:
     eng = VerifierEngine(model, runner=runner, limits=LIMITS)  # runner None: 1 rank
     eng.adapters = AdapterRegistry(eng.runner.model, paths, max_loaded, getattr(runner, "sync_adapters", None))
     return eng
-
-
-def one_token(eng: VerifierEngine, prompt: list[int], params, version) -> list[int]:
-    """The session alone, one token per forward (prefill included); closed afterwards."""
-    assert eng.begin_open([OpenRequest("ref", prompt, params, adapter=version)]) == [None]
-    while eng.prefilling:
-        opened = eng.prefill_step(1)
-    out, s = [opened[0].first_token], eng.sessions["ref"]
-    while not s.finished:
-        (res,) = eng.verify([VerifyRequest("ref", DraftTree.empty(), len(s.prefix))])
-        out += list(res.tokens)
-    eng.close("ref")
-    return out
 
 
 # -- each rank's shard ----------------------------------------------------------------------
@@ -126,26 +113,7 @@ def test_versions_in_one_batch_equal_two_rank_one_token_decoding(versions, group
     assert len({tuple(t) for t in truths.values()}) == len(truths)
     eng = engine_on(model, runner, paths, max_loaded=1)
     others = {f"o{i}": (rng.choice([None, "all", "mlp"]), random_prompt(rng, 512, 1, 100)) for i in range(5)}
-    reqs = [OpenRequest(sid, p, SamplingParams(max_tokens=1 << 10, ignore_eos=True), adapter=v)
-            for sid, (v, p) in others.items()] + [OpenRequest(sid, p, params, adapter=v)
-                                                   for sid, (v, p) in sessions.items()]
-    rng.shuffle(reqs)
-    assert all(e is None for e in eng.begin_open(reqs))
-    got: dict[str, list[int]] = {}
-    while eng.prefilling:
-        for res in eng.prefill_step(rng.randint(1, 64)):
-            got[res.sid] = [res.first_token]
-    while any(not eng.sessions[sid].finished for sid in sessions):
-        live = [sid for sid in sessions if not eng.sessions[sid].finished]
-        batch = rng.sample(live, rng.randint(1, len(live))) + rng.sample(sorted(others), rng.randint(1, 5))
-        reqs = [VerifyRequest(sid, random_tree(rng, truths.get(sid, [])[eng.sessions[sid].num_generated:], 512,
-                                               max_size=24, max_depth=8), len(eng.sessions[sid].prefix))
-                for sid in batch]
-        for req, res in zip(reqs, eng.verify(reqs)):
-            assert isinstance(res, VerifyResult), res
-            if req.sid in sessions:
-                got[req.sid] += list(res.tokens)
-    assert {sid: got[sid] for sid in sessions} == truths
+    assert decode_among_others(eng, sessions, others, params, truths, rng, max_size=24) == truths
     assert eng.adapters.evictions > 0
     for sid in list(eng.sessions):
         eng.close(sid)
