@@ -81,7 +81,10 @@ def _summary(got: dict | str) -> dict | str:
     if isinstance(got, str):
         return got
     out = {str(r["batch"]): {"step_ms": r["step_ms_min"], "median_ms": r["step_ms_median"], "reps": r["reps"],
-                             "prefill_ms_median": r["prefill_ms_median"]} for r in got["rows"]}
+                             "prefill_ms_median": r["prefill_ms_median"],
+                             # CPU time / wall of the driving process (engine core in-process at TP 1: the
+                             # forward too; at TP 2 only scheduling and its wait on the workers' replies)
+                             "driver_cpu_share": r["cpu_share"]} for r in got["rows"]}
     c = got["conditions"]
     out["conditions"] = {k: c.get(k) for k in ("vllm_version", "dtype", "tensor_parallel_size", "omp_threads_bind",
                                                "decode_steps_per_rep", "reps", "prefix", "startup_s",
