@@ -143,12 +143,19 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
 def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:
     """From the server's 5-second process samples: cores used per role over the window (CPU
     seconds / wall seconds; a process that died inside it loses its CPU, so a kill makes its
-    role read low), and each router/verifier process's RSS growth from its first sample in the
-    window to its last (processes seen for at least half the window)."""
+    role read low), and each router/verifier process's RSS growth from its first sample past its
+    own warm-up (the run's: the window's start after the first sample; a replacement started by a
+    fault warms up as the first processes did) to its last, for processes seen that long for at
+    least half the window."""
     lo, hi = window
     inside = [p for p in procs if lo <= p["t"] <= hi]
     if len(inside) < 2:
         return {}
+    warm = max(0.0, lo - procs[0]["t"])
+    born: dict[str, float] = {}
+    for p in procs:
+        for pid in p["rss"]:
+            born.setdefault(pid, p["t"])
     a, b = inside[0], inside[-1]
     dt = max(b["t"] - a["t"], 1e-9)
     cores = {r: max(0.0, (b["cpu_s_by_role"].get(r, 0.0) - a["cpu_s_by_role"].get(r, 0.0)) / dt)
@@ -156,7 +163,7 @@ def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:
     seen: dict[str, list[tuple[float, str, int]]] = defaultdict(list)
     for p in inside:
         for pid, (role, rss) in p["rss"].items():
-            if rss:
+            if rss and p["t"] >= born[pid] + warm:
                 seen[pid].append((p["t"], role, rss))
     growth: dict[str, float] = {}
     rss_mb: dict[str, float] = {}

@@ -229,3 +229,27 @@ def test_opens_refused_while_the_verifier_idles_fail_the_cold_start_check(tmp_pa
     check = next(c for c in s["checks"] if "while the verifier was idle" in c["name"])
     assert not check["ok"] and "while idle: 1" in check["detail"]
     assert "opens refused for their deadline" in markdown(s)
+
+
+def test_rss_growth_counts_each_process_from_its_own_warm_up():
+    """A router replaced mid-run (a node lost) grows while it warms up, as the first one did before the
+    window: its growth counts from its own warm-up; a process that keeps growing after it still shows."""
+    from loadtests.report import process_summary
+
+    def sample(t: float, rss: dict) -> dict:
+        return {"t": t, "rss": rss, "cpu_s_by_role": {"router": t / 2}, "cpu_s_total": t}
+
+    mb = 2 ** 20
+    procs = []
+    for t in range(0, 1200, 5):
+        rss = {"1": ("verifier", (400 + (50 if t >= 60 else t * 50 / 60)) * mb)}
+        if t < 240:
+            rss["2"] = ("router", (180 + min(t, 60)) * mb)
+        else:  # the replacement, born at 240 s: 180 MB then +60 MB over its first minute, then flat
+            rss["3"] = ("router", (180 + min(t - 240, 60)) * mb)
+        rss["4"] = ("proxy", (200 + t / 20) * mb)  # a slow leak: +5 MB a minute throughout
+        procs.append(sample(float(t), rss))
+    out = process_summary(procs, (60.0, 1195.0))
+    assert out["rss_growth"]["router"] == 0.0  # not the replacement's warm-up (240 -> 180 MB would read +33 %)
+    assert out["rss_growth"]["verifier"] == 0.0
+    assert out["rss_growth"]["proxy"] > 0.2  # 203 -> 259.75 MB
