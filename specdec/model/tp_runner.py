@@ -181,7 +181,8 @@ class ProcessLauncher:
             if p.is_alive():
                 p.kill()
         for p in self.procs:
-            p.join(timeout=10)
+            if p.pid is not None:  # one whose start failed was never started: nothing to join
+                p.join(timeout=10)
         self.procs = []
 
 

@@ -339,3 +339,16 @@ def test_workers_leave_when_rank_0_is_gone():
     proc.join(timeout=20)
     assert proc.exitcode == 3  # serve_rank's exit on a lost group
     runner.launcher.stop()
+
+
+def test_a_launch_whose_worker_never_started_stops_cleanly():
+    """A worker whose ``start`` raised was never started: stopping the launch joins only the started ones, so the
+    start's own error is what the caller sees (not multiprocessing's 'can only join a started process')."""
+    import multiprocessing as mp
+
+    from specdec.model.tp_runner import ProcessLauncher
+
+    launcher = ProcessLauncher()
+    launcher.procs = [mp.get_context("spawn").Process(target=print)]
+    launcher.stop()
+    assert launcher.procs == [] and launcher.failed() is None
