@@ -219,8 +219,10 @@ class Router:
             raise InvalidRequest(f"invalid open request: {e.errors(include_url=False)[:3]}") from None
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        if received_at is not None:  # past its deadline here, it is refused only behind other opens: an idle
-            waited = clock.perf_counter() - received_at  # verifier starts it at once (its queue's head is never dropped)
+        if received_at is not None:
+            # past its deadline already, it is refused here only behind other opens: an idle verifier starts it at
+            # once, whatever is left of its deadline (the head of its queue is never dropped)
+            waited = clock.perf_counter() - received_at
             if waited >= deadline and self.prefill.queued_opens:
                 raise deadline_refusal(deadline, self.admission.retry_after)
             deadline = max(0.0, deadline - waited)
