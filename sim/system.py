@@ -77,6 +77,7 @@ class Fleet:
         self.replicas: dict[str, VerifierServer] = {}
         self.runners: dict[str, SimRunner] = {}  # every replica that ran, killed ones included
         self.inflight: dict[str, set[asyncio.Task]] = {}
+        self.loop_cpu: dict[str, VirtualWorker] = {}  # each replica's event loop (HostCost.replica_s)
         self.killed: set[str] = set()
         for i in range(app.verifier.num_replicas):
             self.start(f"r{i}")
@@ -95,6 +96,7 @@ class Fleet:
                                           new_id=lambda: f"{self.rng.getrandbits(64):016x}")
         self.runners[tag] = runner
         self.inflight[tag] = set()
+        self.loop_cpu[tag] = VirtualWorker(self.loop, self.cores)
         if self.host.forward_s:
             self._charge_forwards(self.replicas[tag].engine)
         self._observe_shares(self.replicas[tag].loop.sched)
@@ -147,7 +149,8 @@ class Fleet:
         core = await self._route(kwargs)
         if method in ("open_session", "verify", "close_session"):
             tree = method == "verify" and VerifyFrame.header(kwargs["frame"]).nodes > 0
-            await _spend(core._executor, self.host.replica_s + (self.host.replica_tree_s if tree else 0.0))
+            # on the replica's event loop, beside its forward thread (sharing the cores, as a GIL-free forward does)
+            await _spend(self.loop_cpu[core.tag], self.host.replica_s + (self.host.replica_tree_s if tree else 0.0))
         fn = getattr(core, CALLS.get(method, method))
         out = fn(**kwargs) if method not in CALLS else fn()
         if not asyncio.iscoroutine(out):

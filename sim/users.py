@@ -101,13 +101,14 @@ class EdgeUser:
         done = 0
         while clock.monotonic() < end and not self.vanished and (w.generations_per_user is None
                                                                   or done < w.generations_per_user):
-            await self.generation(end)
+            await self.generation(end, done)
             done += 1
             await clock.sleep(self.rng.uniform(*w.think_s))
 
-    async def generation(self, end: float) -> None:
+    async def generation(self, end: float, g: int = 0) -> None:
+        """This user's ``g``-th generation."""
         w, c, rng = self.w, self.sys.counters, self.rng
-        prompt = [rng.randrange(3, SIM_VOCAB) for _ in range(rng.randint(*w.prompt_tokens))]
+        prompt = [rng.randrange(3, SIM_VOCAB) for _ in range(w.prompt_length(self.i, g, rng))]
         truth = continuation(prompt, w.max_tokens)
         c.generations += 1
         t_open = clock.monotonic()

@@ -26,7 +26,7 @@ from sim.workload import Workload
 HERE = Path(__file__).resolve().parent / "validation"
 TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_ms_p50": 0.10, "latency_ms_p99": 0.20}
 # what the measured runs do not report; reply_share: a request's CPU spent on its reply (sim.cost_profile.HostCost)
-ASSUMED = {"prompt_tokens": (64, 256), "sibling_alpha": 0.3, "jitter": 0.0, "reply_share": 0.5}
+ASSUMED = {"sibling_alpha": 0.3, "jitter": 0.0, "reply_share": 0.5}
 
 
 def fit_alpha(tokens_per_round: float, depth: int, nodes: int, sibling: float) -> float:
@@ -43,7 +43,7 @@ def fit_alpha(tokens_per_round: float, depth: int, nodes: int, sibling: float) -
 
 def bench_case(row: dict, conditions: dict) -> tuple[AppConfig, Workload]:
     """A ``benchmarks.run`` row as a deployment and a workload."""
-    from benchmarks.run_plan import PLANS, app_config
+    from benchmarks.run_plan import PLANS, app_config, prompt_ids
 
     plan = dataclasses.replace(PLANS["full"], modes=["server_ar", "edge_full"])
     app = app_config(plan, "ngram", 2)  # the run's deployment (the server drafter is idle in these modes)
@@ -52,7 +52,8 @@ def bench_case(row: dict, conditions: dict) -> tuple[AppConfig, Workload]:
     sessions = int(row["sessions"])
     w = {"users": sessions, "duration_s": 3600.0, "warmup_s": 0.0, "max_tokens": int(conditions["max_tokens"]),
          "generations_per_user": max(1, round(row["generations"] / sessions)),
-         "prompt_tokens": ASSUMED["prompt_tokens"], "tenants": {"bench": 1.0},
+         "prompt_lengths": [len(p) for p in prompt_ids(plan, plan.prompts_for(sessions))[0]],  # the run's own
+         "tenants": {"bench": 1.0},
          "network": {"rtt_ms": float(row["rtt_ms"]), "jitter": ASSUMED["jitter"]}}
     if row["mode"] == "server_ar":
         w["mode"] = "server_ar"
@@ -62,11 +63,16 @@ def bench_case(row: dict, conditions: dict) -> tuple[AppConfig, Workload]:
         depth = int(conditions["fixed_depth"])
         alpha = fit_alpha(trees["tokens_per_verify"], round(trees["draft_depth_mean"]),
                           max(1, round(trees["sent_nodes_per_round"])), ASSUMED["sibling_alpha"])
-        draft_ms = row["draft_ms_per_forward"] or trees["draft_ms_per_forward"]
+        draft_ms = _known(row["draft_ms_per_forward"]) or trees["draft_ms_per_forward"]
         w.update(mode="edge", depth=depth, proactive=True, edge_workers=1, devices={"bench-edge": 1.0},
                  draft_ms={"bench-edge": float(draft_ms)},
                  acceptance={"alpha": alpha, "sibling_alpha": ASSUMED["sibling_alpha"]})
     return AppConfig(**app), Workload(**w)
+
+
+def _known(x):
+    """A run's figure, None where it has none (JSON null, or NaN where nothing was measured)."""
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
 def measured(row: dict) -> dict:
@@ -117,11 +123,10 @@ def host_from_bench(run: dict, source: str = "") -> HostCost:
     """The replica's CPU outside the model in a ``benchmarks.run`` (its CPU split per token, the
     server on one core): per request and per forward from ``server_ar`` at its fewest and most
     sessions (one token a request, forwards per token measured), more per tree request from
-    ``edge_full`` at its fewest; Serve's proxy and Ray's other processes as background cores."""
+    ``edge_full`` at its fewest (:func:`bench_fit_rows`); Serve's proxy and Ray's other processes as
+    background cores."""
     rows = run["rows"]
-    ar = sorted((r for r in rows if r["mode"] == "server_ar"), key=lambda r: r["sessions"])
-    edge = min((r for r in rows if r["mode"] == "edge_full"), key=lambda r: r["sessions"])
-    lo, hi = ar[0], ar[-1]
+    lo, hi, edge = bench_fit_rows(rows)
     per_forward = ((lo["cpu_ms_per_token_verifier_other"] - hi["cpu_ms_per_token_verifier_other"])
                    / (lo["verify_forwards_per_token"] - hi["verify_forwards_per_token"]))
     per_request = lo["cpu_ms_per_token_verifier_other"] - per_forward * lo["verify_forwards_per_token"]
@@ -131,6 +136,13 @@ def host_from_bench(run: dict, source: str = "") -> HostCost:
                      for r in rows) / len(rows) / 1e3
     return HostCost(replica_s=per_request / 1e3, replica_tree_s=max(0.0, tree) / 1e3, forward_s=per_forward / 1e3,
                     cores=1.0, background_cores=background, source=source)
+
+
+def bench_fit_rows(rows: list[dict]) -> tuple[dict, dict, dict]:
+    """The rows :func:`host_from_bench` fits to: ``server_ar`` at its fewest and most sessions,
+    ``edge_full`` at its fewest."""
+    ar = sorted((r for r in rows if r["mode"] == "server_ar"), key=lambda r: r["sessions"])
+    return ar[0], ar[-1], min((r for r in rows if r["mode"] == "edge_full"), key=lambda r: r["sessions"])
 
 
 def loadtest_measured(s: dict) -> dict:
@@ -153,19 +165,22 @@ def validate(profile_path: Path, runs_path: Path, seed: int = 0, loadtests: list
              bench_host_run: Path | None = None) -> list[dict]:
     """The benchmark rows of ``runs_path`` (latency: ITL) and the load tests (latency: a verify
     round), each predicted from its profile; the host's CPU outside the model fitted to
-    ``bench_host_run`` (:func:`host_from_bench`) and ``host_run`` (:func:`host_from_loadtest`);
-    None: the forward alone."""
+    ``bench_host_run`` (:func:`host_from_bench`: the run itself by default) and ``host_run``
+    (:func:`host_from_loadtest`); None: the forward alone."""
     from sim.__main__ import simulate
 
     profile = CostProfile.load(profile_path)
     runs = json.loads(runs_path.read_text())
-    bench_host = host_from_bench(json.loads(bench_host_run.read_text()), str(bench_host_run)) if bench_host_run \
-        else HostCost()
+    bench_host_data = json.loads(bench_host_run.read_text()) if bench_host_run else None
+    bench_host = host_from_bench(bench_host_data, str(bench_host_run)) if bench_host_data else HostCost()
+    fitted_rows = [id(r) for r in bench_fit_rows(runs["rows"])] if bench_host_run and \
+        bench_host_run.resolve() == runs_path.resolve() else []
     table = []
     for row in runs["rows"]:
         app, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
         out = simulate(app, profile, workload, seed, bench_host)
-        case = f"benchmarks.run {row['mode']} {row['sessions']} sess RTT {row['rtt_ms']:g} ms (ITL)"
+        case = f"benchmarks.run {row['mode']} {row['sessions']} sess RTT {row['rtt_ms']:g} ms (ITL)" + (
+            " (host fitted here)" if id(row) in fitted_rows else "")
         table += _compare(case, measured(row), predicted(out))
     host = host_from_loadtest(json.loads(host_run.read_text()), str(host_run)) if host_run else HostCost()
     for path in loadtests:
@@ -207,9 +222,10 @@ def add_parser(sub) -> None:
                    help="comma-separated load-test runs (sim/validation/loadtests/*.json)")
     p.add_argument("--tiny-profile", default=str(HERE / "verify-step-tiny-cpu.json"),
                    help="the load tests' target's cost profile")
-    p.add_argument("--bench-host-from", default="",
-                   help="a benchmarks.run whose CPU split the benchmark rows are predicted with (e.g. "
-                        "sim/validation/bench-host-run.json; docs/simulation.md: it does not help yet); none by default")
+    p.add_argument("--bench-host-from", default=str(HERE / "bench-runs.json"),
+                   help="the benchmarks.run whose CPU split (server_ar at its fewest and most sessions, edge_full at "
+                        "its fewest) the benchmark rows are predicted with: the run itself by default; '' for the "
+                        "forward alone")
     p.add_argument("--host-from", default=str(HERE / "loadtests" / "ramp-300.json"),
                    help="the load test whose CPU per request (router, replica, client) the load tests are "
                         "predicted with; '' for the forward alone")

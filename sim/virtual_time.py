@@ -17,6 +17,7 @@ import selectors
 from concurrent.futures import Executor, Future
 
 EPOCH = 1_800_000_000.0  # the wall clock at virtual time 0
+SLOWDOWN_EMA = 0.2  # weight of a worker's last task in its slowdown
 REAL_WAIT_S = 5.0  # a loop with no timer waits this long for real I/O (a thread) before giving up
 
 
@@ -32,7 +33,9 @@ class VirtualClock:
         self.now = start
         self.epoch = epoch
         self._task_time: float | None = None  # set while a worker task runs
-        self._stretch = 1.0  # the running task's seconds per CPU second (shared cores)
+        self._task_start = 0.0
+        self._task_cpu = 0.0  # CPU seconds the running task spent so far
+        self._elapsed = _unshared  # the running task's seconds for its CPU seconds so far (shared cores)
 
     def monotonic(self) -> float:
         return self.now if self._task_time is None else self._task_time
@@ -44,7 +47,23 @@ class VirtualClock:
         """Work of ``seconds`` (CPU seconds) done by the running worker task."""
         if self._task_time is None:
             raise RuntimeError("spend() outside a worker task: only a worker's work takes virtual time")
-        self._task_time += max(0.0, seconds) * self._stretch
+        self._task_cpu += max(0.0, seconds)
+        self._task_time = self._task_start + self._elapsed(self._task_cpu)
+
+    def begin_task(self, elapsed=None) -> None:
+        """A worker task starts now; ``elapsed(cpu)``: its seconds for ``cpu`` CPU seconds (None: as many)."""
+        self._task_time = self._task_start = self.now
+        self._task_cpu, self._elapsed = 0.0, elapsed or _unshared
+
+    def end_task(self) -> tuple[float, float]:
+        """The running task's (end time, CPU seconds); reads are the loop's time again."""
+        end, cpu = self._task_time, self._task_cpu
+        self._task_time, self._elapsed = None, _unshared
+        return end, cpu
+
+
+def _unshared(cpu: float) -> float:
+    return cpu
 
     def blocking_sleep(self, seconds: float) -> None:
         self.spend(seconds)
@@ -100,10 +119,15 @@ class SharedCores:
         """The share of a core each running process gets now."""
         return min(1.0, self.cores / len(self.tasks)) if self.tasks else 1.0
 
-    def stretch(self, worker: VirtualWorker) -> float:
-        """Seconds per CPU second of a task ``worker`` starts now, at today's share (its own clock
-        reads, e.g. a forward's measured time, run at this pace)."""
-        return max(1.0, (len(self.tasks) + (worker not in self.tasks)) / self.cores)
+    def elapsed(self, worker: VirtualWorker, slowdown: float = 1.0):
+        """``cpu -> seconds`` for a task ``worker`` starts now (its own clock reads, e.g. a forward's
+        measured time), before the cores know when it ends: the CPU the other running tasks still
+        need, up to as much as its own, shares the cores with it (exact on one core when no task
+        arrives meanwhile), and at least ``slowdown`` (the worker's recent seconds per CPU second:
+        on a saturated host, work keeps arriving)."""
+        self._settle()
+        others = [task[0] for w, task in self.tasks.items() if w is not worker]
+        return lambda cpu: max(cpu * slowdown, (cpu + sum(min(r, cpu) for r in others)) / self.cores)
 
     def run(self, worker: VirtualWorker, seconds: float, on_done) -> None:
         """``worker``'s task needs ``seconds`` of CPU; ``on_done()`` when it has had them."""
@@ -144,6 +168,7 @@ class VirtualWorker(Executor):
         self.queue: collections.deque = collections.deque()
         self.busy = False
         self.busy_seconds = 0.0  # spent by all tasks
+        self.slowdown = 1.0  # EMA of its tasks' seconds per CPU second on the shared cores
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         fut: Future = Future()
@@ -158,23 +183,23 @@ class VirtualWorker(Executor):
             return
         self.busy = True
         fut, fn, args, kwargs = self.queue.popleft()
+        self.clock.begin_task(self.cores.elapsed(self, self.slowdown) if self.cores is not None else None)
         start = self.clock.now
-        self.clock._task_time = start
-        self.clock._stretch = stretch = self.cores.stretch(self) if self.cores is not None else 1.0
         try:
             result, error = fn(*args, **kwargs), None
         except BaseException as e:  # handed to the awaiting coroutine, as a thread would
             result, error = None, e
         finally:
-            end, self.clock._task_time, self.clock._stretch = self.clock._task_time, None, 1.0
-        cpu = (end - start) / stretch
+            end, cpu = self.clock.end_task()
         self.busy_seconds += cpu
         if self.cores is None:
             self.loop.call_at(end, self._done, fut, result, error)
         else:
-            self.cores.run(self, cpu, lambda: self._done(fut, result, error))
+            self.cores.run(self, cpu, lambda: self._done(fut, result, error, start, cpu))
 
-    def _done(self, fut: Future, result, error) -> None:
+    def _done(self, fut: Future, result, error, start: float = 0.0, cpu: float = 0.0) -> None:
+        if cpu > 0:  # what sharing the cores cost it, lately
+            self.slowdown += SLOWDOWN_EMA * ((self.loop.time() - start) / cpu - self.slowdown)
         if fut.cancelled():  # its caller went away (a killed replica's loop): the work was done all the same
             pass
         elif error is not None:

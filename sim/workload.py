@@ -18,7 +18,7 @@ from loadtests.config import DEVICE_DRAFT_MS
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Network(_Strict):
@@ -53,6 +53,9 @@ class Workload(_Strict):
     spawn_rate: float | None = Field(None, gt=0, description="users started per second; None: all at once")
     think_s: tuple[float, float] = Field((0.0, 0.0), description="uniform idle time between a user's generations")
     prompt_tokens: tuple[int, int] = Field((16, 64), description="uniform prompt length")
+    prompt_lengths: list[int] | None = Field(None, min_length=1, description="prompt lengths dealt in order "
+                                             "instead (benchmarks.run's deal): user i's g-th generation takes "
+                                             "entry (g * users + i) modulo their number")
     max_tokens: int = Field(64, ge=1, le=1_000_000, description="tokens per generation")
     devices: dict[str, float] = Field(default_factory=lambda: {"rtx4090": 1.0},
                                       description="device class (DEVICE_DRAFT_MS, or draft_ms) -> share")
@@ -89,8 +92,11 @@ class Workload(_Strict):
         for name, (lo, hi) in (("think_s", self.think_s), ("prompt_tokens", self.prompt_tokens)):
             if not 0 <= lo <= hi:
                 raise ValueError(f"{name} must be [low, high] with 0 <= low <= high, got {[lo, hi]}")
-        if self.prompt_tokens[0] < 1:
-            raise ValueError("prompt_tokens: a prompt has at least 1 token")
+        if self.prompt_tokens[0] < 1 or min(self.prompt_lengths or [1]) < 1:
+            raise ValueError("prompt_tokens, prompt_lengths: a prompt has at least 1 token")
+        for d, ms in self.draft_ms.items():
+            if ms < 0:
+                raise ValueError(f"draft_ms.{d}: ms per draft forward must be >= 0, got {ms}")
         known = {**DEVICE_DRAFT_MS, **self.draft_ms}
         for d, share in self.devices.items():
             if d not in known:
@@ -102,6 +108,13 @@ class Workload(_Strict):
         if self.warmup_s >= self.duration_s:
             raise ValueError("warmup_s must be shorter than duration_s")
         return self
+
+    def prompt_length(self, user: int, g: int, rng) -> int:
+        """The prompt length of ``user``'s ``g``-th generation: dealt from ``prompt_lengths`` (as
+        ``benchmarks.run`` deals its prompts, ``prompts[user::users]``), else drawn from ``prompt_tokens``."""
+        if self.prompt_lengths:
+            return self.prompt_lengths[(g * self.users + user) % len(self.prompt_lengths)]
+        return rng.randint(*self.prompt_tokens)
 
     def device_ms(self) -> dict[str, float]:
         return {d: {**DEVICE_DRAFT_MS, **self.draft_ms}[d] for d in self.devices}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cost_profile import CostProfile, Forward, ProfileError
+from sim.cost_profile import Chunk, CostProfile, Forward, ProfileError
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -34,6 +34,60 @@ def test_the_fit_recovers_the_costs_it_was_made_from():
 def test_committed_profiles_fit_within_a_fifth(name):
     p = CostProfile.load(RESULTS / name)
     assert all(c >= 0 for c in p.coefficients) and p.max_error < 0.25, (p.coefficients, p.max_error)
+
+
+def test_a_measured_round_is_its_own_cost_and_the_residual_is_held_beyond_what_was_measured():
+    """The linear form times the measured rounds' residual: exact where measured, between two
+    measured rows-per-session the residual in between, beyond the largest the largest's."""
+    data = _profile()
+    bump = next(r for r in data["rows"] if (r["prefix"], r["sessions"], r["nodes"]) == (128, 1, 0))
+    bump["round_ms"] *= 1.3  # one session, one row: slower than the linear form
+    p = CostProfile.fit(data, "synthetic")
+    for r in data["rows"]:
+        f = Forward((r["nodes"] + 1,) * r["sessions"], (r["prefix"],) * r["sessions"])
+        assert 1000 * p.seconds(f) == pytest.approx(r["round_ms"], rel=1e-9)
+    linear = lambda f: sum(c * x for c, x in zip(p.coefficients, f.features()))  # noqa: E731
+    between = Forward((3,), (128,))  # rows 1 and 9 measured: 3 is halfway in log
+    assert 1.0 < p.seconds(between) / linear(between) < p.seconds(Forward((1,), (128,))) / linear(Forward((1,), (128,)))
+    beyond = Forward((500,), (128,))  # a prefill-sized chunk: 33 rows was the most measured
+    edge = Forward((33,), (128,))
+    assert p.seconds(beyond) / linear(beyond) == pytest.approx(p.seconds(edge) / linear(edge), rel=1e-12)
+
+
+def _with_prefill(q=(0.002, 0.0001, 2e-8)) -> dict:
+    data = _profile()
+    for n in (16, 64, 256, 512):
+        ms = 1000 * (q[0] + q[1] * n + q[2] * n * n / 2)
+        data["rows"].append({"group": "prefill", "prefix": 0, "tokens": n, "round_ms": ms})
+    return data
+
+
+def test_measured_prefills_are_their_own_cost_and_ride_along_without_the_fixed_cost():
+    p = CostProfile.fit(_with_prefill(), "synthetic")
+    assert p.prefill.coefficients == pytest.approx((0.002, 0.0001, 2e-8), rel=1e-6)
+    alone = p.seconds(Forward((), ()), (Chunk(256, 0),))
+    assert alone == pytest.approx(0.002 + 0.0001 * 256 + 2e-8 * 256 * 128)
+    decode = Forward((1, 1), (128, 300))
+    both = p.seconds(decode, (Chunk(256, 0), Chunk(64, 0)))
+    assert both == pytest.approx(p.seconds(decode) + alone - 0.002 + 0.0001 * 64 + 2e-8 * 64 * 32)
+    over_kv = p.seconds(Forward((), ()), (Chunk(64, 1000),))  # a chunk over KV: its attention reads it
+    assert over_kv == pytest.approx(0.002 + 0.0001 * 64 + 2e-8 * 64 * 1032)
+
+
+def test_without_measured_prefills_a_chunk_costs_what_tree_rows_cost():
+    p = CostProfile.fit(_profile(), "synthetic")
+    assert p.prefill is None
+    assert p.seconds(Forward((1,), (100,)), (Chunk(64, 0),)) == pytest.approx(p.seconds(Forward((1, 64), (100, 0))))
+
+
+def test_too_few_prefill_rows_are_refused_by_name():
+    data = _profile()
+    data["rows"].append({"group": "prefill", "prefix": 0, "tokens": 16, "round_ms": 3.0})
+    with pytest.raises(ProfileError, match="prefill rows"):
+        CostProfile.fit(data, "bad.json")
+    data["rows"][-1] = {"group": "prefill", "prefix": 0, "round_ms": 3.0}
+    with pytest.raises(ProfileError, match=r"rows\[\d+\] \(prefill\) needs tokens"):
+        CostProfile.fit(data, "bad.json")
 
 
 def test_another_model_or_dtype_is_refused_by_name():

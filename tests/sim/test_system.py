@@ -70,19 +70,22 @@ def test_a_workload_tenant_the_deployment_lacks_is_refused():
 
 
 def test_host_cpu_per_request_takes_its_time_in_the_router_and_the_replica(tmp_path):
-    """HostCost: a request's CPU outside the forward is spent in the router's process and in its
-    replica's (serialised with the forwards): rounds take longer, and a bad file names its fields."""
+    """HostCost: a request's CPU outside the forward is spent in the router's process and on its
+    replica's event loop (beside its forward thread): each takes its seconds per call, so no round
+    is shorter than both (a run-ahead reply needs no forward); a bad file names its fields."""
     from sim.cost_profile import HostCost, ProfileError
 
-    base, _ = simulate(1)
     vc = VirtualClock()
     w = Workload(users=12, duration_s=8.0, warmup_s=1.0, max_tokens=24, spawn_rate=20.0,
                  network={"rtt_ms": 30.0, "rtt_sigma": 0.3})
-    s = System(AppConfig(**APP), CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic"), w,
-               1, vc, HostCost(router_s=0.004, replica_s=0.004, source="test"))
+    profile = CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic")
+    s = System(AppConfig(**APP), profile, w, 1, vc, HostCost(router_s=0.004, replica_s=0.003, source="test"))
     slow = run(s.run(), vc)
-    assert slow["verify_ms"]["p50"] > base["verify_ms"]["p50"] + 7.0  # at least both 4 ms on every round
     assert slow["host_cost"] == "test" and slow["diverged_rounds"] == 0
+    assert min(s.counters.round_s) >= 0.004 + 0.003 - 1e-9
+    loop_cpu = sum(w.busy_seconds for w in s.fleet.loop_cpu.values())
+    assert loop_cpu == pytest.approx(0.003 * s.fleet.calls, rel=0.05)  # opens, verifies, closes (no other call)
+    assert s.router_cpu.busy_seconds >= 0.004 * slow["verify_rounds_per_s"] * slow["window_s"]
     (tmp_path / "h.json").write_text('{"router_ms_per_request": 1}')
     with pytest.raises(ProfileError, match="replica_ms_per_request"):
         HostCost.load(tmp_path / "h.json")

@@ -1,6 +1,7 @@
 """sim/validate.py: a small case of the validation in make test: the committed measured run of
-server-only decoding at 4 sessions (RTT 15 ms) and its prediction from the profile measured beside
-it; deterministic (virtual time), so the error is the same on any machine."""
+edge-drafted decoding at 16 sessions (RTT 15 ms, a row the host's CPU was not fitted to) and its
+prediction from the profile measured beside it; deterministic (virtual time), so the error is the
+same on any machine."""
 
 from __future__ import annotations
 
@@ -12,18 +13,36 @@ from sim.validate import HERE, bench_case, fit_alpha, measured, predicted
 from loadtests.synthetic_tree import AcceptanceModel, expected_accepted
 
 
-def test_the_server_only_4_session_run_is_predicted_within_its_throughput_target():
+def test_the_edge_drafted_16_session_run_is_predicted_within_its_targets():
     from sim.__main__ import simulate
     from sim.cost_profile import CostProfile
+    from sim.validate import bench_fit_rows, host_from_bench
 
     runs = json.loads((HERE / "bench-runs.json").read_text())
-    row = next(r for r in runs["rows"] if r["mode"] == "server_ar" and r["sessions"] == 4)
+    row = next(r for r in runs["rows"] if r["mode"] == "edge_full" and r["sessions"] == 16)
+    assert all(row is not r for r in bench_fit_rows(runs["rows"]))  # held out
     app, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
-    out = simulate(app, CostProfile.load(HERE / "verify-step-cpu.json"), workload, 0)
+    out = simulate(app, CostProfile.load(HERE / "verify-step-cpu.json"), workload, 0, host_from_bench(runs))
     m, p = measured(row), predicted(out)
-    err = p["verified_tokens_per_s"] / m["verified_tokens_per_s"] - 1
-    assert abs(err) <= 0.10, (m, p)
+    for fig in ("verified_tokens_per_s", "verify_rounds_per_s", "latency_ms_p50"):
+        assert abs(p[fig] / m[fig] - 1) <= 0.10, (fig, m, p)
     assert out["diverged_rounds"] == 0 and out["generations"] == row["generations"]
+
+
+def test_a_benchmark_row_is_simulated_with_the_runs_own_prompt_lengths():
+    """benchmarks.run's prompts (MT-Bench and HumanEval through the embedded tokenizer's chat
+    template), as many as it dealt the row's sessions: their lengths, not an assumed range."""
+    import dataclasses
+
+    from benchmarks.run_plan import PLANS, prompt_ids
+
+    runs = json.loads((HERE / "bench-runs.json").read_text())
+    for row in runs["rows"]:
+        _, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
+        plan = dataclasses.replace(PLANS["full"])
+        ids = prompt_ids(plan, plan.prompts_for(row["sessions"]))[0]
+        assert workload.prompt_lengths == [len(x) for x in ids]
+        assert len(ids) == row["generations"]
 
 
 @pytest.mark.parametrize("target", [1.5, 1.7, 2.2])
@@ -45,12 +64,12 @@ def test_the_hosts_cpu_per_request_measured_at_300_users_holds_at_1000_and_3000(
     assert all(h.shared_cores == pytest.approx(2.0 - h.background_cores) for h in hosts)
 
 
-def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts_its_held_out_row():
+def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts_its_held_out_rows():
     """host_from_bench: fitted on server_ar x 1 and x 16 and edge_full x 1 of the committed run, it
-    gives back their CPU per token outside the model, and predicts edge_full x 16's within 15 %."""
-    from sim.validate import host_from_bench
+    gives back their CPU per token outside the model, and predicts the other rows' within 20 %."""
+    from sim.validate import bench_fit_rows, host_from_bench
 
-    run = json.loads((HERE / "bench-host-run.json").read_text())
+    run = json.loads((HERE / "bench-runs.json").read_text())
     h = host_from_bench(run)
     assert h.replica_s > 0 and h.forward_s > 0 and h.replica_tree_s > 0 and 0 < h.background_cores < 0.2
 
@@ -58,8 +77,7 @@ def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts
         tree = h.replica_tree_s if r["mode"] == "edge_full" else 0.0
         return 1e3 * ((h.replica_s + tree) / r["tokens_per_verify"] + h.forward_s * r["verify_forwards_per_token"])
 
+    fit = bench_fit_rows(run["rows"])
     for r in run["rows"]:
-        if r["rtt_ms"] == 15 or r["sessions"] == 16:
-            err = per_token_ms(r) / r["cpu_ms_per_token_verifier_other"] - 1
-            fitted = r["sessions"] == 1 or r["mode"] == "server_ar"
-            assert abs(err) <= (1e-9 if fitted else 0.15), (r["mode"], r["sessions"], err)
+        err = per_token_ms(r) / r["cpu_ms_per_token_verifier_other"] - 1
+        assert abs(err) <= (1e-9 if any(r is f for f in fit) else 0.20), (r["mode"], r["sessions"], err)
