@@ -40,26 +40,31 @@ class Slo:
 
 def per_replica(app, profile: CostProfile, workload: Workload, slo: Slo, seed: int, hi: int) -> tuple[int, dict, list]:
     """The most users one replica serves within ``slo`` (doubling, then bisection, up to ``hi``);
-    with the summary at that count and every point simulated."""
+    with the summary at that count and every point simulated. Doubling goes on past points that
+    miss before any has passed (lone sessions may draft deeper than a loaded replica lets them: ITL
+    can improve with load) until one passes, or the replica sheds (overloaded)."""
     from sim.__main__ import simulate
 
     one = app.model_copy(deep=True)
     one.verifier.num_replicas = 1
     points = []
+    known: dict[int, dict] = {}
 
     def ok(users: int) -> tuple[bool, dict]:
-        ramp = {"users": users, "spawn_rate": users / max(1.0, workload.warmup_s)}  # all spawned within the warm-up
-        out = simulate(one, profile, workload.model_copy(update=ramp), seed)
-        points.append((users, out))
-        return not slo.misses(out), out
+        if users not in known:
+            ramp = {"users": users, "spawn_rate": users / max(1.0, workload.warmup_s)}  # all spawned in the warm-up
+            known[users] = simulate(one, profile, workload.model_copy(update=ramp), seed)
+            points.append((users, known[users]))
+        return not slo.misses(known[users]), known[users]
 
     good, good_out = 0, None
     n = max(1, min(hi, 8))
     while n <= hi:
         passed, out = ok(n)
-        if not passed:
+        if passed:
+            good, good_out = n, out
+        elif good or "max_shed" in slo.misses(out):
             break
-        good, good_out = n, out
         n *= 2
     lo, top = good, min(n, hi + 1)
     while top - lo > max(1, lo // 16):  # to within ~6 %
