@@ -61,12 +61,12 @@ class VirtualClock:
         self._task_time, self._elapsed = None, _unshared
         return end, cpu
 
+    def blocking_sleep(self, seconds: float) -> None:
+        self.spend(seconds)
+
 
 def _unshared(cpu: float) -> float:
     return cpu
-
-    def blocking_sleep(self, seconds: float) -> None:
-        self.spend(seconds)
 
 
 class _VirtualSelector(selectors.SelectSelector):

@@ -127,7 +127,58 @@ def test_a_task_that_arrives_slows_the_running_one_from_then_on():
     # core until b is done at 1.5 (a has 1.0 left), then a alone: done at 2.5
     ends, inside, _ = _shared(1.0, [(0.0, 2.0), (0.5, 0.5)])
     assert ends == [2.5, 1.5]
-    assert inside == [2.0, 1.0]  # a task's own clock runs at the share it got when it started
+    assert inside == [2.0, 1.0]  # b's own clock counts what a still needed when b started, up to b's own
+
+
+def test_a_tasks_clock_counts_only_what_the_others_still_need_when_it_starts():
+    # a: 0.1 s of CPU from 0; b: 1.0 s from 0: b's clock counts a's 0.1 s, not half a core throughout
+    # (a's own clock, started alone, reads 0.1: it could not know)
+    ends, inside, _ = _shared(1.0, [(0.0, 0.1), (0.0, 1.0)])
+    assert ends == [0.2, 1.1] and inside == [0.1, 1.1]
+
+
+def test_a_workers_clock_learns_the_slowdown_of_work_that_keeps_arriving():
+    """Another process with a short task every 50 ms: a worker's 1-s tasks take about 2 s each;
+    its first task's clock reads at most 1.05 s (what it knew at its start), its later ones close to 2 s."""
+    vc = VirtualClock()
+    inside = []
+
+    def work():
+        t0 = clock.monotonic()
+        vc.spend(1.0)
+        inside.append(clock.monotonic() - t0)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        shared = SharedCores(loop, 1.0)
+        w, other = VirtualWorker(loop, shared), VirtualWorker(loop, shared)
+
+        async def stream():
+            while True:
+                await loop.run_in_executor(other, vc.spend, 0.05)
+
+        s = asyncio.ensure_future(stream())
+        for _ in range(12):
+            await loop.run_in_executor(w, work)
+        s.cancel()
+        return w.slowdown
+
+    slowdown = run(main(), vc)
+    assert inside[0] <= 1.05 + 1e-9 and 1.8 < slowdown < 2.1 and 1.7 < inside[-1] < 2.1
+
+
+def test_a_blocking_sleep_in_a_worker_takes_its_time():
+    vc = VirtualClock()
+
+    def work():
+        t0 = clock.monotonic()
+        clock.blocking_sleep(0.3)
+        return clock.monotonic() - t0
+
+    async def main():
+        return await asyncio.get_running_loop().run_in_executor(VirtualWorker(asyncio.get_running_loop()), work)
+
+    assert run(main(), vc) == pytest.approx(0.3)
 
 
 def test_shared_cores_refuse_a_non_positive_count():
