@@ -81,3 +81,15 @@ def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts
     for r in run["rows"]:
         err = per_token_ms(r) / r["cpu_ms_per_token_verifier_other"] - 1
         assert abs(err) <= (1e-9 if any(r is f for f in fit) else 0.20), (r["mode"], r["sessions"], err)
+
+
+def test_a_figure_is_predicted_as_its_mean_over_the_seeds_with_their_spread():
+    from sim.validate import _compare
+
+    m = {"verified_tokens_per_s": 100.0, "verify_rounds_per_s": 50.0, "latency_ms_p50": 10.0, "latency_ms_p99": 20.0}
+    runs = [{**m, "verified_tokens_per_s": 90.0}, {**m, "verified_tokens_per_s": 130.0}]
+    rows = {r["figure"]: r for r in _compare("case", m, runs)}
+    tps = rows["verified_tokens_per_s"]
+    assert tps["predicted"] == 110.0 and tps["error"] == pytest.approx(0.10) and tps["ok"]
+    assert tps["seed_spread"] == pytest.approx(20.0 / 110.0) and tps["seeds"] == 2
+    assert rows["latency_ms_p99"]["seed_spread"] == 0.0 and rows["latency_ms_p99"]["error"] == 0.0
