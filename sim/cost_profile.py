@@ -244,12 +244,14 @@ def _norm(s: str) -> str:
 @dataclass(frozen=True)
 class HostCost:
     """The host's CPU outside the forward, per request (zero when not given): ``router_s`` in the
-    router's process, ``replica_s`` in the verifier replica's (its loop and bookkeeping, serialised
-    with its forwards; ``replica_tree_s`` more for a tree, ``forward_s`` per forward), ``client_s`` in the load generator's (a request's send and its reply read,
-    timed by the client); ``reply_share`` of each is spent reading the reply (the router's while
-    the request counts as in flight), the rest before the call. ``cores``: the CPUs these processes and the forwards share, less
-    ``background_cores`` of other processes (Ray's agents, GCS); 0: each process has a core of its
-    own. Measured over the verify rounds of a served run (CPU seconds by process)."""
+    router's process; ``replica_s`` on the verifier replica's event loop, before the request is
+    queued (``replica_tree_s`` more for a tree); ``forward_s`` per forward in its forward thread;
+    ``client_s`` in the load generator's (a request's send and its reply read, timed by the
+    client). ``reply_share`` of the router's and the client's is spent reading the reply (the
+    router's while the request counts as in flight), the rest before the call. ``cores``: the CPUs
+    these processes and the forwards share, less ``background_cores`` of other processes (Ray's
+    agents, GCS); 0: each process has a core of its own. Measured over the verify rounds of a
+    served run (CPU seconds by process)."""
 
     router_s: float = 0.0
     replica_s: float = 0.0

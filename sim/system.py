@@ -71,7 +71,7 @@ class Fleet:
         self.shell_cfg.vocab_size = SIM_VOCAB  # the synthetic target's ids; its cost is the profile's
         self.app, self.profile, self.vc, self.loop, self.rng = app, profile, vc, loop, rng
         self.shares = shares if shares is not None else TenantShares({})
-        self.host = host  # the replica's CPU outside the model, per request and per forward (its worker's)
+        self.host = host  # the replica's CPU outside the model: per request on its loop, per forward on its worker
         self.cores = cores  # the host's CPUs, shared by the replicas' workers with the router and client
         self.read_reply = None  # () -> awaitable: the router's CPU reading a replica's reply (HostCost)
         self.replicas: dict[str, VerifierServer] = {}
