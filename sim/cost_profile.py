@@ -92,10 +92,8 @@ class PrefillCost:
         if len(rows) < len(PREFILL_FEATURES):
             raise ProfileError(f"cost profile {source}: prefill rows: at least {len(PREFILL_FEATURES)} are needed "
                                f"to fit {PREFILL_FEATURES}, got {len(rows)}")
-        coef = nnls_relative(np.array(x), np.array(y))
-        fitted = np.array(x) @ coef
-        return cls(tuple(float(c) for c in coef), Residuals.of(points, list(np.array(y) / fitted)),
-                   float(np.max(np.abs(fitted - y) / y)))
+        coef, residuals, err = fit_with_residuals(x, y, points)
+        return cls(coef, residuals, err)
 
 
 @dataclass(frozen=True)
@@ -166,18 +164,15 @@ class CostProfile:
             x.append(Forward((n + 1,) * s, (p,) * s).features())
             y.append(ms / 1000.0)
             points.append((p, s, n + 1))
-        coef = nnls_relative(np.array(x), np.array(y))
-        fitted = np.array(x) @ coef
-        err = float(np.max(np.abs(fitted - y) / y))
+        coef, residuals, err = fit_with_residuals(x, y, points)
         logs = [math.log(ms / float(np.median(r["runs_ms"]))) for r in rows if isinstance(r.get("runs_ms"), list)
                 and len(r["runs_ms"]) > 1 for ms in r["runs_ms"] if ms > 0]
         device = str(cond.get("device") or "cpu")
         if device == "cpu" and cond.get("cpu"):
             device = f"cpu ({cond['cpu']})"
         spread = float(np.std(logs)) if len(logs) > 1 else 0.0
-        residuals = Residuals.of(points, [float(m / f) if f > 0 else 1.0 for m, f in zip(y, fitted)])
-        return cls(cond["model"], cond["dtype"], device, tuple(float(c) for c in coef), source, err, spread,
-                   residuals, PrefillCost.fit(prefills, source) if prefills else None)
+        return cls(cond["model"], cond["dtype"], device, coef, source, err, spread, residuals,
+                   PrefillCost.fit(prefills, source) if prefills else None)
 
 
 class Residuals:
@@ -217,6 +212,16 @@ def _between(knots: list, x: float, value, key=lambda k: k) -> float:
     i = next(j for j in range(1, len(at)) if x < at[j])
     w = (x - at[i - 1]) / (at[i] - at[i - 1])
     return (1 - w) * value(knots[i - 1]) + w * value(knots[i])
+
+
+def fit_with_residuals(x: list, y: list[float], points: list[tuple[int, int, int]]) -> tuple[tuple, "Residuals", float]:
+    """Coefficients of ``y`` on features ``x`` (:func:`nnls_relative`), the measured-over-fitted residual at
+    each of ``points``, and the fit's largest relative error."""
+    x, y = np.array(x), np.array(y)
+    coef = nnls_relative(x, y)
+    fitted = x @ coef
+    ratios = [float(m / f) if f > 0 else 1.0 for m, f in zip(y, fitted)]
+    return tuple(float(c) for c in coef), Residuals.of(points, ratios), float(np.max(np.abs(fitted - y) / y))
 
 
 def nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:

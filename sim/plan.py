@@ -47,14 +47,12 @@ def per_replica(app, profile: CostProfile, workload: Workload, slo: Slo, seed: i
 
     one = app.model_copy(deep=True)
     one.verifier.num_replicas = 1
-    points = []
-    known: dict[int, dict] = {}
+    known: dict[int, dict] = {}  # users -> summary, in the order simulated
 
     def ok(users: int) -> tuple[bool, dict]:
         if users not in known:
             ramp = {"users": users, "spawn_rate": users / max(1.0, workload.warmup_s)}  # all spawned in the warm-up
             known[users] = simulate(one, profile, workload.model_copy(update=ramp), seed)
-            points.append((users, known[users]))
         return not slo.misses(known[users]), known[users]
 
     good, good_out = 0, None
@@ -71,7 +69,7 @@ def per_replica(app, profile: CostProfile, workload: Workload, slo: Slo, seed: i
         mid = (lo + top) // 2
         passed, out = ok(mid)
         lo, top, good_out = (mid, top, out) if passed else (lo, mid, good_out)
-    return lo, good_out, points
+    return lo, good_out, list(known.items())
 
 
 def gpus_per_replica(app) -> float:
