@@ -17,7 +17,7 @@ linear form in between and beyond. A prefill chunk of ``n`` tokens over ``k`` of
 ``q0 + q_tokens * n + q_attention * n * (k + n / 2)`` where the profile measured prefills (rows of
 group ``prefill``: ``{prefix, tokens, round_ms}``), fitted and corrected the same way (``q0`` only
 in a forward of chunks alone); where it did not, a chunk is the same forward: ``n`` rows of
-one session over the KV written before it. Repeated rounds of a case (``runs_ms``) give the spread
+one session over the KV written before it and half its own (a row reads its causal prefix). Repeated rounds of a case (``runs_ms``) give the spread
 of a round around its cost (log-normal, ``spread``). Pure module (numpy).
 """
 
@@ -44,7 +44,7 @@ class Forward:
     """What one forward reads and computes: per session, its new rows and its KV before them."""
 
     rows: tuple[int, ...]  # [S]
-    kv: tuple[int, ...]  # [S]
+    kv: tuple[float, ...]  # [S]
 
     def features(self) -> np.ndarray:
         r, k = np.asarray(self.rows, float), np.asarray(self.kv, float)
@@ -110,8 +110,9 @@ class CostProfile:
 
     def seconds(self, f: Forward, chunks: tuple[Chunk, ...] = ()) -> float:
         """One forward of verify rows ``f`` and prefill ``chunks``."""
-        if chunks and self.prefill is None:  # a chunk's rows cost what a tree's do (extrapolated)
-            f = Forward(f.rows + tuple(c.tokens for c in chunks), f.kv + tuple(c.kv for c in chunks))
+        if chunks and self.prefill is None:  # a chunk's rows cost what a tree's do (extrapolated), each over
+            # its causal prefix: the KV before the chunk and, on average, half the chunk's own rows
+            f = Forward(f.rows + tuple(c.tokens for c in chunks), f.kv + tuple(c.kv + c.tokens / 2 for c in chunks))
             chunks = ()
         t = 0.0
         if f.rows:

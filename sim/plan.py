@@ -38,11 +38,31 @@ class Slo:
         return [k for k, ok in checks.items() if not ok]
 
 
-def per_replica(app, profile: CostProfile, workload: Workload, slo: Slo, seed: int, hi: int) -> tuple[int, dict, list]:
+MEANS = ("verified_tokens_per_s", "ttft_ms_p99", "shed_fraction", "shed_429")  # averaged over a point's seeds
+WORST = ("diverged_rounds", "errors")  # the most of any seed
+
+
+def over_seeds(outs: list[dict]) -> dict:
+    """One point's summary over its seeds: the first seed's, with each SLO figure and the throughput as
+    their mean over the seeds (a p99 over one short run is a handful of samples) and the lossless
+    counts as their worst."""
+    out = dict(outs[0], seeds=len(outs))
+    for k in MEANS:
+        out[k] = sum(o[k] for o in outs) / len(outs)
+    for k in ("itl_ms", "verify_ms"):
+        out[k] = {q: sum(o[k][q] for o in outs) / len(outs) for q in ("p50", "p99")}
+    for k in WORST:
+        out[k] = max(o[k] for o in outs)
+    return out
+
+
+def per_replica(app, profile: CostProfile, workload: Workload, slo: Slo, seed: int, hi: int,
+                seeds: int = 1) -> tuple[int, dict, list]:
     """The most users one replica serves within ``slo`` (doubling, then bisection, up to ``hi``);
-    with the summary at that count and every point simulated. Doubling goes on past points that
-    miss before any has passed (lone sessions may draft deeper than a loaded replica lets them: ITL
-    can improve with load) until one passes, or the replica sheds (overloaded)."""
+    with the summary at that count and every point simulated, each over ``seeds`` seeds from
+    ``seed`` (:func:`over_seeds`). Doubling goes on past points that miss before any has passed
+    (lone sessions may draft deeper than a loaded replica lets them: ITL can improve with load)
+    until one passes, or the replica sheds (overloaded)."""
     from sim.__main__ import simulate
 
     one = app.model_copy(deep=True)
@@ -52,7 +72,8 @@ def per_replica(app, profile: CostProfile, workload: Workload, slo: Slo, seed: i
     def ok(users: int) -> tuple[bool, dict]:
         if users not in known:
             ramp = {"users": users, "spawn_rate": users / max(1.0, workload.warmup_s)}  # all spawned in the warm-up
-            known[users] = simulate(one, profile, workload.model_copy(update=ramp), seed)
+            w = workload.model_copy(update=ramp)
+            known[users] = over_seeds([simulate(one, profile, w, k) for k in range(seed, seed + seeds)])
         return not slo.misses(known[users]), known[users]
 
     good, good_out = 0, None
@@ -77,13 +98,14 @@ def gpus_per_replica(app) -> float:
     return max(vc.num_gpus_per_stage, 0.0) * vc.pipeline_parallel_size or 1.0
 
 
-def plan(app, profile: CostProfile, workload: Workload, slo: Slo, users: list[int], seed: int = 0) -> dict:
+def plan(app, profile: CostProfile, workload: Workload, slo: Slo, users: list[int], seed: int = 0,
+         seeds: int = 1) -> dict:
     profile.check(app.target.model, app.target.dtype if app.target.dtype != "auto" else profile.dtype)
     gpus = gpus_per_replica(app)
     modes = {}
     for mode in ("edge", "server_ar"):
         w = workload.model_copy(update={"mode": mode})
-        cap, at_cap, points = per_replica(app, profile, w, slo, seed, hi=max(users))
+        cap, at_cap, points = per_replica(app, profile, w, slo, seed, hi=max(users), seeds=seeds)
         rows = []
         for n in users:
             replicas = math.ceil(n / cap) if cap else None
@@ -92,13 +114,14 @@ def plan(app, profile: CostProfile, workload: Workload, slo: Slo, users: list[in
                        "tokens_per_gpu_s": at_cap["verified_tokens_per_s"] / gpus if at_cap else 0.0,
                        "points": [(u, {k: o[k] for k in ("verified_tokens_per_s", "itl_ms", "verify_ms", "ttft_ms_p99",
                                                         "shed_429")}) for u, o in points]}
-    return {"slo": slo.__dict__, "profile": profile.source, "device": profile.device, "gpus_per_replica": gpus,
+    return {"slo": slo.__dict__, "seeds": seeds, "profile": profile.source, "device": profile.device,
+            "gpus_per_replica": gpus,
             "workload": workload.model_dump(mode="json"), "modes": modes}
 
 
 def markdown(p: dict) -> str:
     lines = [f"SLOs: {p['slo']}; profile {p['profile']} ({p['device']}); "
-             f"{p['gpus_per_replica']:g} GPU(s) per replica", "",
+             f"{p['gpus_per_replica']:g} GPU(s) per replica; each point the mean over {p.get('seeds', 1)} seed(s)", "",
              "| users | edge-drafted replicas | server-only replicas |", "|---|---|---|"]
     e, s = p["modes"]["edge"], p["modes"]["server_ar"]
     for a, b in zip(e["by_users"], s["by_users"]):
@@ -145,7 +168,8 @@ def add_parser(sub) -> None:
     p.add_argument("--slo-ttft-p99-ms", type=float, default=2000.0)
     p.add_argument("--slo-itl-p99-ms", type=float, default=80.0)
     p.add_argument("--slo-verify-p99-ms", type=float, default=500.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the first seed")
+    p.add_argument("--seeds", type=int, default=3, help="each point's SLO figures: their mean over this many seeds")
     p.add_argument("--out-dir", default=None, help="write plan.json, plan.md and plan.png here")
 
 
@@ -157,7 +181,8 @@ def main(args) -> int:
     if not users or min(users) < 1:
         raise ValueError(f"--users {args.users!r}: positive counts, comma-separated")
     p = plan(app, CostProfile.load(args.profile), Workload.load(args.workload),
-             Slo(args.slo_ttft_p99_ms, args.slo_itl_p99_ms, args.slo_verify_p99_ms), users, args.seed)
+             Slo(args.slo_ttft_p99_ms, args.slo_itl_p99_ms, args.slo_verify_p99_ms), users, args.seed,
+             max(1, args.seeds))
     text = markdown(p)
     print(text)
     if args.out_dir:

@@ -1,6 +1,9 @@
 """Simulated edge agents: each opens a session, drafts trees with the workload's acceptance, sends
-them over its network and follows the server's depth and budget hints, as the edge agent's
-rounds do (SpecEdge §4.2-4.3); or, in ``server_ar`` mode, streams what the server decodes.
+them over its network and chooses each tree's depth and size as the edge agent does (SpecEdge
+§4.2-4.3): its own :class:`edge_agent.depth.DepthPolicy` on its own :class:`Telemetry` (draft time
+per forward, pinged RTT, rounds), under the server's depth and budget hints and the agent's budget;
+or as the load test's Locust user does (``client: loadtest``: the server's hints); or, in
+``server_ar`` mode, streams what the server decodes.
 
 Draft forwards run on the user's own device, or on ``edge_workers`` shared ones (one edge core
 serving every session, as ``benchmarks.run`` does). With ``proactive`` the next tree is drafted
@@ -17,6 +20,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from edge_agent.config import AgentConfig
+from edge_agent.depth import DepthPolicy, Telemetry
 from loadtests.synthetic_tree import AcceptanceModel, synthetic_tree
 from sim.target import SIM_VOCAB, continuation
 from specdec import clock
@@ -24,6 +29,7 @@ from specdec.errors import SpecError
 from specdec.protocol import ReplyFrame, VerifyFrame
 
 MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured (edge_agent.transport.http.RetryPolicy, loadtests)
+AGENT = AgentConfig()  # the edge agent's defaults: its tree shape (topk, max_expand), depth cap, ping period
 
 
 @dataclass
@@ -86,6 +92,9 @@ class EdgeUser:
         spread = math.exp(rng.gauss(0.0, w.network.rtt_sigma)) if w.network.rtt_sigma else 1.0
         self.rtt_s = w.network.rtt_ms / 1000.0 * spread
         self.model = AcceptanceModel(w.acceptance.alpha, w.acceptance.sibling_alpha)
+        self.agent = w.client == "edge_agent"  # else the load test's Locust user
+        self.telemetry = Telemetry()  # the agent's, kept across its generations
+        self.policy = DepthPolicy(w.depth_policy, AGENT.depth, AGENT.max_depth)
 
     def _jitter(self, x: float) -> float:
         j = self.w.network.jitter
@@ -112,6 +121,10 @@ class EdgeUser:
         truth = continuation(prompt, w.max_tokens)
         c.generations += 1
         t_open = clock.monotonic()
+        if self.agent and w.mode == "edge" and self.telemetry.rtt_ms.value is None:  # the agent's first generation pings first
+            rtt = self._jitter(self.rtt_s * self.sys.rtt_factor)
+            await clock.sleep(rtt)
+            self.telemetry.observe_rtt(rtt)
         d = await self.open(prompt, [], end)
         if d is None:
             c.ended("vanished" if self.vanished else "cut" if clock.monotonic() >= end else "refused")
@@ -126,28 +139,31 @@ class EdgeUser:
         hints = (d["depth_hint"], d["budget_hint"])
         ready: asyncio.Task | None = None  # the proactive draft of the next tree
         edge = w.mode == "edge"
+        rounds = 0  # this generation's verified rounds, as the agent counts them
         while not finished and clock.monotonic() < end:
             if self.vanished:  # gone without a word: its session is the server's to time out
                 c.ended("vanished")
                 self._gaps(arrivals)
                 return
             tokens, parents, depth = [], [], 0
+            t_send = clock.monotonic()
             if edge:
-                # the server's budget hint 0 means no tree: an empty one, the server decoding ahead
-                nodes = min(w.nodes if w.nodes is not None else hints[1], self.sys.app.verifier.max_tree_nodes)
-                depth = min(w.depth or max(1, hints[0]), nodes, self.sys.app.verifier.max_tree_depth)
+                if self.agent and rounds and rounds % AGENT.ping_every == 0:  # the agent's ping beside its rounds
+                    self.telemetry.observe_rtt(self._jitter(self.rtt_s * self.sys.rtt_factor))
+                nodes, depth = self._tree_shape(hints, rounds, w.max_tokens - len(out))
                 if depth:
                     tokens, parents, _ = synthetic_tree(truth[len(out):], self.model, depth, nodes, SIM_VOCAB, rng)
-                    if ready is None:
-                        await self.sys.devices.draft(self._jitter(depth * self.draft_ms / 1000.0))
-                    else:
-                        await ready
+                    await (ready or self._draft(depth))
                 ready = None
-                frame = VerifyFrame(prefix_len, tokens, parents, draft_ms=self.draft_ms, rtt_ms=self.rtt_s * 1e3,
-                                    depth=depth, ahead=w.run_ahead).encode()
+                t = self.telemetry  # what the agent reports; a Locust user, its configured figures
+                frame = VerifyFrame(prefix_len, tokens, parents,
+                                    draft_ms=t.draft_ms.get(0.0) if self.agent else self.draft_ms,
+                                    rtt_ms=t.rtt_ms.get(0.0) if self.agent else self.rtt_s * 1e3, depth=depth,
+                                    ahead=w.run_ahead).encode()
+                t_send = clock.monotonic()
                 await clock.sleep(self._half_rtt())
                 if w.proactive and depth:  # the next tree, drafted while this one is verified
-                    ready = asyncio.ensure_future(self.sys.devices.draft(self._jitter(depth * self.draft_ms / 1000.0)))
+                    ready = asyncio.ensure_future(self._draft(depth))
             else:
                 frame = VerifyFrame(prefix_len, [], []).encode()
             status, reply, took = await self.verify(sid, frame)
@@ -160,6 +176,11 @@ class EdgeUser:
                     c.diverged += 1
                 out.extend(new)
                 c.rounds += 1
+                rounds += 1
+                if edge and not reply.ahead:  # a run-ahead round's time is several forwards: the agent skips it
+                    verified = len(tokens) if reply.verified is None else reply.verified
+                    self.telemetry.observe_round(depth, len(reply.accepted), verified,
+                                                 (clock.monotonic() - t_send) * 1e3)
                 c.tokens += len(new)
                 arrivals.append((clock.monotonic(), len(new)))
                 c.last_token_at = clock.monotonic()
@@ -205,6 +226,32 @@ class EdgeUser:
                 await self.sys.router.close(self.tenant, sid)
             except SpecError:
                 pass
+
+    def _tree_shape(self, hints: tuple[int, int], rounds: int, remaining: int) -> tuple[int, int]:
+        """(nodes, depth) of the next tree, within the server's limits. The agent's tree rounds: its
+        budget under the server's budget hint (0: no tree, the server decoding ahead), the workload's
+        depth or its policy's under the server's depth hint, at most a level short of the tokens
+        left. A Locust user: the workload's nodes and depth, else the server's hints."""
+        limits, w = self.sys.app.verifier, self.w
+        budget = min(w.budget, hints[1]) if self.agent else hints[1]
+        nodes = min(w.nodes if w.nodes is not None else budget, limits.max_tree_nodes)
+        if w.depth:
+            depth = w.depth
+        elif self.agent:
+            per_level = max(1.0, min(max(nodes, 1) / max(self.policy.depth, 1), AGENT.max_expand * AGENT.topk))
+            depth = self.policy.choose(self.telemetry, hints[0], per_level, rounds)
+        else:
+            depth = max(1, hints[0])
+        left = remaining - 1 if self.agent else depth
+        return nodes, max(0, min(depth, nodes, left, limits.max_tree_depth))
+
+    def _draft(self, depth: int):
+        """The draft forwards of a ``depth``-level tree on the user's device (awaitable); the agent
+        times each."""
+        seconds = self._jitter(depth * self.draft_ms / 1000.0)
+        for _ in range(depth):
+            self.telemetry.observe_draft(seconds / depth)
+        return self.sys.devices.draft(seconds)
 
     def _backoff_s(self) -> float:
         """The wait before a shed request's retry: its Retry-After as the header carries it (whole

@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent / "validation"
 TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_ms_p50": 0.10, "latency_ms_p99": 0.20}
 # what the measured runs do not report; reply_share: a request's CPU spent on its reply (sim.cost_profile.HostCost)
 ASSUMED = {"sibling_alpha": 0.3, "jitter": 0.0, "reply_share": 0.5}
+RUNS = ("bench-runs.json", "bench-runs-2.json")  # one benchmarks.run command, run twice back to back
 
 
 def fit_alpha(tokens_per_round: float, depth: int, nodes: int, sibling: float) -> float:
@@ -53,21 +54,22 @@ def bench_case(row: dict, conditions: dict) -> tuple[AppConfig, Workload]:
     app["target"].update(model="smollm2-135m", dtype="bfloat16")  # the embedded target's shape: no files needed
     sessions = int(row["sessions"])
     w = {"users": sessions, "duration_s": 3600.0, "warmup_s": 0.0, "max_tokens": int(conditions["max_tokens"]),
-         "generations_per_user": max(1, round(row["generations"] / sessions)),
+         # one repeat of the row (its repeats start their sessions together: the seeds stand for them)
+         "generations_per_user": max(1, round(row["generations"] / int(row.get("repeats", 1)) / sessions)),
          "prompt_lengths": [len(p) for p in prompt_ids(plan, plan.prompts_for(sessions))[0]],  # the run's own
          "tenants": {"bench": 1.0},
          "network": {"rtt_ms": float(row["rtt_ms"]), "jitter": ASSUMED["jitter"]}}
     if row["mode"] == "server_ar":
         w["mode"] = "server_ar"
-    else:  # the run's fixed depth; its tree budget from the server's hints, as the agent takes it
+    else:  # the run's fixed depth; its agent's tree budget under the server's hints
         trees = max((r for r in conditions["rows"] if r["mode"] == row["mode"] and r["draft_depth_mean"]),
                     key=lambda r: r["draft_depth_mean"])  # the acceptance of the draft/target pair, where trees ran
         depth = int(conditions["fixed_depth"])
         alpha = fit_alpha(trees["tokens_per_verify"], round(trees["draft_depth_mean"]),
                           max(1, round(trees["sent_nodes_per_round"])), ASSUMED["sibling_alpha"])
         draft_ms = _known(row["draft_ms_per_forward"]) or trees["draft_ms_per_forward"]
-        w.update(mode="edge", depth=depth, proactive=True, edge_workers=1, devices={"bench-edge": 1.0},
-                 draft_ms={"bench-edge": float(draft_ms)},
+        w.update(mode="edge", depth=depth, budget=int(conditions["tree_budget"]), proactive=True, edge_workers=1,
+                 devices={"bench-edge": 1.0}, draft_ms={"bench-edge": float(draft_ms)},
                  acceptance={"alpha": alpha, "sibling_alpha": ASSUMED["sibling_alpha"]})
     return AppConfig(**app), Workload(**w)
 
@@ -97,8 +99,8 @@ def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
     start = s["window_s"][0]  # the report's steady window: after the spawn and its warm-up
     w = Workload(users=users, duration_s=s["window_s"][1], warmup_s=start, spawn_rate=spawn,
                  think_s=tuple(u["idle_s"]), prompt_tokens=tuple(run["prompt_len"]), max_tokens=u["max_tokens"],
-                 devices={"loadtest": 1.0}, draft_ms={"loadtest": u["draft_ms"]}, depth=u["depth"], nodes=u["nodes"],
-                 run_ahead=False, tenants={t["name"]: 1.0 for t in run["app"]["router"]["tenants"]},
+                 client="loadtest", devices={"loadtest": 1.0}, draft_ms={"loadtest": u["draft_ms"]},
+                 depth=u["depth"], nodes=u["nodes"], run_ahead=False, tenants={t["name"]: 1.0 for t in run["app"]["router"]["tenants"]},
                  network={"rtt_ms": u["rtt_ms"], "rtt_sigma": u["rtt_sigma"], "jitter": u["jitter"]},
                  acceptance={"alpha": u["alpha"], "sibling_alpha": u["sibling_alpha"]})
     return AppConfig(**run["app"]), w
@@ -153,9 +155,38 @@ def loadtest_measured(s: dict) -> dict:
             "latency_ms_p50": s["verify_ms_window"]["p50"], "latency_ms_p99": s["verify_ms_window"]["p99"]}
 
 
-def _compare(case: str, m: dict, runs: list[dict]) -> list[dict]:
+def merge_runs(paths: list[Path]) -> dict:
+    """Runs of one ``benchmarks.run`` command: each row's figures as their mean over the runs (a
+    figure the runs agree on, such as the sessions, as it is), and in ``spread`` the runs' spread of
+    each validated figure, (max - min) / mean."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+
+    def key(r: dict) -> tuple:
+        return r["mode"], r["rtt_ms"], r["sessions"]
+
+    rows = []
+    for row in runs[0]["rows"]:
+        same = [next((r for r in run["rows"] if key(r) == key(row)), None) for run in runs]
+        if None in same:
+            missing = paths[same.index(None)]
+            raise ValueError(f"{missing}: no row {key(row)}: the runs to merge must be of the same command")
+        merged = {k: statistics.fmean(r[k] for r in same) if _number(v) and len({r[k] for r in same}) > 1 else v
+                  for k, v in row.items()}
+        figs = [measured(r) for r in same]
+        merged["spread"] = {f: (max(x[f] for x in figs) - min(x[f] for x in figs)) / statistics.fmean(x[f] for x in figs)
+                            for f in TARGETS}
+        rows.append(merged)
+    return {"conditions": {**runs[0]["conditions"], "runs": [run["conditions"].get("run") for run in runs]},
+            "rows": rows}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _compare(case: str, m: dict, runs: list[dict], spread: dict | None = None) -> list[dict]:
     """Each figure measured against its mean over the simulated seeds ``runs`` (with their spread:
-    the population standard deviation over the mean)."""
+    the population standard deviation over the mean); ``spread``: the measured runs' own, by figure."""
     out = []
     for fig, target in TARGETS.items():
         values = [r[fig] for r in runs]
@@ -163,33 +194,36 @@ def _compare(case: str, m: dict, runs: list[dict]) -> list[dict]:
         err = (p - m[fig]) / m[fig] if m[fig] else float("nan")
         out.append({"case": case, "figure": fig, "measured": m[fig], "predicted": p, "error": err,
                     "seed_spread": statistics.pstdev(values) / p if p else float("nan"), "seeds": len(runs),
-                    "target": target, "ok": not math.isnan(err) and abs(err) <= target})
+                    "measured_spread": (spread or {}).get(fig), "target": target,
+                    "ok": not math.isnan(err) and abs(err) <= target})
     return out
 
 
-def validate(profile_path: Path, runs_path: Path, seed: int = 0, loadtests: list[Path] = (),
+def validate(profile_path: Path, runs_paths: list[Path], seed: int = 0, loadtests: list[Path] = (),
              tiny_profile: Path | None = None, host_run: Path | None = None,
-             bench_host_run: Path | None = None, seeds: int = 1) -> list[dict]:
-    """The benchmark rows of ``runs_path`` (latency: ITL) and the load tests (latency: a verify
-    round), each predicted from its profile as the mean over ``seeds`` seeds from ``seed`` (a
-    measured run is one draw of what the simulation draws many of); the host's CPU outside the
-    model fitted to ``bench_host_run`` (:func:`host_from_bench`: the run itself by default) and
-    ``host_run`` (:func:`host_from_loadtest`); None: the forward alone."""
+             bench_host_runs: list[Path] | None = None, seeds: int = 1) -> list[dict]:
+    """The benchmark rows of ``runs_paths`` (runs of one command, merged: :func:`merge_runs`;
+    latency: ITL) and the load tests (latency: a verify round), each predicted from its profile as
+    the mean over ``seeds`` seeds from ``seed`` (a measured run is one draw of what the simulation
+    draws many of); the host's CPU outside the model fitted to ``bench_host_runs``
+    (:func:`host_from_bench`; None: the runs themselves, ``[]``: the forward alone) and ``host_run``
+    (:func:`host_from_loadtest`; None: the forward alone)."""
     from sim.__main__ import simulate
 
     profile = CostProfile.load(profile_path)
-    runs = json.loads(runs_path.read_text())
-    bench_host_data = json.loads(bench_host_run.read_text()) if bench_host_run else None
-    bench_host = host_from_bench(bench_host_data, str(bench_host_run)) if bench_host_data else HostCost()
-    fitted_rows = [id(r) for r in bench_fit_rows(runs["rows"])] if bench_host_run and \
-        bench_host_run.resolve() == runs_path.resolve() else []
+    runs = merge_runs(runs_paths)
+    own = bench_host_runs is None
+    bench_host_data = runs if own else merge_runs(bench_host_runs) if bench_host_runs else None
+    bench_host = host_from_bench(bench_host_data, ",".join(map(str, bench_host_runs or runs_paths))) \
+        if bench_host_data else HostCost()
+    fitted_rows = [id(r) for r in bench_fit_rows(runs["rows"])] if own else []
     table = []
     for row in runs["rows"]:
         app, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
         outs = [predicted(simulate(app, profile, workload, k, bench_host)) for k in range(seed, seed + seeds)]
         case = f"benchmarks.run {row['mode']} {row['sessions']} sess RTT {row['rtt_ms']:g} ms (ITL)" + (
             " (host fitted here)" if id(row) in fitted_rows else "")
-        table += _compare(case, measured(row), outs)
+        table += _compare(case, measured(row), outs, row.get("spread"))
     host = host_from_loadtest(json.loads(host_run.read_text()), str(host_run)) if host_run else HostCost()
     for path in loadtests:
         run = json.loads(Path(path).read_text())
@@ -216,10 +250,11 @@ def record_loadtest(out_dir: Path, dest: Path) -> None:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| case | figure | measured | predicted (seed spread) | error | target | |",
+    lines = ["| case | figure | measured (runs' spread) | predicted (seed spread) | error | target | |",
              "|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r['case']} | {r['figure']} | {r['measured']:.1f} | {r['predicted']:.1f} "
+        ms = f" ({100 * r['measured_spread']:.1f} %)" if r.get("measured_spread") is not None else ""
+        lines.append(f"| {r['case']} | {r['figure']} | {r['measured']:.1f}{ms} | {r['predicted']:.1f} "
                      f"({100 * r['seed_spread']:.1f} %) | {100 * r['error']:+.1f} % | ±{100 * r['target']:.0f} % | "
                      f"{'ok' if r['ok'] else 'MISSED'} |")
     return "\n".join(lines)
@@ -228,15 +263,16 @@ def markdown(table: list[dict]) -> str:
 def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="predicted vs measured served runs of this machine")
     p.add_argument("--profile", default=str(HERE / "verify-step-cpu.json"))
-    p.add_argument("--runs", default=str(HERE / "bench-runs.json"))
+    p.add_argument("--runs", default=",".join(str(HERE / f) for f in RUNS),
+                   help="comma-separated runs of one benchmarks.run command, merged (each figure their mean)")
     p.add_argument("--loadtests", default=",".join(str(x) for x in sorted((HERE / "loadtests").glob("*.json"))),
                    help="comma-separated load-test runs (sim/validation/loadtests/*.json)")
     p.add_argument("--tiny-profile", default=str(HERE / "verify-step-tiny-cpu.json"),
                    help="the load tests' target's cost profile")
-    p.add_argument("--bench-host-from", default=str(HERE / "bench-runs.json"),
-                   help="the benchmarks.run whose CPU split (server_ar at its fewest and most sessions, edge_full at "
-                        "its fewest) the benchmark rows are predicted with: the run itself by default; '' for the "
-                        "forward alone")
+    p.add_argument("--bench-host-from", default=None,
+                   help="comma-separated benchmarks.run runs whose CPU split (server_ar at its fewest and most "
+                        "sessions, edge_full at its fewest) the benchmark rows are predicted with: --runs by "
+                        "default; '' for the forward alone")
     p.add_argument("--host-from", default=str(HERE / "loadtests" / "ramp-300.json"),
                    help="the load test whose CPU per request (router, replica, client) the load tests are "
                         "predicted with; '' for the forward alone")
@@ -248,9 +284,10 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     loadtests = [Path(x) for x in args.loadtests.split(",") if x]
-    table = validate(Path(args.profile), Path(args.runs), args.seed, loadtests, Path(args.tiny_profile),
-                     Path(args.host_from) if args.host_from else None,
-                     Path(args.bench_host_from) if args.bench_host_from else None, max(1, args.seeds))
+    bench_host = None if args.bench_host_from is None else [Path(x) for x in args.bench_host_from.split(",") if x]
+    table = validate(Path(args.profile), [Path(x) for x in args.runs.split(",") if x], args.seed, loadtests,
+                     Path(args.tiny_profile), Path(args.host_from) if args.host_from else None, bench_host,
+                     max(1, args.seeds))
     print(markdown(table))
     if args.out:
         Path(args.out).write_text(json.dumps(table, indent=1))

@@ -14,6 +14,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from edge_agent.config import AgentConfig
+from edge_agent.depth import POLICIES
 from loadtests.config import DEVICE_DRAFT_MS
 
 
@@ -61,8 +63,18 @@ class Workload(_Strict):
                                       description="device class (DEVICE_DRAFT_MS, or draft_ms) -> share")
     draft_ms: dict[str, float] = Field(default_factory=dict, description="ms per draft forward of device "
                                                                           "classes beyond DEVICE_DRAFT_MS")
-    depth: int | None = Field(None, ge=1, le=64, description="draft forwards per tree; None: the server's hint")
-    nodes: int | None = Field(None, ge=1, le=1024, description="tree nodes; None: the server's budget hint")
+    client: Literal["edge_agent", "loadtest"] = Field("edge_agent", description="who sends the rounds: the edge "
+                                                     "agent (its depth policy, pings and telemetry, its budget) or "
+                                                     "the load test's Locust user (the server's hints, its own "
+                                                     "draft ms and RTT)")
+    depth: int | None = Field(None, ge=1, le=64, description="draft forwards per tree; None: the client's rule")
+    depth_policy: str = Field(AgentConfig.depth_policy, pattern=f"^({'|'.join(POLICIES)})$",
+                              description="the edge agent's depth rule (edge_agent.depth) when depth is None: "
+                                          "under the server's depth hint, on the agent's own measurements")
+    nodes: int | None = Field(None, ge=1, le=1024, description="tree nodes; None: the agent's budget, capped by the "
+                                                               "server's budget hint")
+    budget: int = Field(AgentConfig.budget, ge=1, le=1024, description="the edge agent's tree budget "
+                                                                        "(AgentConfig.budget) when nodes is None")
     network: Network = Field(default_factory=Network)
     acceptance: Acceptance = Field(default_factory=Acceptance)
     mode: str = Field("edge", pattern="^(edge|server_ar)$", description="edge-drafted trees, or decoding on "

@@ -75,9 +75,11 @@ def test_measured_prefills_are_their_own_cost_and_ride_along_without_the_fixed_c
 
 
 def test_without_measured_prefills_a_chunk_costs_what_tree_rows_cost():
+    """Each of its rows over its causal prefix: the KV before the chunk and, on average, half the chunk."""
     p = CostProfile.fit(_profile(), "synthetic")
     assert p.prefill is None
-    assert p.seconds(Forward((1,), (100,)), (Chunk(64, 0),)) == pytest.approx(p.seconds(Forward((1, 64), (100, 0))))
+    assert p.seconds(Forward((1,), (100,)), (Chunk(64, 0),)) == pytest.approx(p.seconds(Forward((1, 64), (100, 32))))
+    assert p.seconds(Forward((), ()), (Chunk(64, 1000),)) == pytest.approx(p.seconds(Forward((64,), (1032,))))
 
 
 def test_too_few_prefill_rows_are_refused_by_name():

@@ -20,7 +20,7 @@ APP = {"target": {"model": "tiny-random", "dtype": "float32"}, "verifier": {"num
 
 def _summary(itl_p99_ms: float, shed: float = 0.0) -> dict:
     return {"ttft_ms_p99": 100.0, "itl_ms": {"p50": 10.0, "p99": itl_p99_ms}, "verify_ms": {"p50": 10.0, "p99": 50.0},
-            "shed_fraction": shed, "diverged_rounds": 0, "errors": 0, "verified_tokens_per_s": 1.0}
+            "shed_fraction": shed, "shed_429": 0, "diverged_rounds": 0, "errors": 0, "verified_tokens_per_s": 1.0}
 
 
 @pytest.fixture
@@ -67,3 +67,23 @@ def test_a_small_plan_end_to_end():
         assert cap >= 8, (mode, m["points"])
         assert [r["replicas"] for r in m["by_users"]] == [math.ceil(10 / cap), math.ceil(100 / cap)]
         assert Slo(2000.0, 400.0, 1000.0).misses(m["at_capacity"]) == []
+
+
+def test_a_point_is_judged_on_its_figures_mean_over_the_seeds(fake_simulate):
+    """A p99 over one short run is a handful of samples: each point is simulated with ``seeds``
+    seeds, its SLO figures averaged (one seed's bad luck no longer decides the point) and a lossless
+    failure of any seed kept."""
+    from sim.plan import over_seeds
+
+    calls = []
+
+    def curve(n):
+        calls.append(n)
+        return _summary(60.0 if len(calls) % 2 else 120.0)  # seeds alternate: mean 90 > 80, misses
+
+    fake_simulate(curve)
+    cap, _, points = per_replica(AppConfig(**APP), None, Workload(), SLO, 0, hi=8, seeds=2)
+    assert cap == 0 and calls[:2] == [8, 8] and len(calls) == 2 * len(points)  # every point twice, none again
+    assert points[0][1]["itl_ms"]["p99"] == 90.0 and points[0][1]["seeds"] == 2
+    bad = over_seeds([_summary(50.0), {**_summary(50.0), "diverged_rounds": 1}])
+    assert bad["diverged_rounds"] == 1 and SLO.misses(bad) == ["lossless"]

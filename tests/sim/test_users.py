@@ -1,0 +1,65 @@
+"""sim/users.py: a simulated user chooses its trees with the edge agent's own classes (its depth
+policy on its own telemetry, its budget under the server's hints), or as the load test's Locust
+user does."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_agent.depth import DepthPolicy, Telemetry
+from sim.users import EdgeUser
+from tests.sim.test_system import simulate
+
+SLOW_EDGE = {"devices": {"slow": 1.0}, "draft_ms": {"slow": 100.0}, "acceptance": {"alpha": 0.3, "sibling_alpha": 0.1}}
+
+
+@pytest.fixture
+def shapes(monkeypatch):
+    """(nodes, depth) of every tree the users choose, and the users."""
+    seen, users = [], []
+    shape, init = EdgeUser._tree_shape, EdgeUser.__init__
+
+    def recorded(self, *args):
+        out = shape(self, *args)
+        seen.append(out)
+        return out
+
+    def kept(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        users.append(self)
+
+    monkeypatch.setattr(EdgeUser, "_tree_shape", recorded)
+    monkeypatch.setattr(EdgeUser, "__init__", kept)
+    return seen, users
+
+
+def test_a_slow_edge_drafts_as_shallow_as_its_agents_depth_rule_says_not_as_deep_as_the_hint(shapes):
+    """One session alone is hinted its whole budget (12 levels); the agent takes the hint for a
+    generation's first tree, then its FlexSpec rule, on what it measured (100 ms a draft forward, 30 %
+    acceptance), drafts one level (0: the last token, decoded by the server)."""
+    seen, users = shapes
+    out, _ = simulate(0, users=1, **SLOW_EDGE)
+    (user,) = users
+    assert type(user.policy) is DepthPolicy and user.policy.kind == "auto" and type(user.telemetry) is Telemetry
+    assert user.telemetry.draft_ms.get() == pytest.approx(100.0, rel=0.2) and user.telemetry.rtt_ms.value is not None
+    depths = [d for _, d in seen]
+    assert set(depths) == {0, 1, 12} and depths.count(1) > 0.7 * len(depths)
+    assert out["diverged_rounds"] == 0
+
+
+def test_the_server_depth_policy_follows_the_hint(shapes):
+    seen, _ = shapes
+    simulate(0, users=1, depth_policy="server", **SLOW_EDGE)
+    assert max(d for _, d in seen) > 1
+
+
+def test_the_agents_budget_caps_the_servers_budget_hint(shapes):
+    seen, _ = shapes
+    simulate(0, users=2, budget=4)
+    assert seen and max(n for n, _ in seen) <= 4
+
+
+def test_a_locust_user_takes_the_hints_and_pings_nothing(shapes):
+    seen, users = shapes
+    simulate(0, users=1, client="loadtest", **SLOW_EDGE)
+    assert max(d for _, d in seen) > 1 and users[0].telemetry.rtt_ms.value is None
