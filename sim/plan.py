@@ -6,7 +6,7 @@ one), so a replica with its share of the users behaves as the whole fleet does: 
 searches the most users one replica serves within the SLOs (TTFT p99, ITL p99, verify p99, at
 most ``max_shed`` of requests shed), by simulating one replica, and divides. It prints the
 replicas (and GPUs) per user count and mode, the tokens per GPU-second, and writes a PNG of
-throughput and ITL p50/p99 against users, both modes. Cross-replica effects (the router's own
+throughput, ITL p50/p99 and TTFT p99 against users, both modes. Cross-replica effects (the router's own
 limits, uneven affinity) are not in this shortcut.
 """
 
@@ -136,23 +136,26 @@ def markdown(p: dict) -> str:
 
 
 def plot(p: dict, path: Path) -> None:
-    """Throughput (tokens/s per replica) and ITL p50/p99 against users per replica, both modes."""
+    """Throughput (tokens/s per replica), ITL p50/p99 and TTFT p99 against users per replica, both modes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for mode, style, color in (("edge", "-o", "tab:blue"), ("server_ar", "--s", "tab:orange")):
         pts = sorted(p["modes"][mode]["points"])
         xs = [u for u, _ in pts]
         a.plot(xs, [o["verified_tokens_per_s"] for _, o in pts], style, color=color, label=mode)
         b.plot(xs, [o["itl_ms"]["p50"] for _, o in pts], style, color=color, label=f"{mode} p50")
         b.plot(xs, [o["itl_ms"]["p99"] for _, o in pts], style, color=color, alpha=0.4, label=f"{mode} p99")
+        c.plot(xs, [o["ttft_ms_p99"] for _, o in pts], style, color=color, label=mode)
     b.axhline(p["slo"]["itl_p99_ms"], color="grey", lw=0.8, ls=":", label="ITL p99 SLO")
+    c.axhline(p["slo"]["ttft_p99_ms"], color="grey", lw=0.8, ls=":", label="TTFT p99 SLO")
     a.set(xlabel="users per replica", ylabel="verified tokens/s per replica", xscale="log")
     b.set(xlabel="users per replica", ylabel="ITL (ms)", xscale="log", yscale="log")
-    a.legend(), b.legend(fontsize=7)
+    c.set(xlabel="users per replica", ylabel="TTFT p99 (ms)", xscale="log")
+    a.legend(), b.legend(fontsize=7), c.legend(fontsize=7)
     fig.suptitle(f"{p['device']}: one replica, simulated")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
