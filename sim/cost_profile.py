@@ -17,8 +17,9 @@ linear form in between and beyond. A prefill chunk of ``n`` tokens over ``k`` of
 ``q0 + q_tokens * n + q_attention * n * (k + n / 2)`` where the profile measured prefills (rows of
 group ``prefill``: ``{prefix, tokens, round_ms}``), fitted and corrected the same way (``q0`` only
 in a forward of chunks alone); where it did not, a chunk is the same forward: ``n`` rows of
-one session over the KV written before it and half its own (a row reads its causal prefix). Repeated rounds of a case (``runs_ms``) give the spread
-of a round around its cost (log-normal, ``spread``). Pure module (numpy).
+one session over the KV written before it and half its own (a row reads its causal prefix).
+Repeated rounds of a case (``runs_ms``) give the spread of a round around its cost (log-normal,
+``spread``). Pure module (numpy).
 """
 
 from __future__ import annotations

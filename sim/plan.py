@@ -6,8 +6,8 @@ one), so a replica with its share of the users behaves as the whole fleet does: 
 searches the most users one replica serves within the SLOs (TTFT p99, ITL p99, verify p99, at
 most ``max_shed`` of requests shed), by simulating one replica, and divides. It prints the
 replicas (and GPUs) per user count and mode, the tokens per GPU-second, and writes a PNG of
-throughput, ITL p50/p99 and TTFT p99 against users, both modes. Cross-replica effects (the router's own
-limits, uneven affinity) are not in this shortcut.
+throughput, ITL p50/p99 and TTFT p99 against users, both modes. Cross-replica effects (the
+router's own limits, uneven affinity) are not in this shortcut.
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ class Slo:
         return [k for k, ok in checks.items() if not ok]
 
 
-MEANS = ("verified_tokens_per_s", "ttft_ms_p99", "shed_fraction", "shed_429")  # averaged over a point's seeds
+MEANS = ("verified_tokens_per_s", "verify_rounds_per_s", "tokens_per_round", "ttft_ms_mean", "ttft_ms_p99",
+         "shed_fraction", "shed_429")  # averaged over a point's seeds
 WORST = ("diverged_rounds", "errors")  # the most of any seed
 
 
 def over_seeds(outs: list[dict]) -> dict:
-    """One point's summary over its seeds: the first seed's, with each SLO figure and the throughput as
-    their mean over the seeds (a p99 over one short run is a handful of samples) and the lossless
+    """One point's summary over its seeds: the first seed's, with each SLO figure and the throughput
+    figures as their mean over the seeds (a p99 over one short run is a handful of samples) and the lossless
     counts as their worst."""
     out = dict(outs[0], seeds=len(outs))
     for k in MEANS:
@@ -115,13 +116,13 @@ def plan(app, profile: CostProfile, workload: Workload, slo: Slo, users: list[in
                        "points": [(u, {k: o[k] for k in ("verified_tokens_per_s", "itl_ms", "verify_ms", "ttft_ms_p99",
                                                         "shed_429")}) for u, o in points]}
     return {"slo": slo.__dict__, "seeds": seeds, "profile": profile.source, "device": profile.device,
-            "gpus_per_replica": gpus,
-            "workload": workload.model_dump(mode="json"), "modes": modes}
+            "gpus_per_replica": gpus, "workload": workload.model_dump(mode="json"), "modes": modes}
 
 
 def markdown(p: dict) -> str:
     lines = [f"SLOs: {p['slo']}; profile {p['profile']} ({p['device']}); "
-             f"{p['gpus_per_replica']:g} GPU(s) per replica; each point the mean over {p.get('seeds', 1)} seed(s)", "",
+             f"{p['gpus_per_replica']:g} GPU(s) per replica; each point the mean over {p.get('seeds', 1)} seed(s)",
+             "",
              "| users | edge-drafted replicas | server-only replicas |", "|---|---|---|"]
     e, s = p["modes"]["edge"], p["modes"]["server_ar"]
     for a, b in zip(e["by_users"], s["by_users"]):

@@ -121,7 +121,7 @@ class EdgeUser:
         truth = continuation(prompt, w.max_tokens)
         c.generations += 1
         t_open = clock.monotonic()
-        if self.agent and w.mode == "edge" and self.telemetry.rtt_ms.value is None:  # the agent's first generation pings first
+        if self.agent and w.mode == "edge" and self.telemetry.rtt_ms.value is None:  # its first generation pings
             rtt = self._jitter(self.rtt_s * self.sys.rtt_factor)
             await clock.sleep(rtt)
             self.telemetry.observe_rtt(rtt)
@@ -146,7 +146,6 @@ class EdgeUser:
                 self._gaps(arrivals)
                 return
             tokens, parents, depth = [], [], 0
-            t_send = clock.monotonic()
             if edge:
                 if self.agent and rounds and rounds % AGENT.ping_every == 0:  # the agent's ping beside its rounds
                     self.telemetry.observe_rtt(self._jitter(self.rtt_s * self.sys.rtt_factor))

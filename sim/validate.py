@@ -100,7 +100,8 @@ def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
     w = Workload(users=users, duration_s=s["window_s"][1], warmup_s=start, spawn_rate=spawn,
                  think_s=tuple(u["idle_s"]), prompt_tokens=tuple(run["prompt_len"]), max_tokens=u["max_tokens"],
                  client="loadtest", devices={"loadtest": 1.0}, draft_ms={"loadtest": u["draft_ms"]},
-                 depth=u["depth"], nodes=u["nodes"], run_ahead=False, tenants={t["name"]: 1.0 for t in run["app"]["router"]["tenants"]},
+                 depth=u["depth"], nodes=u["nodes"], run_ahead=False,
+                 tenants={t["name"]: 1.0 for t in run["app"]["router"]["tenants"]},
                  network={"rtt_ms": u["rtt_ms"], "rtt_sigma": u["rtt_sigma"], "jitter": u["jitter"]},
                  acceptance={"alpha": u["alpha"], "sibling_alpha": u["sibling_alpha"]})
     return AppConfig(**run["app"]), w
@@ -172,9 +173,8 @@ def merge_runs(paths: list[Path]) -> dict:
             raise ValueError(f"{missing}: no row {key(row)}: the runs to merge must be of the same command")
         merged = {k: statistics.fmean(r[k] for r in same) if _number(v) and len({r[k] for r in same}) > 1 else v
                   for k, v in row.items()}
-        figs = [measured(r) for r in same]
-        merged["spread"] = {f: (max(x[f] for x in figs) - min(x[f] for x in figs)) / statistics.fmean(x[f] for x in figs)
-                            for f in TARGETS}
+        figs = {f: [measured(r)[f] for r in same] for f in TARGETS}
+        merged["spread"] = {f: (max(v) - min(v)) / statistics.fmean(v) for f, v in figs.items()}
         rows.append(merged)
     return {"conditions": {**runs[0]["conditions"], "runs": [run["conditions"].get("run") for run in runs]},
             "rows": rows}

@@ -20,7 +20,8 @@ APP = {"target": {"model": "tiny-random", "dtype": "float32"}, "verifier": {"num
 
 def _summary(itl_p99_ms: float, shed: float = 0.0) -> dict:
     return {"ttft_ms_p99": 100.0, "itl_ms": {"p50": 10.0, "p99": itl_p99_ms}, "verify_ms": {"p50": 10.0, "p99": 50.0},
-            "shed_fraction": shed, "shed_429": 0, "diverged_rounds": 0, "errors": 0, "verified_tokens_per_s": 1.0}
+            "shed_fraction": shed, "shed_429": 0, "diverged_rounds": 0, "errors": 0, "verified_tokens_per_s": 1.0,
+            "verify_rounds_per_s": 1.0, "tokens_per_round": 1.0, "ttft_ms_mean": 50.0}
 
 
 @pytest.fixture
