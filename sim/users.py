@@ -266,8 +266,11 @@ class EdgeUser:
 
     async def open(self, prompt: list[int], generated: list[int], end: float) -> dict | None:
         sys = self.sys
+        t = self.telemetry  # the agent's open reports its telemetry and promises a run-ahead first request
+        client = ({"draft_ms": t.draft_ms.get(0.0), "rtt_ms": t.rtt_ms.get(0.0), "run_ahead": self.w.run_ahead}
+                  if self.agent and self.w.mode == "edge" else {"draft_ms": self.draft_ms, "rtt_ms": self.rtt_s * 1e3})
         body = {"prompt_ids": prompt, "generated_ids": generated, "sampling": {"max_tokens": self.w.max_tokens},
-                "client": {"draft_ms": self.draft_ms, "rtt_ms": self.rtt_s * 1e3}, "close_on_finish": True}
+                "client": client, "close_on_finish": True}
         while clock.monotonic() < end and not self.vanished:
             await clock.sleep(self._half_rtt())
             await sys.client_work(reply=False)

@@ -63,3 +63,26 @@ def test_a_locust_user_takes_the_hints_and_pings_nothing(shapes):
     seen, users = shapes
     simulate(0, users=1, client="loadtest", **SLOW_EDGE)
     assert max(d for _, d in seen) > 1 and users[0].telemetry.rtt_ms.value is None
+
+
+def test_the_agents_open_reports_its_telemetry_and_promises_a_run_ahead_first_request(monkeypatch):
+    """As edge_agent.link does: the open's client info carries the agent's measured draft ms and RTT,
+    and ``run_ahead`` (its first request may be run ahead: the replica decodes on from the first
+    token, detached); a Locust user's carries its configured figures and no such promise."""
+    from deploy.router.ingress import Router
+
+    raw = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
+    clients = []
+    real_open = raw.open
+
+    async def open_(self, tenant, body, **kwargs):
+        clients.append(dict(body["client"]))
+        return await real_open(self, tenant, body, **kwargs)
+
+    monkeypatch.setattr(raw, "open", open_)
+    simulate(0, users=1, **SLOW_EDGE)
+    assert clients and all(c["run_ahead"] is True for c in clients)
+    assert clients[-1]["draft_ms"] == pytest.approx(100.0, rel=0.2) and clients[0]["rtt_ms"] > 0  # pinged first
+    clients.clear()
+    simulate(0, users=1, client="loadtest", **SLOW_EDGE)
+    assert clients and all("run_ahead" not in c and c["draft_ms"] == 100.0 for c in clients)
