@@ -148,10 +148,10 @@ class CostProfile:
             if not isinstance(cond.get(key), str):
                 raise ProfileError(f"cost profile {source}: conditions.{key} is missing")
         rows = data.get("rows")
-        if not isinstance(rows, list):
-            raise ProfileError(f"cost profile {source}: 'rows' needs at least {len(FEATURES)} measured rounds")
-        prefills = [(i, r) for i, r in enumerate(rows) if isinstance(r, dict) and r.get("group") == "prefill"]
-        rounds = [(i, r) for i, r in enumerate(rows) if not (isinstance(r, dict) and r.get("group") == "prefill")]
+        rows = rows if isinstance(rows, list) else []
+        prefills, rounds = [], []
+        for i, r in enumerate(rows):
+            (prefills if isinstance(r, dict) and r.get("group") == "prefill" else rounds).append((i, r))
         if len(rounds) < len(FEATURES):
             raise ProfileError(f"cost profile {source}: 'rows' needs at least {len(FEATURES)} measured rounds")
         x, y, points = [], [], []

@@ -93,12 +93,12 @@ class SimRunner:
         if self.kv_tokens() + new > self.capacity:
             raise KVCapacityExceeded(f"the simulated KV pool of {self.capacity} tokens is full")
         self._pending[batch_id] = [it.sid for it in items]
-        # a prefill chunk wants its last row's logits only; a verify item every row's
-        rounds = [it for it in items if len(it.logit_rows) == len(it.tokens)]
-        chunks = tuple(Chunk(len(it.tokens), self.kv_length(it.sid)) for it in items
-                       if len(it.logit_rows) != len(it.tokens))
+        rounds, chunks = [], []
+        for it in items:  # a prefill chunk wants its last row's logits only; a verify item every row's
+            (rounds if len(it.logit_rows) == len(it.tokens) else chunks).append(it)
         seconds = self.profile.seconds(Forward(tuple(len(it.tokens) for it in rounds),
-                                               tuple(self.kv_length(it.sid) for it in rounds)), chunks)
+                                               tuple(self.kv_length(it.sid) for it in rounds)),
+                                       tuple(Chunk(len(it.tokens), self.kv_length(it.sid)) for it in chunks))
         if self.rng is not None and self.profile.spread:
             seconds *= math.exp(self.rng.gauss(0.0, self.profile.spread))
         self.forwards += 1

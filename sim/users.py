@@ -92,7 +92,7 @@ class EdgeUser:
         spread = math.exp(rng.gauss(0.0, w.network.rtt_sigma)) if w.network.rtt_sigma else 1.0
         self.rtt_s = w.network.rtt_ms / 1000.0 * spread
         self.model = AcceptanceModel(w.acceptance.alpha, w.acceptance.sibling_alpha)
-        self.agent = w.client == "edge_agent"  # else the load test's Locust user
+        self.agent = w.client == "edge_agent" and w.mode == "edge"  # else a Locust user, or a server_ar stream
         self.telemetry = Telemetry()  # the agent's, kept across its generations
         self.policy = DepthPolicy(w.depth_policy, AGENT.depth, AGENT.max_depth)
 
@@ -100,8 +100,16 @@ class EdgeUser:
         j = self.w.network.jitter
         return x * self.rng.uniform(1 - j, 1 + j)
 
-    def _half_rtt(self) -> float:
-        return self._jitter(self.rtt_s * self.sys.rtt_factor / 2)
+    def _rtt(self, share: float = 1.0) -> float:
+        """``share`` of this user's round trip now (RTT spikes included), jittered."""
+        return self._jitter(self.rtt_s * self.sys.rtt_factor * share)
+
+    def _reported(self) -> dict:
+        """What the user's opens and frames report of itself: the agent its telemetry; a Locust user
+        (or a server_ar stream) its configured draft ms and RTT."""
+        if self.agent:
+            return {"draft_ms": self.telemetry.draft_ms.get(0.0), "rtt_ms": self.telemetry.rtt_ms.get(0.0)}
+        return {"draft_ms": self.draft_ms, "rtt_ms": self.rtt_s * 1e3}
 
     async def run(self, end: float) -> None:
         w = self.w
@@ -121,8 +129,8 @@ class EdgeUser:
         truth = continuation(prompt, w.max_tokens)
         c.generations += 1
         t_open = clock.monotonic()
-        if self.agent and w.mode == "edge" and self.telemetry.rtt_ms.value is None:  # its first generation pings
-            rtt = self._jitter(self.rtt_s * self.sys.rtt_factor)
+        if self.agent and self.telemetry.rtt_ms.value is None:  # the agent's first generation pings first
+            rtt = self._rtt()
             await clock.sleep(rtt)
             self.telemetry.observe_rtt(rtt)
         d = await self.open(prompt, [], end)
@@ -148,26 +156,23 @@ class EdgeUser:
             tokens, parents, depth = [], [], 0
             if edge:
                 if self.agent and rounds and rounds % AGENT.ping_every == 0:  # the agent's ping beside its rounds
-                    self.telemetry.observe_rtt(self._jitter(self.rtt_s * self.sys.rtt_factor))
+                    self.telemetry.observe_rtt(self._rtt())
                 nodes, depth = self._tree_shape(hints, rounds, w.max_tokens - len(out))
                 if depth:
                     tokens, parents, _ = synthetic_tree(truth[len(out):], self.model, depth, nodes, SIM_VOCAB, rng)
                     await (ready or self._draft(depth))
                 ready = None
-                t = self.telemetry  # what the agent reports; a Locust user, its configured figures
-                frame = VerifyFrame(prefix_len, tokens, parents,
-                                    draft_ms=t.draft_ms.get(0.0) if self.agent else self.draft_ms,
-                                    rtt_ms=t.rtt_ms.get(0.0) if self.agent else self.rtt_s * 1e3, depth=depth,
-                                    ahead=w.run_ahead).encode()
+                frame = VerifyFrame(prefix_len, tokens, parents, depth=depth, ahead=w.run_ahead,
+                                    **self._reported()).encode()
                 t_send = clock.monotonic()
-                await clock.sleep(self._half_rtt())
+                await clock.sleep(self._rtt(0.5))
                 if w.proactive and depth:  # the next tree, drafted while this one is verified
                     ready = asyncio.ensure_future(self._draft(depth))
             else:
                 frame = VerifyFrame(prefix_len, [], []).encode()
             status, reply, took = await self.verify(sid, frame)
             if edge:
-                await clock.sleep(self._half_rtt())
+                await clock.sleep(self._rtt(0.5))
             self.sys.trace.add(round(clock.monotonic(), 9), self.i, "verify", status, round(took, 9))
             if status == 200:
                 new = reply.tokens(tokens)
@@ -266,13 +271,13 @@ class EdgeUser:
 
     async def open(self, prompt: list[int], generated: list[int], end: float) -> dict | None:
         sys = self.sys
-        t = self.telemetry  # the agent's open reports its telemetry and promises a run-ahead first request
-        client = ({"draft_ms": t.draft_ms.get(0.0), "rtt_ms": t.rtt_ms.get(0.0), "run_ahead": self.w.run_ahead}
-                  if self.agent and self.w.mode == "edge" else {"draft_ms": self.draft_ms, "rtt_ms": self.rtt_s * 1e3})
+        client = self._reported()
+        if self.agent:  # the agent's open promises a run-ahead first request (edge_agent.link)
+            client["run_ahead"] = self.w.run_ahead
         body = {"prompt_ids": prompt, "generated_ids": generated, "sampling": {"max_tokens": self.w.max_tokens},
                 "client": client, "close_on_finish": True}
         while clock.monotonic() < end and not self.vanished:
-            await clock.sleep(self._half_rtt())
+            await clock.sleep(self._rtt(0.5))
             await sys.client_work(reply=False)
             t0 = clock.monotonic()
             idle = sys.fleet.idle()
@@ -288,7 +293,7 @@ class EdgeUser:
                 if status == 429 and idle and str(getattr(e, "reason", "")).startswith("open_deadline"):
                     sys.counters.open_refused_idle += 1
             await sys.client_work(reply=True)
-            await clock.sleep(self._half_rtt())
+            await clock.sleep(self._rtt(0.5))
             sys.trace.add(round(clock.monotonic(), 9), self.i, "open", status, round(clock.monotonic() - t0, 9))
             if status == 200:
                 return d
