@@ -5,6 +5,7 @@
     python -m sim validate [--check]        # predicted vs measured runs of this machine
     python -m sim plan --config ... --profile ... --workload ... --slo-itl-p99-ms 80 [--users 5000,20000]
     python -m sim paper                     # SpecEdge's edge vs server-only comparison, simulated
+    python -m sim floor --rounds-per-user-s 0.61   # the event loop's own cost: a floor under any run's wall time
 
 Bad input (a profile of another model or dtype, a workload with an unknown key or an impossible
 value, a deployment that does not validate) is one message naming the field, exit status 2.
@@ -123,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a deployment field")
         p.add_argument("--out", help="also write the summary here (one seed)")
         p.add_argument("--check", action="store_true", help="exit 1 if an invariant fails (summary.invariants)")
-    from sim import paper, plan, validate
+    from sim import floor, paper, plan, validate
 
-    validate.add_parser(sub)
-    plan.add_parser(sub)
-    paper.add_parser(sub)
+    for module in (validate, plan, paper, floor):
+        module.add_parser(sub)
     args = ap.parse_args(argv)
     try:
-        return {"run": _run, "validate": validate.main, "plan": plan.main, "paper": paper.main}[args.cmd](args)
+        return {"run": _run, "validate": validate.main, "plan": plan.main, "paper": paper.main,
+                "floor": floor.main}[args.cmd](args)
     except (ProfileError, ValueError) as e:
         print(f"python -m sim: {e}", file=sys.stderr)
         return 2

@@ -13,11 +13,13 @@ session as a tiled kernel does, KV read per row as a row-wise kernel does), fitt
 non-negative least squares in relative error, times the measured rounds' own residual (measured
 over fitted), interpolated piecewise-linearly in KV length, log sessions and log rows per session
 and held at the edges of what was measured: the cost is the measurement wherever one was made, the
-linear form in between and beyond. A prefill chunk of ``n`` tokens over ``k`` of KV costs
-``q0 + q_tokens * n + q_attention * n * (k + n / 2)`` where the profile measured prefills (rows of
-group ``prefill``: ``{prefix, tokens, round_ms}``), fitted and corrected the same way (``q0`` only
-in a forward of chunks alone); where it did not, a chunk is the same forward: ``n`` rows of
-one session over the KV written before it and half its own (a row reads its causal prefix).
+linear form in between and beyond. A prefill chunk of ``n`` tokens over ``k`` of KV adds
+``q_tokens * n + q_attention * n * (k + n / 2)`` to its forward where the profile measured prefills
+(rows of group ``prefill``: ``{prefix, tokens, round_ms}``): ``q_attention`` is the rounds'
+``c_kv_rows`` (the same kernel reads the KV), ``q_tokens`` is fitted and corrected the same way on
+what each prefill took beyond a forward that carries nothing (``c0 + c_sessions``: the weights read,
+which a chunk riding along a verify forward shares); where it did not, a chunk is the same forward:
+``n`` rows of one session over the KV written before it and half its own (a row reads its causal prefix).
 Repeated rounds of a case (``runs_ms``) give the spread of a round around its cost (log-normal,
 ``spread``). Pure module (numpy).
 """
@@ -33,7 +35,6 @@ from pathlib import Path
 import numpy as np
 
 FEATURES = ("fixed", "rows", "sessions", "kv", "kv_rows")
-PREFILL_FEATURES = ("fixed", "tokens", "attention")  # attention: n * (k + n / 2), causal within the chunk
 
 
 class ProfileError(ValueError):
@@ -59,25 +60,32 @@ class Chunk:
     tokens: int
     kv: int
 
-    def features(self, alone: bool) -> np.ndarray:
+    def features(self) -> tuple[float, float]:
+        """Its tokens, and the KV its rows read: ``n * (k + n / 2)`` (causal within the chunk)."""
         n, k = float(self.tokens), float(self.kv)
-        return np.array([1.0 if alone else 0.0, n, n * (k + n / 2)])
+        return n, n * (k + n / 2)
 
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """Measured prefills fitted as :data:`PREFILL_FEATURES`, with their residuals."""
+    """A prefill chunk's cost beyond an empty forward (``base`` seconds): ``per_token`` fitted on the
+    measured prefills less their attention (``attention`` seconds per row and KV token read), times
+    the measured-over-fitted residual, plus the attention."""
 
-    coefficients: tuple[float, ...]
+    per_token: float
+    attention: float
     residuals: "Residuals"
+    base: float
     max_error: float = 0.0
 
     def seconds(self, c: Chunk, alone: bool) -> float:
-        """``alone``: the forward carries no verify rows (it pays the fixed cost)."""
-        return float(np.dot(self.coefficients, c.features(alone))) * self.residuals.ratio(Forward((c.tokens,), (c.kv,)))
+        """``alone``: the forward carries no verify rows (the chunk pays the forward's ``base``)."""
+        tokens, reads = c.features()
+        own = self.per_token * tokens * self.residuals.ratio(Forward((c.tokens,), (c.kv,)))
+        return own + self.attention * reads + (self.base if alone else 0.0)
 
     @classmethod
-    def fit(cls, rows: list[dict], source: str) -> "PrefillCost":
+    def fit(cls, rows: list[dict], base: float, attention: float, source: str) -> "PrefillCost":
         x, y, points = [], [], []
         for i, r in rows:
             try:
@@ -87,14 +95,15 @@ class PrefillCost:
                     from None
             if n < 1 or k < 0 or not ms > 0:
                 raise ProfileError(f"cost profile {source}: rows[{i}] has an impossible value {r}")
-            x.append(Chunk(n, k).features(alone=True))
-            y.append(ms / 1000.0)
+            tokens, reads = Chunk(n, k).features()
+            x.append([tokens])
+            y.append(max(ms / 1000.0 - base - attention * reads, 0.1 * ms / 1000.0))  # at least a tenth: its own
             points.append((k, 1, n))
-        if len(rows) < len(PREFILL_FEATURES):
-            raise ProfileError(f"cost profile {source}: prefill rows: at least {len(PREFILL_FEATURES)} are needed "
-                               f"to fit {PREFILL_FEATURES}, got {len(rows)}")
-        coef, residuals, err = fit_with_residuals(x, y, points)
-        return cls(coef, residuals, err)
+        if len(rows) < 2:
+            raise ProfileError(f"cost profile {source}: prefill rows: at least 2 are needed to fit a prompt "
+                               f"token's cost, got {len(rows)}")
+        (per_token,), residuals, err = fit_with_residuals(x, y, points)
+        return cls(per_token, attention, residuals, base, err)
 
 
 @dataclass(frozen=True)
@@ -174,7 +183,7 @@ class CostProfile:
             device = f"cpu ({cond['cpu']})"
         spread = float(np.std(logs)) if len(logs) > 1 else 0.0
         return cls(cond["model"], cond["dtype"], device, coef, source, err, spread, residuals,
-                   PrefillCost.fit(prefills, source) if prefills else None)
+                   PrefillCost.fit(prefills, coef[0] + coef[2], coef[4], source) if prefills else None)
 
 
 class Residuals:

@@ -54,24 +54,40 @@ def test_a_measured_round_is_its_own_cost_and_the_residual_is_held_beyond_what_w
     assert p.seconds(beyond) / linear(beyond) == pytest.approx(p.seconds(edge) / linear(edge), rel=1e-12)
 
 
-def _with_prefill(q=(0.002, 0.0001, 2e-8)) -> dict:
+def _with_prefill(per_token=0.0001) -> dict:
+    """Prefills of the synthetic profile's forward: its empty forward (0.01 s), ``per_token`` a token, and
+    its attention (2e-7 s per row and KV token read)."""
     data = _profile()
     for n in (16, 64, 256, 512):
-        ms = 1000 * (q[0] + q[1] * n + q[2] * n * n / 2)
-        data["rows"].append({"group": "prefill", "prefix": 0, "tokens": n, "round_ms": ms})
+        data["rows"].append({"group": "prefill", "prefix": 0, "tokens": n,
+                             "round_ms": 1000 * (0.01 + per_token * n + 2e-7 * n * n / 2)})
     return data
 
 
-def test_measured_prefills_are_their_own_cost_and_ride_along_without_the_fixed_cost():
+def test_a_prefill_chunk_costs_its_tokens_and_attention_and_rides_along_without_the_empty_forward():
     p = CostProfile.fit(_with_prefill(), "synthetic")
-    assert p.prefill.coefficients == pytest.approx((0.002, 0.0001, 2e-8), rel=1e-6)
+    assert (p.prefill.base, p.prefill.per_token, p.prefill.attention) == pytest.approx((0.01, 0.0001, 2e-7))
     alone = p.seconds(Forward((), ()), (Chunk(256, 0),))
-    assert alone == pytest.approx(0.002 + 0.0001 * 256 + 2e-8 * 256 * 128)
+    assert alone == pytest.approx(0.01 + 0.0001 * 256 + 2e-7 * 256 * 128)
     decode = Forward((1, 1), (128, 300))
     both = p.seconds(decode, (Chunk(256, 0), Chunk(64, 0)))
-    assert both == pytest.approx(p.seconds(decode) + alone - 0.002 + 0.0001 * 64 + 2e-8 * 64 * 32)
-    over_kv = p.seconds(Forward((), ()), (Chunk(64, 1000),))  # a chunk over KV: its attention reads it
-    assert over_kv == pytest.approx(0.002 + 0.0001 * 64 + 2e-8 * 64 * 1032)
+    assert both == pytest.approx(p.seconds(decode) + alone - 0.01 + 0.0001 * 64 + 2e-7 * 64 * 32)
+    over_kv = p.seconds(Forward((), ()), (Chunk(64, 1000),))  # a chunk over KV: its rows read it
+    assert over_kv == pytest.approx(0.01 + 0.0001 * 64 + 2e-7 * 64 * 1032)
+
+
+def test_a_measured_prefill_rides_along_for_what_it_took_beyond_the_empty_forward():
+    """Per-token costs that grow with the chunk (as a CPU's do): at each measured size, a chunk riding
+    along a verify forward adds its measured time less the empty forward's (the weights read once)."""
+    data = _profile()
+    took = {16: 0.002, 64: 0.012, 256: 0.06, 512: 0.15}  # beyond the empty forward's 0.01 s
+    for n, s in took.items():
+        data["rows"].append({"group": "prefill", "prefix": 0, "tokens": n, "round_ms": 1000 * (0.01 + s)})
+    p = CostProfile.fit(data, "synthetic")
+    decode = Forward((1, 1, 1, 1), (128, 128, 128, 128))
+    for n, s in took.items():
+        assert p.seconds(decode, (Chunk(n, 0),)) - p.seconds(decode) == pytest.approx(s, rel=1e-9)
+        assert p.seconds(Forward((), ()), (Chunk(n, 0),)) == pytest.approx(0.01 + s, rel=1e-9)
 
 
 def test_without_measured_prefills_a_chunk_costs_what_tree_rows_cost():
