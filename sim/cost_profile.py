@@ -13,22 +13,23 @@ session as a tiled kernel does, KV read per row as a row-wise kernel does), fitt
 non-negative least squares in relative error, times the measured rounds' own residual (measured
 over fitted), interpolated piecewise-linearly in KV length, log sessions and log rows per session
 and held at the edges of what was measured: the cost is the measurement wherever one was made, the
-linear form in between and beyond. A prefill chunk of ``n`` tokens over ``k`` of KV adds
-``q_tokens * n + q_attention * n * (k + n / 2)`` to its forward where the profile measured prefills
-(rows of group ``prefill``: ``{prefix, tokens, round_ms}``): ``q_attention`` is the rounds'
-``c_kv_rows`` (the same kernel reads the KV), ``q_tokens`` is fitted and corrected the same way on
-what each prefill took beyond a forward that carries nothing (``c0 + c_sessions``: the weights read,
-which a chunk riding along a verify forward shares); where it did not, a chunk is the same forward:
-``n`` rows of one session over the KV written before it and half its own (a row reads its causal prefix).
-Repeated rounds of a case (``runs_ms``) give the spread of a round around its cost (log-normal,
-``spread``). Pure module (numpy).
+linear form in between and beyond. Where the profile measured prefills (rows of group ``prefill``:
+``{prefix, tokens, round_ms}``, a forward of ``n`` prompt tokens alone), a chunk of ``n`` tokens over
+``k`` of KV added to a forward of ``r`` rows costs ``P(r + n) - P(r) + c_kv_rows * n * k``, ``P`` the
+measured prefills' curve from a one-row forward on (the weights are read once: a small chunk on a
+small forward costs little a token, on a full one what compute costs); where it did not, a chunk is
+the same forward: ``n`` rows of one session over the KV written before it and half its own (a row
+reads its causal prefix). Repeated rounds of a case (``runs_ms``) give the spread of a round around
+its cost (log-normal, ``spread``). Pure module (numpy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,33 +61,32 @@ class Chunk:
     tokens: int
     kv: int
 
-    def features(self) -> tuple[float, float]:
-        """Its tokens, and the KV its rows read: ``n * (k + n / 2)`` (causal within the chunk)."""
-        n, k = float(self.tokens), float(self.kv)
-        return n, n * (k + n / 2)
-
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """A prefill chunk's cost beyond an empty forward (``base`` seconds): ``per_token`` fitted on the
-    measured prefills less their attention (``attention`` seconds per row and KV token read), times
-    the measured-over-fitted residual, plus the attention."""
+    """The measured prefill curve: seconds of a forward of ``n`` prompt tokens alone over no KV,
+    piecewise linear through the measured prefills (their attention over a prefix taken out) from
+    ``(0, 0)`` and ``(1, a one-row forward)``, the last slope beyond. A chunk added to a forward
+    that already has ``r`` rows adds ``curve(r + n) - curve(r)`` and its rows' reads of the KV
+    before it (``attention`` seconds per row and token read)."""
 
-    per_token: float
+    tokens: tuple[float, ...]  # ascending, from 0
+    seconds: tuple[float, ...]
     attention: float
-    residuals: "Residuals"
-    base: float
-    max_error: float = 0.0
 
-    def seconds(self, c: Chunk, alone: bool) -> float:
-        """``alone``: the forward carries no verify rows (the chunk pays the forward's ``base``)."""
-        tokens, reads = c.features()
-        own = self.per_token * tokens * self.residuals.ratio(Forward((c.tokens,), (c.kv,)))
-        return own + self.attention * reads + (self.base if alone else 0.0)
+    def curve(self, n: float) -> float:
+        if n <= self.tokens[-1]:
+            return float(np.interp(n, self.tokens, self.seconds))
+        slope = (self.seconds[-1] - self.seconds[-2]) / (self.tokens[-1] - self.tokens[-2])
+        return self.seconds[-1] + slope * (n - self.tokens[-1])
+
+    def added(self, rows_before: int, c: Chunk) -> float:
+        """What chunk ``c`` adds to a forward of ``rows_before`` rows."""
+        return self.curve(rows_before + c.tokens) - self.curve(rows_before) + self.attention * c.tokens * c.kv
 
     @classmethod
-    def fit(cls, rows: list[dict], base: float, attention: float, source: str) -> "PrefillCost":
-        x, y, points = [], [], []
+    def fit(cls, rows: list[dict], one_row: float, attention: float, source: str) -> "PrefillCost":
+        by_n: dict[int, list[float]] = {}
         for i, r in rows:
             try:
                 n, k, ms = int(r["tokens"]), int(r["prefix"]), float(r["round_ms"])
@@ -95,15 +95,11 @@ class PrefillCost:
                     from None
             if n < 1 or k < 0 or not ms > 0:
                 raise ProfileError(f"cost profile {source}: rows[{i}] has an impossible value {r}")
-            tokens, reads = Chunk(n, k).features()
-            x.append([tokens])
-            y.append(max(ms / 1000.0 - base - attention * reads, 0.1 * ms / 1000.0))  # at least a tenth: its own
-            points.append((k, 1, n))
-        if len(rows) < 2:
-            raise ProfileError(f"cost profile {source}: prefill rows: at least 2 are needed to fit a prompt "
-                               f"token's cost, got {len(rows)}")
-        (per_token,), residuals, err = fit_with_residuals(x, y, points)
-        return cls(per_token, attention, residuals, base, err)
+            by_n.setdefault(n, []).append(ms / 1000.0 - attention * n * k)
+        points = {0: 0.0, 1: one_row, **{n: statistics.fmean(v) for n, v in by_n.items()}}
+        ns = sorted(points)
+        seconds = list(itertools.accumulate((points[n] for n in ns), max))  # a longer prefill never costs less
+        return cls(tuple(float(n) for n in ns), tuple(seconds), attention)
 
 
 @dataclass(frozen=True)
@@ -124,11 +120,14 @@ class CostProfile:
             # its causal prefix: the KV before the chunk and, on average, half the chunk's own rows
             f = Forward(f.rows + tuple(c.tokens for c in chunks), f.kv + tuple(c.kv + c.tokens / 2 for c in chunks))
             chunks = ()
-        t = 0.0
+        t, rows = 0.0, sum(f.rows)
         if f.rows:
             t = float(np.dot(self.coefficients, f.features()))
             t *= self.residuals.ratio(f) if self.residuals else 1.0
-        return t + sum(self.prefill.seconds(c, alone=not f.rows and i == 0) for i, c in enumerate(chunks))
+        for c in chunks:  # each chunk on top of the rows before it
+            t += self.prefill.added(rows, c)
+            rows += c.tokens
+        return t
 
     def check(self, model: str, dtype: str) -> None:
         """Refuse a profile measured on another model or in another dtype (by name)."""
@@ -182,8 +181,11 @@ class CostProfile:
         if device == "cpu" and cond.get("cpu"):
             device = f"cpu ({cond['cpu']})"
         spread = float(np.std(logs)) if len(logs) > 1 else 0.0
-        return cls(cond["model"], cond["dtype"], device, coef, source, err, spread, residuals,
-                   PrefillCost.fit(prefills, coef[0] + coef[2], coef[4], source) if prefills else None)
+        rounds_only = cls(cond["model"], cond["dtype"], device, coef, source, err, spread, residuals)
+        if not prefills:
+            return rounds_only
+        one_row = rounds_only.seconds(Forward((1,), (0,)))  # the forward every forward is: the weights, one row
+        return dataclasses.replace(rounds_only, prefill=PrefillCost.fit(prefills, one_row, coef[4], source))
 
 
 class Residuals:

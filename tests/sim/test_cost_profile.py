@@ -54,40 +54,45 @@ def test_a_measured_round_is_its_own_cost_and_the_residual_is_held_beyond_what_w
     assert p.seconds(beyond) / linear(beyond) == pytest.approx(p.seconds(edge) / linear(edge), rel=1e-12)
 
 
-def _with_prefill(per_token=0.0001) -> dict:
-    """Prefills of the synthetic profile's forward: its empty forward (0.01 s), ``per_token`` a token, and
-    its attention (2e-7 s per row and KV token read)."""
+def _with_prefill(took: dict[int, float]) -> dict:
+    """The synthetic profile with prefills of ``n`` tokens alone over no KV taking ``took[n]`` seconds."""
     data = _profile()
-    for n in (16, 64, 256, 512):
-        data["rows"].append({"group": "prefill", "prefix": 0, "tokens": n,
-                             "round_ms": 1000 * (0.01 + per_token * n + 2e-7 * n * n / 2)})
+    for n, seconds in took.items():
+        data["rows"].append({"group": "prefill", "prefix": 0, "tokens": n, "round_ms": 1000 * seconds})
     return data
 
 
-def test_a_prefill_chunk_costs_its_tokens_and_attention_and_rides_along_without_the_empty_forward():
-    p = CostProfile.fit(_with_prefill(), "synthetic")
-    assert (p.prefill.base, p.prefill.per_token, p.prefill.attention) == pytest.approx((0.01, 0.0001, 2e-7))
-    alone = p.seconds(Forward((), ()), (Chunk(256, 0),))
-    assert alone == pytest.approx(0.01 + 0.0001 * 256 + 2e-7 * 256 * 128)
-    decode = Forward((1, 1), (128, 300))
-    both = p.seconds(decode, (Chunk(256, 0), Chunk(64, 0)))
-    assert both == pytest.approx(p.seconds(decode) + alone - 0.01 + 0.0001 * 64 + 2e-7 * 64 * 32)
-    over_kv = p.seconds(Forward((), ()), (Chunk(64, 1000),))  # a chunk over KV: its rows read it
-    assert over_kv == pytest.approx(0.01 + 0.0001 * 64 + 2e-7 * 64 * 1032)
+TOOK = {16: 0.0125, 64: 0.0245, 256: 0.0705, 512: 0.1605}  # per token growing with the chunk, as a CPU's
 
 
-def test_a_measured_prefill_rides_along_for_what_it_took_beyond_the_empty_forward():
-    """Per-token costs that grow with the chunk (as a CPU's do): at each measured size, a chunk riding
-    along a verify forward adds its measured time less the empty forward's (the weights read once)."""
-    data = _profile()
-    took = {16: 0.002, 64: 0.012, 256: 0.06, 512: 0.15}  # beyond the empty forward's 0.01 s
-    for n, s in took.items():
-        data["rows"].append({"group": "prefill", "prefix": 0, "tokens": n, "round_ms": 1000 * (0.01 + s)})
-    p = CostProfile.fit(data, "synthetic")
-    decode = Forward((1, 1, 1, 1), (128, 128, 128, 128))
-    for n, s in took.items():
-        assert p.seconds(decode, (Chunk(n, 0),)) - p.seconds(decode) == pytest.approx(s, rel=1e-9)
-        assert p.seconds(Forward((), ()), (Chunk(n, 0),)) == pytest.approx(0.01 + s, rel=1e-9)
+def test_a_chunk_alone_costs_the_measured_prefill_and_its_reads_of_the_kv_before_it():
+    p = CostProfile.fit(_with_prefill(TOOK), "synthetic")
+    for n, seconds in TOOK.items():
+        assert p.seconds(Forward((), ()), (Chunk(n, 0),)) == pytest.approx(seconds, rel=1e-12)
+        assert p.seconds(Forward((), ()), (Chunk(n, 1000),)) == pytest.approx(seconds + 2e-7 * n * 1000, rel=1e-12)
+    one_row = p.seconds(Forward((1,), (0,)))  # below the smallest measured: towards a one-row forward
+    assert p.seconds(Forward((), ()), (Chunk(1, 0),)) == pytest.approx(one_row)
+    assert one_row < p.seconds(Forward((), ()), (Chunk(8, 0),)) < TOOK[16]
+    halves = p.seconds(Forward((), ()), (Chunk(128, 0), Chunk(128, 0)))  # two chunks alone: one forward of both
+    assert halves == pytest.approx(TOOK[256], rel=1e-12)
+    assert p.seconds(Forward((), ()), (Chunk(1024, 0),)) == pytest.approx(0.1605 + (0.1605 - 0.0705) * 2)
+
+
+def test_a_chunk_riding_along_adds_the_prefill_curve_from_the_forwards_rows_on():
+    """Small chunks on a small forward cost little a token (the weights are read anyway); on a full one, more."""
+    p = CostProfile.fit(_with_prefill(TOOK), "synthetic")
+    sixteen = Forward((1,) * 16, (128,) * 16)  # 16 rows already
+    assert p.seconds(sixteen, (Chunk(48, 0),)) - p.seconds(sixteen) == pytest.approx(TOOK[64] - TOOK[16])
+    one = Forward((1,), (128,))
+    cheap = (p.seconds(one, (Chunk(8, 0),)) - p.seconds(one)) / 8
+    dear = (p.seconds(sixteen, (Chunk(8, 0),)) - p.seconds(sixteen)) / 8
+    assert cheap < dear
+
+
+def test_a_longer_prefill_never_costs_less():
+    p = CostProfile.fit(_with_prefill({16: 0.03, 32: 0.02, 64: 0.05}), "synthetic")  # a noisy measurement
+    costs = [p.seconds(Forward((), ()), (Chunk(n, 0),)) for n in range(1, 100)]
+    assert costs == sorted(costs)
 
 
 def test_without_measured_prefills_a_chunk_costs_what_tree_rows_cost():
@@ -98,13 +103,13 @@ def test_without_measured_prefills_a_chunk_costs_what_tree_rows_cost():
     assert p.seconds(Forward((), ()), (Chunk(64, 1000),)) == pytest.approx(p.seconds(Forward((64,), (1032,))))
 
 
-def test_too_few_prefill_rows_are_refused_by_name():
+def test_a_malformed_prefill_row_is_refused_by_name():
     data = _profile()
-    data["rows"].append({"group": "prefill", "prefix": 0, "tokens": 16, "round_ms": 3.0})
-    with pytest.raises(ProfileError, match="prefill rows"):
-        CostProfile.fit(data, "bad.json")
-    data["rows"][-1] = {"group": "prefill", "prefix": 0, "round_ms": 3.0}
+    data["rows"].append({"group": "prefill", "prefix": 0, "round_ms": 3.0})
     with pytest.raises(ProfileError, match=r"rows\[\d+\] \(prefill\) needs tokens"):
+        CostProfile.fit(data, "bad.json")
+    data["rows"][-1] = {"group": "prefill", "prefix": 0, "tokens": 0, "round_ms": 3.0}
+    with pytest.raises(ProfileError, match="impossible value"):
         CostProfile.fit(data, "bad.json")
 
 
