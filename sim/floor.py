@@ -11,6 +11,7 @@ on top, so rounds / (this many per wall second) bounds a simulation's wall time 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from dataclasses import dataclass
 
@@ -102,6 +103,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    gc.freeze()  # the imports' heap (torch's) out of the collector's way: the floor at its lowest
     f = measure(args.users, args.replicas, args.rounds)
     print(f"bare rounds: {f.rounds} ({f.users} users, {f.replicas} replicas) in {f.wall_s:.2f} s of wall time: "
           f"{f.us_per_round:.1f} us a round, {1e6 / f.us_per_round:,.0f} rounds a second")
