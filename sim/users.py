@@ -27,6 +27,7 @@ from sim.target import SIM_VOCAB, continuation
 from specdec import clock
 from specdec.errors import SpecError
 from specdec.protocol import ReplyFrame, VerifyFrame
+from specdec.truncation import encode_confidence
 
 MAX_RETRY_AFTER_S = 30.0  # the longest Retry-After honoured (edge_agent.transport.http.RetryPolicy, loadtests)
 AGENT = AgentConfig()  # the edge agent's defaults: its tree shape (topk, max_expand), depth cap, ping period
@@ -58,6 +59,21 @@ class Counters:
     def refused(self, e: SpecError) -> None:
         reason = str(getattr(e, "reason", None) or e.code)
         self.shed_reasons[reason] = self.shed_reasons.get(reason, 0) + 1
+
+
+def confidences(parents: list[int], model: AcceptanceModel) -> list[int]:
+    """The agent's confidence byte of each node (``edge_agent`` sends them; the server truncates trees
+    by them): its path's draft log-probability, a calibrated draft's share for each node by its rank
+    among its parent's children: the first guess ``alpha``, the second ``(1 - alpha) * sibling_alpha``,
+    each later one ``(1 - sibling_alpha)`` of the one before."""
+    a, b = model.alpha, model.sibling_alpha
+    rank: dict[int, int] = {}
+    logp: list[float] = []
+    for p in parents:
+        r = rank[p] = rank.get(p, -1) + 1
+        share = a if r == 0 else (1 - a) * b * (1 - b) ** (r - 1)
+        logp.append((logp[p] if p >= 0 else 0.0) + math.log(max(share, 1e-12)))
+    return [encode_confidence(x) for x in logp]
 
 
 class DraftDevices:
@@ -162,7 +178,8 @@ class EdgeUser:
                     tokens, parents, _ = synthetic_tree(truth[len(out):], self.model, depth, nodes, SIM_VOCAB, rng)
                     await (ready or self._draft(depth))
                 ready = None
-                frame = VerifyFrame(prefix_len, tokens, parents, depth=depth, ahead=w.run_ahead,
+                conf = confidences(parents, self.model) if self.agent and tokens else None
+                frame = VerifyFrame(prefix_len, tokens, parents, depth=depth, ahead=w.run_ahead, conf=conf,
                                     **self._reported()).encode()
                 t_send = clock.monotonic()
                 await clock.sleep(self._rtt(0.5))
@@ -233,12 +250,16 @@ class EdgeUser:
 
     def _tree_shape(self, hints: tuple[int, int], rounds: int, remaining: int) -> tuple[int, int]:
         """(nodes, depth) of the next tree, within the server's limits. The agent's tree rounds: its
-        budget under the server's budget hint (0: no tree, the server decoding ahead), the workload's
-        depth or its policy's under the server's depth hint, at most a level short of the tokens
-        left. A Locust user: the workload's nodes and depth, else the server's hints."""
+        tree (its budget, or the workload's ``nodes``: what its builder makes) under the server's
+        budget hint (0: no tree, the server decoding ahead), the workload's depth or its policy's
+        under the server's depth hint, at most a level short of the tokens left. A Locust user: the
+        workload's nodes and depth, else the server's hints."""
         limits, w = self.sys.app.verifier, self.w
-        budget = min(w.budget, hints[1]) if self.agent else hints[1]
-        nodes = min(w.nodes if w.nodes is not None else budget, limits.max_tree_nodes)
+        if self.agent:  # what its tree builder makes (its budget, or the workload's nodes) under the hint
+            nodes = min(w.nodes if w.nodes is not None else w.budget, hints[1])
+        else:
+            nodes = w.nodes if w.nodes is not None else hints[1]
+        nodes = min(nodes, limits.max_tree_nodes)
         if w.depth:
             depth = w.depth
         elif self.agent:

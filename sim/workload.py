@@ -71,8 +71,9 @@ class Workload(_Strict):
     depth_policy: str = Field(AgentConfig.depth_policy, pattern=f"^({'|'.join(POLICIES)})$",
                               description="the edge agent's depth rule (edge_agent.depth) when depth is None: "
                                           "under the server's depth hint, on the agent's own measurements")
-    nodes: int | None = Field(None, ge=1, le=1024, description="tree nodes; None: the agent's budget, capped by the "
-                                                               "server's budget hint")
+    nodes: int | None = Field(None, ge=1, le=1024, description="tree nodes (the agent's, capped by the server's "
+                                                               "budget hint: what its tree builder makes at its "
+                                                               "depth); None: the agent's budget under the hint")
     budget: int = Field(AgentConfig.budget, ge=1, le=1024, description="the edge agent's tree budget "
                                                                         "(AgentConfig.budget) when nodes is None")
     network: Network = Field(default_factory=Network)

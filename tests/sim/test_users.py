@@ -4,10 +4,14 @@ user does."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from edge_agent.depth import DepthPolicy, Telemetry
-from sim.users import EdgeUser
+from loadtests.synthetic_tree import AcceptanceModel
+from sim.users import EdgeUser, confidences
+from specdec.truncation import encode_confidence
 from tests.sim.test_system import simulate
 
 SLOW_EDGE = {"devices": {"slow": 1.0}, "draft_ms": {"slow": 100.0}, "acceptance": {"alpha": 0.3, "sibling_alpha": 0.1}}
@@ -59,6 +63,18 @@ def test_the_agents_budget_caps_the_servers_budget_hint(shapes):
     assert seen and max(n for n, _ in seen) <= 4
 
 
+@pytest.mark.parametrize("hint", [0, 4])
+def test_the_agents_own_tree_size_is_capped_by_the_servers_budget_hint(shapes, monkeypatch, hint):
+    """A workload's ``nodes`` is the tree the agent's builder makes; the hint caps it, and 0 means no tree."""
+    from deploy.verifier.pacing import Pacer
+
+    monkeypatch.setattr(Pacer, "budget_hint", lambda self, *args, **kwargs: hint)
+    seen, _ = shapes
+    out, _ = simulate(0, users=2, nodes=9)
+    assert seen and max(n for n, _ in seen) == hint and out["diverged_rounds"] == 0
+    assert (max(d for _, d in seen) == 0) == (hint == 0)
+
+
 def test_a_locust_user_takes_the_hints_and_pings_nothing(shapes):
     seen, users = shapes
     simulate(0, users=1, client="loadtest", **SLOW_EDGE)
@@ -86,3 +102,46 @@ def test_the_agents_open_reports_its_telemetry_and_promises_a_run_ahead_first_re
     clients.clear()
     simulate(0, users=1, client="loadtest", **SLOW_EDGE)
     assert clients and all("run_ahead" not in c and c["draft_ms"] == 100.0 for c in clients)
+
+
+def test_the_agents_confidences_are_its_paths_draft_probabilities():
+    """A node's byte is its path's log-probability: a first guess ``alpha``, a second ``(1 - alpha) *
+    sibling_alpha``, a third ``(1 - sibling_alpha)`` of that (as the agent's draft would rank them)."""
+    a, b = 0.7, 0.3
+    got = confidences([-1, 0, 0, 0, -1], AcceptanceModel(a, b))
+    want = [math.log(a), 2 * math.log(a), math.log(a) + math.log((1 - a) * b),
+            math.log(a) + math.log((1 - a) * b * (1 - b)), math.log((1 - a) * b)]
+    assert got == [encode_confidence(x) for x in want]
+
+
+def test_the_agents_trees_carry_confidences_and_the_replica_truncates_by_them(monkeypatch):
+    """On this CPU's profile (a tree row costs 0.6 ms) the replica cuts a lone edge's 9-node trees'
+    low-value tail by the agent's confidences (the match rule's gains), as it did in the measured run
+    (5 of 9 nodes verified a round); a tree sent without them is cut by depth alone, less."""
+    from deploy.verifier.server import VerifierServer
+    from sim.__main__ import simulate as simulate_case
+    from sim.cost_profile import CostProfile
+    from sim.validate import HERE, RUNS, bench_case, merge_runs
+
+    runs = merge_runs([HERE / f for f in RUNS])
+    row = next(r for r in runs["rows"] if r["mode"] == "edge_full" and r["sessions"] == 1)
+    app, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
+    workload = workload.model_copy(update={"generations_per_user": 2})
+    profile = CostProfile.load(HERE / "verify-step-cpu.json")
+    kept = {}
+    real_truncate = VerifierServer._truncate
+
+    def truncate(self, trees, base_rows):
+        out = real_truncate(self, trees, base_rows)
+        for (p, _), (_, r) in zip(trees, out):
+            kept.setdefault("sent", []).append(len(p.payload.req.tree))
+            kept.setdefault("verified", []).append(len(r.tree) if r.limit is None else r.limit)
+        return out
+
+    monkeypatch.setattr(VerifierServer, "_truncate", truncate)
+    simulate_case(app, profile, workload, 0)
+    with_conf = sum(kept["verified"]) / sum(kept["sent"])
+    kept.clear()
+    monkeypatch.setattr("sim.users.confidences", lambda parents, model: None)
+    simulate_case(app, profile, workload, 0)
+    assert with_conf < 0.9 and with_conf < sum(kept["verified"]) / sum(kept["sent"])
