@@ -65,12 +65,11 @@ def bench_case(row: dict, conditions: dict) -> tuple[AppConfig, Workload]:
     else:  # the run's depth, and the tree its agent's builder made there, under the server's hints
         trees = max((r for r in conditions["rows"] if r["mode"] == row["mode"] and r["draft_depth_mean"]),
                     key=lambda r: r["draft_depth_mean"])  # the acceptance of the draft/target pair, where trees ran
-        depth = int(conditions["fixed_depth"])
-        alpha = fit_alpha(trees["tokens_per_verify"], round(trees["draft_depth_mean"]),
-                          max(1, round(trees["sent_nodes_per_round"])), ASSUMED["sibling_alpha"])
+        depth, nodes = int(conditions["fixed_depth"]), max(1, round(trees["sent_nodes_per_round"]))
+        alpha = fit_alpha(trees["tokens_per_verify"], round(trees["draft_depth_mean"]), nodes, ASSUMED["sibling_alpha"])
         draft_ms = _known(row["draft_ms_per_forward"]) or trees["draft_ms_per_forward"]
         w.update(mode="edge", depth=depth, budget=int(conditions["tree_budget"]), proactive=True, edge_workers=1,
-                 nodes=max(1, round(trees["sent_nodes_per_round"])),  # the tree the agent's builder made
+                 nodes=nodes,  # the tree the agent's builder made
                  devices={"bench-edge": 1.0}, draft_ms={"bench-edge": float(draft_ms)},
                  acceptance={"alpha": alpha, "sibling_alpha": ASSUMED["sibling_alpha"]})
     return AppConfig(**app), Workload(**w)
