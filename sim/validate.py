@@ -68,8 +68,7 @@ def bench_case(row: dict, conditions: dict) -> tuple[AppConfig, Workload]:
         depth, nodes = int(conditions["fixed_depth"]), max(1, round(trees["sent_nodes_per_round"]))
         alpha = fit_alpha(trees["tokens_per_verify"], round(trees["draft_depth_mean"]), nodes, ASSUMED["sibling_alpha"])
         draft_ms = _known(row["draft_ms_per_forward"]) or trees["draft_ms_per_forward"]
-        w.update(mode="edge", depth=depth, budget=int(conditions["tree_budget"]), proactive=True, edge_workers=1,
-                 nodes=nodes,  # the tree the agent's builder made
+        w.update(mode="edge", depth=depth, nodes=nodes, proactive=True, edge_workers=1,  # nodes: its builder's tree
                  devices={"bench-edge": 1.0}, draft_ms={"bench-edge": float(draft_ms)},
                  acceptance={"alpha": alpha, "sibling_alpha": ASSUMED["sibling_alpha"]})
     return AppConfig(**app), Workload(**w)
