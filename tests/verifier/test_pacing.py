@@ -1,6 +1,6 @@
 import pytest
 
-from deploy.verifier.pacing import Pacer
+from deploy.verifier.pacing import Pacer, _prior
 
 
 def test_depth_matches_verify_time_minus_rtt():
@@ -203,3 +203,25 @@ def test_from_two_sessions_a_tree_must_pay_by_the_margin():
     assert p.best_budget(1, ahead=9) > 0  # alone: the margin does not apply
     p.tree_margin = 1.0
     assert p.best_budget(1, ahead=9) > 0
+
+
+def test_a_budget_whose_trees_arrive_cut_does_not_keep_its_first_estimate():
+    """One session, a real run's state: the first, uncut 16-node trees brought 3.3 tokens a round,
+    then the replica's confidence cut put every later tree in the 4-node bucket at 1.75. The
+    16-node estimate heals to what the fresh buckets say of it instead of ranking 16 nodes at 3.3
+    forever: the hint follows what trees bring now."""
+    p = Pacer(budgets=(0, 1, 2, 4, 8, 16))
+    for rows in (1, 2, 4, 8, 16, 32):
+        p.observe_forward(rows, 0.011 + 0.0004 * rows)
+    for _ in range(10):
+        p.observe_round(16, 3.3)
+    stale = p.expected_tokens(16)
+    assert stale > 3.0
+    for _ in range(p.stale_rounds):
+        p.observe_round(4, 1.75)
+    assert p.expected_tokens(16) == pytest.approx(stale)  # refreshed lately enough: kept
+    p.observe_round(4, 1.75)
+    healed = p.expected_tokens(16)  # the 4-node bucket's rate, scaled by the prior's ratio
+    assert healed == pytest.approx(p.expected_tokens(4) * _prior(16) / _prior(4)) and healed < 2.6
+    p.observe_round(16, 2.0)  # its next round moves the healed estimate, not the stale one
+    assert p.expected_tokens(16) == pytest.approx(0.8 * healed + 0.2 * 2.0)
