@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from deploy.verifier.forward_cost import PiecewiseCost
 
@@ -41,6 +41,11 @@ class Pacer:
     _state: int = 0  # counts observations: the rates below are cached for one state
     _rates_at: tuple = ()  # what _rates_cached was computed for
     _rates_cached: dict[int, float] = field(default_factory=dict)
+
+    def with_own_estimates(self) -> "Pacer":
+        """A pacer sharing this one's forward cost curve and tree batches, with tokens-per-round
+        estimates of its own (a target version's or a draft class's, FlexSpec §III-C)."""
+        return replace(self, _tokens_per_round={}, _seen={}, _tree_rounds=0, _no_tree_hints=0)
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)

@@ -4,7 +4,6 @@ With ``pacing.per_version``, each version and draft class (``client.draft``) kee
 
 from __future__ import annotations
 
-import dataclasses
 
 from deploy.verifier.adapters import AdapterRegistry
 from deploy.verifier.pacing import Pacer
@@ -59,8 +58,7 @@ class TargetVersions:
             return self.base_pacer
         key = (v, draft)
         if key not in self._pacers:  # own acceptance; the replica's forward cost curve and tree batches
-            self._pacers[key] = dataclasses.replace(self.base_pacer, cost=self.base_pacer.cost, _tokens_per_round={},
-                                                    _no_tree_hints=0)
+            self._pacers[key] = self.base_pacer.with_own_estimates()
         return self._pacers[key]
 
     def _classes(self, v: str | None) -> int:

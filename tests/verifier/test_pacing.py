@@ -225,3 +225,18 @@ def test_a_budget_whose_trees_arrive_cut_does_not_keep_its_first_estimate():
     assert healed == pytest.approx(p.expected_tokens(4) * _prior(16) / _prior(4)) and healed < 2.6
     p.observe_round(16, 2.0)  # its next round moves the healed estimate, not the stale one
     assert p.expected_tokens(16) == pytest.approx(0.8 * healed + 0.2 * 2.0)
+
+
+def test_a_class_pacer_shares_the_cost_curve_but_keeps_its_own_estimates_and_their_age():
+    """A version's or draft class's pacer (deploy/verifier/versions.py): its rounds neither move the
+    base pacer's estimates nor age them."""
+    base = Pacer(budgets=(0, 4, 16))
+    own = base.with_own_estimates()
+    assert own.cost is base.cost
+    for _ in range(2 * base.stale_rounds):
+        base.observe_round(16, 3.0)
+    own.observe_round(16, 1.0)
+    own.observe_round(4, 1.5)
+    assert base.expected_tokens(16) == pytest.approx(3.0, abs=1e-3)
+    assert base.state()["tokens_per_round"] == {16: pytest.approx(3.0, abs=1e-3)}
+    assert own.state()["tokens_per_round"].keys() == {4, 16}
