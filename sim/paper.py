@@ -21,16 +21,22 @@ PAPER = {"throughput_ratio": 2.22, "itl_change": -0.1124}
 HERE = Path(__file__).resolve().parent
 
 
-def compare(app, profile: CostProfile, users: list[int], alpha: float, seed: int = 0) -> list[dict]:
+def compare(app, profile: CostProfile, users: list[int], alpha: float, seed: int = 0, seeds: int = 1) -> list[dict]:
+    """Each user count in both modes, each figure the mean over ``seeds`` seeds from ``seed``
+    (:func:`sim.plan.over_seeds`: one seed of a loaded replica near saturation is one draw)."""
     from sim.__main__ import simulate
+    from sim.plan import over_seeds
+
+    def run(workload: Workload) -> dict:
+        return over_seeds([simulate(app, profile, workload, k) for k in range(seed, seed + seeds)])
 
     rows = []
     for n in users:
         base = Workload(users=n, duration_s=60.0, warmup_s=15.0, spawn_rate=n / 15.0, think_s=(0.0, 0.0),
                         prompt_tokens=(768, 1024), max_tokens=256, devices={"rtx4090": 1.0},
                         network={"rtt_ms": 14.0, "jitter": 0.1}, acceptance={"alpha": alpha, "sibling_alpha": 0.3})
-        edge = simulate(app, profile, base.model_copy(update={"mode": "edge"}), seed)
-        server = simulate(app, profile, base.model_copy(update={"mode": "server_ar"}), seed)
+        edge = run(base.model_copy(update={"mode": "edge"}))
+        server = run(base.model_copy(update={"mode": "server_ar"}))
         rows.append({"users": n, "edge_tokens_per_s": edge["verified_tokens_per_s"],
                      "server_tokens_per_s": server["verified_tokens_per_s"],
                      "throughput_ratio": edge["verified_tokens_per_s"] / server["verified_tokens_per_s"],
@@ -59,6 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--users", default="8,32,64")
     p.add_argument("--alpha", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=3, help="each figure the mean over this many seeds")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
 
 
@@ -66,8 +73,9 @@ def main(args) -> int:
     from sim.__main__ import load_app
 
     rows = compare(load_app(args.config), CostProfile.load(args.profile), [int(x) for x in args.users.split(",")],
-                   args.alpha, args.seed)
+                   args.alpha, args.seed, max(1, args.seeds))
     print(markdown(rows, args.alpha))
     if args.out:
-        Path(args.out).write_text(json.dumps({"paper": PAPER, "alpha": args.alpha, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"paper": PAPER, "alpha": args.alpha, "seeds": max(1, args.seeds),
+                                              "rows": rows}, indent=1))
     return 0

@@ -36,6 +36,7 @@ class Pacer:
     _tokens_per_round: dict[int, float] = field(default_factory=dict)
     _tree_rounds: int = 0  # tree rounds observed
     _seen: dict[int, int] = field(default_factory=dict)  # bucket -> _tree_rounds at its last round
+    _verified: dict[int, float] = field(default_factory=dict)  # bucket -> EMA of the nodes verified of its trees
     _no_tree_hints: int = 0
     _tree_batch: dict[int, float] = field(default_factory=dict)  # sessions -> EMA of sessions per tree forward
     _state: int = 0  # counts observations: the rates below are cached for one state
@@ -45,7 +46,7 @@ class Pacer:
     def with_own_estimates(self) -> "Pacer":
         """A pacer sharing this one's forward cost curve and tree batches, with tokens-per-round
         estimates of its own (a target version's or a draft class's, FlexSpec §III-C)."""
-        return replace(self, _tokens_per_round={}, _seen={}, _tree_rounds=0, _no_tree_hints=0)
+        return replace(self, _tokens_per_round={}, _seen={}, _verified={}, _tree_rounds=0, _no_tree_hints=0)
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
@@ -57,33 +58,47 @@ class Pacer:
         self._tree_batch[sessions] = in_forward if old is None else (1 - self.ema) * old + self.ema * in_forward
 
     def state(self) -> dict:
-        """What the budget choice rests on: tokens per round by budget, sessions per tree forward by sessions."""
-        return {"tokens_per_round": dict(self._tokens_per_round), "tree_sessions_per_forward": dict(self._tree_batch)}
+        """What the budget choice rests on: tokens per round and nodes verified by budget, sessions per tree
+        forward by sessions."""
+        return {"tokens_per_round": dict(self._tokens_per_round), "verified_nodes": dict(self._verified),
+                "tree_sessions_per_forward": dict(self._tree_batch)}
 
     def _bucket(self, tree_nodes: int) -> int:
         i = bisect.bisect_left(self.budgets, tree_nodes)
         return self.budgets[min(i, len(self.budgets) - 1)]
 
-    def observe_round(self, tree_nodes: int, emitted: int) -> None:
-        """A round's tokens into its budget bucket's EMA; a bucket's first round, or its first after
-        ``stale_rounds`` tree rounds elsewhere, moves what the fresh buckets expect of it."""
+    def observe_round(self, tree_nodes: int, emitted: int, verified: int | None = None) -> None:
+        """A round into the bucket of the tree its edge sent (``tree_nodes``, as the hint caps it): its
+        tokens, and the nodes the replica verified of it after its cut (``verified``; default all), each
+        an EMA. A bucket's first round, or its first after ``stale_rounds`` tree rounds elsewhere, moves
+        what the fresh buckets expect of it."""
         self._state += 1
         b = self._bucket(tree_nodes)
-        old = self._tokens_per_round.get(b, 1.0) if b <= 0 else self.expected_tokens(b)
-        if b > 0:
-            self._tree_rounds += 1
-            self._seen[b] = self._tree_rounds
+        if b <= 0:
+            self._tokens_per_round[b] = (1 - self.ema) * self._tokens_per_round.get(b, 1.0) + self.ema * emitted
+            return
+        v = tree_nodes if verified is None else min(verified, tree_nodes)
+        old, rows = self.expected_tokens(b), self._verified[b] if b in self._verified and self._fresh(b) else v
+        self._tree_rounds += 1
+        self._seen[b] = self._tree_rounds
         self._tokens_per_round[b] = (1 - self.ema) * old + self.ema * emitted
+        self._verified[b] = (1 - self.ema) * rows + self.ema * v
 
     def expected_tokens(self, n: int) -> float:
         """E[tokens per round | budget n]: observed, else interpolated in log(n)."""
         return self._expected(n, self._observed())
 
     def _observed(self) -> dict[int, float]:
-        """The tree buckets' estimates that rounds still refresh: a bucket the hint asks for but whose trees
-        arrive cut to a smaller one is not kept at what its first, uncut trees brought."""
-        fresh = self._tree_rounds - self.stale_rounds
-        return {m: v for m, v in self._tokens_per_round.items() if m > 0 and self._seen.get(m, 0) >= fresh}
+        """The tree buckets' estimates that rounds still refresh: a bucket no tree has been sent in lately
+        is interpolated from those, not kept at what it brought in another state of the replica."""
+        return {m: v for m, v in self._tokens_per_round.items() if m > 0 and self._fresh(m)}
+
+    def _fresh(self, bucket: int) -> bool:
+        return self._seen.get(bucket, 0) >= self._tree_rounds - self.stale_rounds
+
+    def _rows(self, n: int) -> float:
+        """Nodes the replica verifies of a budget-``n`` tree: as its bucket's rounds measured, else ``n``."""
+        return self._verified[n] if n in self._verified and self._fresh(n) else n
 
     @staticmethod
     def _expected(n: int, obs: dict[int, float]) -> float:
@@ -101,14 +116,15 @@ class Pacer:
         """Sessions a forward of ``n``-node trees carries: measured, fewer when away past ``fill`` x its time."""
         s = max(sessions, 1)
         s = min(s, max(self._tree_batch.get(s, s), 1.0))
-        t = self.cost.predict(sessions * (n + 1))
+        t = self.cost.predict(sessions * (self._rows(n) + 1))
         if away_s > self.fill * t:
             s = min(s, max(1.0, sessions * t / (t + away_s)))
         return s
 
     def rates(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> dict[int, float]:
-        """Verified tokens per second of server CPU, by budget ``n``, for ``sessions`` trees of ``n`` nodes; with no
-        tree a request carries ``ahead`` tokens. ``away_s``: the sessions' time away per round. Cached per state."""
+        """Verified tokens per second of server CPU, by budget ``n``, for ``sessions`` sending ``n``-node trees
+        (verified as their bucket measured); with no tree a request carries ``ahead`` tokens. ``away_s``: the
+        sessions' time away per round. Cached per state."""
         key = (self._state, self.cost.count, self.round_overhead_s, self.fill, sessions, ahead, away_s)
         if self._rates_at != key:
             obs = self._observed()
@@ -122,7 +138,8 @@ class Pacer:
         if n > 0:  # trees: the sessions a forward of trees carries
             s = self._tree_sessions(s, n, away_s)
         requests = s if n > 0 else s / max(ahead, 1)  # a tree: one request a round each
-        return s * per_round / max(self.cost.predict(s * (n + 1)) + requests * self.round_overhead_s, 1e-6)
+        return s * per_round / max(self.cost.predict(s * (self._rows(n) + 1)) + requests * self.round_overhead_s,
+                                   1e-6)
 
     def best_budget(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
         """The budget that pays best now (no exploration); the default until measured.
@@ -157,6 +174,8 @@ class Pacer:
             return max(self.min_depth, min(self.max_depth, budget))
         if draft_ms <= 0 or self.cost.count < 3:
             return min(self.default_depth, budget)
+        # the whole budget's rows, not the rows its bucket had verified: with those (the replica's cut) the load
+        # tests' depth hints fell and their tokens/s with them (docs/verifier.md, "Pacing")
         verify_ms = 1000.0 * self.cost.predict(max(sessions, 1) * (budget + 1))
         forwards = (verify_ms - rtt_ms) / draft_ms  # inf for a denormal draft_ms: clamped below, never int()ed
         cap = min(self.max_depth, budget)

@@ -464,7 +464,7 @@ class VerifierServer:
             self.calibration.observe(sum(gains[:n_nodes]), len(res.accepted))
         refill = rule.refill(req)
         if not refill:
-            self.hints.pacing(p.session_id)[0].observe_round(n_nodes, emitted)
+            self.hints.pacing(p.session_id)[0].observe_round(n_nodes + rs.truncated, emitted, n_nodes)
         self.counters.tokens_emitted += emitted
         now = clock.monotonic()
         self.counters.round_latencies.append((p.enqueued_at, now - p.enqueued_at))

@@ -206,10 +206,10 @@ def test_from_two_sessions_a_tree_must_pay_by_the_margin():
 
 
 def test_a_budget_whose_trees_arrive_cut_does_not_keep_its_first_estimate():
-    """One session, a real run's state: the first, uncut 16-node trees brought 3.3 tokens a round,
-    then the replica's confidence cut put every later tree in the 4-node bucket at 1.75. The
-    16-node estimate heals to what the fresh buckets say of it instead of ranking 16 nodes at 3.3
-    forever: the hint follows what trees bring now."""
+    """A bucket no tree is sent in any more: 16-node trees brought 3.3 tokens a round early on
+    (a real 1-session run's first, uncut trees), then every tree went into the 4-node bucket at
+    1.75. The 16-node estimate heals to what the fresh buckets say of it instead of ranking 16
+    nodes at 3.3 forever: the hint follows what trees bring now."""
     p = Pacer(budgets=(0, 1, 2, 4, 8, 16))
     for rows in (1, 2, 4, 8, 16, 32):
         p.observe_forward(rows, 0.011 + 0.0004 * rows)
@@ -225,6 +225,26 @@ def test_a_budget_whose_trees_arrive_cut_does_not_keep_its_first_estimate():
     assert healed == pytest.approx(p.expected_tokens(4) * _prior(16) / _prior(4)) and healed < 2.6
     p.observe_round(16, 2.0)  # its next round moves the healed estimate, not the stale one
     assert p.expected_tokens(16) == pytest.approx(0.8 * healed + 0.2 * 2.0)
+
+
+def test_a_bucket_holds_what_its_trees_bring_after_the_replicas_cut_and_costs_the_rows_verified():
+    """Sessions send 16-node trees that the replica cuts to 4 verified nodes (by their confidences):
+    the 16-node bucket holds what those rounds bring, so asking for 16 is judged by what it gets,
+    and its forward is charged 4 nodes' rows a session, not 16 (a real 1-session run: 9 nodes sent
+    under a 16-node hint, 3-5 verified)."""
+    def pacer(verified):
+        p = Pacer(budgets=(0, 4, 16))
+        for rows in (1, 2, 4, 8, 16, 32, 64):
+            p.observe_forward(rows, 0.010 + 0.001 * rows)
+        for _ in range(30):
+            p.observe_round(16, 1.75, verified)
+        return p
+
+    cut, uncut = pacer(4), pacer(None)
+    assert cut.expected_tokens(16) == pytest.approx(1.75, abs=0.01) == uncut.expected_tokens(16)
+    assert cut.state()["verified_nodes"] == {16: pytest.approx(4, abs=0.01)}
+    assert cut.rates(2)[16] == pytest.approx(2 * 1.75 / cut.cost.predict(2 * (4 + 1)), rel=1e-3)
+    assert cut.rates(2)[16] > uncut.rates(2)[16]
 
 
 def test_a_class_pacer_shares_the_cost_curve_but_keeps_its_own_estimates_and_their_age():
