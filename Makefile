@@ -140,7 +140,7 @@ sim-validate: install
 sim-plan: install
 	$(BIN)/python -m sim plan --config sim/deploy-8b-h100.yaml --profile sim/profiles/llama3-8b-h100.json \
 		--workload sim/workloads/fleet-8b.yaml --users 5000,20000,100000 --slo-ttft-p99-ms 3000 \
-		--slo-itl-p99-ms 80 --slo-verify-p99-ms 500 --seeds 3 --out-dir sim/plans/llama3-8b-h100
+		--slo-itl-p99-ms 80 --slo-verify-p99-ms 500 --seeds 5 --out-dir sim/plans/llama3-8b-h100
 
 # HAProxy (Debian package) for the haproxy ingress (deploy/request_path.py); no-op if present
 haproxy:

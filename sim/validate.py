@@ -29,8 +29,8 @@ HERE = Path(__file__).resolve().parent / "validation"
 TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_ms_p50": 0.10, "latency_ms_p99": 0.20}
 # what the measured runs do not report; reply_share: a request's CPU spent on its reply (sim.cost_profile.HostCost)
 ASSUMED = {"sibling_alpha": 0.3, "jitter": 0.0, "reply_share": 0.5}
-# one benchmarks.run command: twice back to back, once more 2 h 17 min later
-RUNS = ("bench-runs.json", "bench-runs-2.json")
+# one benchmarks.run command, three times back to back
+RUNS = ("bench-runs.json", "bench-runs-2.json", "bench-runs-3.json")
 
 
 def fit_alpha(tokens_per_round: float, depth: int, nodes: int, sibling: float) -> float:

@@ -4,7 +4,6 @@ With ``pacing.per_version``, each version and draft class (``client.draft``) kee
 
 from __future__ import annotations
 
-
 from deploy.verifier.adapters import AdapterRegistry
 from deploy.verifier.pacing import Pacer
 from specdec.model.decoder import DecoderModel
