@@ -205,7 +205,7 @@ def test_from_two_sessions_a_tree_must_pay_by_the_margin():
     assert p.best_budget(1, ahead=9) > 0
 
 
-def test_a_budget_whose_trees_arrive_cut_does_not_keep_its_first_estimate():
+def test_a_bucket_no_tree_is_sent_in_any_more_does_not_keep_its_old_estimate():
     """A bucket no tree is sent in any more: 16-node trees brought 3.3 tokens a round early on
     (a real 1-session run's first, uncut trees), then every tree went into the 4-node bucket at
     1.75. The 16-node estimate heals to what the fresh buckets say of it instead of ranking 16
