@@ -78,7 +78,9 @@ class Pacer:
             self._tokens_per_round[b] = (1 - self.ema) * self._tokens_per_round.get(b, 1.0) + self.ema * emitted
             return
         v = tree_nodes if verified is None else min(verified, tree_nodes)
-        old, rows = self.expected_tokens(b), self._verified[b] if b in self._verified and self._fresh(b) else v
+        measured = b in self._verified and self._fresh(b)  # the common case: no interpolation on the reply path
+        old = self._tokens_per_round[b] if measured else self.expected_tokens(b)
+        rows = self._verified[b] if measured else v
         self._tree_rounds += 1
         self._seen[b] = self._tree_rounds
         self._tokens_per_round[b] = (1 - self.ema) * old + self.ema * emitted
