@@ -10,24 +10,27 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PiecewiseCost:
-    """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``, ``b >= 0``, fitted over per-row-count EMAs."""
+    """Forward seconds vs rows: ``t = a + b * max(0, rows - knee)``, ``b >= 0``, fitted over per-row-count EMAs.
+    A row count no forward has had in the last ``stale_forwards`` leaves the fit until one has it again, so
+    what a cold start's or a pause's forwards cost does not shape the curve for the replica's life."""
 
     ema: float = 0.1
     weight_cap: int = 32
     refit_every: int = 8
-    _means: dict[float, list[float]] = field(default_factory=dict)  # rows -> [EMA seconds, count]
+    stale_forwards: int = 1024
+    _means: dict[float, list[float]] = field(default_factory=dict)  # rows -> [EMA seconds, count, last forward]
     _count: int = 0
     _since_fit: int = 0
     _fit: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a, b, knee
 
     def observe(self, rows: float, seconds: float) -> None:
+        self._count += 1
         m = self._means.get(float(rows))
         if m is None:
-            self._means[float(rows)] = [float(seconds), 1]
+            self._means[float(rows)] = [float(seconds), 1, self._count]
         else:
             m[0] += self.ema * (float(seconds) - m[0])
-            m[1] = min(m[1] + 1, self.weight_cap)
-        self._count += 1
+            m[1], m[2] = min(m[1] + 1, self.weight_cap), self._count
         self._since_fit += 1
         if self._since_fit >= self.refit_every or self._count <= 3:
             self.refit()
@@ -38,11 +41,13 @@ class PiecewiseCost:
         return self._count
 
     def points(self) -> list[tuple[float, float, float]]:
-        """(rows, mean seconds, weight) per row count seen."""
-        return [(x, m, float(n)) for x, (m, n) in self._means.items()]
+        """(rows, mean seconds, weight) per row count the fit keeps (seen in the last ``stale_forwards`` at its refit)."""
+        return [(x, m, float(n)) for x, (m, n, _) in self._means.items()]
 
     def refit(self) -> None:
         self._since_fit = 0
+        for x in [x for x, (*_, last) in self._means.items() if self._count - last > self.stale_forwards]:
+            del self._means[x]
         if self._means:
             self._fit = _best_hinge(self.points())
 

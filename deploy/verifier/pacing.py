@@ -26,7 +26,8 @@ class Pacer:
     default_budget: int = 32
     ema: float = 0.2
     cost: PiecewiseCost = field(default_factory=PiecewiseCost)
-    explore_every: int = 32  # while the hint is "no tree", every Nth hint asks for the best tree anyway
+    explore_every: int = 32  # every Nth hint asks for another budget: the best tree while "no tree" pays best,
+    # else a neighbour of the best, so the costs and tokens of the budgets beside it stay measured
     explore_alone: int = 4  # ... every Nth for a session alone when that tree is within explore_margin
     explore_margin: float = 0.15
     round_overhead_s: float = 0.0  # server CPU per request outside the forward
@@ -38,6 +39,7 @@ class Pacer:
     _seen: dict[int, int] = field(default_factory=dict)  # bucket -> _tree_rounds at its last round
     _verified: dict[int, float] = field(default_factory=dict)  # bucket -> EMA of the nodes verified of its trees
     _no_tree_hints: int = 0
+    _tree_hints: int = 0
     _tree_batch: dict[int, float] = field(default_factory=dict)  # sessions -> EMA of sessions per tree forward
     _state: int = 0  # counts observations: the rates below are cached for one state
     _rates_at: tuple = ()  # what _rates_cached was computed for
@@ -46,7 +48,8 @@ class Pacer:
     def with_own_estimates(self) -> "Pacer":
         """A pacer sharing this one's forward cost curve and tree batches, with tokens-per-round
         estimates of its own (a target version's or a draft class's, FlexSpec §III-C)."""
-        return replace(self, _tokens_per_round={}, _seen={}, _verified={}, _tree_rounds=0, _no_tree_hints=0)
+        return replace(self, _tokens_per_round={}, _seen={}, _verified={}, _tree_rounds=0, _no_tree_hints=0,
+                       _tree_hints=0)
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
         self.cost.observe(tokens, seconds)
@@ -155,18 +158,27 @@ class Pacer:
         return best
 
     def budget_hint(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
-        """The hint a reply carries: :meth:`best_budget`, or while that is "no tree", the best tree every
-        ``explore_every``-th hint (every ``explore_alone``-th for a session alone within ``explore_margin``)."""
+        """The hint a reply carries: :meth:`best_budget`, or every ``explore_every``-th hint another: while
+        the best is "no tree", the best tree (every ``explore_alone``-th for a session alone within
+        ``explore_margin``); else the budget below the best and the one above it, in turn."""
         best = self.best_budget(sessions, ahead, away_s)
         trees = [n for n in self.budgets if n > 0]
-        if best == 0 and trees and self.cost.count >= 3:
+        if not trees or self.cost.count < 3:
+            return best
+        if best == 0:
             self._no_tree_hints += 1
             rate = self.rates(sessions, ahead, away_s)
             tree = max(trees, key=rate.__getitem__)
             close = sessions <= 1 and rate[tree] >= (1 - self.explore_margin) * rate[0]
             if self._no_tree_hints % (self.explore_alone if close else self.explore_every) == 0:
                 return tree
-        return best
+            return best
+        self._tree_hints += 1
+        if self._tree_hints % self.explore_every or best not in self.budgets:
+            return best
+        i, up = self.budgets.index(best), self._tree_hints // self.explore_every % 2
+        beside = [self.budgets[j] for j in (i - 1, i + 1) if 0 <= j < len(self.budgets)]
+        return beside[up % len(beside)] if beside else best
 
     def depth_hint(self, sessions: int, budget: int, draft_ms: float, rtt_ms: float) -> int:
         """Draft forwards so that edge draft time + RTT ~= the verifier's cycle (one session: up to the budget)."""

@@ -59,16 +59,38 @@ def test_the_one_pass_fit_is_the_least_squares_fit_at_every_knee():
 
 def test_a_row_count_keeps_its_mean_when_the_load_moves_on():
     """Thousands of forwards at one size (run-ahead: one row per session) do not flatten the
-    slope measured earlier at other sizes: a tree still costs what it did."""
+    slope while another size is still seen now and then (the pacer's exploration): a tree still
+    costs what it did."""
     c = PiecewiseCost()
     curve = lambda x: 0.015 + 0.002 * max(0, x - 2)  # noqa: E731
     for x in (1, 2, 4, 8, 16, 33):
         for _ in range(4):
             c.observe(x, curve(x))
-    for _ in range(5000):
-        c.observe(4, curve(4))
+    for i in range(5000):
+        c.observe(33 if i % 256 == 255 else 4, curve(33 if i % 256 == 255 else 4))
     c.refit()
     assert c.predict(16) == pytest.approx(curve(16), rel=1e-6) and c.count == 5024
+
+
+def test_a_row_count_not_seen_lately_leaves_the_fit():
+    """A cold start's dear forwards (a first forward at each size) at a size the replica then
+    never runs again do not bend the curve for its life: after ``stale_forwards`` forwards
+    without it, the curve is the fresh sizes' again, and a forward of that size starts it anew."""
+    curve = lambda x: 0.010 + 0.0002 * max(0, x - 8)  # noqa: E731
+    c = PiecewiseCost(stale_forwards=256)
+    for _ in range(3):
+        c.observe(33, 3 * curve(33))
+    for i in range(256):
+        c.observe(17 if i % 2 else 65, curve(17 if i % 2 else 65))
+    c.refit()
+    assert 33.0 in [x for x, _, _ in c.points()]  # not yet stale
+    for i in range(8):
+        c.observe(17 if i % 2 else 65, curve(17 if i % 2 else 65))
+    c.refit()
+    assert 33.0 not in [x for x, _, _ in c.points()]
+    assert c.predict(33) == pytest.approx(curve(33), rel=1e-6)
+    c.observe(33, curve(33))
+    assert [w for x, _, w in c.points() if x == 33.0] == [1.0]
 
 
 def test_one_row_count_gives_a_flat_curve_not_rounding_noise():

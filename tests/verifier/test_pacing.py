@@ -1,3 +1,6 @@
+import math
+from collections import Counter
+
 import pytest
 
 from deploy.verifier.pacing import Pacer, _prior
@@ -225,6 +228,60 @@ def test_a_bucket_no_tree_is_sent_in_any_more_does_not_keep_its_old_estimate():
     assert healed == pytest.approx(p.expected_tokens(4) * _prior(16) / _prior(4)) and healed < 2.6
     p.observe_round(16, 2.0)  # its next round moves the healed estimate, not the stale one
     assert p.expected_tokens(16) == pytest.approx(0.8 * healed + 0.2 * 2.0)
+
+
+def _hints_after_a_cold_start(sessions: int, dear: float, replies: int = 8000) -> tuple[Pacer, list[int]]:
+    """A replica whose first forward at each row count took ``dear`` times the curve (a cold
+    start's first shapes), ``sessions`` sessions following its hints; an ``n``-node tree's rounds
+    bring 1 + 0.6 log2(1 + n) tokens on average."""
+    p, seen, hints = Pacer(), set(), []
+    for _ in range(replies):
+        n = p.budget_hint(sessions)
+        rows = sessions * (n + 1)
+        p.observe_forward(rows, _CURVE(rows) * (1.0 if rows in seen else dear))
+        seen.add(rows)
+        p.observe_round(n, 1.0 + 0.6 * math.log2(1 + n))
+        hints.append(n)
+    return p, hints
+
+
+def _CURVE(rows: float) -> float:
+    return 0.010 + 0.0002 * max(0.0, rows - 8)
+
+
+@pytest.mark.parametrize("sessions", [1, 4])
+def test_a_cold_starts_dear_first_forwards_do_not_lock_the_hint(sessions):
+    """Each row count's first forward 3x dear: the curve went flat (no size read cheaper than a
+    dearer one before), every budget looked the same price, the biggest tree won for good and no
+    other size was run again to correct it (2.4x fewer tokens/s at 4 sessions). Every
+    ``explore_every``-th hint tries a budget beside the best, stale sizes leave the curve: the hint
+    settles where a warm replica's does and the curve is the real one."""
+    warm = Counter(_hints_after_a_cold_start(sessions, 1.0)[1][-250:]).most_common(1)[0][0]
+    p, hints = _hints_after_a_cold_start(sessions, 3.0)
+    assert Counter(hints[-250:]).most_common(1)[0][0] == warm < 64
+    assert hints[-250:].count(warm) >= 240
+    for rows, mean, _ in p.cost.points():  # the sizes in use (the warm one and those beside it): none dear
+        assert mean == pytest.approx(_CURVE(rows), rel=0.01)
+    assert sessions * (warm + 1) in [rows for rows, _, _ in p.cost.points()]
+
+
+def test_a_tree_hint_tries_the_budgets_beside_it_in_turn():
+    """While a tree pays best, every ``explore_every``-th hint is the budget below it, then the one above."""
+    def pacer(budgets):
+        p = Pacer(budgets=budgets, explore_every=4)
+        for rows in (1, 2, 4, 8, 16, 32, 64):
+            p.observe_forward(rows, 0.01)  # flat: the biggest tree pays best
+        for n in budgets:
+            p.observe_round(n, 1.0 + n / 8)
+        return p
+
+    p = pacer((0, 1, 2, 4, 8, 16, 32, 64))
+    assert p.best_budget(1) == 64
+    assert [p.budget_hint(1) for _ in range(12)] == [64, 64, 64, 32] * 3  # 64 has nothing above it
+    p = pacer((0, 16, 32, 64, 128))
+    for _ in range(4):
+        p.observe_forward(129, 0.05)  # 128 costs more than it brings: 64 is best, 32 below it and 128 above
+    assert [p.budget_hint(1) for _ in range(8)] == [64, 64, 64, 128, 64, 64, 64, 32]
 
 
 def test_a_bucket_holds_what_its_trees_bring_after_the_replicas_cut_and_costs_the_rows_verified():
