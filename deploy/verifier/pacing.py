@@ -41,6 +41,7 @@ class Pacer:
     _no_tree_hints: int = 0
     _tree_hints: int = 0
     _tree_batch: dict[int, float] = field(default_factory=dict)  # sessions -> EMA of sessions per tree forward
+    _tree_batch_at: dict[int, int] = field(default_factory=dict)  # sessions -> cost.count at its last forward
     _state: int = 0  # counts observations: the rates below are cached for one state
     _rates_at: tuple = ()  # what _rates_cached was computed for
     _rates_cached: dict[int, float] = field(default_factory=dict)
@@ -55,10 +56,15 @@ class Pacer:
         self.cost.observe(tokens, seconds)
 
     def observe_tree_batch(self, sessions: int, in_forward: int) -> None:
-        """A forward of trees alone (no run-ahead step) carried ``in_forward`` of the replica's ``sessions``."""
+        """A forward of trees alone (no run-ahead step) carried ``in_forward`` of the replica's ``sessions``.
+        A session count's EMA no such forward has refreshed in the cost curve's ``stale_forwards`` starts anew."""
         self._state += 1
-        old = self._tree_batch.get(sessions)
+        old = self._tree_batch.get(sessions) if self._batch_fresh(sessions) else None
         self._tree_batch[sessions] = in_forward if old is None else (1 - self.ema) * old + self.ema * in_forward
+        self._tree_batch_at[sessions] = self.cost.count
+
+    def _batch_fresh(self, sessions: int) -> bool:
+        return self.cost.count - self._tree_batch_at.get(sessions, -math.inf) <= self.cost.stale_forwards
 
     def state(self) -> dict:
         """What the budget choice rests on: tokens per round and nodes verified by budget, sessions per tree
@@ -118,9 +124,11 @@ class Pacer:
         return max(1.0, obs[near] * _prior(n) / _prior(near))
 
     def _tree_sessions(self, sessions: int, n: int, away_s: float) -> float:
-        """Sessions a forward of ``n``-node trees carries: measured, fewer when away past ``fill`` x its time."""
+        """Sessions a forward of ``n``-node trees carries: as measured lately (else all), fewer when away
+        past ``fill`` x its time."""
         s = max(sessions, 1)
-        s = min(s, max(self._tree_batch.get(s, s), 1.0))
+        if s in self._tree_batch and self._batch_fresh(s):
+            s = min(s, max(self._tree_batch[s], 1.0))
         t = self.cost.predict(sessions * (self._rows(n) + 1))
         if away_s > self.fill * t:
             s = min(s, max(1.0, sessions * t / (t + away_s)))

@@ -162,6 +162,34 @@ def test_tree_forwards_that_carry_fewer_sessions_make_trees_pay_less():
     assert p.best_budget(2, ahead=9) == 0 and p.best_budget(3, ahead=9) > 0  # 3 sessions: not measured
 
 
+def test_thin_tree_forwards_measured_once_do_not_rule_trees_out_for_good():
+    """Tree forwards that carried one of 4 sessions (a cold start's staggered first rounds) made
+    trees pay less than run-ahead; from then on every forward had run-ahead steps in it, no forward
+    of trees alone refreshed the measure, and trees were out for the replica's life though they
+    pay 11 % more. A measure no forward has refreshed in the cost curve's ``stale_forwards`` is
+    dropped: the sessions are taken to share a tree forward again until one says otherwise."""
+    p = Pacer(round_overhead_s=0.001)
+    for rows in (1, 2, 4, 8, 12, 16, 20, 36, 68, 132):
+        for _ in range(4):
+            p.observe_forward(rows, 0.010 + 0.0004 * rows)
+    for n in p.budgets:
+        for _ in range(5):
+            p.observe_round(n, 1.0 if n == 0 else 1.0 + 0.5 * n ** 0.5)
+    warm = p.best_budget(4, ahead=9)
+    assert warm > 0
+    p.observe_tree_batch(4, 1)
+    hints = []
+    for _ in range(2 * p.cost.stale_forwards):
+        hints.append(p.budget_hint(4, ahead=9))
+        if hints[-1] == 0:  # run-ahead, or one exploring tree beside the others' steps: no forward of trees alone
+            p.observe_forward(4, 0.010 + 0.0004 * 4)
+            p.observe_round(0, 9)
+    assert hints[:p.cost.stale_forwards].count(0) > 0.9 * p.cost.stale_forwards
+    assert p.best_budget(4, ahead=9) == warm and hints[-1] > 0
+    p.observe_tree_batch(4, 1)  # measured again: it counts anew
+    assert p.best_budget(4, ahead=9) == 0
+
+
 def test_sessions_away_longer_than_a_forward_waits_make_trees_pay_less():
     """Full run 20261125-074518 (RTT 100 ms, 4 sessions): trees measured to pay at RTT 0 kept
     being asked for at RTT 100, where each tree round takes a session out of the forwards for
