@@ -168,7 +168,7 @@ class Pacer:
     def budget_hint(self, sessions: int, ahead: int = 1, away_s: float = 0.0) -> int:
         """The hint a reply carries: :meth:`best_budget`, or every ``explore_every``-th hint another: while
         the best is "no tree", the best tree (every ``explore_alone``-th for a session alone within
-        ``explore_margin``); else the budget below the best and the one above it, in turn."""
+        ``explore_margin``); else the budgets either side of the best, in turn."""
         best = self.best_budget(sessions, ahead, away_s)
         trees = [n for n in self.budgets if n > 0]
         if not trees or self.cost.count < 3:

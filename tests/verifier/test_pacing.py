@@ -294,7 +294,7 @@ def test_a_cold_starts_dear_first_forwards_do_not_lock_the_hint(sessions):
 
 
 def test_a_tree_hint_tries_the_budgets_beside_it_in_turn():
-    """While a tree pays best, every ``explore_every``-th hint is the budget below it, then the one above."""
+    """While a tree pays best, every ``explore_every``-th hint is a budget beside it: above, then below."""
     def pacer(budgets):
         p = Pacer(budgets=budgets, explore_every=4)
         for rows in (1, 2, 4, 8, 16, 32, 64):
