@@ -4,10 +4,10 @@ machine, with the error of each figure (issue 61).
 Inputs, committed in ``sim/validation/``: cost profiles measured on the host
 (``benchmarks.verify_step``: the embedded target, and the load tests' tiny one) and the served runs
 measured there: ``benchmarks.run`` rows of ``server_ar`` and ``edge_full``, ``loadtests.run`` ramp
-summaries (``loadtests/*.json``, written by :func:`record_loadtest`). Each run is simulated with what the run itself reports of its
-conditions (sessions, generations, RTT, the edge's draft depth, nodes and draft ms per forward,
-one shared edge core, proactive drafting, its prompts' lengths), the acceptance fitted to its
-measured tokens per round; what it does not report is a stated assumption (:data:`ASSUMED`). Each
+summaries (``loadtests/*.json``, each several runs of one command merged by :func:`record_loadtest`).
+Each run is simulated with what the run itself reports of its conditions (sessions, generations,
+RTT, the edge's draft depth, nodes and draft ms per forward, one shared edge core, proactive
+drafting, its prompts' lengths), the acceptance fitted to its measured tokens per round; what it does not report is a stated assumption (:data:`ASSUMED`). Each
 figure is predicted as its mean over several seeds (a measured run is one draw). Targets: verified
 tokens/s, verify rounds/s and ITL p50 within 10 %, ITL p99 within 20 %.
 """
@@ -232,21 +232,46 @@ def validate(profile_path: Path, runs_paths: list[Path], seed: int = 0, loadtest
                 for k in range(seed, seed + seeds)]
         fitted = " (host fitted here)" if host_run and Path(path).resolve() == host_run.resolve() else ""
         case = f"loadtests.run ramp {run['summary']['run']['users']} users (verify round){fitted}"
-        table += _compare(case, loadtest_measured(run["summary"]), outs)
+        table += _compare(case, loadtest_measured(run["summary"]), outs, run["summary"].get("spread"))
     return table
 
 
-def record_loadtest(out_dir: Path, dest: Path) -> None:
-    """Keep what validation needs of a ``loadtests.run`` output folder: its summary, app, user
-    model and prompt lengths (a few KB)."""
-    s = json.loads((out_dir / "summary.json").read_text())
-    cfg = json.loads((out_dir / "loadtest_config.json").read_text())
+def record_loadtest(out_dirs: list[Path], dest: Path) -> None:
+    """Keep what validation needs of ``loadtests.run`` output folders, runs of one command: their
+    summaries merged (:func:`merge_loadtests`), the app, user model and prompt lengths (a few KB)."""
     keep = ("scenario", "target", "machine", "run", "window_s", "tokens_per_s_window", "verify_per_s_window",
             "verify_ms_window", "rate_429_window", "errors", "sessions", "acceptance", "server")
-    summary = {k: s[k] for k in keep if k in s}
-    summary["server"] = {k: v for k, v in s["server"].items() if k in ("cores_by_role", "busy_fraction", "mean_pending")}
-    dest.write_text(json.dumps({"summary": summary, "app": cfg["app"], "user_model": cfg["user"],
+    summaries, configs = [], []
+    for out_dir in out_dirs:
+        s = json.loads((out_dir / "summary.json").read_text())
+        summary = {k: s[k] for k in keep if k in s}
+        summary["server"] = {k: v for k, v in s["server"].items()
+                             if k in ("cores_by_role", "busy_fraction", "mean_pending")}
+        summaries.append(summary)
+        configs.append(json.loads((out_dir / "loadtest_config.json").read_text()))
+    cfg = configs[0]
+    if any((c["app"], c["user"], c["workload"]["prompt_len"]) != (cfg["app"], cfg["user"], cfg["workload"]["prompt_len"])
+           for c in configs):
+        raise ValueError("the load tests to merge must be runs of one command")
+    dest.write_text(json.dumps({"summary": merge_loadtests(summaries), "app": cfg["app"], "user_model": cfg["user"],
                                 "prompt_len": cfg["workload"]["prompt_len"]}, indent=1))
+
+
+def merge_loadtests(summaries: list[dict]) -> dict:
+    """Load-test summaries of one command: every number their mean (as :func:`merge_runs` a benchmark's
+    rows), with ``runs`` and each validated figure's spread across them, (max - min) / mean."""
+    def mean(values: list):
+        if isinstance(values[0], dict):
+            return {k: mean([v[k] for v in values]) for k in values[0]}
+        if all(_number(v) for v in values) and len(set(values)) > 1:
+            return statistics.fmean(values)
+        return values[0]
+
+    merged = mean(summaries)
+    figs = {f: [loadtest_measured(s)[f] for s in summaries] for f in TARGETS}
+    merged["runs"] = len(summaries)
+    merged["spread"] = {f: (max(v) - min(v)) / statistics.fmean(v) for f, v in figs.items()}
+    return merged
 
 
 def markdown(table: list[dict]) -> str:

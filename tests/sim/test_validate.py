@@ -6,6 +6,7 @@ target; deterministic (virtual time), so the error is the same on any machine.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,33 @@ def test_runs_of_one_command_merge_into_their_mean_with_their_spread(tmp_path):
     b.write_text(json.dumps({"conditions": {"run": "b"}, "rows": [{**row, "sessions": 16}]}))
     with pytest.raises(ValueError, match="same command"):
         merge_runs([a, b])
+
+
+def test_load_tests_of_one_command_merge_into_their_mean_with_their_spread(tmp_path):
+    """Load tests on a shared 2-core host read 2,191-2,503 tokens/s in three runs of one command:
+    the summaries of several runs merge as a benchmark's rows do, and a run of another command is
+    refused."""
+    from sim.validate import record_loadtest
+
+    def run(name: str, tokens: float, users: int = 300) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        summary = {"run": {"users": users, "host": f"http://127.0.0.1:{len(name)}"}, "window_s": [8.0, 57.0],
+                   "tokens_per_s_window": tokens, "verify_per_s_window": tokens / 2, "rate_429_window": 0.1,
+                   "verify_ms_window": {"p50": 60.0, "p99": 200.0}, "sessions": {"opened": 100.0},
+                   "server": {"cores_by_role": {"router": 0.7}, "busy_fraction": 0.2, "other": 1}}
+        (d / "summary.json").write_text(json.dumps(summary))
+        (d / "loadtest_config.json").write_text(json.dumps({"app": {"users": users}, "user": {"rtt_ms": 40.0},
+                                                            "workload": {"prompt_len": [8, 48]}}))
+        return d
+
+    dest = tmp_path / "ramp-300.json"
+    record_loadtest([run("a", 1000.0), run("bb", 1200.0), run("ccc", 1100.0)], dest)
+    s = json.loads(dest.read_text())["summary"]
+    assert s["tokens_per_s_window"] == pytest.approx(1100.0) and s["verify_per_s_window"] == pytest.approx(550.0)
+    assert s["run"] == {"users": 300, "host": "http://127.0.0.1:1"} and s["runs"] == 3
+    assert s["verify_ms_window"]["p50"] == 60.0 and "other" not in s["server"]
+    assert s["spread"]["verified_tokens_per_s"] == pytest.approx(200.0 / 1100.0)
+    assert s["spread"]["latency_ms_p99"] == 0.0
+    with pytest.raises(ValueError, match="one command"):
+        record_loadtest([run("d", 1000.0), run("e", 1000.0, users=1000)], dest)
