@@ -117,7 +117,9 @@ def test_the_agents_confidences_are_its_paths_draft_probabilities():
 def test_the_agents_trees_carry_confidences_and_the_replica_truncates_by_them(monkeypatch):
     """On this CPU's profile (a tree row costs 0.6 ms) the replica cuts a lone edge's trees' low-value
     tail by the agent's confidences (the match rule's gains), as it did in the measured runs (4.0-5.3
-    of 6.3-7.1 nodes verified a round); a tree sent without them is cut by depth alone, less."""
+    of 6.3-7.1 nodes verified a round); a tree sent without them is cut by depth alone, less. The
+    edge takes no run-ahead replies here: for a session alone run-ahead and trees rate within 10 %
+    of each other (docs/simulation.md), and a seed that runs ahead sends few trees to cut."""
     from deploy.verifier.server import VerifierServer
     from sim.__main__ import simulate as simulate_case
     from sim.cost_profile import CostProfile
@@ -126,7 +128,7 @@ def test_the_agents_trees_carry_confidences_and_the_replica_truncates_by_them(mo
     runs = merge_runs([HERE / f for f in RUNS])
     row = next(r for r in runs["rows"] if r["mode"] == "edge_full" and r["sessions"] == 1)
     app, workload = bench_case(row, {**runs["conditions"], "rows": runs["rows"]})
-    workload = workload.model_copy(update={"generations_per_user": 4})
+    workload = workload.model_copy(update={"generations_per_user": 4, "run_ahead": False})
     profile = CostProfile.load(HERE / "verify-step-cpu.json")
     kept = {}
     real_truncate = VerifierServer._truncate
