@@ -54,25 +54,25 @@ def test_the_fitted_acceptance_gives_the_measured_tokens_per_round(target):
 
 def test_the_hosts_cpu_per_request_measured_at_300_users_holds_at_1000_and_3000():
     """host_from_loadtest: the router's and the replica's CPU per request are a property of the host
-    and the code, not of the load: the three committed runs agree within 25 % (23 % apart: 0.47-0.58 ms
-    the replica's). The load generator's, the rest of the cores, is not: a shed request costs Locust
-    less than a verify round, and 1.3 % of the 300-user run's requests were shed against 13.7-15.7 %
-    of the others' (46 % apart)."""
+    and the code, not of the load: the three committed cases (three runs each, merged) agree within
+    20 % (18 % apart). The load generator's, the rest of the cores, is not: a shed request costs
+    Locust less than a verify round, and 1.5 % of the 300-user runs' requests were shed against
+    14.9-16.6 % of the others' (44 % apart)."""
     from sim.validate import host_from_loadtest
 
     hosts = [host_from_loadtest(json.loads((HERE / "loadtests" / f"ramp-{n}.json").read_text()))
              for n in (300, 1000, 3000)]
     for field in ("router_s", "replica_s", "background_cores"):
         values = [getattr(h, field) for h in hosts]
-        assert max(values) <= 1.25 * min(values) and min(values) > 0, (field, values)
+        assert max(values) <= 1.2 * min(values) and min(values) > 0, (field, values)
     assert min(h.client_s for h in hosts) > 0
     assert all(h.shared_cores == pytest.approx(2.0 - h.background_cores) for h in hosts)
 
 
 def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts_its_held_out_rows():
     """host_from_bench: fitted on server_ar x 1 and x 16 and edge_full x 1 of the committed run, it
-    gives back their CPU per token outside the model, and predicts the other rows' within 25 % (the
-    committed runs: 19 % and 21 % at 4 sessions, 11 % at `edge_full` x 16)."""
+    gives back their CPU per token outside the model, and predicts the other rows' within 20 % (the
+    committed runs: 11 % and 17 % at 4 sessions, 16 % at `edge_full` x 16)."""
     from sim.validate import bench_fit_rows, host_from_bench
 
     run = merge_runs([HERE / f for f in RUNS])
@@ -86,7 +86,7 @@ def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts
     fit = bench_fit_rows(run["rows"])
     for r in run["rows"]:
         err = per_token_ms(r) / r["cpu_ms_per_token_verifier_other"] - 1
-        assert abs(err) <= (1e-9 if any(r is f for f in fit) else 0.25), (r["mode"], r["sessions"], err)
+        assert abs(err) <= (1e-9 if any(r is f for f in fit) else 0.20), (r["mode"], r["sessions"], err)
 
 
 def test_a_figure_is_predicted_as_its_mean_over_the_seeds_with_their_spread():
