@@ -7,9 +7,10 @@ measured there: ``benchmarks.run`` rows of ``server_ar`` and ``edge_full``, ``lo
 summaries (``loadtests/*.json``, each several runs of one command merged by :func:`record_loadtest`).
 Each run is simulated with what the run itself reports of its conditions (sessions, generations,
 RTT, the edge's draft depth, nodes and draft ms per forward, one shared edge core, proactive
-drafting, its prompts' lengths), the acceptance fitted to its measured tokens per round; what it does not report is a stated assumption (:data:`ASSUMED`). Each
-figure is predicted as its mean over several seeds (a measured run is one draw). Targets: verified
-tokens/s, verify rounds/s and ITL p50 within 10 %, ITL p99 within 20 %.
+drafting, its prompts' lengths), the acceptance fitted to its measured tokens per round; what it
+does not report is a stated assumption (:data:`ASSUMED`). Each figure is predicted as its mean over
+several seeds (a measured run is one draw). Targets: verified tokens/s, verify rounds/s and ITL p50
+within 10 %, ITL p99 within 20 %.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def merge_runs(paths: list[Path]) -> dict:
         merged = {k: statistics.fmean(r[k] for r in same) if _number(v) and len({r[k] for r in same}) > 1 else v
                   for k, v in row.items()}
         figs = {f: [measured(r)[f] for r in same] for f in TARGETS}
-        merged["spread"] = {f: (max(v) - min(v)) / statistics.fmean(v) for f, v in figs.items()}
+        merged["spread"] = _spreads(figs)
         rows.append(merged)
     return {"conditions": {**runs[0]["conditions"], "runs": [run["conditions"].get("run") for run in runs]},
             "rows": rows}
@@ -270,8 +271,13 @@ def merge_loadtests(summaries: list[dict]) -> dict:
     merged = mean(summaries)
     figs = {f: [loadtest_measured(s)[f] for s in summaries] for f in TARGETS}
     merged["runs"] = len(summaries)
-    merged["spread"] = {f: (max(v) - min(v)) / statistics.fmean(v) for f, v in figs.items()}
+    merged["spread"] = _spreads(figs)
     return merged
+
+
+def _spreads(figs: dict[str, list[float]]) -> dict[str, float]:
+    """Each figure's spread across the runs, (max - min) / mean."""
+    return {f: (max(v) - min(v)) / statistics.fmean(v) for f, v in figs.items()}
 
 
 def markdown(table: list[dict]) -> str:

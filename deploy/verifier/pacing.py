@@ -182,7 +182,7 @@ class Pacer:
                 return tree
             return best
         self._tree_hints += 1
-        if self._tree_hints % self.explore_every or best not in self.budgets:
+        if self._tree_hints % self.explore_every:
             return best
         i, up = self.budgets.index(best), self._tree_hints // self.explore_every % 2
         beside = [self.budgets[j] for j in (i - 1, i + 1) if 0 <= j < len(self.budgets)]
