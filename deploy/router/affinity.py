@@ -7,14 +7,27 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from specdec import clock
 
 DEFAULT_VERSION_MARGIN = 4  # verifier.version_affinity_margin's default
 DEFAULT_PREFIX_MARGIN = 4  # verifier.prefix_affinity_margin's default
 PAGE = 16  # the verifier's KV page (specdec.model.native.PAGE_SIZE): the prefix cache shares whole pages
 PREFIX_PAGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # prefix lengths remembered, in pages
 MAX_PREFIXES = 1 << 16
+UNSEEN_OPENS_S = 3.0  # opens sent count in a replica's load until its routing stats move, at most this long
+
+
+@dataclass
+class UnseenOpens:
+    """Opens this router sent a replica that its routing stats (``stats``, pushed every second) may not show yet."""
+
+    stats: tuple  # the replica's (sessions, pending, kv_tokens) when the first of them was sent
+    count: int
+    since: float  # clock.monotonic() of the first
 
 
 def replica_of(session_id: str) -> str | None:
@@ -35,6 +48,7 @@ class SessionAffinityRouter(RequestRouter):
         """The deployment's ``request_router_kwargs`` (deploy/application.py)."""
         self.version_margin, self.prefix_margin = version_margin, prefix_margin
         self._prefixes: OrderedDict[int, str] = OrderedDict()  # prefix key -> the replica its last open went to
+        self._unseen: dict[str, UnseenOpens] = {}  # replica tag -> opens its stats do not show yet
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -48,22 +62,44 @@ class SessionAffinityRouter(RequestRouter):
             for r in candidate_replicas:
                 if r.replica_id.unique_id == tag:
                     return [[r]]
-        ranked = sorted(candidate_replicas, key=_load)
-        holder = self._prefix_holder(ranked, prefix_keys(pending_request))
+        load = {r.replica_id.unique_id: _sessions(r) + self._unseen_opens(r) for r in candidate_replicas}
+        ranked = sorted(candidate_replicas, key=lambda r: _rank_key(r, load))
+        holder = self._prefix_holder(ranked, prefix_keys(pending_request), load)
         if holder is not None:
-            return [[holder], [r for r in ranked if r is not holder][:2]]
-        version = _version_of(pending_request)
-        if version:
-            return version_ranks(ranked, version, self.version_margin)
-        return [ranked[:2]]
+            ranks = [[holder], [r for r in ranked if r is not holder][:2]]
+        else:
+            version = _version_of(pending_request)
+            ranks = version_ranks(ranked, version, self.version_margin, load) if version else [ranked[:2]]
+        if sid:  # a session whose replica is gone: any, it answers 404
+            return ranks
+        first = ranks[0][0]  # an open goes where this router's own count says, not where a stale tie falls
+        self._count_open(first)
+        return [rank for rank in ([first], ranks[0][1:], *ranks[1:]) if rank]
 
-    def _prefix_holder(self, ranked: list[RunningReplica], keys: list[int]) -> RunningReplica | None:
+    def _unseen_opens(self, r: RunningReplica) -> int:
+        """Opens sent ``r`` while its routing stats stood still (up to :data:`UNSEEN_OPENS_S`): a burst of
+        opens inside one stats period would otherwise all see the same loads and land on one replica."""
+        tag = r.replica_id.unique_id
+        u = self._unseen.get(tag)
+        if u is not None and (u.stats != _stats_key(r) or clock.monotonic() - u.since > UNSEEN_OPENS_S):
+            del self._unseen[tag]
+            return 0
+        return u.count if u is not None else 0
+
+    def _count_open(self, r: RunningReplica) -> None:
+        tag = r.replica_id.unique_id
+        u = self._unseen.setdefault(tag, UnseenOpens(_stats_key(r), 0, clock.monotonic()))
+        u.count += 1
+
+    def _prefix_holder(self, ranked: list[RunningReplica], keys: list[int],
+                       load: dict[str, int]) -> RunningReplica | None:
         """The replica the longest remembered prefix of ``keys`` went to, if within the margin."""
         by_tag = {r.replica_id.unique_id: r for r in ranked}
+        least = load[ranked[0].replica_id.unique_id]
         for key in keys:
-            r = by_tag.get(self._prefixes.get(key))
-            if r is not None:
-                return r if _sessions(r) <= _sessions(ranked[0]) + self.prefix_margin else None
+            tag = self._prefixes.get(key)
+            if tag in by_tag:
+                return by_tag[tag] if load[tag] <= least + self.prefix_margin else None
         return None
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
@@ -93,17 +129,25 @@ def _sessions(r: RunningReplica) -> int:
     return st.get("sessions", 0) + st.get("pending", 0)
 
 
-def _load(r: RunningReplica) -> tuple:
+def _stats_key(r: RunningReplica) -> tuple:
+    st = r.routing_stats or {}
+    return st.get("sessions", 0), st.get("pending", 0), st.get("kv_tokens", 0)
+
+
+def _rank_key(r: RunningReplica, load: dict[str, int]) -> tuple:
     """Sort key: load, then KV tokens, ties at random."""
-    return (_sessions(r), (r.routing_stats or {}).get("kv_tokens", 0), random.random())
+    return (load[r.replica_id.unique_id], (r.routing_stats or {}).get("kv_tokens", 0), random.random())
 
 
-def version_ranks(ranked: list[RunningReplica], version: str, margin: int) -> list[list[RunningReplica]]:
-    """Replicas ``ranked`` by load -> the ranks to try for an open of ``version``: holders within ``margin``
-    sessions of the least loaded, then the least loaded others; else (none close, or all hold it) by load."""
-    least = _sessions(ranked[0])
+def version_ranks(ranked: list[RunningReplica], version: str, margin: int,
+                  load: dict[str, int] | None = None) -> list[list[RunningReplica]]:
+    """Replicas ``ranked`` by ``load`` (default: their stats) -> the ranks to try for an open of ``version``: holders
+    within ``margin`` sessions of the least loaded, then the least loaded others; else (none close, or all hold it)
+    by load."""
+    load = load or {r.replica_id.unique_id: _sessions(r) for r in ranked}
+    least = load[ranked[0].replica_id.unique_id]
     holders = [r for r in ranked if version in ((r.routing_stats or {}).get("adapters") or ())
-               and _sessions(r) <= least + margin]
+               and load[r.replica_id.unique_id] <= least + margin]
     if holders and len(holders) < len(ranked):
         return [holders[:2], [r for r in ranked if r not in holders][:2]]
     return [ranked[:2]]

@@ -52,20 +52,19 @@ def test_a_sessions_calls_go_to_its_replica_and_opens_to_the_least_loaded():
     assert replica_of("r3.abc") == "r3" and replica_of("nodot") is None
     assert choose(rt, reps, request(session_id="r3.abc")) == [["r3"]]
     assert choose(rt, reps, request(session_id="gone.abc")) == [["r2", "r1"]]  # any: it answers 404
-    assert choose(rt, reps, request(body={"prompt_ids": [1]})) == [["r2", "r1"]]  # pending counts as load
+    assert choose(rt, reps, request(body={"prompt_ids": [1]})) == [["r2"], ["r1"]]  # pending counts as load
     assert choose(rt, [], request()) == []
 
 
 def test_an_open_of_a_version_prefers_its_holders_then_the_others():
     reps = [replica("r1", sessions=2), replica("r2", sessions=3, adapters=["code"]),
             replica("r3", sessions=4, adapters=["code", "docs"]), replica("r4", sessions=0)]
-    rt = router()
-    assert choose(rt, reps, request(body={"model": "code"})) == [["r2", "r3"], ["r4", "r1"]]
-    assert choose(rt, reps, request(body={"model": "docs"})) == [["r3"], ["r4", "r1"]]
+    assert choose(router(), reps, request(body={"model": "code"})) == [["r2"], ["r3"], ["r4", "r1"]]
+    assert choose(router(), reps, request(body={"model": "docs"})) == [["r3"], ["r4", "r1"]]
     # nobody holds it, or everybody does: by load alone
-    assert choose(rt, reps, request(body={"model": "chat"})) == [["r4", "r1"]]
+    assert choose(router(), reps, request(body={"model": "chat"})) == [["r4"], ["r1"]]
     every = [replica(f"r{i}", sessions=i, adapters=["code"]) for i in range(3)]
-    assert choose(rt, every, request(body={"model": "code"})) == [["r0", "r1"]]
+    assert choose(router(), every, request(body={"model": "code"})) == [["r0"], ["r1"]]
 
 
 @pytest.mark.parametrize("margin", [0, 2, DEFAULT_VERSION_MARGIN, 10])
@@ -96,6 +95,43 @@ def test_sessions_of_one_version_spread_over_replicas():
     spread = run(2)
     assert sum(spread) == 40 and spread[-1] - spread[0] <= 3
     assert run(1 << 30) == [0, 0, 0, 40]  # holders always first: the pile-up the margin prevents
+
+
+class _Still:
+    """A clock that moves only when told (specdec.clock)."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return self.t
+
+    def blocking_sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def test_a_burst_of_opens_inside_one_stats_period_spreads_and_the_count_heals():
+    """Serve pushes routing stats once a second: every open of a burst reads the same loads. The router
+    counts what it sent each replica until its stats move (or UNSEEN_OPENS_S passes), so a burst of 8
+    over 2 replicas (one showing 2 sessions) evens them out; the counts then drop on their own."""
+    from specdec import clock
+    from deploy.router.affinity import UNSEEN_OPENS_S
+
+    with clock.use(_Still()) as c:
+        busy, idle = reps = [replica("busy", sessions=2), replica("idle")]
+        rt = router()
+        firsts = [choose(rt, reps, request(body={"prompt_ids": [i]}))[0][0] for i in range(8)]
+        assert (firsts.count("busy"), firsts.count("idle")) == (3, 5)  # 2 + 3 = 0 + 5
+        assert choose(rt, reps, request(session_id="busy.x")) == [["busy"]]  # a session's call: not counted
+        assert sorted(choose(rt, reps, request(session_id="gone.x"))[0]) == ["busy", "idle"]  # nor a lost one's
+        assert (rt._unseen_opens(busy), rt._unseen_opens(idle)) == (3, 5)
+        idle.routing_stats["sessions"] = 5  # idle's stats now show its opens
+        assert (rt._unseen_opens(busy), rt._unseen_opens(idle)) == (3, 0)
+        c.blocking_sleep(UNSEEN_OPENS_S + 0.1)  # busy's never moved (its opens were closed at once)
+        assert rt._unseen_opens(busy) == 0
 
 
 def test_the_margin_comes_from_the_deployments_router_kwargs():
