@@ -23,6 +23,7 @@ patching and Ray in one process hang. Needs ``--loadtest-config FILE`` (written 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -70,6 +71,9 @@ class Counters:
         self.shed_connect_ms: list[float] = []  # of each 429's time, what went to (re)connecting its WebSocket
         self.ws_lost: dict[str, int] = defaultdict(int)  # WebSocket rounds lost with their connection, by cause
         self.loop_lag: list[tuple[float, float]] = []  # (epoch s, ms) how late this process's gevent loop ran a timer
+        self.loop_cpu: list[tuple[float, float]] = []  # (epoch s, share) of each lag sample's wall this process ran
+        self.gc_pause: list[tuple[float, float]] = []  # (epoch s, ms) each garbage collection stopped this process
+        self.gc_gen: list[int] = []  # and its generation
 
     def add(self, tenant: str, field: str, n: float = 1) -> None:
         self.tenant[tenant][field] += n
@@ -84,7 +88,9 @@ class Counters:
                 "shed_why": self.shed_why, "shed_connect_ms": [round(x, 2) for x in self.shed_connect_ms],
                 "ws_lost": dict(self.ws_lost), "open_ms": [round(x, 2) for x in self.open_ms],
                 "open_at": [round(x, 2) for x in self.open_at],
-                "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag]}
+                "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag],
+                "loop_cpu_share": [(round(t, 2), round(x, 3)) for t, x in self.loop_cpu],
+                "gc_pause_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.gc_pause], "gc_gen": self.gc_gen}
 
 
 STATS = Counters()
@@ -122,21 +128,40 @@ def _init(environment, **_):
 @events.test_start.add_listener
 def _start_lag_probe(**_):
     gevent.spawn(_lag_probe)
+    gc.callbacks.append(_gc_probe)
 
 
 def _lag_probe() -> None:
     """How late the gevent loop wakes a sleeper: the wait a reply that has arrived meets before its
-    user reads it (the client's share of every measured latency, 429s included)."""
+    user reads it (the client's share of every measured latency, 429s included); and the share of
+    that wall this process ran (near 1: its own work or a collection held the loop; low: the CPU was
+    elsewhere)."""
     while not STOPPING:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         gevent.sleep(LAG_PROBE_S)
-        STATS.loop_lag.append((time.time(), max(0.0, time.perf_counter() - t0 - LAG_PROBE_S) * 1e3))
+        wall = time.perf_counter() - t0
+        STATS.loop_lag.append((time.time(), max(0.0, wall - LAG_PROBE_S) * 1e3))
+        STATS.loop_cpu.append((time.time(), (time.process_time() - c0) / wall))
+
+
+_gc_started = [0.0]
+
+
+def _gc_probe(phase: str, info: dict) -> None:
+    """gc.callbacks: each collection's pause, by generation."""
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        STATS.gc_pause.append((time.time(), (time.perf_counter() - _gc_started[0]) * 1e3))
+        STATS.gc_gen.append(info["generation"])
 
 
 @events.test_stopping.add_listener
 def _stopping(**_):
     global STOPPING
-    STOPPING = True  # users close their sessions after the request in flight
+    STOPPING = True
+    if _gc_probe in gc.callbacks:
+        gc.callbacks.remove(_gc_probe)  # users close their sessions after the request in flight
 
 
 @events.quitting.add_listener

@@ -76,7 +76,7 @@ def merge_counters(paths: list[Path]) -> dict:
     tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int), "ws_lost": defaultdict(int),
               "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
-              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "open_at": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], "loop_lag_ms": [], "processes": 0}
+              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "open_at": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], "loop_lag_ms": [], "loop_cpu_share": [], "gc_pause_ms": [], "gc_gen": [], "processes": 0}
     for p in paths:
         d = json.loads(Path(p).read_text())
         merged["processes"] += 1
@@ -95,7 +95,8 @@ def merge_counters(paths: list[Path]) -> dict:
         merged["shed_ms"].extend(d["shed_ms"])
         merged["open_ms"].extend(d.get("open_ms", []))
         merged["open_at"].extend(d.get("open_at", [None] * len(d.get("open_ms", []))))
-        merged["loop_lag_ms"].extend(d.get("loop_lag_ms", []))
+        for k in ("loop_lag_ms", "loop_cpu_share", "gc_pause_ms", "gc_gen"):
+            merged[k].extend(d.get(k, []))
         merged["shed_at"].extend(d.get("shed_at", [None] * len(d["shed_ms"])))
         merged["shed_why"].extend(d.get("shed_why", [None] * len(d["shed_ms"])))
         merged["shed_connect_ms"].extend(d.get("shed_connect_ms", [0.0] * len(d["shed_ms"])))
@@ -196,6 +197,13 @@ def probe_summary(path: Path, window: tuple[float, float]) -> dict | None:
                           for k, v in sorted(by.items())}}
 
 
+def router_probe(stats_path: Path | None) -> dict:
+    """The router's probe samples of a run (loadtests/server.py), empty without them."""
+    if stats_path is None or not Path(stats_path).exists():
+        return {}
+    return json.loads(Path(stats_path).read_text()).get("router_probe", {})
+
+
 def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, float]) -> dict:
     """Where a 429's time goes (steady state): what the client measured, by shed reason; the
     router's own time per 429 (request at its ASGI app to answer sent) and its event loop's lag
@@ -205,9 +213,7 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
     by_reason = defaultdict(list)
     for at, ms, why in zip(counters["shed_at"], counters["shed_ms"], counters["shed_why"]):
         by_reason[why or "unknown"].append((at, ms))
-    probe = {}
-    if stats_path is not None and Path(stats_path).exists():
-        probe = json.loads(Path(stats_path).read_text()).get("router_probe", {})
+    probe = router_probe(stats_path)
     return {"client_ms": _pcts([x for x in client if x[0]], window),
             "client_ms_by_reason": {r: _pcts(v, window) for r, v in sorted(by_reason.items())},
             # without the WebSocket (re)connect some rounds began with (a user that slept out a long
@@ -224,7 +230,29 @@ def shed_split(counters: dict, stats_path: Path | None, window: tuple[float, flo
             "router_gc_full_ms": _pcts([p for p, (_, g) in zip(probe.get("gc_pause_ms", []), probe.get("gc_gen", []))
                                         if g == 2], window),
             "router_gc_freed": _pcts(probe.get("gc_collected", []), window),  # cyclic garbage freed by each
-            "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window)}
+            "locust_loop_lag_ms": _pcts(counters["loop_lag_ms"], window),
+            # the Locust process's share of each lag sample's wall it ran, over the samples that lagged most
+            "locust_lagging_cpu_share": _pcts(_lagging(counters, window), window),
+            "locust_gc_pause_ms": _pcts(counters["gc_pause_ms"], window),
+            "locust_gc_full_ms": _pcts([p for p, g in zip(counters["gc_pause_ms"], counters["gc_gen"]) if g == 2],
+                                       window)}
+
+
+def _lagging(counters: dict, window: tuple[float, float]) -> list:
+    """(epoch s, CPU share) of the window's Locust loop-lag samples at or above their p99: its own work
+    (share near 1) or the CPU given elsewhere (low)."""
+    lag, cpu = counters.get("loop_lag_ms", []), counters.get("loop_cpu_share", [])
+    if len(cpu) != len(lag):
+        return []
+    inside = [(t, ms, share) for (t, ms), (_, share) in zip(lag, cpu) if window[0] <= t < window[1]]
+    cut = percentile([ms for _, ms, _ in inside], 99)
+    return [(t, share) for t, ms, share in inside if ms >= cut]
+
+
+def router_verify(stats_path: Path | None, window: tuple[float, float]) -> dict:
+    """p50 / p95 / p99 (and the count) of the router's verifier-call times of admitted verify rounds in the window."""
+    xs = [ms for t, ms in router_probe(stats_path).get("verify_ms", []) if window[0] <= t < window[1]]
+    return {"n": len(xs), **{f"p{q}": percentile(xs, q) for q in (50, 95, 99)}}
 
 
 OPEN_DEADLINE_REASONS = ("open_deadline", "open_deadline_passed")
@@ -357,6 +385,9 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "open_ms": {"p50": percentile(counters["open_ms"], 50), "p99": percentile(counters["open_ms"], 99),
                     "past_deadline": sum(ms > rc.open_deadline_s * 1e3 for ms in counters["open_ms"]),
                     "deadline_s": rc.open_deadline_s},
+        # the router's own time of each admitted verify round's verifier call (deploy/router/probe.py): the
+        # served system's share of the users' verify_ms_window, without the load generator's waits
+        "router_verify_ms_window": router_verify(server_stats, window),
         "shed_split": shed_split(counters, server_stats, window),
         "open_refusals": open_refusals(counters, server_stats),
         "probe": probe_summary(out / "probe.json", window),
@@ -522,11 +553,18 @@ def _split(sp: dict | None) -> str:
         gc_ += f"; objects freed per collection {_f(freed['p50'], 0)} / {_f(freed['p99'], 0)}"
     if full and full["n"]:
         gc_ += f"; {full['n']} full, {pp(full)} (max {_f(full['max'], 0)})"
+    lgc, lfull, share = sp.get("locust_gc_pause_ms"), sp.get("locust_gc_full_ms"), sp.get("locust_lagging_cpu_share")
+    locust = ""
+    if lgc and lgc["n"]:
+        locust = f"; Locust GC {lgc['n']} pauses, {pp(lgc)} (max {_f(lgc['max'], 0)})"
+        locust += f", {lfull['n']} full, {pp(lfull)}" if lfull and lfull["n"] else ""
+    if share and share["n"]:
+        locust += f"; Locust's CPU share of its worst lags {_f(share['p50'], 2)} (p50)"
     conn = (f"; without WebSocket connects ({sp['with_connect']} of the 429s included one) "
             f"{pp(sp['client_ms_after_connect'])}" if "client_ms_after_connect" in sp else "")
     return (f"{pp(sp['router_answer_ms'])}; {pp(sp['router_loop_lag_ms'])} (max {_f(sp['router_loop_lag_ms']['max'], 0)}); "
             f"{pp(sp['locust_loop_lag_ms'])} (max {_f(sp['locust_loop_lag_ms']['max'], 0)}); "
-            f"router GC {gc_}; client by reason: "
+            f"router GC {gc_}{locust}; client by reason: "
             f"{reasons or 'none'}{conn}")
 
 
@@ -621,6 +659,7 @@ def fault_lines(f: dict) -> list[str]:
 
 def markdown(s: dict) -> str:
     lim, um, run = s["limits"], s["user_model"], s["run"]
+    rv = s.get("router_verify_ms_window") or {}
     lines = [
         f"# Load test: {s['scenario']}",
         "",
@@ -653,6 +692,8 @@ def markdown(s: dict) -> str:
         f"| verify latency p50 / p95 / p99 (ms) | {_f(s['verify_ms']['p50'], 0)} / {_f(s['verify_ms']['p95'], 0)} / "
         f"{_f(s['verify_ms']['p99'], 0)} | {_f(s['verify_ms_window']['p50'], 0)} / "
         f"{_f(s['verify_ms_window']['p95'], 0)} / {_f(s['verify_ms_window']['p99'], 0)} |",
+        f"| the same, the router's verifier call alone p50 / p95 / p99 (ms) | | "
+        f"{_f(rv.get('p50'), 0)} / {_f(rv.get('p95'), 0)} / {_f(rv.get('p99'), 0)} |",
         f"| tokens/s served | {_f(s['tokens_per_s'])} | {_f(s['tokens_per_s_window'])} |",
         f"| 429 rate | {s['rate_429']:.2%} ({s['shed_429']:g}: {s['shed_reasons']}) | {s['rate_429_window']:.2%} |",
         f"| 429 latency p50 / p99 (ms) | {_f(s['shed_ms']['p50'], 0)} / {_f(s['shed_ms']['p99'], 0)} | "

@@ -226,6 +226,7 @@ class System:
         cls = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
         self.router = cls.__new__(cls)
         cls.__init__(self.router, self.fleet, self.app.model_dump())
+        self.router.probe.on_verify = self._router_verify
         self.users = [EdgeUser(self, i, random.Random(self.rng.getrandbits(64))) for i in range(self.workload.users)]
         self.tasks = [asyncio.ensure_future(u.run(self.workload.duration_s)) for u in self.users]
         faults = asyncio.ensure_future(self._faults())
@@ -262,6 +263,11 @@ class System:
                 for u in self.rng.sample(self.users, max(1, round(f.share * len(self.users)))):
                     u.vanished = True
 
+    def _router_verify(self, seconds: float) -> None:
+        """The router's own time of an admitted verify round's verifier call (deploy/router/probe.py)."""
+        if clock.monotonic() >= self.workload.warmup_s:
+            self.counters.router_verify_s.append(seconds)
+
     def _rtt_back(self, factor: float) -> None:
         self.rtt_factor /= factor
 
@@ -288,7 +294,7 @@ class System:
         closed = w.generations_per_user is not None  # a closed run: its figures are over the whole run
         window = c.last_token_at if closed else w.duration_s - w.warmup_s
         tokens, rounds = (c.tokens, c.rounds) if closed else (c.window_tokens, c.window_rounds)
-        lat = sorted(c.round_s)
+        lat, router = sorted(c.round_s), sorted(c.router_verify_s)
         busy = {tag: r.busy_seconds for tag, r in self.fleet.runners.items()}
         return {"users": len(self.users), "mode": w.mode, "replicas": len(self.fleet.replicas),
                 "replicas_killed": len(self.fleet.killed), "seed": self.seed,
@@ -296,6 +302,7 @@ class System:
                 "device": self.profile.device, "host_cost": self.host.source or None, "verified_tokens_per_s": tokens / window if window else 0.0,
                 "verify_rounds_per_s": rounds / window if window else 0.0,
                 "verify_ms": {"p50": _pct(lat, 50) * 1e3, "p99": _pct(lat, 99) * 1e3},
+                "router_verify_ms": {"p50": _pct(router, 50) * 1e3, "p99": _pct(router, 99) * 1e3},
                 "itl_ms": {"p50": weighted_percentile(c.itl, 50) * 1e3, "p99": weighted_percentile(c.itl, 99) * 1e3},
                 "ttft_ms_mean": 1e3 * sum(c.ttft_s) / len(c.ttft_s) if c.ttft_s else float("nan"),
                 "ttft_ms_p99": _pct(sorted(c.ttft_s), 99) * 1e3,

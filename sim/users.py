@@ -43,6 +43,7 @@ class Counters:
     diverged: int = 0
     reopens: int = 0
     round_s: list[float] = field(default_factory=list)  # server time of each admitted verify round (window)
+    router_verify_s: list[float] = field(default_factory=list)  # its verifier call as the router times it (window)
     itl: list[tuple[float, float]] = field(default_factory=list)  # (s per token, tokens) per batch (window)
     ttft_s: list[float] = field(default_factory=list)
     window_tokens: int = 0

@@ -190,7 +190,9 @@ class Router:
         t0, latency = clock.perf_counter(), None
         try:
             out = await self._call(method, tenant=tenant, **kwargs)
-            latency = clock.perf_counter() - t0 if kind == "verify" else None
+            if kind == "verify":
+                latency = clock.perf_counter() - t0
+                self.probe.verify_answered(latency)
             return out
         finally:
             self.admission.finished(tenant, latency)

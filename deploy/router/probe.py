@@ -1,6 +1,8 @@
-"""Where a 429's time goes on the server: the router's event-loop lag and the shed answers' own time.
+"""Where a request's time goes on the server: the router's event-loop lag, the shed answers' own time and
+the admitted verify rounds' verifier calls.
 
-:class:`LoadProbe` samples loop lag, shed answers and collections (docs/router.md, "Where a 429's time goes")."""
+:class:`LoadProbe` samples loop lag, shed answers, verifier calls and collections (docs/router.md, "Where a 429's
+time goes")."""
 
 from __future__ import annotations
 
@@ -29,11 +31,13 @@ class LoadProbe:
         self.last_tick = clock.monotonic()  # when the sampler last ran (the watchdog's clock)
         self.lag: deque[tuple[float, float]] = deque(maxlen=keep)
         self.shed: deque[tuple[float, float]] = deque(maxlen=keep)
+        self.verify: deque[tuple[float, float]] = deque(maxlen=keep)  # admitted verify rounds' verifier calls
         self.gc_pause: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, wall ms) per collection
         self.gc_cpu: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, thread CPU ms) per collection
         self.gc_collected: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, unreachable objects freed)
         self.gc_gen: deque[tuple[float, float]] = deque(maxlen=keep)  # (epoch s, generation collected)
         self.on_lag = on_lag
+        self.on_verify: Callable[[float], None] | None = None  # also told each verifier call's seconds
         self._task: asyncio.Task | None = None
         self._gc_t0 = self._gc_cpu0 = 0.0
 
@@ -86,9 +90,15 @@ class LoadProbe:
     def shed_answered(self, seconds: float) -> None:
         self.shed.append((clock.wall(), seconds * 1e3))
 
+    def verify_answered(self, seconds: float) -> None:
+        """An admitted verify round's verifier call took ``seconds`` (admission to its reply read)."""
+        self.verify.append((clock.wall(), seconds * 1e3))
+        if self.on_verify is not None:
+            self.on_verify(seconds)
+
     def drain(self) -> dict[str, list[tuple[float, float]]]:
         """The samples since the last drain, and forget them."""
-        kept = {"loop_lag_ms": self.lag, "shed_ms": self.shed, "gc_pause_ms": self.gc_pause,
+        kept = {"loop_lag_ms": self.lag, "shed_ms": self.shed, "verify_ms": self.verify, "gc_pause_ms": self.gc_pause,
                 "gc_cpu_ms": self.gc_cpu, "gc_collected": self.gc_collected, "gc_gen": self.gc_gen}
         out = {k: list(v) for k, v in kept.items()}
         for v in kept.values():

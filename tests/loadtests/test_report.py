@@ -113,7 +113,9 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
     data.update(shed_ms=[5000.0, 40.0, 60.0, 300.0], shed_at=[T0 + 1, T0 + 10, T0 + 11, T0 + 12],
                 shed_why=["queue_full", "queue_full", "new_sessions_paused", "queue_full"],
                 shed_connect_ms=[0.0, 0.0, 0.0, 250.0],
-                loop_lag_ms=[[T0 + 1, 900.0], [T0 + 10, 2.0], [T0 + 11, 30.0]])
+                loop_lag_ms=[[T0 + 1, 900.0], [T0 + 10, 2.0], [T0 + 11, 30.0]],
+                loop_cpu_share=[[T0 + 1, 0.1], [T0 + 10, 0.5], [T0 + 11, 0.95]],  # the 30 ms lag: its own work
+                gc_pause_ms=[[T0 + 1, 400.0], [T0 + 10, 3.0], [T0 + 11, 120.0]], gc_gen=[2, 0, 2])
     (tmp_path / "counters.json").write_text(json.dumps(data))
     stats = tmp_path / "server_stats.json"
     stats.write_text(json.dumps({"samples": [], "router_probe": {
@@ -121,7 +123,8 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
         "loop_lag_ms": [[T0 + 2, 700.0], [T0 + 10, 1.0], [T0 + 11, 25.0]],
         "gc_pause_ms": [[T0 + 1, 500.0], [T0 + 10, 2.0], [T0 + 11, 150.0]],
         "gc_cpu_ms": [[T0 + 1, 480.0], [T0 + 10, 2.0], [T0 + 11, 20.0]],  # the 150 ms one waited for a core
-        "gc_gen": [[T0 + 1, 2.0], [T0 + 10, 0.0], [T0 + 11, 1.0]], "gc_collected": [[T0 + 10, 40.0], [T0 + 11, 9000.0]]}}))
+        "gc_gen": [[T0 + 1, 2.0], [T0 + 10, 0.0], [T0 + 11, 1.0]], "gc_collected": [[T0 + 10, 40.0], [T0 + 11, 9000.0]],
+        "verify_ms": [[T0 + 1, 900.0], [T0 + 10, 30.0], [T0 + 11, 50.0]]}}))
     s = summarize(tmp_path, scenario("edge"), _meta(), stats)  # window: 1 s spawn + 3 s warm-up + 2 s on
     sp = s["shed_split"]
     assert sp["client_ms"] == {"n": 3, "p50": 60.0, "p99": 300.0, "max": 300.0}
@@ -130,7 +133,11 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
     assert sp["client_ms_by_reason"]["new_sessions_paused"]["p99"] == 60.0
     assert sp["router_answer_ms"]["max"] == 0.6 and sp["router_loop_lag_ms"]["p99"] == 25.0
     assert sp["locust_loop_lag_ms"]["n"] == 2 and sp["locust_loop_lag_ms"]["max"] == 30.0
+    assert sp["locust_lagging_cpu_share"]["n"] == 1 and sp["locust_lagging_cpu_share"]["max"] == 0.95
+    assert sp["locust_gc_pause_ms"]["n"] == 2 and sp["locust_gc_full_ms"]["max"] == 120.0
     assert s["shed_ms_window"]["p99"] == 300.0  # the figure the check reads is the client's
+    assert s["router_verify_ms_window"] == {"n": 2, "p50": 30.0, "p95": 50.0, "p99": 50.0}  # the router's own time
+    assert "| the same, the router's verifier call alone p50 / p95 / p99 (ms) | | 30 / 50 / 50 |" in markdown(s)
     assert sp["router_gc_pause_ms"]["max"] == 150.0 and sp["router_gc_cpu_ms"]["max"] == 20.0
     assert sp["router_gc_full_ms"]["n"] == 0  # the full collection fell before the window
     assert ("router GC 2 pauses, 2.0 / 150.0 (max 150); their CPU 2.0 / 20.0 (max 20); objects freed per "

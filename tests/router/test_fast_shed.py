@@ -171,6 +171,7 @@ def test_a_keep_alive_connection_survives_a_shed_with_an_unread_body():
 def test_the_probe_sees_a_blocked_loop():
     lags: list[float] = []
     probe = LoadProbe(interval_s=0.01, on_lag=lags.append)
+    verified = []
 
     async def main():
         probe.start()
@@ -178,6 +179,8 @@ def test_the_probe_sees_a_blocked_loop():
         time.sleep(0.2)  # the loop is blocked: the sampler's timer fires 0.2 s late
         await asyncio.sleep(0.05)
         probe.shed_answered(0.003)
+        probe.on_verify = verified.append
+        probe.verify_answered(0.04)
         gc.collect()  # timed by the probe's gc callback: a full (generation-2) collection
         gc.collect(0)
         return probe.drain(), probe.drain()
@@ -185,6 +188,7 @@ def test_the_probe_sees_a_blocked_loop():
     got, again = asyncio.run(main())
     assert max(ms for _, ms in got["loop_lag_ms"]) >= 150 and max(lags) >= 0.15
     assert [ms for _, ms in got["shed_ms"]] == [3.0]
+    assert [ms for _, ms in got["verify_ms"]] == [40.0] and verified == [0.04]  # and its listener told
     assert len(got["gc_pause_ms"]) >= 2 and all(ms >= 0 for _, ms in got["gc_pause_ms"])
     assert len(got["gc_cpu_ms"]) == len(got["gc_pause_ms"])
     assert len(got["gc_gen"]) == len(got["gc_pause_ms"])
