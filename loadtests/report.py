@@ -363,7 +363,8 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         "user_model": cfg.user.model_dump(mode="json"),
         "request_path": cfg.request_path.model_dump(mode="json"),
         "run": {**{k: meta[k] for k in ("users", "spawn_rate", "duration_s", "processes", "host", "started_app")},
-                "worker_niceness": meta.get("worker_niceness"), "client_niceness": meta.get("client_niceness")},
+                "worker_niceness": meta.get("worker_niceness"), "client_niceness": meta.get("client_niceness"),
+                "client_autogroup": meta.get("client_autogroup")},
         "window_s": [round(window[0] - t0, 1), round(window[1] - t0, 1)],
         "backlogged_seconds": sat_secs,  # of the window, the seconds the share is computed over
         "requests_per_s": _float(agg.get("Requests/s", total_requests / run_s)),
@@ -676,7 +677,8 @@ def markdown(s: dict) -> str:
         f"{s['locust_processes']} Locust process(es), app "
         f"{'started by the run' if run['started_app'] else 'at ' + run['host']}"
         f"{'' if run.get('worker_niceness') is None else ', its Ray workers at nice %d' % run['worker_niceness']}"
-        f"{', Locust at nice %d' % run['client_niceness'] if run.get('client_niceness') else ''}); "
+        f"{', Locust at nice %d' % run['client_niceness'] if run.get('client_niceness') else ''}"
+        f"{' in a session of its own' if run.get('client_autogroup') else ''}); "
         f"draft {_draft(um)}, RTT {um['rtt_ms']:g} ms median (log-normal sigma {um.get('rtt_sigma', 0):g}, "
         f"±{um['jitter']:.0%} per round), {um.get('ws_share', 0):.0%} WebSocket users, "
         f"acceptance alpha={um['alpha']:g} sibling={um['sibling_alpha']:g}, depth "

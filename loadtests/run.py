@@ -118,9 +118,11 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
                control: Path | None = None) -> dict:
     """One headless Locust run; returns timing facts for the report. ``client_niceness``: Locust's
     nice (below 0 needs root): on a machine the simulated clients share with the server, -5 gives
-    them the CPU first, as clients on their own machines would have it. ``processes`` > 1: Locust
-    forks that many worker processes under a master (``--processes``), the users spread over them,
-    each writing its own counters (merged by the report)."""
+    them the CPU first, as clients on their own machines would have it. Linux shares the CPU between
+    sessions (autogroups) before their processes, and a process's nice weighs only inside its
+    session: Locust then runs in a session of its own, that nice given to it (``client_autogroup``).
+    ``processes`` > 1: Locust forks that many worker processes under a master (``--processes``), the
+    users spread over them, each writing its own counters (merged by the report)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["nice", "-n", str(client_niceness)] if client_niceness else []
     cmd += [sys.executable, "-m", "locust", "-f", str(REPO / "loadtests" / "locustfile.py"), "--headless",
@@ -135,29 +137,17 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
     t0 = time.time()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(out / "locust.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=bool(client_niceness))
+        autogroup = bool(client_niceness) and autogroup_nice(proc.pid, client_niceness)
         probe = start_probe(url, users_file, probe_rate, duration, out) if probe_rate > 0 else None
-        kills: list[float] = []
-        faults = fault_schedule(cfg, duration) if control is not None else []
-        faults_sent: list[tuple[float, str]] = []
-        next_kill = cfg.kill_verifier_at_s
-        limit = duration + stop_timeout + 120
-        while proc.poll() is None:
-            el = time.time() - t0
-            if next_kill is not None and server is not None and el >= next_kill and el < duration:
-                server.send_signal(signal.SIGUSR1)
-                kills.append(time.time())
-                next_kill = next_kill + cfg.kill_verifier_every_s if cfg.kill_verifier_every_s else None
-            while faults and el >= faults[0][0]:
-                _, command = faults.pop(0)
-                with open(control, "a") as f:
-                    f.write(command + "\n")
-                faults_sent.append((time.time(), command))
-            if el > limit:
+        try:
+            kills, faults_sent = _follow(proc, cfg, server, control, t0, duration, duration + stop_timeout + 120)
+        except BaseException:  # interrupted: a Locust in a session of its own gets no terminal signal
+            if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=30)
-                break
-            time.sleep(0.2)
+            raise
     if probe is not None:
         try:
             probe.wait(timeout=60)
@@ -167,8 +157,44 @@ def run_locust(cfg: LoadTestConfig, url: str, users: int, spawn_rate: float, dur
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # Locust, reaped: was the client the bottleneck?
     locust_cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     return {"locust_started": t0, "locust_ended": time.time(), "locust_rc": proc.returncode,
-            "locust_cpu_s": locust_cpu,
+            "locust_cpu_s": locust_cpu, "client_autogroup": autogroup,
             "kill_sent_at": kills[0] if kills else None, "kills_sent_at": kills, "faults_sent": faults_sent}
+
+
+def _follow(proc: subprocess.Popen, cfg: LoadTestConfig, server: subprocess.Popen | None, control: Path | None,
+            t0: float, duration: float, limit: float) -> tuple[list[float], list[tuple[float, str]]]:
+    """Until Locust exits: the scenario's verifier kills and node faults on time, Locust stopped past ``limit``
+    seconds; the kills' and faults' times."""
+    kills: list[float] = []
+    faults = fault_schedule(cfg, duration) if control is not None else []
+    faults_sent: list[tuple[float, str]] = []
+    next_kill = cfg.kill_verifier_at_s
+    while proc.poll() is None:
+        el = time.time() - t0
+        if next_kill is not None and server is not None and el >= next_kill and el < duration:
+            server.send_signal(signal.SIGUSR1)
+            kills.append(time.time())
+            next_kill = next_kill + cfg.kill_verifier_every_s if cfg.kill_verifier_every_s else None
+        while faults and el >= faults[0][0]:
+            _, command = faults.pop(0)
+            with open(control, "a") as f:
+                f.write(command + "\n")
+            faults_sent.append((time.time(), command))
+        if el > limit:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+            break
+        time.sleep(0.2)
+    return kills, faults_sent
+
+
+def autogroup_nice(pid: int, nice: int) -> bool:
+    """Give ``pid``'s autogroup (its session) ``nice``: False where there are none or this user may not."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+        return True
+    except OSError:
+        return False
 
 
 def probe_priority() -> tuple[list[str], str]:
@@ -216,7 +242,8 @@ def main(argv=None) -> int:
                     help="nice of the app's Ray workers (router, verifier); Ray's own default is 15, which "
                          "puts them below Locust on a shared machine")
     ap.add_argument("--client-niceness", type=int, default=0,
-                    help="nice of the Locust process (e.g. -5, as root: the clients get the shared cores first, "
+                    help="nice of the Locust process, run in a session of its own so that the nice weighs "
+                         "against the server's session (e.g. -5, as root: the clients get the shared cores first, "
                          "as on their own machines; the report states it)")
     ap.add_argument("--locust-processes", type=int, default=1,
                     help="Locust worker processes (one gevent loop each; users spread over them)")

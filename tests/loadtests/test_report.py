@@ -144,7 +144,9 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
             "collection 40 / 9,000") in markdown(s)
     assert "Locust at nice" not in markdown(s)
     s["run"]["client_niceness"] = -5
-    assert "Locust at nice -5" in markdown(s)  # a run whose clients had the CPU first says so
+    assert "Locust at nice -5)" in markdown(s)  # a run whose clients had the CPU first says so
+    s["run"]["client_autogroup"] = True
+    assert "Locust at nice -5 in a session of its own)" in markdown(s)  # its nice weighed against the server's
 
 
 def test_tenants_objective_is_tenants_with_the_production_latency_objective():
