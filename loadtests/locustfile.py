@@ -159,9 +159,9 @@ def _gc_probe(phase: str, info: dict) -> None:
 @events.test_stopping.add_listener
 def _stopping(**_):
     global STOPPING
-    STOPPING = True
+    STOPPING = True  # users close their sessions after the request in flight
     if _gc_probe in gc.callbacks:
-        gc.callbacks.remove(_gc_probe)  # users close their sessions after the request in flight
+        gc.callbacks.remove(_gc_probe)
 
 
 @events.quitting.add_listener
