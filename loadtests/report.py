@@ -114,7 +114,8 @@ def steady_window(history: list[dict], users: int, warmup_s: float, fallback: tu
 
 
 def server_summary(stats_path: Path | None, window: tuple[float, float], max_batch: int) -> dict:
-    """Verifier queue length, batch size and busy fraction inside the window (per replica)."""
+    """Verifier queue length, batch size, busy fraction (the forwards' wall) and forward CPU (their
+    thread's CPU, cores) inside the window (per replica)."""
     if stats_path is None or not Path(stats_path).exists():
         return {"available": False}
     data = json.loads(Path(stats_path).read_text())
@@ -123,12 +124,14 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
     by_replica: dict[str, list[dict]] = defaultdict(list)
     for s in data["samples"]:
         by_replica[s["replica"]].append(s)
-    busy = []
+    busy, cpu = [], []
     for rs in by_replica.values():
         w = [s for s in rs if lo <= s["t"] <= hi]
         if len(w) >= 2 and w[-1]["uptime_seconds"] > w[0]["uptime_seconds"]:
-            busy.append((w[-1]["busy_seconds"] - w[0]["busy_seconds"]) /
-                        (w[-1]["uptime_seconds"] - w[0]["uptime_seconds"]))
+            up = w[-1]["uptime_seconds"] - w[0]["uptime_seconds"]
+            busy.append((w[-1]["busy_seconds"] - w[0]["busy_seconds"]) / up)
+            if "busy_cpu_seconds" in w[0]:
+                cpu.append((sum(w[-1]["busy_cpu_seconds"].values()) - sum(w[0]["busy_cpu_seconds"].values())) / up)
     pending = [s["pending"] for s in inside]
     backlogged = sum(1 for p in pending if p >= max_batch) / len(pending) if pending else float("nan")
     mean_pending = sum(pending) / len(pending) if pending else float("nan")
@@ -136,6 +139,7 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
             "mean_pending": mean_pending,
             "mean_batch_sessions": (sum(s["mean_batch"] for s in inside) / len(inside)) if inside else float("nan"),
             "busy_fraction": (sum(busy) / len(busy)) if busy else float("nan"),
+            "forward_cpu_cores": (sum(cpu) / len(cpu)) if cpu else float("nan"),
             "backlogged_fraction": backlogged,  # samples with a full batch waiting
             "saturated": bool(pending) and mean_pending >= max_batch,
             "events": data.get("events", []), **process_summary(data.get("procs", []), window)}

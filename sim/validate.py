@@ -113,17 +113,20 @@ def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
 
 def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     """The host's CPU per request in a load test's steady window (CPU seconds by process over its
-    requests: verifies, 429s included, opens and the client's closes): the router's, the verifier's
-    outside its forwards, and the load generator's, taken as the rest of the host's cores (a
-    saturated host: the runs here had a load average above their 2 cores). The other processes'
-    (Ray's agents, GCS, controller, proxy) are background; the reply's share (:data:`ASSUMED`)."""
+    requests): the router's and the load generator's over every request (verifies, 429s included,
+    opens and the client's closes), the latter taken as the rest of the host's cores (a saturated
+    host: the runs here had a load average above their 2 cores); the verifier's outside its forwards'
+    CPU over the requests that reach it (no 429). The other processes' (Ray's agents, GCS,
+    controller, proxy) are background; the reply's share (:data:`ASSUMED`)."""
     s = run["summary"]
     roles, cores = s["server"]["cores_by_role"], float(s["machine"]["cores"])
-    per_s = (s["verify_per_s_window"] / (1.0 - s["rate_429_window"])
-             + (2 * s["sessions"]["opened"] - s["sessions"]["closed_by_server"]) / s["run"]["duration_s"])
+    sessions_per_s = (2 * s["sessions"]["opened"] - s["sessions"]["closed_by_server"]) / s["run"]["duration_s"]
+    per_s = s["verify_per_s_window"] / (1.0 - s["rate_429_window"]) + sessions_per_s
+    admitted_per_s = s["verify_per_s_window"] + sessions_per_s
     background = sum(v for k, v in roles.items() if k not in ("router", "verifier"))
     client = cores - roles["router"] - roles["verifier"] - background
-    return HostCost(router_s=roles["router"] / per_s, replica_s=(roles["verifier"] - s["server"]["busy_fraction"]) / per_s,
+    forwards = s["server"].get("forward_cpu_cores", s["server"]["busy_fraction"])  # older runs: the forwards' wall
+    return HostCost(router_s=roles["router"] / per_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
                     client_s=max(0.0, client) / per_s, cores=cores, background_cores=background,
                     reply_share=ASSUMED["reply_share"], source=source)
 
@@ -255,7 +258,7 @@ def record_loadtest(out_dirs: list[Path], dest: Path) -> None:
         s = json.loads((out_dir / "summary.json").read_text())
         summary = {k: s[k] for k in keep if k in s}
         summary["server"] = {k: v for k, v in s["server"].items()
-                             if k in ("cores_by_role", "busy_fraction", "mean_pending")}
+                             if k in ("cores_by_role", "busy_fraction", "forward_cpu_cores", "mean_pending")}
         summaries.append(summary)
         configs.append(json.loads((out_dir / "loadtest_config.json").read_text()))
     cfg = configs[0]
