@@ -281,7 +281,7 @@ def merge_loadtests(summaries: list[dict]) -> dict:
 
     merged = mean(summaries)
     measured = [loadtest_measured(s) for s in summaries]
-    figs = {f: [m[f] for m in measured] for f in measured[0]}
+    figs = {f: [m[f] for m in measured] for f in measured[0] if all(f in m for m in measured)}
     merged["runs"] = len(summaries)
     merged["spread"] = _spreads(figs)
     return merged

@@ -89,6 +89,23 @@ def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts
         assert abs(err) <= (1e-9 if any(r is f for f in fit) else 0.20), (r["mode"], r["sessions"], err)
 
 
+def test_the_replicas_cpu_per_request_is_its_cpu_less_its_forwards_cpu_over_the_requests_reaching_it():
+    """host_from_loadtest: a 429 never reaches the replica, and a forward's wall (waiting for a core
+    included) is not its CPU; a run without the forwards' CPU falls back to their wall."""
+    from sim.validate import host_from_loadtest
+
+    summary = {"machine": {"cores": 2}, "verify_per_s_window": 800.0, "rate_429_window": 0.2,
+               "sessions": {"opened": 600, "closed_by_server": 200}, "run": {"duration_s": 50.0},
+               "server": {"cores_by_role": {"router": 0.7, "verifier": 0.7, "gcs": 0.1},
+                          "busy_fraction": 0.25, "forward_cpu_cores": 0.1}}
+    h = host_from_loadtest({"summary": summary})
+    sessions_per_s = (2 * 600 - 200) / 50.0
+    assert h.replica_s == pytest.approx((0.7 - 0.1) / (800.0 + sessions_per_s))
+    assert h.router_s == pytest.approx(0.7 / (800.0 / 0.8 + sessions_per_s))  # the router answers the 429s
+    del summary["server"]["forward_cpu_cores"]
+    assert host_from_loadtest({"summary": summary}).replica_s == pytest.approx((0.7 - 0.25) / (800.0 + sessions_per_s))
+
+
 def test_a_figure_is_predicted_as_its_mean_over_the_seeds_with_their_spread():
     from sim.validate import _compare
 
