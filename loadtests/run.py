@@ -189,10 +189,15 @@ def _follow(proc: subprocess.Popen, cfg: LoadTestConfig, server: subprocess.Pope
 
 
 def autogroup_nice(pid: int, nice: int) -> bool:
-    """Give ``pid``'s autogroup (its session) ``nice``: False where there are none or this user may not."""
+    """Give ``pid``'s autogroup (its session) ``nice``, True only where it now holds it: False where there
+    are no autogroups, where the process's CPU group is a cgroup rather than its autogroup (the file reads
+    empty, as in most containers: the nice would weigh nothing), or where this user may not."""
+    path = Path(f"/proc/{pid}/autogroup")
     try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-        return True
+        if not path.read_text().strip():
+            return False
+        path.write_text(str(nice))
+        return path.read_text().split()[1:] == ["nice", str(nice)]
     except OSError:
         return False
 
