@@ -159,6 +159,16 @@ def cpu_busy() -> dict[str, float]:
     return out
 
 
+HOST_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_cpu_s() -> dict[str, float]:
+    """The whole host's CPU seconds since boot by state (/proc/stat's first line, all CPUs)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:1 + len(HOST_STATES)]]
+    return {k: x / CLK for k, x in zip(HOST_STATES, v)}
+
+
 def affinity(pid: int) -> list[int]:
     try:
         return sorted(os.sched_getaffinity(pid))

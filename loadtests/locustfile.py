@@ -72,6 +72,7 @@ class Counters:
         self.ws_lost: dict[str, int] = defaultdict(int)  # WebSocket rounds lost with their connection, by cause
         self.loop_lag: list[tuple[float, float]] = []  # (epoch s, ms) how late this process's gevent loop ran a timer
         self.loop_cpu: list[tuple[float, float]] = []  # (epoch s, share) of each lag sample's wall this process ran
+        self.loop_cpu_s: list[tuple[float, float]] = []  # (epoch s, CPU seconds) this process ran in each lag sample
         self.gc_pause: list[tuple[float, float]] = []  # (epoch s, ms) each garbage collection stopped this process
         self.gc_gen: list[int] = []  # and its generation
 
@@ -90,6 +91,7 @@ class Counters:
                 "open_at": [round(x, 2) for x in self.open_at],
                 "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag],
                 "loop_cpu_share": [(round(t, 2), round(x, 3)) for t, x in self.loop_cpu],
+                "loop_cpu_s": [(round(t, 2), round(x, 6)) for t, x in self.loop_cpu_s],
                 "gc_pause_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.gc_pause], "gc_gen": self.gc_gen}
 
 
@@ -141,7 +143,9 @@ def _lag_probe() -> None:
         gevent.sleep(LAG_PROBE_S)
         wall = time.perf_counter() - t0
         STATS.loop_lag.append((time.time(), max(0.0, wall - LAG_PROBE_S) * 1e3))
-        STATS.loop_cpu.append((time.time(), (time.process_time() - c0) / wall))
+        cpu = time.process_time() - c0
+        STATS.loop_cpu.append((time.time(), cpu / wall))
+        STATS.loop_cpu_s.append((time.time(), cpu))
 
 
 _gc_started = [0.0]

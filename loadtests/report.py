@@ -76,7 +76,7 @@ def merge_counters(paths: list[Path]) -> dict:
     tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int), "ws_lost": defaultdict(int),
               "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
-              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "open_at": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], "loop_lag_ms": [], "loop_cpu_share": [], "gc_pause_ms": [], "gc_gen": [], "processes": 0}
+              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "open_at": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], "loop_lag_ms": [], "loop_cpu_share": [], "loop_cpu_s": [], "gc_pause_ms": [], "gc_gen": [], "processes": 0}
     for p in paths:
         d = json.loads(Path(p).read_text())
         merged["processes"] += 1
@@ -95,7 +95,7 @@ def merge_counters(paths: list[Path]) -> dict:
         merged["shed_ms"].extend(d["shed_ms"])
         merged["open_ms"].extend(d.get("open_ms", []))
         merged["open_at"].extend(d.get("open_at", [None] * len(d.get("open_ms", []))))
-        for k in ("loop_lag_ms", "loop_cpu_share", "gc_pause_ms", "gc_gen"):
+        for k in ("loop_lag_ms", "loop_cpu_share", "loop_cpu_s", "gc_pause_ms", "gc_gen"):
             merged[k].extend(d.get(k, []))
         merged["shed_at"].extend(d.get("shed_at", [None] * len(d["shed_ms"])))
         merged["shed_why"].extend(d.get("shed_why", [None] * len(d["shed_ms"])))
@@ -148,7 +148,8 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
 def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:
     """From the server's 5-second process samples: cores used per role over the window (CPU
     seconds / wall seconds; a process that died inside it loses its CPU, so a kill makes its
-    role read low), and each router/verifier process's RSS growth from its first sample past its
+    role read low), the whole host's cores by CPU state (/proc/stat: user, system, idle, softirq,
+    steal...), and each router/verifier process's RSS growth from its first sample past its
     own warm-up (the run's: the window's start after the first sample; a replacement started by a
     fault warms up as the first processes did) to its last, for processes seen that long for at
     least half the window."""
@@ -177,8 +178,9 @@ def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:
         rss_mb[role] = max(rss_mb.get(role, 0.0), xs[-1][2] / 2**20)
         if xs[-1][0] - xs[0][0] >= 0.5 * (hi - lo):
             growth[role] = max(growth.get(role, -1.0), xs[-1][2] / xs[0][2] - 1.0)
+    host = {k: (b["host_cpu_s"][k] - a["host_cpu_s"][k]) / dt for k in b.get("host_cpu_s", {}) if k in a.get("host_cpu_s", {})}
     return {"cores_by_role": dict(sorted(cores.items())), "cores_total": (b["cpu_s_total"] - a["cpu_s_total"]) / dt,
-            "rss_growth": growth, "rss_mb": rss_mb}
+            "host_cores": host, "rss_growth": growth, "rss_mb": rss_mb}
 
 
 def _pcts(samples: list, window: tuple[float, float]) -> dict:
@@ -409,6 +411,9 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
                        "diverged_sessions": tot("diverged")},
         "tenants": per_tenant, "server": srv, "locust_processes": counters["processes"],
         "locust_cores": meta["locust_cpu_s"] / run_s if meta.get("locust_cpu_s") is not None else None,
+        # the same in the steady window, from the lag samples' CPU (every Locust process's; None: older runs)
+        "locust_cores_window": sum(c for t, c in counters["loop_cpu_s"] if window[0] <= t < window[1])
+                               / (window[1] - window[0]) if counters["loop_cpu_s"] else None,
         "kill_sent_at_s": (meta["kill_sent_at"] - t0) if meta.get("kill_sent_at") else None,
         "kills_sent_at_s": [round(k - t0, 1) for k in meta.get("kills_sent_at", [])],
     }
@@ -578,7 +583,9 @@ def _cores(srv: dict) -> str:
     if not by_role:
         return "n/a"
     parts = [f"{r} {v:.2f}" for r, v in by_role.items() if v >= 0.005]
-    return f"{srv['cores_total']:.2f} in all: " + ", ".join(parts)
+    host = srv.get("host_cores") or {}
+    states = f"; the host's: {', '.join(f'{k} {v:.2f}' for k, v in host.items() if v >= 0.005)}" if host else ""
+    return f"{srv['cores_total']:.2f} in all: " + ", ".join(parts) + states
 
 
 def _rss(srv: dict) -> str:
@@ -717,6 +724,7 @@ def markdown(s: dict) -> str:
         f"{s.get('ws_lost') or ''} | |",
         f"| server cores used, by role | | {_cores(s['server'])} |",
         f"| Locust cores used (whole run) | {_f(s.get('locust_cores'), 2)} | |",
+        f"| Locust cores used (steady window) | {_f(s.get('locust_cores_window'), 2)} | |",
         f"| verify rounds/s per core of each hop | | "
         f"{', '.join(f'{r} {_f(v, 0)}' for r, v in s.get('sizing', {}).items()) or 'n/a'} |",
         f"| RSS (MB) / growth over the window | | {_rss(s['server'])} |",

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from benchmarks.proc_stats import CLK, CpuSnapshot, rss_bytes
+    from benchmarks.proc_stats import CLK, CpuSnapshot, host_cpu_s, rss_bytes
     from deploy.application import build_app, verifier_deployment
     from deploy.config import AppConfig
 
@@ -123,6 +123,7 @@ def main(argv=None) -> int:
         for pid, ticks in snap.ticks.items():
             cpu[snap.roles[pid]] = cpu.get(snap.roles[pid], 0.0) + ticks / CLK
         procs.append({"t": time.time(), "cpu_s_by_role": cpu, "cpu_s_total": snap.total_ticks / CLK,
+                      "host_cpu_s": host_cpu_s(),
                       "rss": {str(pid): [role, rss_bytes(pid)] for pid, role in snap.roles.items()
                               if role in ("router", "verifier", "proxy")}})
 
