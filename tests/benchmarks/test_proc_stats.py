@@ -82,3 +82,21 @@ def test_snapshot_keeps_the_first_role_of_a_process():
     # this process keeps the role it was given, which its command line alone would not give it; children
     # that earlier tests left to this process (multiprocessing's resource tracker) keep their own roles
     assert "verifier" in win["by_role"] and classify(cmdline(os.getpid())) != "verifier"
+
+
+def test_the_hosts_cpu_by_state_counts_the_time_that_passes():
+    """host_cpu_s: every CPU state of /proc/stat's first line; over a busy half second the states
+    together grow by about the wall times the CPUs /proc/stat lists (one of them at least busy meanwhile)."""
+    import time
+
+    from benchmarks.proc_stats import HOST_STATES, host_cpu_s
+
+    a, t0 = host_cpu_s(), time.perf_counter()
+    while time.perf_counter() - t0 < 0.5:
+        pass
+    b, wall = host_cpu_s(), time.perf_counter() - t0
+    assert tuple(a) == HOST_STATES and all(b[k] >= a[k] >= 0 for k in HOST_STATES)
+    cpus = sum(1 for line in open("/proc/stat") if line.startswith("cpu") and line[3].isdigit())
+    grown = sum(b.values()) - sum(a.values())
+    assert 0.5 * wall * cpus <= grown <= 1.5 * wall * cpus + 0.05
+    assert (b["user"] + b["system"]) - (a["user"] + a["system"]) >= 0.2 * wall  # this loop's own

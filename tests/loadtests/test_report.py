@@ -115,6 +115,7 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
                 shed_connect_ms=[0.0, 0.0, 0.0, 250.0],
                 loop_lag_ms=[[T0 + 1, 900.0], [T0 + 10, 2.0], [T0 + 11, 30.0]],
                 loop_cpu_share=[[T0 + 1, 0.1], [T0 + 10, 0.5], [T0 + 11, 0.95]],  # the 30 ms lag: its own work
+                loop_cpu_s=[[T0 + 1, 0.5], [T0 + 10, 0.026], [T0 + 11, 0.076]],  # its CPU seconds in each sample
                 gc_pause_ms=[[T0 + 1, 400.0], [T0 + 10, 3.0], [T0 + 11, 120.0]], gc_gen=[2, 0, 2])
     (tmp_path / "counters.json").write_text(json.dumps(data))
     stats = tmp_path / "server_stats.json"
@@ -135,6 +136,7 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
     assert sp["locust_loop_lag_ms"]["n"] == 2 and sp["locust_loop_lag_ms"]["max"] == 30.0
     assert sp["locust_lagging_cpu_share"]["n"] == 1 and sp["locust_lagging_cpu_share"]["max"] == 0.95
     assert sp["locust_gc_pause_ms"]["n"] == 2 and sp["locust_gc_full_ms"]["max"] == 120.0
+    assert s["locust_cores_window"] == pytest.approx(0.102 / (s["window_s"][1] - s["window_s"][0]))
     assert s["shed_ms_window"]["p99"] == 300.0  # the figure the check reads is the client's
     assert s["router_verify_ms_window"] == {"n": 2, "p50": 30.0, "p95": 50.0, "p99": 50.0}  # the router's own time
     assert "| the same, the router's verifier call alone p50 / p95 / p99 (ms) | | 30 / 50 / 50 |" in markdown(s)
@@ -246,7 +248,8 @@ def test_rss_growth_counts_each_process_from_its_own_warm_up():
     from loadtests.report import process_summary
 
     def sample(t: float, rss: dict) -> dict:
-        return {"t": t, "rss": rss, "cpu_s_by_role": {"router": t / 2}, "cpu_s_total": t}
+        return {"t": t, "rss": rss, "cpu_s_by_role": {"router": t / 2}, "cpu_s_total": t,
+                "host_cpu_s": {"user": t * 0.75, "softirq": t * 0.05, "idle": t * 1.2}}
 
     mb = 2 ** 20
     procs = []
@@ -262,3 +265,4 @@ def test_rss_growth_counts_each_process_from_its_own_warm_up():
     assert out["rss_growth"]["router"] == 0.0  # not the replacement's warm-up (240 -> 180 MB would read +33 %)
     assert out["rss_growth"]["verifier"] == 0.0
     assert out["rss_growth"]["proxy"] > 0.2  # 203 -> 259.75 MB
+    assert out["host_cores"] == pytest.approx({"user": 0.75, "softirq": 0.05, "idle": 1.2})  # the host's, by state
