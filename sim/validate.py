@@ -114,9 +114,10 @@ def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
 def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     """The host's CPU per request in a load test's steady window (CPU seconds by process over its
     requests): the router's and the load generator's over every request (verifies, 429s included,
-    opens and the client's closes), the latter taken as the rest of the host's cores (a saturated
-    host: the runs here had a load average above their 2 cores); the verifier's outside its forwards'
-    CPU over the requests that reach it (no 429). The other processes' (Ray's agents, GCS,
+    opens and the client's closes), the latter taken as the rest of the host's cores: Locust's own
+    (``locust_cores_window``) and what the host leaves idle at saturation though more threads are
+    runnable than it has cores (threads waiting on one another, not modelled: charged to the client,
+    it stands for that); the verifier's outside its forwards' CPU over the requests that reach it (no 429). The other processes' (Ray's agents, GCS,
     controller, proxy) are background; the reply's share (:data:`ASSUMED`)."""
     s = run["summary"]
     roles, cores = s["server"]["cores_by_role"], float(s["machine"]["cores"])
@@ -252,13 +253,14 @@ def record_loadtest(out_dirs: list[Path], dest: Path) -> None:
     summaries merged (:func:`merge_loadtests`), the app, user model and prompt lengths (a few KB)."""
     keep = ("scenario", "target", "machine", "run", "window_s", "tokens_per_s_window", "verify_per_s_window",
             "verify_ms_window", "router_verify_ms_window", "rate_429_window", "errors", "sessions", "acceptance",
-            "server")
+            "server", "locust_cores_window")
     summaries, configs = [], []
     for out_dir in out_dirs:
         s = json.loads((out_dir / "summary.json").read_text())
         summary = {k: s[k] for k in keep if k in s}
         summary["server"] = {k: v for k, v in s["server"].items()
-                             if k in ("cores_by_role", "busy_fraction", "forward_cpu_cores", "mean_pending")}
+                             if k in ("cores_by_role", "cores_total", "host_cores", "busy_fraction",
+                                      "forward_cpu_cores", "mean_pending")}
         summaries.append(summary)
         configs.append(json.loads((out_dir / "loadtest_config.json").read_text()))
     cfg = configs[0]
