@@ -113,22 +113,28 @@ def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
 
 def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     """The host's CPU per request in a load test's steady window (CPU seconds by process over its
-    requests): the router's and the load generator's over every request (verifies, 429s included,
-    opens and the client's closes), the latter taken as the rest of the host's cores: Locust's own
-    (``locust_cores_window``) and what the host leaves idle at saturation though more threads are
-    runnable than it has cores (threads waiting on one another, not modelled: charged to the client,
-    it stands for that); the verifier's outside its forwards' CPU over the requests that reach it (no 429). The other processes' (Ray's agents, GCS,
-    controller, proxy) are background; the reply's share (:data:`ASSUMED`)."""
+    requests): the router's over every request (verifies, 429s included, opens and the client's
+    closes), the verifier's outside its forwards' CPU over the requests that reach it (no 429), the
+    load generator's over every request (Locust's own, ``locust_cores_window``; older runs: the rest
+    of the host's cores). ``cores``: the host's busy cores (``host_cores``, /proc/stat; older runs:
+    all of them): at saturation the served system leaves the rest idle, its threads waiting on hand-
+    offs the simulation does not model, which keeps its cores busy whenever two processes have work.
+    The other processes' (Ray's agents, GCS, controller, proxy) are background; the reply's share
+    (:data:`ASSUMED`)."""
     s = run["summary"]
     roles, cores = s["server"]["cores_by_role"], float(s["machine"]["cores"])
+    host = s["server"].get("host_cores")
+    busy = cores - host["idle"] - host["iowait"] if host else cores
     sessions_per_s = (2 * s["sessions"]["opened"] - s["sessions"]["closed_by_server"]) / s["run"]["duration_s"]
     per_s = s["verify_per_s_window"] / (1.0 - s["rate_429_window"]) + sessions_per_s
     admitted_per_s = s["verify_per_s_window"] + sessions_per_s
     background = sum(v for k, v in roles.items() if k not in ("router", "verifier"))
-    client = cores - roles["router"] - roles["verifier"] - background
+    client = s.get("locust_cores_window")
+    if client is None:
+        client = cores - roles["router"] - roles["verifier"] - background
     forwards = s["server"].get("forward_cpu_cores", s["server"]["busy_fraction"])  # older runs: the forwards' wall
     return HostCost(router_s=roles["router"] / per_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
-                    client_s=max(0.0, client) / per_s, cores=cores, background_cores=background,
+                    client_s=max(0.0, client) / per_s, cores=busy, background_cores=background,
                     reply_share=ASSUMED["reply_share"], source=source)
 
 
