@@ -178,7 +178,8 @@ def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:
         rss_mb[role] = max(rss_mb.get(role, 0.0), xs[-1][2] / 2**20)
         if xs[-1][0] - xs[0][0] >= 0.5 * (hi - lo):
             growth[role] = max(growth.get(role, -1.0), xs[-1][2] / xs[0][2] - 1.0)
-    host = {k: (b["host_cpu_s"][k] - a["host_cpu_s"][k]) / dt for k in b.get("host_cpu_s", {}) if k in a.get("host_cpu_s", {})}
+    h0, h1 = a.get("host_cpu_s", {}), b.get("host_cpu_s", {})  # older runs: none
+    host = {k: (h1[k] - h0[k]) / dt for k in h1 if k in h0}
     return {"cores_by_role": dict(sorted(cores.items())), "cores_total": (b["cpu_s_total"] - a["cpu_s_total"]) / dt,
             "host_cores": host, "rss_growth": growth, "rss_mb": rss_mb}
 
