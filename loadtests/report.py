@@ -71,12 +71,16 @@ def read_locust_history(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+# the Locust processes' own samples (loop lag, its CPU, collections), concatenated across processes
+SAMPLE_KEYS = ("loop_lag_ms", "loop_cpu_share", "loop_cpu_s", "gc_pause_ms", "gc_gen")
+
+
 def merge_counters(paths: list[Path]) -> dict:
     """Sum the counters of every Locust process."""
     tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int), "ws_lost": defaultdict(int),
               "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
-              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "open_at": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], "loop_lag_ms": [], "loop_cpu_share": [], "loop_cpu_s": [], "gc_pause_ms": [], "gc_gen": [], "processes": 0}
+              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "open_at": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], **{k: [] for k in SAMPLE_KEYS}, "processes": 0}
     for p in paths:
         d = json.loads(Path(p).read_text())
         merged["processes"] += 1
@@ -95,7 +99,7 @@ def merge_counters(paths: list[Path]) -> dict:
         merged["shed_ms"].extend(d["shed_ms"])
         merged["open_ms"].extend(d.get("open_ms", []))
         merged["open_at"].extend(d.get("open_at", [None] * len(d.get("open_ms", []))))
-        for k in ("loop_lag_ms", "loop_cpu_share", "loop_cpu_s", "gc_pause_ms", "gc_gen"):
+        for k in SAMPLE_KEYS:
             merged[k].extend(d.get(k, []))
         merged["shed_at"].extend(d.get("shed_at", [None] * len(d["shed_ms"])))
         merged["shed_why"].extend(d.get("shed_why", [None] * len(d["shed_ms"])))
