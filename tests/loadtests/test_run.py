@@ -21,9 +21,13 @@ def test_a_client_in_its_own_session_gets_the_nice_of_its_autogroup():
             assert not autogroup_nice(proc.pid, 7)
             assert Path(f"/proc/{proc.pid}/autogroup").read_text().split() == []
             return
-        assert theirs[0] != Path("/proc/self/autogroup").read_text().split()[0]  # a group of its own
-        assert autogroup_nice(proc.pid, 7)  # a higher nice needs no privilege
-        assert Path(f"/proc/{proc.pid}/autogroup").read_text().split()[1:] == ["nice", "7"]
+        mine = Path("/proc/self/autogroup").read_text().split()  # empty where this process sits in a cgroup
+        if mine:
+            assert theirs[0] != mine[0]  # a group of its own
+        given = autogroup_nice(proc.pid, 7)  # a higher nice needs no privilege, but /proc may be read-only
+        assert given == (Path(f"/proc/{proc.pid}/autogroup").read_text().split()[1:] == ["nice", "7"])
+        if mine:  # the host's own autogroups (not a container): the nice is given
+            assert given
     finally:
         proc.kill()
         proc.wait()
