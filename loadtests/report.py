@@ -33,6 +33,7 @@ import platform
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.bursts import burst_profile
 from loadtests.config import LoadTestConfig
 
 SHARE_TOLERANCE = 0.20
@@ -146,7 +147,15 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
             "forward_cpu_cores": (sum(cpu) / len(cpu)) if cpu else float("nan"),
             "backlogged_fraction": backlogged,  # samples with a full batch waiting
             "saturated": bool(pending) and mean_pending >= max_batch,
-            "events": data.get("events", []), **process_summary(data.get("procs", []), window)}
+            "events": data.get("events", []), **process_summary(data.get("procs", []), window),
+            "background_bursts": _bursts(data.get("background_cpu", []), window)}
+
+
+def _bursts(samples: list, window: tuple[float, float]) -> dict | None:
+    """The background processes' CPU bursts in the window (benchmarks/bursts.py); None: older runs,
+    or no period."""
+    profile = burst_profile([tuple(x) for x in samples], *window)
+    return profile.to_dict() if profile else None
 
 
 def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:
@@ -590,7 +599,10 @@ def _cores(srv: dict) -> str:
     parts = [f"{r} {v:.2f}" for r, v in by_role.items() if v >= 0.005]
     host = srv.get("host_cores") or {}
     states = f"; the host's: {', '.join(f'{k} {v:.2f}' for k, v in host.items() if v >= 0.005)}" if host else ""
-    return f"{srv['cores_total']:.2f} in all: " + ", ".join(parts) + states
+    b = srv.get("background_bursts")
+    bursts = (f"; the other processes' bursts: {b['cores']:.2f} cores for {b['length_s']:.2f} s every "
+              f"{b['every_s']:.1f} s ({b['bursts']}), {b['steady_cores']:.2f} between") if b else ""
+    return f"{srv['cores_total']:.2f} in all: " + ", ".join(parts) + states + bursts
 
 
 def _rss(srv: dict) -> str:

@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
+    from benchmarks.bursts import BurstSampler
     from benchmarks.proc_stats import CLK, CpuSnapshot, host_cpu_s, rss_bytes
     from deploy.application import build_app, verifier_deployment
     from deploy.config import AppConfig
@@ -110,15 +111,18 @@ def main(argv=None) -> int:
     probe: dict[str, list] = {}  # the router's (epoch s, ms) samples by kind (LoadProbe.drain)
     out = Path(args.stats_out)
     roles: dict[int, str] = {}
+    background = BurstSampler().start()  # every 0.1 s: the CPU of the processes beside the router and verifiers
 
     def flush() -> None:
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"samples": samples, "events": events, "procs": procs, "router_probe": probe}))
+        tmp.write_text(json.dumps({"samples": samples, "events": events, "procs": procs, "router_probe": probe,
+                                   "background_cpu": background.samples}))
         tmp.replace(out)
 
     def sample_procs() -> None:
         snap = CpuSnapshot.take(os.getpid(), roles)
         roles.update(snap.roles)
+        background.watch(pid for pid, role in snap.roles.items() if role not in ("router", "verifier"))
         cpu: dict[str, float] = {}
         for pid, ticks in snap.ticks.items():
             cpu[snap.roles[pid]] = cpu.get(snap.roles[pid], 0.0) + ticks / CLK
@@ -165,6 +169,7 @@ def main(argv=None) -> int:
     try:
         asyncio.run(sample())
     finally:
+        background.stop()
         flush()
         if cluster is not None:
             cluster.shutdown()

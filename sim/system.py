@@ -37,7 +37,7 @@ from sim.cost_profile import CostProfile, HostCost
 from sim.fairness import TenantShares
 from sim.target import SIM_VOCAB, SimRunner
 from sim.users import Counters, DraftDevices, EdgeUser
-from sim.virtual_time import SharedCores, VirtualClock, VirtualWorker
+from sim.virtual_time import SharedCores, VirtualClock, VirtualWorker, bursts
 from sim.workload import Workload
 from specdec import clock
 from specdec.protocol import VerifyFrame
@@ -230,9 +230,16 @@ class System:
         self.users = [EdgeUser(self, i, random.Random(self.rng.getrandbits(64))) for i in range(self.workload.users)]
         self.tasks = [asyncio.ensure_future(u.run(self.workload.duration_s)) for u in self.users]
         faults = asyncio.ensure_future(self._faults())
+        burst = None
+        if cores is not None and self.host.burst_cores:  # the first at a phase of its own seed's
+            h = self.host
+            burst = asyncio.ensure_future(bursts(cores, h.burst_cores, h.burst_s, h.burst_every_s,
+                                                 random.Random(f"bursts-{self.seed}").uniform(0, h.burst_every_s)))
         while not all(t.done() for t in self.tasks):  # a burst adds users on the way
             await asyncio.gather(*self.tasks)
         faults.cancel()
+        if burst is not None:
+            burst.cancel()
         for core in self.fleet.replicas.values():
             if core.loop.task is not None:
                 core.loop.task.cancel()

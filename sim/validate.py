@@ -133,9 +133,12 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     if client is None:
         client = cores - roles["router"] - roles["verifier"] - background
     forwards = s["server"].get("forward_cpu_cores", s["server"]["busy_fraction"])  # older runs: the forwards' wall
+    b = s["server"].get("background_bursts") or {"cores": 0.0, "length_s": 0.0, "every_s": 0.0}
+    steady = background - (b["cores"] * b["length_s"] / b["every_s"] if b["cores"] else 0.0)
     return HostCost(router_s=roles["router"] / per_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
-                    client_s=max(0.0, client) / per_s, cores=busy, background_cores=background,
-                    reply_share=ASSUMED["reply_share"], source=source)
+                    client_s=max(0.0, client) / per_s, cores=busy, background_cores=max(0.0, steady),
+                    reply_share=ASSUMED["reply_share"], burst_cores=b["cores"], burst_s=b["length_s"],
+                    burst_every_s=b["every_s"], source=source)
 
 
 def host_from_bench(run: dict, source: str = "") -> HostCost:
@@ -281,8 +284,9 @@ def merge_loadtests(summaries: list[dict]) -> dict:
     """Load-test summaries of one command: every number their mean (as :func:`merge_runs` a benchmark's
     rows), with ``runs`` and each validated figure's spread across them, (max - min) / mean."""
     def mean(values: list):
+        values = [v for v in values if v is not None] or [None]  # a figure some runs lack (no bursts)
         if isinstance(values[0], dict):
-            return {k: mean([v[k] for v in values]) for k in values[0]}
+            return {k: mean([v[k] for v in values if k in v]) for k in values[0]}
         if all(_number(v) for v in values) and len(set(values)) > 1:
             return statistics.fmean(values)
         return values[0]

@@ -18,6 +18,7 @@ from concurrent.futures import Executor, Future
 
 EPOCH = 1_800_000_000.0  # the wall clock at virtual time 0
 SLOWDOWN_EMA = 0.2  # weight of a worker's last task in its slowdown
+MIN_CORES = 0.05  # what a burst of another process leaves the shared cores at least
 REAL_WAIT_S = 5.0  # a loop with no timer waits this long for real I/O (a thread) before giving up
 
 
@@ -135,6 +136,14 @@ class SharedCores:
         self.tasks[worker] = [seconds, on_done]
         self._arm()
 
+    def set_cores(self, cores: float) -> None:
+        """The CPUs shared from now on (another process takes some for a while: :func:`bursts`)."""
+        if cores <= 0:
+            raise ValueError(f"cores must be positive, got {cores}")
+        self._settle()
+        self.cores = cores
+        self._arm()
+
     def _settle(self) -> None:
         now, rate = self.loop.time(), self.rate()
         for task in self.tasks.values():
@@ -155,6 +164,18 @@ class SharedCores:
         for worker in [w for w, task in self.tasks.items() if task[0] <= 1e-12]:
             self.tasks.pop(worker)[1]()  # may start that worker's next task
         self._arm()
+
+
+async def bursts(cores: SharedCores, taken: float, length_s: float, every_s: float, phase_s: float) -> None:
+    """Another process's periodic bursts of CPU (Ray's agents report every 10 s): it takes ``taken``
+    of ``cores``' CPUs for ``length_s`` every ``every_s``, the first at ``phase_s``; runs until cancelled."""
+    base = cores.cores
+    await asyncio.sleep(phase_s)
+    while True:
+        cores.set_cores(max(base - taken, MIN_CORES))
+        await asyncio.sleep(length_s)
+        cores.set_cores(base)
+        await asyncio.sleep(every_s - length_s)
 
 
 class VirtualWorker(Executor):

@@ -3,6 +3,8 @@ gives one trace, and the served output stays the target's (tiny target, syntheti
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deploy.config import AppConfig
@@ -88,6 +90,34 @@ def test_host_cpu_per_request_takes_its_time_in_the_router_and_the_replica(tmp_p
     assert s.router_cpu.busy_seconds >= 0.004 * slow["verify_rounds_per_s"] * slow["window_s"]
     (tmp_path / "h.json").write_text('{"router_ms_per_request": 1}')
     with pytest.raises(ProfileError, match="replica_ms_per_request"):
+        HostCost.load(tmp_path / "h.json")
+
+
+def test_the_background_processes_bursts_slow_the_rounds_they_overlap(tmp_path):
+    """HostCost.burst_*: another process takes most of the shared cores for 1 s every 4 s; the rounds
+    then in flight wait (the tail grows, the throughput falls), and one seed still gives one trace.
+    The burst fields load from a host file, and a burst as long as its period is refused."""
+    from sim.cost_profile import HostCost, ProfileError
+
+    w = Workload(users=12, duration_s=12.0, warmup_s=1.0, max_tokens=24, spawn_rate=20.0,
+                 network={"rtt_ms": 30.0, "rtt_sigma": 0.3})
+    profile = CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic")
+    quiet = HostCost(router_s=0.002, replica_s=0.002, cores=1.0, source="test")
+    bursty = dataclasses.replace(quiet, burst_cores=0.9, burst_s=1.0, burst_every_s=4.0)
+
+    def summary(host):
+        vc = VirtualClock()
+        return run(System(AppConfig(**APP), profile, w, 1, vc, host).run(), vc)
+
+    a, b, b2 = summary(quiet), summary(bursty), summary(bursty)
+    assert b["trace_sha256"] == b2["trace_sha256"] != a["trace_sha256"]
+    assert b["verify_ms"]["p99"] > 1.5 * a["verify_ms"]["p99"] and b["verify_rounds_per_s"] < a["verify_rounds_per_s"]
+    (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, "cores": 1, '
+                                     '"burst_cores": 0.5, "burst_s": 0.8, "burst_every_s": 10}')
+    assert (HostCost.load(tmp_path / "h.json").burst_cores, HostCost.load(tmp_path / "h.json").burst_s) == (0.5, 0.8)
+    (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, "cores": 1, '
+                                     '"burst_cores": 0.5, "burst_s": 10, "burst_every_s": 10}')
+    with pytest.raises(ProfileError, match="burst_s"):
         HostCost.load(tmp_path / "h.json")
 
 

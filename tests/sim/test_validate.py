@@ -110,6 +110,12 @@ def test_the_replicas_cpu_per_request_is_its_cpu_less_its_forwards_cpu_over_the_
     summary["server"]["host_cores"] = {"user": 1.5, "system": 0.3, "idle": 0.19, "iowait": 0.01}
     h = host_from_loadtest({"summary": summary})
     assert h.client_s == pytest.approx(0.3 / (800.0 / 0.8 + sessions_per_s)) and h.cores == pytest.approx(1.8)
+    assert h.burst_cores == 0.0 and h.background_cores == pytest.approx(0.1)  # a run without bursts measured
+    # the background's bursts measured (benchmarks/bursts.py): the rest of its CPU is its steady part
+    summary["server"]["background_bursts"] = {"cores": 0.8, "length_s": 1.0, "every_s": 10.0}
+    h = host_from_loadtest({"summary": summary})
+    assert (h.burst_cores, h.burst_s, h.burst_every_s) == (0.8, 1.0, 10.0)
+    assert h.background_cores == pytest.approx(0.1 - 0.08)
 
 
 def test_a_figure_is_predicted_as_its_mean_over_the_seeds_with_their_spread():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sim.virtual_time import SharedCores, Stalled, VirtualClock, VirtualWorker, run
+from sim.virtual_time import SharedCores, Stalled, VirtualClock, VirtualWorker, bursts, run
 from specdec import clock
 
 
@@ -187,3 +187,28 @@ def test_shared_cores_refuse_a_non_positive_count():
 
     with pytest.raises(ValueError, match="cores"):
         run(main())
+
+
+def test_another_processes_bursts_take_their_cores_while_they_last():
+    """1 s of CPU on one core, another process taking half of it from 0.5 s for 0.5 s every 10 s:
+    0.5 s of CPU by 0.5, 0.25 more by 1.0 (half a core), the last 0.25 by 1.25; the next burst,
+    from 10.5, costs a task started there as much again."""
+    vc = VirtualClock()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        shared = SharedCores(loop, 1.0)
+        b = asyncio.ensure_future(bursts(shared, 0.5, 0.5, 10.0, 0.5))
+        w = VirtualWorker(loop, shared)
+        await loop.run_in_executor(w, vc.spend, 1.0)
+        first = clock.monotonic()
+        await clock.sleep(10.5 - first)
+        await loop.run_in_executor(w, vc.spend, 1.0)
+        second = clock.monotonic()
+        b.cancel()
+        return first, second, shared.cores
+
+    first, second, cores = run(main(), vc)
+    assert first == pytest.approx(1.25) and second == pytest.approx(10.5 + 1.25) and cores == 1.0
+    with pytest.raises(ValueError, match="cores"):
+        SharedCores.set_cores(None, 0.0)
