@@ -17,7 +17,7 @@ from benchmarks.proc_stats import CLK, read_stat
 
 BURST_ABOVE_CORES = 0.25  # a sample this far above the window's median rate is in a burst
 BURST_GAP_S = 0.25  # samples in bursts at most this far apart are one burst
-MIN_BURST_CPU_S = 0.05  # a burst's CPU beyond the steady rate, at least
+MIN_BURST_CPU_S = 0.2  # a burst's CPU beyond the steady rate, at least (a sample or two above is a blip)
 
 
 class BurstSampler:

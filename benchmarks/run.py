@@ -191,6 +191,7 @@ class Run:
     edge: EdgeWorker | None = None
     rows: list[dict] = field(default_factory=list)
     extras: list[dict] = field(default_factory=list)
+    background_bursts: dict | None = None  # the server's other processes' (Server.background_bursts)
 
     def measure(self, srv, modes: list[str]) -> None:
         """Every configuration for ``modes`` on one running server (after an unmeasured warm-up):
@@ -257,6 +258,7 @@ def measure_all(run: Run, server: Server | None, ours: list[str], peers: list[st
                 ready = server.wait_ready()
                 log(f"Serve app ready on port {server.client_port} ({ready})")
                 run.measure(server, ours)
+                run.background_bursts = server.background_bursts()
             finally:
                 server.proc.stop(timeout=90)  # before the peer takes the core
         for mode in peers:
@@ -354,7 +356,8 @@ def main(argv=None) -> int:
 
     conditions = run_conditions(plan, run_id=run_id, name=name, complete=complete, draft=draft, depth=depth,
                                 calib=calib, prompt_names=prompt_names, request_path=path, peer_status=peer_status,
-                                vllm_info=vllm_info, load_samples=sampler.samples, t_start=t_start, rows=run.rows)
+                                vllm_info=vllm_info, load_samples=sampler.samples, t_start=t_start, rows=run.rows,
+                                background_bursts=run.background_bursts)
     publish(run_id, name, base, plan, conditions, run, out_dir, args.no_latest, complete, peer_status)
     log(f"done in {(time.time() - t_start) / 60:.1f} min")
     if failure is not None:

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from benchmarks.bursts import BurstSampler, burst_profile
 from benchmarks.child_group import ray_start_timed_out, stop_group
 from benchmarks.metrics import verifier_role
 from benchmarks.proc_stats import CpuSnapshot, cpu_busy, thread_cpu_s, tree_cpu_s
@@ -147,6 +148,22 @@ class Server(_Accounting):
         self.proc = Proc(self.cmd, self.log, stdout=subprocess.PIPE)
         self.client_port = path.client_port(self.port)  # where clients connect (the router's own port if direct)
         self.url = f"http://127.0.0.1:{self.client_port}"
+        self.background: BurstSampler | None = None  # from the first mark: Ray's processes beside ours
+
+    def _watch_background(self) -> None:
+        if self.background is None:
+            self.background = BurstSampler().start()
+        self.background.watch(p for p, role in self._roles.items() if role not in ("router", "verifier"))
+
+    def background_bursts(self) -> dict | None:
+        """The bursts of the server's other processes (Ray's agents, the proxy, GCS) from the first mark
+        on (benchmarks/bursts.py); stops sampling. None: no marks, or no period."""
+        if self.background is None or not self.background.samples:
+            return None
+        self.background.stop()
+        samples = self.background.samples
+        profile = burst_profile(samples, samples[0][0], samples[-1][0])
+        return profile.to_dict() if profile else None
 
     def _ready_line(self, timeout: float = 600.0) -> str:
         """The app's READY line, or "" once its process has ended (a failed start: the reason is in
@@ -214,9 +231,12 @@ class Server(_Accounting):
         # the stats call costs the server a request: keep it outside the CPU window
         if end:
             cpu = super().mark()
+            self._watch_background()
             return {**cpu, "stats": self.stats(), "draft": self.draft_cpu_s()}
         extra = {"stats": self.stats(), "draft": self.draft_cpu_s()}
-        return {**super().mark(), **extra}
+        cpu = super().mark()
+        self._watch_background()
+        return {**cpu, **extra}
 
     def window(self, m0: dict, m1: dict, mode: str, client: dict) -> tuple[dict, dict]:
         """(Window fields, CPU detail) of one configuration between two marks."""

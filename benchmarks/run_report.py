@@ -57,7 +57,7 @@ def fmt(x, nd=1) -> str:
 
 def run_conditions(plan: Plan, *, run_id: str, name: str, complete: bool, draft: str, depth: int, calib: dict | None,
                    prompt_names: list[str], request_path, peer_status: dict, vllm_info: dict, load_samples: list,
-                   t_start: float, rows: list[dict]) -> dict:
+                   t_start: float, rows: list[dict], background_bursts: dict | None = None) -> dict:
     """The ``conditions`` of a run's JSON: what ran where, how cost was counted, the headline ratios."""
     from benchmarks.peers import NGRAM_SPEC, vllm_version
     from edge_agent.agent import AgentConfig
@@ -110,6 +110,7 @@ def run_conditions(plan: Plan, *, run_id: str, name: str, complete: bool, draft:
         "machine": {"cpus": os.cpu_count(), "loadavg_1m_samples": {
             "min": min(load_samples, default=0), "mean": sum(load_samples) / max(len(load_samples), 1),
             "max": max(load_samples, default=0)}},
+        "background_bursts": background_bursts,  # our server's other processes' (benchmarks/bursts.py)
         "wall_minutes": (time.time() - t_start) / 60,
         "headline": {f"rtt{int(r)}_s{s}": ratios(rows, r, s) for r, s in plan.configs()},
     }

@@ -34,6 +34,7 @@ ROUTER_TARGETS = {"router_ms_p50": 0.10, "router_ms_p99": 0.20}
 ASSUMED = {"sibling_alpha": 0.3, "jitter": 0.0, "reply_share": 0.5}
 # one benchmarks.run command, three times back to back
 RUNS = ("bench-runs.json", "bench-runs-2.json", "bench-runs-3.json")
+BURST_FIELDS = ("cores", "length_s", "every_s")  # of a run's background_bursts (benchmarks.bursts.BurstProfile)
 
 
 def fit_alpha(tokens_per_round: float, depth: int, nodes: int, sibling: float) -> float:
@@ -119,8 +120,8 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     of the host's cores). ``cores``: the host's busy cores (``host_cores``, /proc/stat; older runs:
     all of them): at saturation the served system leaves the rest idle, its threads waiting on hand-
     offs the simulation does not model, which keeps its cores busy whenever two processes have work.
-    The other processes' (Ray's agents, GCS, controller, proxy) are background; the reply's share
-    (:data:`ASSUMED`)."""
+    The other processes' (Ray's agents, GCS, controller, proxy) are background, steady and in their
+    measured bursts (:func:`_background`); the reply's share (:data:`ASSUMED`)."""
     s = run["summary"]
     roles, cores = s["server"]["cores_by_role"], float(s["machine"]["cores"])
     host = s["server"].get("host_cores")
@@ -133,12 +134,9 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     if client is None:
         client = cores - roles["router"] - roles["verifier"] - background
     forwards = s["server"].get("forward_cpu_cores", s["server"]["busy_fraction"])  # older runs: the forwards' wall
-    b = s["server"].get("background_bursts") or {"cores": 0.0, "length_s": 0.0, "every_s": 0.0}
-    steady = background - (b["cores"] * b["length_s"] / b["every_s"] if b["cores"] else 0.0)
     return HostCost(router_s=roles["router"] / per_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
-                    client_s=max(0.0, client) / per_s, cores=busy, background_cores=max(0.0, steady),
-                    reply_share=ASSUMED["reply_share"], burst_cores=b["cores"], burst_s=b["length_s"],
-                    burst_every_s=b["every_s"], source=source)
+                    client_s=max(0.0, client) / per_s, cores=busy, reply_share=ASSUMED["reply_share"], source=source,
+                    **_background(background, s["server"].get("background_bursts")))
 
 
 def host_from_bench(run: dict, source: str = "") -> HostCost:
@@ -146,7 +144,7 @@ def host_from_bench(run: dict, source: str = "") -> HostCost:
     server on one core): per request and per forward from ``server_ar`` at its fewest and most
     sessions (one token a request, forwards per token measured), more per tree request from
     ``edge_full`` at its fewest (:func:`bench_fit_rows`); Serve's proxy and Ray's other processes as
-    background cores."""
+    background cores, steady and in their measured bursts (:func:`_background`)."""
     rows = run["rows"]
     lo, hi, edge = bench_fit_rows(rows)
     per_forward = ((lo["cpu_ms_per_token_verifier_other"] - hi["cpu_ms_per_token_verifier_other"])
@@ -157,7 +155,17 @@ def host_from_bench(run: dict, source: str = "") -> HostCost:
     background = sum((r["cpu_ms_per_token_proxy"] + r["cpu_ms_per_token_background"]) * r["server_tokens_per_s"]
                      for r in rows) / len(rows) / 1e3
     return HostCost(replica_s=per_request / 1e3, replica_tree_s=max(0.0, tree) / 1e3, forward_s=per_forward / 1e3,
-                    cores=1.0, background_cores=background, source=source)
+                    cores=1.0, source=source, **_background(background, run["conditions"].get("background_bursts")))
+
+
+def _background(cores: float, bursts: dict | None) -> dict:
+    """HostCost's background from a run's other processes' mean ``cores`` and their bursts
+    (``benchmarks.bursts.BurstProfile``; None: not measured): the steady part is what the bursts
+    leave of the mean."""
+    if not bursts:
+        return {"background_cores": cores}
+    return {"background_cores": max(0.0, cores - bursts["cores"] * bursts["length_s"] / bursts["every_s"]),
+            "burst_cores": bursts["cores"], "burst_s": bursts["length_s"], "burst_every_s": bursts["every_s"]}
 
 
 def bench_fit_rows(rows: list[dict]) -> tuple[dict, dict, dict]:
@@ -196,8 +204,10 @@ def merge_runs(paths: list[Path]) -> dict:
         figs = {f: [measured(r)[f] for r in same] for f in TARGETS}
         merged["spread"] = _spreads(figs)
         rows.append(merged)
-    return {"conditions": {**runs[0]["conditions"], "runs": [run["conditions"].get("run") for run in runs]},
-            "rows": rows}
+    bursts = [b for run in runs if (b := run["conditions"].get("background_bursts"))]
+    mean_bursts = {k: statistics.fmean(b[k] for b in bursts) for k in BURST_FIELDS} if bursts else None
+    return {"conditions": {**runs[0]["conditions"], "runs": [run["conditions"].get("run") for run in runs],
+                           "background_bursts": mean_bursts}, "rows": rows}
 
 
 def _number(v) -> bool:
@@ -269,7 +279,7 @@ def record_loadtest(out_dirs: list[Path], dest: Path) -> None:
         summary = {k: s[k] for k in keep if k in s}
         summary["server"] = {k: v for k, v in s["server"].items()
                              if k in ("cores_by_role", "cores_total", "host_cores", "busy_fraction",
-                                      "forward_cpu_cores", "mean_pending")}
+                                      "forward_cpu_cores", "mean_pending", "background_bursts")}
         summaries.append(summary)
         configs.append(json.loads((out_dir / "loadtest_config.json").read_text()))
     cfg = configs[0]

@@ -53,6 +53,8 @@ def test_quick_smoke_run_writes_every_mode(tmp_path):
     proxy, router = sum(r["proxy"] for r in edge), sum(r["router"] for r in edge)
     assert proxy < 0.5 * router, (proxy, router)
     assert doc["conditions"]["target"].startswith("tiny-random")
+    b = doc["conditions"]["background_bursts"]  # Ray's agents' periodic bursts, where the run saw two
+    assert b is None or b["every_s"] > b["length_s"] > 0 < b["cores"]
     assert all(v.startswith("skipped") for v in doc["conditions"]["peers"].values())
     table = pq.read_table(runs[0].with_suffix(".parquet"))
     assert table.num_rows == len(doc["rows"]) and set(table.column("mode").to_pylist()) == set(MODES)
