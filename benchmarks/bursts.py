@@ -1,5 +1,6 @@
-"""Periodic CPU bursts of a server's background processes (Ray's agents export every worker's metrics
-every 10 s, about a core for most of a second on this host), measured finely enough to model them.
+"""Periodic CPU bursts of a server's background processes (Ray's dashboard agent: about 0.6 of a core
+for about a second every 10 s on this host, the period of Ray's metrics export), measured finely
+enough to model them.
 
 :class:`BurstSampler` sums the CPU of a set of processes every ``period_s`` (a thread; the set can
 change as processes come and go, a new process's CPU so far is not a burst); :func:`burst_profile`

@@ -269,7 +269,7 @@ class HostCost:
     router's while the request counts as in flight), the rest before the call. ``cores``: the CPUs
     these processes and the forwards share, less ``background_cores`` of other processes (Ray's
     agents, GCS); 0: each process has a core of its own; those take ``burst_cores`` more for
-    ``burst_s`` every ``burst_every_s`` (Ray's agents export the workers' metrics every 10 s;
+    ``burst_s`` every ``burst_every_s`` (Ray's dashboard agent, every 10 s;
     ``benchmarks/bursts.py``). Measured over the verify rounds of a served run (CPU seconds by
     process)."""
 

@@ -167,7 +167,7 @@ class SharedCores:
 
 
 async def bursts(cores: SharedCores, taken: float, length_s: float, every_s: float, phase_s: float) -> None:
-    """Another process's periodic bursts of CPU (Ray's agents report every 10 s): it takes ``taken``
+    """Another process's periodic bursts of CPU (Ray's dashboard agent's, every 10 s): it takes ``taken``
     of ``cores``' CPUs for ``length_s`` every ``every_s``, the first at ``phase_s``; runs until cancelled."""
     base = cores.cores
     await asyncio.sleep(phase_s)
