@@ -231,7 +231,7 @@ class System:
         self.tasks = [asyncio.ensure_future(u.run(self.workload.duration_s)) for u in self.users]
         faults = asyncio.ensure_future(self._faults())
         burst = None
-        if cores is not None and self.host.burst_cores:  # the first at a phase of its own seed's
+        if cores is not None and self.host.burst_cores:  # the first burst at a phase drawn from the seed
             h = self.host
             burst = asyncio.ensure_future(bursts(cores, h.burst_cores, h.burst_s, h.burst_every_s,
                                                  random.Random(f"bursts-{self.seed}").uniform(0, h.burst_every_s)))
