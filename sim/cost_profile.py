@@ -266,7 +266,9 @@ class HostCost:
     queued (``replica_tree_s`` more for a tree); ``forward_s`` per forward in its forward thread;
     ``client_s`` in the load generator's (a request's send and its reply read, timed by the
     client). ``reply_share`` of the router's and the client's is spent reading the reply (the
-    router's while the request counts as in flight), the rest before the call. ``cores``: the CPUs
+    router's while the request counts as in flight), the rest before the call: of the router's,
+    ``admit_share`` before its admission (a 429 pays only that), the rest after it, in flight as the
+    router's asyncio loop runs a request's admission as soon as it reads it. ``cores``: the CPUs
     these processes and the forwards share, less ``background_cores`` of other processes (Ray's
     agents, GCS); 0: each process has a core of its own; those take ``burst_cores`` more for
     ``burst_s`` every ``burst_every_s`` (Ray's dashboard agent, every 10 s;
@@ -281,6 +283,7 @@ class HostCost:
     cores: float = 0.0
     background_cores: float = 0.0
     reply_share: float = 0.0
+    admit_share: float = 1.0
     burst_cores: float = 0.0
     burst_s: float = 0.0
     burst_every_s: float = 0.0
@@ -302,16 +305,16 @@ class HostCost:
                        float(d.get("replica_ms_per_forward", 0.0)) / 1e3,
                        float(d.get("client_ms_per_request", 0.0)) / 1e3, float(d.get("cores", 0.0)),
                        float(d.get("background_cores", 0.0)), float(d.get("reply_share", 0.0)),
-                       float(d.get("burst_cores", 0.0)), float(d.get("burst_s", 0.0)),
+                       float(d.get("admit_share", 1.0)), float(d.get("burst_cores", 0.0)), float(d.get("burst_s", 0.0)),
                        float(d.get("burst_every_s", 0.0)), str(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ProfileError(f"host cost {path}: needs router_ms_per_request and replica_ms_per_request ({e})") \
                 from None
         if min(host.router_s, host.replica_s, host.replica_tree_s, host.forward_s, host.client_s, host.cores,
                host.background_cores, host.burst_cores, host.burst_s) < 0 or (
-                host.cores and host.shared_cores <= 0) or not 0 <= host.reply_share <= 1:
+                host.cores and host.shared_cores <= 0) or not 0 <= host.reply_share <= 1 or not 0 <= host.admit_share <= 1:
             raise ProfileError(f"host cost {path}: every figure must be >= 0, cores above background_cores, "
-                               "reply_share within [0, 1]")
+                               "reply_share and admit_share within [0, 1]")
         if host.burst_cores and not 0 < host.burst_s < host.burst_every_s:
             raise ProfileError(f"host cost {path}: burst_s must be above 0 and below burst_every_s")
         return host

@@ -74,6 +74,7 @@ class Fleet:
         self.host = host  # the replica's CPU outside the model: per request on its loop, per forward on its worker
         self.cores = cores  # the host's CPUs, shared by the replicas' workers with the router and client
         self.read_reply = None  # () -> awaitable: the router's CPU reading a replica's reply (HostCost)
+        self.send = None  # () -> awaitable: the router's CPU sending an admitted call (HostCost.admit_share)
         self.replicas: dict[str, VerifierServer] = {}
         self.runners: dict[str, SimRunner] = {}  # every replica that ran, killed ones included
         self.inflight: dict[str, set[asyncio.Task]] = {}
@@ -146,6 +147,8 @@ class Fleet:
 
     async def _call(self, method: str, kwargs: dict):
         self.calls += 1
+        if self.send is not None and method in ("open_session", "verify", "close_session"):
+            await self.send()  # the router's process sends the call, the request already in flight
         core = await self._route(kwargs)
         if method in ("open_session", "verify", "close_session"):
             tree = method == "verify" and VerifyFrame.header(kwargs["frame"]).nodes > 0
@@ -221,8 +224,11 @@ class System:
                            cores)
         self.router_cpu = VirtualWorker(loop, cores)  # the router's process: one request's work at a time
         self.client_cpu = VirtualWorker(loop, cores)  # the load generator's process (HostCost.client_s)
-        if self.host.router_s * self.host.reply_share:
-            self.fleet.read_reply = lambda: _spend(self.router_cpu, self.host.router_s * self.host.reply_share)
+        h = self.host
+        if h.router_s * h.reply_share:
+            self.fleet.read_reply = lambda: _spend(self.router_cpu, h.router_s * h.reply_share)
+        if h.router_s * (1.0 - h.reply_share) * (1.0 - h.admit_share):
+            self.fleet.send = lambda: _spend(self.router_cpu, h.router_s * (1.0 - h.reply_share) * (1.0 - h.admit_share))
         cls = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
         self.router = cls.__new__(cls)
         cls.__init__(self.router, self.fleet, self.app.model_dump())
@@ -279,9 +285,9 @@ class System:
         self.rtt_factor /= factor
 
     async def router_work(self) -> None:
-        """A request's CPU in the router's process before its replica call (``HostCost.router_s``
-        less its reply's share), after those before it."""
-        await _spend(self.router_cpu, self.host.router_s * (1.0 - self.host.reply_share))
+        """A request's CPU in the router's process before its admission (``HostCost.router_s`` less
+        its reply's share, of which ``admit_share``), after those before it."""
+        await _spend(self.router_cpu, self.host.router_s * (1.0 - self.host.reply_share) * self.host.admit_share)
 
     async def client_work(self, reply: bool) -> None:
         """The load generator's CPU for a request (``HostCost.client_s``): sending it, or (``reply``)

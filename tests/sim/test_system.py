@@ -93,6 +93,30 @@ def test_host_cpu_per_request_takes_its_time_in_the_router_and_the_replica(tmp_p
         HostCost.load(tmp_path / "h.json")
 
 
+def test_the_routers_cpu_after_admission_is_spent_in_flight():
+    """HostCost.admit_share: of the router's CPU before the replica call, that share is spent before
+    admission, the rest after it, inside the verify call the router times (as its asyncio loop admits a
+    request as soon as it reads it); its total CPU per request is the same either way."""
+    from sim.cost_profile import HostCost
+
+    w = Workload(users=8, duration_s=6.0, warmup_s=1.0, max_tokens=24, spawn_rate=20.0,
+                 network={"rtt_ms": 30.0, "rtt_sigma": 0.3})
+    profile = CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic")
+
+    def router(admit_share):
+        vc = VirtualClock()
+        host = HostCost(router_s=0.004, replica_s=0.003, reply_share=0.5, admit_share=admit_share, source="test")
+        s = System(AppConfig(**APP), profile, w, 1, vc, host)
+        run(s.run(), vc)
+        return min(s.counters.router_verify_s), s.router_cpu.busy_seconds / (s.fleet.calls + s.counters.shed)
+
+    before, per_request = router(1.0)
+    after, per_request_after = router(0.25)
+    assert before >= 0.002 + 0.003 - 1e-9 and before < 0.004 + 0.003  # the reply's half only
+    assert after >= 0.004 * (0.5 + 0.5 * 0.75) + 0.003 - 1e-9  # and the send after admission
+    assert per_request == pytest.approx(0.004, rel=0.02) and per_request_after == pytest.approx(0.004, rel=0.02)
+
+
 def test_the_background_processes_bursts_slow_the_rounds_they_overlap(tmp_path):
     """HostCost.burst_*: another process takes most of the shared cores for 1 s every 4 s; the rounds
     then in flight wait (the tail grows, the throughput falls), and one seed still gives one trace.
@@ -118,6 +142,9 @@ def test_the_background_processes_bursts_slow_the_rounds_they_overlap(tmp_path):
     (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, "cores": 1, '
                                      '"burst_cores": 0.5, "burst_s": 10, "burst_every_s": 10}')
     with pytest.raises(ProfileError, match="burst_s"):
+        HostCost.load(tmp_path / "h.json")
+    (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, "admit_share": 2}')
+    with pytest.raises(ProfileError, match="admit_share"):
         HostCost.load(tmp_path / "h.json")
 
 
