@@ -310,9 +310,10 @@ class HostCost:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ProfileError(f"host cost {path}: needs router_ms_per_request and replica_ms_per_request ({e})") \
                 from None
+        shares = (host.reply_share, host.admit_share)
         if min(host.router_s, host.replica_s, host.replica_tree_s, host.forward_s, host.client_s, host.cores,
                host.background_cores, host.burst_cores, host.burst_s) < 0 or (
-                host.cores and host.shared_cores <= 0) or not 0 <= host.reply_share <= 1 or not 0 <= host.admit_share <= 1:
+                host.cores and host.shared_cores <= 0) or not all(0 <= x <= 1 for x in shares):
             raise ProfileError(f"host cost {path}: every figure must be >= 0, cores above background_cores, "
                                "reply_share and admit_share within [0, 1]")
         if host.burst_cores and not 0 < host.burst_s < host.burst_every_s:
