@@ -158,11 +158,11 @@ class Server(_Accounting):
     def background_bursts(self) -> dict | None:
         """The bursts of the server's other processes (Ray's agents, the proxy, GCS) from the first mark
         on (benchmarks/bursts.py); stops sampling. None: no marks, or no period."""
-        if self.background is None or not self.background.samples:
+        if self.background is None:
             return None
         self.background.stop()
         samples = self.background.samples
-        profile = burst_profile(samples, samples[0][0], samples[-1][0])
+        profile = burst_profile(samples, samples[0][0], samples[-1][0]) if samples else None
         return profile.to_dict() if profile else None
 
     def _ready_line(self, timeout: float = 600.0) -> str:

@@ -154,7 +154,7 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
 def _bursts(samples: list, window: tuple[float, float]) -> dict | None:
     """The background processes' CPU bursts in the window (benchmarks/bursts.py); None: older runs,
     or no period."""
-    profile = burst_profile([tuple(x) for x in samples], *window)
+    profile = burst_profile(samples, *window)
     return profile.to_dict() if profile else None
 
 

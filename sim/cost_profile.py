@@ -290,6 +290,12 @@ class HostCost:
     source: str = ""
 
     @property
+    def router_parts_s(self) -> tuple[float, float, float]:
+        """The router's CPU per request: before admission, after it before the call, reading the reply."""
+        before = self.router_s * (1.0 - self.reply_share)
+        return before * self.admit_share, before * (1.0 - self.admit_share), self.router_s * self.reply_share
+
+    @property
     def shared_cores(self) -> float:
         """The cores the modelled processes share (0: unshared)."""
         return max(0.0, self.cores - self.background_cores)

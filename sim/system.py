@@ -224,11 +224,11 @@ class System:
                            cores)
         self.router_cpu = VirtualWorker(loop, cores)  # the router's process: one request's work at a time
         self.client_cpu = VirtualWorker(loop, cores)  # the load generator's process (HostCost.client_s)
-        h = self.host
-        if h.router_s * h.reply_share:
-            self.fleet.read_reply = lambda: _spend(self.router_cpu, h.router_s * h.reply_share)
-        if h.router_s * (1.0 - h.reply_share) * (1.0 - h.admit_share):
-            self.fleet.send = lambda: _spend(self.router_cpu, h.router_s * (1.0 - h.reply_share) * (1.0 - h.admit_share))
+        _, send_s, reply_s = self.host.router_parts_s
+        if reply_s:
+            self.fleet.read_reply = lambda: _spend(self.router_cpu, reply_s)
+        if send_s:
+            self.fleet.send = lambda: _spend(self.router_cpu, send_s)
         cls = next(c for c in Router.func_or_class.__mro__[1:] if c.__name__ == "Router")
         self.router = cls.__new__(cls)
         cls.__init__(self.router, self.fleet, self.app.model_dump())
@@ -287,7 +287,7 @@ class System:
     async def router_work(self) -> None:
         """A request's CPU in the router's process before its admission (``HostCost.router_s`` less
         its reply's share, of which ``admit_share``), after those before it."""
-        await _spend(self.router_cpu, self.host.router_s * (1.0 - self.host.reply_share) * self.host.admit_share)
+        await _spend(self.router_cpu, self.host.router_parts_s[0])
 
     async def client_work(self, reply: bool) -> None:
         """The load generator's CPU for a request (``HostCost.client_s``): sending it, or (``reply``)
