@@ -272,8 +272,10 @@ class HostCost:
     these processes and the forwards share, less ``background_cores`` of other processes (Ray's
     agents, GCS); 0: each process has a core of its own; those take ``burst_cores`` more for
     ``burst_s`` every ``burst_every_s`` (Ray's dashboard agent, every 10 s;
-    ``benchmarks/bursts.py``). Measured over the verify rounds of a served run (CPU seconds by
-    process)."""
+    ``benchmarks/bursts.py``). ``client_weight``: the load generator's claim on the shared cores
+    against one server process's (1: the OS shares them by thread; a client given the CPU first, in
+    a session of its own at nice n, claims 1.25 ** -n). Measured over the verify rounds of a served
+    run (CPU seconds by process)."""
 
     router_s: float = 0.0
     replica_s: float = 0.0
@@ -287,6 +289,7 @@ class HostCost:
     burst_cores: float = 0.0
     burst_s: float = 0.0
     burst_every_s: float = 0.0
+    client_weight: float = 1.0
     source: str = ""
 
     @property
@@ -312,16 +315,17 @@ class HostCost:
                        float(d.get("client_ms_per_request", 0.0)) / 1e3, float(d.get("cores", 0.0)),
                        float(d.get("background_cores", 0.0)), float(d.get("reply_share", 0.0)),
                        float(d.get("admit_share", 1.0)), float(d.get("burst_cores", 0.0)), float(d.get("burst_s", 0.0)),
-                       float(d.get("burst_every_s", 0.0)), str(path))
+                       float(d.get("burst_every_s", 0.0)), float(d.get("client_weight", 1.0)), str(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ProfileError(f"host cost {path}: needs router_ms_per_request and replica_ms_per_request ({e})") \
                 from None
         shares = (host.reply_share, host.admit_share)
         if min(host.router_s, host.replica_s, host.replica_tree_s, host.forward_s, host.client_s, host.cores,
                host.background_cores, host.burst_cores, host.burst_s) < 0 or (
-                host.cores and host.shared_cores <= 0) or not all(0 <= x <= 1 for x in shares):
+                host.cores and host.shared_cores <= 0) or not all(0 <= x <= 1 for x in shares) or (
+                host.client_weight <= 0):
             raise ProfileError(f"host cost {path}: every figure must be >= 0, cores above background_cores, "
-                               "reply_share and admit_share within [0, 1]")
+                               "reply_share and admit_share within [0, 1], client_weight above 0")
         if host.burst_cores and not 0 < host.burst_s < host.burst_every_s:
             raise ProfileError(f"host cost {path}: burst_s must be above 0 and below burst_every_s")
         return host

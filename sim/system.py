@@ -223,7 +223,7 @@ class System:
         self.fleet = Fleet(self.app, self.profile, self.vc, loop, self.rng, self.host, TenantShares(weights),
                            cores)
         self.router_cpu = VirtualWorker(loop, cores)  # the router's process: one request's work at a time
-        self.client_cpu = VirtualWorker(loop, cores)  # the load generator's process (HostCost.client_s)
+        self.client_cpu = VirtualWorker(loop, cores, self.host.client_weight)  # the load generator's (HostCost.client_s)
         _, send_s, reply_s = self.host.router_parts_s
         if reply_s:
             self.fleet.read_reply = lambda: _spend(self.router_cpu, reply_s)

@@ -138,8 +138,16 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     forwards = s["server"].get("forward_cpu_cores", s["server"]["busy_fraction"])  # older runs: the forwards' wall
     return HostCost(router_s=roles["router"] / per_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
                     client_s=max(0.0, client) / per_s, cores=busy, reply_share=ASSUMED["reply_share"],
-                    admit_share=ASSUMED["admit_share"], source=source,
+                    admit_share=ASSUMED["admit_share"], client_weight=client_weight(s["run"]), source=source,
                     **_background(background, s["server"].get("background_bursts")))
+
+
+def client_weight(run: dict) -> float:
+    """The load generator's claim on the cores against a server process's (``HostCost.client_weight``):
+    Linux shares the CPU between sessions (autogroups) by their nice before their threads, so a
+    Locust in a session of its own at nice n (``client_autogroup``) claims 1.25 ** -n of the
+    server's session; in a shared session it is one thread among the server's."""
+    return 1.25 ** -run.get("client_niceness", 0) if run.get("client_autogroup") else 1.0
 
 
 def host_from_bench(run: dict, source: str = "") -> HostCost:
@@ -244,7 +252,26 @@ def validate(profile_path: Path, runs_paths: list[Path], seed: int = 0, loadtest
     (:func:`host_from_loadtest`; None: the forward alone)."""
     from sim.__main__ import simulate
 
-    profile = CostProfile.load(profile_path)
+    table = []
+    if runs_paths:
+        table += _bench_table(CostProfile.load(profile_path), runs_paths, bench_host_runs, seed, seeds)
+    host = host_from_loadtest(json.loads(host_run.read_text()), str(host_run)) if host_run else HostCost()
+    for path in loadtests:
+        run = json.loads(Path(path).read_text())
+        app, workload = loadtest_case(run)
+        outs = [predicted(simulate(app, CostProfile.load(tiny_profile), workload, k, host), "verify_ms")
+                for k in range(seed, seed + seeds)]
+        fitted = " (host fitted here)" if host_run and Path(path).resolve() == host_run.resolve() else ""
+        case = f"loadtests.run ramp {run['summary']['run']['users']} users (verify round){fitted}"
+        table += _compare(case, loadtest_measured(run["summary"]), outs, run["summary"].get("spread"))
+    return table
+
+
+def _bench_table(profile: CostProfile, runs_paths: list[Path], bench_host_runs: list[Path] | None, seed: int,
+                 seeds: int) -> list[dict]:
+    """:func:`validate`'s benchmark rows."""
+    from sim.__main__ import simulate
+
     runs = merge_runs(runs_paths)
     own = bench_host_runs is None
     bench_host_data = runs if own else merge_runs(bench_host_runs) if bench_host_runs else None
@@ -258,15 +285,6 @@ def validate(profile_path: Path, runs_paths: list[Path], seed: int = 0, loadtest
         case = f"benchmarks.run {row['mode']} {row['sessions']} sess RTT {row['rtt_ms']:g} ms (ITL)" + (
             " (host fitted here)" if id(row) in fitted_rows else "")
         table += _compare(case, measured(row), outs, row.get("spread"))
-    host = host_from_loadtest(json.loads(host_run.read_text()), str(host_run)) if host_run else HostCost()
-    for path in loadtests:
-        run = json.loads(Path(path).read_text())
-        app, workload = loadtest_case(run)
-        outs = [predicted(simulate(app, CostProfile.load(tiny_profile), workload, k, host), "verify_ms")
-                for k in range(seed, seed + seeds)]
-        fitted = " (host fitted here)" if host_run and Path(path).resolve() == host_run.resolve() else ""
-        case = f"loadtests.run ramp {run['summary']['run']['users']} users (verify round){fitted}"
-        table += _compare(case, loadtest_measured(run["summary"]), outs, run["summary"].get("spread"))
     return table
 
 

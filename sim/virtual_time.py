@@ -105,8 +105,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 class SharedCores:
     """``cores`` CPUs shared by processes (processor sharing, as an OS scheduler shares them):
     each process (a :class:`VirtualWorker`) runs one task at a time, and the processes with a task
-    each run at ``min(1, cores / n)`` of a core. A task's seconds are CPU seconds: it completes when
-    it has had that much CPU."""
+    split the cores in proportion to their ``weight`` (equal weights: ``min(1, cores / n)`` each),
+    none above one core, what one cannot use going to the others. A task's seconds are CPU seconds:
+    it completes when it has had that much CPU."""
 
     def __init__(self, loop: VirtualTimeLoop, cores: float):
         if cores <= 0:
@@ -116,19 +117,28 @@ class SharedCores:
         self.at = loop.time()  # when ``tasks``' seconds left were last brought up to date
         self._timer: asyncio.TimerHandle | None = None
 
-    def rate(self) -> float:
+    def rates(self) -> dict:
         """The share of a core each running process gets now."""
-        return min(1.0, self.cores / len(self.tasks)) if self.tasks else 1.0
+        rates, left, cores = {}, list(self.tasks), self.cores
+        while left:
+            total = sum(w.weight for w in left)
+            capped = [w for w in left if cores * w.weight >= total]
+            if not capped:
+                rates.update((w, cores * w.weight / total) for w in left)
+                break
+            rates.update((w, 1.0) for w in capped)
+            left, cores = [w for w in left if w not in capped], cores - len(capped)
+        return rates
 
     def elapsed(self, worker: VirtualWorker, slowdown: float = 1.0):
         """``cpu -> seconds`` for a task ``worker`` starts now (its own clock reads, e.g. a forward's
         measured time), before the cores know when it ends: the CPU the other running tasks still
-        need, up to as much as its own, shares the cores with it (exact on one core when no task
-        arrives meanwhile), and at least ``slowdown`` (the worker's recent seconds per CPU second:
-        on a saturated host, work keeps arriving)."""
+        need, up to what they get while it has its own (in proportion to their weights), shares the
+        cores with it (exact on one core when no task arrives meanwhile), and at least ``slowdown``
+        (the worker's recent seconds per CPU second: on a saturated host, work keeps arriving)."""
         self._settle()
-        others = [task[0] for w, task in self.tasks.items() if w is not worker]
-        return lambda cpu: max(cpu * slowdown, (cpu + sum(min(r, cpu) for r in others)) / self.cores)
+        others = [(task[0], w.weight / worker.weight) for w, task in self.tasks.items() if w is not worker]
+        return lambda cpu: max(cpu * slowdown, (cpu + sum(min(r, cpu * k) for r, k in others)) / self.cores)
 
     def run(self, worker: VirtualWorker, seconds: float, on_done) -> None:
         """``worker``'s task needs ``seconds`` of CPU; ``on_done()`` when it has had them."""
@@ -145,9 +155,9 @@ class SharedCores:
         self._arm()
 
     def _settle(self) -> None:
-        now, rate = self.loop.time(), self.rate()
-        for task in self.tasks.values():
-            task[0] -= (now - self.at) * rate
+        now, rates = self.loop.time(), self.rates()
+        for w, task in self.tasks.items():
+            task[0] -= (now - self.at) * rates[w]
         self.at = now
 
     def _arm(self) -> None:
@@ -155,8 +165,9 @@ class SharedCores:
             self._timer.cancel()
             self._timer = None
         if self.tasks:
-            left = min(task[0] for task in self.tasks.values())
-            self._timer = self.loop.call_at(self.at + max(0.0, left) / self.rate(), self._tick)
+            rates = self.rates()
+            left = min(max(0.0, task[0]) / rates[w] for w, task in self.tasks.items())
+            self._timer = self.loop.call_at(self.at + left, self._tick)
 
     def _tick(self) -> None:
         self._timer = None
@@ -184,8 +195,10 @@ class VirtualWorker(Executor):
     thread, and its future completes after the seconds it spent (with ``cores``: once it has had
     that much of the shared cores' CPU)."""
 
-    def __init__(self, loop: VirtualTimeLoop, cores: SharedCores | None = None):
-        self.loop, self.clock, self.cores = loop, loop.clock, cores
+    def __init__(self, loop: VirtualTimeLoop, cores: SharedCores | None = None, weight: float = 1.0):
+        if weight <= 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+        self.loop, self.clock, self.cores, self.weight = loop, loop.clock, cores, weight  # weight: its claim on cores
         self.queue: collections.deque = collections.deque()
         self.busy = False
         self.busy_seconds = 0.0  # spent by all tasks

@@ -148,6 +148,34 @@ def test_the_background_processes_bursts_slow_the_rounds_they_overlap(tmp_path):
         HostCost.load(tmp_path / "h.json")
 
 
+def test_a_client_given_the_cpu_first_waits_less_for_it(tmp_path):
+    """HostCost.client_weight: the load generator's claim on the shared cores against a server
+    process's. Claiming more, its work takes fewer seconds per CPU second (it waits less behind the
+    server's); the CPU it spends is the same. The field loads from a host file;
+    0 is refused."""
+    from sim.cost_profile import HostCost, ProfileError
+
+    w = Workload(users=12, duration_s=6.0, warmup_s=1.0, max_tokens=24, spawn_rate=20.0,
+                 network={"rtt_ms": 30.0, "rtt_sigma": 0.3})
+    profile = CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic")
+
+    def client(weight):
+        vc = VirtualClock()
+        host = HostCost(router_s=0.004, replica_s=0.004, client_s=0.004, cores=1.0, client_weight=weight, source="t")
+        s = System(AppConfig(**APP), profile, w, 1, vc, host)
+        run(s.run(), vc)
+        return s.client_cpu.slowdown, s.client_cpu.busy_seconds / (s.fleet.calls + s.counters.shed)
+
+    (shared, per_request), (first, per_request_first) = client(1.0), client(8.0)
+    assert first < shared / 2
+    assert per_request == pytest.approx(0.004, rel=0.1) and per_request_first == pytest.approx(0.004, rel=0.1)
+    (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, "client_weight": 3}')
+    assert HostCost.load(tmp_path / "h.json").client_weight == 3.0
+    (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, "client_weight": 0}')
+    with pytest.raises(ProfileError, match="client_weight"):
+        HostCost.load(tmp_path / "h.json")
+
+
 def test_a_shed_user_waits_out_the_retry_after_the_router_sent():
     """As the edge agent and the load test's users: whole seconds, at least 1, at most 30, x U(0.5, 1.5)."""
     import random

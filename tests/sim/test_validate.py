@@ -72,6 +72,14 @@ def test_the_hosts_cpu_per_request_measured_at_300_users_holds_at_1000_and_3000(
     assert all(1.7 <= h.cores < 1.9 and h.shared_cores == pytest.approx(h.cores - h.background_cores) for h in hosts)
 
 
+def test_a_client_in_a_session_of_its_own_claims_the_cores_by_its_nice():
+    from sim.validate import client_weight
+
+    assert client_weight({"client_niceness": -5, "client_autogroup": True}) == pytest.approx(3.05, rel=0.01)
+    assert client_weight({"client_niceness": -5, "client_autogroup": False}) == 1.0  # its nice ranks it in no group
+    assert client_weight({"client_niceness": 0}) == client_weight({}) == 1.0
+
+
 def test_the_replicas_cpu_per_request_forward_and_tree_fits_the_run_and_predicts_its_held_out_rows():
     """host_from_bench: fitted on server_ar x 1 and x 16 and edge_full x 1 of the committed run, it
     gives back their CPU per token outside the model, and predicts the other rows' within 20 % (the

@@ -88,9 +88,10 @@ def test_a_deadlock_is_reported_not_hung(monkeypatch):
         run(asyncio.Event().wait())
 
 
-def _shared(cores: float, jobs: list[tuple[float, float]]):
-    """Each job ``(start, cpu_seconds)`` on a worker of its own, sharing ``cores``: when each
-    finishes, what its own clock read inside, and the CPU seconds the workers count."""
+def _shared(cores: float, jobs: list[tuple[float, float]], weights: list[float] | None = None):
+    """Each job ``(start, cpu_seconds)`` on a worker of its own (of ``weights``, default 1 each),
+    sharing ``cores``: when each finishes, what its own clock read inside, and the CPU seconds the
+    workers count."""
     vc = VirtualClock()
     inside = []
 
@@ -99,15 +100,15 @@ def _shared(cores: float, jobs: list[tuple[float, float]]):
         vc.spend(seconds)
         inside.append(round(clock.monotonic() - t0, 9))
 
-    async def job(shared, start: float, seconds: float):
+    async def job(shared, start: float, seconds: float, weight: float):
         await clock.sleep(start)
-        w = VirtualWorker(asyncio.get_running_loop(), shared)
+        w = VirtualWorker(asyncio.get_running_loop(), shared, weight)
         await asyncio.get_running_loop().run_in_executor(w, work, seconds)
         return round(clock.monotonic(), 9), w.busy_seconds
 
     async def main():
         shared = SharedCores(asyncio.get_running_loop(), cores)
-        return await asyncio.gather(*(job(shared, t, s) for t, s in jobs))
+        return await asyncio.gather(*(job(shared, t, s, k) for (t, s), k in zip(jobs, weights or [1.0] * len(jobs))))
 
     out = run(main(), vc)
     return [t for t, _ in out], inside, [b for _, b in out]
@@ -120,6 +121,25 @@ def test_processes_share_the_cores_equally_at_most_a_core_each():
     assert ends == [1.5, 1.5, 1.5]  # three on two cores: two thirds each
     ends, _, _ = _shared(2.0, [(0.0, 1.0), (0.0, 0.5)])
     assert ends == [1.0, 0.5]  # fewer processes than cores: a whole core each, no faster
+
+
+def test_processes_share_the_cores_by_weight_at_most_a_core_each():
+    ends, inside, _ = _shared(1.0, [(0.0, 1.0), (0.0, 1.0)], [1.0, 3.0])
+    assert ends == [2.0, pytest.approx(4 / 3)]  # three quarters of the core to the heavy one, then all to the other
+    assert inside == [1.0, pytest.approx(4 / 3)]  # the heavy one's clock counts the other's quarter (the first,
+    # started alone, could not know)
+    ends, _, _ = _shared(2.0, [(0.0, 1.0), (0.0, 1.0), (0.0, 1.0)], [3.0, 1.0, 1.0])
+    assert ends == [1.0, 1.5, 1.5]  # the heavy one capped at a core, the other core split; then a core each
+    ends, _, _ = _shared(1.0, [(0.0, 1.0), (0.0, 1.0)], [1.0, 1.0])
+    assert ends == [2.0, 2.0]  # equal weights: equal shares, as without
+
+
+def test_a_worker_without_a_positive_weight_is_refused():
+    async def main():
+        VirtualWorker(asyncio.get_running_loop(), None, 0.0)
+
+    with pytest.raises(ValueError, match="weight"):
+        run(main(), VirtualClock())
 
 
 def test_a_task_that_arrives_slows_the_running_one_from_then_on():
