@@ -34,6 +34,7 @@ import gevent
 import websocket  # websocket-client: plain sockets, which Locust's gevent patches cooperative
 from locust import FastHttpUser, between, events, task
 
+from specdec import server_timing
 from specdec.protocol import ReplyFrame, VerifyFrame
 from loadtests import keepalive
 from loadtests.synthetic_tree import AcceptanceModel, expected_accepted, synthetic_tree
@@ -75,6 +76,9 @@ class Counters:
         self.loop_cpu_s: list[tuple[float, float]] = []  # (epoch s, CPU seconds) this process ran in each lag sample
         self.gc_pause: list[tuple[float, float]] = []  # (epoch s, ms) each garbage collection stopped this process
         self.gc_gen: list[int] = []  # and its generation
+        # (epoch s, ms) of each verify round's time outside the router: this process's time of it less the
+        # router's own (its Server-Timing header): the loopback, this process's waits and its own CPU
+        self.verify_outside: list[tuple[float, float]] = []
 
     def add(self, tenant: str, field: str, n: float = 1) -> None:
         self.tenant[tenant][field] += n
@@ -92,7 +96,8 @@ class Counters:
                 "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag],
                 "loop_cpu_share": [(round(t, 2), round(x, 3)) for t, x in self.loop_cpu],
                 "loop_cpu_s": [(round(t, 2), round(x, 6)) for t, x in self.loop_cpu_s],
-                "gc_pause_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.gc_pause], "gc_gen": self.gc_gen}
+                "gc_pause_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.gc_pause], "gc_gen": self.gc_gen,
+                "verify_outside_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.verify_outside]}
 
 
 STATS = Counters()
@@ -444,6 +449,9 @@ class EdgeUser(FastHttpUser):
                 s.add(self.tenant, "expected", expected_accepted(self.model, depth, len(rest), nodes))
                 s.verify_ms[self.tenant].append(ms)
                 s.verify_at[self.tenant].append(now)
+                served = server_timing.router_ms(headers.get(server_timing.HEADER))
+                if served is not None:
+                    s.verify_outside.append((now, ms - served))
                 self._count_tokens(len(new))
                 prefix_len, finished = rep.prefix_len, rep.finished
                 depth_hint, budget_hint = rep.depth_hint or depth_hint, rep.budget_hint or budget_hint

@@ -73,7 +73,7 @@ def read_locust_history(path: Path) -> list[dict]:
 
 
 # the Locust processes' own samples (loop lag, its CPU, collections), concatenated across processes
-SAMPLE_KEYS = ("loop_lag_ms", "loop_cpu_share", "loop_cpu_s", "gc_pause_ms", "gc_gen")
+SAMPLE_KEYS = ("loop_lag_ms", "loop_cpu_share", "loop_cpu_s", "gc_pause_ms", "gc_gen", "verify_outside_ms")
 
 
 def merge_counters(paths: list[Path]) -> dict:
@@ -409,6 +409,9 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         # the router's own time of each admitted verify round's verifier call (deploy/router/probe.py): the
         # served system's share of the users' verify_ms_window, without the load generator's waits
         "router_verify_ms_window": router_verify(server_stats, window),
+        # each admitted verify round's time outside the router (the users' time less the router's Server-Timing):
+        # the loopback and the load generator's own waits and CPU
+        "verify_outside_router_ms_window": _pcts(counters["verify_outside_ms"], window),
         "shed_split": shed_split(counters, server_stats, window),
         "open_refusals": open_refusals(counters, server_stats),
         "probe": probe_summary(out / "probe.json", window),
@@ -688,7 +691,7 @@ def fault_lines(f: dict) -> list[str]:
 
 def markdown(s: dict) -> str:
     lim, um, run = s["limits"], s["user_model"], s["run"]
-    rv = s.get("router_verify_ms_window") or {}
+    rv, vo = s.get("router_verify_ms_window") or {}, s.get("verify_outside_router_ms_window") or {}
     lines = [
         f"# Load test: {s['scenario']}",
         "",
@@ -724,6 +727,8 @@ def markdown(s: dict) -> str:
         f"{_f(s['verify_ms_window']['p95'], 0)} / {_f(s['verify_ms_window']['p99'], 0)} |",
         f"| the same, the router's verifier call alone p50 / p95 / p99 (ms) | | "
         f"{_f(rv.get('p50'), 0)} / {_f(rv.get('p95'), 0)} / {_f(rv.get('p99'), 0)} |",
+        f"| the same, outside the router (the users' less its Server-Timing) p50 / p99 (ms) | | "
+        f"{_f(vo.get('p50'), 0)} / {_f(vo.get('p99'), 0)} |",
         f"| tokens/s served | {_f(s['tokens_per_s'])} | {_f(s['tokens_per_s_window'])} |",
         f"| 429 rate | {s['rate_429']:.2%} ({s['shed_429']:g}: {s['shed_reasons']}) | {s['rate_429_window']:.2%} |",
         f"| 429 latency p50 / p99 (ms) | {_f(s['shed_ms']['p50'], 0)} / {_f(s['shed_ms']['p99'], 0)} | "

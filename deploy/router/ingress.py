@@ -29,6 +29,7 @@ from deploy.router.server_decode import ServerDecode
 from deploy.router.tenants import TenantRegistry, TenantState
 from specdec import clock
 from specdec import openai as oai
+from specdec import server_timing
 from specdec.errors import DERIVED_FIELDS, InvalidRequest, Overloaded, PayloadTooLarge, SpecError, UpstreamTimeout
 from specdec.openai.streaming import ClosingStream
 from specdec.protocol import EARLY_STREAM_MEDIA_TYPE, OpenSession, ReplyFrame, VerifyFrame, asks_early, record
@@ -309,12 +310,16 @@ class Router:
 
     @api.post("/v1/sessions/{sid}/verify")
     async def verify_http(self, sid: str, request: Request):
+        """One verify round; its reply says how long this router held it (``Server-Timing``,
+        specdec/server_timing.py: from the fast path's read of the request)."""
+        received = request.scope.get(RECEIVED_AT, clock.perf_counter())
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
         body = await self._body(request)
         if asks_early(body) and EARLY_STREAM_MEDIA_TYPE in request.headers.get("accept", ""):
             return await self._verify_streamed(tenant, sid, body)
         reply = await self.verify(tenant, sid, body)
-        return Response(reply, media_type="application/octet-stream")
+        return Response(reply, media_type="application/octet-stream",
+                        headers={server_timing.HEADER: server_timing.header_value(clock.perf_counter() - received)})
 
     async def _verify_streamed(self, tenant: TenantState, sid: str, body: bytes):
         """POST verify of an ``F_EARLY`` frame that accepts the stream (specdec/protocol.py): a chunked

@@ -107,7 +107,8 @@ def test_the_users_take_keys_from_the_app_config():
 
 def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_window(tmp_path):
     """shed_split: client-measured 429s by reason, the router's own answer time and loop lag (the
-    server's samples), Locust's own loop lag; samples outside the steady window do not count."""
+    server's samples), Locust's own loop lag; and the verify rounds' time outside the router (the users'
+    less the router's Server-Timing); samples outside the steady window do not count."""
     _counters(tmp_path / "counters.json", {"default": {"shed": 4}}, {"default": 10})
     data = json.loads((tmp_path / "counters.json").read_text())
     data.update(shed_ms=[5000.0, 40.0, 60.0, 300.0], shed_at=[T0 + 1, T0 + 10, T0 + 11, T0 + 12],
@@ -116,7 +117,8 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
                 loop_lag_ms=[[T0 + 1, 900.0], [T0 + 10, 2.0], [T0 + 11, 30.0]],
                 loop_cpu_share=[[T0 + 1, 0.1], [T0 + 10, 0.5], [T0 + 11, 0.95]],  # the 30 ms lag: its own work
                 loop_cpu_s=[[T0 + 1, 0.5], [T0 + 10, 0.026], [T0 + 11, 0.076]],  # its CPU seconds in each sample
-                gc_pause_ms=[[T0 + 1, 400.0], [T0 + 10, 3.0], [T0 + 11, 120.0]], gc_gen=[2, 0, 2])
+                gc_pause_ms=[[T0 + 1, 400.0], [T0 + 10, 3.0], [T0 + 11, 120.0]], gc_gen=[2, 0, 2],
+                verify_outside_ms=[[T0 + 1, 800.0], [T0 + 10, 4.0], [T0 + 11, 90.0]])
     (tmp_path / "counters.json").write_text(json.dumps(data))
     stats = tmp_path / "server_stats.json"
     stats.write_text(json.dumps({"samples": [], "router_probe": {
@@ -140,6 +142,8 @@ def test_the_429_split_takes_the_routers_probe_and_both_loops_lag_inside_the_win
     assert s["shed_ms_window"]["p99"] == 300.0  # the figure the check reads is the client's
     assert s["router_verify_ms_window"] == {"n": 2, "p50": 30.0, "p95": 50.0, "p99": 50.0}  # the router's own time
     assert "| the same, the router's verifier call alone p50 / p95 / p99 (ms) | | 30 / 50 / 50 |" in markdown(s)
+    assert s["verify_outside_router_ms_window"] == {"n": 2, "p50": 4.0, "p99": 90.0, "max": 90.0}  # Locust's side
+    assert "outside the router (the users' less its Server-Timing) p50 / p99 (ms) | | 4 / 90 |" in markdown(s)
     assert sp["router_gc_pause_ms"]["max"] == 150.0 and sp["router_gc_cpu_ms"]["max"] == 20.0
     assert sp["router_gc_full_ms"]["n"] == 0  # the full collection fell before the window
     assert ("router GC 2 pauses, 2.0 / 150.0 (max 150); their CPU 2.0 / 20.0 (max 20); objects freed per "

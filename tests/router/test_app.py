@@ -230,7 +230,9 @@ def test_openai_completions_server_only_modes(two_replicas, reference_model, mod
 
 def test_chain_mode_over_http_greedy_matches_reference(two_replicas, reference_model):
     """DSSD-style chain frames (q(x) per token) through the real app; greedy rejections
-    come back with the target's token as the bonus."""
+    come back with the target's token as the bonus. Each reply states the router's time of its
+    round (Server-Timing), within the client's."""
+    from specdec import server_timing
     from specdec.protocol import ReplyFrame
 
     p = prompts(1, seed=21)[0]
@@ -247,6 +249,8 @@ def test_chain_mode_over_http_greedy_matches_reference(two_replicas, reference_m
             frame = VerifyFrame(n, chain, list(range(-1, len(chain) - 1)), q=[0.5] * len(chain)).encode()
             r = c.post(f"/v1/sessions/{sid}/verify", content=frame)
             assert r.status_code == 200, r.text
+            served = server_timing.router_ms(r.headers.get(server_timing.HEADER))
+            assert served is not None and 0 <= served <= r.elapsed.total_seconds() * 1e3
             rep = ReplyFrame.decode(r.content)
             assert not rep.rejected  # greedy: the server returns the correction itself
             out += chain[: len(rep.accepted)] + [rep.bonus]
