@@ -307,7 +307,7 @@ class System:
         closed = w.generations_per_user is not None  # a closed run: its figures are over the whole run
         window = c.last_token_at if closed else w.duration_s - w.warmup_s
         tokens, rounds = (c.tokens, c.rounds) if closed else (c.window_tokens, c.window_rounds)
-        lat, router = sorted(c.round_s), sorted(c.router_verify_s)
+        lat, router, outside = sorted(c.round_s), sorted(c.router_verify_s), sorted(c.outside_s)
         busy = {tag: r.busy_seconds for tag, r in self.fleet.runners.items()}
         return {"users": len(self.users), "mode": w.mode, "replicas": len(self.fleet.replicas),
                 "replicas_killed": len(self.fleet.killed), "seed": self.seed,
@@ -316,6 +316,7 @@ class System:
                 "verify_rounds_per_s": rounds / window if window else 0.0,
                 "verify_ms": {"p50": _pct(lat, 50) * 1e3, "p99": _pct(lat, 99) * 1e3},
                 "router_verify_ms": {"p50": _pct(router, 50) * 1e3, "p99": _pct(router, 99) * 1e3},
+                "verify_outside_router_ms": {"p50": _pct(outside, 50) * 1e3, "p99": _pct(outside, 99) * 1e3},
                 "itl_ms": {"p50": weighted_percentile(c.itl, 50) * 1e3, "p99": weighted_percentile(c.itl, 99) * 1e3},
                 "ttft_ms_mean": 1e3 * sum(c.ttft_s) / len(c.ttft_s) if c.ttft_s else float("nan"),
                 "ttft_ms_p99": _pct(sorted(c.ttft_s), 99) * 1e3,

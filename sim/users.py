@@ -42,7 +42,10 @@ class Counters:
     errors: int = 0
     diverged: int = 0
     reopens: int = 0
-    round_s: list[float] = field(default_factory=list)  # server time of each admitted verify round (window)
+    round_s: list[float] = field(default_factory=list)  # each admitted verify round as its user times it (window)
+    # of each, the time outside the router (the user's less the router's, from its loop's read of the request to
+    # its reply: the Server-Timing a served router states): the client's CPU and waits (window)
+    outside_s: list[float] = field(default_factory=list)
     router_verify_s: list[float] = field(default_factory=list)  # its verifier call as the router times it (window)
     itl: list[tuple[float, float]] = field(default_factory=list)  # (s per token, tokens) per batch (window)
     ttft_s: list[float] = field(default_factory=list)
@@ -100,6 +103,7 @@ class EdgeUser:
         self.sys, self.i, self.rng, self.w, self.spawn = system, index, rng, w, spawn
         self.vanished = False  # set by a vanish fault: it drops its session unclosed and stops
         self.retry_after: float | None = None  # of the last shed answer
+        self.held_s = 0.0  # the router's time of the last verify round it answered
         names = sorted(w.tenants)
         name = rng.choices(names, weights=[w.tenants[n] for n in names])[0]
         by_name = system.router.tenants.by_name
@@ -208,6 +212,7 @@ class EdgeUser:
                 c.last_token_at = clock.monotonic()
                 if clock.monotonic() >= w.warmup_s:
                     c.round_s.append(took)
+                    c.outside_s.append(took - self.held_s)
                     c.window_rounds += 1
                     c.window_tokens += len(new)
                 if ready is not None and len(reply.accepted) < depth:  # the proactive tree assumed all accepted
@@ -327,13 +332,17 @@ class EdgeUser:
         return None
 
     async def verify(self, sid: str, frame: bytes) -> tuple[int, ReplyFrame | None, float]:
-        await self.sys.client_work(reply=False)
+        """One verify round through the router: (status, reply, seconds as a client times it, its send
+        and its read of the reply included)."""
         t0 = clock.monotonic()
+        await self.sys.client_work(reply=False)
         try:
             await self.sys.router_work()
             if (shed := self.sys.fast_shed("POST", f"/v1/sessions/{sid}/verify", self.tenant)) is not None:
                 raise shed
+            held = clock.monotonic()
             payload = await self.sys.router.verify(self.tenant, sid, frame)
+            self.held_s = clock.monotonic() - held  # the router's time of it, its reply's Server-Timing
             await self.sys.client_work(reply=True)
             return 200, ReplyFrame.decode(payload), clock.monotonic() - t0
         except SpecError as e:

@@ -176,6 +176,21 @@ def test_a_client_given_the_cpu_first_waits_less_for_it(tmp_path):
         HostCost.load(tmp_path / "h.json")
 
 
+def test_a_rounds_time_outside_the_router_is_the_clients_own():
+    """A load-test user's round, as it times it, is the router's time of it (its Server-Timing) and the
+    client's: its request's send and its reply's read, at least their CPU."""
+    from sim.cost_profile import HostCost
+
+    w = Workload(users=8, duration_s=6.0, warmup_s=1.0, max_tokens=24, spawn_rate=20.0, client="loadtest",
+                 network={"rtt_ms": 30.0, "rtt_sigma": 0.3})
+    vc = VirtualClock()
+    host = HostCost(router_s=0.001, replica_s=0.001, client_s=0.004, source="t")
+    out = run(System(AppConfig(**APP), CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic"),
+                     w, 1, vc, host).run(), vc)
+    outside, users = out["verify_outside_router_ms"], out["verify_ms"]
+    assert 4.0 - 1e-6 <= outside["p50"] < users["p50"] and outside["p99"] <= users["p99"]
+
+
 def test_a_shed_user_waits_out_the_retry_after_the_router_sent():
     """As the edge agent and the load test's users: whole seconds, at least 1, at most 30, x U(0.5, 1.5)."""
     import random

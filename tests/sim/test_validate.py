@@ -173,7 +173,7 @@ def test_load_tests_of_one_command_merge_into_their_mean_with_their_spread(tmp_p
     """Load tests on a shared 2-core host read 2,191-2,503 tokens/s in three runs of one command:
     the summaries of several runs merge as a benchmark's rows do, and a run of another command is
     refused."""
-    from sim.validate import record_loadtest
+    from sim.validate import loadtest_measured, record_loadtest
 
     def run(name: str, tokens: float, users: int = 300) -> Path:
         d = tmp_path / name
@@ -181,6 +181,7 @@ def test_load_tests_of_one_command_merge_into_their_mean_with_their_spread(tmp_p
         summary = {"run": {"users": users, "host": f"http://127.0.0.1:{len(name)}"}, "window_s": [8.0, 57.0],
                    "tokens_per_s_window": tokens, "verify_per_s_window": tokens / 2, "rate_429_window": 0.1,
                    "verify_ms_window": {"p50": 60.0, "p99": 200.0}, "sessions": {"opened": 100.0},
+                   "verify_outside_router_ms_window": {"n": 9, "p50": 10.0, "p99": tokens / 10, "max": 300.0},
                    "server": {"cores_by_role": {"router": 0.7}, "busy_fraction": 0.2, "other": 1}}
         (d / "summary.json").write_text(json.dumps(summary))
         (d / "loadtest_config.json").write_text(json.dumps({"app": {"users": users}, "user": {"rtt_ms": 40.0},
@@ -195,5 +196,7 @@ def test_load_tests_of_one_command_merge_into_their_mean_with_their_spread(tmp_p
     assert s["verify_ms_window"]["p50"] == 60.0 and "other" not in s["server"]
     assert s["spread"]["verified_tokens_per_s"] == pytest.approx(200.0 / 1100.0)
     assert s["spread"]["latency_ms_p99"] == 0.0
+    assert loadtest_measured(s)["outside_ms_p99"] == pytest.approx(110.0)  # the users' time outside the router
+    assert s["spread"]["outside_ms_p99"] == pytest.approx(20.0 / 110.0)
     with pytest.raises(ValueError, match="one command"):
         record_loadtest([run("d", 1000.0), run("e", 1000.0, users=1000)], dest)
