@@ -32,8 +32,8 @@ TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_
 # and the round's time outside the router (the users' less the router's Server-Timing): the load generator's
 ROUTER_TARGETS = {"router_ms_p50": 0.10, "router_ms_p99": 0.20, "outside_ms_p50": 0.10, "outside_ms_p99": 0.20}
 # what the measured runs do not report; reply_share: a request's CPU spent on its reply; admit_share: the router's
-# before admission, of what it spends before the call: 0.3 makes a 429 cost the router the 0.13 ms a fit of its CPU
-# across loads gives one (at 300 users, 0.88 ms a request); sim.cost_profile.HostCost
+# before admission, of what it spends before the call: 0.3 makes a 429 cost the router the 0.12-0.13 ms a fit of its
+# CPU across loads gave one (2026-11-29's runs; 0.81-0.88 ms a request at 300 users); sim.cost_profile.HostCost
 ASSUMED = {"sibling_alpha": 0.3, "jitter": 0.0, "reply_share": 0.5, "admit_share": 0.3}
 # one benchmarks.run command, three times back to back
 RUNS = ("bench-runs.json", "bench-runs-2.json", "bench-runs-3.json")
