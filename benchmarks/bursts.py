@@ -83,7 +83,7 @@ class BurstProfile:
     @property
     def mean_cores(self) -> float:
         """The bursts' CPU averaged over the window."""
-        return self.cores * self.length_s / self.every_s
+        return mean_cores(self.to_dict())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,3 +115,15 @@ def burst_profile(samples: list[tuple[float, float]], lo: float, hi: float) -> B
     length = statistics.fmean(b[1] - b[0] for b in found)
     cores = sum(b[2] for b in found) / sum(b[1] - b[0] for b in found)
     return BurstProfile(steady, every, length, cores, len(found), pts[-1][0] - pts[0][0])
+
+
+def mean_cores(bursts: dict) -> float:
+    """Bursts' CPU averaged over time, of a profile's fields ``cores``, ``length_s`` and ``every_s``
+    (:meth:`BurstProfile.to_dict`, or the mean of several)."""
+    return bursts["cores"] * bursts["length_s"] / bursts["every_s"]
+
+
+def profile_dict(samples: list[tuple[float, float]], lo: float, hi: float) -> dict | None:
+    """:func:`burst_profile` as the dict a run's JSON keeps; None without a period."""
+    profile = burst_profile(samples, lo, hi)
+    return profile.to_dict() if profile else None

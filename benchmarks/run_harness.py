@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.bursts import BurstSampler, burst_profile
+from benchmarks.bursts import BurstSampler, profile_dict
 from benchmarks.child_group import ray_start_timed_out, stop_group
 from benchmarks.metrics import verifier_role
 from benchmarks.proc_stats import CpuSnapshot, cpu_busy, thread_cpu_s, tree_cpu_s
@@ -162,8 +162,7 @@ class Server(_Accounting):
             return None
         self.background.stop()
         samples = self.background.samples
-        profile = burst_profile(samples, samples[0][0], samples[-1][0]) if samples else None
-        return profile.to_dict() if profile else None
+        return profile_dict(samples, samples[0][0], samples[-1][0]) if samples else None
 
     def _ready_line(self, timeout: float = 600.0) -> str:
         """The app's READY line, or "" once its process has ended (a failed start: the reason is in
@@ -231,10 +230,10 @@ class Server(_Accounting):
         # the stats call costs the server a request: keep it outside the CPU window
         if end:
             cpu = super().mark()
-            self._watch_background()
-            return {**cpu, "stats": self.stats(), "draft": self.draft_cpu_s()}
-        extra = {"stats": self.stats(), "draft": self.draft_cpu_s()}
-        cpu = super().mark()
+            extra = {"stats": self.stats(), "draft": self.draft_cpu_s()}
+        else:
+            extra = {"stats": self.stats(), "draft": self.draft_cpu_s()}
+            cpu = super().mark()
         self._watch_background()
         return {**cpu, **extra}
 

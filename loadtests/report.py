@@ -33,7 +33,7 @@ import platform
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.bursts import burst_profile
+from benchmarks.bursts import profile_dict
 from loadtests.config import LoadTestConfig
 
 SHARE_TOLERANCE = 0.20
@@ -148,14 +148,10 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
             "backlogged_fraction": backlogged,  # samples with a full batch waiting
             "saturated": bool(pending) and mean_pending >= max_batch,
             "events": data.get("events", []), **process_summary(data.get("procs", []), window),
-            "background_bursts": _bursts(data.get("background_cpu", []), window)}
+            # the background processes' CPU bursts in the window (None: older runs, or no period)
+            "background_bursts": profile_dict(data.get("background_cpu", []), *window)}
 
 
-def _bursts(samples: list, window: tuple[float, float]) -> dict | None:
-    """The background processes' CPU bursts in the window (benchmarks/bursts.py); None: older runs,
-    or no period."""
-    profile = burst_profile(samples, *window)
-    return profile.to_dict() if profile else None
 
 
 def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:

@@ -21,6 +21,7 @@ import math
 import statistics
 from pathlib import Path
 
+from benchmarks.bursts import mean_cores
 from deploy.config import AppConfig
 from loadtests.synthetic_tree import AcceptanceModel, expected_accepted
 from sim.cost_profile import CostProfile, HostCost
@@ -178,7 +179,7 @@ def _background(cores: float, bursts: dict | None) -> dict:
     leave of the mean."""
     if not bursts:
         return {"background_cores": cores}
-    return {"background_cores": max(0.0, cores - bursts["cores"] * bursts["length_s"] / bursts["every_s"]),
+    return {"background_cores": max(0.0, cores - mean_cores(bursts)),
             "burst_cores": bursts["cores"], "burst_s": bursts["length_s"], "burst_every_s": bursts["every_s"]}
 
 
