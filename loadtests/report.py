@@ -34,6 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.bursts import profile_dict
+from deploy.verifier.stats_window import mean_figures, window_figures
 from loadtests.config import LoadTestConfig
 
 SHARE_TOLERANCE = 0.20
@@ -129,9 +130,11 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
     by_replica: dict[str, list[dict]] = defaultdict(list)
     for s in data["samples"]:
         by_replica[s["replica"]].append(s)
-    busy, cpu = [], []
+    busy, cpu, own = [], [], []
     for rs in by_replica.values():
         w = [s for s in rs if lo <= s["t"] <= hi]
+        if len(w) >= 2 and "verify_requests_total" in w[0]:
+            own.append(window_figures(w[0], w[-1]))
         if len(w) >= 2 and w[-1]["uptime_seconds"] > w[0]["uptime_seconds"]:
             up = w[-1]["uptime_seconds"] - w[0]["uptime_seconds"]
             busy.append((w[-1]["busy_seconds"] - w[0]["busy_seconds"]) / up)
@@ -146,6 +149,7 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
             "busy_fraction": (sum(busy) / len(busy)) if busy else float("nan"),
             "forward_cpu_cores": (sum(cpu) / len(cpu)) if cpu else float("nan"),
             "backlogged_fraction": backlogged,  # samples with a full batch waiting
+            "replica_window": mean_figures(own),  # its own counters' (deploy/verifier/counters.py), None: older
             "saturated": bool(pending) and mean_pending >= max_batch,
             "events": data.get("events", []), **process_summary(data.get("procs", []), window),
             # the background processes' CPU bursts in the window (None: older runs, or no period)
@@ -760,6 +764,12 @@ def markdown(s: dict) -> str:
     if srv.get("available"):
         lines.append(f"| verifier queue (mean) / batch sessions (mean) / busy | | {_f(srv['mean_pending'])} / "
                      f"{_f(srv['mean_batch_sessions'])} / {_f(100 * srv['busy_fraction'], 0)}% |")
+        own = srv.get("replica_window")
+        if own:
+            lines.append(f"| the verifier's own time of a round, mean (its handler to its reply) / verify forwards a "
+                         f"second / sessions a forward / a forward's CPU | | {_f(own['round_ms_mean'])} ms / "
+                         f"{_f(own['verify_forwards_per_s'])} / {_f(own['sessions_per_forward'])} / "
+                         f"{_f(own['forward_cpu_ms'], 2)} ms |")
     nsat = s.get("backlogged_seconds")
     lines += ["", "## Tenants (steady state)", "",
               "Token share = tokens served to the tenant / all tokens served, over the seconds of the window "

@@ -33,6 +33,7 @@ from deploy.router.fast_shed import admission_refusal
 from deploy.router.ingress import Router
 from deploy.verifier.server import VerifierServer
 from deploy.verifier.pipeline_stage import ModelShell, target_config
+from deploy.verifier.stats_window import mean_figures, window_figures
 from sim.cost_profile import CostProfile, HostCost
 from sim.fairness import TenantShares
 from sim.target import SIM_VOCAB, SimRunner
@@ -203,6 +204,7 @@ class System:
         self.rng = random.Random(seed)
         self.trace = Trace()
         self.counters = Counters()
+        self.replicas_at_window: dict[str, dict] = {}  # tag -> its counters where the window starts
         self.devices = DraftDevices(workload.edge_workers)
         self.rtt_factor = 1.0  # an RTT spike multiplies every user's round trip
         keys = {t.name: t for t in app.router.load_tenants()}
@@ -236,6 +238,8 @@ class System:
         self.users = [EdgeUser(self, i, random.Random(self.rng.getrandbits(64))) for i in range(self.workload.users)]
         self.tasks = [asyncio.ensure_future(u.run(self.workload.duration_s)) for u in self.users]
         faults = asyncio.ensure_future(self._faults())
+        window = self.workload.warmup_s if self.workload.generations_per_user is None else 0.0
+        loop.call_later(window, self._snapshot_replicas)
         burst = None
         if cores is not None and self.host.burst_cores:  # the first burst at a phase drawn from the seed
             h = self.host
@@ -275,6 +279,10 @@ class System:
             else:  # vanish: a share of the users drop their session mid-generation, unclosed, and stop
                 for u in self.rng.sample(self.users, max(1, round(f.share * len(self.users)))):
                     u.vanished = True
+
+    def _snapshot_replicas(self) -> None:
+        """Each live replica's counters where the summary's window starts (:func:`window_figures`)."""
+        self.replicas_at_window = {tag: core.counters.to_dict() for tag, core in self.fleet.replicas.items()}
 
     def _router_verify(self, seconds: float) -> None:
         """The router's own time of an admitted verify round's verifier call (deploy/router/probe.py)."""
@@ -327,6 +335,9 @@ class System:
                 "errors": c.errors,
                 "diverged_rounds": c.diverged, "reopens": c.reopens, "opens_refused_while_idle": c.open_refused_idle,
                 "replica_busy_fraction": {t: b / max(clock.monotonic(), 1e-9) for t, b in busy.items()},
+                "replica_window": mean_figures([window_figures(before, self.fleet.replicas[tag].counters.to_dict())
+                                                for tag, before in self.replicas_at_window.items()
+                                                if tag in self.fleet.replicas]),
                 "forwards": sum(r.forwards for r in self.fleet.runners.values()),
                 "outcomes": dict(sorted(c.outcomes.items())), "max_gap_s": c.max_gap_s,
                 "tenant_shares": self.fleet.shares.ratios(),

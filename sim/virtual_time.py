@@ -36,6 +36,7 @@ class VirtualClock:
         self._task_time: float | None = None  # set while a worker task runs
         self._task_start = 0.0
         self._task_cpu = 0.0  # CPU seconds the running task spent so far
+        self.cpu = 0.0  # CPU seconds every worker task spent so far
         self._elapsed = _unshared  # the running task's seconds for its CPU seconds so far (shared cores)
 
     def monotonic(self) -> float:
@@ -49,7 +50,13 @@ class VirtualClock:
         if self._task_time is None:
             raise RuntimeError("spend() outside a worker task: only a worker's work takes virtual time")
         self._task_cpu += max(0.0, seconds)
+        self.cpu += max(0.0, seconds)
         self._task_time = self._task_start + self._elapsed(self._task_cpu)
+
+    def thread_time(self) -> float:
+        """The CPU seconds worker tasks spent: a task's two reads differ by what it spent between them (a
+        task runs whole, nothing else spends meanwhile)."""
+        return self.cpu
 
     def begin_task(self, elapsed=None) -> None:
         """A worker task starts now; ``elapsed(cpu)``: its seconds for ``cpu`` CPU seconds (None: as many)."""

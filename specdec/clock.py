@@ -1,5 +1,5 @@
 """The one clock of specdec, deploy and edge_agent: every time read and sleep goes through here.
-Real by default; a simulation installs a virtual one with :func:`use` (CPU-time reads stay direct; docs/specdec.md)."""
+Real by default; a simulation installs a virtual one with :func:`use` (docs/specdec.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ class Clock(Protocol):
     def monotonic(self) -> float: ...  # seconds, for intervals and deadlines
     def wall(self) -> float: ...  # seconds since the epoch (timestamps users see)
     def blocking_sleep(self, seconds: float) -> None: ...  # a thread's sleep
+    def thread_time(self) -> float: ...  # CPU seconds the calling thread has run (a simulated worker's: spent)
 
 
 class RealClock:
@@ -21,6 +22,7 @@ class RealClock:
     monotonic = staticmethod(time.monotonic)
     wall = staticmethod(time.time)
     blocking_sleep = staticmethod(time.sleep)
+    thread_time = staticmethod(time.thread_time)
 
 
 _clock: Clock = RealClock()
@@ -34,6 +36,12 @@ def monotonic() -> float:
 def perf_counter() -> float:
     """Seconds for timing a piece of work (the same clock as :func:`monotonic` when simulated)."""
     return time.perf_counter() if type(_clock) is RealClock else _clock.monotonic()
+
+
+def thread_time() -> float:
+    """CPU seconds the calling thread has run (a forward's own CPU: the difference of two reads); when
+    simulated, what the simulated workers have spent."""
+    return time.thread_time() if type(_clock) is RealClock else _clock.thread_time()
 
 
 def wall() -> float:

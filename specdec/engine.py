@@ -20,7 +20,6 @@ Vocabulary (prefix, root, tree, node, accepted path, bonus token): :mod:`specdec
 from __future__ import annotations
 
 import itertools
-import time
 
 import torch
 
@@ -116,7 +115,7 @@ class VerifierEngine:
 
     def _forward(self, kind: str, items: list[SeqInput], prefill_tokens: int = 0):
         bid = next(self._batch_ids)
-        t0, c0 = clock.perf_counter(), time.thread_time()
+        t0, c0 = clock.perf_counter(), clock.thread_time()
         versions = {it.adapter for it in items} - {None}
         if versions:  # loaded by _ready_versions already: this keeps them all for the forward
             failed = self.adapters.activate(versions)
@@ -139,7 +138,7 @@ class VerifierEngine:
         dt = clock.perf_counter() - t0
         if self.on_forward is not None:
             self.on_forward(ForwardStats(kind, len(items), sum(len(it.tokens) for it in items), dt,
-                                         prefill_tokens if kind != "prefill" else 0, time.thread_time() - c0))
+                                         prefill_tokens if kind != "prefill" else 0, clock.thread_time() - c0))
         return bid, logits
 
     def _commit(self, bid: int, keep: dict) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,16 +231,16 @@ class EarlyExit:
     def __call__(self, layer: int, h: torch.Tensor, batch) -> None:
         if layer not in self.layers or not self.jobs:
             return
-        t0, c0 = clock.perf_counter(), time.thread_time()
+        t0, c0 = clock.perf_counter(), clock.thread_time()
         sub = exit_rows(self.heads, layer, h, batch, self.picks)
         self.seconds += clock.perf_counter() - t0
-        self.cpu_seconds += time.thread_time() - c0
+        self.cpu_seconds += clock.thread_time() - c0
         if sub is not None:
             self.walk(layer, sub)
 
     def walk(self, layer: int, sub: torch.Tensor) -> None:
         """Walk every job's tree with the exit's subset logits ``sub`` [R, K] (jobs' rows in order); to the sink."""
-        t0, c0 = clock.perf_counter(), time.thread_time()
+        t0, c0 = clock.perf_counter(), clock.thread_time()
         out, off = [], 0
         for _, job in self.jobs:
             n = len(job.tree) + 1  # the root row and one per node
@@ -253,4 +252,4 @@ class EarlyExit:
             out.append(EarlyResult(job.sid, layer, acc, tok, conf, job.prefix_len))
         self.sink(out)
         self.seconds += clock.perf_counter() - t0
-        self.cpu_seconds += time.thread_time() - c0
+        self.cpu_seconds += clock.thread_time() - c0

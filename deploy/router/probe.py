@@ -12,7 +12,6 @@ import logging
 import selectors
 import sys
 import threading
-import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -69,11 +68,11 @@ class LoadProbe:
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_t0, self._gc_cpu0 = clock.perf_counter(), time.thread_time()
+            self._gc_t0, self._gc_cpu0 = clock.perf_counter(), clock.thread_time()
             return
         now, wall_ms = clock.wall(), (clock.perf_counter() - self._gc_t0) * 1e3
         self.gc_pause.append((now, wall_ms))
-        self.gc_cpu.append((now, (time.thread_time() - self._gc_cpu0) * 1e3))
+        self.gc_cpu.append((now, (clock.thread_time() - self._gc_cpu0) * 1e3))
         self.gc_collected.append((now, float(info.get("collected", 0))))
         self.gc_gen.append((now, float(info.get("generation", -1))))
 

@@ -136,12 +136,12 @@ class PipelineStage:
 
         def on_layer(n: int, h: torch.Tensor, batch) -> None:
             if n in self.heads.layers:
-                t0, c0 = clock.perf_counter(), time.thread_time()
+                t0, c0 = clock.perf_counter(), clock.thread_time()
                 sub = exit_rows(self.heads, n, h, batch, picks)
                 if sub is not None:
                     early["rows"][n] = sub
                 early["seconds"] += clock.perf_counter() - t0
-                early["cpu_seconds"] += time.thread_time() - c0
+                early["cpu_seconds"] += clock.thread_time() - c0
 
         return self.forward(batch_id, items, hidden, on_layer), early
 

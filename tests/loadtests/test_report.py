@@ -270,3 +270,26 @@ def test_rss_growth_counts_each_process_from_its_own_warm_up():
     assert out["rss_growth"]["verifier"] == 0.0
     assert out["rss_growth"]["proxy"] > 0.2  # 203 -> 259.75 MB
     assert out["host_cores"] == pytest.approx({"user": 0.75, "softirq": 0.05, "idle": 1.2})  # the host's, by state
+
+
+def test_the_verifiers_own_figures_come_from_its_counters_inside_the_window(tmp_path):
+    """server_summary's replica_window: the replica's counters (deploy/verifier/stats_window.py) between its
+    first and last samples inside the steady window; absent from samples without those totals (older runs)."""
+    import json
+
+    from loadtests.report import server_summary
+
+    def sample(t: float) -> dict:  # 10 rounds a second of 20 ms each, 2 forwards a second of 5 sessions, 1 ms CPU
+        return {"replica": "r0", "t": t, "pending": 3, "mean_batch": 5.0, "uptime_seconds": t, "busy_seconds": t / 10,
+                "busy_cpu_seconds": {"prefill": 0.0, "verify": t * 2e-3}, "verify_forwards_total": 2 * t,
+                "verify_sessions_total": 10 * t, "verify_rows_total": 40 * t, "verify_requests_total": 10 * t,
+                "verify_request_seconds_total": 0.2 * t if t >= 10 else 9.0 * t}  # slow before the window
+    path = tmp_path / "server_stats.json"
+    path.write_text(json.dumps({"samples": [sample(float(t)) for t in range(0, 60)]}))
+    out = server_summary(path, (10.0, 50.0), 32)
+    assert out["replica_window"] == pytest.approx({"verify_forwards_per_s": 2.0, "sessions_per_forward": 5.0,
+                                                   "rows_per_forward": 20.0, "forward_cpu_ms": 1.0,
+                                                   "round_ms_mean": 20.0})
+    old = [{k: v for k, v in sample(float(t)).items() if not k.startswith("verify_")} for t in range(0, 60)]
+    path.write_text(json.dumps({"samples": old}))
+    assert server_summary(path, (10.0, 50.0), 32)["replica_window"] is None

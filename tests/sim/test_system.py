@@ -49,6 +49,18 @@ def test_the_simulated_router_and_verifiers_are_the_production_classes():
     assert out["forwards"] > 0 and all(b > 0 for b in out["replica_busy_fraction"].values())
 
 
+def test_a_simulated_forwards_cpu_is_what_its_worker_spent_and_the_window_counts_its_rounds():
+    """The replicas' counters read the simulated CPU (clock.thread_time): on cores of their own a forward's
+    CPU is its time; the summary's replica window is theirs over the steady window."""
+    out, s = simulate(0)
+    for core in s.fleet.replicas.values():
+        d = core.counters.to_dict()
+        assert d["busy_seconds"] > 0 and sum(d["busy_cpu_seconds"].values()) == pytest.approx(d["busy_seconds"])
+    w = out["replica_window"]
+    assert w["forward_cpu_ms"] > 0 and w["round_ms_mean"] > 0 and w["sessions_per_forward"] >= 1
+    assert w["verify_forwards_per_s"] * (8.0 - 1.0) <= out["forwards"]  # the window's forwards, not all
+
+
 def test_one_seed_gives_one_trace():
     a, _ = simulate(3)
     b, _ = simulate(3)

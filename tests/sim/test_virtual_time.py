@@ -65,6 +65,28 @@ def test_worker_tasks_run_in_order_and_take_what_they_spend():
     assert ticks == [0.1, 0.2, 0.3, 0.4, 0.5] and now == pytest.approx(0.75) and busy == pytest.approx(0.75)
 
 
+def test_a_worker_tasks_cpu_reads_differ_by_what_it_spent_on_shared_cores():
+    """clock.thread_time() in a worker task: its own CPU (a forward's cpu_seconds), not the seconds it took
+    while another process shared the core, nor the simulator's CPU."""
+    vc = VirtualClock()
+
+    def work(seconds: float):
+        t0, c0 = clock.perf_counter(), clock.thread_time()
+        vc.spend(seconds)
+        return clock.perf_counter() - t0, clock.thread_time() - c0
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        cores = SharedCores(loop, 1.0)
+        a, b = VirtualWorker(loop, cores), VirtualWorker(loop, cores)
+        out = await asyncio.gather(loop.run_in_executor(a, work, 0.5), loop.run_in_executor(b, work, 0.5))
+        return out, clock.thread_time()
+
+    (a, b), total = run(main(), vc)
+    assert (a[1], b[1]) == pytest.approx((0.5, 0.5)) and max(a[0], b[0]) == pytest.approx(1.0)  # b waited on a
+    assert total == pytest.approx(1.0)
+
+
 def test_a_worker_error_reaches_the_caller():
     def boom():
         raise ValueError("x")

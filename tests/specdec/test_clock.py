@@ -11,7 +11,7 @@ from pathlib import Path
 from specdec import clock
 
 ROOT = Path(__file__).resolve().parents[2]
-DIRECT = re.compile(r"\btime\.(monotonic|perf_counter|time|sleep)\b|\basyncio\.sleep\b")
+DIRECT = re.compile(r"\btime\.(monotonic|perf_counter|time|sleep|thread_time)\b|\basyncio\.sleep\b")
 
 
 class Frozen:
@@ -27,6 +27,9 @@ class Frozen:
     def blocking_sleep(self, seconds: float) -> None:
         self.t += seconds
 
+    def thread_time(self) -> float:
+        return 2 * self.t
+
 
 def _reads_the_host() -> bool:
     """The seam's reads fall between two reads of the host's own clocks."""
@@ -40,7 +43,7 @@ def test_real_by_default_and_swapped_within_use():
     with clock.use(Frozen(5.0)) as f:
         assert clock.monotonic() == clock.perf_counter() == 5.0 and clock.wall() == 1e9 + 5.0
         clock.blocking_sleep(2.0)
-        assert clock.monotonic() == 7.0 and clock.current() is f
+        assert clock.monotonic() == 7.0 and clock.thread_time() == 14.0 and clock.current() is f
     assert isinstance(clock.current(), clock.RealClock) and _reads_the_host()
 
 
