@@ -54,7 +54,7 @@ class Counters:
     """What this Locust process saw, per tenant, plus per-second token buckets."""
 
     FIELDS = ("generations", "finished", "opens", "reopens", "closes", "superseded", "verifies", "tokens",
-              "accepted", "drafted", "hits", "expected", "accept_mismatch", "diverged", "shed", "unavailable",
+              "accepted", "drafted", "depth", "hits", "expected", "accept_mismatch", "diverged", "shed", "unavailable",
               "errors", "unclosed", "closed_by_server", "lost_replies", "lost_open_replies", "reconnects")
 
     def __init__(self):
@@ -445,6 +445,7 @@ class EdgeUser(FastHttpUser):
                 s.add(self.tenant, "verifies")
                 s.add(self.tenant, "accepted", len(rep.accepted))
                 s.add(self.tenant, "drafted", len(tokens))
+                s.add(self.tenant, "depth", depth)
                 s.add(self.tenant, "hits", hits)
                 s.add(self.tenant, "expected", expected_accepted(self.model, depth, len(rest), nodes))
                 s.verify_ms[self.tenant].append(ms)

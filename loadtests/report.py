@@ -422,6 +422,7 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
                      "closed_already_gone": tot("closed_gone"), "superseded": superseded,
                      "unclosed": opens - closes - superseded},
         "acceptance": {"rounds": verifies, "drafted_per_round": tot("drafted") / verifies if verifies else 0.0,
+                       "depth_per_round": tot("depth") / verifies if verifies else 0.0,  # the trees' depths
                        "accepted_per_round": tot("accepted") / verifies if verifies else 0.0,
                        "model_expected_per_round": tot("expected") / verifies if verifies else 0.0,
                        "rounds_accepted_other_than_model": tot("accept_mismatch"),
@@ -756,7 +757,7 @@ def markdown(s: dict) -> str:
         f"{s['sessions']['superseded']:g} / {s['sessions']['unclosed']:g} | |",
         f"| accepted nodes per round: measured / model | {_f(s['acceptance']['accepted_per_round'], 2)} / "
         f"{_f(s['acceptance']['model_expected_per_round'], 2)} ({_f(s['acceptance']['drafted_per_round'], 1)} "
-        f"drafted) | |",
+        f"drafted, depth {_f(s['acceptance'].get('depth_per_round'), 1)}) | |",
         f"| rounds accepted other than the model / diverged sessions | "
         f"{s['acceptance']['rounds_accepted_other_than_model']:g} / {s['acceptance']['diverged_sessions']:g} | |",
     ]

@@ -330,6 +330,8 @@ class System:
                 "ttft_ms_p99": _pct(sorted(c.ttft_s), 99) * 1e3,
                 "shed_fraction": c.shed / max(1, c.shed + c.rounds + c.generations),
                 "tokens_per_round": tokens / rounds if rounds else 0.0,
+                "drafted_per_round": c.window_drafted / c.window_rounds if c.window_rounds else 0.0,
+                "depth_per_round": c.window_depth / c.window_rounds if c.window_rounds else 0.0,
                 "generations": c.generations, "finished": c.outcomes.get("finished", 0) + c.outcomes.get("finished_short", 0), "shed_429": c.shed,
                 "shed_reasons": dict(sorted(c.shed_reasons.items())),
                 "errors": c.errors,

@@ -51,6 +51,8 @@ class Counters:
     ttft_s: list[float] = field(default_factory=list)
     window_tokens: int = 0
     window_rounds: int = 0
+    window_drafted: int = 0  # nodes sent in the window's rounds
+    window_depth: int = 0  # their trees' depths, summed
     open_refused_idle: int = 0
     last_token_at: float = 0.0
     shed_reasons: dict[str, int] = field(default_factory=dict)
@@ -215,6 +217,8 @@ class EdgeUser:
                     c.outside_s.append(took - self.held_s)
                     c.window_rounds += 1
                     c.window_tokens += len(new)
+                    c.window_drafted += len(tokens)
+                    c.window_depth += depth
                 if ready is not None and len(reply.accepted) < depth:  # the proactive tree assumed all accepted
                     await ready
                     ready = None
@@ -263,8 +267,8 @@ class EdgeUser:
         limits, w = self.sys.app.verifier, self.w
         if self.agent:  # what its tree builder makes (its budget, or the workload's nodes) under the hint
             nodes = min(w.nodes if w.nodes is not None else w.budget, hints[1])
-        else:
-            nodes = w.nodes if w.nodes is not None else hints[1]
+        else:  # loadtests/locustfile.py: a "no tree" hint still gets one node
+            nodes = w.nodes if w.nodes is not None else max(1, hints[1])
         nodes = min(nodes, limits.max_tree_nodes)
         if w.depth:
             depth = w.depth

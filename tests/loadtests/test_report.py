@@ -283,7 +283,7 @@ def test_the_verifiers_own_figures_come_from_its_counters_inside_the_window(tmp_
         return {"replica": "r0", "t": t, "pending": 3, "mean_batch": 5.0, "uptime_seconds": t, "busy_seconds": t / 10,
                 "busy_cpu_seconds": {"prefill": 0.0, "verify": t * 2e-3}, "verify_forwards_total": 2 * t,
                 "verify_sessions_total": 10 * t, "verify_rows_total": 40 * t, "verify_requests_total": 10 * t,
-                "verify_request_seconds_total": 0.2 * t if t >= 10 else 9.0 * t}  # slow before the window
+                "verify_request_seconds_total": 0.9 * t if t < 10 else 9.0 + 0.2 * (t - 10)}  # slow before the window
     path = tmp_path / "server_stats.json"
     path.write_text(json.dumps({"samples": [sample(float(t)) for t in range(0, 60)]}))
     out = server_summary(path, (10.0, 50.0), 32)
