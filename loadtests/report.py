@@ -156,8 +156,6 @@ def server_summary(stats_path: Path | None, window: tuple[float, float], max_bat
             "background_bursts": profile_dict(data.get("background_cpu", []), *window)}
 
 
-
-
 def process_summary(procs: list[dict], window: tuple[float, float]) -> dict:
     """From the server's 5-second process samples: cores used per role over the window (CPU
     seconds / wall seconds; a process that died inside it loses its CPU, so a kill makes its

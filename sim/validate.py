@@ -29,9 +29,9 @@ from sim.workload import Workload
 
 HERE = Path(__file__).resolve().parent / "validation"
 TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_ms_p50": 0.10, "latency_ms_p99": 0.20}
-# a load test's also: an admitted verify round's verifier call as the router times it, the load generator's waits out;
-# and the round's time outside the router (the users' less the router's Server-Timing): the load generator's
-# and the verifier's own time of a round (its counters', mean: its handler's queue, batch wait, forwards and reply)
+# a load test's also, where it measured them: an admitted verify round's verifier call as the router times it (the
+# load generator's waits out); the round's time outside the router (the users' less the router's Server-Timing: the
+# load generator's); the verifier's own time of a round (its counters', mean: its queue, batch wait, forwards, reply)
 ROUTER_TARGETS = {"router_ms_p50": 0.10, "router_ms_p99": 0.20, "outside_ms_p50": 0.10, "outside_ms_p99": 0.20,
                   "verifier_ms_mean": 0.10}
 # what the measured runs do not report; reply_share: a request's CPU spent on its reply; admit_share: the router's
