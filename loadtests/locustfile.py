@@ -69,6 +69,10 @@ class Counters:
         self.open_at: list[float] = []  # and their epoch seconds
         self.shed_at: list[float] = []  # epoch seconds of those 429s
         self.shed_why: list[str] = []  # and their reasons
+        self.shed_retry_after: list[float] = []  # and the Retry-After each carried (s)
+        # (epoch s, seconds, kind) of each wait out of a Retry-After (429 or 503): "open" holding no
+        # session, "verify" or "close" holding one
+        self.backoffs: list[tuple[float, float, str]] = []
         self.shed_connect_ms: list[float] = []  # of each 429's time, what went to (re)connecting its WebSocket
         self.ws_lost: dict[str, int] = defaultdict(int)  # WebSocket rounds lost with their connection, by cause
         self.loop_lag: list[tuple[float, float]] = []  # (epoch s, ms) how late this process's gevent loop ran a timer
@@ -90,7 +94,8 @@ class Counters:
                 "verify_ms": {t: [round(x, 2) for x in v] for t, v in self.verify_ms.items()},
                 "verify_at": {t: [round(x, 2) for x in v] for t, v in self.verify_at.items()},
                 "shed_ms": [round(x, 2) for x in self.shed_ms], "shed_at": [round(x, 2) for x in self.shed_at],
-                "shed_why": self.shed_why, "shed_connect_ms": [round(x, 2) for x in self.shed_connect_ms],
+                "shed_why": self.shed_why, "shed_retry_after": self.shed_retry_after,
+                "backoffs": [(round(t, 2), round(x, 3), k) for t, x, k in self.backoffs], "shed_connect_ms": [round(x, 2) for x in self.shed_connect_ms],
                 "ws_lost": dict(self.ws_lost), "open_ms": [round(x, 2) for x in self.open_ms],
                 "open_at": [round(x, 2) for x in self.open_at],
                 "loop_lag_ms": [(round(t, 2), round(ms, 2)) for t, ms in self.loop_lag],
@@ -307,29 +312,32 @@ class EdgeUser(FastHttpUser):
                 pass
         self.sock, self.sock_sid = None, None
 
-    def _backoff(self, status: int, body: bytes, headers, ms: float) -> None:
+    def _backoff(self, status: int, body: bytes, headers, ms: float, kind: str) -> None:
+        """Waits out a 429's or 503's Retry-After (``kind``: the request it answered), as the edge agent."""
         s = STATS
         reason = "unavailable"
         try:
             reason = json.loads(body).get("error", {}).get("reason") or json.loads(body)["error"]["code"]
         except (ValueError, KeyError, AttributeError, TypeError):
             pass
+        try:
+            wait = float(headers.get("Retry-After") or headers.get("retry-after") or 1.0)
+        except ValueError:
+            wait = 1.0
         if status == 429:
             s.add(self.tenant, "shed")
             s.shed_ms.append(ms)
             s.shed_at.append(time.time())
             s.shed_reasons[reason] += 1
             s.shed_why.append(reason)
+            s.shed_retry_after.append(wait)
             s.shed_connect_ms.append(self.connect_ms)
         else:
             s.add(self.tenant, "unavailable")
-        try:
-            wait = float(headers.get("Retry-After") or headers.get("retry-after") or 1.0)
-        except ValueError:
-            wait = 1.0
         # sleep in slices: a run that ends meanwhile must not wait out a long Retry-After (the session
         # is closed before Locust's stop timeout kills the user)
         until = time.monotonic() + min(wait, MAX_RETRY_AFTER_S) * self.rng.uniform(0.5, 1.5)
+        s.backoffs.append((time.time(), until - time.monotonic(), kind))
         if until - time.monotonic() > WS_IDLE_CLOSE_S:
             self._close_ws()  # nobody answers the server's keep-alive pings meanwhile: let the socket go
         while not STOPPING and time.monotonic() < until:
@@ -355,11 +363,11 @@ class EdgeUser(FastHttpUser):
                 STATS.open_at.append(time.time())
                 return json.loads(data)
             if status in (429, 503):
-                self._backoff(status, data, headers, ms)
+                self._backoff(status, data, headers, ms, "open")
                 continue
             if status == LOST:  # maybe opened on a verifier, reply lost (the verifier's idle sweep frees it)
                 STATS.add(self.tenant, "lost_open_replies")
-                self._backoff(503, b"", {"Retry-After": "0.5"}, ms)
+                self._backoff(503, b"", {"Retry-After": "0.5"}, ms, "open")
                 continue
             self._error(f"open HTTP {status}")
             return None
@@ -374,7 +382,7 @@ class EdgeUser(FastHttpUser):
                 break
             if status == LOST:  # a router replica gone with its node: ask again
                 status, headers = 503, {"Retry-After": "0.5"}
-            self._backoff(status, data, headers, ms)
+            self._backoff(status, data, headers, ms, "close")
         if status == 200:
             STATS.add(self.tenant, "closes")
         elif status in (404, 410):  # already gone with its replica (or evicted): nothing left to close
@@ -425,7 +433,7 @@ class EdgeUser(FastHttpUser):
                     if status == NO_CONNECTION:
                         STATS.add(self.tenant, "reconnects")
                         status, headers = 503, {"Retry-After": "0.5"}
-                    self._backoff(status, data, headers, ms)
+                    self._backoff(status, data, headers, ms, "verify")
                     continue
                 break
             if status == 200:

@@ -82,7 +82,7 @@ def merge_counters(paths: list[Path]) -> dict:
     tenants: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     merged = {"shed_reasons": defaultdict(int), "error_kinds": defaultdict(int), "ws_lost": defaultdict(int),
               "tokens_by_second": defaultdict(lambda: defaultdict(int)), "verify_ms": defaultdict(list),
-              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "open_at": [], "shed_at": [], "shed_why": [], "shed_connect_ms": [], **{k: [] for k in SAMPLE_KEYS}, "processes": 0}
+              "verify_at": defaultdict(list), "shed_ms": [], "open_ms": [], "open_at": [], "shed_at": [], "shed_why": [], "shed_retry_after": [], "backoffs": [], "shed_connect_ms": [], **{k: [] for k in SAMPLE_KEYS}, "processes": 0}
     for p in paths:
         d = json.loads(Path(p).read_text())
         merged["processes"] += 1
@@ -106,6 +106,8 @@ def merge_counters(paths: list[Path]) -> dict:
         merged["shed_at"].extend(d.get("shed_at", [None] * len(d["shed_ms"])))
         merged["shed_why"].extend(d.get("shed_why", [None] * len(d["shed_ms"])))
         merged["shed_connect_ms"].extend(d.get("shed_connect_ms", [0.0] * len(d["shed_ms"])))
+        merged["shed_retry_after"].extend(d.get("shed_retry_after", [None] * len(d["shed_ms"])))
+        merged["backoffs"].extend(d.get("backoffs", []))
     merged["tenants"] = {t: dict(c) for t, c in tenants.items()}
     return merged
 
@@ -267,6 +269,32 @@ def _lagging(counters: dict, window: tuple[float, float]) -> list:
     return [(t, share) for t, ms, share in inside if ms >= cut]
 
 
+def waits(counters: dict, stats_path: Path | None, window: tuple[float, float]) -> dict:
+    """Where the users wait in the steady window: the Retry-After of its 429s by shed reason (p50,
+    mean, max, s), the users waiting one out on average by the request it answered ("open": holding
+    no session; "verify", "close": holding one; each wait's part inside the window over the window's
+    length), and the sessions the verifier replicas hold (each replica's samples' mean, summed;
+    None without samples)."""
+    lo, hi = window
+    told = defaultdict(list)
+    for at, why, ra in zip(counters["shed_at"], counters["shed_why"], counters["shed_retry_after"]):
+        if at and ra is not None and lo <= at < hi:
+            told[why or "unknown"].append(ra)
+    waiting: dict[str, float] = defaultdict(float)
+    for at, seconds, kind in counters["backoffs"]:
+        waiting[kind] += max(0.0, min(hi, at + seconds) - max(lo, at)) / max(hi - lo, 1e-9)
+    held = None
+    if stats_path is not None and Path(stats_path).exists():
+        by_replica: dict[str, list[int]] = defaultdict(list)  # each sample is one replica's (Serve picks it)
+        for smp in json.loads(Path(stats_path).read_text())["samples"]:
+            if lo <= smp["t"] <= hi and "sessions" in smp:
+                by_replica[smp["replica"]].append(smp["sessions"])
+        held = sum(sum(v) / len(v) for v in by_replica.values()) if by_replica else None
+    return {"retry_after_s": {r: {"n": len(v), "p50": percentile(v, 50), "mean": sum(v) / len(v), "max": max(v)}
+                              for r, v in sorted(told.items())},
+            "users_waiting_retry_after": dict(sorted(waiting.items())), "sessions_held": held}
+
+
 def router_verify(stats_path: Path | None, window: tuple[float, float]) -> dict:
     """p50 / p95 / p99 (and the count) of the router's verifier-call times of admitted verify rounds in the window."""
     xs = [ms for t, ms in router_probe(stats_path).get("verify_ms", []) if window[0] <= t < window[1]]
@@ -411,6 +439,7 @@ def summarize(out: Path, cfg: LoadTestConfig, meta: dict, server_stats: Path | N
         # the loopback and the load generator's own waits and CPU
         "verify_outside_router_ms_window": _pcts(counters["verify_outside_ms"], window),
         "shed_split": shed_split(counters, server_stats, window),
+        "waits": waits(counters, server_stats, window),
         "open_refusals": open_refusals(counters, server_stats),
         "probe": probe_summary(out / "probe.json", window),
         "unavailable_503": unavailable, "reopens": tot("reopens"), "ws_lost": dict(counters["ws_lost"]),
@@ -740,6 +769,8 @@ def markdown(s: dict) -> str:
         f"{_f(s['open_ms']['p50'], 0)} / {_f(s['open_ms']['p99'], 0)}; {s['open_ms']['past_deadline']:g} | |",
         f"| opens refused for their deadline / of them while the verifier was idle | "
         f"{s.get('open_refusals', {}).get('deadline', 0):g} / {s.get('open_refusals', {}).get('while_idle')} | |",
+        f"| where users wait: sessions held (the replicas' mean); users waiting out a Retry-After (mean, by the "
+        f"request); the 429s' Retry-After p50 / max (s) | | {_waits(s.get('waits'))} |",
         f"| 503 (verifier restarting) / re-opens | {s['unavailable_503']:g} / {s['reopens']:g} | |",
         f"| WebSocket rounds lost with their connection (re-opened) | {sum(s.get('ws_lost', {}).values()):g} "
         f"{s.get('ws_lost') or ''} | |",
@@ -789,6 +820,14 @@ def markdown(s: dict) -> str:
     lines += [f"- {'PASS' if c['ok'] else 'FAIL'}: {c['name']} ({c['detail']})" for c in s["checks"]]
     lines += ["", "Plots: `throughput.png`, `latency.png`, `tenant_share.png`. Locust CSVs: `locust_*.csv`.", ""]
     return "\n".join(lines)
+
+
+def _waits(w: dict | None) -> str:
+    if not w:
+        return "n/a"
+    users = ", ".join(f"{k} {_f(v)}" for k, v in w["users_waiting_retry_after"].items()) or "none"
+    told = ", ".join(f"{r} {_f(v['p50'], 1)} / {_f(v['max'], 1)}" for r, v in w["retry_after_s"].items()) or "none"
+    return f"{_f(w['sessions_held'])}; {users}; {told}"
 
 
 def plots(out: Path, s: dict, history: list[dict], counters: dict, t0: float) -> None:

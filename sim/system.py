@@ -46,6 +46,7 @@ from specdec.model.checkpoint import CheckpointConfig
 from specdec.model.loading import LoadedModel
 
 CALLS = {"info": "model_info", "get_stats": "stats"}  # the Serve replica's names of VerifierServer methods
+SESSIONS_EVERY_S = 0.25  # how often the sessions the replicas hold are sampled (loadtests/server.py's period)
 
 
 @dataclass
@@ -205,6 +206,7 @@ class System:
         self.trace = Trace()
         self.counters = Counters()
         self.replicas_at_window: dict[str, dict] = {}  # tag -> its counters where the window starts
+        self.sessions_held: list[int] = []  # the replicas' sessions, sampled over the window
         self.devices = DraftDevices(workload.edge_workers)
         self.rtt_factor = 1.0  # an RTT spike multiplies every user's round trip
         keys = {t.name: t for t in app.router.load_tenants()}
@@ -240,6 +242,7 @@ class System:
         faults = asyncio.ensure_future(self._faults())
         window = self.workload.warmup_s if self.workload.generations_per_user is None else 0.0
         loop.call_later(window, self._snapshot_replicas)
+        held = asyncio.ensure_future(self._sample_sessions(window))
         burst = None
         if cores is not None and self.host.burst_cores:  # the first burst at a phase drawn from the seed
             h = self.host
@@ -248,6 +251,7 @@ class System:
         while not all(t.done() for t in self.tasks):  # a burst adds users on the way
             await asyncio.gather(*self.tasks)
         faults.cancel()
+        held.cancel()
         if burst is not None:
             burst.cancel()
         for core in self.fleet.replicas.values():
@@ -279,6 +283,14 @@ class System:
             else:  # vanish: a share of the users drop their session mid-generation, unclosed, and stop
                 for u in self.rng.sample(self.users, max(1, round(f.share * len(self.users)))):
                     u.vanished = True
+
+    async def _sample_sessions(self, start: float) -> None:
+        """The sessions the live replicas hold, every :data:`SESSIONS_EVERY_S` of the window (as
+        ``loadtests.server`` samples a served replica's ``/v1/stats``)."""
+        await clock.sleep(start)
+        while clock.monotonic() <= self.workload.duration_s:
+            self.sessions_held.append(sum(len(core.engine.sessions) for core in self.fleet.replicas.values()))
+            await clock.sleep(SESSIONS_EVERY_S)
 
     def _snapshot_replicas(self) -> None:
         """Each live replica's counters where the summary's window starts (:func:`window_figures`)."""
@@ -334,6 +346,7 @@ class System:
                 "depth_per_round": c.window_depth / c.window_rounds if c.window_rounds else 0.0,
                 "generations": c.generations, "finished": c.outcomes.get("finished", 0) + c.outcomes.get("finished_short", 0), "shed_429": c.shed,
                 "shed_reasons": dict(sorted(c.shed_reasons.items())),
+                "waits": waits(c, self.sessions_held, window),
                 "errors": c.errors,
                 "diverged_rounds": c.diverged, "reopens": c.reopens, "opens_refused_while_idle": c.open_refused_idle,
                 "replica_busy_fraction": {t: b / max(clock.monotonic(), 1e-9) for t, b in busy.items()},
@@ -355,6 +368,16 @@ class System:
                 "no_error_status": c.errors == 0,
                 "no_session_starved": c.max_gap_s <= w.max_gap_s,
                 "tenant_shares_by_weight": self.fleet.shares.within(w.share_tolerance)}
+
+
+def waits(c: Counters, sessions_held: list[int], window_s: float) -> dict:
+    """Where the users wait in the window, as ``loadtests.report.waits`` reports a load test: the 429s'
+    Retry-After by reason (s), the users waiting one out on average by the request it answered, and
+    the sessions the replicas hold on average."""
+    return {"retry_after_s": {r: {"n": len(v), "p50": _pct(sorted(v), 50), "mean": sum(v) / len(v), "max": max(v)}
+                              for r, v in sorted(c.retry_after_s.items())},
+            "users_waiting_retry_after": {k: v / window_s for k, v in sorted(c.waiting_s.items())} if window_s else {},
+            "sessions_held": sum(sessions_held) / len(sessions_held) if sessions_held else None}
 
 
 async def _spend(worker: VirtualWorker, seconds: float) -> None:

@@ -56,15 +56,32 @@ class Counters:
     open_refused_idle: int = 0
     last_token_at: float = 0.0
     shed_reasons: dict[str, int] = field(default_factory=dict)
+    retry_after_s: dict[str, list[float]] = field(default_factory=dict)  # each 429's Retry-After by reason (window)
+    # user-seconds spent waiting out a Retry-After inside the window, by the request it answered ("open":
+    # holding no session, "verify" holding one), as loadtests.report.waits counts them
+    waiting_s: dict[str, float] = field(default_factory=dict)
     outcomes: dict[str, int] = field(default_factory=dict)  # how each generation ended
     max_gap_s: float = 0.0  # the longest wait of a running session between two deliveries
 
     def ended(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
-    def refused(self, e: SpecError) -> None:
+    def refused(self, e: SpecError, in_window: bool) -> None:
         reason = str(getattr(e, "reason", None) or e.code)
         self.shed_reasons[reason] = self.shed_reasons.get(reason, 0) + 1
+        if in_window and e.status == 429:
+            self.retry_after_s.setdefault(reason, []).append(retry_after_header(e))
+
+    def waited(self, kind: str, start: float, seconds: float, window: tuple[float, float]) -> None:
+        inside = max(0.0, min(window[1], start + seconds) - max(window[0], start))
+        self.waiting_s[kind] = self.waiting_s.get(kind, 0.0) + inside
+
+
+def retry_after_header(e: SpecError) -> float:
+    """The Retry-After a refusal's header carries (whole seconds, at least 1; 1 without one), as
+    :func:`deploy.router.fast_shed.error_response` writes it."""
+    ra = getattr(e, "retry_after", None)
+    return float(max(1, round(ra))) if ra else 1.0
 
 
 def confidences(parents: list[int], model: AcceptanceModel) -> list[int]:
@@ -104,7 +121,7 @@ class EdgeUser:
         w = system.workload
         self.sys, self.i, self.rng, self.w, self.spawn = system, index, rng, w, spawn
         self.vanished = False  # set by a vanish fault: it drops its session unclosed and stops
-        self.retry_after: float | None = None  # of the last shed answer
+        self.retry_after = 1.0  # the Retry-After of the last shed answer
         self.held_s = 0.0  # the router's time of the last verify round it answered
         names = sorted(w.tenants)
         name = rng.choices(names, weights=[w.tenants[n] for n in names])[0]
@@ -230,7 +247,7 @@ class EdgeUser:
                 ready = None
             if status in (429, 503):
                 c.shed += 1
-                await clock.sleep(self._backoff_s())
+                await self._wait_out("verify")
             elif status in (404, 410):
                 c.reopens += 1
                 d = await self.open(prompt, out, end)
@@ -289,11 +306,20 @@ class EdgeUser:
         return self.sys.devices.draft(seconds)
 
     def _backoff_s(self) -> float:
-        """The wait before a shed request's retry: its Retry-After as the header carries it (whole
-        seconds, at least 1; 1 s without one), at most 30 s, times U(0.5, 1.5), as the edge agent and
-        the load test's users wait."""
-        ra = max(1, round(self.retry_after)) if self.retry_after else 1.0
-        return min(ra, MAX_RETRY_AFTER_S) * self.rng.uniform(0.5, 1.5)
+        """The wait before a shed request's retry: its Retry-After as the header carries it
+        (:func:`retry_after_header`), at most 30 s, times U(0.5, 1.5), as the edge agent and the load
+        test's users wait."""
+        return min(self.retry_after, MAX_RETRY_AFTER_S) * self.rng.uniform(0.5, 1.5)
+
+    async def _wait_out(self, kind: str) -> None:
+        """Waits out the last shed ``kind`` request's Retry-After (:meth:`_backoff_s`), counted."""
+        seconds = self._backoff_s()
+        self.sys.counters.waited(kind, clock.monotonic(), seconds, (self.w.warmup_s, self.w.duration_s))
+        await clock.sleep(seconds)
+
+    def _refused(self, e: SpecError) -> None:
+        self.sys.counters.refused(e, clock.monotonic() >= self.w.warmup_s)
+        self.retry_after = retry_after_header(e)
 
     def _gaps(self, arrivals: list[tuple[float, int]]) -> None:
         c = self.sys.counters
@@ -319,8 +345,7 @@ class EdgeUser:
                 d, status = await sys.router.open(self.tenant, body, received_at=clock.perf_counter()), 200
             except SpecError as e:
                 d, status = None, e.status
-                sys.counters.refused(e)
-                self.retry_after = getattr(e, "retry_after", None)
+                self._refused(e)
                 if status == 429 and idle and str(getattr(e, "reason", "")).startswith("open_deadline"):
                     sys.counters.open_refused_idle += 1
             await sys.client_work(reply=True)
@@ -332,7 +357,7 @@ class EdgeUser:
                 sys.counters.errors += 1
                 return None
             sys.counters.shed += 1
-            await clock.sleep(self._backoff_s())
+            await self._wait_out("open")
         return None
 
     async def verify(self, sid: str, frame: bytes) -> tuple[int, ReplyFrame | None, float]:
@@ -350,8 +375,7 @@ class EdgeUser:
             await self.sys.client_work(reply=True)
             return 200, ReplyFrame.decode(payload), clock.monotonic() - t0
         except SpecError as e:
-            self.sys.counters.refused(e)
-            self.retry_after = getattr(e, "retry_after", None)
+            self._refused(e)
             await self.sys.client_work(reply=True)
             return e.status, None, clock.monotonic() - t0
 

@@ -67,10 +67,13 @@ class AdmissionControl:
         half = max(1, self.limit // 2)
         if kind == "open" and self.inflight >= half and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant) / 2:
             return self._refuse(f"the verifier is busy ({self.inflight} requests in flight); running sessions "
-                                "go first", "new_sessions_paused")
+                                "go first", "new_sessions_paused", self.retry_after)
         if self.inflight >= self.limit and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant):
+            # a running session's round waits the base Retry-After: the cap drains within a few batch
+            # times, and the adaptive one (up to max_retry_after_s) would stall its generation that long
             return self._refuse(f"{self.inflight} requests are in flight to the verifier (limit {self.limit}); "
-                                "it is saturated", "queue_full")
+                                "it is saturated", "queue_full",
+                                self.retry_after_s if kind == "verify" else self.retry_after)
         return None
 
     def fair_share(self, tenant: str) -> float:
@@ -79,9 +82,9 @@ class AdmissionControl:
         total = sum(self.weights.get(t, 1.0) for t in active)
         return self.limit * self.weights.get(tenant, 1.0) / total
 
-    def _refuse(self, message: str, reason: str) -> Overloaded:
+    def _refuse(self, message: str, reason: str, retry_after: float) -> Overloaded:
         self._shed += 1
-        return Overloaded(message, retry_after=self.retry_after, reason=reason)
+        return Overloaded(message, retry_after=retry_after, reason=reason)
 
     # -- observations -----------------------------------------------------------------------
     def started(self, tenant: str) -> None:

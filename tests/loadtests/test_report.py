@@ -293,3 +293,25 @@ def test_the_verifiers_own_figures_come_from_its_counters_inside_the_window(tmp_
     old = [{k: v for k, v in sample(float(t)).items() if not k.startswith("verify_")} for t in range(0, 60)]
     path.write_text(json.dumps({"samples": old}))
     assert server_summary(path, (10.0, 50.0), 32)["replica_window"] is None
+
+
+def test_where_users_wait_counts_each_wait_inside_the_window_and_the_sessions_each_replica_holds(tmp_path):
+    """waits: the window's 429s' Retry-After by reason, each Retry-After waited out by the part of it
+    inside the window (over the window's length), and the sessions held (each replica's samples' mean,
+    summed over the replicas)."""
+    from loadtests.report import waits
+
+    counters = {"shed_at": [T0 + 1, T0 + 12, T0 + 13, T0 + 14], "shed_why": ["new_sessions_paused"] * 3 + ["queue_full"],
+                "shed_retry_after": [9.0, 1.0, 3.0, 2.0],
+                "backoffs": [[T0 + 5, 10.0, "open"], [T0 + 12, 2.0, "open"], [T0 + 14, 1.0, "verify"]]}
+    samples = [{"t": T0 + t, "replica": r, "sessions": n} for t in range(0, 30)
+               for r, n in (("a", 10 if t < 20 else 30), ("b", 4))]
+    path = tmp_path / "server_stats.json"
+    path.write_text(json.dumps({"samples": samples}))
+    w = waits(counters, path, (T0 + 10, T0 + 20))
+    assert w["retry_after_s"] == {"new_sessions_paused": {"n": 2, "p50": 1.0, "mean": 2.0, "max": 3.0},
+                                  "queue_full": {"n": 1, "p50": 2.0, "mean": 2.0, "max": 2.0}}
+    assert w["users_waiting_retry_after"] == pytest.approx({"open": (5.0 + 2.0) / 10, "verify": 0.1})
+    assert w["sessions_held"] == pytest.approx((10 * 10 + 30) / 11 + 4)  # a's samples at 10-20 s, b's 4
+    assert waits({"shed_at": [], "shed_why": [], "shed_retry_after": [], "backoffs": []}, None,
+                 (T0, T0 + 1)) == {"retry_after_s": {}, "users_waiting_retry_after": {}, "sessions_held": None}

@@ -82,17 +82,24 @@ def test_weighted_share_at_the_limit():
 
 
 def test_retry_after_backs_off_under_sustained_shedding_and_decays():
+    """New sessions are told the adaptive Retry-After; a running session's shed round always the base
+    one (the cap drains within batch times: a long one would stall its generation, issue 61)."""
     ac = AdmissionControl(limit=1, retry_after_s=1.0, max_retry_after_s=5.0, window_s=1.0)
     t = 0.0
     _fill(ac, "a", 1, now=t)  # the one slot stays busy
-    seen = []
+    seen, rounds = [], []
     for _ in range(8):
         for _ in range(10):
             with pytest.raises(Overloaded) as e:
-                ac.check("a", now=t)
+                ac.check("a", "open", now=t)
         seen.append(e.value.retry_after)
+        with pytest.raises(Overloaded) as e:
+            ac.check("a", now=t)
+        assert e.value.reason == "queue_full"
+        rounds.append(e.value.retry_after)
         t += 1.1
     assert seen[0] == 1.0 and seen == sorted(seen) and seen[-1] == 5.0  # grew, capped
+    assert rounds == [1.0] * 8 and ac.snapshot()["retry_after_s"] == 5.0
     ac.finished("a")
     for _ in range(20):  # shedding stopped: back to the base
         t += 1.1

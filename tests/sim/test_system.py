@@ -207,15 +207,34 @@ def test_a_shed_user_waits_out_the_retry_after_the_router_sent():
     """As the edge agent and the load test's users: whole seconds, at least 1, at most 30, x U(0.5, 1.5)."""
     import random
 
-    from sim.users import EdgeUser
+    from sim.users import EdgeUser, retry_after_header
+    from specdec.errors import Overloaded, SpecError
 
     u = EdgeUser.__new__(EdgeUser)
     u.rng = random.Random(0)
     waits = {}
     for ra in (None, 0.3, 4.4, 600.0):
-        u.retry_after = ra
+        u.retry_after = retry_after_header(SpecError("gone") if ra is None else Overloaded("busy", retry_after=ra))
         waits[ra] = [u._backoff_s() for _ in range(200)]
     assert 0.5 <= min(waits[None]) and max(waits[None]) <= 1.5
     assert 0.5 <= min(waits[0.3]) and max(waits[0.3]) <= 1.5  # the header's whole seconds: at least 1
     assert 2.0 <= min(waits[4.4]) and max(waits[4.4]) <= 6.0
     assert 15.0 <= min(waits[600.0]) and max(waits[600.0]) <= 45.0
+
+
+def test_the_summary_says_where_users_wait_as_the_load_test_reports_it():
+    """waits: each 429's Retry-After by reason, the users waiting one out by the request it answered
+    (user-seconds inside the window over its length) and the sessions the replicas hold (sampled as
+    loadtests.server samples a served replica): 40 users on a router that lets 6 requests in flight
+    wait mostly to open, told longer and longer Retry-Afters (the adaptive one)."""
+    w = Workload(users=40, duration_s=8.0, warmup_s=1.0, max_tokens=24, spawn_rate=20.0,
+                 network={"rtt_ms": 30.0, "rtt_sigma": 0.3})
+    vc = VirtualClock()
+    s = System(AppConfig(**APP, router={"max_pending_verifies": 6}),
+               CostProfile.fit(_profile(model="tiny-random", dtype="float32"), "synthetic"), w, 0, vc)
+    out = run(s.run(), vc)
+    waits = out["waits"]
+    told = waits["retry_after_s"]["new_sessions_paused"]
+    assert 0 < told["n"] <= out["shed_429"] and told["p50"] >= 1.0 and told["max"] > 1.0
+    assert len(s.sessions_held) == 29 and waits["sessions_held"] == sum(s.sessions_held) / 29  # 1-8 s, every 0.25
+    assert 0 < waits["sessions_held"] < waits["users_waiting_retry_after"]["open"] <= 40
