@@ -94,7 +94,7 @@ def openai_error(e: BaseException) -> SpecError:
 
 
 def error_response(e: SpecError) -> JSONResponse:
-    headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if isinstance(e, Overloaded) else None
+    headers = {"Retry-After": str(e.retry_after_header)} if isinstance(e, Overloaded) else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 

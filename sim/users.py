@@ -25,7 +25,7 @@ from edge_agent.depth import DepthPolicy, Telemetry
 from loadtests.synthetic_tree import AcceptanceModel, synthetic_tree
 from sim.target import SIM_VOCAB, continuation
 from specdec import clock
-from specdec.errors import SpecError
+from specdec.errors import Overloaded, SpecError
 from specdec.protocol import ReplyFrame, VerifyFrame
 from specdec.truncation import encode_confidence
 
@@ -78,10 +78,8 @@ class Counters:
 
 
 def retry_after_header(e: SpecError) -> float:
-    """The Retry-After a refusal's header carries (whole seconds, at least 1; 1 without one), as
-    :func:`deploy.router.fast_shed.error_response` writes it."""
-    ra = getattr(e, "retry_after", None)
-    return float(max(1, round(ra))) if ra else 1.0
+    """The Retry-After a refusal's header carries (:attr:`Overloaded.retry_after_header`); 1 s without one."""
+    return float(e.retry_after_header) if isinstance(e, Overloaded) else 1.0
 
 
 def confidences(parents: list[int], model: AcceptanceModel) -> list[int]:

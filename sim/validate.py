@@ -31,9 +31,10 @@ HERE = Path(__file__).resolve().parent / "validation"
 TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_ms_p50": 0.10, "latency_ms_p99": 0.20}
 # a load test's also, where it measured them: an admitted verify round's verifier call as the router times it (the
 # load generator's waits out); the round's time outside the router (the users' less the router's Server-Timing: the
-# load generator's); the verifier's own time of a round (its counters', mean: its queue, batch wait, forwards, reply)
+# load generator's); the verifier's own time of a round (its counters', mean: its queue, batch wait, forwards, reply);
+# the sessions the replicas hold (their samples' mean: what the depth hints rest on)
 ROUTER_TARGETS = {"router_ms_p50": 0.10, "router_ms_p99": 0.20, "outside_ms_p50": 0.10, "outside_ms_p99": 0.20,
-                  "verifier_ms_mean": 0.10}
+                  "verifier_ms_mean": 0.10, "sessions_held": 0.10}
 # what the measured runs do not report; reply_share: a request's CPU spent on its reply; admit_share: the router's
 # before admission, of what it spends before the call: 0.3 makes a 429 cost the router the 0.12-0.13 ms a fit of its
 # CPU across loads gave one (2026-11-29's runs; 0.81-0.88 ms a request at 300 users); sim.cost_profile.HostCost
@@ -102,7 +103,12 @@ def predicted(out: dict, latency: str = "itl_ms") -> dict:
             "router_ms_p50": out["router_verify_ms"]["p50"], "router_ms_p99": out["router_verify_ms"]["p99"],
             "outside_ms_p50": out["verify_outside_router_ms"]["p50"],
             "outside_ms_p99": out["verify_outside_router_ms"]["p99"],
-            "verifier_ms_mean": (out.get("replica_window") or {}).get("round_ms_mean", float("nan"))}
+            "verifier_ms_mean": (out.get("replica_window") or {}).get("round_ms_mean", float("nan")),
+            "sessions_held": _nan(out.get("waits", {}).get("sessions_held"))}
+
+
+def _nan(x) -> float:
+    return float("nan") if x is None else x
 
 
 def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
@@ -196,14 +202,16 @@ def bench_fit_rows(rows: list[dict]) -> tuple[dict, dict, dict]:
 def loadtest_measured(s: dict) -> dict:
     """A load test's steady-window figures (latency: an admitted verify round, as its users time it; with
     the router's probe, its verifier call as the router times it; with its Server-Timing, the round's
-    time outside the router; with the verifier's counters, its own time of a round)."""
+    time outside the router; with the verifier's counters, its own time of a round; with its samples, the
+    sessions the replicas hold)."""
     router, outside = s.get("router_verify_ms_window") or {}, s.get("verify_outside_router_ms_window") or {}
-    own = s["server"].get("replica_window") or {}
+    own, held = s["server"].get("replica_window") or {}, (s.get("waits") or {}).get("sessions_held")
     return {"verified_tokens_per_s": s["tokens_per_s_window"], "verify_rounds_per_s": s["verify_per_s_window"],
             "latency_ms_p50": s["verify_ms_window"]["p50"], "latency_ms_p99": s["verify_ms_window"]["p99"],
             **({"router_ms_p50": router["p50"], "router_ms_p99": router["p99"]} if router.get("n") else {}),
             **({"outside_ms_p50": outside["p50"], "outside_ms_p99": outside["p99"]} if outside.get("n") else {}),
-            **({"verifier_ms_mean": own["round_ms_mean"]} if own else {})}
+            **({"verifier_ms_mean": own["round_ms_mean"]} if own else {}),
+            **({"sessions_held": held} if held is not None else {})}
 
 
 def merge_runs(paths: list[Path]) -> dict:
@@ -304,7 +312,7 @@ def record_loadtest(out_dirs: list[Path], dest: Path) -> None:
     summaries merged (:func:`merge_loadtests`), the app, user model and prompt lengths (a few KB)."""
     keep = ("scenario", "target", "machine", "run", "window_s", "tokens_per_s_window", "verify_per_s_window",
             "verify_ms_window", "router_verify_ms_window", "verify_outside_router_ms_window", "rate_429_window",
-            "errors", "sessions", "acceptance", "server", "locust_cores_window")
+            "errors", "sessions", "acceptance", "server", "locust_cores_window", "waits")
     summaries, configs = [], []
     for out_dir in out_dirs:
         s = json.loads((out_dir / "summary.json").read_text())

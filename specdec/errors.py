@@ -97,6 +97,11 @@ class Overloaded(SpecError):
         self.retry_after = retry_after
         self.reason = reason
 
+    @property
+    def retry_after_header(self) -> int:
+        """The Retry-After header's value: whole seconds, at least 1 (RFC 9110 takes no fractions)."""
+        return max(1, round(self.retry_after))
+
 
 class PayloadTooLarge(SpecError):
     status, code = 413, "payload_too_large"

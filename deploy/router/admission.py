@@ -5,6 +5,7 @@ and :meth:`finished` around each verifier call. The rules and why: docs/router.m
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ class AdmissionControl:
     _latencies: list[float] = field(default_factory=list)  # admitted verifies finished in this window (s)
     _recent: deque = field(default_factory=deque)  # the latencies of the last ``horizon`` windows
     _peak: int = 0  # most requests in flight during this window
+    # tenant -> when one of its running sessions' rounds was last shed at the cap
+    _round_shed_at: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         self.limit = max(1, self.limit)
@@ -63,17 +66,23 @@ class AdmissionControl:
 
     def refusal(self, tenant: str, kind: str = "verify", now: float | None = None) -> Overloaded | None:
         """The 429 a ``kind`` request of ``tenant`` gets now (counted as shed), or None (which does not admit it)."""
-        self._roll(clock.monotonic() if now is None else now)
+        now = clock.monotonic() if now is None else now
+        self._roll(now)
         half = max(1, self.limit // 2)
-        if kind == "open" and self.inflight >= half and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant) / 2:
-            return self._refuse(f"the verifier is busy ({self.inflight} requests in flight); running sessions "
-                                "go first", "new_sessions_paused", self.retry_after)
+        if kind == "open":
+            rounds_shed = now - self._round_shed_at.get(tenant, -math.inf) < self.window_s
+            if rounds_shed or (self.inflight >= half and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant) / 2):
+                why = "its running sessions' rounds are being shed" if rounds_shed else \
+                    f"{self.inflight} requests in flight"
+                return self._refuse(f"the verifier is busy ({why}); running sessions go first", "new_sessions_paused",
+                                    self.retry_after)
         if self.inflight >= self.limit and self.by_tenant.get(tenant, 0) >= self.fair_share(tenant):
-            # a running session's round waits the base Retry-After: the cap drains within a few batch
-            # times, and the adaptive one (up to max_retry_after_s) would stall its generation that long
+            retry_after = self.retry_after
+            if kind == "verify":  # a running session's round: its tenant's new sessions wait a window (point 3),
+                # and it the base Retry-After (the cap drains within a few batch times; the adaptive one would stall it)
+                self._round_shed_at[tenant], retry_after = now, self.retry_after_s
             return self._refuse(f"{self.inflight} requests are in flight to the verifier (limit {self.limit}); "
-                                "it is saturated", "queue_full",
-                                self.retry_after_s if kind == "verify" else self.retry_after)
+                                "it is saturated", "queue_full", retry_after)
         return None
 
     def fair_share(self, tenant: str) -> float:

@@ -42,7 +42,7 @@ def error_response(e: Overloaded) -> tuple[int, list[tuple[bytes, bytes]], bytes
     """Status, headers and body of a shed answer, byte for byte what the app's error handler sends."""
     body = json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
     return e.status, [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json"),
-                      (b"retry-after", str(max(1, round(e.retry_after))).encode())], body
+                      (b"retry-after", str(e.retry_after_header).encode())], body
 
 
 class ShedFastPath:

@@ -61,7 +61,7 @@ async def _spec_error(request: Request, e: SpecError):
     router_metrics().on_error(e)
     if e.status == 429 and RECEIVED_AT in request.scope:
         router_metrics().on_shed_answered(clock.perf_counter() - request.scope[RECEIVED_AT])
-    headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if isinstance(e, Overloaded) else None
+    headers = {"Retry-After": str(e.retry_after_header)} if isinstance(e, Overloaded) else None
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 

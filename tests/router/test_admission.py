@@ -211,3 +211,23 @@ def test_a_tenant_under_its_share_still_opens_sessions_while_new_sessions_wait()
     ac.started("gold")
     with pytest.raises(Overloaded):
         ac.check("gold", "open", now=0.0)
+
+
+def test_a_shed_round_pauses_new_sessions_for_a_window_and_then_they_open_again():
+    """Running sessions first (point 3): while a tenant's running sessions' rounds are shed at the cap,
+    a new session of its would only add rounds to shed, so its opens wait a window even with less than
+    half the limit in flight (sessions waiting out a Retry-After hold no request in flight); a window
+    after its last shed round they open again, whatever happened before (nothing to heal from outside)."""
+    ac = AdmissionControl(limit=4, retry_after_s=1.0, window_s=1.0)
+    _fill(ac, "a", 4, now=0.0)
+    with pytest.raises(Overloaded) as e:
+        ac.check("a", now=0.1)
+    assert e.value.reason == "queue_full" and e.value.retry_after == 1.0
+    for _ in range(4):
+        ac.finished("a")
+    assert ac.inflight == 0
+    e = ac.refusal("a", "open", now=0.5)
+    assert e.reason == "new_sessions_paused" and "rounds are being shed" in e.message
+    assert ac.refusal("b", "open", now=0.5) is None  # another tenant's rounds were not shed
+    assert ac.refusal("a", "open", now=1.2) is None  # a window after the shed round
+    assert ac.refusal("a", "open", now=1000.0) is None  # and long after, with no request since
