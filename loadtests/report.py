@@ -282,7 +282,7 @@ def waits(counters: dict, stats_path: Path | None, window: tuple[float, float]) 
             told[why or "unknown"].append(ra)
     waiting: dict[str, float] = defaultdict(float)
     for at, seconds, kind in counters["backoffs"]:
-        waiting[kind] += max(0.0, min(hi, at + seconds) - max(lo, at)) / max(hi - lo, 1e-9)
+        waiting[kind] += seconds_inside(at, seconds, window) / max(hi - lo, 1e-9)
     held = None
     if stats_path is not None and Path(stats_path).exists():
         by_replica: dict[str, list[int]] = defaultdict(list)  # each sample is one replica's (Serve picks it)
@@ -290,9 +290,19 @@ def waits(counters: dict, stats_path: Path | None, window: tuple[float, float]) 
             if lo <= smp["t"] <= hi and "sessions" in smp:
                 by_replica[smp["replica"]].append(smp["sessions"])
         held = sum(sum(v) / len(v) for v in by_replica.values()) if by_replica else None
-    return {"retry_after_s": {r: {"n": len(v), "p50": percentile(v, 50), "mean": sum(v) / len(v), "max": max(v)}
-                              for r, v in sorted(told.items())},
-            "users_waiting_retry_after": dict(sorted(waiting.items())), "sessions_held": held}
+    return {"retry_after_s": retry_after_summary(told), "users_waiting_retry_after": dict(sorted(waiting.items())),
+            "sessions_held": held}
+
+
+def seconds_inside(at: float, seconds: float, window: tuple[float, float]) -> float:
+    """How much of a wait from ``at`` for ``seconds`` falls inside ``window``."""
+    return max(0.0, min(window[1], at + seconds) - max(window[0], at))
+
+
+def retry_after_summary(told: dict[str, list[float]]) -> dict:
+    """The Retry-After of 429s by shed reason: count, p50, mean, max (s)."""
+    return {r: {"n": len(v), "p50": percentile(v, 50), "mean": sum(v) / len(v), "max": max(v)}
+            for r, v in sorted(told.items())}
 
 
 def router_verify(stats_path: Path | None, window: tuple[float, float]) -> dict:

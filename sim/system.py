@@ -34,6 +34,7 @@ from deploy.router.ingress import Router
 from deploy.verifier.server import VerifierServer
 from deploy.verifier.pipeline_stage import ModelShell, target_config
 from deploy.verifier.stats_window import mean_figures, window_figures
+from loadtests.report import retry_after_summary
 from sim.cost_profile import CostProfile, HostCost
 from sim.fairness import TenantShares
 from sim.target import SIM_VOCAB, SimRunner
@@ -374,8 +375,7 @@ def waits(c: Counters, sessions_held: list[int], window_s: float) -> dict:
     """Where the users wait in the window, as ``loadtests.report.waits`` reports a load test: the 429s'
     Retry-After by reason (s), the users waiting one out on average by the request it answered, and
     the sessions the replicas hold on average."""
-    return {"retry_after_s": {r: {"n": len(v), "p50": _pct(sorted(v), 50), "mean": sum(v) / len(v), "max": max(v)}
-                              for r, v in sorted(c.retry_after_s.items())},
+    return {"retry_after_s": retry_after_summary(c.retry_after_s),
             "users_waiting_retry_after": {k: v / window_s for k, v in sorted(c.waiting_s.items())} if window_s else {},
             "sessions_held": sum(sessions_held) / len(sessions_held) if sessions_held else None}
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from edge_agent.config import AgentConfig
 from edge_agent.depth import DepthPolicy, Telemetry
+from loadtests.report import seconds_inside
 from loadtests.synthetic_tree import AcceptanceModel, synthetic_tree
 from sim.target import SIM_VOCAB, continuation
 from specdec import clock
@@ -73,8 +74,7 @@ class Counters:
             self.retry_after_s.setdefault(reason, []).append(retry_after_header(e))
 
     def waited(self, kind: str, start: float, seconds: float, window: tuple[float, float]) -> None:
-        inside = max(0.0, min(window[1], start + seconds) - max(window[0], start))
-        self.waiting_s[kind] = self.waiting_s.get(kind, 0.0) + inside
+        self.waiting_s[kind] = self.waiting_s.get(kind, 0.0) + seconds_inside(start, seconds, window)
 
 
 def retry_after_header(e: SpecError) -> float:
