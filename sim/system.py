@@ -207,6 +207,7 @@ class System:
         self.trace = Trace()
         self.counters = Counters()
         self.replicas_at_window: dict[str, dict] = {}  # tag -> its counters where the window starts
+        self.replicas_at_window_end: dict[str, dict] = {}  # ... where it ends (an open run; else at the summary)
         self.sessions_held: list[int] = []  # the replicas' sessions, sampled over the window
         self.devices = DraftDevices(workload.edge_workers)
         self.rtt_factor = 1.0  # an RTT spike multiplies every user's round trip
@@ -242,7 +243,9 @@ class System:
         self.tasks = [asyncio.ensure_future(u.run(self.workload.duration_s)) for u in self.users]
         faults = asyncio.ensure_future(self._faults())
         window = self.workload.warmup_s if self.workload.generations_per_user is None else 0.0
-        loop.call_later(window, self._snapshot_replicas)
+        loop.call_later(window, self._snapshot_replicas, self.replicas_at_window)
+        if self.workload.generations_per_user is None:  # the window ends before the generations in flight do
+            loop.call_later(self.workload.duration_s, self._snapshot_replicas, self.replicas_at_window_end)
         held = asyncio.ensure_future(self._sample_sessions(window))
         burst = None
         if cores is not None and self.host.burst_cores:  # the first burst at a phase drawn from the seed
@@ -293,9 +296,9 @@ class System:
             self.sessions_held.append(sum(len(core.engine.sessions) for core in self.fleet.replicas.values()))
             await clock.sleep(SESSIONS_EVERY_S)
 
-    def _snapshot_replicas(self) -> None:
-        """Each live replica's counters where the summary's window starts (:func:`window_figures`)."""
-        self.replicas_at_window = {tag: core.counters.to_dict() for tag, core in self.fleet.replicas.items()}
+    def _snapshot_replicas(self, into: dict[str, dict]) -> None:
+        """Each live replica's counters now, where the summary's window starts or ends (:func:`window_figures`)."""
+        into.update((tag, core.counters.to_dict()) for tag, core in self.fleet.replicas.items())
 
     def _router_verify(self, seconds: float) -> None:
         """The router's own time of an admitted verify round's verifier call (deploy/router/probe.py)."""
@@ -323,6 +326,13 @@ class System:
                                  self.router.admission)
 
     # -- figures ------------------------------------------------------------------------
+    def replica_window(self) -> dict | None:
+        """The replicas' own figures over the summary's window (:func:`window_figures`, their mean), from
+        the counters of the replicas live where it starts and where it ends, as the load test samples them."""
+        ends = self.replicas_at_window_end or {tag: core.counters.to_dict() for tag, core in self.fleet.replicas.items()}
+        return mean_figures([window_figures(before, ends[tag]) for tag, before in self.replicas_at_window.items()
+                             if tag in ends])
+
     def summary(self) -> dict:
         c, w = self.counters, self.workload
         closed = w.generations_per_user is not None  # a closed run: its figures are over the whole run
@@ -351,9 +361,7 @@ class System:
                 "errors": c.errors,
                 "diverged_rounds": c.diverged, "reopens": c.reopens, "opens_refused_while_idle": c.open_refused_idle,
                 "replica_busy_fraction": {t: b / max(clock.monotonic(), 1e-9) for t, b in busy.items()},
-                "replica_window": mean_figures([window_figures(before, self.fleet.replicas[tag].counters.to_dict())
-                                                for tag, before in self.replicas_at_window.items()
-                                                if tag in self.fleet.replicas]),
+                "replica_window": self.replica_window(),
                 "forwards": sum(r.forwards for r in self.fleet.runners.values()),
                 "outcomes": dict(sorted(c.outcomes.items())), "max_gap_s": c.max_gap_s,
                 "tenant_shares": self.fleet.shares.ratios(),

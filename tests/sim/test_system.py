@@ -59,6 +59,10 @@ def test_a_simulated_forwards_cpu_is_what_its_worker_spent_and_the_window_counts
     w = out["replica_window"]
     assert w["forward_cpu_ms"] > 0 and w["round_ms_mean"] > 0 and w["sessions_per_forward"] >= 1
     assert w["verify_forwards_per_s"] * (8.0 - 1.0) <= out["forwards"]  # the window's forwards, not all
+    # over the window alone, as the load test samples a replica: not the generations that finish after it
+    for tag, start in s.replicas_at_window.items():
+        assert s.replicas_at_window_end[tag]["uptime_seconds"] - start["uptime_seconds"] == pytest.approx(8.0 - 1.0)
+    assert out["simulated_s"] > 8.0 and s.replicas_at_window_end != {t: c.counters.to_dict() for t, c in s.fleet.replicas.items()}
 
 
 def test_one_seed_gives_one_trace():
