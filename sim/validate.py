@@ -129,9 +129,10 @@ def loadtest_case(run: dict) -> tuple[AppConfig, Workload]:
 
 def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     """The host's CPU per request in a load test's steady window (CPU seconds by process over its
-    requests): the router's over every request (verifies, 429s included, opens and the client's
-    closes), the verifier's outside its forwards' CPU over the requests that reach it (no 429), the
-    load generator's over every request (Locust's own, ``locust_cores_window``; older runs: the rest
+    requests): the router's over every request (verifies, opens and the client's closes, and the
+    429s, each at the share the simulation charges one: its admission's, ``HostCost.router_parts_s``),
+    the verifier's outside its forwards' CPU over the requests that reach it (no 429), the load
+    generator's over every request (Locust's own, ``locust_cores_window``; older runs: the rest
     of the host's cores). ``cores``: the host's busy cores (``host_cores``, /proc/stat; older runs:
     all of them): at saturation the served system leaves the rest idle, its threads waiting on hand-
     offs the simulation does not model, which keeps its cores busy whenever two processes have work.
@@ -149,7 +150,10 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     if client is None:
         client = cores - roles["router"] - roles["verifier"] - background
     forwards = s["server"].get("forward_cpu_cores", s["server"]["busy_fraction"])  # older runs: the forwards' wall
-    return HostCost(router_s=roles["router"] / per_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
+    # a 429 costs the router what the simulation charges it (HostCost.router_parts_s: its admission's share)
+    shed_share = HostCost(router_s=1.0, reply_share=ASSUMED["reply_share"], admit_share=ASSUMED["admit_share"]).router_parts_s[0]
+    router_s = roles["router"] / (admitted_per_s + shed_share * (per_s - admitted_per_s))
+    return HostCost(router_s=router_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
                     client_s=max(0.0, client) / per_s, cores=busy, reply_share=ASSUMED["reply_share"],
                     admit_share=ASSUMED["admit_share"], client_weight=client_weight(s["run"]), source=source,
                     **_background(background, s["server"].get("background_bursts")))
