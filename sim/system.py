@@ -329,7 +329,7 @@ class System:
     def replica_window(self) -> dict | None:
         """The replicas' own figures over the summary's window (:func:`window_figures`, their mean), from
         the counters of the replicas live where it starts and where it ends, as the load test samples them."""
-        ends = self.replicas_at_window_end or {tag: core.counters.to_dict() for tag, core in self.fleet.replicas.items()}
+        ends = self.replicas_at_window_end or {t: core.counters.to_dict() for t, core in self.fleet.replicas.items()}
         return mean_figures([window_figures(before, ends[tag]) for tag, before in self.replicas_at_window.items()
                              if tag in ends])
 

@@ -151,7 +151,8 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
         client = cores - roles["router"] - roles["verifier"] - background
     forwards = s["server"].get("forward_cpu_cores", s["server"]["busy_fraction"])  # older runs: the forwards' wall
     # a 429 costs the router what the simulation charges it (HostCost.router_parts_s: its admission's share)
-    shed_share = HostCost(router_s=1.0, reply_share=ASSUMED["reply_share"], admit_share=ASSUMED["admit_share"]).router_parts_s[0]
+    shed_share = HostCost(router_s=1.0, reply_share=ASSUMED["reply_share"],
+                          admit_share=ASSUMED["admit_share"]).router_parts_s[0]
     router_s = roles["router"] / (admitted_per_s + shed_share * (per_s - admitted_per_s))
     return HostCost(router_s=router_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
                     client_s=max(0.0, client) / per_s, cores=busy, reply_share=ASSUMED["reply_share"],
