@@ -296,9 +296,11 @@ class System:
             self.sessions_held.append(sum(len(core.engine.sessions) for core in self.fleet.replicas.values()))
             await clock.sleep(SESSIONS_EVERY_S)
 
-    def _snapshot_replicas(self, into: dict[str, dict]) -> None:
-        """Each live replica's counters now, where the summary's window starts or ends (:func:`window_figures`)."""
+    def _snapshot_replicas(self, into: dict[str, dict]) -> dict[str, dict]:
+        """Each live replica's counters now, into ``into`` (returned), where the summary's window starts or
+        ends (:func:`window_figures`)."""
         into.update((tag, core.counters.to_dict()) for tag, core in self.fleet.replicas.items())
+        return into
 
     def _router_verify(self, seconds: float) -> None:
         """The router's own time of an admitted verify round's verifier call (deploy/router/probe.py)."""
@@ -329,7 +331,7 @@ class System:
     def replica_window(self) -> dict | None:
         """The replicas' own figures over the summary's window (:func:`window_figures`, their mean), from
         the counters of the replicas live where it starts and where it ends, as the load test samples them."""
-        ends = self.replicas_at_window_end or {t: core.counters.to_dict() for t, core in self.fleet.replicas.items()}
+        ends = self.replicas_at_window_end or self._snapshot_replicas({})
         return mean_figures([window_figures(before, ends[tag]) for tag, before in self.replicas_at_window.items()
                              if tag in ends])
 
