@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--host", default=None, help="the host's CPU per request outside the forward (a JSON: "
                                                     "router_ms_per_request, replica_ms_per_request, optionally "
                                                     "client_ms_per_request, cores, background_cores, reply_share, "
-                                                    "admit_share, burst_cores, burst_s, burst_every_s, client_weight; "
+                                                    "admit_share, burst_cores, burst_s, burst_every_s, client_weight, "
+                                                    "client_reply_share; "
                                                     "e.g. sim/validation/host-loadtest-300.json); none by default")
         p.add_argument("--seed", default="0", help="a seed, or a range (0-19): one summary line each")
         p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a deployment field")

@@ -265,8 +265,8 @@ class HostCost:
     router's process; ``replica_s`` on the verifier replica's event loop, before the request is
     queued (``replica_tree_s`` more for a tree); ``forward_s`` per forward in its forward thread;
     ``client_s`` in the load generator's (a request's send and its reply read, timed by the
-    client). ``reply_share`` of the router's and the client's is spent reading the reply (the
-    router's while the request counts as in flight), the rest before the call: of the router's,
+    client). ``reply_share`` of the router's is spent reading the reply (while the request counts as
+    in flight), ``client_reply_share`` of the client's (None: ``reply_share``), the rest before the call: of the router's,
     ``admit_share`` before its admission (a 429 pays only that), the rest after it, in flight as the
     router's asyncio loop runs a request's admission as soon as it reads it. ``cores``: the CPUs
     these processes and the forwards share, less ``background_cores`` of other processes (Ray's
@@ -290,6 +290,7 @@ class HostCost:
     burst_s: float = 0.0
     burst_every_s: float = 0.0
     client_weight: float = 1.0
+    client_reply_share: float | None = None
     source: str = ""
 
     @property
@@ -297,6 +298,12 @@ class HostCost:
         """The router's CPU per request: before admission, after it before the call, reading the reply."""
         before = self.router_s * (1.0 - self.reply_share)
         return before * self.admit_share, before * (1.0 - self.admit_share), self.router_s * self.reply_share
+
+    @property
+    def client_parts_s(self) -> tuple[float, float]:
+        """The client's CPU per request: sending it, reading its reply."""
+        share = self.reply_share if self.client_reply_share is None else self.client_reply_share
+        return self.client_s * (1.0 - share), self.client_s * share
 
     @property
     def shared_cores(self) -> float:
@@ -315,17 +322,18 @@ class HostCost:
                        float(d.get("client_ms_per_request", 0.0)) / 1e3, float(d.get("cores", 0.0)),
                        float(d.get("background_cores", 0.0)), float(d.get("reply_share", 0.0)),
                        float(d.get("admit_share", 1.0)), float(d.get("burst_cores", 0.0)), float(d.get("burst_s", 0.0)),
-                       float(d.get("burst_every_s", 0.0)), float(d.get("client_weight", 1.0)), str(path))
+                       float(d.get("burst_every_s", 0.0)), float(d.get("client_weight", 1.0)),
+                       None if d.get("client_reply_share") is None else float(d["client_reply_share"]), str(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ProfileError(f"host cost {path}: needs router_ms_per_request and replica_ms_per_request ({e})") \
                 from None
-        shares = (host.reply_share, host.admit_share)
+        shares = (host.reply_share, host.admit_share, host.client_reply_share or 0.0)
         if min(host.router_s, host.replica_s, host.replica_tree_s, host.forward_s, host.client_s, host.cores,
                host.background_cores, host.burst_cores, host.burst_s) < 0 or (
                 host.cores and host.shared_cores <= 0) or not all(0 <= x <= 1 for x in shares) or (
                 host.client_weight <= 0):
             raise ProfileError(f"host cost {path}: every figure must be >= 0, cores above background_cores, "
-                               "reply_share and admit_share within [0, 1], client_weight above 0")
+                               "reply_share, admit_share and client_reply_share within [0, 1], client_weight above 0")
         if host.burst_cores and not 0 < host.burst_s < host.burst_every_s:
             raise ProfileError(f"host cost {path}: burst_s must be above 0 and below burst_every_s")
         return host

@@ -318,8 +318,7 @@ class System:
     async def client_work(self, reply: bool) -> None:
         """The load generator's CPU for a request (``HostCost.client_s``): sending it, or (``reply``)
         reading its reply; after the work queued before it."""
-        share = self.host.reply_share if reply else 1.0 - self.host.reply_share
-        await _spend(self.client_cpu, self.host.client_s * share)
+        await _spend(self.client_cpu, self.host.client_parts_s[reply])
 
     def fast_shed(self, method: str, path: str, tenant):
         """The router's fast path (deploy/router/fast_shed.py) for a request of ``tenant`` (its key

@@ -35,10 +35,9 @@ TARGETS = {"verified_tokens_per_s": 0.10, "verify_rounds_per_s": 0.10, "latency_
 # the sessions the replicas hold (their samples' mean: what the depth hints rest on)
 ROUTER_TARGETS = {"router_ms_p50": 0.10, "router_ms_p99": 0.20, "outside_ms_p50": 0.10, "outside_ms_p99": 0.20,
                   "verifier_ms_mean": 0.10, "sessions_held": 0.10}
-# what the measured runs do not report; reply_share: a request's CPU spent on its reply; admit_share: the router's
-# before admission, of what it spends before the call: 0.3 makes a 429 cost the router the 0.12-0.13 ms a fit of its
-# CPU across loads gave one (2026-11-29's runs; 0.81-0.88 ms a request at 300 users); sim.cost_profile.HostCost
-ASSUMED = {"sibling_alpha": 0.3, "jitter": 0.0, "reply_share": 0.5, "admit_share": 0.3}
+# what the measured runs do not report; client_reply_share: the load generator's CPU a request spent reading its reply
+ASSUMED = {"sibling_alpha": 0.3, "jitter": 0.0, "client_reply_share": 0.5}
+ROUTER_PHASES = HERE / "router-phases.json"  # the router's reply_share and admit_share (benchmarks.router_phases)
 # one benchmarks.run command, three times back to back
 RUNS = ("bench-runs.json", "bench-runs-2.json", "bench-runs-3.json")
 BURST_FIELDS = ("cores", "length_s", "every_s")  # of a run's background_bursts (benchmarks.bursts.BurstProfile)
@@ -151,13 +150,20 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
         client = cores - roles["router"] - roles["verifier"] - background
     forwards = s["server"].get("forward_cpu_cores", s["server"]["busy_fraction"])  # older runs: the forwards' wall
     # a 429 costs the router what the simulation charges it (HostCost.router_parts_s: its admission's share)
-    shed_share = HostCost(router_s=1.0, reply_share=ASSUMED["reply_share"],
-                          admit_share=ASSUMED["admit_share"]).router_parts_s[0]
+    shares = router_shares()
+    shed_share = HostCost(router_s=1.0, **shares).router_parts_s[0]
     router_s = roles["router"] / (admitted_per_s + shed_share * (per_s - admitted_per_s))
     return HostCost(router_s=router_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
-                    client_s=max(0.0, client) / per_s, cores=busy, reply_share=ASSUMED["reply_share"],
-                    admit_share=ASSUMED["admit_share"], client_weight=client_weight(s["run"]), source=source,
+                    client_s=max(0.0, client) / per_s, cores=busy, **shares,
+                    client_reply_share=ASSUMED["client_reply_share"], client_weight=client_weight(s["run"]), source=source,
                     **_background(background, s["server"].get("background_bursts")))
+
+
+def router_shares(path: Path = ROUTER_PHASES) -> dict:
+    """``HostCost.reply_share`` and ``admit_share`` as measured on the served router
+    (``python -m benchmarks.router_phases``)."""
+    d = json.loads(path.read_text())
+    return {"reply_share": float(d["reply_share"]), "admit_share": float(d["admit_share"])}
 
 
 def client_weight(run: dict) -> float:

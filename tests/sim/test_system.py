@@ -163,6 +163,16 @@ def test_the_background_processes_bursts_slow_the_rounds_they_overlap(tmp_path):
     (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, "admit_share": 2}')
     with pytest.raises(ProfileError, match="admit_share"):
         HostCost.load(tmp_path / "h.json")
+    # the client's reply share: the router's unless given, within [0, 1]
+    (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, '
+                                     '"client_ms_per_request": 2, "reply_share": 0.25, "client_reply_share": 0.5}')
+    h = HostCost.load(tmp_path / "h.json")
+    assert h.client_parts_s == pytest.approx((0.001, 0.001)) and h.source == str(tmp_path / "h.json")
+    assert HostCost(client_s=0.002, reply_share=0.25).client_parts_s == pytest.approx((0.0015, 0.0005))
+    (tmp_path / "h.json").write_text('{"router_ms_per_request": 1, "replica_ms_per_request": 1, '
+                                     '"client_reply_share": 1.5}')
+    with pytest.raises(ProfileError, match="client_reply_share"):
+        HostCost.load(tmp_path / "h.json")
 
 
 def test_a_client_given_the_cpu_first_waits_less_for_it(tmp_path):

@@ -108,7 +108,7 @@ def test_the_replicas_cpu_per_request_is_its_cpu_less_its_forwards_cpu_over_the_
     """host_from_loadtest: a 429 never reaches the replica, and a forward's wall (waiting for a core
     included) is not its CPU; a run without the forwards' CPU falls back to their wall, one without
     Locust's own CPU gives the client the rest of the cores."""
-    from sim.validate import host_from_loadtest
+    from sim.validate import ASSUMED, host_from_loadtest, router_shares
 
     summary = {"machine": {"cores": 2}, "verify_per_s_window": 800.0, "rate_429_window": 0.2,
                "sessions": {"opened": 600, "closed_by_server": 200}, "run": {"duration_s": 50.0},
@@ -117,10 +117,16 @@ def test_the_replicas_cpu_per_request_is_its_cpu_less_its_forwards_cpu_over_the_
     h = host_from_loadtest({"summary": summary})
     sessions_per_s = (2 * 600 - 200) / 50.0
     assert h.replica_s == pytest.approx((0.7 - 0.1) / (800.0 + sessions_per_s))
-    # the router answers the 429s too, each at the share of its CPU the simulation charges one (its admission's)
+    # the router answers the 429s too, each at the share of its CPU the simulation charges one (its admission's,
+    # as the served router's profile splits it: sim/validation/router-phases.json)
     shed = 800.0 / 0.8 - 800.0
-    assert h.router_parts_s[0] / h.router_s == pytest.approx(0.5 * 0.3)
-    assert h.router_s * (800.0 + sessions_per_s + 0.15 * shed) == pytest.approx(0.7)
+    shares = router_shares()
+    before = (1 - shares["reply_share"]) * shares["admit_share"]
+    assert (h.reply_share, h.admit_share) == (shares["reply_share"], shares["admit_share"])
+    assert h.router_parts_s[0] / h.router_s == pytest.approx(before)
+    assert h.router_s * (800.0 + sessions_per_s + before * shed) == pytest.approx(0.7)
+    # the client's reply share is its own (assumed), not the router's measured one
+    assert h.client_parts_s[1] == pytest.approx(ASSUMED["client_reply_share"] * h.client_s)
     assert h.client_s == pytest.approx((2.0 - 0.7 - 0.7 - 0.1) / (800.0 / 0.8 + sessions_per_s)) and h.cores == 2.0
     del summary["server"]["forward_cpu_cores"]
     assert host_from_loadtest({"summary": summary}).replica_s == pytest.approx((0.7 - 0.25) / (800.0 + sessions_per_s))
@@ -203,3 +209,17 @@ def test_load_tests_of_one_command_merge_into_their_mean_with_their_spread(tmp_p
     assert s["spread"]["outside_ms_p99"] == pytest.approx(20.0 / 110.0)
     with pytest.raises(ValueError, match="one command"):
         record_loadtest([run("d", 1000.0), run("e", 1000.0, users=1000)], dest)
+
+
+def test_the_routers_shares_are_the_committed_profiles_of_the_served_router():
+    """router_shares: HostCost.reply_share and admit_share are read from the served router's
+    measured profile (benchmarks.router_phases), its counts and its shares agreeing."""
+    from benchmarks.router_phases import RouterPhases
+    from sim.validate import ROUTER_PHASES, router_shares
+
+    d = json.loads(ROUTER_PHASES.read_text())
+    ph = RouterPhases(d["counts"])
+    assert router_shares() == {"reply_share": d["reply_share"], "admit_share": d["admit_share"]}
+    assert (ph.reply_share, ph.admit_share) == (pytest.approx(d["reply_share"], abs=1e-4),
+                                                pytest.approx(d["admit_share"], abs=1e-4))
+    assert 0 < d["reply_share"] < 1 and 0 < d["admit_share"] < 1
