@@ -34,10 +34,26 @@ SEND_FILES = ("ray/serve/_private/router.py", "request_router/", "replica_wrappe
 REPLY_FRAMES = ("RequestResponseCycle.send ", "send_with_request_id", "ServerErrorMiddleware.__call__.<locals>._send",
                 "wrapped_app.<locals>.sender", "send_user_message", "_record_errors_and_metrics", "Logger.",
                 "ray/serve/metrics.py", "replica_result.py")
-AWAIT_FRAMES = ("DeploymentResponse.__await__", "replica_result.py", "within (deploy/router/body.py:18)")
+AWAIT_FRAMES = ("DeploymentResponse.__await__", "replica_result.py")
 REQUEST_FRAMES = ("call_asgi", "run_asgi", "httptools_impl", "fast_shed.py", "Router.verify_http",
                   "_direct_ingress_asgi")
-GRPC_AWAIT_LINE = 595  # grpc/aio/_call.py UnaryUnaryCall._invoke: ``await self._cython_call.unary_unary(...)``
+
+
+def _grpc_await_line() -> int:
+    """The line of ``UnaryUnaryCall._invoke``'s ``await self._cython_call.unary_unary(`` in the installed grpcio
+    (595 in 1.7x)."""
+    try:
+        import inspect
+
+        from grpc.aio import _call
+
+        lines, first = inspect.getsourcelines(_call.UnaryUnaryCall._invoke)
+        return next(first + i for i, text in enumerate(lines) if "self._cython_call.unary_unary(" in text)
+    except (ImportError, OSError, StopIteration, AttributeError):
+        return 595
+
+
+GRPC_AWAIT_LINE = _grpc_await_line()
 
 
 @dataclass(frozen=True)

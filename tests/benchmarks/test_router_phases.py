@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.router_phases import classify, phase
+from benchmarks.router_phases import GRPC_AWAIT_LINE, classify, phase
 
 LOOP = "thread (5979): AsyncIO Thread: default"
 BOOT = [LOOP, "Thread._bootstrap (threading.py:1002)", "Thread._bootstrap_inner (threading.py:1045)",
@@ -27,7 +27,7 @@ SAMPLES = {
     "send": [
         [*ADMITTED, "DeploymentHandle.remote (ray/serve/handle.py:1169)", "Metric._record (ray/util/metrics.py:133)"],
         [LOOP, "RequestRouter._choose_replica_for_request (ray/serve/_private/request_router/request_router.py:1408)"],
-        [*BOOT, "UnaryUnaryCall._invoke (grpc/aio/_call.py:588)", "serialize (grpc/_common.py:80)"],
+        [*BOOT, f"UnaryUnaryCall._invoke (grpc/aio/_call.py:{GRPC_AWAIT_LINE - 7})", "serialize (grpc/_common.py:80)"],
     ],
     "reply": [
         [*ADMITTED, "within (deploy/router/body.py:18)", "DeploymentResponse.__await__ (ray/serve/handle.py:552)"],
@@ -35,9 +35,9 @@ SAMPLES = {
         [*ASGI, "Router._admitted_call (deploy/router/ingress.py:196)", "RouterProbe.verify_answered (deploy/router/probe.py:30)"],
         [LOOP, "RequestIdMiddleware.__call__.<locals>.send_with_request_id (ray/serve/_private/http_util.py:737)",
          "RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:522)"],
-        [*BOOT, "UnaryUnaryCall._invoke (grpc/aio/_call.py:606)", "deserialize (grpc/_common.py:90)"],
+        [*BOOT, f"UnaryUnaryCall._invoke (grpc/aio/_call.py:{GRPC_AWAIT_LINE + 11})", "deserialize (grpc/_common.py:90)"],
     ],
-    "grpc_call": [[*BOOT, "UnaryUnaryCall._invoke (grpc/aio/_call.py:595)"]],
+    "grpc_call": [[*BOOT, f"UnaryUnaryCall._invoke (grpc/aio/_call.py:{GRPC_AWAIT_LINE})"]],
     "loop": [[LOOP], [*BOOT, "BaseEventLoop._run_once (asyncio/base_events.py:1898)"]],
     "other_thread": [["thread (5923): MainThread", "Worker.main_loop (ray/_private/worker.py:1069)"]],
 }
