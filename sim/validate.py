@@ -155,7 +155,8 @@ def host_from_loadtest(run: dict, source: str = "") -> HostCost:
     router_s = roles["router"] / (admitted_per_s + shed_share * (per_s - admitted_per_s))
     return HostCost(router_s=router_s, replica_s=(roles["verifier"] - forwards) / admitted_per_s,
                     client_s=max(0.0, client) / per_s, cores=busy, **shares,
-                    client_reply_share=ASSUMED["client_reply_share"], client_weight=client_weight(s["run"]), source=source,
+                    client_reply_share=ASSUMED["client_reply_share"], client_weight=client_weight(s["run"]),
+                    source=source,
                     **_background(background, s["server"].get("background_bursts")))
 
 

@@ -15,12 +15,14 @@ ASGI = [LOOP, "Replica._direct_ingress_asgi.<locals>.call_asgi (ray/serve/_priva
         "ShedFastPath.__call__ (deploy/router/fast_shed.py:120)",
         "run_endpoint_function (fastapi/routing.py:212)", "Router.verify_http (deploy/router/ingress.py:320)",
         "Router.verify (deploy/router/ingress.py:260)", "Router._verify (deploy/router/ingress.py:271)"]
-ADMITTED = [*ASGI, "Router._admitted_call (deploy/router/ingress.py:193)", "Router._call (deploy/router/ingress.py:179)"]
+ADMITTED = [*ASGI, "Router._admitted_call (deploy/router/ingress.py:193)",
+            "Router._call (deploy/router/ingress.py:179)"]
 
 SAMPLES = {
     "before_admission": [
         [*ASGI[:4], "admission_refusal (deploy/router/fast_shed.py:60)"],
-        [*ASGI, "Router._admitted_call (deploy/router/ingress.py:189)", "AdmissionControl.check (deploy/router/admission.py:70)"],
+        [*ASGI, "Router._admitted_call (deploy/router/ingress.py:189)",
+         "AdmissionControl.check (deploy/router/admission.py:70)"],
         [LOOP, "RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:420)",
          "ProxyHeadersMiddleware.__call__ (uvicorn/middleware/proxy_headers.py:60)"],
     ],
@@ -32,10 +34,12 @@ SAMPLES = {
     "reply": [
         [*ADMITTED, "within (deploy/router/body.py:18)", "DeploymentResponse.__await__ (ray/serve/handle.py:552)"],
         [*ASGI, "never_raises.<locals>.wrapper (deploy/metrics.py:40)"],
-        [*ASGI, "Router._admitted_call (deploy/router/ingress.py:196)", "RouterProbe.verify_answered (deploy/router/probe.py:30)"],
+        [*ASGI, "Router._admitted_call (deploy/router/ingress.py:196)",
+         "RouterProbe.verify_answered (deploy/router/probe.py:30)"],
         [LOOP, "RequestIdMiddleware.__call__.<locals>.send_with_request_id (ray/serve/_private/http_util.py:737)",
          "RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:522)"],
-        [*BOOT, f"UnaryUnaryCall._invoke (grpc/aio/_call.py:{GRPC_AWAIT_LINE + 11})", "deserialize (grpc/_common.py:90)"],
+        [*BOOT, f"UnaryUnaryCall._invoke (grpc/aio/_call.py:{GRPC_AWAIT_LINE + 11})",
+         "deserialize (grpc/_common.py:90)"],
     ],
     "grpc_call": [[*BOOT, f"UnaryUnaryCall._invoke (grpc/aio/_call.py:{GRPC_AWAIT_LINE})"]],
     "loop": [[LOOP], [*BOOT, "BaseEventLoop._run_once (asyncio/base_events.py:1898)"]],
