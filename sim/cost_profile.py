@@ -268,8 +268,8 @@ class HostCost:
     client). ``reply_share`` of the router's is spent reading the reply (while the request counts as
     in flight), ``client_reply_share`` of the client's (None: ``reply_share``), the rest before the
     call: of the router's, ``admit_share`` before its admission (a 429 pays only that), the rest
-    after it, in flight as the router's asyncio loop runs a request's admission as soon as it reads it. ``cores``: the CPUs
-    these processes and the forwards share, less ``background_cores`` of other processes (Ray's
+    after it, in flight as the router's asyncio loop runs a request's admission as soon as it reads
+    it. ``cores``: the CPUs these processes and the forwards share, less ``background_cores`` of other processes (Ray's
     agents, GCS); 0: each process has a core of its own; those take ``burst_cores`` more for
     ``burst_s`` every ``burst_every_s`` (Ray's dashboard agent, every 10 s;
     ``benchmarks/bursts.py``). ``client_weight``: the load generator's claim on the shared cores
