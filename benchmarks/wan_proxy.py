@@ -11,13 +11,10 @@ Loopback only: it listens on 127.0.0.1 and forwards to a 127.0.0.1 port.
 
 Chunks are held back by :class:`Clock`, a thread that wakes the event loop at each chunk's
 time, not by ``asyncio.sleep``: the selector rounds its waits up to whole milliseconds, so
-with ``asyncio.sleep`` every chunk left up to 1 ms late. Measured with an echo server behind
-the proxy (300-byte messages, idle machine): a round trip took 16.86 ms at ``--rtt-ms 15``
-and 0.16 ms at 0, i.e. 1.7 ms more than asked; with the clock 15.5-15.8 ms. Edge-drafted
-decoding pays one round trip per round, a streaming server the RTT once per request, so that
-error fell on one side of the comparison. (A proxy of blocking sockets with a reader and a
-writer thread per direction was as precise, 15.4-15.5 ms, but in two runs it cut `server_ar`
-at 8 sessions to 4.6-4.8 sessions per forward, 119-125 forwards instead of 63; not traced.)
+with ``asyncio.sleep`` every chunk left up to 1 ms late. Edge-drafted decoding pays one round
+trip per round, a streaming server the RTT once per request, so that error falls on one side
+of the comparison. ``python -m benchmarks.wan_precision`` measures both wakers side by side
+(figures in docs/benchmarks.md).
 
 ``python -m benchmarks.wan_proxy --target-port 8123 --rtt-ms 50 [--mbps 10] [--port 0]
 [--stats-file F]`` prints ``LISTENING <port>`` once ready and keeps ``F`` updated with
@@ -38,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Protocol
 
 LOOPBACK = "127.0.0.1"
 
@@ -59,6 +57,14 @@ class Link:
             self.busy_until = start + n / self.rate_bytes_s
             return self.busy_until + self.delay_s
         return now + self.delay_s
+
+
+class Waker(Protocol):
+    """What the proxy holds chunks back with: ``until(due)`` returns at or after ``due``."""
+
+    async def until(self, due: float) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Clock:
@@ -135,6 +141,7 @@ class WanProxy:
     rtt_ms: float = 0.0
     mbps: float = 0.0  # per direction; 0 = unlimited
     port: int = 0
+    clock: Callable[[], Waker] = Clock  # benchmarks.wan_precision compares asyncio.sleep's
     connections: int = 0
     up: Link = field(init=False)
     down: Link = field(init=False)
@@ -145,14 +152,14 @@ class WanProxy:
         self.up = Link(self.rtt_ms / 2e3, rate)
         self.down = Link(self.rtt_ms / 2e3, rate)
         self._server: asyncio.AbstractServer | None = None
-        self._clock: Clock | None = None
+        self._clock: Waker | None = None
 
     def stats(self) -> dict:
         return {"up_bytes": self.up.bytes, "down_bytes": self.down.bytes, "connections": self.connections,
                 "rtt_ms": self.rtt_ms, "mbps": self.mbps}
 
     async def start(self) -> int:
-        self._clock = Clock()
+        self._clock = self.clock()
         self._server = await asyncio.start_server(self._handle, LOOPBACK, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
