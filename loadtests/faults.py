@@ -71,6 +71,7 @@ class Tally:
     requests: list[tuple[float, str]] = field(default_factory=list)  # (epoch s, "ok" | "retried:.." | "error:..")
     tokens: list[tuple[float, int]] = field(default_factory=list)  # (epoch s, tokens verified)
     outputs: dict[int, list[list[int]]] = field(default_factory=dict)  # prompt index -> outputs
+    live: dict[int, tuple[str, int]] = field(default_factory=dict)  # edge -> (its open session, tokens it has)
 
     def request(self, outcome: str) -> None:
         self.requests.append((time.time(), outcome))
@@ -115,7 +116,7 @@ class Edge:
         self.rng = random.Random(seed)
         self.max_tokens, self.rtt_s, self.give_up_s = max_tokens, rtt_s, give_up_s
         self.headers = {"Authorization": f"Bearer {KEY}"}
-        self.next_prompt = seed % len(prompts)
+        self.seed, self.next_prompt = seed, seed % len(prompts)
         self.retry_after = 0.25
 
     async def _send(self, method: str, path: str, **kw) -> tuple[str, object]:
@@ -164,6 +165,7 @@ class Edge:
         if d["first_token"] is not None:
             out.append(d["first_token"])
             self.t.tokens.append((time.time(), 1))
+        self.t.live[self.seed] = (d["session_id"], len(out))
         return d["session_id"], d["prefix_len"], d["finished"]
 
     async def generation(self) -> None:
@@ -192,6 +194,7 @@ class Edge:
                 new = [tokens[j] for j in rep.accepted] + ([rep.bonus] if rep.bonus is not None else [])
                 out.extend(new)
                 self.t.tokens.append((time.time(), len(new)))
+                self.t.live[self.seed] = (sid, len(out))
                 prefix_len, finished = rep.prefix_len, rep.finished
                 continue
             if kind == "error":
@@ -206,6 +209,7 @@ class Edge:
             if d is None:
                 return
             sid, prefix_len, finished = self._opened(d, out)
+        self.t.live.pop(self.seed, None)
         await self._close(sid)
         self.t.finished += 1
         self.t.outputs.setdefault(i, []).append(out)
@@ -226,7 +230,10 @@ class Edge:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await self.generation()
+            try:
+                await self.generation()
+            finally:  # a generation given up leaves no session for the fault to aim at
+                self.t.live.pop(self.seed, None)
 
 
 async def run_edges(url: str, n: int, prompts, truths, vocab: int, tally: Tally, stop: asyncio.Event,
@@ -416,14 +423,15 @@ def node_loss(cluster, url: str, args, prompts, truths, vocab, refs) -> dict:
     try:
         edges.wait_first_generations(args.edges)  # every edge decoded once undisturbed
         time.sleep(args.settle_s)
-        # the moment the victim's replica holds a session mid-generation (so that one must re-open)
-        held: dict[str, int] = {}
+        # the moment an edge's session on the victim's replica has at least half its generation to go (so
+        # that edge must re-open: a session the replica holds may be in its last round, or closing)
+        def mid_generation() -> list[str]:
+            return [sid for sid, n in list(edges.tally.live.values())
+                    if sid.partition(".")[0] == victim_tag and n <= args.max_tokens // 2]
 
-        def victim_busy() -> bool:
-            held.update(sessions_held(url, [victim_tag]))
-            return held[victim_tag] > 0
-
-        wait_for(victim_busy, 30, "sessions on the victim", 0.05)
+        held = sessions_held(url, [victim_tag])
+        wait_for(lambda: bool(mid_generation()), 30, "an edge mid-generation on the victim", 0.01)
+        hit = mid_generation()
         t_kill = time.time()
         killed = cluster.kill_node(workers[victim])
         wait_for(lambda: victim not in alive_nodes(), 60, "the node declared dead", 0.2)
@@ -445,7 +453,8 @@ def node_loss(cluster, url: str, args, prompts, truths, vocab, refs) -> dict:
             "replicas_on_distinct_nodes": len(set(after.values())) == len(after) == args.verifiers,
             "victim_replica_gone": victim_tag not in after, "added_node": node.node_id,
             "added_node_holds_a_replica": node.node_id in after.values(),
-            "sessions_on_victim_at_kill": held.get(victim_tag, 0), "killed": killed,
+            "sessions_on_victim_before_kill": held.get(victim_tag, 0), "edges_mid_generation_on_victim": len(hit),
+            "killed": killed,
             "declared_dead_after_s": round(t_dead, 2), "replica_count_restored_after_s": round(restored, 2),
             **orphans(url, after), "requests_before": window_counts(tally.requests, 0, t_kill),
             "requests_after_kill": window_counts(tally.requests, t_kill, t_add),
