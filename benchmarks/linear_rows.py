@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
-    from benchmarks.verify_step import cpu_name
+    from benchmarks.proc_stats import cpu_name
     from specdec.model.decoder import DecoderModel
     from specdec.model.loading import load_model
 

@@ -16,8 +16,10 @@ helper process that ends during the window is not lost.
 from __future__ import annotations
 
 import os
+import platform
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -253,3 +255,14 @@ class CpuSnapshot:
             by_role["exited"] = rest
         return {"cpu_s": total, "by_role": dict(sorted(by_role.items())), "processes": len(self.ticks),
                 "cores": sorted({c for cs in self.cores.values() for c in cs})}
+
+
+def cpu_name() -> str:
+    """The host CPU's model name (/proc/cpuinfo), for a benchmark's conditions."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

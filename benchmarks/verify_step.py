@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.model_shapes import SHAPES, random_model
+from benchmarks.proc_stats import cpu_name
 from deploy import gc_policy
 from deploy.config import AppConfig
 from specdec.engine import OpenRequest, VerifierEngine, VerifyRequest
@@ -164,16 +164,6 @@ def ratios(rows: list[dict], vllm: dict | None, prefix: int) -> dict:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def markdown(result: dict) -> str:

@@ -19,11 +19,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from benchmarks.proc_stats import cpu_name
 from benchmarks.wan_proxy import LOOPBACK, Clock, WanProxy
 
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     rows = [measure(rtt, args.trips, waker) for rtt in args.rtt_ms for waker in WAKERS]
     out = {"conditions": {"payload_bytes": 300, "trips": args.trips, "cpus": os.cpu_count(),
-                          "cpu": platform.processor() or platform.machine(), "loopback": True},
+                          "cpu": cpu_name(), "loopback": True},
            "rows": [asdict(r) for r in rows]}
     print(f"{'waker':<14} {'RTT ms':>7} {'path p50':>9} {'p50':>8} {'min':>8} {'excess p50':>11} {'excess max':>11}")
     for r in rows:
