@@ -425,13 +425,15 @@ def node_loss(cluster, url: str, args, prompts, truths, vocab, refs) -> dict:
         time.sleep(args.settle_s)
         # the moment an edge's session on the victim's replica has at least half its generation to go (so
         # that edge must re-open: a session the replica holds may be in its last round, or closing)
-        def mid_generation() -> list[str]:
-            return [sid for sid, n in list(edges.tally.live.values())
-                    if sid.partition(".")[0] == victim_tag and n <= args.max_tokens // 2]
+        hit: list[str] = []
+
+        def mid_generation() -> bool:
+            hit[:] = [sid for sid, n in list(edges.tally.live.values())
+                      if sid.partition(".")[0] == victim_tag and n <= args.max_tokens // 2]
+            return bool(hit)
 
         held = sessions_held(url, [victim_tag])
-        wait_for(lambda: bool(mid_generation()), 30, "an edge mid-generation on the victim", 0.01)
-        hit = mid_generation()
+        wait_for(mid_generation, 30, "an edge mid-generation on the victim", 0.01)
         t_kill = time.time()
         killed = cluster.kill_node(workers[victim])
         wait_for(lambda: victim not in alive_nodes(), 60, "the node declared dead", 0.2)
